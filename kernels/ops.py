@@ -1,0 +1,53 @@
+"""Dispatch of the local-matmul primitives: Triton on CUDA (or under TRITON_INTERPRET=1), torch otherwise.
+
+The tensor-parallel layers call only these four functions, so a backend can be swapped without touching them.
+`use_backend("torch" | "triton" | "auto")` overrides the choice (also via the env var TP_KERNELS_BACKEND).
+"""
+import contextlib
+import os
+
+from . import torch_ops
+from .torch_ops import ACTIVATIONS, check_activation  # noqa: F401
+
+_BACKENDS = ("auto", "torch", "triton")
+_backend = os.environ.get("TP_KERNELS_BACKEND", "auto")
+
+
+def _interpreting():
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def get_backend():
+    return _backend
+
+
+@contextlib.contextmanager
+def use_backend(name):
+    """Temporarily force the backend ("auto", "torch" or "triton")."""
+    global _backend
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown kernels backend {name!r}; expected one of {_BACKENDS}")
+    previous, _backend = _backend, name
+    try:
+        yield
+    finally:
+        _backend = previous
+
+
+def _impl(x):
+    """The module implementing the primitives for tensor x."""
+    if _backend == "torch" or (_backend == "auto" and not (x.is_cuda or _interpreting())):
+        return torch_ops
+    return torch_ops  # TODO(kernels issue): Triton implementation
+
+
+def linear_forward(x, weight, bias=None, activation=None):
+    return _impl(x).linear_forward(x, weight, bias, activation)
+
+
+def linear_dgrad(grad_out, weight, preact=None, activation=None, *, need_input_grad=True):
+    return _impl(grad_out).linear_dgrad(grad_out, weight, preact, activation, need_input_grad=need_input_grad)
+
+
+def linear_wgrad(dz, x, *, main_grad=None):
+    return _impl(dz).linear_wgrad(dz, x, main_grad=main_grad)
