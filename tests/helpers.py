@@ -1,0 +1,39 @@
+"""Shared test helpers: deterministic per-rank data, collective counting, dense comparisons."""
+import torch
+from torch.distributed.tensor.debug import CommDebugMode
+
+C10D = torch.ops.c10d
+ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER = C10D.allreduce_, C10D._allgather_base_, C10D._reduce_scatter_base_
+
+
+def randn(*shape, seed, dtype=torch.float64, requires_grad=False):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g, dtype=dtype).requires_grad_(requires_grad)
+
+
+def noncontiguous(x):
+    """The same values as x in a non-contiguous layout (a transposed copy, transposed back)."""
+    y = x.detach().transpose(0, -1).contiguous().transpose(0, -1)
+    assert not y.is_contiguous() or x.dim() < 2 or x.shape[0] == 1 or x.shape[-1] == 1
+    return y.requires_grad_(x.requires_grad)
+
+
+def counts(mode):
+    """{all_reduce, all_gather, reduce_scatter} counts recorded by a CommDebugMode."""
+    c = mode.get_comm_counts()
+    return {"all_reduce": c[ALL_REDUCE], "all_gather": c[ALL_GATHER], "reduce_scatter": c[REDUCE_SCATTER],
+            "total": mode.get_total_counts()}
+
+
+def comm_counts(fn):
+    """Run fn() under CommDebugMode and return (fn's result, counts)."""
+    with CommDebugMode() as mode:
+        out = fn()
+    return out, counts(mode)
+
+
+def assert_close(actual, expected, atol=1e-5, what=""):
+    assert actual is not None, f"{what}: missing"
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    err = (actual.double() - expected.double()).abs().max().item() if actual.numel() else 0.0
+    assert err <= atol, f"{what}: max abs err {err:.3g} > {atol}"

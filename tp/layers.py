@@ -1,0 +1,253 @@
+"""Column- and row-parallel linear layers (Megatron's), drop-in for nn.Linear.
+
+Shapes use Megatron's [s, b, h] activations; any [..., h] works without sequence parallelism.
+"""
+import math
+
+import torch
+import torch.distributed as dist
+from einops import rearrange
+from torch import nn
+
+import kernels
+
+from .mappings import (
+    _ReduceFromTPInPlace,
+    gather_first,
+    gather_from_tp_region,
+    reduce_scatter_first,
+    reduce_scatter_to_sp_region,
+    scatter_to_tp_region,
+)
+from .mesh import resolve_group
+
+
+class _ParallelLinearFn(torch.autograd.Function):
+    """act(x Wᵀ + b) on the local shard, with the column layer's input collectives fused in for overlap.
+
+    input_comm = None: no communication (row-parallel use).
+    input_comm = "all-reduce": forward identity · backward all-reduce(dx), overlapped with the wgrad matmul.
+    input_comm = "sequence": forward all-gather(x, dim 0) · backward reduce-scatter(dx, dim 0), overlapped with
+    wgrad; the full input is re-gathered in backward rather than saved (Megatron's memory trade).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, activation, group, input_comm):
+        comm = input_comm if dist.get_world_size(group) > 1 else None
+        x_total = gather_first(x, group) if comm == "sequence" else x  # [s, b, in]
+        y, preact = kernels.linear_forward(x_total.reshape(-1, x.shape[-1]), weight, bias, activation)
+        ctx.save_for_backward(x, weight, preact)
+        ctx.activation, ctx.group, ctx.comm, ctx.has_bias = activation, group, comm, bias is not None
+        return y.view(*x_total.shape[:-1], y.shape[-1])  # [s, b, out/tp]
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight, preact = ctx.saved_tensors
+        group, comm = ctx.group, ctx.comm
+        if comm == "sequence":  # re-gather the input while dgrad runs
+            x_total, gather = gather_first(x, group, async_op=True)
+        else:
+            x_total, gather = x, None
+        dy = grad_out.reshape(-1, grad_out.shape[-1])  # [s*b, out/tp]
+        need_dx = ctx.needs_input_grad[0]
+        dx, dz = kernels.linear_dgrad(dy, weight, preact, ctx.activation, need_input_grad=need_dx)
+        if gather is not None:
+            gather.wait()
+        pending = None
+        if need_dx:
+            dx = dx.view(*x_total.shape)  # [s, b, in]
+            if comm == "all-reduce":
+                pending = dist.all_reduce(dx, group=group, async_op=True)
+            elif comm == "sequence":
+                dx, pending = reduce_scatter_first(dx, group, async_op=True)  # [s/tp, b, in]
+        dw = None
+        if ctx.needs_input_grad[1]:
+            main_grad = getattr(weight, "main_grad", None)
+            dw = kernels.linear_wgrad(dz, x_total.reshape(-1, x_total.shape[-1]), main_grad=main_grad)
+        db = dz.sum(0, dtype=torch.float32).to(dz.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        if pending is not None:
+            pending.wait()
+        return dx, dw, db, None, None, None
+
+
+def _default_weight_init(weight):
+    nn.init.kaiming_uniform_(weight, a=math.sqrt(5))  # nn.Linear's
+
+
+def _shard(master, dim, rank, size, stride):
+    """This rank's slice along `dim`; with stride s, the dim holds s fused parts and the rank gets a slice of each."""
+    _check_divisible(master.shape[dim], size * stride, f"dim {dim}", stride)
+    master = master.movedim(dim, 0)
+    shard = rearrange(master, "(s p n) ... -> p (s n) ...", s=stride, p=size)[rank]
+    return shard.movedim(0, dim).contiguous()
+
+
+def _check_divisible(n, size, what, stride=1):
+    if n % (size * stride):
+        parts = f"{size} ranks" + (f" x stride {stride}" if stride > 1 else "")
+        raise ValueError(f"{what} = {n} is not divisible across {parts}")
+
+
+class _ParallelLinear(nn.Module):
+    """Shared construction: master-weight init (TP-invariant), sharding and repr."""
+
+    shard_dim = None  # 0: rows of the dense weight (column-parallel), 1: columns (row-parallel)
+
+    def __init__(self, in_features, out_features, bias, *, group, init_method, dtype, device, stride):
+        super().__init__()
+        self.group = resolve_group(group)
+        self.tp_size, self.tp_rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        self.in_features, self.out_features, self.stride = in_features, out_features, stride
+        sharded = (out_features, in_features)[self.shard_dim]
+        _check_divisible(sharded, self.tp_size, ("out_features", "in_features")[self.shard_dim], stride)
+        self.init_method = init_method
+        factory = {"dtype": dtype, "device": device}
+        local = [out_features, in_features]
+        local[self.shard_dim] //= self.tp_size
+        self.weight = nn.Parameter(torch.empty(local, **factory))
+        bias_size = out_features // self.tp_size if self.shard_dim == 0 else out_features
+        self.bias = nn.Parameter(torch.empty(bias_size, **factory)) if bias else None
+        if self.weight.device.type != "meta":
+            self.reset_parameters()
+
+    def reset_parameters(self):
+        """Draw the full master weight (and bias) with the serial init on CPU, then keep this rank's slice.
+
+        With the same seed on every rank the shards at TP=N are exact slices of the TP=1 weight; with the default
+        init that is also `nn.Linear(in, out)`'s weight and bias.
+        """
+        master = torch.empty(self.out_features, self.in_features)
+        (self.init_method or _default_weight_init)(master)
+        master_bias = None
+        if self.bias is not None:
+            master_bias = torch.zeros(self.out_features)
+            if self.init_method is None:
+                bound = 1 / math.sqrt(self.in_features)
+                nn.init.uniform_(master_bias, -bound, bound)
+        self.load_master(master, master_bias)
+
+    @torch.no_grad()
+    def load_master(self, weight, bias=None):
+        """Copy this rank's slice of the dense [out, in] weight (and bias) into the local parameters."""
+        if tuple(weight.shape) != (self.out_features, self.in_features):
+            raise ValueError(f"master weight shape {tuple(weight.shape)} != {(self.out_features, self.in_features)}")
+        self.weight.copy_(_shard(weight, self.shard_dim, self.tp_rank, self.tp_size, self.stride))
+        if self.bias is not None and bias is not None:
+            if self.shard_dim == 0:
+                bias = _shard(bias, 0, self.tp_rank, self.tp_size, self.stride)
+            self.bias.copy_(bias)
+
+    @classmethod
+    def from_linear(cls, linear, **options):
+        """Shard a dense nn.Linear onto this rank (weights, bias, dtype and device follow the linear)."""
+        weight = linear.weight
+        layer = cls(
+            linear.in_features, linear.out_features, linear.bias is not None,
+            dtype=weight.dtype, device="meta", **options,
+        )
+        layer.to_empty(device=weight.device)
+        layer.load_master(weight.detach(), None if linear.bias is None else linear.bias.detach())
+        return layer
+
+    def extra_repr(self):
+        local = "x".join(map(str, self.weight.shape))
+        stride = f", stride={self.stride}" if self.stride > 1 else ""
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"tp={self.tp_size}, shard=dim{self.shard_dim}{stride} (local weight {local})"
+        )
+
+
+class ColumnParallelLinear(_ParallelLinear):
+    """Y = act(X Aᵀ + b) with A split by rows (output features): weight [out/tp, in], bias [out/tp].
+
+    forward: identity (SP: all-gather the sequence) · backward: all-reduce (SP: reduce-scatter) of the input grad.
+    `gather_output` all-gathers Y's last dim; otherwise Y stays [.., out/tp] for a following RowParallelLinear.
+    `activation` fuses bias + activation into the matmul epilogue; "swiglu" reads a fused [gate; up] weight
+    (stride 2) and returns out_features/2 columns.
+    """
+
+    shard_dim = 0
+
+    def __init__(
+        self, in_features, out_features, bias=True, *, gather_output=False, sequence_parallel=False, group=None,
+        init_method=None, dtype=None, device=None, stride=None, activation=None,
+    ):
+        kernels.ops.check_activation(activation)
+        stride = stride or (2 if activation == "swiglu" else 1)
+        if activation == "swiglu" and stride != 2:
+            raise ValueError(f"activation='swiglu' needs stride=2 (fused gate and up), got stride={stride}")
+        self.gather_output, self.sequence_parallel, self.activation = gather_output, sequence_parallel, activation
+        super().__init__(
+            in_features, out_features, bias, group=group, init_method=init_method, dtype=dtype, device=device,
+            stride=stride,
+        )
+
+    def forward(self, x):  # [s(/tp), b, in]
+        comm = "sequence" if self.sequence_parallel else "all-reduce"
+        y = _ParallelLinearFn.apply(x, self.weight, self.bias, self.activation, self.group, comm)  # [s, b, out/tp]
+        return gather_from_tp_region(y, self.group) if self.gather_output else y
+
+    def extra_repr(self):
+        act = f", activation={self.activation}" if self.activation else ""
+        return f"{super().extra_repr()}, gather_output={self.gather_output}, " \
+               f"sequence_parallel={self.sequence_parallel}{act}"
+
+
+class RowParallelLinear(_ParallelLinear):
+    """Y = X Aᵀ + b with A split by columns (input features): weight [out, in/tp], bias [out] added once.
+
+    forward: all-reduce (SP: reduce-scatter along the sequence) · backward: identity (SP: all-gather).
+    With sequence parallelism the bias gradient differs per rank: it is tagged `sequence_parallel = True` and
+    `tp.allreduce_sequence_parallel_grads` sums it over the group before the optimizer step.
+    """
+
+    shard_dim = 1
+
+    def __init__(
+        self, in_features, out_features, bias=True, *, input_is_parallel=True, sequence_parallel=False, group=None,
+        init_method=None, dtype=None, device=None, stride=1,
+    ):
+        self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
+        super().__init__(
+            in_features, out_features, bias, group=group, init_method=init_method, dtype=dtype, device=device,
+            stride=stride,
+        )
+        if self.bias is not None:
+            self.bias.sequence_parallel = sequence_parallel
+
+    def forward(self, x):  # [s, b, in/tp] (or [s, b, in] when not input_is_parallel)
+        if not self.input_is_parallel:
+            x = scatter_to_tp_region(x, self.group)
+        y = _ParallelLinearFn.apply(x, self.weight, None, None, self.group, None)  # [s, b, out] partial sums
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sp_region(y, self.group)  # [s/tp, b, out]
+        else:
+            y = _ReduceFromTPInPlace.apply(y, self.group)
+        return y + self.bias if self.bias is not None else y
+
+    def extra_repr(self):
+        return f"{super().extra_repr()}, input_is_parallel={self.input_is_parallel}, " \
+               f"sequence_parallel={self.sequence_parallel}"
+
+
+@torch.no_grad()
+def allreduce_sequence_parallel_grads(module, group=None):
+    """Sum, over the tp group, the grads of parameters tagged `sequence_parallel` (norms, row biases under SP).
+
+    One coalesced all-reduce; call after backward and before the optimizer step. Uses `main_grad` when present.
+    """
+    group = resolve_group(group)
+    grads = []
+    for p in module.parameters():
+        if getattr(p, "sequence_parallel", False):
+            g = getattr(p, "main_grad", None)
+            g = p.grad if g is None else g
+            if g is not None:
+                grads.append(g)
+    if not grads or dist.get_world_size(group) == 1:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    for g, reduced in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(reduced.view_as(g))

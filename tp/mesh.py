@@ -1,0 +1,222 @@
+"""The hybrid mesh: ranks grouped into tensor (tp), data (dp) and pipeline (pp) groups in Megatron's rank order.
+
+`order` lists the axes fastest-varying first ("tp-dp-pp" is Megatron's default): with strides the prefix products
+of the sizes in that order, rank = Σ coord[axis]·stride[axis]. Tensor-parallel groups are thus adjacent ranks
+(one node's NVLink domain) under the default order.
+"""
+import datetime
+import itertools
+import os
+
+import torch
+import torch.distributed as dist
+
+AXES = ("tp", "dp", "pp")
+COMPOSITES = ("tp-pp", "tp-dp")
+
+_current = None
+
+
+def _parse_order(order):
+    axes = order.split("-") if isinstance(order, str) else []
+    unknown = [a for a in axes if a not in AXES]
+    if unknown or sorted(axes) != sorted(AXES):
+        missing = [a for a in AXES if a not in axes]
+        repeated = sorted({a for a in axes if axes.count(a) > 1})
+        raise ValueError(
+            f"order={order!r} must list each of {'/'.join(AXES)} exactly once "
+            f"(unknown: {unknown}, missing: {missing}, repeated: {repeated})"
+        )
+    return axes
+
+
+def _sizes(world_size, tp, pp, dp):
+    for name, value in (("world_size", world_size), ("tp", tp), ("pp", pp)) + ((("dp", dp),) if dp is not None else ()):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be an integer >= 1")
+    if world_size % (tp * pp):
+        raise ValueError(f"world_size={world_size} is not divisible by tp*pp={tp}*{pp}={tp * pp}")
+    if dp is None:
+        dp = world_size // (tp * pp)
+    if tp * dp * pp != world_size:
+        raise ValueError(f"tp*dp*pp={tp}*{dp}*{pp}={tp * dp * pp} does not equal world_size={world_size}")
+    return {"tp": tp, "dp": dp, "pp": pp}
+
+
+def _groups(sizes, order, axes):
+    """Rank groups varying `axes` (others fixed), members listed with the axes in order-string order."""
+    axes = [a for a in order if a in axes]
+    strides = dict(zip(order, itertools.accumulate([1] + [sizes[a] for a in order[:-1]], lambda s, n: s * n)))
+    others = [a for a in order if a not in axes]
+    groups = []
+    for fixed in itertools.product(*(range(sizes[a]) for a in others)):
+        base = sum(c * strides[a] for a, c in zip(others, fixed))
+        # itertools.product varies its last argument fastest, so feed the axes slowest first.
+        members = [
+            base + sum(c * strides[a] for a, c in zip(reversed(axes), coords))
+            for coords in itertools.product(*(range(sizes[a]) for a in reversed(axes)))
+        ]
+        groups.append(members)
+    return sorted(groups)
+
+
+def layout(world_size, *, tp=1, pp=1, dp=None, order="tp-dp-pp"):
+    """Rank groups per axis ("tp", "dp", "pp") and composite ("tp-pp" model-parallel, "tp-dp"); no process group needed."""
+    sizes = _sizes(world_size, tp, pp, dp)
+    axes = _parse_order(order)
+    return {name: _groups(sizes, axes, name.split("-")) for name in AXES + COMPOSITES}
+
+
+def _embedding_ranks(pp_ranks):
+    return sorted({pp_ranks[0], pp_ranks[-1]})
+
+
+class Mesh:
+    """Process groups of one hybrid layout, seen from this rank. Build with `tp.init_mesh`."""
+
+    def __init__(self, *, tp, pp, dp, order, owns_default_group):
+        self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
+        self.sizes = _sizes(self.world_size, tp, pp, dp)
+        self.order = _parse_order(order)
+        self._owns_default_group = owns_default_group
+        table = layout(self.world_size, tp=tp, pp=pp, dp=self.sizes["dp"], order=order)
+        table["embedding"] = [_embedding_ranks(g) for g in table["pp"]]
+        self._ranks, self._groups, created = {}, {}, {}
+        # new_group is collective over the world: every rank creates every group, in the same order.
+        for name, groups in table.items():
+            for ranks in groups:
+                key = tuple(ranks)
+                if key not in created:
+                    created[key] = dist.group.WORLD if len(ranks) == self.world_size else dist.new_group(list(ranks))
+                if self.rank in ranks:
+                    self._ranks[name], self._groups[name] = list(ranks), created[key]
+        self._created = [g for g in created.values() if g is not dist.group.WORLD]
+        self._device_mesh = None
+
+    def _check(self, axis):
+        if axis not in self._ranks:
+            raise ValueError(f"unknown axis {axis!r}; expected one of {sorted(self._ranks)}")
+        return axis
+
+    def group(self, axis):
+        """The process group of this rank along `axis` ("tp", "dp", "pp", "tp-pp", "tp-dp", "embedding")."""
+        return self._groups[self._check(axis)]
+
+    def ranks(self, axis):
+        """Global ranks of this rank's group along `axis`."""
+        return list(self._ranks[self._check(axis)])
+
+    def size(self, axis):
+        return len(self._ranks[self._check(axis)])
+
+    def local_rank(self, axis):
+        """This rank's index within its group along `axis`."""
+        return self._ranks[self._check(axis)].index(self.rank)
+
+    # The axes users touch most often.
+    tp_group = property(lambda self: self.group("tp"))
+    dp_group = property(lambda self: self.group("dp"))
+    pp_group = property(lambda self: self.group("pp"))
+    tp_size = property(lambda self: self.sizes["tp"])
+    dp_size = property(lambda self: self.sizes["dp"])
+    pp_size = property(lambda self: self.sizes["pp"])
+    tp_rank = property(lambda self: self.local_rank("tp"))
+    dp_rank = property(lambda self: self.local_rank("dp"))
+    pp_rank = property(lambda self: self.local_rank("pp"))
+
+    # Pipeline helpers: neighbours wrap around modulo the pipeline size.
+    is_first_stage = property(lambda self: self.pp_rank == 0)
+    is_last_stage = property(lambda self: self.pp_rank == self.pp_size - 1)
+    next_stage_rank = property(lambda self: self._ranks["pp"][(self.pp_rank + 1) % self.pp_size])
+    prev_stage_rank = property(lambda self: self._ranks["pp"][(self.pp_rank - 1) % self.pp_size])
+    embedding_group = property(lambda self: self.group("embedding"))
+    embedding_ranks = property(lambda self: self.ranks("embedding"))
+    in_embedding_group = property(lambda self: self.is_first_stage or self.is_last_stage)
+
+    @property
+    def device_mesh(self):
+        """A torch DeviceMesh with dims ("pp", "dp", "tp") reordered slowest first, built on this mesh's groups."""
+        if self._device_mesh is None:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            names = tuple(reversed(self.order))  # DeviceMesh is row-major: last dim fastest
+            mesh = torch.arange(self.world_size).reshape([self.sizes[a] for a in names])
+            device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+            self._device_mesh = DeviceMesh.from_group(
+                [self.group(a) for a in names], device_type, mesh=mesh, mesh_dim_names=names
+            )
+        return self._device_mesh
+
+    def __repr__(self):
+        coords = ", ".join(f"{a}={self.local_rank(a)}/{self.sizes[a]}" for a in self.order)
+        return f"Mesh(rank={self.rank}/{self.world_size}, order={'-'.join(self.order)!r}, {coords})"
+
+    def destroy(self):
+        for group in self._created:
+            dist.destroy_process_group(group)
+        self._created, self._groups = [], {}
+        if self._owns_default_group:
+            dist.destroy_process_group()
+
+
+def _init_default_group(backend, timeout):
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun's environment
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend, timeout=timeout)
+    else:  # a single process outside any launcher
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+
+
+def init_mesh(*, tp=1, pp=1, dp=None, order="tp-dp-pp", backend=None, timeout=datetime.timedelta(minutes=10)):
+    """Create every group of the layout once and make the mesh current (used by layers when no group is passed).
+
+    Uses the default process group if one exists, else initialises it from torchrun's environment
+    (gloo on CPU, NCCL on GPU unless `backend` says otherwise); a lone process gets a one-rank group.
+    """
+    global _current
+    if _current is not None:
+        raise RuntimeError(f"a mesh is already initialised ({_current!r}); call tp.destroy_mesh() first")
+    _parse_order(order)
+    owns = not dist.is_initialized()
+    if not owns:  # validate before any collective so that every rank raises the same error
+        _sizes(dist.get_world_size(), tp, pp, dp)
+    else:
+        _init_default_group(backend, timeout)
+    try:
+        _current = Mesh(tp=tp, pp=pp, dp=dp, order=order, owns_default_group=owns)
+    except Exception:
+        if owns:
+            dist.destroy_process_group()
+        raise
+    return _current
+
+
+def get_mesh():
+    """The current mesh; raises if `tp.init_mesh` has not been called."""
+    if _current is None:
+        raise RuntimeError("no tensor-parallel mesh: call tp.init_mesh(...) first, or pass group= explicitly")
+    return _current
+
+
+def destroy_mesh():
+    """Destroy the current mesh's groups (and the default group if init_mesh created it)."""
+    global _current
+    if _current is not None:
+        _current.destroy()
+        _current = None
+
+
+def resolve_group(group):
+    """`group` itself, or the current mesh's tensor-parallel group when None."""
+    return get_mesh().tp_group if group is None else group
+
+
+def group_size(group):
+    return dist.get_world_size(group)
+
+
+def group_rank(group):
+    return dist.get_rank(group)
+
