@@ -34,11 +34,38 @@ def use_backend(name):
         _backend = previous
 
 
+_triton_ops = None
+_triton_import_error = None
+_TRITON_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+def _load_triton_ops():
+    """kernels.triton_ops, imported on first use (so `import kernels` stays cheap and triton optional), or None."""
+    global _triton_ops, _triton_import_error
+    if _triton_ops is None and _triton_import_error is None:
+        try:
+            from . import triton_ops
+        except ImportError as e:  # triton missing or broken: auto falls back, forced "triton" reports this
+            _triton_import_error = e
+        else:
+            _triton_ops = triton_ops
+    return _triton_ops
+
+
 def _impl(x):
     """The module implementing the primitives for tensor x."""
     if _backend == "torch" or (_backend == "auto" and not (x.is_cuda or _interpreting())):
         return torch_ops
-    return torch_ops  # TODO(kernels issue): Triton implementation
+    module = _load_triton_ops()
+    if _backend == "auto":
+        # Dtypes the kernels do not cover, and CPU tensors when TRITON_INTERPRET was set only after
+        # kernels.triton_ops had been imported (its kernels were then built for a GPU), stay on torch.
+        usable = module is not None and str(x.dtype).removeprefix("torch.") in _TRITON_DTYPES
+        return module if usable and (x.is_cuda or module.INTERPRET) else torch_ops
+    if module is None:
+        raise RuntimeError(f"kernels backend 'triton' was forced but triton cannot be imported: "
+                           f"{_triton_import_error!r}")
+    return module
 
 
 def linear_forward(x, weight, bias=None, activation=None):

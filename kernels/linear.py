@@ -1,0 +1,63 @@
+"""kernels.linear: a differentiable y = act(x @ weight.T + bias) built only on the dispatched primitives of ops.py,
+so the same code runs the fused Triton kernels on GPU (or under TRITON_INTERPRET=1) and eager torch elsewhere.
+
+What the backward keeps from the forward: x (flattened to 2-D), the weight and, when there is an activation, the
+pre-activation z = x·Wᵀ + b. Recomputing z in the backward would cost a full extra GEMM per layer; storing it costs one
+[tokens, N] activation (the same size as the output), which is the trade Megatron and Liger make too.
+"""
+import torch
+
+from . import ops
+
+
+def linear(x, weight, bias=None, *, activation=None):
+    """act(x @ weight.T + bias) for x [..., K], weight [N, K] (any strides), bias [N] or None.
+
+    activation: None, "gelu" (erf), "gelu_tanh", "silu", "relu" or "swiglu" (fused weight [2F, K], gate rows first,
+    output silu(x·Wgᵀ + bg) ⊙ (x·Wuᵀ + bu) of width F). The output has x's dtype. If `weight.main_grad` exists
+    (an fp32 [N, K] buffer) the weight gradient is accumulated into it in place and weight.grad is left untouched.
+    """
+    ops.check_activation(activation)
+    if x.shape[-1] != weight.shape[-1]:
+        raise ValueError(f"x has {x.shape[-1]} features but weight is {tuple(weight.shape)}")
+    return _LinearFunction.apply(x, weight, bias, activation)
+
+
+def swiglu_linear(x, weight, bias=None):
+    """linear(x, weight, bias, activation="swiglu"): weight is the fused [2F, K] gate/up matrix."""
+    return linear(x, weight, bias, activation="swiglu")
+
+
+def _bias_grad(dz, dtype):
+    # A column sum of dz, kept out of the kernels: it is memory-bound, and a fused version would need atomics
+    # (non-deterministic, and bf16 atomics raise under the interpreter). fp32 accumulation whatever dz's dtype.
+    acc_dtype = torch.float64 if dz.dtype == torch.float64 else torch.float32
+    return dz.sum(0, dtype=acc_dtype).to(dtype)
+
+
+class _LinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, activation):
+        x2d = x.reshape(-1, x.shape[-1])
+        y, preact = ops.linear_forward(x2d, weight, bias, activation)
+        ctx.save_for_backward(x2d, weight, preact)
+        ctx.activation = activation
+        ctx.x_shape = x.shape
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_y):
+        x2d, weight, preact = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_2d = grad_y.reshape(-1, grad_y.shape[-1])
+        # dz (= grad through the activation) comes back even without dx: wgrad and dbias reuse it.
+        grad_x, dz = ops.linear_dgrad(grad_2d, weight, preact, ctx.activation, need_input_grad=need_x)
+        grad_w = None
+        if need_w:
+            main_grad = getattr(weight, "main_grad", None)
+            # With main_grad: accumulated in place (α = β = 1), no low-precision dW, weight.grad stays None.
+            grad_w = ops.linear_wgrad(dz, x2d, main_grad=main_grad)
+        grad_b = _bias_grad(dz, ctx.bias_dtype) if need_b else None
+        return (None if grad_x is None else grad_x.view(ctx.x_shape)), grad_w, grad_b, None
