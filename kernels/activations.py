@@ -1,7 +1,8 @@
 """Triton jit helpers for the activations fused into the matmul kernels.
 
-All helpers take and return fp32 blocks: the kernels upcast before calling them (bf16 elementwise math gives NaN
-under the interpreter, and fp32 is what the GPU epilogue uses anyway). Only tl.exp / tl.erf are used:
+All helpers take and return blocks in the accumulator precision (fp32; fp64 for fp64 inputs): the kernels upcast
+before calling them (bf16 elementwise math gives NaN under the interpreter, and fp32 is what the GPU epilogue uses
+anyway). Only tl.exp / tl.erf are used:
 libdevice (tanh, ...) raises under the interpreter, and the same formulas compile on Triton 3.6 and 3.9.
 The activation is a constexpr string ("none", "gelu", "gelu_tanh", "silu", "relu"), so each kernel
 specialisation contains only its own branch.

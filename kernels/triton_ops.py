@@ -152,7 +152,7 @@ def _linear_dgrad_kernel(g_ptr, z_ptr, w_ptr, dx_ptr, dz_ptr, M, N, K, F,
     dz_ptrs = dz_ptr + offs_m.to(tl.int64)[:, None] * stride_dzm + offs_k[None, :] * stride_dzk
     # Only the first column tile writes dz: every (row tile, k) pair is then written exactly once.
     # (pid_n broadcast to a block: the interpreter rejects a mask built from a block & a scalar bool.)
-    dz_rows_ok = (offs_m[:, None] < M) & (tl.full((BLOCK_M, 1), pid_n, tl.int32) == 0)
+    dz_rows_ok = (offs_m[:, None] < M) & ((tl.zeros((BLOCK_M, 1), dtype=tl.int32) + pid_n) == 0)
     op_dtype = g_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC_DTYPE)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
@@ -163,9 +163,9 @@ def _linear_dgrad_kernel(g_ptr, z_ptr, w_ptr, dx_ptr, dz_ptr, M, N, K, F,
         if ACTIVATION == "none":
             acc = _dot(g, tl.load(w_ptrs, mask=w_mask, other=0.0), acc, UPCAST, DOT_PRECISION)
         elif ACTIVATION == "swiglu":
-            gate = tl.load(z_ptrs, mask=k_mask, other=0.0).to(tl.float32)
-            up = tl.load(z_ptrs + F * stride_zk, mask=k_mask, other=0.0).to(tl.float32)
-            d_gate, d_up = swiglu_bwd(g.to(tl.float32), gate, up)
+            gate = tl.load(z_ptrs, mask=k_mask, other=0.0).to(ACC_DTYPE)
+            up = tl.load(z_ptrs + F * stride_zk, mask=k_mask, other=0.0).to(ACC_DTYPE)
+            d_gate, d_up = swiglu_bwd(g.to(ACC_DTYPE), gate, up)
             d_gate = d_gate.to(op_dtype)
             d_up = d_up.to(op_dtype)
             if WRITE_DZ:
@@ -174,8 +174,8 @@ def _linear_dgrad_kernel(g_ptr, z_ptr, w_ptr, dx_ptr, dz_ptr, M, N, K, F,
             acc = _dot(d_gate, tl.load(w_ptrs, mask=w_mask, other=0.0), acc, UPCAST, DOT_PRECISION)
             acc = _dot(d_up, tl.load(w_ptrs + F * stride_wk, mask=w_mask, other=0.0), acc, UPCAST, DOT_PRECISION)
         else:
-            z = tl.load(z_ptrs, mask=k_mask, other=0.0).to(tl.float32)
-            dz = act_bwd(g.to(tl.float32), z, ACTIVATION).to(op_dtype)
+            z = tl.load(z_ptrs, mask=k_mask, other=0.0).to(ACC_DTYPE)
+            dz = act_bwd(g.to(ACC_DTYPE), z, ACTIVATION).to(op_dtype)
             if WRITE_DZ:
                 tl.store(dz_ptrs, dz, mask=dz_rows_ok & k_mask)
             acc = _dot(dz, tl.load(w_ptrs, mask=w_mask, other=0.0), acc, UPCAST, DOT_PRECISION)
@@ -230,7 +230,8 @@ def _linear_wgrad_kernel(dz_ptr, x_ptr, c_ptr, M, N, K,
 @triton.jit
 def _act_bwd_kernel(g_ptr, z_ptr, dz_ptr, M, N, F,
                     stride_gm, stride_gn, stride_zm, stride_zn, stride_dzm, stride_dzn,
-                    ACTIVATION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                    ACTIVATION: tl.constexpr, ACC_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
     # dz = g · act'(z) alone; N = grad_out columns (F for swiglu, whose dz has 2F columns).
     offs_m = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -240,14 +241,14 @@ def _act_bwd_kernel(g_ptr, z_ptr, dz_ptr, M, N, F,
     dz_ptrs = dz_ptr + offs_m[:, None] * stride_dzm + offs_n[None, :] * stride_dzn
     out_dtype = dz_ptr.dtype.element_ty
     if ACTIVATION == "swiglu":
-        gate = tl.load(z_ptrs, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(z_ptrs + F * stride_zn, mask=mask, other=0.0).to(tl.float32)
-        d_gate, d_up = swiglu_bwd(g.to(tl.float32), gate, up)
+        gate = tl.load(z_ptrs, mask=mask, other=0.0).to(ACC_DTYPE)
+        up = tl.load(z_ptrs + F * stride_zn, mask=mask, other=0.0).to(ACC_DTYPE)
+        d_gate, d_up = swiglu_bwd(g.to(ACC_DTYPE), gate, up)
         tl.store(dz_ptrs, d_gate.to(out_dtype), mask=mask)
         tl.store(dz_ptrs + F * stride_dzn, d_up.to(out_dtype), mask=mask)
     else:
-        z = tl.load(z_ptrs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(dz_ptrs, act_bwd(g.to(tl.float32), z, ACTIVATION).to(out_dtype), mask=mask)
+        z = tl.load(z_ptrs, mask=mask, other=0.0).to(ACC_DTYPE)
+        tl.store(dz_ptrs, act_bwd(g.to(ACC_DTYPE), z, ACTIVATION).to(out_dtype), mask=mask)
 
 
 def _flags(dtype):
@@ -324,7 +325,7 @@ def _act_bwd(grad_out, preact, activation, dz, F):
     grid = (triton.cdiv(M, block), triton.cdiv(N, block))
     _act_bwd_kernel[grid](grad_out, preact, dz, M, N, F, grad_out.stride(0), grad_out.stride(1),
                           preact.stride(0), preact.stride(1), dz.stride(0), dz.stride(1),
-                          ACTIVATION=activation, BLOCK_M=block, BLOCK_N=block)
+                          ACTIVATION=activation, ACC_DTYPE=_flags(grad_out.dtype)[0], BLOCK_M=block, BLOCK_N=block)
 
 
 def linear_dgrad(grad_out, weight, preact=None, activation=None, *, need_input_grad=True):
