@@ -2,8 +2,9 @@
 import torch
 from torch.distributed.tensor.debug import CommDebugMode
 
-C10D = torch.ops.c10d
-ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER = C10D.allreduce_, C10D._allgather_base_, C10D._reduce_scatter_base_
+ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER = "all_reduce", "all_gather", "reduce_scatter"
+_C10D_OPS = {ALL_REDUCE: torch.ops.c10d.allreduce_, ALL_GATHER: torch.ops.c10d._allgather_base_,
+             REDUCE_SCATTER: torch.ops.c10d._reduce_scatter_base_}
 
 
 def randn(*shape, seed, dtype=torch.float64, requires_grad=False):
@@ -21,8 +22,7 @@ def noncontiguous(x):
 def counts(mode):
     """{all_reduce, all_gather, reduce_scatter} counts recorded by a CommDebugMode."""
     c = mode.get_comm_counts()
-    return {"all_reduce": c[ALL_REDUCE], "all_gather": c[ALL_GATHER], "reduce_scatter": c[REDUCE_SCATTER],
-            "total": mode.get_total_counts()}
+    return {name: c[op] for name, op in _C10D_OPS.items()} | {"total": mode.get_total_counts()}
 
 
 def comm_counts(fn):

@@ -76,7 +76,7 @@ def _default_weight_init(weight):
 
 def _shard(master, dim, rank, size, stride):
     """This rank's slice along `dim`; with stride s, the dim holds s fused parts and the rank gets a slice of each."""
-    _check_divisible(master.shape[dim], size * stride, f"dim {dim}", stride)
+    _check_divisible(master.shape[dim], size, f"dim {dim}", stride)
     master = master.movedim(dim, 0)
     shard = rearrange(master, "(s p n) ... -> p (s n) ...", s=stride, p=size)[rank]
     return shard.movedim(0, dim).contiguous()
@@ -93,7 +93,7 @@ class _ParallelLinear(nn.Module):
 
     shard_dim = None  # 0: rows of the dense weight (column-parallel), 1: columns (row-parallel)
 
-    def __init__(self, in_features, out_features, bias, *, group, init_method, dtype, device, stride):
+    def __init__(self, in_features, out_features, bias, *, group, init_method, dtype, device, stride, _init=True):
         super().__init__()
         self.group = resolve_group(group)
         self.tp_size, self.tp_rank = dist.get_world_size(self.group), dist.get_rank(self.group)
@@ -107,7 +107,7 @@ class _ParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(local, **factory))
         bias_size = out_features // self.tp_size if self.shard_dim == 0 else out_features
         self.bias = nn.Parameter(torch.empty(bias_size, **factory)) if bias else None
-        if self.weight.device.type != "meta":
+        if _init and self.weight.device.type != "meta":
             self.reset_parameters()
 
     def reset_parameters(self):
@@ -143,11 +143,16 @@ class _ParallelLinear(nn.Module):
         weight = linear.weight
         layer = cls(
             linear.in_features, linear.out_features, linear.bias is not None,
-            dtype=weight.dtype, device="meta", **options,
+            dtype=weight.dtype, device=weight.device, _init=False, **options,
         )
-        layer.to_empty(device=weight.device)
         layer.load_master(weight.detach(), None if linear.bias is None else linear.bias.detach())
         return layer
+
+    def _check_input(self, x, features, what):
+        if x.shape[-1] != features:
+            raise ValueError(f"input's last dim is {x.shape[-1]}; {type(self).__name__} expects {features} ({what})")
+        if x.dtype != self.weight.dtype:
+            raise ValueError(f"input dtype {x.dtype} != weight dtype {self.weight.dtype}")
 
     def extra_repr(self):
         local = "x".join(map(str, self.weight.shape))
@@ -171,7 +176,7 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def __init__(
         self, in_features, out_features, bias=True, *, gather_output=False, sequence_parallel=False, group=None,
-        init_method=None, dtype=None, device=None, stride=None, activation=None,
+        init_method=None, dtype=None, device=None, stride=None, activation=None, _init=True,
     ):
         kernels.ops.check_activation(activation)
         stride = stride or (2 if activation == "swiglu" else 1)
@@ -180,10 +185,11 @@ class ColumnParallelLinear(_ParallelLinear):
         self.gather_output, self.sequence_parallel, self.activation = gather_output, sequence_parallel, activation
         super().__init__(
             in_features, out_features, bias, group=group, init_method=init_method, dtype=dtype, device=device,
-            stride=stride,
+            stride=stride, _init=_init,
         )
 
     def forward(self, x):  # [s(/tp), b, in]
+        self._check_input(x, self.in_features, "in_features")
         comm = "sequence" if self.sequence_parallel else "all-reduce"
         y = _ParallelLinearFn.apply(x, self.weight, self.bias, self.activation, self.group, comm)  # [s, b, out/tp]
         return gather_from_tp_region(y, self.group) if self.gather_output else y
@@ -206,19 +212,21 @@ class RowParallelLinear(_ParallelLinear):
 
     def __init__(
         self, in_features, out_features, bias=True, *, input_is_parallel=True, sequence_parallel=False, group=None,
-        init_method=None, dtype=None, device=None, stride=1,
+        init_method=None, dtype=None, device=None, stride=1, _init=True,
     ):
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
         super().__init__(
             in_features, out_features, bias, group=group, init_method=init_method, dtype=dtype, device=device,
-            stride=stride,
+            stride=stride, _init=_init,
         )
         if self.bias is not None:
             self.bias.sequence_parallel = sequence_parallel
 
     def forward(self, x):  # [s, b, in/tp] (or [s, b, in] when not input_is_parallel)
         if not self.input_is_parallel:
+            self._check_input(x, self.in_features, "in_features")
             x = scatter_to_tp_region(x, self.group)
+        self._check_input(x, self.weight.shape[1], "in_features/tp")
         y = _ParallelLinearFn.apply(x, self.weight, None, None, self.group, None)  # [s, b, out] partial sums
         if self.sequence_parallel:
             y = reduce_scatter_to_sp_region(y, self.group)  # [s/tp, b, out]

@@ -1,0 +1,260 @@
+"""Column/Row parallel linear layers and their compositions against the dense nn.Linear model, at TP = 1, 2, 4 (8).
+
+Every rank builds the dense model from one seed, shards it with `from_linear`, and compares output, input gradient
+and every weight/bias gradient with the dense run (fp32, max abs err <= 1e-5), plus the exact collective counts.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kernels
+import tp
+from tp.testing import distributed
+
+from .helpers import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, assert_close, comm_counts, randn
+
+S, B = 3, 3  # per-rank sequence chunk (SP) / batch: odd
+HIDDEN, FFN = 12, 20  # at tp=4: 3 and 5 per rank
+ATOL = 1e-5
+
+
+def slice_of(t, dim, rank, parts, stride=1):
+    """This rank's slice of a dense tensor, stride parts sharded separately (independent of the layers' code)."""
+    return torch.cat([part.chunk(parts, dim)[rank] for part in t.chunk(stride, dim)], dim)
+
+
+def dense_linear(in_f, out_f, bias, seed):
+    torch.manual_seed(seed)
+    return nn.Linear(in_f, out_f, bias=bias)
+
+
+def expected_grads(layer, dense, rank, parts):
+    """Pairs (local grad, expected slice of the dense grad) for a parallel layer."""
+    dim, stride = layer.shard_dim, layer.stride
+    pairs = [(layer.weight.grad, slice_of(dense.weight.grad, dim, rank, parts, stride), "weight grad")]
+    if layer.bias is not None:
+        db = dense.bias.grad if dim == 1 else slice_of(dense.bias.grad, 0, rank, parts, stride)
+        pairs.append((layer.bias.grad, db, "bias grad"))
+    return pairs
+
+
+def run_both(mesh, parallel, dense, x_full, in_shard, out_shard, *, seq_len):
+    """Forward+backward both models; check output and input grad; return the collective counts (fwd, bwd)."""
+    p, r = mesh.tp_size, mesh.tp_rank
+    x_full = x_full.requires_grad_()
+    y_full = dense(x_full)
+    g_full = randn(*y_full.shape, seed=11 + mesh.dp_rank, dtype=torch.float32)
+    y_full.backward(g_full)
+    x = in_shard(x_full.detach(), r, p).clone().requires_grad_()
+    y, fwd = comm_counts(lambda: parallel(x))
+    assert_close(y, out_shard(y_full.detach(), r, p), ATOL, "output")
+    _, bwd = comm_counts(lambda: y.backward(out_shard(g_full, r, p)))
+    assert_close(x.grad, in_shard(x_full.grad, r, p), ATOL, "input grad")
+    assert seq_len == x_full.shape[0]
+    return fwd, bwd
+
+
+full = lambda t, r, p: t  # noqa: E731
+last = lambda t, r, p: t.chunk(p, -1)[r]  # noqa: E731
+seq = lambda t, r, p: t.chunk(p, 0)[r]  # noqa: E731
+
+
+def _x(mesh, in_f):
+    return randn(S * mesh.tp_size, B, in_f, seed=5 + mesh.dp_rank, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("gather_output,sequence_parallel", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("tp_size", [1, 2, 4])
+@distributed(world_size=4)
+def test_column_parallel_linear(tp_size, gather_output, sequence_parallel, bias):
+    mesh = tp.init_mesh(tp=tp_size)
+    dense = dense_linear(7, FFN, bias, seed=1)
+    layer = tp.ColumnParallelLinear.from_linear(dense, gather_output=gather_output, sequence_parallel=sequence_parallel)
+    x = _x(mesh, 7)
+    fwd, bwd = run_both(mesh, layer, dense, x, seq if sequence_parallel else full, full if gather_output else last,
+                        seq_len=x.shape[0])
+    for local, expected, what in expected_grads(layer, dense, mesh.tp_rank, tp_size):
+        assert_close(local, expected, ATOL, what)
+    if tp_size > 1:
+        expect_fwd = {ALL_GATHER: int(sequence_parallel) + int(gather_output)}
+        expect_bwd = {REDUCE_SCATTER: 1, ALL_GATHER: 1} if sequence_parallel else {ALL_REDUCE: 1}
+        assert fwd["total"] == sum(expect_fwd.values()) and bwd["total"] == sum(expect_bwd.values()), (fwd, bwd)
+    else:
+        assert fwd["total"] == bwd["total"] == 0
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("input_is_parallel,sequence_parallel", [(True, False), (False, False), (True, True)])
+@pytest.mark.parametrize("tp_size", [1, 2, 4])
+@distributed(world_size=4)
+def test_row_parallel_linear(tp_size, input_is_parallel, sequence_parallel, bias):
+    mesh = tp.init_mesh(tp=tp_size)
+    dense = dense_linear(FFN, 7, bias, seed=2)
+    layer = tp.RowParallelLinear.from_linear(dense, input_is_parallel=input_is_parallel,
+                                             sequence_parallel=sequence_parallel)
+    x = _x(mesh, FFN)
+    fwd, bwd = run_both(mesh, layer, dense, x, last if input_is_parallel else full, seq if sequence_parallel else full,
+                        seq_len=x.shape[0])
+    tp.allreduce_sequence_parallel_grads(layer)  # SP: bias grads are partial per rank until summed
+    for local, expected, what in expected_grads(layer, dense, mesh.tp_rank, tp_size):
+        assert_close(local, expected, ATOL, what)
+    if tp_size > 1:
+        assert fwd["total"] == 1 and fwd[REDUCE_SCATTER if sequence_parallel else ALL_REDUCE] == 1, fwd
+        assert bwd["total"] == int(sequence_parallel) + int(not input_is_parallel), bwd
+
+
+class DenseMLP(nn.Module):
+    def __init__(self, activation, seed, ffn=FFN):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.activation = activation
+        self.fc1 = nn.Linear(HIDDEN, 2 * ffn if activation == "swiglu" else ffn)
+        self.fc2 = nn.Linear(ffn, HIDDEN)
+
+    def forward(self, x):
+        h = self.fc1(x)
+        if self.activation == "swiglu":
+            gate, up = h.chunk(2, -1)
+            return self.fc2(F.silu(gate) * up)
+        return self.fc2(F.gelu(h))
+
+
+class ParallelMLP(nn.Module):
+    """Column -> activation -> Row; the activation fused into the column layer when `fused`."""
+
+    def __init__(self, dense, *, sequence_parallel, fused):
+        super().__init__()
+        act = dense.activation if fused or dense.activation == "swiglu" else None
+        self.unfused_gelu = act is None
+        self.fc1 = tp.ColumnParallelLinear.from_linear(dense.fc1, sequence_parallel=sequence_parallel, activation=act)
+        self.fc2 = tp.RowParallelLinear.from_linear(dense.fc2, sequence_parallel=sequence_parallel)
+
+    def forward(self, x):  # [s(/tp), b, h]
+        h = self.fc1(x)  # [s, b, ffn/tp]
+        return self.fc2(F.gelu(h) if self.unfused_gelu else h)  # [s(/tp), b, h]
+
+
+def check_mlp(mesh, *, sequence_parallel, activation="gelu", fused=False, ffn=FFN):
+    p, r = mesh.tp_size, mesh.tp_rank
+    dense = DenseMLP(activation, seed=3, ffn=ffn)
+    model = ParallelMLP(dense, sequence_parallel=sequence_parallel, fused=fused)
+    x = _x(mesh, HIDDEN)
+    shard = seq if sequence_parallel else full
+    fwd, bwd = run_both(mesh, model, dense, x, shard, shard, seq_len=x.shape[0])
+    tp.allreduce_sequence_parallel_grads(model)
+    for layer, dense_layer in ((model.fc1, dense.fc1), (model.fc2, dense.fc2)):
+        for local, expected, what in expected_grads(layer, dense_layer, r, p):
+            assert_close(local, expected, ATOL, what)
+    if p == 1:
+        assert fwd["total"] == bwd["total"] == 0
+    elif sequence_parallel:  # Megatron: 1 all-gather + 1 reduce-scatter each way, plus the input re-gather
+        assert (fwd[ALL_GATHER], fwd[REDUCE_SCATTER], fwd["total"]) == (1, 1, 2), fwd
+        assert (bwd[ALL_GATHER], bwd[REDUCE_SCATTER], bwd["total"]) == (2, 1, 3), bwd
+    else:  # one all-reduce forward, one backward
+        assert (fwd[ALL_REDUCE], fwd["total"], bwd[ALL_REDUCE], bwd["total"]) == (1, 1, 1, 1), (fwd, bwd)
+
+
+@pytest.mark.parametrize("activation,fused", [("gelu", False), ("gelu", True), ("swiglu", True)])
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+@pytest.mark.parametrize("tp_size", [1, 2, 4])
+@distributed(world_size=4)
+def test_mlp_matches_dense(tp_size, sequence_parallel, activation, fused):
+    check_mlp(tp.init_mesh(tp=tp_size), sequence_parallel=sequence_parallel, activation=activation, fused=fused)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+@distributed(world_size=8)
+def test_mlp_matches_dense_tp8(sequence_parallel):
+    check_mlp(tp.init_mesh(tp=8, dp=1), sequence_parallel=sequence_parallel, ffn=24)  # 3 per rank
+
+
+@pytest.mark.parametrize("tp_size", [1, 2, 4])
+@distributed(world_size=4)
+def test_init_is_tp_invariant(tp_size):
+    mesh = tp.init_mesh(tp=tp_size)
+    r = mesh.tp_rank
+    for cls, dim, stride in ((tp.ColumnParallelLinear, 0, 1), (tp.ColumnParallelLinear, 0, 2),
+                             (tp.RowParallelLinear, 1, 1)):
+        torch.manual_seed(42)
+        layer = cls(HIDDEN, 2 * FFN, stride=stride)
+        torch.manual_seed(42)
+        dense = nn.Linear(HIDDEN, 2 * FFN)  # the serial init the TP=1 layer gets
+        assert torch.equal(layer.weight, slice_of(dense.weight, dim, r, tp_size, stride))
+        expected_bias = slice_of(dense.bias, 0, r, tp_size, stride) if dim == 0 else dense.bias
+        assert torch.equal(layer.bias, expected_bias)
+    torch.manual_seed(0)
+    custom = tp.ColumnParallelLinear(HIDDEN, FFN, init_method=lambda w: nn.init.normal_(w, std=0.02))
+    torch.manual_seed(0)
+    assert torch.equal(custom.weight, nn.init.normal_(torch.empty(FFN, HIDDEN), std=0.02).chunk(tp_size, 0)[r])
+    assert torch.count_nonzero(custom.bias) == 0  # Megatron zeroes biases under a custom init
+
+
+@pytest.mark.parametrize("tp_size", [1, 2])
+@distributed(world_size=2)
+def test_main_grad_accumulates_in_fp32(tp_size):
+    mesh = tp.init_mesh(tp=tp_size)
+    dense = DenseMLP("gelu", seed=4)
+    model = ParallelMLP(dense, sequence_parallel=False, fused=True)
+    for layer in (model.fc1, model.fc2):
+        layer.weight.main_grad = torch.zeros_like(layer.weight, dtype=torch.float32)
+    expected = {}
+    for step in range(2):  # two micro-batches accumulate
+        x = randn(S, B, HIDDEN, seed=20 + step, dtype=torch.float32)
+        model(x).square().sum().backward()
+        dense(x).square().sum().backward()
+    for layer, dense_layer in ((model.fc1, dense.fc1), (model.fc2, dense.fc2)):
+        assert layer.weight.grad is None  # no low-precision weight grad next to main_grad
+        expected = slice_of(dense_layer.weight.grad, layer.shard_dim, mesh.tp_rank, tp_size)
+        assert_close(layer.weight.main_grad, expected, 1e-4, "main_grad")
+
+
+@distributed(world_size=2)
+def test_from_linear_keeps_dtype_and_repr_shows_sharding():
+    tp.init_mesh(tp=2)
+    dense = nn.Linear(6, 10, dtype=torch.float64)
+    col = tp.ColumnParallelLinear.from_linear(dense, gather_output=True)
+    row = tp.RowParallelLinear.from_linear(dense)
+    assert col.weight.dtype == torch.float64 and col.weight.shape == (5, 6) and col.bias.shape == (5,)
+    assert row.weight.shape == (10, 3) and row.bias.shape == (10,)
+    assert "tp=2, shard=dim0 (local weight 5x6)" in repr(col) and "gather_output=True" in repr(col)
+    assert "shard=dim1 (local weight 10x3)" in repr(row) and "input_is_parallel=True" in repr(row)
+    x = torch.randn(3, 6, dtype=torch.float64)
+    assert_close(col(x), dense(x), 1e-12, "float64 column output")  # drops into nn.Linear code: [..., h] works
+
+
+@distributed(world_size=2)
+def test_bad_layer_arguments_raise_on_every_rank():
+    tp.init_mesh(tp=2)
+    with pytest.raises(ValueError, match="out_features = 7 is not divisible across 2 ranks"):
+        tp.ColumnParallelLinear(4, 7)
+    with pytest.raises(ValueError, match="in_features = 5 is not divisible across 2 ranks"):
+        tp.RowParallelLinear(5, 4)
+    with pytest.raises(ValueError, match="out_features = 6 is not divisible across 2 ranks x stride 2"):
+        tp.ColumnParallelLinear(4, 6, stride=2)
+    with pytest.raises(ValueError, match="unknown activation 'tanh'"):
+        tp.ColumnParallelLinear(4, 8, activation="tanh")
+    with pytest.raises(ValueError, match="needs stride=2"):
+        tp.ColumnParallelLinear(4, 8, activation="swiglu", stride=1)
+    with pytest.raises(ValueError, match=r"master weight shape \(3, 4\)"):
+        tp.ColumnParallelLinear(4, 8).load_master(torch.zeros(3, 4))
+    with pytest.raises(ValueError, match=r"input's last dim is 5; ColumnParallelLinear expects 4"):
+        tp.ColumnParallelLinear(4, 8)(torch.zeros(3, 5))
+    with pytest.raises(ValueError, match=r"input's last dim is 4; RowParallelLinear expects 2 \(in_features/tp\)"):
+        tp.RowParallelLinear(4, 8)(torch.zeros(3, 4))
+    with pytest.raises(ValueError, match="input dtype torch.float64 != weight dtype torch.float32"):
+        tp.ColumnParallelLinear(4, 8)(torch.zeros(3, 4, dtype=torch.float64))
+
+
+def test_layers_without_mesh_or_group_raise():
+    with pytest.raises(RuntimeError, match="no tensor-parallel mesh"):
+        tp.ColumnParallelLinear(4, 8)
+
+
+@pytest.mark.parametrize("tp_size", [2])
+@distributed(world_size=2)
+def test_mlp_on_triton_kernels(tp_size):
+    """The layers' local matmuls through the Triton kernels (interpreted on CPU), fused GELU epilogue."""
+    with kernels.use_backend("triton"):
+        check_mlp(tp.init_mesh(tp=tp_size), sequence_parallel=True, fused=True)
