@@ -1,0 +1,137 @@
+"""tp.layout (pure) and tp.init_mesh (real process groups): hand-checked examples, invariants, errors."""
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tp
+from tp.testing import distributed
+
+ORDERS = ["-".join(p) for p in itertools.permutations(("tp", "dp", "pp"))]
+
+
+def test_layout_reference_example():
+    """REFERENCE.md: 16 ranks, TP=2, PP=4 (DP=2), Megatron's default order."""
+    groups = tp.layout(16, tp=2, pp=4)
+    assert groups["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13], [14, 15]]
+    assert groups["dp"] == [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]]
+    assert groups["pp"] == [[0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14], [3, 7, 11, 15]]
+    assert groups["tp-pp"] == [[0, 1, 4, 5, 8, 9, 12, 13], [2, 3, 6, 7, 10, 11, 14, 15]]
+    assert groups["tp-dp"] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+
+
+def test_layout_other_orders_by_hand():
+    # dp fastest: data-parallel replicas are adjacent, tp groups strided by DP.
+    groups = tp.layout(8, tp=2, pp=2, order="dp-tp-pp")
+    assert groups["dp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert groups["tp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert groups["pp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    # pp fastest, then tp: rank = pp + 2*(tp + 2*dp)
+    groups = tp.layout(8, tp=2, pp=2, order="pp-tp-dp")
+    assert groups["pp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert groups["tp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert groups["dp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert groups["tp-pp"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+def _coords(rank, sizes, order):
+    coords = {}
+    for axis in order.split("-"):
+        rank, coords[axis] = divmod(rank, sizes[axis])
+    return coords
+
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("world_size", [1, 2, 4, 6, 8, 12, 16, 24])
+def test_layout_invariants(world_size, order):
+    for tp_size, pp_size in itertools.product(range(1, world_size + 1), repeat=2):
+        if world_size % (tp_size * pp_size):
+            continue
+        sizes = {"tp": tp_size, "pp": pp_size, "dp": world_size // (tp_size * pp_size)}
+        groups = tp.layout(world_size, tp=tp_size, pp=pp_size, order=order)
+        assert groups == tp.layout(world_size, tp=tp_size, pp=pp_size, dp=sizes["dp"], order=order)
+        for name, gs in groups.items():
+            axes = name.split("-")
+            size = 1
+            for a in axes:
+                size *= sizes[a]
+            assert all(len(g) == size for g in gs), name  # right sizes
+            assert sorted(r for g in gs for r in g) == list(range(world_size)), name  # a partition of the world
+            for g in gs:  # members agree on every other axis and differ on the named ones
+                cs = [_coords(r, sizes, order) for r in g]
+                assert all(c[a] == cs[0][a] for c in cs for a in sizes if a not in axes), (name, g)
+                assert len({tuple(c[a] for a in axes) for c in cs}) == len(g)
+        if order == "tp-dp-pp":  # Megatron's default: tp groups are blocks of adjacent ranks
+            assert all(g == list(range(g[0], g[0] + tp_size)) for g in groups["tp"])
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(world_size=8, tp=3), r"world_size=8 is not divisible by tp\*pp=3\*1=3"),
+    (dict(world_size=8, tp=2, pp=2, dp=3), r"tp\*dp\*pp=2\*3\*2=12 does not equal world_size=8"),
+    (dict(world_size=8, tp=0), r"tp=0 must be an integer >= 1"),
+    (dict(world_size=8, pp=-2), r"pp=-2 must be an integer >= 1"),
+    (dict(world_size=4, order="tp-dp-xp"), r"order='tp-dp-xp' .*unknown: \['xp'\], missing: \['pp'\]"),
+    (dict(world_size=4, order="tp-dp"), r"missing: \['pp'\]"),
+    (dict(world_size=4, order="tp-tp-dp-pp"), r"repeated: \['tp'\]"),
+])
+def test_layout_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        tp.layout(**kwargs)
+
+
+@pytest.mark.parametrize("order", ["tp-dp-pp", "pp-dp-tp"])
+@distributed(world_size=8)
+def test_init_mesh_groups(order):
+    mesh = tp.init_mesh(tp=2, pp=2, order=order)
+    rank = dist.get_rank()
+    table = tp.layout(8, tp=2, pp=2, order=order)
+    assert tp.get_mesh() is mesh and mesh.dp_size == 2
+    for axis in ("tp", "dp", "pp", "tp-pp", "tp-dp"):
+        (mine,) = [g for g in table[axis] if rank in g]
+        assert mesh.ranks(axis) == mine and mesh.size(axis) == len(mine)
+        assert mesh.local_rank(axis) == mine.index(rank) == dist.get_rank(mesh.group(axis))
+        # the group really connects those ranks: an all-gather of global ranks returns them
+        out = torch.zeros(len(mine), dtype=torch.int64)
+        dist.all_gather_into_tensor(out, torch.tensor([rank]), group=mesh.group(axis))
+        assert out.tolist() == mine, axis
+    pp_ranks = mesh.ranks("pp")
+    assert mesh.is_first_stage == (rank == pp_ranks[0]) and mesh.is_last_stage == (rank == pp_ranks[-1])
+    i = pp_ranks.index(rank)
+    assert mesh.next_stage_rank == pp_ranks[(i + 1) % 2] and mesh.prev_stage_rank == pp_ranks[(i - 1) % 2]
+    assert mesh.embedding_ranks == [pp_ranks[0], pp_ranks[-1]]
+    dm = mesh.device_mesh
+    assert dm.mesh_dim_names == tuple(reversed(order.split("-")))
+    for axis in ("tp", "dp", "pp"):
+        assert sorted(dm[axis].mesh.flatten().tolist()) == mesh.ranks(axis)
+        assert dm.get_local_rank(axis) == mesh.local_rank(axis)
+
+
+@distributed(world_size=4)
+def test_init_mesh_errors_raise_on_every_rank():
+    with pytest.raises(ValueError, match="world_size=4 is not divisible by tp\\*pp=3\\*1=3"):
+        tp.init_mesh(tp=3)
+    with pytest.raises(ValueError, match="unknown: \\['cp'\\]"):
+        tp.init_mesh(order="tp-cp-dp-pp")
+    mesh = tp.init_mesh(tp=2)
+    with pytest.raises(RuntimeError, match="already initialised"):
+        tp.init_mesh(tp=2)
+    with pytest.raises(ValueError, match="unknown axis 'ep'"):
+        mesh.group("ep")
+    tp.destroy_mesh()
+    with pytest.raises(RuntimeError, match="no tensor-parallel mesh"):
+        tp.get_mesh()
+    assert tp.init_mesh(tp=4).tp_size == 4  # after destroy, a new mesh can be made
+
+
+def test_init_mesh_single_process_without_launcher(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    mesh = tp.init_mesh(backend="gloo")
+    try:
+        assert (mesh.world_size, mesh.tp_size, mesh.dp_size, mesh.pp_size) == (1, 1, 1, 1)
+        layer = tp.ColumnParallelLinear(3, 4)
+        assert layer(torch.ones(2, 3)).shape == (2, 4)
+    finally:
+        tp.destroy_mesh()
+    assert not dist.is_initialized()  # the mesh created the default group, so it destroyed it too
