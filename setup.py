@@ -1,0 +1,15 @@
+from setuptools import setup
+
+setup(
+    name="tp-layers",
+    version="0.1.0",
+    description="Megatron-style tensor-parallel layers for PyTorch: mesh, mappings, parallel linears, Triton kernels",
+    packages=["tp", "kernels", "models", "bench"],
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.4",
+        "triton>=3.0; platform_system == 'Linux'",
+        "einops>=0.7",
+    ],
+    extras_require={"test": ["pytest>=7", "pytest-timeout"]},
+)
