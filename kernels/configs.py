@@ -5,7 +5,8 @@ Naming is from the output tile's point of view in every kernel: BLOCK_M × BLOCK
 over tokens). GROUP_SIZE_M = 8 everywhere: consecutive programs sweep 8 row-tiles before moving to the next column
 tile, so the B tiles they share stay in L2.
 
-On GPU @triton.autotune picks one config per (M, N, K, dtypes, ...) from a small family-specific set:
+On GPU @triton.autotune picks one config per (M, N, K, dtypes, ...) from a small family-specific set (the
+launching device's family is selected by prune_to_device_family):
 - Hopper (sm90, 228 KB smem/SM): 64-wide K steps, up to 128×256 tiles with 8 warps and 3 stages
   (3·(128·64 + 64·256)·2 B = 144 KB of bf16 staging), plus 128×128 / 64×128 fallbacks for narrow shards.
 - Ampere (sm80, 164 KB smem/SM): the same tiles with 32-wide K steps and 4–5 stages (the classic Triton tutorial
@@ -20,6 +21,7 @@ Under TRITON_INTERPRET=1 there is exactly one config: multi-config autotune need
 stages mean nothing to the interpreter. 32×32×32 keeps several tiles per test shape (so masks and the grouped order are
 exercised) while staying fast in numpy.
 """
+import functools
 import os
 
 import triton
@@ -53,19 +55,32 @@ AMPERE_CONFIGS = [
 INTERPRETER_CONFIG = _cfg(32, 32, 32, 4, 1)
 
 
-def _gpu_family_configs():
+@functools.lru_cache(maxsize=None)
+def _family(device_index):
     import torch
 
-    if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9:
-        return HOPPER_CONFIGS
-    return AMPERE_CONFIGS
+    return HOPPER_CONFIGS if torch.cuda.get_device_capability(device_index)[0] >= 9 else AMPERE_CONFIGS
+
+
+def prune_to_device_family(configs, named_args, **kwargs):
+    """early_config_prune hook: keep the candidates of the launching GPU's family.
+
+    Chosen at the first launch rather than at import, so importing the kernels never initialises CUDA (a parent
+    process that has touched CUDA cannot fork CUDA workers).
+    """
+    tensor = next((v for v in named_args.values() if hasattr(v, "device") and v.device.type == "cuda"), None)
+    if tensor is None:
+        return configs
+    family = _family(tensor.device.index if tensor.device.index is not None else 0)
+    kept = [c for c in configs if any(c is f for f in family)]
+    return kept or configs
 
 
 def matmul_configs(small_tiles=False):
-    """The autotune candidates for this process (one config when interpreting)."""
+    """The autotune candidates (both GPU families; pruned per device at launch), or one config when interpreting."""
     if INTERPRET:
         return [INTERPRETER_CONFIG]
-    configs = _gpu_family_configs()
+    configs = HOPPER_CONFIGS + AMPERE_CONFIGS
     if small_tiles:
         configs = [c for c in configs if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 128 * 128]
     return configs

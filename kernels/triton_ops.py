@@ -20,12 +20,13 @@ import triton
 import triton.language as tl
 
 from .activations import act_bwd, act_fwd, swiglu_bwd, swiglu_fwd
-from .configs import INTERPRET, matmul_configs
+from .configs import INTERPRET, matmul_configs, prune_to_device_family
 from .torch_ops import check_activation
 
 # Launches per kernel name; the tests assert it grows to prove the Triton path ran.
 LAUNCHES = collections.Counter()
 
+_PRUNE = {"early_config_prune": prune_to_device_family}
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -53,7 +54,9 @@ def _dot(a, b, acc, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
     return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
 
 
-@triton.autotune(configs=matmul_configs(), key=["M", "N", "K", "ACTIVATION", "HAS_BIAS"])
+@triton.autotune(
+    configs=matmul_configs(), key=["M", "N", "K", "ACTIVATION", "HAS_BIAS"],
+    prune_configs_by=_PRUNE)
 @triton.jit
 def _linear_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, z_ptr, M, N, K,
                        stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn, stride_zm, stride_zn,
@@ -88,7 +91,9 @@ def _linear_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, z_ptr, M, N, K,
     tl.store(y_ptr + out_m * stride_ym + offs_n[None, :] * stride_yn, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.autotune(configs=matmul_configs(small_tiles=True), key=["M", "F", "K", "HAS_BIAS"])
+@triton.autotune(
+    configs=matmul_configs(small_tiles=True), key=["M", "F", "K", "HAS_BIAS"],
+    prune_configs_by=_PRUNE)
 @triton.jit
 def _swiglu_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, z_ptr, M, F, K,
                        stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn, stride_zm, stride_zn,
@@ -130,7 +135,9 @@ def _swiglu_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, z_ptr, M, F, K,
     tl.store(y_ptr + out_m * stride_ym + offs_n[None, :] * stride_yn, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.autotune(configs=matmul_configs(small_tiles=True), key=["M", "N", "K", "ACTIVATION", "WRITE_DZ"])
+@triton.autotune(
+    configs=matmul_configs(small_tiles=True), key=["M", "N", "K", "ACTIVATION", "WRITE_DZ"],
+    prune_configs_by=_PRUNE)
 @triton.jit
 def _linear_dgrad_kernel(g_ptr, z_ptr, w_ptr, dx_ptr, dz_ptr, M, N, K, F,
                          stride_gm, stride_gk, stride_zm, stride_zk, stride_wk, stride_wn,
@@ -191,7 +198,9 @@ def _linear_dgrad_kernel(g_ptr, z_ptr, w_ptr, dx_ptr, dz_ptr, M, N, K, F,
 
 # restore_value: autotuning runs the kernel once per config; without restoring, main_grad would be accumulated into
 # once per trial. (Only the tuning runs pay for the copy.)
-@triton.autotune(configs=matmul_configs(), key=["M", "N", "K", "ACCUMULATE"], restore_value=["c_ptr"])
+@triton.autotune(
+    configs=matmul_configs(), key=["M", "N", "K", "ACCUMULATE"],
+    prune_configs_by=_PRUNE, restore_value=["c_ptr"])
 @triton.jit
 def _linear_wgrad_kernel(dz_ptr, x_ptr, c_ptr, M, N, K,
                          stride_dzk, stride_dzm, stride_xk, stride_xn, stride_cm, stride_cn,

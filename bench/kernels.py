@@ -1,0 +1,201 @@
+"""Fused kernels.linear vs torch on the local shard shapes of GPT MLP layers under tensor parallelism.
+
+    python -m bench.kernels [--out bench/kernels.json] [--quick] [--hidden 4096 8192] [--tokens 4096 16384]
+
+Per (hidden h, tokens T, TP degree): fc1 = ColumnParallel [T, h] x [4h/TP, h]^T + bias, GELU; fc1_swiglu = the same
+with a fused gate/up weight [2·4h/TP, h]; fc2 = RowParallel [T, 4h/TP] x [h, 4h/TP]^T (bias added after the
+all-reduce, so none here). Forward and backward (dgrad + wgrad + dbias) in bf16, and the weight-gradient GEMM
+accumulated into an fp32 main_grad (fused) vs `main_grad.add_(dz.T @ x)` (matmul, then a separate add).
+
+The torch baseline is eager and unfused: F.linear, then + bias, then the activation (backward through autograd).
+GPU timings are medians of triton.testing.do_bench. Without a GPU the Triton kernels are skipped (the interpreter
+says nothing about speed); the script then times only torch on CPU, on shapes shrunk by --shrink, and says so.
+"""
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+import kernels
+
+LAYERS = ("fc1", "fc1_swiglu", "fc2")
+
+
+def layer_shapes(layer, hidden, tp):
+    """-> (in-features K, weight rows, activation, has_bias) of one rank's shard."""
+    ffn = 4 * hidden
+    if layer == "fc1":
+        return hidden, ffn // tp, "gelu", True
+    if layer == "fc1_swiglu":
+        return hidden, 2 * ffn // tp, "swiglu", True
+    return ffn // tp, hidden, None, False
+
+
+def torch_reference(x, w, b, activation):
+    y = F.linear(x, w)
+    if b is not None:
+        y = y + b
+    if activation == "gelu":
+        return F.gelu(y)
+    if activation == "swiglu":
+        gate, up = y.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    return y
+
+
+def cpu_median_ms(fn, reps):
+    fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def make_timer(gpu, reps):
+    if gpu:
+        import triton.testing
+
+        def timer(fn, grad_to_none=None):
+            fn()  # compile + autotune outside the measurement
+            torch.cuda.synchronize()
+            return triton.testing.do_bench(fn, grad_to_none=grad_to_none, return_mode="median")
+        return timer
+    return lambda fn, grad_to_none=None: cpu_median_ms(lambda: (fn(), _clear(grad_to_none)), reps)
+
+
+def _clear(tensors):
+    for t in tensors or ():
+        t.grad = None
+
+
+def bench_case(layer, hidden, tokens, tp, dtype, device, candidate_backend, timer):
+    K, rows, activation, has_bias = layer_shapes(layer, hidden, tp)
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(tokens, K, device=device, dtype=dtype, generator=gen).requires_grad_()
+    w = (torch.randn(rows, K, device=device, dtype=dtype, generator=gen) / K**0.5).requires_grad_()
+    b = torch.zeros(rows, device=device, dtype=dtype).requires_grad_() if has_bias else None
+    leaves = [t for t in (x, w, b) if t is not None]
+    gemm_flops = 2 * tokens * K * rows  # the SwiGLU output is half as wide, but both halves are computed
+    rows_out = rows // 2 if activation == "swiglu" else rows
+    gy = torch.randn(tokens, rows_out, device=device, dtype=dtype, generator=gen)
+
+    def candidate():
+        with kernels.use_backend(candidate_backend):
+            return kernels.linear(x, w, b, activation=activation)
+
+    out = []
+    for impl, fwd in (("torch", lambda: torch_reference(x, w, b, activation)), ("kernels", candidate)):
+        y = fwd()
+        ms_fwd = timer(fwd)
+
+        def backward(y=y):
+            with kernels.use_backend(candidate_backend):
+                y.backward(gy, retain_graph=True)
+        ms_bwd = timer(backward, grad_to_none=leaves)
+        out.append((impl, "fwd", ms_fwd, gemm_flops))
+        out.append((impl, "bwd", ms_bwd, 2 * gemm_flops))
+        del y
+
+    # Weight gradient into an fp32 main_grad: fused load-add-store vs a bf16 GEMM followed by a separate add.
+    dz = torch.randn(tokens, rows, device=device, dtype=dtype, generator=gen)
+    xd = x.detach()
+    main_grad = torch.zeros(rows, K, device=device, dtype=torch.float32)
+
+    def fused_wgrad():
+        with kernels.use_backend(candidate_backend):
+            kernels.linear_wgrad(dz, xd, main_grad=main_grad)
+    out.append(("torch", "wgrad_main_grad", timer(lambda: main_grad.add_(dz.t() @ xd)), gemm_flops))
+    out.append(("kernels", "wgrad_main_grad", timer(fused_wgrad), gemm_flops))
+
+    rows_json = []
+    for pass_name in ("fwd", "bwd", "wgrad_main_grad"):
+        (_, _, ms_t, flops), (_, _, ms_k, _) = [r for r in out if r[1] == pass_name]
+        rows_json.append(dict(layer=layer, hidden=hidden, tokens=tokens, tp=tp, M=tokens, N=rows, K=K,
+                              activation=activation, bias=has_bias, phase=pass_name, torch_ms=ms_t, kernels_ms=ms_k,
+                              torch_tflops=flops / ms_t / 1e9, kernels_tflops=flops / ms_k / 1e9,
+                              speedup=ms_t / ms_k))
+    return rows_json
+
+
+def print_table(rows, candidate_label):
+    cand = candidate_label
+    header = (f"{'layer':<11}{'h':>6}{'T':>7}{'tp':>4}{'N':>7}{'K':>7}  {'phase':<16}{'torch ms':>10} {cand + ' ms':>17}"
+              f" {'torch TF/s':>11} {cand + ' TF/s':>19} {'speedup':>8}")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(f"{r['layer']:<11}{r['hidden']:>6}{r['tokens']:>7}{r['tp']:>4}{r['N']:>7}{r['K']:>7}  {r['phase']:<16}"
+              f"{r['torch_ms']:>10.3f} {r['kernels_ms']:>17.3f} {r['torch_tflops']:>11.2f} {r['kernels_tflops']:>19.2f}"
+              f" {r['speedup']:>7.2f}x")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hidden", type=int, nargs="+", default=[4096, 8192])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384])
+    parser.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--layers", nargs="+", default=list(LAYERS), choices=LAYERS)
+    parser.add_argument("--quick", action="store_true", help="CPU-sized shapes even on a GPU (smoke run)")
+    parser.add_argument("--shrink", type=int, default=32, help="divide hidden and tokens by this without a GPU")
+    parser.add_argument("--reps", type=int, default=5, help="CPU repetitions per timing")
+    parser.add_argument("--candidate-backend", choices=("triton", "torch"), default=None,
+                        help="backend for kernels.linear (default: triton on GPU, torch on CPU); on CPU 'triton' needs "
+                             "TRITON_INTERPRET=1 and only smoke-tests the code path, its timings mean nothing")
+    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    args = parser.parse_args(argv)
+
+    gpu = torch.cuda.is_available()
+    shrink = args.shrink if (args.quick or not gpu) else 1
+    hiddens = [max(h // shrink, 8) for h in args.hidden]
+    tokens_list = [max(t // shrink, 8) for t in args.tokens]
+    if gpu:
+        device, dtype, backend, label = "cuda", torch.bfloat16, "triton", "triton"
+        note = f"GPU {torch.cuda.get_device_name()}: Triton kernels vs torch, bf16, medians of triton.testing.do_bench"
+    else:
+        # bf16 matmuls on CPU are slow and unrepresentative; fp32 keeps the CPU smoke run short.
+        device, dtype, backend, label = "cpu", torch.float32, "torch", "kernels[torch]"
+        note = ("NO CUDA GPU: Triton kernels SKIPPED (the interpreter is not a performance proxy). "
+                f"Timing only torch on CPU, fp32, shapes shrunk {shrink}x: 'torch' = unfused F.linear + bias + activation, "
+                "'kernels[torch]' = kernels.linear on its torch fallback. These are not GPU figures.")
+    if args.candidate_backend and args.candidate_backend != backend:
+        backend, label = args.candidate_backend, f"kernels[{args.candidate_backend}]"
+        note = f"{note.split(':')[0]}: candidate forced to kernels.linear on the {backend} backend."
+        if not gpu and backend == "triton":
+            note = (f"NO CUDA GPU: kernels.linear runs the Triton kernels under the interpreter (TRITON_INTERPRET=1), "
+                    f"fp32, shapes shrunk {shrink}x. Code-path smoke test only: these timings are meaningless.")
+    if args.quick and gpu:
+        note += f" (--quick: shapes shrunk {shrink}x)"
+    print(note)
+    timer = make_timer(gpu, args.reps)
+
+    results = []
+    for hidden in hiddens:
+        for tokens in tokens_list:
+            for tp in args.tp:
+                for layer in args.layers:
+                    if (4 * hidden) % tp:
+                        continue
+                    results += bench_case(layer, hidden, tokens, tp, dtype, device, backend, timer)
+    print_table(results, label)
+
+    if args.out:
+        meta = dict(note=note, device=torch.cuda.get_device_name() if gpu else platform.processor() or "cpu",
+                    gpu=gpu, dtype=str(dtype), candidate=label, torch=torch.__version__, shrink=shrink)
+        try:
+            import triton
+            meta["triton"] = triton.__version__
+        except ImportError:
+            meta["triton"] = None
+        with open(args.out, "w") as f:
+            json.dump(dict(meta=meta, results=results), f, indent=1)
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
