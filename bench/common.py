@@ -1,0 +1,36 @@
+"""Shared benchmark plumbing: medians, a machine description, table printing and JSON output."""
+import json
+import os
+import platform
+import statistics
+
+import torch
+
+
+def machine():
+    """A one-line description of where the numbers were taken."""
+    if torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name()} (torch {torch.__version__})"
+    return f"CPU {platform.processor() or platform.machine()}, {os.cpu_count()} cores (torch {torch.__version__})"
+
+
+def median(xs):
+    return statistics.median(xs)
+
+
+def print_table(rows, columns):
+    """rows: list of dicts; columns: list of (key, header, format)."""
+    cells = [[header for _, header, _ in columns]]
+    cells += [[fmt.format(row[key]) if row.get(key) is not None else "-" for key, _, fmt in columns] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
+    lines = [" | ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
+    lines.insert(1, "-+-".join("-" * w for w in widths))
+    print("\n".join(lines))
+    return "\n".join(lines)
+
+
+def write_json(path, payload):
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=2)
+    print(f"wrote {path}")
