@@ -256,5 +256,11 @@ def test_layers_without_mesh_or_group_raise():
 @distributed(world_size=2)
 def test_mlp_on_triton_kernels(tp_size):
     """The layers' local matmuls through the Triton kernels (interpreted on CPU), fused GELU epilogue."""
+    from kernels.triton_ops import LAUNCHES
+
+    before = dict(LAUNCHES)
     with kernels.use_backend("triton"):
         check_mlp(tp.init_mesh(tp=tp_size), sequence_parallel=True, fused=True)
+    launched = {k: LAUNCHES[k] - before.get(k, 0) for k in LAUNCHES}
+    # two layers: 2 forward GEMMs, 2 dgrad, 2 wgrad
+    assert (launched["linear_fwd"], launched["linear_dgrad"], launched["linear_wgrad"]) == (2, 2, 2), launched
