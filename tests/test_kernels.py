@@ -263,3 +263,51 @@ def test_gpu_autotune_has_several_configs_and_main_grad_is_not_double_counted():
     expected = 1 + dz.double().t() @ x.double()
     assert rel_err(main_grad, expected) < 1e-3
     assert triton_ops._linear_wgrad_kernel.best_config is not None
+
+
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_linear_on_torch_backend(activation):
+    # The same autograd Function on the torch primitives (what CPU runs without the interpreter), main_grad included.
+    x, w, b = make_inputs((37,), 45, 70, torch.float32, activation)
+    with kernels.use_backend("torch"):
+        before = triton_ops.LAUNCHES.copy()
+        w.requires_grad_()
+        w.main_grad = torch.zeros(w.shape, device=DEVICE)
+        y = kernels.linear(x, w, b, activation=activation)
+        gy = torch.randn_like(y)
+        y.backward(gy)
+        assert triton_ops.LAUNCHES == before
+    w_ref = w.detach().double().requires_grad_()
+    reference(x.double(), w_ref, b.double(), activation).backward(gy.double())
+    assert w.grad is None and rel_err(w.main_grad, w_ref.grad) < TOL[torch.float32]
+
+
+def test_dispatch_without_interpreter(tmp_path):
+    # A fresh process without TRITON_INTERPRET: auto must stay on torch for CPU tensors, a forced "triton" must fail
+    # with a clear message rather than Triton's "0 active drivers".
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import torch, kernels\n"
+        "from kernels import ops, torch_ops\n"
+        "x = torch.randn(4, 8); w = torch.randn(6, 8)\n"
+        "with kernels.use_backend('auto'):\n"
+        "    assert ops._impl(x) is torch_ops\n"
+        "    kernels.linear(x, w, activation='gelu')\n"
+        "with kernels.use_backend('triton'):\n"
+        "    try:\n"
+        "        kernels.linear(x, w)\n"
+        "    except RuntimeError as e:\n"
+        "        assert 'TRITON_INTERPRET' in str(e), e\n"
+        "    else:\n"
+        "        raise AssertionError('forced triton on CPU without the interpreter did not raise')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TP_KERNELS_BACKEND")}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    result = subprocess.run([sys.executable, "-c", script], env=env, cwd=tmp_path, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
