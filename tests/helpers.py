@@ -8,8 +8,9 @@ _C10D_OPS = {ALL_REDUCE: torch.ops.c10d.allreduce_, ALL_GATHER: torch.ops.c10d._
 
 
 def randn(*shape, seed, dtype=torch.float64, requires_grad=False):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=g, dtype=dtype).requires_grad_(requires_grad)
+    g = torch.Generator().manual_seed(seed)  # drawn on the CPU so every backend sees the same numbers
+    x = torch.randn(*shape, generator=g, dtype=dtype, device="cpu").to(torch.get_default_device())
+    return x.requires_grad_(requires_grad)
 
 
 def noncontiguous(x):

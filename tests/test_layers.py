@@ -180,14 +180,15 @@ def test_init_is_tp_invariant(tp_size):
         torch.manual_seed(42)
         layer = cls(HIDDEN, 2 * FFN, stride=stride)
         torch.manual_seed(42)
-        dense = nn.Linear(HIDDEN, 2 * FFN)  # the serial init the TP=1 layer gets
-        assert torch.equal(layer.weight, slice_of(dense.weight, dim, r, tp_size, stride))
+        dense = nn.Linear(HIDDEN, 2 * FFN, device="cpu")  # the serial init the TP=1 layer gets (masters are on CPU)
+        assert torch.equal(layer.weight.cpu(), slice_of(dense.weight, dim, r, tp_size, stride))
         expected_bias = slice_of(dense.bias, 0, r, tp_size, stride) if dim == 0 else dense.bias
-        assert torch.equal(layer.bias, expected_bias)
+        assert torch.equal(layer.bias.cpu(), expected_bias)
     torch.manual_seed(0)
     custom = tp.ColumnParallelLinear(HIDDEN, FFN, init_method=lambda w: nn.init.normal_(w, std=0.02))
     torch.manual_seed(0)
-    assert torch.equal(custom.weight, nn.init.normal_(torch.empty(FFN, HIDDEN), std=0.02).chunk(tp_size, 0)[r])
+    expected = nn.init.normal_(torch.empty(FFN, HIDDEN, device="cpu"), std=0.02).chunk(tp_size, 0)[r]
+    assert torch.equal(custom.weight.cpu(), expected)
     assert torch.count_nonzero(custom.bias) == 0  # Megatron zeroes biases under a custom init
 
 

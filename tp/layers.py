@@ -116,11 +116,11 @@ class _ParallelLinear(nn.Module):
         With the same seed on every rank the shards at TP=N are exact slices of the TP=1 weight; with the default
         init that is also `nn.Linear(in, out)`'s weight and bias.
         """
-        master = torch.empty(self.out_features, self.in_features)
+        master = torch.empty(self.out_features, self.in_features, device="cpu")
         (self.init_method or _default_weight_init)(master)
         master_bias = None
         if self.bias is not None:
-            master_bias = torch.zeros(self.out_features)
+            master_bias = torch.zeros(self.out_features, device="cpu")
             if self.init_method is None:
                 bound = 1 / math.sqrt(self.in_features)
                 nn.init.uniform_(master_bias, -bound, bound)

@@ -63,8 +63,9 @@ def _resolve(module, qualname):
 def _worker(rank, world_size, store_path, tasks, results):
     torch.set_num_threads(1)
     backend = backend_for(world_size)
-    if backend == "nccl":
+    if backend == "nccl":  # test bodies that build tensors without a device get this rank's GPU
         torch.cuda.set_device(rank)
+        torch.set_default_device(f"cuda:{rank}")
     dist.init_process_group(
         backend, init_method=f"file://{store_path}", rank=rank, world_size=world_size,
         timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT),
