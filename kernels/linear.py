@@ -28,6 +28,11 @@ def swiglu_linear(x, weight, bias=None):
     return linear(x, weight, bias, activation="swiglu")
 
 
+def _flatten(t):
+    # [..., K] -> [tokens, K]; reshape(-1, K) would be ambiguous for K == 0.
+    return t.reshape(t.shape[:-1].numel(), t.shape[-1])
+
+
 def _bias_grad(dz, dtype):
     # A column sum of dz, kept out of the kernels: it is memory-bound, and a fused version would need atomics
     # (non-deterministic, and bf16 atomics raise under the interpreter). fp32 accumulation whatever dz's dtype.
@@ -38,7 +43,7 @@ def _bias_grad(dz, dtype):
 class _LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, activation):
-        x2d = x.reshape(-1, x.shape[-1])
+        x2d = _flatten(x)
         y, preact = ops.linear_forward(x2d, weight, bias, activation)
         ctx.save_for_backward(x2d, weight, preact)
         ctx.activation = activation
@@ -51,7 +56,7 @@ class _LinearFunction(torch.autograd.Function):
     def backward(ctx, grad_y):
         x2d, weight, preact = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        grad_2d = grad_y.reshape(-1, grad_y.shape[-1])
+        grad_2d = _flatten(grad_y)
         # dz (= grad through the activation) comes back even without dx: wgrad and dbias reuse it.
         grad_x, dz = ops.linear_dgrad(grad_2d, weight, preact, ctx.activation, need_input_grad=need_x)
         grad_w = None

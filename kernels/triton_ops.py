@@ -14,6 +14,7 @@ wrapped with % so loads stay in bounds and unmasked; the stores are masked), one
 Shapes follow each GEMM's own M×N output and K reduction; the launchers say how they map onto the linear's dims.
 """
 import collections
+import contextlib
 
 import torch
 import triton
@@ -285,6 +286,11 @@ def _check_operands(*tensors):
                            "imported; use the torch backend instead")
 
 
+def _device_of(t):
+    # Triton launches on the current CUDA device; make it the operands' device (a no-op on CPU / interpreter).
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
 def _gemm_grid(M, N):
     return lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
 
@@ -298,7 +304,7 @@ def _gated_width(weight_rows):
 def linear_forward(x, weight, bias=None, activation=None):
     """y = act(x @ weight.T + bias) -> (y, pre-activation or None); see torch_ops.linear_forward."""
     check_activation(activation)
-    _check_operands(x, weight, *([] if bias is None else [bias.view(1, -1)]))
+    _check_operands(x, weight, *([] if bias is None else [bias.unsqueeze(0)]))
     M, K = x.shape
     n_rows = weight.shape[0]
     if weight.shape[1] != K or (bias is not None and bias.shape != (n_rows,)):
@@ -310,9 +316,15 @@ def linear_forward(x, weight, bias=None, activation=None):
     if M == 0 or N == 0:
         return y, preact
     acc, upcast, precision = _flags(x.dtype)
-    b = x if bias is None else bias  # dummy pointer when HAS_BIAS is off
+    b = x if bias is None else bias.contiguous()  # x: a dummy pointer when HAS_BIAS is off
     z = y if preact is None else preact
     common = dict(ACC_DTYPE=acc, UPCAST=upcast, DOT_PRECISION=precision, HAS_BIAS=bias is not None)
+    with _device_of(x):
+        _launch_forward(x, weight, b, y, z, M, N, K, activation, preact is not None, common)
+    return y, preact
+
+
+def _launch_forward(x, weight, b, y, z, M, N, K, activation, save_preact, common):
     if activation == "swiglu":
         LAUNCHES["swiglu_fwd"] += 1
         _swiglu_fwd_kernel[_gemm_grid(M, N)](
@@ -323,8 +335,7 @@ def linear_forward(x, weight, bias=None, activation=None):
         _linear_fwd_kernel[_gemm_grid(M, N)](
             x, weight, b, y, z, M, N, K, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
             y.stride(0), y.stride(1), z.stride(0), z.stride(1),
-            ACTIVATION=activation or "none", SAVE_PREACT=preact is not None, **common)
-    return y, preact
+            ACTIVATION=activation or "none", SAVE_PREACT=save_preact, **common)
 
 
 def _act_bwd(grad_out, preact, activation, dz, F):
@@ -332,9 +343,10 @@ def _act_bwd(grad_out, preact, activation, dz, F):
     LAUNCHES["act_bwd"] += 1
     block = 32 if INTERPRET else 64
     grid = (triton.cdiv(M, block), triton.cdiv(N, block))
-    _act_bwd_kernel[grid](grad_out, preact, dz, M, N, F, grad_out.stride(0), grad_out.stride(1),
-                          preact.stride(0), preact.stride(1), dz.stride(0), dz.stride(1),
-                          ACTIVATION=activation, ACC_DTYPE=_flags(grad_out.dtype)[0], BLOCK_M=block, BLOCK_N=block)
+    with _device_of(grad_out):
+        _act_bwd_kernel[grid](grad_out, preact, dz, M, N, F, grad_out.stride(0), grad_out.stride(1),
+                              preact.stride(0), preact.stride(1), dz.stride(0), dz.stride(1),
+                              ACTIVATION=activation, ACC_DTYPE=_flags(grad_out.dtype)[0], BLOCK_M=block, BLOCK_N=block)
 
 
 def linear_dgrad(grad_out, weight, preact=None, activation=None, *, need_input_grad=True):
@@ -347,28 +359,25 @@ def linear_dgrad(grad_out, weight, preact=None, activation=None, *, need_input_g
     if n_out != F or (activation is not None and (preact is None or preact.shape != (M, n_rows))):
         raise ValueError(f"shape mismatch: grad_out {tuple(grad_out.shape)}, weight {tuple(weight.shape)}, "
                          f"preact {None if preact is None else tuple(preact.shape)}, activation {activation!r}")
-    if activation is None:
-        dz = grad_out
-    else:
-        dz = torch.empty(M, n_rows, dtype=grad_out.dtype, device=grad_out.device)
-        if M and F and not need_input_grad:
-            _act_bwd(grad_out, preact, activation, dz, F)
+    dz = grad_out if activation is None else torch.empty(M, n_rows, dtype=grad_out.dtype, device=grad_out.device)
+    # Without a dgrad GEMM to ride on (no dx wanted, or an empty one), dz gets its own elementwise kernel.
+    if activation is not None and M and F and (not need_input_grad or K == 0):
+        _act_bwd(grad_out, preact, activation, dz, F)
     if not need_input_grad:
         return None, dz
     dx = torch.empty(M, K, dtype=grad_out.dtype, device=grad_out.device)
     if M == 0 or K == 0:
-        if activation is not None and M and F:
-            _act_bwd(grad_out, preact, activation, dz, F)
         return dx, dz
     acc, upcast, precision = _flags(grad_out.dtype)
     z = grad_out if preact is None else preact
     LAUNCHES["linear_dgrad"] += 1
-    _linear_dgrad_kernel[_gemm_grid(M, K)](
-        grad_out, z, weight, dx, dz, M, K, F, F,
-        grad_out.stride(0), grad_out.stride(1), z.stride(0), z.stride(1), weight.stride(0), weight.stride(1),
-        dx.stride(0), dx.stride(1), dz.stride(0), dz.stride(1),
-        ACTIVATION=activation or "none", WRITE_DZ=activation is not None,
-        ACC_DTYPE=acc, UPCAST=upcast, DOT_PRECISION=precision)
+    with _device_of(grad_out):
+        _linear_dgrad_kernel[_gemm_grid(M, K)](
+            grad_out, z, weight, dx, dz, M, K, F, F,
+            grad_out.stride(0), grad_out.stride(1), z.stride(0), z.stride(1), weight.stride(0), weight.stride(1),
+            dx.stride(0), dx.stride(1), dz.stride(0), dz.stride(1),
+            ACTIVATION=activation or "none", WRITE_DZ=activation is not None,
+            ACC_DTYPE=acc, UPCAST=upcast, DOT_PRECISION=precision)
     return dx, dz
 
 
@@ -391,7 +400,9 @@ def linear_wgrad(dz, x, *, main_grad=None):
         return None if main_grad is not None else out.zero_()
     acc, upcast, precision = _flags(dz.dtype)
     LAUNCHES["linear_wgrad"] += 1
-    _linear_wgrad_kernel[_gemm_grid(M, N)](
-        dz, x, out, M, N, tokens, dz.stride(0), dz.stride(1), x.stride(0), x.stride(1), out.stride(0), out.stride(1),
-        ACCUMULATE=main_grad is not None, ACC_DTYPE=acc, UPCAST=upcast, DOT_PRECISION=precision)
+    with _device_of(dz):
+        _linear_wgrad_kernel[_gemm_grid(M, N)](
+            dz, x, out, M, N, tokens,
+            dz.stride(0), dz.stride(1), x.stride(0), x.stride(1), out.stride(0), out.stride(1),
+            ACCUMULATE=main_grad is not None, ACC_DTYPE=acc, UPCAST=upcast, DOT_PRECISION=precision)
     return None if main_grad is not None else out

@@ -129,7 +129,7 @@ def test_many_row_tiles(activation):
 
 @pytest.mark.parametrize("activation", ALL_ACTIVATIONS)
 def test_gradcheck_fp64(activation):
-    x, w, b = make_inputs((5,), 7, 6, torch.float64, activation)
+    x, w, b = make_inputs((3,), 5, 4, torch.float64, activation)
     inputs = tuple(t.requires_grad_() for t in (x, w, b))
     assert torch.autograd.gradcheck(lambda x, w, b: kernels.linear(x, w, b, activation=activation), inputs)
 
@@ -311,3 +311,17 @@ def test_dispatch_without_interpreter(tmp_path):
     result = subprocess.run([sys.executable, "-c", script], env=env, cwd=tmp_path, capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("activation", [None, "swiglu"])
+def test_empty_dimensions(activation):
+    # No tokens, or no input features: nothing to launch for empty outputs, zeros where a sum over nothing is asked.
+    for tokens, K in ((0, 8), (5, 0)):
+        x, w, b = make_inputs((tokens,), K, 6, torch.float32, activation)
+        leaves = [t.requires_grad_() for t in (x, w, b)]
+        y = kernels.linear(*leaves, activation=activation)
+        y_ref = reference(*[t.detach() for t in leaves], activation)
+        torch.testing.assert_close(y, y_ref)
+        y.backward(torch.ones_like(y))
+        assert x.grad.shape == x.shape and w.grad.shape == w.shape and b.grad.shape == b.shape
+        assert torch.count_nonzero(w.grad) == 0 and (tokens == 0) == (torch.count_nonzero(b.grad) == 0)
