@@ -3,8 +3,6 @@
 Every primitive works on 2-D tensors: x [M, K], weight [N, K] (nn.Linear orientation), output [M, N].
 The gated activation "swiglu" reads a fused weight [2F, K] (gate rows first, then up rows) and gives [M, F].
 """
-import math
-
 import torch
 import torch.nn.functional as F
 
@@ -16,51 +14,48 @@ def check_activation(activation):
         raise ValueError(f"unknown activation {activation!r}; expected one of {ACTIVATIONS}")
 
 
+def _acc(t):
+    """t at accumulator precision: fp32 for 16-bit dtypes, t itself otherwise (fp32 stays fp32, fp64 stays fp64)."""
+    return t.float() if t.element_size() < 4 else t
+
+
+# Native elementwise ops compute in fp32 internally for 16-bit inputs and round once, like the Triton epilogue,
+# and each is one fused kernel (a hand-written erf/exp formula would be ~8 passes over the tensor).
+_FORWARD = {
+    "gelu": F.gelu,
+    "gelu_tanh": lambda z: F.gelu(z, approximate="tanh"),
+    "silu": F.silu,
+    "relu": F.relu,
+}
+_BACKWARD = {
+    "gelu": lambda g, z: torch.ops.aten.gelu_backward(g, z),
+    "gelu_tanh": lambda g, z: torch.ops.aten.gelu_backward(g, z, approximate="tanh"),
+    "silu": torch.ops.aten.silu_backward,
+    "relu": lambda g, z: torch.ops.aten.threshold_backward(g, z, 0),
+}
+
+
 def activation_forward(z, activation):
-    """act(z) computed in fp32, cast back to z's dtype."""
-    zf = z.float()
+    """act(z), computed at accumulator precision and rounded once to z's dtype ([M, 2F] -> [M, F] for swiglu)."""
     if activation is None:
         return z
-    if activation == "gelu":
-        out = F.gelu(zf)
-    elif activation == "gelu_tanh":
-        out = F.gelu(zf, approximate="tanh")
-    elif activation == "silu":
-        out = F.silu(zf)
-    elif activation == "relu":
-        out = F.relu(zf)
-    else:  # swiglu: [M, 2F] -> [M, F]
-        gate, up = zf.chunk(2, dim=-1)
-        out = F.silu(gate) * up
-    return out.to(z.dtype)
+    if activation == "swiglu":
+        gate, up = _acc(z).chunk(2, dim=-1)
+        return (F.silu(gate) * up).to(z.dtype)
+    return _FORWARD[activation](z)
 
 
 def activation_backward(grad_out, z, activation):
-    """d act(z) / dz · grad_out, in fp32, cast back to grad_out's dtype ([M, 2F] for swiglu)."""
+    """grad_out · act'(z) at accumulator precision, in grad_out's dtype ([M, 2F] for swiglu)."""
     if activation is None:
         return grad_out
-    g, zf = grad_out.float(), z.float()
-    if activation == "gelu":
-        cdf = 0.5 * (1.0 + torch.erf(zf * (1.0 / math.sqrt(2.0))))
-        pdf = torch.exp(-0.5 * zf * zf) * (1.0 / math.sqrt(2.0 * math.pi))
-        dz = g * (cdf + zf * pdf)
-    elif activation == "gelu_tanh":
-        k = math.sqrt(2.0 / math.pi)
-        inner = k * (zf + 0.044715 * zf**3)
-        t = torch.tanh(inner)
-        dz = g * (0.5 * (1.0 + t) + 0.5 * zf * (1.0 - t * t) * k * (1.0 + 3 * 0.044715 * zf * zf))
-    elif activation == "silu":
-        s = torch.sigmoid(zf)
-        dz = g * s * (1.0 + zf * (1.0 - s))
-    elif activation == "relu":
-        dz = g * (zf > 0)
-    else:  # swiglu
-        gate, up = zf.chunk(2, dim=-1)
+    if activation == "swiglu":
+        g = _acc(grad_out)
+        gate, up = _acc(z).chunk(2, dim=-1)
         s = torch.sigmoid(gate)
         dgate = g * up * s * (1.0 + gate * (1.0 - s))
-        dup = g * gate * s
-        dz = torch.cat([dgate, dup], dim=-1)
-    return dz.to(grad_out.dtype)
+        return torch.cat([dgate, g * gate * s], dim=-1).to(grad_out.dtype)
+    return _BACKWARD[activation](grad_out, z.to(grad_out.dtype))
 
 
 def linear_forward(x, weight, bias=None, activation=None):
