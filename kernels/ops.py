@@ -68,6 +68,11 @@ def _impl(x):
     return module
 
 
+def backend_for(x):
+    """"torch" or "triton": the backend the primitives would use for tensor x now."""
+    return "torch" if _impl(x) is torch_ops else "triton"
+
+
 def linear_forward(x, weight, bias=None, activation=None):
     return _impl(x).linear_forward(x, weight, bias, activation)
 

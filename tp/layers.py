@@ -6,6 +6,7 @@ import math
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
@@ -25,15 +26,14 @@ from .mesh import resolve_group
 class _ParallelLinearFn(torch.autograd.Function):
     """act(x Wᵀ + b) on the local shard, with the column layer's input collectives fused in for overlap.
 
-    input_comm = None: no communication (row-parallel use).
-    input_comm = "all-reduce": forward identity · backward all-reduce(dx), overlapped with the wgrad matmul.
-    input_comm = "sequence": forward all-gather(x, dim 0) · backward reduce-scatter(dx, dim 0), overlapped with
+    comm = None: no communication (row-parallel use, or a one-rank group).
+    comm = "all-reduce": forward identity · backward all-reduce(dx), overlapped with the wgrad matmul.
+    comm = "sequence": forward all-gather(x, dim 0) · backward reduce-scatter(dx, dim 0), overlapped with
     wgrad; the full input is re-gathered in backward rather than saved (Megatron's memory trade).
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, activation, group, input_comm):
-        comm = input_comm if dist.get_world_size(group) > 1 else None
+    def forward(ctx, x, weight, bias, activation, group, comm):
         x_total = gather_first(x, group) if comm == "sequence" else x  # [s, b, in]
         y, preact = kernels.linear_forward(x_total.reshape(-1, x.shape[-1]), weight, bias, activation)
         ctx.save_for_backward(x, weight, preact)
@@ -68,6 +68,17 @@ class _ParallelLinearFn(torch.autograd.Function):
         if pending is not None:
             pending.wait()
         return dx, dw, db, None, None, None
+
+
+def _local_linear(x, weight, bias, activation, group, input_comm):
+    """The layers' one entry to the local matmul: _ParallelLinearFn, or plain autograd ops when it would add nothing.
+
+    With no collective to overlap, no main_grad to accumulate into and the torch backend, autograd's own
+    linear + activation are the same math with less Python per step (what nn.Linear costs).
+    """
+    if input_comm is None and not hasattr(weight, "main_grad") and kernels.ops.backend_for(x) == "torch":
+        return kernels.torch_ops.activation_forward(F.linear(x, weight, bias), activation)
+    return _ParallelLinearFn.apply(x, weight, bias, activation, group, input_comm)
 
 
 def _default_weight_init(weight):
@@ -190,9 +201,9 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def forward(self, x):  # [s(/tp), b, in]
         self._check_input(x, self.in_features, "in_features")
-        comm = "sequence" if self.sequence_parallel else "all-reduce"
-        y = _ParallelLinearFn.apply(x, self.weight, self.bias, self.activation, self.group, comm)  # [s, b, out/tp]
-        return gather_from_tp_region(y, self.group) if self.gather_output else y
+        comm = None if self.tp_size == 1 else "sequence" if self.sequence_parallel else "all-reduce"
+        y = _local_linear(x, self.weight, self.bias, self.activation, self.group, comm)  # [s, b, out/tp]
+        return gather_from_tp_region(y, self.group) if self.gather_output and self.tp_size > 1 else y
 
     def extra_repr(self):
         act = f", activation={self.activation}" if self.activation else ""
@@ -223,11 +234,13 @@ class RowParallelLinear(_ParallelLinear):
             self.bias.sequence_parallel = sequence_parallel
 
     def forward(self, x):  # [s, b, in/tp] (or [s, b, in] when not input_is_parallel)
-        if not self.input_is_parallel:
+        if not self.input_is_parallel and self.tp_size > 1:
             self._check_input(x, self.in_features, "in_features")
             x = scatter_to_tp_region(x, self.group)
         self._check_input(x, self.weight.shape[1], "in_features/tp")
-        y = _ParallelLinearFn.apply(x, self.weight, None, None, self.group, None)  # [s, b, out] partial sums
+        if self.tp_size == 1:  # nothing to reduce: the bias joins the matmul
+            return _local_linear(x, self.weight, self.bias, None, self.group, None)
+        y = _local_linear(x, self.weight, None, None, self.group, None)  # [s, b, out] partial sums
         if self.sequence_parallel:
             y = reduce_scatter_to_sp_region(y, self.group)  # [s/tp, b, out]
         else:

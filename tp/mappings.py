@@ -75,18 +75,18 @@ def reduce_scatter_first(x, group, *, async_op=False):
 
 
 class _Mapping(torch.autograd.Function):
-    """forward(x) = fwd(x), backward(g) = bwd(g); identity when the group has one rank."""
+    """forward(x) = fwd(x), backward(g) = bwd(g). Only applied to groups of more than one rank."""
 
     fwd = bwd = None
 
     @classmethod
     def forward(cls, ctx, x, group):
         ctx.group = group
-        return x if dist.get_world_size(group) == 1 else cls.fwd(x, group)
+        return cls.fwd(x, group)
 
     @classmethod
     def backward(cls, ctx, grad):
-        return (grad if dist.get_world_size(ctx.group) == 1 else cls.bwd(grad, ctx.group)), None
+        return cls.bwd(grad, ctx.group), None
 
 
 def _identity(x, group):
@@ -108,36 +108,41 @@ _GatherFromSP = _mapping("_GatherFromSP", gather_first, reduce_scatter_first)
 _ReduceScatterToSP = _mapping("_ReduceScatterToSP", reduce_scatter_first, gather_first)
 
 
+def _apply(mapping, x, group):
+    group = resolve_group(group)
+    return x if dist.get_world_size(group) == 1 else mapping.apply(x, group)  # one rank: not even an autograd node
+
+
 def copy_to_tp_region(x, group=None):
     """forward: identity · backward: all-reduce."""
-    return _CopyToTP.apply(x, resolve_group(group))
+    return _apply(_CopyToTP, x, group)
 
 
 def reduce_from_tp_region(x, group=None):
     """forward: all-reduce · backward: identity."""
-    return _ReduceFromTP.apply(x, resolve_group(group))
+    return _apply(_ReduceFromTP, x, group)
 
 
 def scatter_to_tp_region(x, group=None):
     """forward: split(last dim) · backward: all-gather(last dim)."""
-    return _ScatterToTP.apply(x, resolve_group(group))
+    return _apply(_ScatterToTP, x, group)
 
 
 def gather_from_tp_region(x, group=None):
     """forward: all-gather(last dim) · backward: split(last dim)."""
-    return _GatherFromTP.apply(x, resolve_group(group))
+    return _apply(_GatherFromTP, x, group)
 
 
 def scatter_to_sp_region(x, group=None):
     """forward: split(sequence dim 0) · backward: all-gather(sequence dim 0)."""
-    return _ScatterToSP.apply(x, resolve_group(group))
+    return _apply(_ScatterToSP, x, group)
 
 
 def gather_from_sp_region(x, group=None):
     """forward: all-gather(sequence dim 0) · backward: reduce-scatter(sequence dim 0)."""
-    return _GatherFromSP.apply(x, resolve_group(group))
+    return _apply(_GatherFromSP, x, group)
 
 
 def reduce_scatter_to_sp_region(x, group=None):
     """forward: reduce-scatter(sequence dim 0) · backward: all-gather(sequence dim 0)."""
-    return _ReduceScatterToSP.apply(x, resolve_group(group))
+    return _apply(_ReduceScatterToSP, x, group)
