@@ -265,8 +265,12 @@ def _flags(dtype):
     """(ACC_DTYPE, UPCAST, DOT_PRECISION) for operands of this dtype."""
     acc = tl.float64 if dtype == torch.float64 else tl.float32
     upcast = INTERPRET and dtype == torch.bfloat16
-    # fp32 follows torch's own switch: TF32 only where torch would use it for F.linear too.
-    precision = "tf32" if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 else "ieee"
+    # fp32 follows torch's own switch: TF32 only where torch would use it for F.linear too. Other dtypes keep
+    # Triton's default ("tf32", which only affects fp32 operands): the path every Triton GEMM takes for fp16/bf16.
+    if dtype == torch.float32:
+        precision = "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
+    else:
+        precision = "tf32"
     return acc, upcast, precision
 
 
