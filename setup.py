@@ -10,6 +10,7 @@ setup(
         "torch>=2.4",
         "triton>=3.0; platform_system == 'Linux'",
         "einops>=0.7",
+        "numpy",  # Triton's interpreter and torch's DTensor debug tools (CommDebugMode) import it
     ],
     extras_require={"test": ["pytest>=7", "pytest-timeout"]},
 )
