@@ -265,3 +265,69 @@ def test_mlp_on_triton_kernels(tp_size):
     launched = {k: LAUNCHES[k] - before.get(k, 0) for k in LAUNCHES}
     # two layers: 2 forward GEMMs, 2 dgrad, 2 wgrad
     assert (launched["linear_fwd"], launched["linear_dgrad"], launched["linear_wgrad"]) == (2, 2, 2), launched
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+@distributed(world_size=2)
+def test_backward_overlaps_input_grad_collective_with_wgrad(sequence_parallel):
+    """Megatron's schedule: launch the dx all-reduce (SP: reduce-scatter) async, run wgrad, then wait."""
+    import torch.distributed as dist
+
+    from tp import layers, mappings
+
+    tp.init_mesh(tp=2)
+    events = []
+
+    class Handle:
+        def __init__(self, handle, name):
+            self.handle, self.name = handle, name
+
+        def wait(self):
+            events.append(f"wait {self.name}")
+            return self.handle.wait()
+
+    def recording(fn, name):
+        def wrapper(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            if not kwargs.get("async_op"):
+                return out
+            events.append(f"launch {name}")
+            if isinstance(out, tuple):
+                return out[0], Handle(out[1], name)
+            return Handle(out, name)
+        return wrapper
+
+    wgrad = kernels.linear_wgrad
+    patches = [(layers.dist, "all_reduce", recording(dist.all_reduce, "all_reduce")),
+               (layers, "reduce_scatter_first", recording(mappings.reduce_scatter_first, "reduce_scatter")),
+               (layers, "gather_first", recording(mappings.gather_first, "all_gather")),
+               (layers.kernels, "linear_wgrad", lambda *a, **k: events.append("wgrad") or wgrad(*a, **k))]
+    originals = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
+    try:
+        for obj, name, value in patches:
+            setattr(obj, name, value)
+        layer = tp.ColumnParallelLinear(8, 6, sequence_parallel=sequence_parallel)
+        x = torch.randn(4, 2, 8, requires_grad=True)
+        layer(x).sum().backward()
+    finally:
+        for obj, name, value in originals:
+            setattr(obj, name, value)
+    if sequence_parallel:  # the input re-gather also overlaps dgrad
+        assert events == ["launch all_gather", "wait all_gather", "launch reduce_scatter", "wgrad",
+                          "wait reduce_scatter"], events
+    else:
+        assert events == ["launch all_reduce", "wgrad", "wait all_reduce"], events
+
+
+@distributed(world_size=2)
+def test_sequence_parallel_column_saves_only_its_input_shard():
+    """Under SP the gathered [s, b, h] input is re-gathered in backward, never kept alive for it."""
+    tp.init_mesh(tp=2)
+    layer = tp.ColumnParallelLinear(8, 6, sequence_parallel=True)
+    x = torch.randn(3, 2, 8, requires_grad=True)  # this rank's [s/tp, b, h]
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+        y = layer(x)
+    assert (3, 2, 8) in saved and (6, 2, 8) not in saved and (12, 8) not in saved, saved
+    y.sum().backward()
+    assert x.grad.shape == (3, 2, 8)
