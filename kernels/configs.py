@@ -6,12 +6,16 @@ over tokens). GROUP_SIZE_M = 8 everywhere: consecutive programs sweep 8 row-tile
 tile, so the B tiles they share stay in L2.
 
 On GPU @triton.autotune picks one config per (M, N, K, dtypes, ...) from a small family-specific set (the
-launching device's family is selected by prune_to_device_family):
+launching device's family, minus configs whose operand staging overflows its shared memory for the dtype, is
+selected by the `pruner` hook):
 - Hopper (sm90, 228 KB smem/SM): 64-wide K steps, up to 128×256 tiles with 8 warps and 3 stages
   (3·(128·64 + 64·256)·2 B = 144 KB of bf16 staging), plus 128×128 / 64×128 fallbacks for narrow shards.
 - Ampere (sm80, 164 KB smem/SM): the same tiles with 32-wide K steps and 4–5 stages (the classic Triton tutorial
   set); 128×256×64×3 stages would not fit next to the epilogue.
-Configs that do not fit (e.g. fp32 operands) fail to compile and the autotuner scores them as infinitely slow.
+fp32/fp64 operands (2x/4x the bytes) and the kernels staging several operands per step (SwiGLU forward: two weight
+tiles; dgrad with an activation: g and z, or g, gate and up for SwiGLU) overflow with the big tiles: the pruner drops
+those, and a 64x64x32 two-stage config in each family fits every kernel and dtype. 128x128 tiles use 8 warps: with
+4, the fused epilogues (GELU, main_grad accumulation) spill (seen in ptxas -v, tests/test_kernels_compile.py).
 
 Kernels holding two fp32 accumulators (SwiGLU forward) or doing fp32 elementwise work in the prologue (dgrad with an
 activation) get the subset with BLOCK_M·BLOCK_N ≤ 128·128: a 128×256 fp32 tile is already 128 registers/thread at
@@ -38,21 +42,28 @@ HOPPER_CONFIGS = [
     _cfg(128, 256, 64, 8, 3),
     _cfg(256, 128, 64, 8, 3),
     _cfg(128, 128, 64, 8, 4),
-    _cfg(128, 128, 64, 4, 4),
+    _cfg(128, 128, 64, 8, 3),
     _cfg(64, 128, 64, 4, 4),
     _cfg(128, 64, 64, 4, 4),
+    _cfg(64, 64, 32, 4, 2),  # the fallback that fits every dtype and kernel (fp64 dgrad-swiglu: 160 KB)
 ]
 
 AMPERE_CONFIGS = [
     _cfg(128, 256, 32, 8, 3),
     _cfg(256, 128, 32, 8, 3),
-    _cfg(128, 128, 32, 4, 4),
+    _cfg(128, 128, 32, 8, 4),
     _cfg(128, 64, 32, 4, 4),
     _cfg(64, 128, 32, 4, 4),
-    _cfg(64, 64, 32, 4, 5),
+    _cfg(64, 64, 32, 4, 4),
+    _cfg(64, 64, 32, 4, 2),  # the fallback, as above (fits sm80's 163 KB)
 ]
 
 INTERPRETER_CONFIG = _cfg(32, 32, 32, 4, 1)
+
+# Max dynamic shared memory per block (cudaDevAttrMaxSharedMemoryPerBlockOptin) by compute capability, for when
+# the device cannot be asked (ahead-of-time compilation, tests): H100/B200, A100, and the sm86/sm89 parts.
+_SHARED_BY_CAPABILITY = {(9, 0): 232448, (10, 0): 232448, (8, 0): 166912, (8, 7): 166912}
+_SHARED_DEFAULT = 101376
 
 
 @functools.lru_cache(maxsize=None)
@@ -62,18 +73,48 @@ def _family(device_index):
     return HOPPER_CONFIGS if torch.cuda.get_device_capability(device_index)[0] >= 9 else AMPERE_CONFIGS
 
 
-def prune_to_device_family(configs, named_args, **kwargs):
-    """early_config_prune hook: keep the candidates of the launching GPU's family.
+@functools.lru_cache(maxsize=None)
+def _max_shared(device_index):
+    import torch
+
+    try:
+        return triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"]
+    except Exception:  # noqa: BLE001 - no driver: fall back to the documented figure
+        return _SHARED_BY_CAPABILITY.get(tuple(torch.cuda.get_device_capability(device_index)), _SHARED_DEFAULT)
+
+
+def shared_bytes(config, elem_bytes, a_tiles=1, b_tiles=1):
+    """Pipelined operand staging: every stage holds a_tiles [BLOCK_M, BLOCK_K] and b_tiles [BLOCK_K, BLOCK_N] tiles.
+
+    An upper bound of what Triton allocates (its pipeliner may keep some loads fewer stages deep); it matches the
+    compiled plain GEMM exactly (e.g. bf16 128x256x64, 3 stages: 147456 B).
+    """
+    k = config.kwargs
+    return config.num_stages * elem_bytes * (a_tiles * k["BLOCK_M"] * k["BLOCK_K"] + b_tiles * k["BLOCK_K"] * k["BLOCK_N"])
+
+
+def pruner(operand_tiles=lambda constexprs: (1, 1)):
+    """An early_config_prune hook keeping the launching GPU's family, minus configs whose staging overflows its
+    shared memory for this dtype. `operand_tiles(constexprs) -> (a_tiles, b_tiles)` per pipeline stage.
 
     Chosen at the first launch rather than at import, so importing the kernels never initialises CUDA (a parent
-    process that has touched CUDA cannot fork CUDA workers).
+    process that has touched CUDA cannot fork CUDA workers). Without such pruning fp32/fp64 (2x/4x the bytes) and
+    the many-operand kernels have candidates that cannot launch; if all of a family failed, the autotuner would pick
+    one anyway and the launch would raise OutOfResources.
     """
-    tensor = next((v for v in named_args.values() if hasattr(v, "device") and v.device.type == "cuda"), None)
-    if tensor is None:
-        return configs
-    family = _family(tensor.device.index if tensor.device.index is not None else 0)
-    kept = [c for c in configs if any(c is f for f in family)]
-    return kept or configs
+
+    def prune(configs, named_args, **kwargs):
+        tensor = next((v for v in named_args.values() if hasattr(v, "device") and v.device.type == "cuda"), None)
+        if tensor is None:
+            return configs
+        index = tensor.device.index if tensor.device.index is not None else 0
+        family = [c for c in configs if any(c is f for f in _family(index))] or configs
+        a_tiles, b_tiles = operand_tiles({**named_args, **kwargs})
+        size = functools.partial(shared_bytes, elem_bytes=tensor.dtype.itemsize, a_tiles=a_tiles, b_tiles=b_tiles)
+        limit = _max_shared(index)
+        return [c for c in family if size(c) <= limit] or [min(family, key=size)]
+
+    return prune
 
 
 def matmul_configs(small_tiles=False):

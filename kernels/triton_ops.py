@@ -21,13 +21,20 @@ import triton
 import triton.language as tl
 
 from .activations import act_bwd, act_fwd, swiglu_bwd, swiglu_fwd
-from .configs import INTERPRET, matmul_configs, prune_to_device_family
+from .configs import INTERPRET, matmul_configs, pruner
 from .torch_ops import check_activation
 
 # Launches per kernel name; the tests assert it grows to prove the Triton path ran.
 LAUNCHES = collections.Counter()
 
-_PRUNE = {"early_config_prune": prune_to_device_family}
+def _dgrad_operand_tiles(constexprs):
+    # Per K step the dgrad kernel stages g (and z, or gate and up) besides the weight tile(s).
+    return {"none": (1, 1), "swiglu": (3, 2)}.get(constexprs.get("ACTIVATION", "none"), (2, 1))
+
+
+_PRUNE = {"early_config_prune": pruner()}
+_PRUNE_SWIGLU = {"early_config_prune": pruner(lambda constexprs: (1, 2))}  # gate and up weight tiles
+_PRUNE_DGRAD = {"early_config_prune": pruner(_dgrad_operand_tiles)}
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -94,7 +101,7 @@ def _linear_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, z_ptr, M, N, K,
 
 @triton.autotune(
     configs=matmul_configs(small_tiles=True), key=["M", "F", "K", "HAS_BIAS"],
-    prune_configs_by=_PRUNE)
+    prune_configs_by=_PRUNE_SWIGLU)
 @triton.jit
 def _swiglu_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, z_ptr, M, F, K,
                        stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn, stride_zm, stride_zn,
@@ -138,7 +145,7 @@ def _swiglu_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, z_ptr, M, F, K,
 
 @triton.autotune(
     configs=matmul_configs(small_tiles=True), key=["M", "N", "K", "ACTIVATION", "WRITE_DZ"],
-    prune_configs_by=_PRUNE)
+    prune_configs_by=_PRUNE_DGRAD)
 @triton.jit
 def _linear_dgrad_kernel(g_ptr, z_ptr, w_ptr, dx_ptr, dz_ptr, M, N, K, F,
                          stride_gm, stride_gk, stride_zm, stride_zk, stride_wk, stride_wn,
