@@ -62,6 +62,25 @@ def _dot(a, b, acc, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
     return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
 
 
+@triton.jit
+def _gemm_tile(a_ptr, b_ptr, rows, cols, K, stride_am, stride_ak, stride_bk, stride_bn,
+               ACC_DTYPE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc[BLOCK_M, BLOCK_N] = A[rows, :K] · B[:K, cols], K-masked (rows and cols are already wrapped in bounds)."""
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + cols[None, :] * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC_DTYPE)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_left = K - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+        b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        acc = _dot(a, b, acc, UPCAST, DOT_PRECISION)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    return acc
+
+
 @triton.autotune(
     configs=matmul_configs(), key=["M", "N", "K", "ACTIVATION", "HAS_BIAS"],
     prune_configs_by=_PRUNE)
@@ -75,20 +94,10 @@ def _linear_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, z_ptr, M, N, K,
     pid_m, pid_n = _tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_SIZE_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
     rows = (offs_m % M).to(tl.int64)
     cols = (offs_n % N).to(tl.int64)
-    x_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk
-    w_ptrs = w_ptr + offs_k[:, None] * stride_wk + cols[None, :] * stride_wn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC_DTYPE)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
-        k_left = K - k * BLOCK_K
-        a = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
-        b = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-        acc = _dot(a, b, acc, UPCAST, DOT_PRECISION)
-        x_ptrs += BLOCK_K * stride_xk
-        w_ptrs += BLOCK_K * stride_wk
-
+    acc = _gemm_tile(x_ptr, w_ptr, rows, cols, K, stride_xm, stride_xk, stride_wk, stride_wn,
+                     ACC_DTYPE, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols).to(ACC_DTYPE)[None, :]
     out_m = offs_m.to(tl.int64)[:, None]
@@ -219,20 +228,10 @@ def _linear_wgrad_kernel(dz_ptr, x_ptr, c_ptr, M, N, K,
     pid_m, pid_n = _tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_SIZE_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
     rows = (offs_m % M).to(tl.int64)
     cols = (offs_n % N).to(tl.int64)
-    a_ptrs = dz_ptr + rows[:, None] * stride_dzm + offs_k[None, :] * stride_dzk
-    b_ptrs = x_ptr + offs_k[:, None] * stride_xk + cols[None, :] * stride_xn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC_DTYPE)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
-        k_left = K - k * BLOCK_K
-        a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
-        b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-        acc = _dot(a, b, acc, UPCAST, DOT_PRECISION)
-        a_ptrs += BLOCK_K * stride_dzk
-        b_ptrs += BLOCK_K * stride_xk
-
+    acc = _gemm_tile(dz_ptr, x_ptr, rows, cols, K, stride_dzm, stride_dzk, stride_xk, stride_xn,
+                     ACC_DTYPE, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
     if ACCUMULATE:
