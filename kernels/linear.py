@@ -6,8 +6,9 @@ pre-activation z = x·Wᵀ + b. Recomputing z in the backward would cost a full 
 [tokens, N] activation (the same size as the output), which is the trade Megatron and Liger make too.
 """
 import torch
+import torch.nn.functional as F
 
-from . import ops
+from . import ops, torch_ops
 
 
 def linear(x, weight, bias=None, *, activation=None):
@@ -20,6 +21,9 @@ def linear(x, weight, bias=None, *, activation=None):
     ops.check_activation(activation)
     if x.shape[-1] != weight.shape[-1]:
         raise ValueError(f"x has {x.shape[-1]} features but weight is {tuple(weight.shape)}")
+    if ops.backend_for(x) == "torch" and not hasattr(weight, "main_grad"):
+        # Nothing to fuse or accumulate: autograd's own ops are the same math with less Python per call.
+        return torch_ops.activation_forward(F.linear(x, weight, bias), activation)
     return _LinearFunction.apply(x, weight, bias, activation)
 
 
@@ -31,13 +35,6 @@ def swiglu_linear(x, weight, bias=None):
 def _flatten(t):
     # [..., K] -> [tokens, K]; reshape(-1, K) would be ambiguous for K == 0.
     return t.reshape(t.shape[:-1].numel(), t.shape[-1])
-
-
-def _bias_grad(dz, dtype):
-    # A column sum of dz, kept out of the kernels: it is memory-bound, and a fused version would need atomics
-    # (non-deterministic, and bf16 atomics raise under the interpreter). fp32 accumulation whatever dz's dtype.
-    acc_dtype = torch.float64 if dz.dtype == torch.float64 else torch.float32
-    return dz.sum(0, dtype=acc_dtype).to(dtype)
 
 
 class _LinearFunction(torch.autograd.Function):
@@ -64,5 +61,5 @@ class _LinearFunction(torch.autograd.Function):
             main_grad = getattr(weight, "main_grad", None)
             # With main_grad: accumulated in place (α = β = 1), no low-precision dW, weight.grad stays None.
             grad_w = ops.linear_wgrad(dz, x2d, main_grad=main_grad)
-        grad_b = _bias_grad(dz, ctx.bias_dtype) if need_b else None
+        grad_b = ops.bias_grad(dz, ctx.bias_dtype) if need_b else None
         return (None if grad_x is None else grad_x.view(ctx.x_shape)), grad_w, grad_b, None

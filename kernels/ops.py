@@ -6,6 +6,8 @@ The tensor-parallel layers call only these four functions, so a backend can be s
 import contextlib
 import os
 
+import torch
+
 from . import torch_ops
 from .torch_ops import ACTIVATIONS, check_activation  # noqa: F401
 
@@ -66,6 +68,16 @@ def _impl(x):
         raise RuntimeError(f"kernels backend 'triton' was forced but triton cannot be imported: "
                            f"{_triton_import_error!r}")
     return module
+
+
+def bias_grad(dz, dtype):
+    """Column sum of dz [M, N] accumulated in fp32 (fp64 for fp64), in `dtype`.
+
+    Kept out of the kernels: it is memory-bound, and fusing it would need atomics (non-deterministic, and bf16
+    atomics raise under the interpreter).
+    """
+    acc_dtype = torch.float64 if dz.dtype == torch.float64 else torch.float32
+    return dz.sum(0, dtype=acc_dtype).to(dtype)
 
 
 def backend_for(x):

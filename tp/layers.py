@@ -6,7 +6,6 @@ import math
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
@@ -24,9 +23,8 @@ from .mesh import resolve_group
 
 
 class _ParallelLinearFn(torch.autograd.Function):
-    """act(x Wᵀ + b) on the local shard, with the column layer's input collectives fused in for overlap.
+    """act(x Wᵀ + b) on the local shard with the column layer's input collective fused in, for overlap.
 
-    comm = None: no communication (row-parallel use, or a one-rank group).
     comm = "all-reduce": forward identity · backward all-reduce(dx), overlapped with the wgrad matmul.
     comm = "sequence": forward all-gather(x, dim 0) · backward reduce-scatter(dx, dim 0), overlapped with
     wgrad; the full input is re-gathered in backward rather than saved (Megatron's memory trade).
@@ -64,21 +62,17 @@ class _ParallelLinearFn(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             main_grad = getattr(weight, "main_grad", None)
             dw = kernels.linear_wgrad(dz, x_total.reshape(-1, x_total.shape[-1]), main_grad=main_grad)
-        db = dz.sum(0, dtype=torch.float32).to(dz.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        db = kernels.ops.bias_grad(dz, dz.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
         if pending is not None:
             pending.wait()
         return dx, dw, db, None, None, None
 
 
-def _local_linear(x, weight, bias, activation, group, input_comm):
-    """The layers' one entry to the local matmul: _ParallelLinearFn, or plain autograd ops when it would add nothing.
-
-    With no collective to overlap, no main_grad to accumulate into and the torch backend, autograd's own
-    linear + activation are the same math with less Python per step (what nn.Linear costs).
-    """
-    if input_comm is None and not hasattr(weight, "main_grad") and kernels.ops.backend_for(x) == "torch":
-        return kernels.torch_ops.activation_forward(F.linear(x, weight, bias), activation)
-    return _ParallelLinearFn.apply(x, weight, bias, activation, group, input_comm)
+def _local_linear(x, weight, bias, activation, group, comm):
+    """The layers' one entry to the local matmul: kernels.linear, or _ParallelLinearFn when a collective rides along."""
+    if comm is None:
+        return kernels.linear(x, weight, bias, activation=activation)
+    return _ParallelLinearFn.apply(x, weight, bias, activation, group, comm)
 
 
 def _default_weight_init(weight):
