@@ -73,11 +73,11 @@ def _worker(rank, world_size, store_path, tasks, results):
     import tp  # noqa: F401  (after the process group, so import errors surface as task errors below)
 
     while (task := tasks.get()) is not None:
-        module, qualname, kwargs = task
+        task_id, module, qualname, kwargs = task
         try:
-            results.put((rank, True, _resolve(module, qualname)(**kwargs)))
+            results.put((task_id, rank, True, _resolve(module, qualname)(**kwargs)))
         except BaseException:  # noqa: BLE001 - reported to the parent, which fails the test
-            results.put((rank, False, traceback.format_exc()))
+            results.put((task_id, rank, False, traceback.format_exc()))
         finally:
             tp.destroy_mesh()
 
@@ -102,13 +102,15 @@ class WorkerPool:
         for p in self._procs:
             p.start()
         self.broken = False
+        self._task_id = 0
 
     def run(self, fn, kwargs=None, *, timeout=DEFAULT_TIMEOUT):
         """Run fn(**kwargs) on every rank; returns the per-rank results in rank order."""
         __tracebackhide__ = True  # pytest shows the ranks' tracebacks, not this loop
         fn = getattr(fn, "__wrapped__", fn)
+        self._task_id += 1
         for q in self._tasks:
-            q.put((fn.__module__, fn.__qualname__, kwargs or {}))
+            q.put((self._task_id, fn.__module__, fn.__qualname__, kwargs or {}))
         outcome, deadline = {}, time.monotonic() + timeout
         while len(outcome) < self.world_size:
             failed = any(not ok for ok, _ in outcome.values())
@@ -118,8 +120,9 @@ class WorkerPool:
             if now >= deadline:
                 break
             try:
-                rank, ok, value = self._results.get(timeout=min(1.0, deadline - now))
-                outcome[rank] = (ok, value)
+                task_id, rank, ok, value = self._results.get(timeout=min(1.0, deadline - now))
+                if task_id == self._task_id:  # never mistake a late answer to an earlier call for this one
+                    outcome[rank] = (ok, value)
             except queue.Empty:
                 dead = [r for r, p in enumerate(self._procs) if not p.is_alive() and r not in outcome]
                 for r in dead:
