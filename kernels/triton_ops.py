@@ -59,7 +59,8 @@ def _dot(a, b, acc, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
     if UPCAST:
         a = a.to(tl.float32)
         b = b.to(tl.float32)
-    return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+    # out_dtype spelled out: Triton 3.6 defaults it to fp32 and rejects an fp64 accumulator (3.9 infers it).
+    return tl.dot(a, b, acc, input_precision=DOT_PRECISION, out_dtype=acc.dtype)
 
 
 @triton.jit
