@@ -40,12 +40,13 @@ def _flatten(t):
 class _LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, activation):
+        ctx.main_grad = getattr(weight, "main_grad", None)  # on the parameter, not on an autocast copy of it
+        ctx.x_shape, ctx.bias_dtype = x.shape, None if bias is None else bias.dtype
+        x, weight, bias = ops.autocast_operands(x, weight, bias)
         x2d = _flatten(x)
         y, preact = ops.linear_forward(x2d, weight, bias, activation)
         ctx.save_for_backward(x2d, weight, preact)
         ctx.activation = activation
-        ctx.x_shape = x.shape
-        ctx.bias_dtype = None if bias is None else bias.dtype
         return y.view(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
@@ -53,13 +54,10 @@ class _LinearFunction(torch.autograd.Function):
     def backward(ctx, grad_y):
         x2d, weight, preact = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        grad_2d = _flatten(grad_y)
+        grad_2d = _flatten(grad_y).to(weight.dtype)
         # dz (= grad through the activation) comes back even without dx: wgrad and dbias reuse it.
         grad_x, dz = ops.linear_dgrad(grad_2d, weight, preact, ctx.activation, need_input_grad=need_x)
-        grad_w = None
-        if need_w:
-            main_grad = getattr(weight, "main_grad", None)
-            # With main_grad: accumulated in place (α = β = 1), no low-precision dW, weight.grad stays None.
-            grad_w = ops.linear_wgrad(dz, x2d, main_grad=main_grad)
+        # With main_grad: accumulated in place (α = β = 1), no low-precision dW, weight.grad stays None.
+        grad_w = ops.linear_wgrad(dz, x2d, main_grad=ctx.main_grad) if need_w else None
         grad_b = ops.bias_grad(dz, ctx.bias_dtype) if need_b else None
         return (None if grad_x is None else grad_x.view(ctx.x_shape)), grad_w, grad_b, None

@@ -3,7 +3,6 @@
 The tensor-parallel layers call only these four functions, so a backend can be swapped without touching them.
 `use_backend("torch" | "triton" | "auto")` overrides the choice (also via the env var TP_KERNELS_BACKEND).
 """
-import contextlib
 import os
 
 import torch
@@ -23,17 +22,43 @@ def get_backend():
     return _backend
 
 
-@contextlib.contextmanager
-def use_backend(name):
-    """Temporarily force the backend ("auto", "torch" or "triton")."""
-    global _backend
-    if name not in _BACKENDS:
-        raise ValueError(f"unknown kernels backend {name!r}; expected one of {_BACKENDS}")
-    previous, _backend = _backend, name
-    try:
-        yield
-    finally:
-        _backend = previous
+class use_backend:
+    """Force the backend ("auto", "torch" or "triton"): `kernels.use_backend("torch")` sets it from now on;
+    `with kernels.use_backend("triton"): ...` sets it for the block and restores the previous one after."""
+
+    def __init__(self, name):
+        global _backend
+        if name not in _BACKENDS:
+            raise ValueError(f"unknown kernels backend {name!r}; expected one of {_BACKENDS}")
+        self.previous, _backend = _backend, name
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        global _backend
+        _backend = self.previous
+
+
+def autocast_operands(x, weight, bias=None):
+    """Under torch.autocast, (x, weight, bias) cast to the autocast dtype, as F.linear would compute; else as given.
+
+    The Functions call this inside forward: the weight's gradient is then computed in the autocast dtype and
+    autograd casts it back to the parameter's dtype (main_grad, if any, still accumulates in fp32).
+    """
+    device = x.device.type
+    if not torch.is_autocast_enabled(device):
+        return x, weight, bias
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(t if t is None or t.dtype == dtype else t.to(dtype) for t in (x, weight, bias))
+
+
+def check_main_grad(main_grad, weight_shape, device):
+    """main_grad must be an fp32 (or fp64) buffer shaped like the weight, on its device."""
+    if tuple(main_grad.shape) != tuple(weight_shape) or main_grad.device != device or \
+            main_grad.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"main_grad must be an fp32/fp64 tensor of shape {tuple(weight_shape)} on {device}, "
+                         f"got {tuple(main_grad.shape)} {main_grad.dtype} on {main_grad.device}")
 
 
 _triton_ops = None
@@ -94,4 +119,6 @@ def linear_dgrad(grad_out, weight, preact=None, activation=None, *, need_input_g
 
 
 def linear_wgrad(dz, x, *, main_grad=None):
+    if main_grad is not None:
+        check_main_grad(main_grad, (dz.shape[1], x.shape[1]), dz.device)
     return _impl(dz).linear_wgrad(dz, x, main_grad=main_grad)

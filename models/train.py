@@ -98,9 +98,11 @@ def train(args):
     start = time.perf_counter()
     for step in range(args.steps):
         x, y = batch(args, step, mesh)
-        loss = F.mse_loss(ddp(shard(x)), shard(y))
+        loss = F.mse_loss(ddp(shard(x)), shard(y))  # SP: the mean over this rank's sequence chunk
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        # The serial loss is the mean over all chunks: each tp rank backpropagates its 1/tp share (the TP
+        # collectives sum the shares), else every gradient would be tp times too large.
+        (loss / mesh.tp_size if args.sequence_parallel else loss).backward()
         tp.allreduce_sequence_parallel_grads(model)
         opt.step()
         reported = loss.detach().clone()

@@ -216,9 +216,14 @@ def test_backend_dispatch():
         assert ops._impl(x.to(torch.int32)) is torch_ops
     with kernels.use_backend("torch"):
         assert ops._impl(x) is torch_ops
-    with pytest.raises(ValueError):
-        with kernels.use_backend("cuda"):
-            pass
+    assert kernels.get_backend() == "triton"  # restored after the block
+    with pytest.raises(ValueError, match="unknown kernels backend 'cuda'"):
+        kernels.use_backend("cuda")  # rejected at the call, not only on entering a with-block
+    kernels.use_backend("torch")  # a plain call sets the backend from now on
+    try:
+        assert kernels.get_backend() == "torch" and ops._impl(x) is torch_ops
+    finally:
+        kernels.use_backend("triton")
 
 
 def test_invalid_arguments():

@@ -223,6 +223,8 @@ def test_from_linear_keeps_dtype_and_repr_shows_sharding():
     assert "shard=dim1 (local weight 10x3)" in repr(row) and "input_is_parallel=True" in repr(row)
     x = torch.randn(3, 6, dtype=torch.float64)
     assert_close(col(x), dense(x), 1e-12, "float64 column output")  # drops into nn.Linear code: [..., h] works
+    as_fp32 = tp.ColumnParallelLinear.from_linear(dense, dtype=torch.float32)  # options override the linear's
+    assert as_fp32.weight.dtype == torch.float32 and torch.equal(as_fp32.weight, dense.weight.float().chunk(2)[tp.get_mesh().tp_rank])
 
 
 @distributed(world_size=2)
@@ -246,6 +248,14 @@ def test_bad_layer_arguments_raise_on_every_rank():
         tp.RowParallelLinear(4, 8)(torch.zeros(3, 4))
     with pytest.raises(ValueError, match="input dtype torch.float64 != weight dtype torch.float32"):
         tp.ColumnParallelLinear(4, 8)(torch.zeros(3, 4, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"master bias shape \(1,\) != \(8,\)"):
+        tp.RowParallelLinear(4, 8).load_master(torch.zeros(8, 4), torch.zeros(1))
+    with pytest.raises(ValueError, match=r"sequence_parallel ColumnParallelLinear needs \[s, b, h\].*got shape \(4,\)"):
+        tp.ColumnParallelLinear(4, 8, sequence_parallel=True)(torch.zeros(4))
+    layer = tp.ColumnParallelLinear(4, 8)
+    layer.weight.main_grad = torch.zeros(4, 4, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"main_grad must be an fp32/fp64 tensor of shape \(4, 4\).*bfloat16"):
+        layer(torch.ones(2, 4, requires_grad=True)).sum().backward()
 
 
 def test_layers_without_mesh_or_group_raise():
@@ -331,3 +341,33 @@ def test_sequence_parallel_column_saves_only_its_input_shard():
     assert (3, 2, 8) in saved and (6, 2, 8) not in saved and (12, 8) not in saved, saved
     y.sum().backward()
     assert x.grad.shape == (3, 2, 8)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+@pytest.mark.parametrize("tp_size", [1, 2])
+@distributed(world_size=2)
+def test_mlp_under_autocast_matches_dense(tp_size, sequence_parallel):
+    """torch.autocast(bf16): the layers compute in bf16 like nn.Linear; fp32 parameters get fp32 gradients."""
+    mesh = tp.init_mesh(tp=tp_size)
+    dense = DenseMLP("gelu", seed=6)
+    model = ParallelMLP(dense, sequence_parallel=sequence_parallel, fused=True)
+    model.fc1.weight.main_grad = torch.zeros_like(model.fc1.weight)  # and main_grad still accumulates in fp32
+    x_full = _x(mesh, HIDDEN)
+    shard = seq if sequence_parallel else full
+    x = shard(x_full, mesh.tp_rank, tp_size).clone().requires_grad_()
+    x_full.requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, y_dense = model(x), dense(x_full)
+    assert y.dtype == y_dense.dtype == torch.bfloat16
+    y.float().square().sum().backward()
+    y_dense.float().square().sum().backward()
+    tp.allreduce_sequence_parallel_grads(model)
+    if sequence_parallel:
+        assert x.grad.dtype == torch.float32
+    rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()  # noqa: E731
+    assert rel(y, shard(y_dense, mesh.tp_rank, tp_size)) < 2e-2
+    assert rel(x.grad, shard(x_full.grad, mesh.tp_rank, tp_size)) < 3e-2
+    assert model.fc1.weight.grad is None and model.fc1.weight.main_grad.dtype == torch.float32
+    assert rel(model.fc1.weight.main_grad, slice_of(dense.fc1.weight.grad, 0, mesh.tp_rank, tp_size)) < 3e-2
+    assert model.fc2.weight.grad.dtype == torch.float32
+    assert rel(model.fc2.weight.grad, slice_of(dense.fc2.weight.grad, 1, mesh.tp_rank, tp_size)) < 3e-2

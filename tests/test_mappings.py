@@ -30,6 +30,9 @@ CASES = {
     "gather_from_sp_region": (
         tp.gather_from_sp_region, lambda p: (S, B, H), lambda x, r, p: torch.cat(x, 0),
         lambda g, r, p: sum(g).chunk(p, 0)[r], ("all_gather", "reduce_scatter"), False),
+    "gather_from_sp_region(tensor_parallel_output_grad=False)": (
+        lambda x: tp.gather_from_sp_region(x, tensor_parallel_output_grad=False), lambda p: (S, B, H),
+        lambda x, r, p: torch.cat(x, 0), lambda g, r, p: g[0].chunk(p, 0)[r], ("all_gather", None), False),
     "reduce_scatter_to_sp_region": (
         tp.reduce_scatter_to_sp_region, lambda p: (S * p, B, H), lambda x, r, p: sum(x).chunk(p, 0)[r],
         lambda g, r, p: torch.cat(g, 0), ("reduce_scatter", "all_gather"), False),
@@ -48,7 +51,8 @@ def test_mapping(name, tp_size):
     x = noncontiguous(xs[r]).requires_grad_()
     y, fwd = comm_counts(lambda: fn(x))
     assert_close(y, expect_out(xs, r, p), atol=1e-12, what="forward")
-    out_replicated = name in ("reduce_from_tp_region", "gather_from_tp_region")
+    out_replicated = name in ("reduce_from_tp_region", "gather_from_tp_region",
+                              "gather_from_sp_region(tensor_parallel_output_grad=False)")
     gs = [randn(*y.shape, seed=7 + 100 * mesh.dp_rank + (0 if out_replicated else q)) for q in range(p)]
     _, bwd = comm_counts(lambda: y.backward(noncontiguous(gs[r])))
     assert_close(x.grad, expect_grad(gs, r, p), atol=1e-12, what="input grad")

@@ -37,3 +37,15 @@ def test_fork_without_seed_raises():
     with pytest.raises(RuntimeError, match="is not tracked"):
         with tp.fork_rng():
             pass
+
+
+@distributed(world_size=4)
+def test_pipeline_stages_get_their_own_streams():
+    mesh = tp.init_mesh(tp=2, pp=2)
+    tp.model_parallel_seed(7)
+    replicated = torch.rand(16)
+    with tp.fork_rng():
+        sharded = torch.rand(16)
+    reps, shards = _gather(replicated, mesh.pp_group), _gather(sharded, mesh.pp_group)
+    assert not torch.equal(reps[0], reps[1]) and not torch.equal(shards[0], shards[1])  # stages differ
+    assert torch.equal(_gather(replicated, mesh.tp_group)[0], _gather(replicated, mesh.tp_group)[1])

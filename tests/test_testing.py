@@ -20,6 +20,10 @@ def _rank():
     return dist.get_rank()
 
 
+def _unpicklable():
+    return lambda: None
+
+
 def test_failure_on_one_rank_reports_it_and_frees_the_others():
     with pytest.raises(testing.RankError, match=r"failed on ranks \[1\] of 2(.|\n)*ranks \[0\] did not report"
                                                 r"(.|\n)*boom on rank one"):
@@ -31,3 +35,8 @@ def test_hang_times_out():
     with pytest.raises(testing.RankTimeout, match=r"ranks \[0\] of 2 did not finish within 3s"):
         testing.run(_hang_on_rank_zero, world_size=2, timeout=3)
     assert testing.run(_rank, world_size=2) == [0, 1]
+
+
+def test_unpicklable_result_is_reported_not_lost():
+    with pytest.raises(testing.RankError, match=r"failed on ranks \[0, 1\](.|\n)*(pickle|Pickl)"):
+        testing.run(_unpicklable, world_size=2)

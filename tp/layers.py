@@ -32,13 +32,17 @@ class _ParallelLinearFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, activation, group, comm):
+        ctx.main_grad = getattr(weight, "main_grad", None)  # on the parameter, not on an autocast copy of it
+        ctx.has_bias = bias is not None
+        x, weight, bias = kernels.ops.autocast_operands(x, weight, bias)  # cast before gathering: half the bytes
         x_total = gather_first(x, group) if comm == "sequence" else x  # [s, b, in]
         y, preact = kernels.linear_forward(x_total.reshape(-1, x.shape[-1]), weight, bias, activation)
         ctx.save_for_backward(x, weight, preact)
-        ctx.activation, ctx.group, ctx.comm, ctx.has_bias = activation, group, comm, bias is not None
+        ctx.activation, ctx.group, ctx.comm = activation, group, comm
         return y.view(*x_total.shape[:-1], y.shape[-1])  # [s, b, out/tp]
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
         x, weight, preact = ctx.saved_tensors
         group, comm = ctx.group, ctx.comm
@@ -46,7 +50,7 @@ class _ParallelLinearFn(torch.autograd.Function):
             x_total, gather = gather_first(x, group, async_op=True)
         else:
             x_total, gather = x, None
-        dy = grad_out.reshape(-1, grad_out.shape[-1])  # [s*b, out/tp]
+        dy = grad_out.reshape(-1, grad_out.shape[-1]).to(weight.dtype)  # [s*b, out/tp]
         need_dx = ctx.needs_input_grad[0]
         dx, dz = kernels.linear_dgrad(dy, weight, preact, ctx.activation, need_input_grad=need_dx)
         if gather is not None:
@@ -60,8 +64,7 @@ class _ParallelLinearFn(torch.autograd.Function):
                 dx, pending = reduce_scatter_first(dx, group, async_op=True)  # [s/tp, b, in]
         dw = None
         if ctx.needs_input_grad[1]:
-            main_grad = getattr(weight, "main_grad", None)
-            dw = kernels.linear_wgrad(dz, x_total.reshape(-1, x_total.shape[-1]), main_grad=main_grad)
+            dw = kernels.linear_wgrad(dz, x_total.reshape(-1, x_total.shape[-1]), main_grad=ctx.main_grad)
         db = kernels.ops.bias_grad(dz, dz.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
         if pending is not None:
             pending.wait()
@@ -136,6 +139,8 @@ class _ParallelLinear(nn.Module):
         """Copy this rank's slice of the dense [out, in] weight (and bias) into the local parameters."""
         if tuple(weight.shape) != (self.out_features, self.in_features):
             raise ValueError(f"master weight shape {tuple(weight.shape)} != {(self.out_features, self.in_features)}")
+        if bias is not None and tuple(bias.shape) != (self.out_features,):
+            raise ValueError(f"master bias shape {tuple(bias.shape)} != {(self.out_features,)}")
         self.weight.copy_(_shard(weight, self.shard_dim, self.tp_rank, self.tp_size, self.stride))
         if self.bias is not None and bias is not None:
             if self.shard_dim == 0:
@@ -144,20 +149,21 @@ class _ParallelLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear, **options):
-        """Shard a dense nn.Linear onto this rank (weights, bias, dtype and device follow the linear)."""
+        """Shard a dense nn.Linear onto this rank (dtype and device follow the linear unless given in options)."""
         weight = linear.weight
-        layer = cls(
-            linear.in_features, linear.out_features, linear.bias is not None,
-            dtype=weight.dtype, device=weight.device, _init=False, **options,
-        )
+        options = {"dtype": weight.dtype, "device": weight.device} | options
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, _init=False, **options)
         layer.load_master(weight.detach(), None if linear.bias is None else linear.bias.detach())
         return layer
 
     def _check_input(self, x, features, what):
+        name = type(self).__name__
         if x.shape[-1] != features:
-            raise ValueError(f"input's last dim is {x.shape[-1]}; {type(self).__name__} expects {features} ({what})")
-        if x.dtype != self.weight.dtype:
+            raise ValueError(f"input's last dim is {x.shape[-1]}; {name} expects {features} ({what})")
+        if x.dtype != self.weight.dtype and not torch.is_autocast_enabled(x.device.type):
             raise ValueError(f"input dtype {x.dtype} != weight dtype {self.weight.dtype}")
+        if self.sequence_parallel and x.dim() < 2:
+            raise ValueError(f"sequence_parallel {name} needs [s, b, h] (or [s, h]) input, got shape {tuple(x.shape)}")
 
     def extra_repr(self):
         local = "x".join(map(str, self.weight.shape))
@@ -239,7 +245,7 @@ class RowParallelLinear(_ParallelLinear):
             y = reduce_scatter_to_sp_region(y, self.group)  # [s/tp, b, out]
         else:
             y = _ReduceFromTPInPlace.apply(y, self.group)
-        return y + self.bias if self.bias is not None else y
+        return y + self.bias.to(y.dtype) if self.bias is not None else y  # (autocast: y may be bf16)
 
     def extra_repr(self):
         return f"{super().extra_repr()}, input_is_parallel={self.input_is_parallel}, " \

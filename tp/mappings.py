@@ -4,15 +4,14 @@ Activation layout: [s, b, h] (sequence first, Megatron's), so sequence-parallel 
 and move contiguous memory; tensor-parallel splits and gathers work on the last dim. Every function takes an
 optional `group` (default: the current mesh's tp group) and does no communication when the group has one rank.
 """
-import functools
-
 import torch
 import torch.distributed as dist
 from einops import rearrange
 
 from .mesh import resolve_group
 
-# torch >= 2.13 renames reduce_scatter_tensor; older releases (the GPU machine's 2.11) only have the old name.
+# torch >= 2.13 renames the tensor collectives (*_single); older releases (e.g. 2.11) only have the old names.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
@@ -44,7 +43,7 @@ def gather_last(x, group):
     """Concatenate every rank's x along the last dim."""
     parts = dist.get_world_size(group)
     out = x.new_empty((parts * x.shape[0], *x.shape[1:]))
-    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    _all_gather(out, x.contiguous(), group=group)
     return rearrange(out.view(parts, *x.shape), "p ... h -> ... (p h)").contiguous()
 
 
@@ -58,7 +57,7 @@ def split_first(x, group):
 def gather_first(x, group, *, async_op=False):
     """Concatenate every rank's x along dim 0."""
     out = x.new_empty((dist.get_world_size(group) * x.shape[0], *x.shape[1:]))
-    handle = dist.all_gather_into_tensor(out, x.contiguous(), group=group, async_op=async_op)
+    handle = _all_gather(out, x.contiguous(), group=group, async_op=async_op)
     return (out, handle) if async_op else out
 
 
@@ -85,6 +84,7 @@ class _Mapping(torch.autograd.Function):
         return cls.fwd(x, group)
 
     @classmethod
+    @torch.autograd.function.once_differentiable
     def backward(cls, ctx, grad):
         return cls.bwd(grad, ctx.group), None
 
@@ -99,12 +99,17 @@ def _mapping(name, fwd, bwd):
 
 _CopyToTP = _mapping("_CopyToTP", _identity, all_reduce)
 _ReduceFromTP = _mapping("_ReduceFromTP", all_reduce, _identity)
+def _all_reduce_in_place(x, group):
+    return all_reduce(x, group, inplace=True)
+
+
 # For fresh matmul outputs nobody else holds: reduce in their own storage, no copy.
-_ReduceFromTPInPlace = _mapping("_ReduceFromTPInPlace", functools.partial(all_reduce, inplace=True), _identity)
+_ReduceFromTPInPlace = _mapping("_ReduceFromTPInPlace", _all_reduce_in_place, _identity)
 _ScatterToTP = _mapping("_ScatterToTP", split_last, gather_last)
 _GatherFromTP = _mapping("_GatherFromTP", gather_last, split_last)
 _ScatterToSP = _mapping("_ScatterToSP", split_first, gather_first)
 _GatherFromSP = _mapping("_GatherFromSP", gather_first, reduce_scatter_first)
+_GatherFromSPReplicatedGrad = _mapping("_GatherFromSPReplicatedGrad", gather_first, split_first)
 _ReduceScatterToSP = _mapping("_ReduceScatterToSP", reduce_scatter_first, gather_first)
 
 
@@ -138,9 +143,14 @@ def scatter_to_sp_region(x, group=None):
     return _apply(_ScatterToSP, x, group)
 
 
-def gather_from_sp_region(x, group=None):
-    """forward: all-gather(sequence dim 0) · backward: reduce-scatter(sequence dim 0)."""
-    return _apply(_GatherFromSP, x, group)
+def gather_from_sp_region(x, group=None, *, tensor_parallel_output_grad=True):
+    """forward: all-gather(sequence dim 0) · backward: reduce-scatter(sequence dim 0).
+
+    With tensor_parallel_output_grad=False (the gathered tensor feeds computation replicated on every rank, e.g.
+    a final norm or the loss, so its gradient is already complete on each): backward is split(sequence dim 0).
+    """
+    mapping = _GatherFromSP if tensor_parallel_output_grad else _GatherFromSPReplicatedGrad
+    return _apply(mapping, x, group)
 
 
 def reduce_scatter_to_sp_region(x, group=None):

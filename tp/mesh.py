@@ -135,7 +135,7 @@ class Mesh:
 
     @property
     def device_mesh(self):
-        """A torch DeviceMesh with dims ("pp", "dp", "tp") reordered slowest first, built on this mesh's groups."""
+        """A torch DeviceMesh on this mesh's groups, dims slowest first (reversed `order`: ("pp", "dp", "tp") by default)."""
         if self._device_mesh is None:
             from torch.distributed.device_mesh import DeviceMesh
 
@@ -172,8 +172,9 @@ def _init_default_group(backend, timeout):
 def init_mesh(*, tp=1, pp=1, dp=None, order="tp-dp-pp", backend=None, timeout=datetime.timedelta(minutes=10)):
     """Create every group of the layout once and make the mesh current (used by layers when no group is passed).
 
-    Uses the default process group if one exists, else initialises it from torchrun's environment
-    (gloo on CPU, NCCL on GPU unless `backend` says otherwise); a lone process gets a one-rank group.
+    Uses the default process group if one exists (then `backend` and `timeout` are those it was created with),
+    else initialises it from torchrun's environment (gloo on CPU, NCCL on GPU unless `backend` says otherwise);
+    a lone process gets a one-rank group.
     """
     global _current
     if _current is not None:
@@ -211,12 +212,4 @@ def destroy_mesh():
 def resolve_group(group):
     """`group` itself, or the current mesh's tensor-parallel group when None."""
     return get_mesh().tp_group if group is None else group
-
-
-def group_size(group):
-    return dist.get_world_size(group)
-
-
-def group_rank(group):
-    return dist.get_rank(group)
 

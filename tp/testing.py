@@ -21,6 +21,7 @@ import datetime
 import functools
 import importlib
 import os
+import pickle
 import queue
 import tempfile
 import time
@@ -42,7 +43,7 @@ class RankTimeout(TimeoutError):
     """Some ranks did not finish in time (a hang, usually a collective another rank never joined)."""
 
 
-def backend_for(world_size):
+def _backend(world_size):
     return "nccl" if torch.cuda.device_count() >= world_size else "gloo"
 
 
@@ -62,7 +63,7 @@ def _resolve(module, qualname):
 
 def _worker(rank, world_size, store_path, tasks, results):
     torch.set_num_threads(1)
-    backend = backend_for(world_size)
+    backend = _backend(world_size)
     if backend == "nccl":  # test bodies that build tensors without a device get this rank's GPU
         torch.cuda.set_device(rank)
         torch.set_default_device(f"cuda:{rank}")
@@ -75,11 +76,14 @@ def _worker(rank, world_size, store_path, tasks, results):
     while (task := tasks.get()) is not None:
         task_id, module, qualname, kwargs = task
         try:
-            results.put((task_id, rank, True, _resolve(module, qualname)(**kwargs)))
+            value = _resolve(module, qualname)(**kwargs)
+            pickle.dumps(value)  # fail here, with a traceback, rather than silently in the queue's feeder thread
+            results.put((task_id, rank, True, value))
         except BaseException:  # noqa: BLE001 - reported to the parent, which fails the test
             results.put((task_id, rank, False, traceback.format_exc()))
-        finally:
+        finally:  # the next test starts from a clean rank
             tp.destroy_mesh()
+            torch.set_default_dtype(torch.float32)
 
 
 class WorkerPool:
