@@ -53,6 +53,15 @@ def _tile_coords(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_
 
 
 @triton.jit
+def _tile_offsets(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_SIZE_M: tl.constexpr):
+    """This program's output rows/columns, and the same wrapped into bounds (int64) for unmasked operand loads."""
+    pid_m, pid_n = _tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_SIZE_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return pid_n, offs_m, offs_n, (offs_m % M).to(tl.int64), (offs_n % N).to(tl.int64)
+
+
+@triton.jit
 def _dot(a, b, acc, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
     # The interpreter's bf16 dot is garbage (bf16 is held as uint16): UPCAST is set only when interpreting bf16,
     # never on GPU, where it would push the dot off the tensor-core bf16 path.
@@ -92,11 +101,7 @@ def _linear_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, z_ptr, M, N, K,
                        ACC_DTYPE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        GROUP_SIZE_M: tl.constexpr):
-    pid_m, pid_n = _tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_SIZE_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = (offs_m % M).to(tl.int64)
-    cols = (offs_n % N).to(tl.int64)
+    _, offs_m, offs_n, rows, cols = _tile_offsets(M, N, BLOCK_M, BLOCK_N, GROUP_SIZE_M)
     acc = _gemm_tile(x_ptr, w_ptr, rows, cols, K, stride_xm, stride_xk, stride_wk, stride_wn,
                      ACC_DTYPE, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
     if HAS_BIAS:
@@ -119,12 +124,8 @@ def _swiglu_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, z_ptr, M, F, K,
                        DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, GROUP_SIZE_M: tl.constexpr):
     # Output [M, F]; weight [2F, K] with gate rows [0, F) and up rows [F, 2F).
-    pid_m, pid_n = _tile_coords(tl.program_id(0), M, F, BLOCK_M, BLOCK_N, GROUP_SIZE_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    _, offs_m, offs_n, rows, cols = _tile_offsets(M, F, BLOCK_M, BLOCK_N, GROUP_SIZE_M)
     offs_k = tl.arange(0, BLOCK_K)
-    rows = (offs_m % M).to(tl.int64)
-    cols = (offs_n % F).to(tl.int64)
     x_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk
     wg_ptrs = w_ptr + offs_k[:, None] * stride_wk + cols[None, :] * stride_wn
     wu_ptrs = wg_ptrs + F * stride_wn
@@ -165,12 +166,8 @@ def _linear_dgrad_kernel(g_ptr, z_ptr, w_ptr, dx_ptr, dz_ptr, M, N, K, F,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_SIZE_M: tl.constexpr):
     # GEMM dx[M, N] = dz[M, K] · W[K, N] where N = the linear's in-features and K = its out-features
     # (for swiglu K = F: each step handles gate column k and up column k+F, i.e. weight rows k and k+F).
-    pid_m, pid_n = _tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_SIZE_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid_n, offs_m, offs_n, rows, cols = _tile_offsets(M, N, BLOCK_M, BLOCK_N, GROUP_SIZE_M)
     offs_k = tl.arange(0, BLOCK_K)
-    rows = (offs_m % M).to(tl.int64)
-    cols = (offs_n % N).to(tl.int64)
     g_ptrs = g_ptr + rows[:, None] * stride_gm + offs_k[None, :] * stride_gk
     z_ptrs = z_ptr + rows[:, None] * stride_zm + offs_k[None, :] * stride_zk
     w_ptrs = w_ptr + offs_k[:, None] * stride_wk + cols[None, :] * stride_wn
@@ -226,11 +223,7 @@ def _linear_wgrad_kernel(dz_ptr, x_ptr, c_ptr, M, N, K,
                          DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, GROUP_SIZE_M: tl.constexpr):
     # GEMM dW[M, N] = dzᵀ[M, K] · x[K, N] where M = out-features, N = in-features, K = tokens.
-    pid_m, pid_n = _tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_SIZE_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = (offs_m % M).to(tl.int64)
-    cols = (offs_n % N).to(tl.int64)
+    _, offs_m, offs_n, rows, cols = _tile_offsets(M, N, BLOCK_M, BLOCK_N, GROUP_SIZE_M)
     acc = _gemm_tile(dz_ptr, x_ptr, rows, cols, K, stride_dzm, stride_dzk, stride_xk, stride_xn,
                      ACC_DTYPE, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
