@@ -135,3 +135,17 @@ def test_init_mesh_single_process_without_launcher(monkeypatch):
     finally:
         tp.destroy_mesh()
     assert not dist.is_initialized()  # the mesh created the default group, so it destroyed it too
+
+
+@distributed(world_size=4)
+def test_destroy_mesh_can_keep_groups_for_the_next_mesh():
+    mesh = tp.init_mesh(tp=2)
+    tp_group, dp_group = mesh.tp_group, mesh.dp_group
+    tp.destroy_mesh(keep_groups=True)
+    again = tp.init_mesh(tp=2)
+    assert again.tp_group is tp_group and again.dp_group is dp_group  # reused, not re-created
+    out = torch.zeros(2, dtype=torch.int64)
+    dist.all_gather_into_tensor(out, torch.tensor([dist.get_rank()]), group=again.tp_group)
+    assert out.tolist() == again.ranks("tp")  # and still working
+    tp.destroy_mesh()  # without keep_groups they are destroyed: the next mesh creates new ones
+    assert tp.init_mesh(tp=2).tp_group is not tp_group

@@ -15,6 +15,9 @@ AXES = ("tp", "dp", "pp")
 COMPOSITES = ("tp-pp", "tp-dp")
 
 _current = None
+# Process groups kept by destroy_mesh(keep_groups=True) for the next init_mesh, keyed by their ranks, valid while
+# the default group they were made under (the first entry) lives.
+_kept_groups = [None, {}]
 
 
 def _parse_order(order):
@@ -81,16 +84,25 @@ class Mesh:
         self._owns_default_group = owns_default_group
         table = layout(self.world_size, tp=tp, pp=pp, dp=self.sizes["dp"], order=order)
         table["embedding"] = [_embedding_ranks(g) for g in table["pp"]]
+        if _kept_groups[0] is not dist.group.WORLD:
+            _kept_groups[:] = [dist.group.WORLD, {}]
+        kept = _kept_groups[1]
         self._ranks, self._groups, created = {}, {}, {}
-        # new_group is collective over the world: every rank creates every group, in the same order.
+        # new_group is collective over the world: every rank creates every group, in the same order (and every
+        # rank has kept the same groups, since all of them ran the same init/destroy calls).
         for name, groups in table.items():
             for ranks in groups:
                 key = tuple(ranks)
                 if key not in created:
-                    created[key] = dist.group.WORLD if len(ranks) == self.world_size else dist.new_group(list(ranks))
+                    if len(ranks) == self.world_size:
+                        created[key] = dist.group.WORLD
+                    elif key in kept:
+                        created[key] = kept.pop(key)
+                    else:
+                        created[key] = dist.new_group(list(ranks))
                 if self.rank in ranks:
                     self._ranks[name], self._groups[name] = list(ranks), created[key]
-        self._created = [g for g in created.values() if g is not dist.group.WORLD]
+        self._created = {k: g for k, g in created.items() if g is not dist.group.WORLD}
         self._device_mesh = None
 
     def _check(self, axis):
@@ -151,10 +163,13 @@ class Mesh:
         coords = ", ".join(f"{a}={self.local_rank(a)}/{self.sizes[a]}" for a in self.order)
         return f"Mesh(rank={self.rank}/{self.world_size}, order={'-'.join(self.order)!r}, {coords})"
 
-    def destroy(self):
-        for group in self._created:
-            dist.destroy_process_group(group)
-        self._created, self._groups = [], {}
+    def destroy(self, keep_groups=False):
+        if keep_groups and not self._owns_default_group:
+            _kept_groups[1].update(self._created)
+        else:
+            for group in self._created.values():
+                dist.destroy_process_group(group)
+        self._created, self._groups = {}, {}
         if self._owns_default_group:
             dist.destroy_process_group()
 
@@ -201,11 +216,15 @@ def get_mesh():
     return _current
 
 
-def destroy_mesh():
-    """Destroy the current mesh's groups (and the default group if init_mesh created it)."""
+def destroy_mesh(*, keep_groups=False):
+    """Destroy the current mesh's groups (and the default group if init_mesh created it).
+
+    keep_groups=True keeps the process groups for a later init_mesh that needs the same rank lists (creating
+    groups is the slow part; the test harness reuses them across tests, as a training job would keep them).
+    """
     global _current
     if _current is not None:
-        _current.destroy()
+        _current.destroy(keep_groups=keep_groups)
         _current = None
 
 
