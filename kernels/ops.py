@@ -63,7 +63,7 @@ def check_main_grad(main_grad, weight_shape, device):
 
 _triton_ops = None
 _triton_import_error = None
-_TRITON_DTYPES = ("float16", "bfloat16", "float32", "float64")
+TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # what the kernels cover
 
 
 def _load_triton_ops():
@@ -87,7 +87,7 @@ def _impl(x):
     if _backend == "auto":
         # Dtypes the kernels do not cover, and CPU tensors when TRITON_INTERPRET was set only after
         # kernels.triton_ops had been imported (its kernels were then built for a GPU), stay on torch.
-        usable = module is not None and str(x.dtype).removeprefix("torch.") in _TRITON_DTYPES
+        usable = module is not None and x.dtype in TRITON_DTYPES
         return module if usable and (x.is_cuda or module.INTERPRET) else torch_ops
     if module is None:
         raise RuntimeError(f"kernels backend 'triton' was forced but triton cannot be imported: "

@@ -22,6 +22,7 @@ import triton.language as tl
 
 from .activations import act_bwd, act_fwd, swiglu_bwd, swiglu_fwd
 from .configs import INTERPRET, matmul_configs, pruner
+from .ops import TRITON_DTYPES
 from .torch_ops import check_activation
 
 # Launches per kernel name; the tests assert it grows to prove the Triton path ran.
@@ -35,7 +36,6 @@ def _dgrad_operand_tiles(constexprs):
 _PRUNE = {"early_config_prune": pruner()}
 _PRUNE_SWIGLU = {"early_config_prune": pruner(lambda constexprs: (1, 2))}  # gate and up weight tiles
 _PRUNE_DGRAD = {"early_config_prune": pruner(_dgrad_operand_tiles)}
-_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 @triton.jit
@@ -276,8 +276,8 @@ def _flags(dtype):
 
 def _check_operands(*tensors):
     dtype = tensors[0].dtype
-    if dtype not in _SUPPORTED_DTYPES:
-        raise TypeError(f"Triton linear kernels support {_SUPPORTED_DTYPES}, got {dtype}")
+    if dtype not in TRITON_DTYPES:
+        raise TypeError(f"Triton linear kernels support {TRITON_DTYPES}, got {dtype}")
     for t in tensors:
         if t.dim() != 2:
             raise ValueError(f"expected 2-D operands, got shape {tuple(t.shape)}")
