@@ -371,3 +371,66 @@ def test_mlp_under_autocast_matches_dense(tp_size, sequence_parallel):
     assert rel(model.fc1.weight.main_grad, slice_of(dense.fc1.weight.grad, 0, mesh.tp_rank, tp_size)) < 3e-2
     assert model.fc2.weight.grad.dtype == torch.float32
     assert rel(model.fc2.weight.grad, slice_of(dense.fc2.weight.grad, 1, mesh.tp_rank, tp_size)) < 3e-2
+
+
+@pytest.mark.parametrize("tp_size", [2, 4])
+@distributed(world_size=4)
+def test_fused_parts_with_layer_internal_collectives_keep_the_dense_order(tp_size):
+    """stride / unequal fused parts with gather_output (column) or a full input (row): dense order in and out."""
+    mesh = tp.init_mesh(tp=tp_size)
+    for options in (dict(stride=2), dict(stride=3), dict(parts=(8, 4, 4))):
+        dense = dense_linear(7, 16 if "parts" in options else 24, True, seed=6)
+        col = tp.ColumnParallelLinear.from_linear(dense, gather_output=True, **options)
+        fwd, bwd = run_both(mesh, col, dense, _x(mesh, 7), full, full, seq_len=S * tp_size)
+        assert fwd[ALL_GATHER] == 1 and bwd[ALL_REDUCE] == 1, (fwd, bwd)
+        dense = dense_linear(16 if "parts" in options else 24, 5, True, seed=7)
+        row = tp.RowParallelLinear.from_linear(dense, input_is_parallel=False, **options)
+        fwd, bwd = run_both(mesh, row, dense, _x(mesh, dense.in_features), full, full, seq_len=S * tp_size)
+        assert fwd[ALL_REDUCE] == 1 and bwd[ALL_GATHER] == 1, (fwd, bwd)
+        assert_close(row.weight.grad, row.shard_dense(dense.weight.grad), ATOL, f"row weight grad {options}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+@distributed(world_size=2)
+def test_master_weight_is_drawn_in_the_layer_dtype(dtype):
+    mesh = tp.init_mesh(tp=2)
+    for cls, dim in ((tp.ColumnParallelLinear, 0), (tp.RowParallelLinear, 1)):
+        torch.manual_seed(3)
+        layer = cls(24, 12, dtype=dtype)
+        torch.manual_seed(3)
+        dense = nn.Linear(24, 12, dtype=dtype)
+        assert torch.equal(layer.weight, dense.weight.detach().chunk(2, dim)[mesh.tp_rank])
+        assert torch.equal(layer.bias, dense.bias.detach().chunk(2)[mesh.tp_rank] if dim == 0 else dense.bias.detach())
+
+
+@distributed(world_size=4)
+def test_main_grad_under_ddp_is_refused_and_reduced_by_allreduce_main_grads():
+    """DDP reduces .grad, never main_grad: refuse loudly; tp.allreduce_main_grads is the supported reducer."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    mesh = tp.init_mesh(tp=2)  # dp = 2
+    x = torch.full((2, 4), float(mesh.dp_rank + 1))  # replica d feeds d + 1: dW = 2(d + 1), mean over dp = 3
+    torch.manual_seed(0)
+    layer = tp.ColumnParallelLinear(4, 4)
+    layer.weight.main_grad = torch.zeros_like(layer.weight)
+    with pytest.raises(ValueError, match=r"weight\.main_grad.*DistributedDataParallel.*tp\.allreduce_main_grads"):
+        DistributedDataParallel(layer, process_group=mesh.dp_group)(x)
+    tp.ddp_ignore_main_grads(layer)  # DDP keeps the bias; the weight's main_grad is ours to reduce
+    ddp = DistributedDataParallel(layer, process_group=mesh.dp_group)
+    ddp(x).sum().backward()
+    tp.allreduce_main_grads(layer, mesh.dp_group)
+    assert layer.weight.grad is None and torch.all(layer.weight.main_grad == 3.0), layer.weight.main_grad
+    assert torch.all(layer.bias.grad == 2.0)  # DDP's mean of 2 tokens on each replica
+
+
+@distributed(world_size=2)
+def test_in_place_reduce_marks_its_input_dirty():
+    """A tensor saved for backward and then reduced in place must make backward fail, never give wrong grads."""
+    from tp.mappings import _ReduceFromTPInPlace
+
+    mesh = tp.init_mesh(tp=2)
+    w = torch.ones(3, requires_grad=True)
+    y = w.exp()  # exp saves its output for backward
+    z = _ReduceFromTPInPlace.apply(y, mesh.tp_group)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        z.sum().backward()

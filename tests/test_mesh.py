@@ -71,6 +71,9 @@ def test_layout_invariants(world_size, order):
     (dict(world_size=8, tp=2, pp=2, dp=3), r"tp\*dp\*pp=2\*3\*2=12 does not equal world_size=8"),
     (dict(world_size=8, tp=0), r"tp=0 must be an integer >= 1"),
     (dict(world_size=8, pp=-2), r"pp=-2 must be an integer >= 1"),
+    (dict(world_size=8, tp=True), r"tp=True must be an integer >= 1"),  # bools are ints to Python, not to us
+    (dict(world_size=8, tp=2.0), r"tp=2.0 must be an integer >= 1"),
+    (dict(world_size=8, tp=2, dp=False), r"dp=False must be an integer >= 1"),
     (dict(world_size=4, order="tp-dp-xp"), r"order='tp-dp-xp' .*unknown: \['xp'\], missing: \['pp'\]"),
     (dict(world_size=4, order="tp-dp"), r"missing: \['pp'\]"),
     (dict(world_size=4, order="tp-tp-dp-pp"), r"repeated: \['tp'\]"),

@@ -49,3 +49,35 @@ def test_pipeline_stages_get_their_own_streams():
     reps, shards = _gather(replicated, mesh.pp_group), _gather(sharded, mesh.pp_group)
     assert not torch.equal(reps[0], reps[1]) and not torch.equal(shards[0], shards[1])  # stages differ
     assert torch.equal(_gather(replicated, mesh.tp_group)[0], _gather(replicated, mesh.tp_group)[1])
+
+
+def _dropout_in_tp_region(x, w):
+    h = x @ w
+    with tp.fork_rng():
+        h = F.dropout(h, p=0.5)
+    return torch.tanh(h) @ w
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+@distributed(world_size=2)
+def test_checkpoint_recomputes_the_same_tp_dropout_mask(use_reentrant):
+    """Plain torch.utils.checkpoint restores the default generators only; the tp stream must survive it too."""
+    mesh = tp.init_mesh(tp=2)
+    g = torch.Generator().manual_seed(0)
+    x0, w0 = torch.randn(16, 16, generator=g, dtype=torch.float64), torch.randn(16, 16, generator=g, dtype=torch.float64)
+
+    def grads(recompute):
+        tp.model_parallel_seed(3)
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        for _ in range(2):  # the tracked stream has advanced before the second checkpointed call
+            if recompute:
+                out = torch.utils.checkpoint.checkpoint(_dropout_in_tp_region, x, w, use_reentrant=use_reentrant)
+            else:
+                out = _dropout_in_tp_region(x, w)
+            out.square().sum().backward()
+        return out.detach(), x.grad, w.grad
+
+    for plain, recomputed in zip(grads(False), grads(True)):
+        assert torch.equal(plain, recomputed)
+    shards = _gather(grads(False)[1], mesh.tp_group)
+    assert not torch.equal(shards[0], shards[1])  # still a different mask per tp rank
