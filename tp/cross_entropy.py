@@ -1,0 +1,117 @@
+"""Vocabulary-parallel cross-entropy on [..., V/tp] logits: the full-vocab logits are never gathered.
+
+Forward: two all-reduces on [tokens]-sized tensors (the max logit; then the sum of exps, the target logit and,
+for label smoothing, the sum of logits, stacked into one). Backward: local, softmax − smoothed one-hot.
+"""
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .mesh import resolve_group
+
+REDUCTIONS = ("mean", "sum", "none")
+
+
+def _all_reduce(x, group, op=dist.ReduceOp.SUM):
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(x, op=op, group=group)
+    return x
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token loss [...] from this rank's logits [..., V/tp] (0 where ignored); the input is never modified."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, label_smoothing, ignore_index, vocab_size, group):
+        per_rank = logits.shape[-1]
+        vocab_start = dist.get_rank(group) * per_rank
+        real = max(0, min(per_rank, vocab_size - vocab_start))  # columns past vocab_size are padding
+        x = logits[..., :real]  # [..., v] a view: padding columns never win the softmax nor count in smoothing
+        compute = torch.promote_types(logits.dtype, torch.float32)  # 16-bit logits: fp32 math
+        local_max = x.amax(-1).to(compute) if real else x.new_full(x.shape[:-1], -torch.inf, dtype=compute)
+        global_max = _all_reduce(local_max, group, dist.ReduceOp.MAX)  # [...]
+        shifted = x - global_max.unsqueeze(-1)  # [..., v] a new tensor, already in `compute` by type promotion
+
+        valid = targets != ignore_index
+        local_targets = targets.long() - vocab_start
+        on_rank = valid & (local_targets >= 0) & (local_targets < real)
+        local_targets = local_targets.masked_fill(~on_rank, 0)
+        target_logit = global_max.new_zeros(targets.shape)
+        if real:  # (a rank holding only padding columns has nothing to gather)
+            target_logit = shifted.gather(-1, local_targets.unsqueeze(-1)).squeeze(-1).masked_fill_(~on_rank, 0)
+        logit_sum = [shifted.sum(-1)] if label_smoothing else []
+        softmax = shifted.exp_()  # reuses shifted's buffer
+        sums = _all_reduce(torch.stack([softmax.sum(-1), target_logit, *logit_sum]), group)  # [2 or 3, ...]
+        log_z = sums[0].log()
+        loss = log_z - sums[1]  # -log p(target)
+        if label_smoothing:  # F.cross_entropy's: (1-ε)·nll + ε·mean over the vocabulary of -log p
+            loss = (1 - label_smoothing) * loss + label_smoothing * (log_z - sums[2] / vocab_size)
+        softmax.div_(sums[0].unsqueeze(-1))
+        ctx.save_for_backward(softmax, local_targets, on_rank, valid)
+        ctx.label_smoothing, ctx.vocab_size, ctx.per_rank, ctx.logits_dtype = (
+            label_smoothing, vocab_size, per_rank, logits.dtype)
+        return loss.masked_fill_(~valid, 0)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_loss):  # [...]
+        softmax, local_targets, on_rank, valid = ctx.saved_tensors
+        eps = ctx.label_smoothing
+        # masked, not multiplied: "mean" with every token ignored sends 1/0 = inf, F.cross_entropy's grads are 0
+        grad_loss = grad_loss.to(softmax.dtype).masked_fill(~valid, 0).unsqueeze(-1)  # [..., 1]
+        grad = (softmax - eps / ctx.vocab_size).mul_(grad_loss) if eps else softmax * grad_loss  # [..., v]
+        if grad.shape[-1]:
+            grad.scatter_add_(-1, local_targets.unsqueeze(-1), grad_loss * on_rank.unsqueeze(-1) * (eps - 1))
+        grad = grad.to(ctx.logits_dtype)
+        if grad.shape[-1] < ctx.per_rank:  # padding columns: zero gradient
+            grad = F.pad(grad, (0, ctx.per_rank - grad.shape[-1]))
+        return grad, None, None, None, None, None
+
+
+def _check(logits_shard, targets, label_smoothing, ignore_index, reduction, vocab_size, padded):
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction={reduction!r} must be one of {REDUCTIONS}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing={label_smoothing} must be in [0, 1]")
+    if not logits_shard.is_floating_point() or logits_shard.dim() == 0:
+        raise ValueError(f"logits_shard must be a floating [..., V/tp] tensor, got {logits_shard.dtype} "
+                         f"of shape {tuple(logits_shard.shape)}")
+    if targets.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"targets must be int64 or int32, got {targets.dtype}")
+    if targets.shape != logits_shard.shape[:-1]:
+        raise ValueError(f"targets shape {tuple(targets.shape)} != logits shape without the vocab dim "
+                         f"{tuple(logits_shard.shape[:-1])}")
+    if not 0 < vocab_size <= padded:
+        raise ValueError(f"vocab_size={vocab_size} must be in [1, {padded}] (the tp group's logits cover {padded})")
+    bad = (targets != ignore_index) & ((targets < 0) | (targets >= vocab_size))
+    if bad.any():  # targets are replicated: every rank raises here, before any collective
+        raise ValueError(f"target id {targets[bad][0].item()} is outside the vocabulary [0, {vocab_size}) "
+                         f"and is not ignore_index={ignore_index}")
+
+
+def vocab_parallel_cross_entropy(
+    logits_shard, targets, *, label_smoothing=0.0, ignore_index=-100, reduction="mean", vocab_size=None, group=None,
+):
+    """F.cross_entropy over vocab-parallel logits, without gathering them.
+
+    logits_shard: [..., V/tp], this rank's contiguous block of the vocabulary (a ColumnParallelLinear output);
+    targets: [...] global vocabulary ids, identical on every rank of the group. The class dim is the last one
+    (F.cross_entropy's is dim 1). `vocab_size` (default: the full V = tp·V/tp) excludes the padding columns a
+    model adds to make V divisible: they never enter the softmax, nor the label-smoothing mean, and get a zero
+    gradient. Label smoothing is F.cross_entropy's: (1-ε)·nll + ε·mean over the vocabulary of -log p.
+    "mean" averages over non-ignored tokens (nan when every token is ignored, with zero gradients, like
+    F.cross_entropy). The math runs, and the loss is returned, in fp32 for 16-bit logits (fp64 stays fp64); the
+    gradient has the logits' dtype. The input is never modified; backward keeps the local softmax [..., V/tp] (in
+    the math dtype), as Megatron does.
+    Collectives: two all-reduces on [...]-sized tensors forward, none backward.
+    """
+    group = resolve_group(group)
+    padded = logits_shard.shape[-1] * dist.get_world_size(group) if logits_shard.dim() else 0
+    vocab_size = padded if vocab_size is None else vocab_size
+    _check(logits_shard, targets, label_smoothing, ignore_index, reduction, vocab_size, padded)
+    loss = _VocabParallelCrossEntropy.apply(logits_shard, targets, label_smoothing, ignore_index, vocab_size, group)
+    if reduction == "sum":
+        return loss.sum()
+    if reduction == "mean":
+        return loss.sum() / (targets != ignore_index).sum()
+    return loss
