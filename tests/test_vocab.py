@@ -116,9 +116,10 @@ def check_cross_entropy(mesh, *, dtype, atol, vocab_size=V, noncontig=False, all
     p, r = mesh.tp_size, mesh.tp_rank
     logits_full = randn(S, B, V, seed=30 + mesh.dp_rank, dtype=torch.float64).mul_(3).to(dtype)
     targets = token_ids(S, B, seed=40 + mesh.dp_rank, vocab=vocab_size)
-    targets[1, :] = targets[5, 2] = -7 if all_ignored else kwargs.get("ignore_index", -100)
+    ignore_index = kwargs.get("ignore_index", -100)
+    targets[1, :] = targets[5, 2] = ignore_index
     if all_ignored:
-        targets.fill_(-7)
+        targets.fill_(ignore_index)
     logits_full.requires_grad_()
     ref_dtype = torch.promote_types(dtype, torch.float32)  # the reference on the same (rounded) values, fp32 math
     loss_ref = dense_cross_entropy(logits_full.to(ref_dtype), targets, vocab_size, **kwargs)
@@ -149,7 +150,7 @@ def test_cross_entropy_matches_dense(tp_size):
             check_cross_entropy(mesh, dtype=torch.float64, atol=1e-12, reduction=reduction,
                                 label_smoothing=label_smoothing, noncontig=reduction == "sum")
     check_cross_entropy(mesh, dtype=torch.float32, atol=1e-5, label_smoothing=0.2, ignore_index=3)
-    check_cross_entropy(mesh, dtype=torch.bfloat16, atol=2e-3, label_smoothing=0.1)  # grad rounded to bf16
+    check_cross_entropy(mesh, dtype=torch.bfloat16, atol=3e-4, label_smoothing=0.1)  # one bf16 rounding of the grad
     # padded vocabulary: columns >= 14 are padding (at tp=4 the last rank holds only padding)
     check_cross_entropy(mesh, dtype=torch.float64, atol=1e-12, vocab_size=14, label_smoothing=0.1, noncontig=True)
     check_cross_entropy(mesh, dtype=torch.float64, atol=0, all_ignored=True, ignore_index=-7)  # nan, zero grads
