@@ -40,14 +40,16 @@ def _flatten(t):
 class _LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, activation):
-        ctx.main_grad = getattr(weight, "main_grad", None)  # on the parameter, not on an autocast copy of it
+        ctx.main_grad = ops.main_grad_of(weight)  # on the parameter, not on an autocast copy of it
         ctx.x_shape, ctx.bias_dtype = x.shape, None if bias is None else bias.dtype
         x, weight, bias = ops.autocast_operands(x, weight, bias)
         x2d = _flatten(x)
         y, preact = ops.linear_forward(x2d, weight, bias, activation)
         ctx.save_for_backward(x2d, weight, preact)
         ctx.activation = activation
-        return y.view(*x.shape[:-1], y.shape[-1])
+        # detach: a plain tensor rather than a view of one made in here, so callers may modify it in place (the
+        # row-parallel layer all-reduces its matmul output in its own storage).
+        return y.view(*x.shape[:-1], y.shape[-1]).detach()
 
     @staticmethod
     @torch.autograd.function.once_differentiable

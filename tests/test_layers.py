@@ -86,23 +86,30 @@ def test_column_parallel_linear(tp_size, gather_output, sequence_parallel, bias)
 
 
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("input_is_parallel,sequence_parallel", [(True, False), (False, False), (True, True)])
+@pytest.mark.parametrize("input_is_parallel,sequence_parallel,grad_sync", [
+    (True, False, True), (False, False, True), (True, True, True), (True, True, False)])
 @pytest.mark.parametrize("tp_size", [1, 2, 4])
 @distributed(world_size=4)
-def test_row_parallel_linear(tp_size, input_is_parallel, sequence_parallel, bias):
+def test_row_parallel_linear(tp_size, input_is_parallel, sequence_parallel, grad_sync, bias):
     mesh = tp.init_mesh(tp=tp_size)
     dense = dense_linear(FFN, 7, bias, seed=2)
     layer = tp.RowParallelLinear.from_linear(dense, input_is_parallel=input_is_parallel,
-                                             sequence_parallel=sequence_parallel)
+                                             sequence_parallel=sequence_parallel, sequence_parallel_grad_sync=grad_sync)
     x = _x(mesh, FFN)
     fwd, bwd = run_both(mesh, layer, dense, x, last if input_is_parallel else full, seq if sequence_parallel else full,
                         seq_len=x.shape[0])
-    tp.allreduce_sequence_parallel_grads(layer)  # SP: bias grads are partial per rank until summed
+    manual = sequence_parallel and not grad_sync  # SP bias grads stay partial until summed by hand
+    assert getattr(layer.bias, "sequence_parallel", False) == (manual and bias)
+    if manual and bias:
+        tp.allreduce_sequence_parallel_grads(layer)
     for local, expected, what in expected_grads(layer, dense, mesh.tp_rank, tp_size):
         assert_close(local, expected, ATOL, what)
     if tp_size > 1:
         assert fwd["total"] == 1 and fwd[REDUCE_SCATTER if sequence_parallel else ALL_REDUCE] == 1, fwd
-        assert bwd["total"] == int(sequence_parallel) + int(not input_is_parallel), bwd
+        synced_bias = sequence_parallel and grad_sync and bias  # one all-reduce of the bias grad inside backward
+        assert bwd == {ALL_REDUCE: int(synced_bias), ALL_GATHER: int(sequence_parallel) + int(not input_is_parallel),
+                       REDUCE_SCATTER: 0, "total": int(synced_bias) + int(sequence_parallel) +
+                       int(not input_is_parallel)}, bwd
 
 
 class DenseMLP(nn.Module):
@@ -143,15 +150,15 @@ def check_mlp(mesh, *, sequence_parallel, activation="gelu", fused=False, ffn=FF
     x = _x(mesh, HIDDEN)
     shard = seq if sequence_parallel else full
     fwd, bwd = run_both(mesh, model, dense, x, shard, shard, seq_len=x.shape[0])
-    tp.allreduce_sequence_parallel_grads(model)
     for layer, dense_layer in ((model.fc1, dense.fc1), (model.fc2, dense.fc2)):
         for local, expected, what in expected_grads(layer, dense_layer, r, p):
             assert_close(local, expected, ATOL, what)
     if p == 1:
         assert fwd["total"] == bwd["total"] == 0
-    elif sequence_parallel:  # Megatron: 1 all-gather + 1 reduce-scatter each way, plus the input re-gather
+    elif sequence_parallel:  # Megatron: 1 all-gather + 1 reduce-scatter each way, plus the input re-gather,
+        # plus the fc2 bias grad summed over tp inside backward
         assert (fwd[ALL_GATHER], fwd[REDUCE_SCATTER], fwd["total"]) == (1, 1, 2), fwd
-        assert (bwd[ALL_GATHER], bwd[REDUCE_SCATTER], bwd["total"]) == (2, 1, 3), bwd
+        assert (bwd[ALL_GATHER], bwd[REDUCE_SCATTER], bwd[ALL_REDUCE], bwd["total"]) == (2, 1, 1, 4), bwd
     else:  # one all-reduce forward, one backward
         assert (fwd[ALL_REDUCE], fwd["total"], bwd[ALL_REDUCE], bwd["total"]) == (1, 1, 1, 1), (fwd, bwd)
 
@@ -234,11 +241,17 @@ def test_bad_layer_arguments_raise_on_every_rank():
         tp.ColumnParallelLinear(4, 7)
     with pytest.raises(ValueError, match="in_features = 5 is not divisible across 2 ranks"):
         tp.RowParallelLinear(5, 4)
-    with pytest.raises(ValueError, match="out_features = 6 is not divisible across 2 ranks x stride 2"):
+    with pytest.raises(ValueError, match=r"parts \(3, 3\) of out_features = 6 is not divisible across 2 ranks"):
         tp.ColumnParallelLinear(4, 6, stride=2)
+    with pytest.raises(ValueError, match=r"parts=\(4, 2\) must be positive integers summing to out_features = 8"):
+        tp.ColumnParallelLinear(4, 8, parts=(4, 2))
+    with pytest.raises(ValueError, match=r"out_features = 8 is not divisible into stride=3 equal parts"):
+        tp.ColumnParallelLinear(4, 8, stride=3)
+    with pytest.raises(ValueError, match=r"stride=2 contradicts parts=\(2, 2, 4\)"):
+        tp.RowParallelLinear(8, 4, stride=2, parts=(2, 2, 4))
     with pytest.raises(ValueError, match="unknown activation 'tanh'"):
         tp.ColumnParallelLinear(4, 8, activation="tanh")
-    with pytest.raises(ValueError, match="needs stride=2"):
+    with pytest.raises(ValueError, match="needs two equal fused parts"):
         tp.ColumnParallelLinear(4, 8, activation="swiglu", stride=1)
     with pytest.raises(ValueError, match=r"master weight shape \(3, 4\)"):
         tp.ColumnParallelLinear(4, 8).load_master(torch.zeros(3, 4))
@@ -361,7 +374,6 @@ def test_mlp_under_autocast_matches_dense(tp_size, sequence_parallel):
     assert y.dtype == y_dense.dtype == torch.bfloat16
     y.float().square().sum().backward()
     y_dense.float().square().sum().backward()
-    tp.allreduce_sequence_parallel_grads(model)
     if sequence_parallel:
         assert x.grad.dtype == torch.float32
     rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()  # noqa: E731
@@ -410,11 +422,13 @@ def test_main_grad_under_ddp_is_refused_and_reduced_by_allreduce_main_grads():
 
     mesh = tp.init_mesh(tp=2)  # dp = 2
     x = torch.full((2, 4), float(mesh.dp_rank + 1))  # replica d feeds d + 1: dW = 2(d + 1), mean over dp = 3
-    torch.manual_seed(0)
-    layer = tp.ColumnParallelLinear(4, 4)
-    layer.weight.main_grad = torch.zeros_like(layer.weight)
-    with pytest.raises(ValueError, match=r"weight\.main_grad.*DistributedDataParallel.*tp\.allreduce_main_grads"):
-        DistributedDataParallel(layer, process_group=mesh.dp_group)(x)
+    for attempt in ("refused", "supported"):
+        torch.manual_seed(0)
+        layer = tp.ColumnParallelLinear(4, 4)
+        layer.weight.main_grad = torch.zeros_like(layer.weight)
+        if attempt == "refused":
+            with pytest.raises(ValueError, match=r"weight\.main_grad.*DistributedDataParallel.*allreduce_main_grads"):
+                DistributedDataParallel(layer, process_group=mesh.dp_group)(x)
     tp.ddp_ignore_main_grads(layer)  # DDP keeps the bias; the weight's main_grad is ours to reduce
     ddp = DistributedDataParallel(layer, process_group=mesh.dp_group)
     ddp(x).sum().backward()

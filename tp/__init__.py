@@ -1,5 +1,8 @@
 """Megatron-style tensor parallelism: hybrid mesh, conjugate mappings, parallel layers."""
-from .layers import ColumnParallelLinear, RowParallelLinear, allreduce_sequence_parallel_grads
+from .cross_entropy import vocab_parallel_cross_entropy
+from .embedding import VocabParallelEmbedding
+from .grads import allreduce_main_grads, allreduce_sequence_parallel_grads, ddp_ignore_main_grads, sync_grads_over_tp
+from .layers import ColumnParallelLinear, RowParallelLinear
 from .mappings import (
     copy_to_tp_region,
     gather_from_sp_region,
@@ -10,12 +13,13 @@ from .mappings import (
     scatter_to_tp_region,
 )
 from .mesh import Mesh, destroy_mesh, get_mesh, init_mesh, layout
-from .random import fork_rng, get_rng_tracker, model_parallel_seed
+from .random import fork_rng, get_rng_state, get_rng_tracker, model_parallel_seed, set_rng_state
 
 __all__ = [
     "layout", "init_mesh", "get_mesh", "destroy_mesh", "Mesh",
     "copy_to_tp_region", "reduce_from_tp_region", "scatter_to_tp_region", "gather_from_tp_region",
     "scatter_to_sp_region", "gather_from_sp_region", "reduce_scatter_to_sp_region",
-    "ColumnParallelLinear", "RowParallelLinear", "allreduce_sequence_parallel_grads",
-    "model_parallel_seed", "fork_rng", "get_rng_tracker",
+    "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
+    "allreduce_sequence_parallel_grads", "sync_grads_over_tp", "allreduce_main_grads", "ddp_ignore_main_grads",
+    "model_parallel_seed", "fork_rng", "get_rng_tracker", "get_rng_state", "set_rng_state",
 ]

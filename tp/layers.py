@@ -6,7 +6,6 @@ import math
 
 import torch
 import torch.distributed as dist
-from einops import rearrange
 from torch import nn
 
 import kernels
@@ -19,6 +18,7 @@ from .mappings import (
     reduce_scatter_to_sp_region,
     scatter_to_tp_region,
 )
+from .grads import sync_grads_over_tp
 from .mesh import resolve_group
 
 
@@ -32,14 +32,14 @@ class _ParallelLinearFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, activation, group, comm):
-        ctx.main_grad = getattr(weight, "main_grad", None)  # on the parameter, not on an autocast copy of it
+        ctx.main_grad = kernels.ops.main_grad_of(weight)  # on the parameter, not on an autocast copy of it
         ctx.has_bias = bias is not None
         x, weight, bias = kernels.ops.autocast_operands(x, weight, bias)  # cast before gathering: half the bytes
         x_total = gather_first(x, group) if comm == "sequence" else x  # [s, b, in]
         y, preact = kernels.linear_forward(x_total.reshape(-1, x.shape[-1]), weight, bias, activation)
         ctx.save_for_backward(x, weight, preact)
         ctx.activation, ctx.group, ctx.comm = activation, group, comm
-        return y.view(*x_total.shape[:-1], y.shape[-1])  # [s, b, out/tp]
+        return y.view(*x_total.shape[:-1], y.shape[-1]).detach()  # [s, b, out/tp]; not a view (see kernels.linear)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -82,32 +82,56 @@ def _default_weight_init(weight):
     nn.init.kaiming_uniform_(weight, a=math.sqrt(5))  # nn.Linear's
 
 
-def _shard(master, dim, rank, size, stride):
-    """This rank's slice along `dim`; with stride s, the dim holds s fused parts and the rank gets a slice of each."""
-    _check_divisible(master.shape[dim], size, f"dim {dim}", stride)
-    master = master.movedim(dim, 0)
-    shard = rearrange(master, "(s p n) ... -> p (s n) ...", s=stride, p=size)[rank]
-    return shard.movedim(0, dim).contiguous()
+def _check_parts(n, size, what, parts):
+    """Sizes of the fused parts along the sharded dim (each split evenly across the ranks), validated."""
+    if any(isinstance(p, bool) or not isinstance(p, int) or p < 1 for p in parts) or sum(parts) != n:
+        raise ValueError(f"parts={tuple(parts)} must be positive integers summing to {what} = {n}")
+    bad = [p for p in parts if p % size]
+    if bad:
+        where = f"{what} = {n}" if len(parts) == 1 else f"parts {tuple(parts)} of {what} = {n}"
+        raise ValueError(f"{where} is not divisible across {size} ranks" + (len(parts) > 1) * " (each part splits evenly)")
+    return tuple(parts)
 
 
-def _check_divisible(n, size, what, stride=1):
-    if n % (size * stride):
-        parts = f"{size} ranks" + (f" x stride {stride}" if stride > 1 else "")
-        raise ValueError(f"{what} = {n} is not divisible across {parts}")
+def _shard(master, dim, rank, size, parts):
+    """This rank's slice along `dim`: its 1/size of every fused part, concatenated."""
+    return torch.cat([part.chunk(size, dim)[rank] for part in master.split(parts, dim)], dim).contiguous()
+
+
+def _rank_major_order(parts, size):
+    """Dense indices in the order the ranks' shards concatenate ([rank 0's slices of each part | rank 1's | ...])."""
+    dense = torch.arange(sum(parts))
+    return torch.cat([_shard(dense, 0, r, size, parts) for r in range(size)])
 
 
 class _ParallelLinear(nn.Module):
-    """Shared construction: master-weight init (TP-invariant), sharding and repr."""
+    """Shared construction: master-weight init (TP-invariant), sharding of fused parts, and repr."""
 
     shard_dim = None  # 0: rows of the dense weight (column-parallel), 1: columns (row-parallel)
 
-    def __init__(self, in_features, out_features, bias, *, group, init_method, dtype, device, stride, _init=True):
+    def __init__(self, in_features, out_features, bias, *, group, init_method, dtype, device, stride, parts,
+                 _init=True):
         super().__init__()
         self.group = resolve_group(group)
         self.tp_size, self.tp_rank = dist.get_world_size(self.group), dist.get_rank(self.group)
-        self.in_features, self.out_features, self.stride = in_features, out_features, stride
+        self.in_features, self.out_features = in_features, out_features
+        what = ("out_features", "in_features")[self.shard_dim]
         sharded = (out_features, in_features)[self.shard_dim]
-        _check_divisible(sharded, self.tp_size, ("out_features", "in_features")[self.shard_dim], stride)
+        if parts is not None and stride not in (None, 1, len(parts)):
+            raise ValueError(f"stride={stride} contradicts parts={tuple(parts)}; give one of them")
+        stride = stride or 1
+        if parts is None:
+            if sharded % stride:
+                raise ValueError(f"{what} = {sharded} is not divisible into stride={stride} equal parts")
+            parts = (sharded // stride,) * stride
+        self.parts = _check_parts(sharded, self.tp_size, what, parts)
+        self.stride = len(self.parts)
+        # Collectives inside the layer (gather_output, a full input) move shards in rank-major order; with fused
+        # parts that order differs from the dense one. rank_major[i] = the dense index at rank-major position i.
+        rank_major = _rank_major_order(self.parts, self.tp_size) if self.stride > 1 and self.tp_size > 1 else None
+        self.register_buffer("_rank_major", None if rank_major is None else rank_major.to(device), persistent=False)
+        self.register_buffer("_dense_from_rank_major", None if rank_major is None else
+                             rank_major.argsort().to(device), persistent=False)
         self.init_method = init_method
         factory = {"dtype": dtype, "device": device}
         local = [out_features, in_features]
@@ -115,24 +139,33 @@ class _ParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(local, **factory))
         bias_size = out_features // self.tp_size if self.shard_dim == 0 else out_features
         self.bias = nn.Parameter(torch.empty(bias_size, **factory)) if bias else None
+        for p in (self.weight, self.bias if self.shard_dim == 0 else None):
+            if p is not None:  # Megatron's tags: sharded over tp (grad norms count every rank's slice)
+                p.tensor_parallel, p.partition_dim = True, self.shard_dim if p.dim() == 2 else 0
         if _init and self.weight.device.type != "meta":
             self.reset_parameters()
 
     def reset_parameters(self):
-        """Draw the full master weight (and bias) with the serial init on CPU, then keep this rank's slice.
+        """Draw the full master weight (and bias) with the serial init on CPU in the layer's dtype, then keep this
+        rank's slice.
 
         With the same seed on every rank the shards at TP=N are exact slices of the TP=1 weight; with the default
-        init that is also `nn.Linear(in, out)`'s weight and bias.
+        init that is also `nn.Linear(in, out, dtype=...)`'s weight and bias.
         """
-        master = torch.empty(self.out_features, self.in_features, device="cpu")
+        master = torch.empty(self.out_features, self.in_features, dtype=self.weight.dtype, device="cpu")
         (self.init_method or _default_weight_init)(master)
         master_bias = None
         if self.bias is not None:
-            master_bias = torch.zeros(self.out_features, device="cpu")
+            master_bias = torch.zeros(self.out_features, dtype=self.bias.dtype, device="cpu")
             if self.init_method is None:
                 bound = 1 / math.sqrt(self.in_features)
                 nn.init.uniform_(master_bias, -bound, bound)
         self.load_master(master, master_bias)
+
+    def shard_dense(self, tensor):
+        """This rank's slice of a dense weight-shaped tensor (or, for the column layer, a bias-shaped one)."""
+        dim = self.shard_dim if tensor.dim() == 2 else 0
+        return _shard(tensor, dim, self.tp_rank, self.tp_size, self.parts)
 
     @torch.no_grad()
     def load_master(self, weight, bias=None):
@@ -141,11 +174,9 @@ class _ParallelLinear(nn.Module):
             raise ValueError(f"master weight shape {tuple(weight.shape)} != {(self.out_features, self.in_features)}")
         if bias is not None and tuple(bias.shape) != (self.out_features,):
             raise ValueError(f"master bias shape {tuple(bias.shape)} != {(self.out_features,)}")
-        self.weight.copy_(_shard(weight, self.shard_dim, self.tp_rank, self.tp_size, self.stride))
+        self.weight.copy_(self.shard_dense(weight))
         if self.bias is not None and bias is not None:
-            if self.shard_dim == 0:
-                bias = _shard(bias, 0, self.tp_rank, self.tp_size, self.stride)
-            self.bias.copy_(bias)
+            self.bias.copy_(self.shard_dense(bias) if self.shard_dim == 0 else bias)
 
     @classmethod
     def from_linear(cls, linear, **options):
@@ -167,10 +198,11 @@ class _ParallelLinear(nn.Module):
 
     def extra_repr(self):
         local = "x".join(map(str, self.weight.shape))
-        stride = f", stride={self.stride}" if self.stride > 1 else ""
+        equal = len(set(self.parts)) == 1
+        fused = "" if self.stride == 1 else f", stride={self.stride}" if equal else f", parts={self.parts}"
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-            f"tp={self.tp_size}, shard=dim{self.shard_dim}{stride} (local weight {local})"
+            f"tp={self.tp_size}, shard=dim{self.shard_dim}{fused} (local weight {local})"
         )
 
 
@@ -187,23 +219,28 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def __init__(
         self, in_features, out_features, bias=True, *, gather_output=False, sequence_parallel=False, group=None,
-        init_method=None, dtype=None, device=None, stride=None, activation=None, _init=True,
+        init_method=None, dtype=None, device=None, stride=None, parts=None, activation=None, _init=True,
     ):
         kernels.ops.check_activation(activation)
-        stride = stride or (2 if activation == "swiglu" else 1)
-        if activation == "swiglu" and stride != 2:
-            raise ValueError(f"activation='swiglu' needs stride=2 (fused gate and up), got stride={stride}")
+        if activation == "swiglu":
+            stride = stride or 2
+            if stride != 2 or (parts is not None and (len(parts) != 2 or parts[0] != parts[1])):
+                raise ValueError(f"activation='swiglu' needs two equal fused parts (gate, up): stride=2, got "
+                                 f"stride={stride}" + (f", parts={tuple(parts)}" if parts is not None else ""))
         self.gather_output, self.sequence_parallel, self.activation = gather_output, sequence_parallel, activation
         super().__init__(
             in_features, out_features, bias, group=group, init_method=init_method, dtype=dtype, device=device,
-            stride=stride, _init=_init,
+            stride=stride, parts=parts, _init=_init,
         )
 
     def forward(self, x):  # [s(/tp), b, in]
         self._check_input(x, self.in_features, "in_features")
         comm = None if self.tp_size == 1 else "sequence" if self.sequence_parallel else "all-reduce"
         y = _local_linear(x, self.weight, self.bias, self.activation, self.group, comm)  # [s, b, out/tp]
-        return gather_from_tp_region(y, self.group) if self.gather_output and self.tp_size > 1 else y
+        if not self.gather_output or self.tp_size == 1:
+            return y
+        y = gather_from_tp_region(y, self.group)  # [s, b, out], rank-major
+        return y if self._dense_from_rank_major is None else y.index_select(-1, self._dense_from_rank_major)
 
     def extra_repr(self):
         act = f", activation={self.activation}" if self.activation else ""
@@ -215,27 +252,34 @@ class RowParallelLinear(_ParallelLinear):
     """Y = X Aᵀ + b with A split by columns (input features): weight [out, in/tp], bias [out] added once.
 
     forward: all-reduce (SP: reduce-scatter along the sequence) · backward: identity (SP: all-gather).
-    With sequence parallelism the bias gradient differs per rank: it is tagged `sequence_parallel = True` and
-    `tp.allreduce_sequence_parallel_grads` sums it over the group before the optimizer step.
+    With sequence parallelism each rank's bias gradient covers its sequence shard only: backward sums it over the
+    group (one small all-reduce), unless `sequence_parallel_grad_sync=False`, which tags the bias
+    `sequence_parallel = True` for `tp.allreduce_sequence_parallel_grads` to sum after backward instead.
     """
 
     shard_dim = 1
 
     def __init__(
         self, in_features, out_features, bias=True, *, input_is_parallel=True, sequence_parallel=False, group=None,
-        init_method=None, dtype=None, device=None, stride=1, _init=True,
+        init_method=None, dtype=None, device=None, stride=None, parts=None, sequence_parallel_grad_sync=True,
+        _init=True,
     ):
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
         super().__init__(
             in_features, out_features, bias, group=group, init_method=init_method, dtype=dtype, device=device,
-            stride=stride, _init=_init,
+            stride=stride, parts=parts, _init=_init,
         )
+        # Under SP the bias meets a sequence shard, so its gradient is partial per rank: summed over tp inside
+        # backward, or (sync off) tagged for tp.allreduce_sequence_parallel_grads.
+        self.sync_bias_grad = sequence_parallel and sequence_parallel_grad_sync
         if self.bias is not None:
-            self.bias.sequence_parallel = sequence_parallel
+            self.bias.sequence_parallel = sequence_parallel and not sequence_parallel_grad_sync
 
     def forward(self, x):  # [s, b, in/tp] (or [s, b, in] when not input_is_parallel)
         if not self.input_is_parallel and self.tp_size > 1:
             self._check_input(x, self.in_features, "in_features")
+            if self._rank_major is not None:
+                x = x.index_select(-1, self._rank_major)  # rank-major, so the split hands out the fused parts
             x = scatter_to_tp_region(x, self.group)
         self._check_input(x, self.weight.shape[1], "in_features/tp")
         if self.tp_size == 1:  # nothing to reduce: the bias joins the matmul
@@ -245,30 +289,11 @@ class RowParallelLinear(_ParallelLinear):
             y = reduce_scatter_to_sp_region(y, self.group)  # [s/tp, b, out]
         else:
             y = _ReduceFromTPInPlace.apply(y, self.group)
-        return y + self.bias.to(y.dtype) if self.bias is not None else y  # (autocast: y may be bf16)
+        if self.bias is None:
+            return y
+        bias, = sync_grads_over_tp(self.bias, group=self.group) if self.sync_bias_grad else (self.bias,)
+        return y + bias.to(y.dtype)  # (autocast: y may be bf16)
 
     def extra_repr(self):
         return f"{super().extra_repr()}, input_is_parallel={self.input_is_parallel}, " \
                f"sequence_parallel={self.sequence_parallel}"
-
-
-@torch.no_grad()
-def allreduce_sequence_parallel_grads(module, group=None):
-    """Sum, over the tp group, the grads of parameters tagged `sequence_parallel` (norms, row biases under SP).
-
-    One coalesced all-reduce; call after backward and before the optimizer step. Uses `main_grad` when present.
-    """
-    group = resolve_group(group)
-    grads = []
-    for p in module.parameters():
-        if getattr(p, "sequence_parallel", False):
-            g = getattr(p, "main_grad", None)
-            g = p.grad if g is None else g
-            if g is not None:
-                grads.append(g)
-    if not grads or dist.get_world_size(group) == 1:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
-    for g, reduced in zip(grads, flat.split([g.numel() for g in grads])):
-        g.copy_(reduced.view_as(g))

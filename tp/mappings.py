@@ -99,12 +99,25 @@ def _mapping(name, fwd, bwd):
 
 _CopyToTP = _mapping("_CopyToTP", _identity, all_reduce)
 _ReduceFromTP = _mapping("_ReduceFromTP", all_reduce, _identity)
-def _all_reduce_in_place(x, group):
-    return all_reduce(x, group, inplace=True)
 
 
-# For fresh matmul outputs nobody else holds: reduce in their own storage, no copy.
-_ReduceFromTPInPlace = _mapping("_ReduceFromTPInPlace", _all_reduce_in_place, _identity)
+class _ReduceFromTPInPlace(torch.autograd.Function):
+    """reduce_from_tp_region in x's own storage (no copy), for fresh matmul outputs nobody else holds.
+
+    mark_dirty tells autograd: anything that saved x for backward then fails loudly instead of using the sum.
+    """
+
+    @staticmethod
+    def forward(ctx, x, group):
+        if not x.is_contiguous():
+            return all_reduce(x, group)
+        ctx.mark_dirty(x)
+        return all_reduce(x, group, inplace=True)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
 _ScatterToTP = _mapping("_ScatterToTP", split_last, gather_last)
 _GatherFromTP = _mapping("_GatherFromTP", gather_last, split_last)
 _ScatterToSP = _mapping("_ScatterToSP", split_first, gather_first)

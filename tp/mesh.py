@@ -35,7 +35,7 @@ def _parse_order(order):
 
 def _sizes(world_size, tp, pp, dp):
     for name, value in (("world_size", world_size), ("tp", tp), ("pp", pp)) + ((("dp", dp),) if dp is not None else ()):
-        if not isinstance(value, int) or value < 1:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r} must be an integer >= 1")
     if world_size % (tp * pp):
         raise ValueError(f"world_size={world_size} is not divisible by tp*pp={tp}*{pp}={tp * pp}")

@@ -1,10 +1,16 @@
-"""RNG for tensor-parallel regions (Megatron's scheme).
+"""RNG for tensor-parallel regions (Megatron's scheme), safe under activation recomputation.
 
 Dropout on replicated activations must draw the same mask on every tp rank; dropout on tp-sharded activations
 (attention probabilities, column-parallel outputs) must draw different masks per rank. `model_parallel_seed(seed)`
-seeds the default generator with `seed + 100·pp_rank` (same on every tp rank, different per pipeline stage) and a
-tracked "model-parallel" generator with that + 2718 + tp_rank; `with tp.fork_rng():` runs its body on the tracked
-generator. On a machine with CUDA the tracked generator is the current GPU's (where dropout runs), else the CPU's.
+seeds the default generators with `seed + 100·pp_rank` (same on every tp rank, different per pipeline stage) and
+gives the tracked "model-parallel" stream the seed `that + 2718 + tp_rank`; `with tp.fork_rng():` runs its body on
+that stream. On a machine with CUDA the stream lives on the current GPU (where dropout runs), else on the CPU.
+
+Why forks derive their state from the default generator: `torch.utils.checkpoint` saves and restores the default
+generators around a recomputed region, never other generators. Each fork therefore starts from its stream's seed
+mixed with the default generator's position (a draw on CPU; the Philox offset on CUDA, read without a device sync)
+and advances the default generator past what it used. The recomputation replays the same default state, so it
+replays the same tp masks: plain `torch.utils.checkpoint` (either `use_reentrant`) gives identical gradients.
 """
 import contextlib
 
@@ -16,50 +22,70 @@ from .mesh import resolve_group
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"
 _TP_OFFSET, _PP_STRIDE = 2718, 100  # Megatron's
+_MASK64 = (1 << 64) - 1
 
 
 def _default_device():
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def _get_state(device):
-    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+def _mix(seed, position):
+    """A 63-bit seed from two integers (splitmix64's finaliser): nearby inputs give unrelated streams."""
+    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
 
 
-def _set_state(device, state):
-    if device.type == "cuda":
-        torch.cuda.set_rng_state(state, device)
-    else:
-        torch.set_rng_state(state)
+@contextlib.contextmanager
+def _fork_cpu(seed):
+    position = int(torch.randint(0, 2**62, (1,)).item())  # advances the default stream alike on every tp rank
+    with torch.random.fork_rng(devices=[], device_type="cpu"):
+        torch.default_generator.manual_seed(_mix(seed, position))
+        yield
+
+
+@contextlib.contextmanager
+def _fork_cuda(seed, device):
+    default = torch.cuda.default_generators[device.index if device.index is not None else 0]
+    offset = default.get_offset()
+    with torch.random.fork_rng(devices=[device], device_type="cuda"):
+        default.manual_seed(_mix(seed, default.initial_seed()))
+        default.set_offset(offset)
+        try:
+            yield
+        finally:
+            used = default.get_offset() - offset
+    default.set_offset(offset + used)  # the next fork (and replicated dropout) starts past what this one used
 
 
 class RNGStatesTracker:
-    """Named generator states, each for one device, that `fork` swaps in and out of that device's default generator."""
+    """Named per-tp-rank streams, each a seed on one device; `fork(name)` runs a block on that stream."""
 
     def __init__(self):
-        self.states = {}  # name -> (device, state)
+        self.seeds = {}  # name -> (device, seed)
 
     def reset(self):
-        self.states = {}
+        self.seeds = {}
 
     def add(self, name, seed, device=None):
-        if name in self.states:
+        if name in self.seeds:
             raise RuntimeError(f"RNG state {name!r} already exists")
-        device = torch.device(device) if device is not None else _default_device()
-        self.states[name] = (device, torch.Generator(device=device).manual_seed(seed).get_state())
+        self.seeds[name] = (torch.device(device) if device is not None else _default_device(), seed)
 
-    @contextlib.contextmanager
+    def get_states(self):
+        """The streams' seeds (all the tracker holds: a fork's state derives from the default generators)."""
+        return dict(self.seeds)
+
+    def set_states(self, states):
+        self.seeds = dict(states)
+
     def fork(self, name=MODEL_PARALLEL_RNG):
-        """Run the body on the tracked state `name`; the device's default generator is restored afterwards."""
-        if name not in self.states:
+        """Context manager: the body draws from stream `name` (via the device's default generator)."""
+        if name not in self.seeds:
             raise RuntimeError(f"RNG state {name!r} is not tracked: call tp.model_parallel_seed(seed) first")
-        device, state = self.states[name]
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
-            _set_state(device, state)
-            try:
-                yield
-            finally:
-                self.states[name] = (device, _get_state(device))
+        device, seed = self.seeds[name]
+        return _fork_cuda(seed, device) if device.type == "cuda" else _fork_cpu(seed)
 
 
 _tracker = RNGStatesTracker()
@@ -70,8 +96,8 @@ def get_rng_tracker():
 
 
 def model_parallel_seed(seed, *, group=None, device=None):
-    """Seed the default generators with seed + 100·pp_rank and the tracked model-parallel one with that
-    + 2718 + tp_rank. `device`: where the tracked generator lives (default: the current GPU, else the CPU)."""
+    """Seed the default generators with seed + 100·pp_rank and the tracked model-parallel stream with that
+    + 2718 + tp_rank. `device`: where the tracked stream lives (default: the current GPU, else the CPU)."""
     pp_rank = _mesh._current.pp_rank if _mesh._current is not None else 0
     seed = seed + _PP_STRIDE * pp_rank
     torch.manual_seed(seed)  # CPU and every GPU
@@ -80,5 +106,19 @@ def model_parallel_seed(seed, *, group=None, device=None):
 
 
 def fork_rng(name=MODEL_PARALLEL_RNG):
-    """Context manager: draw from the tracked per-tp-rank generator (dropout inside tensor-parallel regions)."""
+    """Context manager: draw from the tracked per-tp-rank stream (dropout inside tensor-parallel regions)."""
     return _tracker.fork(name)
+
+
+def get_rng_state():
+    """Everything needed to resume the random streams exactly (training checkpoints): default CPU/CUDA states and
+    the tracker's seeds."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+    return {"cpu": torch.get_rng_state(), "cuda": cuda, "tracker": _tracker.get_states()}
+
+
+def set_rng_state(state):
+    torch.set_rng_state(state["cpu"])
+    if state["cuda"]:
+        torch.cuda.set_rng_state_all(state["cuda"])
+    _tracker.set_states(state["tracker"])

@@ -1,0 +1,89 @@
+"""Gradient reductions across ranks that the layers' own collectives do not cover.
+
+- Sequence parallelism: a parameter applied to a sequence shard (norms, the row layer's bias) gets a partial
+  gradient on each tp rank. `sync_grads_over_tp` sums it inside autograd, before the gradient reaches the parameter,
+  so optimizers, DDP and FSDP see complete gradients with nothing called after backward (DTensor's behaviour).
+  Modules built with the sync switched off tag such parameters `sequence_parallel = True` instead, and the training
+  loop calls `allreduce_sequence_parallel_grads` (Megatron's finalize step, one coalesced all-reduce).
+- Gradient-accumulation fusion: `weight.main_grad` is invisible to torch DDP. `ddp_ignore_main_grads` keeps DDP off
+  those parameters and `allreduce_main_grads` averages them over the data-parallel group after backward.
+"""
+import torch
+import torch.distributed as dist
+
+from .mesh import resolve_group
+
+
+@torch.no_grad()
+def _all_reduce_coalesced(tensors, group, *, average=False):
+    """Sum (or average) same-dtype tensors over the group in place, one all-reduce per dtype."""
+    size = dist.get_world_size(group)
+    by_dtype = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for same in by_dtype.values():
+        flat = torch.cat([t.reshape(-1) for t in same])
+        dist.all_reduce(flat, group=group)
+        if average:
+            flat /= size
+        for t, reduced in zip(same, flat.split([t.numel() for t in same])):
+            t.copy_(reduced.view_as(t))
+
+
+class _SumGradsOverTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, group, *tensors):
+        ctx.group = group
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grads):
+        present = [g.contiguous() for g in grads if g is not None]
+        _all_reduce_coalesced(present, ctx.group)
+        it = iter(present)
+        return (None, *(None if g is None else next(it) for g in grads))
+
+
+def sync_grads_over_tp(*tensors, group=None):
+    """forward: identity · backward: one coalesced all-reduce of the tensors' grads (use on parameters in a forward)."""
+    group = resolve_group(group)
+    if dist.get_world_size(group) == 1 or not torch.is_grad_enabled():
+        return tensors
+    return _SumGradsOverTP.apply(group, *tensors)
+
+
+def _grad_or_main_grad(p):
+    main_grad = getattr(p, "main_grad", None)
+    return p.grad if main_grad is None else main_grad
+
+
+def allreduce_sequence_parallel_grads(module, group=None):
+    """Sum, over the tp group, the grads of parameters tagged `sequence_parallel` (built with the grad sync off).
+
+    One coalesced all-reduce; call after backward and before the optimizer step. Uses `main_grad` when present.
+    """
+    group = resolve_group(group)
+    grads = [g for p in module.parameters() if getattr(p, "sequence_parallel", False)
+             if (g := _grad_or_main_grad(p)) is not None]
+    if grads and dist.get_world_size(group) > 1:
+        _all_reduce_coalesced(grads, group)
+
+
+def ddp_ignore_main_grads(module):
+    """Tell torch DDP (call before wrapping) to leave parameters with `main_grad` to `allreduce_main_grads`."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    names = [name for name, p in module.named_parameters() if hasattr(p, "main_grad")]
+    # DDP matches f"{module_name}.{param_name}" when it builds its reducer: ".weight" for the root's own parameters.
+    root_names = [f".{name}" for name, p in module.named_parameters(recurse=False) if hasattr(p, "main_grad")]
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names + root_names)
+    return names
+
+
+def allreduce_main_grads(module, group, *, average=True):
+    """Average (or sum) every parameter's `main_grad` over `group` (the data-parallel group): one all-reduce per
+    dtype, after backward and before the optimizer step. Megatron's DDP does this for its fp32 grad buffers."""
+    grads = [p.main_grad for p in module.parameters() if getattr(p, "main_grad", None) is not None]
+    if grads and dist.get_world_size(group) > 1:
+        _all_reduce_coalesced(grads, group, average=average)
