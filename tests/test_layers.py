@@ -448,3 +448,33 @@ def test_in_place_reduce_marks_its_input_dirty():
     z = _ReduceFromTPInPlace.apply(y, mesh.tp_group)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         z.sum().backward()
+
+
+@pytest.mark.parametrize("tp_size", [2, 4])
+@distributed(world_size=4)
+def test_replicated_parts_hold_whole_chunks_and_sum_their_grads(tp_size):
+    """GQA with fewer kv heads than ranks: q split, k/v chunks held by several ranks, their grads summed."""
+    mesh = tp.init_mesh(tp=tp_size)
+    head, q_heads, kv_heads = 2, 4, 1  # MQA: every rank holds the one kv head
+    parts, replicas = (q_heads * head, kv_heads * head, kv_heads * head), (1, tp_size, tp_size)
+    dense = dense_linear(5, sum(parts), True, seed=8)
+    layer = tp.ColumnParallelLinear.from_linear(dense, parts=parts, part_replicas=replicas)
+    assert layer.weight.shape == (q_heads * head // tp_size + 2 * head, 5)
+    assert f"parts={parts}, part_replicas={replicas}" in repr(layer)
+    columns = layer.shard_dense(torch.arange(sum(parts)))
+    assert torch.equal(layer.weight, dense.weight.detach()[columns])
+    x = _x(mesh, 5).requires_grad_()
+    y_dense = dense(x)
+    g = randn(*y_dense.shape, seed=9, dtype=torch.float32)
+    y_dense.backward(g)
+    x_local = x.detach().clone().requires_grad_()
+    y, (fwd, bwd) = layer(x_local), (None, None)
+    assert_close(y, y_dense.detach()[..., columns], ATOL, "output")
+    # Downstream, only the first replica of a chunk uses the replicated columns: their uses sum to the dense one.
+    g_local = g[..., columns].clone()
+    g_local[..., q_heads * head // tp_size:] *= float(mesh.tp_rank == 0)
+    _, bwd = comm_counts(lambda: y.backward(g_local))
+    assert bwd[ALL_REDUCE] == 2, bwd  # the input grad, and the replicated rows' weight/bias grads (one buffer)
+    assert_close(x_local.grad, x.grad, ATOL, "input grad")
+    assert_close(layer.weight.grad, dense.weight.grad[columns], ATOL, "weight grad")
+    assert_close(layer.bias.grad, dense.bias.grad[columns], ATOL, "bias grad")

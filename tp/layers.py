@@ -82,26 +82,64 @@ def _default_weight_init(weight):
     nn.init.kaiming_uniform_(weight, a=math.sqrt(5))  # nn.Linear's
 
 
-def _check_parts(n, size, what, parts):
-    """Sizes of the fused parts along the sharded dim (each split evenly across the ranks), validated."""
+def _check_parts(n, size, what, parts, replicas):
+    """Validated sizes of the fused parts along the sharded dim and how many ranks hold each chunk of each part."""
     if any(isinstance(p, bool) or not isinstance(p, int) or p < 1 for p in parts) or sum(parts) != n:
         raise ValueError(f"parts={tuple(parts)} must be positive integers summing to {what} = {n}")
-    bad = [p for p in parts if p % size]
-    if bad:
+    if len(replicas) != len(parts) or any(not isinstance(r, int) or r < 1 or size % r for r in replicas):
+        raise ValueError(f"part_replicas={tuple(replicas)} must give, for each of parts={tuple(parts)}, a divisor "
+                         f"of the {size} tensor-parallel ranks")
+    if any(p % (size // r) for p, r in zip(parts, replicas)):
         where = f"{what} = {n}" if len(parts) == 1 else f"parts {tuple(parts)} of {what} = {n}"
-        raise ValueError(f"{where} is not divisible across {size} ranks" + (len(parts) > 1) * " (each part splits evenly)")
-    return tuple(parts)
+        ranks = f"{size} ranks" if set(replicas) == {1} else f"{size} ranks / part_replicas {tuple(replicas)}"
+        raise ValueError(f"{where} is not divisible across {ranks}" + (len(parts) > 1) * " (each part splits evenly)")
+    return tuple(parts), tuple(replicas)
 
 
-def _shard(master, dim, rank, size, parts):
-    """This rank's slice along `dim`: its 1/size of every fused part, concatenated."""
-    return torch.cat([part.chunk(size, dim)[rank] for part in master.split(parts, dim)], dim).contiguous()
+def _shard(master, dim, rank, size, parts, replicas):
+    """This rank's slice along `dim`: of every fused part, chunk rank // r of size // r chunks, concatenated."""
+    pieces = [part.chunk(size // r, dim)[rank // r] for part, r in zip(master.split(parts, dim), replicas)]
+    return torch.cat(pieces, dim).contiguous()
 
 
 def _rank_major_order(parts, size):
     """Dense indices in the order the ranks' shards concatenate ([rank 0's slices of each part | rank 1's | ...])."""
     dense = torch.arange(sum(parts))
-    return torch.cat([_shard(dense, 0, r, size, parts) for r in range(size)])
+    return torch.cat([_shard(dense, 0, r, size, parts, (1,) * len(parts)) for r in range(size)])
+
+
+class _SumReplicaGrads(torch.autograd.Function):
+    """forward: identity · backward: grads of replicated rows summed over the ranks holding the same chunk.
+
+    Each rank writes its rows into its chunk's slot of a zero buffer as large as the dense parts; one all-reduce
+    over the group then sums every chunk over exactly its replicas.
+    """
+
+    @staticmethod
+    def forward(ctx, layout, group, *tensors):
+        ctx.layout, ctx.group = layout, group
+        return tuple(None if t is None else t.view_as(t) for t in tensors)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grads):
+        rank = dist.get_rank(ctx.group)
+        grads = [None if g is None else g.clone() for g in grads]
+        slots = []  # (grad, row offset, rows, chunks, my chunk)
+        for g in grads:
+            offset = 0
+            for rows, chunks, replicated in ctx.layout:
+                if g is not None and replicated:
+                    slots.append((g, offset, rows, chunks, rank * chunks // dist.get_world_size(ctx.group)))
+                offset += rows
+        buffers = [g.new_zeros(chunks, rows, *g.shape[1:]) for g, _, rows, chunks, _ in slots]
+        for buf, (g, offset, rows, _, mine) in zip(buffers, slots):
+            buf[mine] = g[offset:offset + rows]
+        flat = torch.cat([b.reshape(-1) for b in buffers])
+        dist.all_reduce(flat, group=ctx.group)
+        for buf, reduced, (g, offset, rows, _, mine) in zip(buffers, flat.split([b.numel() for b in buffers]), slots):
+            g[offset:offset + rows] = reduced.view_as(buf)[mine]
+        return (None, None, *grads)
 
 
 class _ParallelLinear(nn.Module):
@@ -110,7 +148,7 @@ class _ParallelLinear(nn.Module):
     shard_dim = None  # 0: rows of the dense weight (column-parallel), 1: columns (row-parallel)
 
     def __init__(self, in_features, out_features, bias, *, group, init_method, dtype, device, stride, parts,
-                 _init=True):
+                 part_replicas=None, _init=True):
         super().__init__()
         self.group = resolve_group(group)
         self.tp_size, self.tp_rank = dist.get_world_size(self.group), dist.get_rank(self.group)
@@ -124,20 +162,26 @@ class _ParallelLinear(nn.Module):
             if sharded % stride:
                 raise ValueError(f"{what} = {sharded} is not divisible into stride={stride} equal parts")
             parts = (sharded // stride,) * stride
-        self.parts = _check_parts(sharded, self.tp_size, what, parts)
+        self.parts, self.part_replicas = _check_parts(sharded, self.tp_size, what, parts,
+                                                      part_replicas or (1,) * len(parts))
         self.stride = len(self.parts)
+        local_parts = [p * r // self.tp_size for p, r in zip(self.parts, self.part_replicas)]
+        # Rows of this rank's weight per part: (rows, chunks of the part, replicated?), for the replica grad sum.
+        self._replica_layout = tuple((rows, self.tp_size // r, r > 1) for rows, r in zip(local_parts, self.part_replicas))
+        self.replicated = any(r > 1 for r in self.part_replicas)
         # Collectives inside the layer (gather_output, a full input) move shards in rank-major order; with fused
         # parts that order differs from the dense one. rank_major[i] = the dense index at rank-major position i.
-        rank_major = _rank_major_order(self.parts, self.tp_size) if self.stride > 1 and self.tp_size > 1 else None
+        ordered = self.stride > 1 and self.tp_size > 1 and not self.replicated
+        rank_major = _rank_major_order(self.parts, self.tp_size) if ordered else None
         self.register_buffer("_rank_major", None if rank_major is None else rank_major.to(device), persistent=False)
         self.register_buffer("_dense_from_rank_major", None if rank_major is None else
                              rank_major.argsort().to(device), persistent=False)
         self.init_method = init_method
         factory = {"dtype": dtype, "device": device}
         local = [out_features, in_features]
-        local[self.shard_dim] //= self.tp_size
+        local[self.shard_dim] = sum(local_parts)
         self.weight = nn.Parameter(torch.empty(local, **factory))
-        bias_size = out_features // self.tp_size if self.shard_dim == 0 else out_features
+        bias_size = sum(local_parts) if self.shard_dim == 0 else out_features
         self.bias = nn.Parameter(torch.empty(bias_size, **factory)) if bias else None
         for p in (self.weight, self.bias if self.shard_dim == 0 else None):
             if p is not None:  # Megatron's tags: sharded over tp (grad norms count every rank's slice)
@@ -165,7 +209,7 @@ class _ParallelLinear(nn.Module):
     def shard_dense(self, tensor):
         """This rank's slice of a dense weight-shaped tensor (or, for the column layer, a bias-shaped one)."""
         dim = self.shard_dim if tensor.dim() == 2 else 0
-        return _shard(tensor, dim, self.tp_rank, self.tp_size, self.parts)
+        return _shard(tensor, dim, self.tp_rank, self.tp_size, self.parts, self.part_replicas)
 
     @torch.no_grad()
     def load_master(self, weight, bias=None):
@@ -200,6 +244,7 @@ class _ParallelLinear(nn.Module):
         local = "x".join(map(str, self.weight.shape))
         equal = len(set(self.parts)) == 1
         fused = "" if self.stride == 1 else f", stride={self.stride}" if equal else f", parts={self.parts}"
+        fused += f", part_replicas={self.part_replicas}" if self.replicated else ""
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
             f"tp={self.tp_size}, shard=dim{self.shard_dim}{fused} (local weight {local})"
@@ -213,13 +258,19 @@ class ColumnParallelLinear(_ParallelLinear):
     `gather_output` all-gathers Y's last dim; otherwise Y stays [.., out/tp] for a following RowParallelLinear.
     `activation` fuses bias + activation into the matmul epilogue; "swiglu" reads a fused [gate; up] weight
     (stride 2) and returns out_features/2 columns.
+
+    Fused weights: `stride=k` (k equal parts, e.g. 3 for QKV without GQA) or `parts=(q, k, v)` (unequal sizes, e.g.
+    GQA) shard every part separately, so each rank holds its slice of each. `part_replicas=(1, r, r)` lets a part
+    with fewer heads than ranks be held whole-chunk by r ranks each (kv heads < tp): ranks 0..r-1 hold its first
+    chunk, and so on; those rows' grads are summed over their replicas inside backward.
     """
 
     shard_dim = 0
 
     def __init__(
         self, in_features, out_features, bias=True, *, gather_output=False, sequence_parallel=False, group=None,
-        init_method=None, dtype=None, device=None, stride=None, parts=None, activation=None, _init=True,
+        init_method=None, dtype=None, device=None, stride=None, parts=None, part_replicas=None, activation=None,
+        _init=True,
     ):
         kernels.ops.check_activation(activation)
         if activation == "swiglu":
@@ -230,13 +281,19 @@ class ColumnParallelLinear(_ParallelLinear):
         self.gather_output, self.sequence_parallel, self.activation = gather_output, sequence_parallel, activation
         super().__init__(
             in_features, out_features, bias, group=group, init_method=init_method, dtype=dtype, device=device,
-            stride=stride, parts=parts, _init=_init,
+            stride=stride, parts=parts, part_replicas=part_replicas, _init=_init,
         )
+        if self.replicated and gather_output:
+            raise ValueError(f"gather_output=True with part_replicas={self.part_replicas}: the gathered output would "
+                             "repeat the replicated parts")
 
     def forward(self, x):  # [s(/tp), b, in]
         self._check_input(x, self.in_features, "in_features")
         comm = None if self.tp_size == 1 else "sequence" if self.sequence_parallel else "all-reduce"
-        y = _local_linear(x, self.weight, self.bias, self.activation, self.group, comm)  # [s, b, out/tp]
+        weight, bias = self.weight, self.bias
+        if self.replicated and torch.is_grad_enabled():
+            weight, bias = _SumReplicaGrads.apply(self._replica_layout, self.group, weight, bias)
+        y = _local_linear(x, weight, bias, self.activation, self.group, comm)  # [s, b, out/tp]
         if not self.gather_output or self.tp_size == 1:
             return y
         y = gather_from_tp_region(y, self.group)  # [s, b, out], rank-major
