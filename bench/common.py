@@ -1,8 +1,9 @@
-"""Shared benchmark plumbing: medians, a machine description, table printing and JSON output."""
+"""Shared benchmark plumbing: medians, a call timer, a machine description, table printing and JSON output."""
 import json
 import os
 import platform
 import statistics
+import time
 
 import torch
 
@@ -34,3 +35,22 @@ def write_json(path, payload):
     with open(path, "w") as f:
         json.dump(payload, f, indent=2)
     print(f"wrote {path}")
+
+
+def time_call(fn, *, cuda=False, min_reps=3, min_seconds=0.05, max_reps=200):
+    """Median time of fn() in seconds, after one warm-up call.
+
+    cuda=True: triton.testing.do_bench (device events, L2 flushed between calls). Otherwise perf_counter around
+    each call, at least `min_reps` calls and `min_seconds` in all (at most `max_reps`).
+    """
+    fn()
+    if cuda:
+        import triton.testing
+
+        return triton.testing.do_bench(fn, return_mode="median") * 1e-3
+    times = []
+    while len(times) < max_reps and (len(times) < min_reps or sum(times) < min_seconds):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return median(times)
