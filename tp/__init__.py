@@ -1,4 +1,5 @@
 """Megatron-style tensor parallelism: hybrid mesh, conjugate mappings, parallel layers."""
+from .debug import is_debug, set_debug
 from .cross_entropy import vocab_parallel_cross_entropy
 from .embedding import VocabParallelEmbedding
 from .grads import allreduce_main_grads, allreduce_sequence_parallel_grads, ddp_ignore_main_grads, sync_grads_over_tp
@@ -21,5 +22,6 @@ __all__ = [
     "scatter_to_sp_region", "gather_from_sp_region", "reduce_scatter_to_sp_region",
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
     "allreduce_sequence_parallel_grads", "sync_grads_over_tp", "allreduce_main_grads", "ddp_ignore_main_grads",
+    "set_debug", "is_debug",
     "model_parallel_seed", "fork_rng", "get_rng_tracker", "get_rng_state", "set_rng_state",
 ]

@@ -9,7 +9,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .mappings import _ReduceFromTPInPlace, reduce_scatter_to_sp_region
+from . import debug
+from .mappings import _ReduceFromTPInPlace, _ReduceScatterToSP
 from .mesh import resolve_group
 
 
@@ -82,6 +83,8 @@ class VocabParallelEmbedding(nn.Module):
         return layer
 
     def _check_input(self, ids):
+        if debug._enabled:
+            debug.check(ids, self.group, "the token ids of VocabParallelEmbedding", replicated=True)
         if ids.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"token ids must be int64 or int32, got {ids.dtype}")
         if self.sequence_parallel and (ids.dim() == 0 or ids.shape[0] % self.tp_size):
@@ -102,7 +105,7 @@ class VocabParallelEmbedding(nn.Module):
         partial = F.embedding(local_ids, self.weight, self._local_padding_idx)  # [s, b, h], rows of this rank only
         partial.masked_fill_(outside.unsqueeze(-1), 0)  # in place: the lookup's backward needs only the ids
         if self.sequence_parallel:
-            return reduce_scatter_to_sp_region(partial, self.group)  # [s/tp, b, h]
+            return _ReduceScatterToSP.apply(partial, self.group)  # [s/tp, b, h]
         return _ReduceFromTPInPlace.apply(partial, self.group)  # a fresh tensor: reduce in its own storage
 
     def extra_repr(self):

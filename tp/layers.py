@@ -12,12 +12,13 @@ import kernels
 
 from .mappings import (
     _ReduceFromTPInPlace,
+    _ReduceScatterToSP,
     gather_first,
     gather_from_tp_region,
     reduce_scatter_first,
-    reduce_scatter_to_sp_region,
     scatter_to_tp_region,
 )
+from . import debug
 from .grads import sync_grads_over_tp
 from .mesh import resolve_group
 
@@ -231,8 +232,10 @@ class _ParallelLinear(nn.Module):
         layer.load_master(weight.detach(), None if linear.bias is None else linear.bias.detach())
         return layer
 
-    def _check_input(self, x, features, what):
+    def _check_input(self, x, features, what, *, replicated=False):
         name = type(self).__name__
+        if debug._enabled:  # before the local checks: a rank whose shape alone is wrong must not leave the others
+            debug.check(x, self.group, f"the input of {name}", replicated=replicated)
         if x.shape[-1] != features:
             raise ValueError(f"input's last dim is {x.shape[-1]}; {name} expects {features} ({what})")
         if x.dtype != self.weight.dtype and not torch.is_autocast_enabled(x.device.type):
@@ -288,7 +291,7 @@ class ColumnParallelLinear(_ParallelLinear):
                              "repeat the replicated parts")
 
     def forward(self, x):  # [s(/tp), b, in]
-        self._check_input(x, self.in_features, "in_features")
+        self._check_input(x, self.in_features, "in_features", replicated=not self.sequence_parallel)
         comm = None if self.tp_size == 1 else "sequence" if self.sequence_parallel else "all-reduce"
         weight, bias = self.weight, self.bias
         if self.replicated and torch.is_grad_enabled():
@@ -334,16 +337,17 @@ class RowParallelLinear(_ParallelLinear):
 
     def forward(self, x):  # [s, b, in/tp] (or [s, b, in] when not input_is_parallel)
         if not self.input_is_parallel and self.tp_size > 1:
-            self._check_input(x, self.in_features, "in_features")
+            self._check_input(x, self.in_features, "in_features", replicated=True)
             if self._rank_major is not None:
                 x = x.index_select(-1, self._rank_major)  # rank-major, so the split hands out the fused parts
             x = scatter_to_tp_region(x, self.group)
-        self._check_input(x, self.weight.shape[1], "in_features/tp")
+        else:
+            self._check_input(x, self.weight.shape[1], "in_features/tp")
         if self.tp_size == 1:  # nothing to reduce: the bias joins the matmul
             return _local_linear(x, self.weight, self.bias, None, self.group, None)
         y = _local_linear(x, self.weight, None, None, self.group, None)  # [s, b, out] partial sums
         if self.sequence_parallel:
-            y = reduce_scatter_to_sp_region(y, self.group)  # [s/tp, b, out]
+            y = _ReduceScatterToSP.apply(y, self.group)  # [s/tp, b, out] (input already checked in debug mode)
         else:
             y = _ReduceFromTPInPlace.apply(y, self.group)
         if self.bias is None:

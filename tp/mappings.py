@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from einops import rearrange
 
+from . import debug
 from .mesh import resolve_group
 
 # torch >= 2.13 renames the tensor collectives (*_single); older releases (e.g. 2.11) only have the old names.
@@ -126,34 +127,40 @@ _GatherFromSPReplicatedGrad = _mapping("_GatherFromSPReplicatedGrad", gather_fir
 _ReduceScatterToSP = _mapping("_ReduceScatterToSP", reduce_scatter_first, gather_first)
 
 
-def _apply(mapping, x, group):
+def _apply(mapping, x, group, *, replicated):
+    """mapping(x) on groups of more than one rank (one rank: not even an autograd node). `replicated`: x must be
+    equal on every rank (else only its shape), which debug mode checks."""
     group = resolve_group(group)
-    return x if dist.get_world_size(group) == 1 else mapping.apply(x, group)  # one rank: not even an autograd node
+    if dist.get_world_size(group) == 1:
+        return x
+    if debug._enabled:
+        debug.check(x, group, f"the input of {mapping.__name__.lstrip('_')}", replicated=replicated)
+    return mapping.apply(x, group)
 
 
 def copy_to_tp_region(x, group=None):
     """forward: identity · backward: all-reduce."""
-    return _apply(_CopyToTP, x, group)
+    return _apply(_CopyToTP, x, group, replicated=True)
 
 
 def reduce_from_tp_region(x, group=None):
     """forward: all-reduce · backward: identity."""
-    return _apply(_ReduceFromTP, x, group)
+    return _apply(_ReduceFromTP, x, group, replicated=False)
 
 
 def scatter_to_tp_region(x, group=None):
     """forward: split(last dim) · backward: all-gather(last dim)."""
-    return _apply(_ScatterToTP, x, group)
+    return _apply(_ScatterToTP, x, group, replicated=True)
 
 
 def gather_from_tp_region(x, group=None):
     """forward: all-gather(last dim) · backward: split(last dim)."""
-    return _apply(_GatherFromTP, x, group)
+    return _apply(_GatherFromTP, x, group, replicated=False)
 
 
 def scatter_to_sp_region(x, group=None):
     """forward: split(sequence dim 0) · backward: all-gather(sequence dim 0)."""
-    return _apply(_ScatterToSP, x, group)
+    return _apply(_ScatterToSP, x, group, replicated=True)
 
 
 def gather_from_sp_region(x, group=None, *, tensor_parallel_output_grad=True):
@@ -163,9 +170,9 @@ def gather_from_sp_region(x, group=None, *, tensor_parallel_output_grad=True):
     a final norm or the loss, so its gradient is already complete on each): backward is split(sequence dim 0).
     """
     mapping = _GatherFromSP if tensor_parallel_output_grad else _GatherFromSPReplicatedGrad
-    return _apply(mapping, x, group)
+    return _apply(mapping, x, group, replicated=False)
 
 
 def reduce_scatter_to_sp_region(x, group=None):
     """forward: reduce-scatter(sequence dim 0) · backward: all-gather(sequence dim 0)."""
-    return _apply(_ReduceScatterToSP, x, group)
+    return _apply(_ReduceScatterToSP, x, group, replicated=False)

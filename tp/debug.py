@@ -1,0 +1,85 @@
+"""Debug mode: cheap cross-rank checks that catch the silent failures of tensor parallelism.
+
+A "replicated" input that differs across the tp group (pytorch#119343), or ranks passing different shapes, makes
+tensor parallelism compute wrong numbers or hang without an error. With `TP_DEBUG=1` in the environment or
+`tp.set_debug(True)`, the mappings, the layers and the models all-gather a 12-number summary of such inputs (shape,
+two checksums and a scale) over the tp group before communicating, and raise on every rank a ValueError naming the
+ranks that differ. Off (the default) it costs one boolean test per call and adds no collective.
+"""
+import os
+
+import torch
+import torch.distributed as dist
+
+_MAX_DIMS = 8
+_enabled = os.environ.get("TP_DEBUG", "0") not in ("", "0")
+
+
+class set_debug:
+    """Turn the cross-rank checks on or off (also `TP_DEBUG=1`); every rank of a group must agree.
+    `tp.set_debug(True)` sets it from now on; `with tp.set_debug(True): ...` for a block, restoring it after."""
+
+    def __init__(self, enabled=True):
+        global _enabled
+        self.previous, _enabled = _enabled, bool(enabled)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        global _enabled
+        _enabled = self.previous
+
+
+def is_debug():
+    return _enabled
+
+
+def _summary(x):
+    """[ndim, shape (padded), sum, position-weighted sum, sum of |x|] in float64: equal tensors, equal summaries."""
+    if x.dim() > _MAX_DIMS:
+        raise ValueError(f"tp debug checks support up to {_MAX_DIMS} dims, got shape {tuple(x.shape)}")
+    flat = x.detach().reshape(-1).double()
+    weights = torch.linspace(1.0, 2.0, flat.numel(), dtype=torch.float64, device=flat.device)
+    sums = torch.stack([flat.sum(), (flat * weights).sum(), flat.abs().sum()])
+    shape = torch.tensor([x.dim(), *x.shape] + [0] * (_MAX_DIMS - x.dim()), dtype=torch.float64, device=x.device)
+    return torch.cat([shape, sums])
+
+
+def _groups_of(values, same):
+    """Ranks partitioned into runs of equal values (in rank order), for the message."""
+    classes = []
+    for rank, v in enumerate(values):
+        for members in classes:
+            if same(values[members[0]], v):
+                members.append(rank)
+                break
+        else:
+            classes.append([rank])
+    return classes
+
+
+def check(x, group, what, *, replicated):
+    """Raise on every rank unless x has the same shape (and, if `replicated`, the same values) on all ranks."""
+    size = dist.get_world_size(group)
+    if size == 1:
+        return
+    from .mappings import gather_first  # (mappings calls these checks)
+
+    every = gather_first(_summary(x), group).view(size, -1).cpu()
+    shapes = [tuple(int(d) for d in row[1:1 + int(row[0])]) for row in every]
+    classes = _groups_of(shapes, lambda a, b: a == b)
+    if len(classes) > 1:
+        detail = "; ".join(f"ranks {c} have shape {shapes[c[0]]}" for c in classes)
+        raise ValueError(f"tp debug: {what} has different shapes across the tp group: {detail}")
+    if replicated:
+        sums = every[:, -3:]
+        scale = sums[:, 2].max().item() + 1e-30
+
+        def same(a, b):
+            return bool(torch.isclose(a[:2], b[:2], rtol=0, atol=1e-9 * scale, equal_nan=True).all())
+
+        classes = _groups_of(list(sums), same)
+        if len(classes) > 1:
+            detail = " vs ".join(f"ranks {c}" for c in classes)
+            raise ValueError(f"tp debug: {what} should be replicated but differs across the tp group: {detail}")
