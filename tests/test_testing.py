@@ -1,8 +1,17 @@
-"""The multi-rank harness itself: a failing rank is reported with its traceback; a hang is killed, not waited on."""
+"""The multi-rank harness itself: a failing rank is reported with its traceback; a hang is killed, not waited on, and
+reported with the stuck ranks' stacks; bare asserts in a rank show their values, as in pytest."""
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch.distributed as dist
 
 from tp import testing
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _fail_on_rank_one():
@@ -24,19 +33,69 @@ def _unpicklable():
     return lambda: None
 
 
+def _assert_value_on_rank_one():
+    value = 1337 if dist.get_rank() == 1 else 337
+    assert value == 337
+
+
+def _stuck_in(report, rank, *functions):
+    """Whether the report shows `rank` stuck with `functions` on its stack, innermost first."""
+    frames = "".join(rf".*line \d+ in {f}\n" for f in functions)
+    return re.search(rf"---- rank {rank} stuck here ----\n{frames}", report, re.DOTALL) is not None
+
+
 def test_failure_on_one_rank_reports_it_and_frees_the_others():
     with pytest.raises(testing.RankError, match=r"failed on ranks \[1\] of 2(.|\n)*ranks \[0\] did not report"
-                                                r"(.|\n)*boom on rank one"):
+                                                r"(.|\n)*boom on rank one") as failure:
         testing.run(_fail_on_rank_one, world_size=2)
+    assert _stuck_in(str(failure.value), 0, "barrier", "_fail_on_rank_one")
     assert testing.run(_rank, world_size=2) == [0, 1]  # a fresh pool replaced the broken one
 
 
-def test_hang_times_out():
-    with pytest.raises(testing.RankTimeout, match=r"ranks \[0\] of 2 did not finish within 10s"):
+def test_hang_times_out_and_shows_where_it_hung():
+    with pytest.raises(testing.RankTimeout, match=r"ranks \[0\] of 2 did not finish within 10s") as hang:
         testing.run(_hang_on_rank_zero, world_size=2, timeout=10)
+    assert _stuck_in(str(hang.value), 0, "barrier", "_hang_on_rank_zero")
+    assert "rank 1" not in str(hang.value)  # it finished: no stack
     assert testing.run(_rank, world_size=2) == [0, 1]
 
 
 def test_unpicklable_result_is_reported_not_lost():
     with pytest.raises(testing.RankError, match=r"failed on ranks \[0, 1\](.|\n)*(pickle|Pickl)"):
         testing.run(_unpicklable, world_size=2)
+
+
+def test_bare_assert_in_a_rank_shows_its_values():
+    with pytest.raises(testing.RankError, match=r"failed on ranks \[1\] of 2(.|\n)*assert 1337 == 337"):
+        testing.run(_assert_value_on_rank_one, world_size=2)
+
+
+def _python(code, **env):
+    env = {k: v for k, v in os.environ.items() if k != "TP_TEST_TIMEOUT"} | env
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    result = subprocess.run([sys.executable, *code], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_default_timeout_is_a_minute_and_the_env_overrides_it():
+    out = _python(["-c", "import importlib, os, tp.testing as t; d = t.DEFAULT_TIMEOUT; "
+                         "os.environ['TP_TEST_TIMEOUT'] = '7'; print(d, importlib.reload(t).DEFAULT_TIMEOUT)"])
+    assert out.split() == ["60.0", "7.0"]
+
+
+def test_run_from_a_plain_script(tmp_path):
+    # Outside pytest nothing is rewritten and the ranks never import pytest.
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent("""
+        import sys
+        import torch.distributed as dist
+        from tp import testing
+
+        def body():
+            return dist.get_rank(), "_pytest" in sys.modules
+
+        if __name__ == "__main__":
+            print(testing.run(body, world_size=2))
+    """))
+    assert _python([str(script)]).strip() == "[(0, False), (1, False)]"
