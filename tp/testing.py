@@ -1,8 +1,10 @@
 """Multi-rank test harness: run a function on N ranks as real processes (gloo on CPU, NCCL with >= N GPUs).
 
 Workers are spawned once per world size and reused across calls (spawning is the slow part). A failure on any
-rank raises `RankError` with every failing rank's traceback; a hang raises `RankTimeout` naming the ranks that did
-not answer, and the workers are killed (the next call spawns fresh ones).
+rank raises `RankError` with every failing rank's traceback; a hang raises `RankTimeout` with the Python stack of
+every rank that did not answer (where it is stuck), and the workers are killed (the next call spawns fresh ones).
+Each call gets `timeout` seconds (default: `TP_TEST_TIMEOUT`, else 60). Under pytest, the ranks import test modules
+with pytest's assertion rewriting, so a bare `assert` reports its values as it would in the test process.
 
 In pytest, decorate a module-level function; its parameters can be parametrized as usual:
 
@@ -16,23 +18,32 @@ In pytest, decorate a module-level function; its parameters can be parametrized 
 
 Outside pytest: `run(fn, world_size=4, **kwargs)` returns the list of per-rank return values.
 """
+import ast
 import atexit
 import datetime
+import faulthandler
 import functools
 import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
 import os
 import pickle
 import queue
+import signal
+import sys
 import tempfile
 import time
 import traceback
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-DEFAULT_TIMEOUT = float(os.environ.get("TP_TEST_TIMEOUT", 180))
+DEFAULT_TIMEOUT = float(os.environ.get("TP_TEST_TIMEOUT", 60))
 _GRACE = 5.0  # seconds the other ranks get to report after one rank failed
+_DUMP_WAIT = 2.0  # seconds a stuck rank gets to dump its stack
 
 
 class RankError(AssertionError):
@@ -54,6 +65,34 @@ def device():
     return torch.device("cpu")
 
 
+class _AssertRewriter(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Imports the named modules with pytest's assertion rewriting (a worker's view of pytest's import hook)."""
+
+    def __init__(self):
+        self.modules = set()
+
+    def find_spec(self, name, path, target=None):
+        spec = importlib.machinery.PathFinder.find_spec(name, path) if name in self.modules else None
+        return spec and importlib.util.spec_from_file_location(name, spec.origin, loader=self)
+
+    def exec_module(self, module):
+        from _pytest.assertion.rewrite import rewrite_asserts  # only asked to rewrite when the parent runs pytest
+
+        path = module.__spec__.origin
+        with open(path, "rb") as f:
+            source = f.read()
+        tree = ast.parse(source, path)
+        rewrite_asserts(tree, source, path)
+        exec(compile(tree, path, "exec", dont_inherit=True), module.__dict__)
+
+
+def _rewritten_by_pytest(module):
+    """Whether pytest imported this module (of this process) with assertion rewriting: a test module."""
+    rewrite = sys.modules.get("_pytest.assertion.rewrite")
+    return rewrite is not None and isinstance(getattr(sys.modules[module], "__loader__", None),
+                                              rewrite.AssertionRewritingHook)
+
+
 def _resolve(module, qualname):
     obj = importlib.import_module(module)
     for part in qualname.split("."):
@@ -61,20 +100,30 @@ def _resolve(module, qualname):
     return getattr(obj, "__wrapped__", obj)
 
 
-def _worker(rank, world_size, store_path, tasks, results):
+def _stack_path(workdir, rank):
+    return Path(workdir, f"stack{rank}")
+
+
+def _worker(rank, world_size, workdir, tasks, results):
+    # The parent sends SIGUSR1 when this rank hangs and reads the stacks from this file for its report.
+    faulthandler.register(signal.SIGUSR1, file=open(_stack_path(workdir, rank), "w"), all_threads=True)
+    sys.meta_path.insert(0, rewriter := _AssertRewriter())
     torch.set_num_threads(1)
     backend = _backend(world_size)
     if backend == "nccl":  # test bodies that build tensors without a device get this rank's GPU
         torch.cuda.set_device(rank)
         torch.set_default_device(f"cuda:{rank}")
     dist.init_process_group(
-        backend, init_method=f"file://{store_path}", rank=rank, world_size=world_size,
-        timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT),
+        backend, init_method=f"file://{os.path.join(workdir, 'store')}", rank=rank, world_size=world_size,
+        # twice the default call timeout: the harness reports a hang, with every stuck rank's stack, before gloo would
+        timeout=datetime.timedelta(seconds=2 * DEFAULT_TIMEOUT),
     )
     import tp  # noqa: F401  (after the process group, so import errors surface as task errors below)
 
     while (task := tasks.get()) is not None:
-        task_id, module, qualname, kwargs = task
+        task_id, module, qualname, rewrite_asserts, kwargs = task
+        if rewrite_asserts:
+            rewriter.modules.add(module)
         try:
             value = _resolve(module, qualname)(**kwargs)
             pickle.dumps(value)  # fail here, with a traceback, rather than silently in the queue's feeder thread
@@ -98,8 +147,8 @@ class WorkerPool:
         os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by the workers only
         self._procs = [
             ctx.Process(
-                target=_worker, args=(r, world_size, os.path.join(self._dir.name, "store"), self._tasks[r],
-                                      self._results), daemon=True, name=f"tp-rank{r}",
+                target=_worker, args=(r, world_size, self._dir.name, self._tasks[r], self._results), daemon=True,
+                name=f"tp-rank{r}",
             )
             for r in range(world_size)
         ]
@@ -113,8 +162,9 @@ class WorkerPool:
         __tracebackhide__ = True  # pytest shows the ranks' tracebacks, not this loop
         fn = getattr(fn, "__wrapped__", fn)
         self._task_id += 1
+        task = (self._task_id, fn.__module__, fn.__qualname__, _rewritten_by_pytest(fn.__module__), kwargs or {})
         for q in self._tasks:
-            q.put((self._task_id, fn.__module__, fn.__qualname__, kwargs or {}))
+            q.put(task)
         outcome, deadline = {}, time.monotonic() + timeout
         while len(outcome) < self.world_size:
             failed = any(not ok for ok, _ in outcome.values())
@@ -132,17 +182,36 @@ class WorkerPool:
                 for r in dead:
                     outcome[r] = (False, f"rank {r} died (exit code {self._procs[r].exitcode})")
         missing = [r for r in range(self.world_size) if r not in outcome]
-        if missing:
-            self.close()  # the missing ranks are stuck (in a collective, usually): never reuse them
+        stacks = {}
+        if missing:  # stuck (in a collective, usually): take their stacks, then kill them (never reused)
+            stacks = self._stacks(missing)
+            for r in missing:
+                self._procs[r].kill()
+            self.close()
         errors = {r: v for r, (ok, v) in sorted(outcome.items()) if not ok}
+        report = "".join([f"\n---- rank {r} ----\n{tb}" for r, tb in errors.items()] +
+                         [f"\n---- rank {r} stuck here ----\n{stack}" for r, stack in stacks.items()])
         name = f"{fn.__module__}.{fn.__qualname__}"
         if errors:
-            report = "\n".join(f"---- rank {r} ----\n{tb}" for r, tb in errors.items())
             hung = f"\nranks {missing} did not report and were killed" if missing else ""
-            raise RankError(f"{name} failed on ranks {sorted(errors)} of {self.world_size}{hung}\n{report}")
+            raise RankError(f"{name} failed on ranks {sorted(errors)} of {self.world_size}{hung}{report}")
         if missing:
-            raise RankTimeout(f"{name}: ranks {missing} of {self.world_size} did not finish within {timeout:.0f}s")
+            raise RankTimeout(f"{name}: ranks {missing} of {self.world_size} did not finish within {timeout:.0f}s "
+                              f"(set by timeout= or TP_TEST_TIMEOUT){report}")
         return [outcome[r][1] for r in range(self.world_size)]
+
+    def _stacks(self, ranks):
+        """Each of these (stuck) ranks' Python stacks, dumped by faulthandler on SIGUSR1 (see `_worker`)."""
+        paths = {r: _stack_path(self._dir.name, r) for r in ranks}
+        started = [r for r in ranks if paths[r].exists() and self._procs[r].is_alive()]  # SIGUSR1 would kill the rest
+        for r in started:
+            os.kill(self._procs[r].pid, signal.SIGUSR1)
+        deadline = time.monotonic() + _DUMP_WAIT
+        while time.monotonic() < deadline and not all(paths[r].stat().st_size for r in started):
+            time.sleep(0.05)
+        time.sleep(0.05)  # a dump that has begun is done in microseconds
+        return {r: (paths[r].read_text() or "(no stack dumped)\n") if r in started else "(not started, or dead)\n"
+                for r in ranks}
 
     def close(self):
         self.broken = True
