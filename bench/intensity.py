@@ -15,7 +15,8 @@ For GPT layer shapes (hidden 1024-8192, FFN 4x and SwiGLU 8/3x, 1-16384 tokens p
   torchrun ranks. CPU runs fp32 (its bf16 matmul is not representative), CUDA runs bf16.
 --hardware cpu-measured models with the measured numbers instead (fp32 on CPU; link bandwidth and per-collective
 latency fitted to the measured collectives). --out DIR gets gemms.csv, tp.csv, collectives.csv, intensity.json,
-recommendation.json and intensity.png; the terminal shows the table at the largest token count and the recommendation.
+recommendation.json and intensity.png; the terminal shows the table (one layer: every token count; a sweep: the
+largest) and the recommendation.
 """
 import argparse
 import csv
@@ -126,8 +127,8 @@ def recommendation_line(rec, rows, hw):
     limit = rec["max_tp_overlapped"]
     nxt = min((tp for tp in by_tp if tp > limit), default=None)
     shape = f"{hw.name}, D={rec['hidden']} F={rec['ffn']} ({rec['mlp']}), {rec['tokens']} tokens"
-    bound = "" if nxt is None else \
-        f"; TP={nxt} is communication-bound (comm/compute {by_tp[nxt]['comm_over_compute']:.2f})"
+    bound = f"; TP={nxt} is communication-bound (comm/compute {by_tp[nxt]['comm_over_compute']:.2f})" if nxt else \
+        "" if limit == max(rl.TP_DEGREES) else f"; TP={2 * limit} does not divide the sizes"
     if limit == 1:
         return f"{shape}: stay at TP=1{bound}."
     return (f"{shape}: TP <= {limit} keeps the MLP's communication at or below its compute (comm/compute "
@@ -160,8 +161,8 @@ def write_outputs(out, hw, args, measured, recs, tps, gemms):
     if measured:
         measured = dict(measured, gemms=[dict(zip(("phase", "m", "k", "n"), key), **v)
                                          for key, v in measured["gemms"].items()])
-    write_json(os.path.join(out, "intensity.json"), {"meta": meta, "measured": measured, "recommendations": recs,
-                                                     "tp": tps, "gemms": gemms})
+    write_json(os.path.join(out, "intensity.json"),  # the per-GEMM model rows are in gemms.csv
+               {"meta": meta, "measured": measured, "recommendations": recs, "tp": tps})
     headline = headline_of(recs)
     write_json(os.path.join(out, "recommendation.json"), {
         "hardware": hw.name, "max_tp_overlapped": headline["max_tp_overlapped"],
@@ -216,11 +217,19 @@ def parse_args(argv):
 
 
 def main(argv=None):
-    if int(os.environ.get("WORLD_SIZE", 1)) > 1 and not dist.is_initialized():  # under torchrun
+    launched = int(os.environ.get("WORLD_SIZE", 1)) > 1 and not dist.is_initialized()  # by torchrun
+    if launched:
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    args = parse_args(argv)
+    try:
+        return _run(parse_args(argv))
+    finally:
+        if launched:
+            dist.destroy_process_group()
+
+
+def _run(args):
     shapes = shapes_from(args)
     measured = None if args.no_measure else measure(
         shapes, degrees=args.measure_tp, max_gflop=args.max_gflop, max_message_mb=args.max_message_mb,
@@ -230,7 +239,7 @@ def main(argv=None):
     hw = measured_profile(measured) if args.hardware == "cpu-measured" else rl.HARDWARE[args.hardware]
     recs = [rl.recommendation(group[-1], hw) for group in shapes]
     tps, gemms = tp_rows(shapes, hw, measured), gemm_rows(shapes, hw, measured)
-    largest = [r for r in tps if r["tokens"] == max(args.tokens)]
+    shown = tps if len(shapes) == 1 else [r for r in tps if r["tokens"] == max(args.tokens)]  # one layer: every T
     print(f"\nModel: {hw.name} ({hw.dtype}; C = {hw.flops:.3g} FLOP/s, HBM = {hw.hbm:.3g} B/s, W = {hw.link:.3g} B/s "
           f"per direction; ridge {hw.ridge:.0f} FLOP/B, C/W = {hw.flops_per_link_byte:.0f}). MLP forward per rank; "
           f"comm = all-gather + reduce-scatter of e*T*D bytes each at W (scaling book).")
@@ -238,7 +247,7 @@ def main(argv=None):
         print(f"Measured on {measured['device']} ({measured['dtype']}): peak {measured['peak_flops'] / 1e9:.1f} "
               f"GFLOP/s, copy {measured['bandwidth'] / 1e9:.1f} GB/s, kernels.linear {measured['kernels']}, "
               f"collectives at TP {sorted(measured['collectives'])} ({measured['seconds']:.0f} s of measuring)")
-    print_table([_display(r) for r in largest], TABLE if measured else TABLE[:-3])
+    print_table([_display(r) for r in shown], TABLE if measured else TABLE[:-3])
     print(f"Compute-bound {hw.dtype} two-matrix MLP: communication-bound once F/TP < "
           f"{hw.element_size / 2 * hw.flops_per_link_byte:.0f} (scaling book: F/TP > C/W; SwiGLU: 2/3 of that)")
     for rec in recs:

@@ -26,11 +26,12 @@ def _intensity(ax, hw, headline, tps):
     for r in (r for r in rows if r["tokens"] == headline["tokens"]):
         ax.annotate(f"TP{r['tp']}", (r["ffn_shard"], r["mlp_min_intensity"]), fontsize=7, xytext=(2, 4),
                     textcoords="offset points")
-    ax.axhline(hw.ridge, color="red", ls="--", label=f"{hw.name} ridge {hw.ridge:.0f}")
+    ax.axhline(hw.ridge, color="red", ls="--", label=f"{hw.name} ridge {hw.ridge:.0f}: memory-bound below")
     ax.set(xscale="log", yscale="log", xlabel="shard size F/TP", ylabel=f"FLOP/byte ({hw.dtype})",
-           title=f"MLP GEMM intensity, D={headline['hidden']} F={headline['ffn']} ({headline['mlp']})")
+           title=f"MLP GEMM intensity\nD={headline['hidden']} F={headline['ffn']} ({headline['mlp']})")
+    ax.set_ylim(bottom=min(r["mlp_min_intensity"] for r in rows) / 20)  # room for the legend
     ax.invert_xaxis()  # more TP to the right: the shard shrinks
-    ax.legend(fontsize=7, loc="lower left", ncol=2)
+    ax.legend(fontsize=7, loc="lower center", ncol=3)
 
 
 def _roofline(ax, gemms, measured):
@@ -55,9 +56,10 @@ def _roofline(ax, gemms, measured):
     grid = [xs[0] * (xs[-1] / xs[0]) ** (i / 100) for i in range(101)] if xs[-1] > xs[0] else xs
     ax.plot(grid, [min(peak, x * bandwidth) / 1e9 for x in grid], "k-", label="roofline (measured)")
     ax.axvline(peak / bandwidth, color="red", ls="--", label=f"ridge {peak / bandwidth:.0f}")
+    cache = "\n(CPU: warm caches can beat the copy-bandwidth roofline)" if "CPU" in measured["device"] else ""
     ax.set(xscale="log", yscale="log", xlabel=f"FLOP/byte ({measured['dtype']})", ylabel="GFLOP/s",
-           title=f"achieved vs roofline: {measured['device'][:40]}")
-    ax.legend(fontsize=7)
+           title=f"measured local GEMMs, {measured['device'].split(' (')[0]}{cache}")
+    ax.legend(fontsize=7, loc="lower right")
 
 
 def _times(ax, hw, headline, tps):
@@ -76,7 +78,7 @@ def _times(ax, hw, headline, tps):
             ax.plot(*zip(*measured), "k^", label="comm: measured all-reduce")
     ax.axvline(headline["max_tp_overlapped"], color="red", ls="--", label=f"max TP {headline['max_tp_overlapped']}")
     ax.set(xscale="log", yscale="log", xlabel="TP degree", ylabel="microseconds",
-           title=f"MLP forward on {hw.name}, T={headline['tokens']}")
+           title=f"MLP forward per rank\n{hw.name}, T={headline['tokens']}")
     ax.set_xticks(tp, [str(t) for t in tp])
     ax.legend(fontsize=7)
 

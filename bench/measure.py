@@ -131,12 +131,13 @@ def measure_collectives(degrees, sizes, dtype, min_seconds):
 
 
 def fit_link(collectives, element_size):
-    """Least-squares t = latency + wire_bytes / W over every measured collective -> (W bytes/s, latency s)."""
+    """Fit t = latency + wire_bytes / W to every measured collective, in relative error (small messages count as
+    much as large ones) -> (W bytes/s, latency s)."""
     points = [(rl.Collective(r["kind"], "fwd", r["elements"] * element_size).wire_bytes(p), r["seconds"])
               for p, rows in collectives.items() for r in rows]
     wire, seconds = map(np.array, zip(*points))
-    slope, intercept = np.polyfit(wire, seconds, 1) if len(set(wire)) > 1 else (0.0, 0.0)
-    if slope <= 0:  # one size, or noise: no latency term
+    slope, intercept = np.polyfit(wire, seconds, 1, w=1 / seconds) if len(set(wire)) > 1 else (0.0, 0.0)
+    if slope <= 0:  # one size, or noise: bandwidth only
         return float(np.max(wire / seconds)), 0.0
     return 1 / float(slope), max(float(intercept), 0.0)
 
@@ -151,8 +152,10 @@ def measure(shapes, *, degrees, max_gflop, max_message_mb, peak_size, bandwidth_
     sizes = sorted({s.tokens * s.hidden for group in shapes for s in group})
     sizes = [n for n in sizes if n * element_size <= max_message_mb * 2**20 and all(n % p == 0 for p in degrees)]
     collectives = measure_collectives(degrees, sizes, dtype, min_seconds) if sizes else {}
-    if dist.is_initialized() and dist.get_rank() != 0:
-        return None
+    if dist.is_initialized():
+        dist.barrier()  # every rank is done with collectives; only rank 0 goes on
+        if dist.get_rank() != 0:
+            return None
     gemms = [g for group in shapes for s in group for tp in rl.TP_DEGREES if s.shardable(tp)
              for g in rl.layer_gemms(s, tp)]
     link, latency = fit_link(collectives, element_size) if collectives else (None, None)
