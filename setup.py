@@ -11,6 +11,12 @@ setup(
         "triton>=3.0; platform_system == 'Linux'",
         "einops>=0.7",
         "numpy",  # Triton's interpreter and torch's DTensor debug tools (CommDebugMode) import it
+        "safetensors>=0.4",  # checkpoints and Hugging Face weights
+        "tqdm",
     ],
-    extras_require={"test": ["pytest>=7", "pytest-timeout"]},
+    extras_require={
+        "hf": ["transformers>=4.48"],  # optional: GPT.from_hf / save_hf, tp.parallelize on HF models
+        "bench": ["matplotlib"],
+        "test": ["pytest>=7", "pytest-timeout", "transformers>=4.48", "matplotlib"],
+    },
 )

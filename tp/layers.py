@@ -207,10 +207,15 @@ class _ParallelLinear(nn.Module):
                 nn.init.uniform_(master_bias, -bound, bound)
         self.load_master(master, master_bias)
 
+    def shard_indices(self):
+        """The dense indices, along the sharded dim (rows: column layer; columns: row layer), this rank holds."""
+        n = (self.out_features, self.in_features)[self.shard_dim]
+        return _shard(torch.arange(n), 0, self.tp_rank, self.tp_size, self.parts, self.part_replicas)
+
     def shard_dense(self, tensor):
         """This rank's slice of a dense weight-shaped tensor (or, for the column layer, a bias-shaped one)."""
         dim = self.shard_dim if tensor.dim() == 2 else 0
-        return _shard(tensor, dim, self.tp_rank, self.tp_size, self.parts, self.part_replicas)
+        return tensor.index_select(dim, self.shard_indices().to(tensor.device))
 
     @torch.no_grad()
     def load_master(self, weight, bias=None):

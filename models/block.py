@@ -1,0 +1,160 @@
+"""The transformer block from the tensor-parallel layers: pre-norm attention (fused QKV, RoPE, GQA) and MLP.
+
+Activations are Megatron's [s, b, h]; with sequence parallelism the residual stream (norms, dropout, residual adds)
+holds [s/tp, b, h] and the column layers all-gather the sequence. Per block and step, without SP: forward 2
+all-reduces, backward 2 (+1 when kv heads are replicated); with SP: forward 2 all-gathers + 2 reduce-scatters,
+backward 4 all-gathers + 2 reduce-scatters + the norms' (and row biases') grad all-reduces.
+"""
+import contextlib
+import math
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import tp
+from tp.mesh import resolve_group
+
+
+def normal_init(std):
+    return lambda w: nn.init.normal_(w, mean=0.0, std=std)
+
+
+class Norm(nn.Module):
+    """RMSNorm (Hugging Face's: fp32 statistics, weight applied in the input dtype) or LayerNorm.
+
+    Under sequence parallelism each rank normalises its own tokens, so the parameters' grads are partial: they are
+    summed over the tp group inside backward (one all-reduce per norm).
+    """
+
+    def __init__(self, kind, hidden, eps, *, sequence_parallel=False, group=None, dtype=None, device=None):
+        super().__init__()
+        self.kind, self.eps, self.sequence_parallel = kind, eps, sequence_parallel
+        self.group = resolve_group(group) if sequence_parallel else group
+        self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype, device=device))
+        self.bias = nn.Parameter(torch.zeros(hidden, dtype=dtype, device=device)) if kind == "layernorm" else None
+
+    def forward(self, x):  # [s(/tp), b, h]
+        params = (self.weight,) if self.bias is None else (self.weight, self.bias)
+        if self.sequence_parallel:
+            params = tp.sync_grads_over_tp(*params, group=self.group)
+        if self.kind == "layernorm":
+            return F.layer_norm(x, x.shape[-1:], *params, self.eps)
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return params[0] * x.to(dtype)
+
+    def extra_repr(self):
+        return f"{self.kind}, {self.weight.shape[0]}, eps={self.eps}, sequence_parallel={self.sequence_parallel}"
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rope(q, k, theta):
+    """Rotary embeddings, rotate-half convention (HF and Megatron), positions 0..s-1, on [b, n, s, d] q and k."""
+    s, d = q.shape[-2], q.shape[-1]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=q.device) / d))
+    freqs = torch.outer(torch.arange(s, dtype=torch.float32, device=q.device), inv_freq)  # [s, d/2]
+    angles = torch.cat((freqs, freqs), dim=-1)  # [s, d]
+    cos, sin = angles.cos().to(q.dtype), angles.sin().to(q.dtype)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+class Attention(nn.Module):
+    """Causal self-attention: one fused QKV ColumnParallelLinear (each rank its own q, k and v heads; kv heads
+    replicated when fewer than tp), RoPE, scaled_dot_product_attention, RowParallelLinear out."""
+
+    def __init__(self, config, *, group=None, _init=True):
+        super().__init__()
+        self.group = resolve_group(group)
+        size = torch.distributed.get_world_size(self.group)
+        config.check_tp(size)
+        heads, kv_heads, d = config.num_heads, config.num_kv_heads, config.head_dim
+        kv_replicas = size // kv_heads if kv_heads < size else 1
+        self.local_heads, self.local_kv_heads = heads // size, kv_heads * kv_replicas // size
+        self.head_dim, self.config = d, config
+        sp = config.sequence_parallel
+        self.qkv = tp.ColumnParallelLinear(
+            config.hidden_size, (heads + 2 * kv_heads) * d, bias=config.bias or config.qkv_bias,
+            parts=(heads * d, kv_heads * d, kv_heads * d), part_replicas=(1, kv_replicas, kv_replicas),
+            sequence_parallel=sp, group=self.group, init_method=normal_init(config.init_std), _init=_init)
+        self.proj = tp.RowParallelLinear(
+            heads * d, config.hidden_size, bias=config.bias, sequence_parallel=sp, group=self.group,
+            init_method=normal_init(config.init_std / math.sqrt(2 * config.num_layers)), _init=_init)
+
+    def core(self, q, k, v):  # [b, n, s, d]
+        """Softmax(qkᵀ/√d)v, causal; heads are tp-sharded, so attention dropout draws per-rank masks."""
+        k = k.repeat_interleave(self.local_heads // self.local_kv_heads, dim=1)  # GQA: kv head per query head
+        v = v.repeat_interleave(self.local_heads // self.local_kv_heads, dim=1)
+        p = self.config.attention_dropout if self.training else 0.0
+        with tp.fork_rng() if p else contextlib.nullcontext():
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+
+    def forward(self, x):  # [s(/tp), b, h]
+        qkv = self.qkv(x)  # [s, b, (heads + 2 kv_heads)·d / tp]
+        d = self.head_dim
+        q, k, v = (rearrange(t, "s b (n d) -> b n s d", d=d) for t in
+                   qkv.split([self.local_heads * d, self.local_kv_heads * d, self.local_kv_heads * d], dim=-1))
+        if self.config.position == "rope":
+            q, k = rope(q, k, self.config.rope_theta)
+        if self.config.recompute == "selective" and torch.is_grad_enabled():
+            context = checkpoint(self.core, q, k, v, use_reentrant=False)  # keep q, k, v; recompute the rest
+        else:
+            context = self.core(q, k, v)
+        return self.proj(rearrange(context, "b n s d -> s b (n d)"))  # [s(/tp), b, h]
+
+
+class MLP(nn.Module):
+    """ColumnParallelLinear with the activation fused in its epilogue (SwiGLU: fused gate/up) -> RowParallelLinear."""
+
+    def __init__(self, config, *, group=None, _init=True):
+        super().__init__()
+        swiglu, ffn, sp = config.activation == "swiglu", config.ffn_hidden_size, config.sequence_parallel
+        self.fc1 = tp.ColumnParallelLinear(
+            config.hidden_size, 2 * ffn if swiglu else ffn, bias=config.bias, activation=config.activation,
+            sequence_parallel=sp, group=group, init_method=normal_init(config.init_std), _init=_init)
+        self.fc2 = tp.RowParallelLinear(
+            ffn, config.hidden_size, bias=config.bias, sequence_parallel=sp, group=group,
+            init_method=normal_init(config.init_std / math.sqrt(2 * config.num_layers)), _init=_init)
+
+    def forward(self, x):  # [s(/tp), b, h]
+        return self.fc2(self.fc1(x))  # fc1: [s, b, ffn/tp]
+
+
+def dropout(x, p, training, sequence_parallel):
+    """Dropout on the residual stream: one mask on every tp rank, or, under SP (each rank its own tokens), the
+    rank's own."""
+    if not p or not training:
+        return x
+    with tp.fork_rng() if sequence_parallel else contextlib.nullcontext():
+        return F.dropout(x, p, training=True)
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: x + attention(norm(x)), then x + mlp(norm(x)). [s(/tp), b, h] -> same."""
+
+    def __init__(self, config, *, group=None, _init=True):
+        super().__init__()
+        self.config = config
+        group = resolve_group(group)
+        norm = dict(sequence_parallel=config.sequence_parallel, group=group)
+        self.norm1 = Norm(config.norm, config.hidden_size, config.norm_eps, **norm)
+        self.attention = Attention(config, group=group, _init=_init)
+        self.norm2 = Norm(config.norm, config.hidden_size, config.norm_eps, **norm)
+        self.mlp = MLP(config, group=group, _init=_init)
+
+    def _forward(self, x):
+        c = self.config
+        x = x + dropout(self.attention(self.norm1(x)), c.dropout, self.training, c.sequence_parallel)
+        return x + dropout(self.mlp(self.norm2(x)), c.dropout, self.training, c.sequence_parallel)
+
+    def forward(self, x):  # [s(/tp), b, h]
+        if self.config.recompute == "full" and torch.is_grad_enabled():
+            return checkpoint(self._forward, x, use_reentrant=False)  # keep the block's input only
+        return self._forward(x)

@@ -1,0 +1,92 @@
+"""GPTConfig: one dataclass for the decoder-only transformers the package builds (Llama/Mistral/Qwen2/GPT-2 shapes)."""
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+ACTIVATIONS = ("swiglu", "gelu", "gelu_tanh")
+NORMS = ("rmsnorm", "layernorm")
+POSITIONS = ("rope", "learned")
+RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 256
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: Optional[int] = None  # GQA/MQA; default num_heads
+    head_dim: Optional[int] = None  # default hidden_size // num_heads
+    ffn_hidden_size: Optional[int] = None  # default 4·hidden (gelu) or 8/3·hidden rounded up to 64 (swiglu)
+    max_seq_len: int = 256
+    activation: str = "swiglu"
+    norm: str = "rmsnorm"
+    norm_eps: float = 1e-5
+    position: str = "rope"
+    rope_theta: float = 10000.0
+    bias: bool = False  # every linear
+    qkv_bias: bool = False  # the QKV projection only (Qwen2)
+    tie_embeddings: bool = False
+    dropout: float = 0.0  # embedding and residual-branch outputs
+    attention_dropout: float = 0.0
+    sequence_parallel: bool = False
+    recompute: str = "none"  # "selective": the attention core; "full": every block
+    make_vocab_size_divisible_by: int = 128
+    init_std: float = 0.02
+    sliding_window: Optional[int] = None  # not implemented: sequences longer than this are refused
+    hf_model_type: Optional[str] = None  # "llama" | "mistral" | "qwen2" | "gpt2": the family save_hf writes
+
+    def __post_init__(self):
+        self.num_kv_heads = self.num_kv_heads or self.num_heads
+        self.head_dim = self.head_dim or self.hidden_size // max(self.num_heads, 1)
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = (-(-8 * self.hidden_size // 3 // 64) * 64 if self.activation == "swiglu"
+                                    else 4 * self.hidden_size)
+        for name, value, allowed in (("activation", self.activation, ACTIVATIONS), ("norm", self.norm, NORMS),
+                                     ("position", self.position, POSITIONS),
+                                     ("recompute", self.recompute, RECOMPUTE)):
+            if value not in allowed:
+                raise ValueError(f"{name}={value!r} must be one of {allowed}")
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                     "ffn_hidden_size", "max_seq_len", "make_vocab_size_divisible_by"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an integer >= 1")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} is not divisible by num_kv_heads={self.num_kv_heads}")
+        if self.position == "rope" and self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for rope")
+        for name in ("dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name}={getattr(self, name)} must be in [0, 1)")
+
+    def check_tp(self, tp):
+        """Raise a ValueError naming the value if this model cannot be split across `tp` ranks."""
+        if self.num_heads % tp:
+            raise ValueError(f"num_heads={self.num_heads} is not divisible by tp={tp}")
+        if self.num_kv_heads >= tp and self.num_kv_heads % tp:
+            raise ValueError(f"num_kv_heads={self.num_kv_heads} is not divisible by tp={tp}")
+        if self.num_kv_heads < tp and tp % self.num_kv_heads:
+            raise ValueError(f"tp={tp} is not divisible by num_kv_heads={self.num_kv_heads} (kv heads are "
+                             f"replicated when fewer than tp)")
+        if self.ffn_hidden_size % tp:
+            raise ValueError(f"ffn_hidden_size={self.ffn_hidden_size} is not divisible by tp={tp}")
+
+    def padded_vocab_size(self, tp):
+        """The vocabulary rounded up to a multiple of tp·make_vocab_size_divisible_by (Megatron's padding)."""
+        multiple = tp * self.make_vocab_size_divisible_by
+        return -(-self.vocab_size // multiple) * multiple
+
+    def replace(self, **changes):
+        return dataclasses.replace(self, **changes)
+
+
+# Named sizes for the training job (`--model`).
+PRESETS = {
+    "tiny": dict(vocab_size=256, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, ffn_hidden_size=192,
+                 max_seq_len=256),
+    "small": dict(vocab_size=256, hidden_size=128, num_layers=4, num_heads=8, num_kv_heads=4, ffn_hidden_size=384,
+                  max_seq_len=512),
+    "medium": dict(vocab_size=256, hidden_size=256, num_layers=8, num_heads=8, num_kv_heads=8, ffn_hidden_size=768,
+                   max_seq_len=1024),
+}

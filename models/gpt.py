@@ -1,0 +1,134 @@
+"""GPT: vocab-parallel embedding -> transformer blocks -> final norm -> vocab-parallel output layer and loss.
+
+`model(tokens)` with tokens [b, s] returns the full-vocabulary logits [b, s, vocab_size] (gathered over tp, the
+padding columns dropped); `model(tokens, targets)` returns the mean cross-entropy through the vocab-parallel loss,
+the same scalar on every tp rank, without ever gathering the logits. Internally activations are [s, b, h].
+
+Initialisation is TP- and PP-invariant: the embedding, every block and the output layer draw their full master
+weights from their own seed, derived from one draw of the default generator, so `torch.manual_seed(s); GPT(cfg)`
+holds at any tp the slices of the TP=1 weights, and a pipeline stage holding layers i..j holds exactly those layers
+of the one-stage model.
+"""
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import tp
+from tp.mesh import resolve_group
+from tp.random import _mix
+
+from .block import Norm, TransformerBlock, dropout, normal_init
+
+
+@contextlib.contextmanager
+def _seeded(base, index):
+    """Draw a module's init from its own stream: the same weights whichever stage builds it."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(_mix(base, index))
+        yield
+
+
+class GPT(nn.Module):
+    """Decoder-only transformer on the tensor-parallel layers (or one pipeline stage of it).
+
+    `layers=(start, stop)`, `pre_process` (embedding) and `post_process` (final norm, output layer, loss) build
+    a pipeline stage; the defaults build the whole model.
+    """
+
+    def __init__(self, config, *, group=None, layers=None, pre_process=True, post_process=True, _init=True):
+        super().__init__()
+        self.config, self.group = config, resolve_group(group)
+        self.tp_size = dist.get_world_size(self.group)
+        config.check_tp(self.tp_size)
+        self.padded_vocab_size = config.padded_vocab_size(self.tp_size)
+        self.layer_range = layers or (0, config.num_layers)
+        if not 0 <= self.layer_range[0] <= self.layer_range[1] <= config.num_layers:
+            raise ValueError(f"layers={layers} must lie within [0, {config.num_layers}]")
+        self.pre_process, self.post_process = pre_process, post_process
+        sp, h = config.sequence_parallel, config.hidden_size
+        base = int(torch.randint(0, 2**62, (1,)).item()) if _init else 0  # the model's seed
+        if pre_process:
+            self.embedding = tp.VocabParallelEmbedding(self.padded_vocab_size, h, sequence_parallel=sp,
+                                                       group=self.group, _init=False)
+            if _init:
+                with _seeded(base, 0):
+                    self.embedding.load_master(self._padded_vocab_master())
+            self.position_embedding = None
+            if config.position == "learned":
+                with _seeded(base, 1):
+                    self.position_embedding = nn.Embedding(config.max_seq_len, h)
+                    normal_init(config.init_std)(self.position_embedding.weight)
+        self.layers = nn.ModuleList()
+        for i in range(*self.layer_range):
+            with _seeded(base, 2 + i) if _init else contextlib.nullcontext():
+                self.layers.append(TransformerBlock(config, group=self.group, _init=_init))
+        if post_process:
+            self.final_norm = Norm(config.norm, h, config.norm_eps, sequence_parallel=sp, group=self.group)
+            self.output = tp.ColumnParallelLinear(h, self.padded_vocab_size, bias=False, sequence_parallel=sp,
+                                                  group=self.group, _init=False)
+            if config.tie_embeddings and pre_process:
+                self.output.weight = self.embedding.weight
+            elif _init:  # a last stage without the embedding starts from the same tied weights as the first
+                with _seeded(base, 0 if config.tie_embeddings else 2 + config.num_layers):
+                    self.output.load_master(self._padded_vocab_master())
+
+    def _padded_vocab_master(self):
+        """[padded V, h]: the real rows drawn (as many draws at any tp), zero rows for the padding."""
+        c = self.config
+        master = normal_init(c.init_std)(torch.empty(c.vocab_size, c.hidden_size))
+        return torch.cat([master, master.new_zeros(self.padded_vocab_size - c.vocab_size, c.hidden_size)])
+
+    def embed(self, tokens):  # [b, s] -> [s(/tp), b, h]
+        c = self.config
+        if tokens.dim() != 2:
+            raise ValueError(f"tokens must be [batch, seq], got shape {tuple(tokens.shape)}")
+        seq = tokens.shape[1]
+        limit = min(c.max_seq_len, c.sliding_window or c.max_seq_len)
+        if seq > limit:
+            raise ValueError(f"sequence length {seq} exceeds max_seq_len={c.max_seq_len}"
+                             + (f" / sliding_window={c.sliding_window} (not implemented)" if c.sliding_window else ""))
+        if tokens.max() >= c.vocab_size:  # the padded embedding rows exist, but are not tokens
+            raise ValueError(f"token id {int(tokens.max())} is outside the vocabulary [0, {c.vocab_size})")
+        x = self.embedding(tokens.t())  # [s(/tp), b, h]
+        if self.position_embedding is not None:
+            weight = self.position_embedding.weight
+            if c.sequence_parallel:  # this rank's positions; the others' rows get their grads on other ranks
+                weight, = tp.sync_grads_over_tp(weight, group=self.group)
+                chunk = seq // self.tp_size
+                start = dist.get_rank(self.group) * chunk
+                x = x + weight[start:start + chunk].unsqueeze(1)
+            else:
+                x = x + weight[:seq].unsqueeze(1)
+        return dropout(x, c.dropout, self.training, c.sequence_parallel)
+
+    def head(self, x, targets=None):  # [s(/tp), b, h] -> loss, or logits [b, s, vocab_size]
+        logits = self.output(self.final_norm(x))  # [s, b, V/tp] (SP: the sequence gathered)
+        if targets is None:
+            logits = tp.gather_from_tp_region(logits, self.group)[..., :self.config.vocab_size]  # [s, b, V]
+            return logits.transpose(0, 1)  # [b, s, V]
+        return tp.vocab_parallel_cross_entropy(logits, targets.t(), vocab_size=self.config.vocab_size,
+                                               group=self.group)
+
+    def forward(self, tokens=None, targets=None, *, hidden=None):
+        """tokens [b, s] (first stage) or hidden [s(/tp), b, h] (later stages) -> loss / logits (last stage) or
+        hidden."""
+        x = self.embed(tokens) if self.pre_process else hidden
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x, targets) if self.post_process else x
+
+    @classmethod
+    def from_hf(cls, hf_model_or_path, *, group=None, **overrides):
+        """Build from a Hugging Face Llama/Mistral/Qwen2/GPT-2 model or a directory saved with save_pretrained,
+        each rank reading only its shards. `overrides` replace GPTConfig fields (e.g. sequence_parallel=True)."""
+        from .hf import load_hf
+
+        return load_hf(cls, hf_model_or_path, group=group, **overrides)
+
+    def save_hf(self, path):
+        """Write a directory `transformers.AutoModelForCausalLM.from_pretrained` loads (gathered on rank 0)."""
+        from .hf import save_hf
+
+        save_hf(self, path)

@@ -1,0 +1,329 @@
+"""Hugging Face weights in and out: Llama, Mistral, Qwen2 (q/k/v bias) and GPT-2 (Conv1D, learned positions).
+
+Loading maps each of our parameters to the HF tensors it is made of (q|k|v fused into our QKV, gate|up into fc1,
+GPT-2's Conv1D [in, out] transposed) and reads only the rows/columns this rank holds: from a live model's
+state_dict, or lazily from a `save_pretrained` directory with safetensors' `get_slice`. Saving gathers the shards
+over tp and writes config.json + safetensors on tp rank 0 (one file per pipeline stage, with an index).
+transformers is imported only here, and only when these functions run.
+"""
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+import tp
+from tp.embedding import VocabParallelEmbedding
+from tp.layers import ColumnParallelLinear, RowParallelLinear
+
+from .config import GPTConfig
+
+LLAMA_LIKE = ("llama", "mistral", "qwen2")
+FAMILIES = LLAMA_LIKE + ("gpt2",)
+
+
+# ---- config ------------------------------------------------------------------------------------------------------
+
+
+def _rope_theta(hf):
+    params = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind != "default":
+        raise ValueError(f"rope_type={kind!r} (rope scaling) is not supported; only the default rotary embedding")
+    return float(params.get("rope_theta", getattr(hf, "rope_theta", None) or 10000.0))
+
+
+def config_from_hf(hf, **overrides):
+    """GPTConfig of a transformers config (LlamaConfig, MistralConfig, Qwen2Config, GPT2Config)."""
+    family = hf.model_type
+    if family not in FAMILIES:
+        raise ValueError(f"model_type={family!r} is not supported; expected one of {FAMILIES}")
+    if family == "gpt2":
+        act = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}.get(hf.activation_function)
+        if act is None:
+            raise ValueError(f"GPT-2 activation_function={hf.activation_function!r} is not supported")
+        fields = dict(vocab_size=hf.vocab_size, hidden_size=hf.n_embd, num_layers=hf.n_layer, num_heads=hf.n_head,
+                      ffn_hidden_size=hf.n_inner or 4 * hf.n_embd, max_seq_len=hf.n_positions, activation=act,
+                      norm="layernorm", norm_eps=hf.layer_norm_epsilon, position="learned", bias=True,
+                      tie_embeddings=True)
+    else:
+        if hf.hidden_act != "silu":
+            raise ValueError(f"hidden_act={hf.hidden_act!r} is not supported (SwiGLU needs 'silu')")
+        attention_bias = bool(getattr(hf, "attention_bias", False)) if family != "qwen2" else False
+        mlp_bias = bool(getattr(hf, "mlp_bias", False))
+        if attention_bias != mlp_bias:
+            raise ValueError(f"attention_bias={attention_bias} with mlp_bias={mlp_bias}: GPTConfig's `bias` covers "
+                             "every linear")
+        window = getattr(hf, "sliding_window", None) if getattr(hf, "use_sliding_window", True) is not False else None
+        fields = dict(vocab_size=hf.vocab_size, hidden_size=hf.hidden_size, num_layers=hf.num_hidden_layers,
+                      num_heads=hf.num_attention_heads, num_kv_heads=hf.num_key_value_heads,
+                      head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
+                      ffn_hidden_size=hf.intermediate_size, max_seq_len=hf.max_position_embeddings,
+                      activation="swiglu", norm="rmsnorm", norm_eps=hf.rms_norm_eps, position="rope",
+                      rope_theta=_rope_theta(hf), bias=attention_bias, qkv_bias=family == "qwen2",
+                      tie_embeddings=bool(hf.tie_word_embeddings), sliding_window=window)
+    return GPTConfig(**(fields | {"hf_model_type": family} | overrides))
+
+
+def config_to_hf(config):
+    """The transformers config a saved model is loaded with."""
+    import transformers
+
+    c, family = config, config.hf_model_type or ("gpt2" if config.position == "learned" else "llama")
+    if family == "gpt2":
+        act = {"gelu_tanh": "gelu_new", "gelu": "gelu"}[c.activation]
+        return transformers.GPT2Config(vocab_size=c.vocab_size, n_embd=c.hidden_size, n_layer=c.num_layers,
+                                       n_head=c.num_heads, n_inner=c.ffn_hidden_size, n_positions=c.max_seq_len,
+                                       activation_function=act, layer_norm_epsilon=c.norm_eps,
+                                       tie_word_embeddings=True)
+    if c.activation != "swiglu" or c.norm != "rmsnorm" or c.position != "rope" or c.qkv_bias != (family == "qwen2"):
+        raise ValueError(f"this GPTConfig has no {family} equivalent (activation={c.activation}, norm={c.norm}, "
+                         f"position={c.position}, qkv_bias={c.qkv_bias})")
+    cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
+           "qwen2": transformers.Qwen2Config}[family]
+    extra = {"attention_bias": c.bias, "mlp_bias": c.bias} if family == "llama" else {}
+    if family == "mistral":
+        extra["sliding_window"] = c.sliding_window
+    return cls(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.ffn_hidden_size,
+               num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
+               head_dim=c.head_dim, max_position_embeddings=c.max_seq_len, rms_norm_eps=c.norm_eps,
+               rope_theta=c.rope_theta, tie_word_embeddings=c.tie_embeddings, hidden_act="silu", **extra)
+
+
+# ---- names: our parameter -> the HF tensors it concatenates ------------------------------------------------------
+
+
+def hf_sources(config, name, layer_offset=0):
+    """([(hf name, transposed)], ...) concatenated along our shard dim make our parameter `name` (dense)."""
+    gpt2 = config.hf_model_type == "gpt2"
+    root = "transformer" if gpt2 else "model"
+    embed = f"{root}.wte.weight" if gpt2 else f"{root}.embed_tokens.weight"
+    if name == "embedding.weight" or (name == "output.weight" and config.tie_embeddings):
+        return [(embed, False)]
+    if name == "output.weight":
+        return [("lm_head.weight", False)]
+    if name == "position_embedding.weight":
+        return [(f"{root}.wpe.weight", False)]
+    if name.startswith("final_norm."):
+        return [(f"{root}.{'ln_f' if gpt2 else 'norm'}.{name.split('.')[-1]}", False)]
+    _, index, module, *rest = name.split(".")  # layers.<i>.<module>...
+    block = f"{root}.{'h' if gpt2 else 'layers'}.{int(index) + layer_offset}"
+    kind = rest[-1]  # weight / bias
+    if gpt2:
+        local = {"norm1": "ln_1", "norm2": "ln_2", "attention.qkv": "attn.c_attn", "attention.proj": "attn.c_proj",
+                 "mlp.fc1": "mlp.c_fc", "mlp.fc2": "mlp.c_proj"}[".".join([module, *rest[:-1]])]
+        return [(f"{block}.{local}.{kind}", kind == "weight" and "norm" not in module)]
+    local = {"norm1": ["input_layernorm"], "norm2": ["post_attention_layernorm"],
+             "attention.qkv": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+             "attention.proj": ["self_attn.o_proj"], "mlp.fc1": ["mlp.gate_proj", "mlp.up_proj"],
+             "mlp.fc2": ["mlp.down_proj"]}[".".join([module, *rest[:-1]])]
+    return [(f"{block}.{part}.{kind}", False) for part in local]
+
+
+def _owners(model):
+    """Our parameter name -> (module, attribute) for every parameter (tied ones under each name)."""
+    owners = {}
+    for module_name, module in model.named_modules():
+        for attr, _ in module.named_parameters(recurse=False):
+            owners[f"{module_name}.{attr}" if module_name else attr] = (module, attr)
+    return owners
+
+
+def _sharding(module, attr):
+    """(dim, dense size along it, dense indices this rank holds) for a sharded parameter; None if replicated."""
+    if isinstance(module, VocabParallelEmbedding):
+        return 0, module.num_embeddings, torch.arange(module.vocab_start, module.vocab_end)
+    if isinstance(module, ColumnParallelLinear) or (isinstance(module, RowParallelLinear) and attr == "weight"):
+        dim = module.shard_dim if attr == "weight" else 0
+        return dim, (module.out_features, module.in_features)[module.shard_dim], module.shard_indices()
+    return None
+
+
+# ---- reading -----------------------------------------------------------------------------------------------------
+
+
+class _StateDictReader:
+    def __init__(self, state):
+        self.state = state
+
+    def shape(self, name):
+        return tuple(self.state[name].shape)
+
+    def read(self, name, dim=None, start=None, stop=None):
+        t = self.state[name].detach()
+        return t if dim is None else t.narrow(dim, start, stop - start)
+
+
+class _SafetensorsReader:
+    """Lazy reads from a save_pretrained directory: only the requested rows/columns leave the file."""
+
+    def __init__(self, path):
+        from safetensors import safe_open
+
+        index = os.path.join(path, "model.safetensors.index.json")
+        if os.path.exists(index):
+            with open(index) as f:
+                files = json.load(f)["weight_map"]
+        else:
+            single = os.path.join(path, "model.safetensors")
+            if not os.path.exists(single):
+                raise ValueError(f"{path} holds no model.safetensors (or index): save it with safetensors")
+            with safe_open(single, "pt") as f:
+                files = {k: "model.safetensors" for k in f.keys()}
+        self.files = {k: safe_open(os.path.join(path, v), "pt") for k, v in files.items()}
+
+    def shape(self, name):
+        return tuple(self.files[name].get_slice(name).get_shape())
+
+    def read(self, name, dim=None, start=None, stop=None):
+        piece = self.files[name].get_slice(name)
+        if dim is None:
+            return piece[:]
+        return piece[start:stop] if dim == 0 else piece[:, start:stop]
+
+
+def _runs(indices):
+    """Consecutive runs [(start, stop)] of a 1-D index tensor, in order."""
+    runs = []
+    for i in indices.tolist():
+        if runs and runs[-1][1] == i:
+            runs[-1][1] = i + 1
+        else:
+            runs.append([i, i + 1])
+    return runs
+
+
+def _read_dense_slice(reader, sources, dim, indices):
+    """The rows/columns `indices` (along our `dim`) of the concatenation of `sources`; indices past its end (a
+    padded vocabulary) give zeros."""
+    pieces, offset_of = [], []
+    offset = 0
+    for name, transposed in sources:
+        shape = reader.shape(name)
+        size = shape[(1 - dim) if transposed else dim]
+        offset_of.append((name, transposed, offset, size, shape))
+        offset += size
+    for start, stop in _runs(indices):
+        for name, transposed, base, size, shape in offset_of:
+            a, b = max(start, base), min(stop, base + size)
+            if a < b:
+                src_dim = (1 - dim) if transposed else dim
+                t = reader.read(name, src_dim, a - base, b - base)
+                pieces.append(t.t() if transposed else t)
+        if stop > offset:  # padding rows
+            ref = pieces[-1] if pieces else reader.read(sources[0][0])
+            width = ref.shape[1 - dim]
+            zeros = ref.new_zeros((stop - max(start, offset), width) if dim == 0 else (width, stop - max(start, offset)))
+            pieces.append(zeros)
+    return torch.cat(pieces, dim)
+
+
+@torch.no_grad()
+def load_hf_weights(model, reader):
+    """Copy this rank's shard of every parameter (of this stage's layers) from the HF tensors behind `reader`."""
+    for name, (module, attr) in _owners(model).items():
+        param = getattr(module, attr)
+        sources = hf_sources(model.config, name, model.layer_range[0])
+        sharding = _sharding(module, attr)
+        if sharding is None:
+            dense = torch.cat([reader.read(n).t() if t else reader.read(n) for n, t in sources])
+        else:
+            dim, _, indices = sharding
+            dense = _read_dense_slice(reader, sources, dim, indices)
+        if tuple(dense.shape) != tuple(param.shape):
+            raise ValueError(f"{name}: HF tensors {[n for n, _ in sources]} give shape {tuple(dense.shape)}, "
+                             f"expected {tuple(param.shape)}")
+        param.copy_(dense)
+
+
+def load_hf(cls, hf_model_or_path, *, group=None, dtype=None, **overrides):
+    if isinstance(hf_model_or_path, (str, os.PathLike)):
+        import transformers
+
+        config = config_from_hf(transformers.AutoConfig.from_pretrained(hf_model_or_path), **overrides)
+        reader = _SafetensorsReader(hf_model_or_path)
+    else:
+        config = config_from_hf(hf_model_or_path.config, **overrides)
+        reader = _StateDictReader(hf_model_or_path.state_dict())
+    model = cls(config, group=group, _init=False)
+    load_hf_weights(model, reader)
+    return model if dtype is None else model.to(dtype)
+
+
+# ---- saving ------------------------------------------------------------------------------------------------------
+
+
+def _gather_dense(module, attr, group, grads=False):
+    """The full dense parameter (or its grad) on every rank of the tp group (all-gather of the shards, back in
+    dense order; replicated chunks carry equal values)."""
+    param, sharding = getattr(module, attr), _sharding(module, attr)
+    param = param.grad if grads else param.detach()
+    size = dist.get_world_size(group)
+    if sharding is None or size == 1:
+        return param
+    dim, total, indices = sharding
+    shards = [torch.empty_like(param) for _ in range(size)]
+    dist.all_gather(shards, param.contiguous(), group=group)
+    every_index = [torch.empty_like(indices) for _ in range(size)]
+    dist.all_gather(every_index, indices, group=group)
+    dense = param.new_zeros([total if d == dim else n for d, n in enumerate(param.shape)])
+    return dense.index_copy_(dim, torch.cat(every_index).to(param.device), torch.cat(shards, dim))
+
+
+def hf_state_dict(model, group=None, *, grads=False):
+    """This model's (or stage's) parameters (or, `grads`, their gradients) as HF tensors, dense (gathered over
+    tp): {hf name: tensor}."""
+    group = tp.mesh.resolve_group(group)
+    config, out = model.config, {}
+    offset = model.layer_range[0]
+    for name, (module, attr) in _owners(model).items():
+        if name == "output.weight" and config.tie_embeddings:
+            continue  # HF ties lm_head to the input embedding and stores it once
+        dense = _gather_dense(module, attr, group, grads)
+        if name in ("embedding.weight", "output.weight"):
+            dense = dense[:config.vocab_size]  # drop the padding rows
+        sources = hf_sources(config, name, offset)
+        sizes = [_source_size(config, n) for n, _ in sources]
+        dim = 1 if name.endswith("proj.weight") or name.endswith("fc2.weight") else 0
+        for (hf_name, transposed), piece in zip(sources, dense.split(sizes, dim) if len(sources) > 1 else [dense]):
+            out[hf_name] = (piece.t() if transposed else piece).contiguous().cpu()
+    return out
+
+
+def _source_size(config, hf_name):
+    """Along our fused dim, the size of one HF tensor that is part of a fused parameter."""
+    c = config
+    part = hf_name.split(".")[-2]
+    return {"q_proj": c.num_heads * c.head_dim, "k_proj": c.num_kv_heads * c.head_dim,
+            "v_proj": c.num_kv_heads * c.head_dim, "gate_proj": c.ffn_hidden_size,
+            "up_proj": c.ffn_hidden_size}.get(part, 0)
+
+
+def save_hf(model, path, *, group=None, pp_group=None):
+    """Write `path` (config.json + safetensors) for transformers.AutoModelForCausalLM.from_pretrained.
+
+    Called on every rank; tp rank 0 of each pipeline stage writes that stage's tensors (`pp_group`: the mesh's
+    pipeline group, when the model is one stage of several), global pipeline stage 0 the config and index.
+    """
+    from safetensors.torch import save_file
+
+    group = tp.mesh.resolve_group(group)
+    tensors = hf_state_dict(model, group)
+    stages = dist.get_world_size(pp_group) if pp_group is not None else 1
+    stage = dist.get_rank(pp_group) if pp_group is not None else 0
+    names = [None] * stages
+    if pp_group is not None:
+        dist.all_gather_object(names, sorted(tensors), group=pp_group)
+    else:
+        names = [sorted(tensors)]
+    if dist.get_rank(group) != 0:
+        return
+    os.makedirs(path, exist_ok=True)
+    file = "model.safetensors" if stages == 1 else f"model-{stage + 1:05d}-of-{stages:05d}.safetensors"
+    save_file(tensors, os.path.join(path, file), metadata={"format": "pt"})
+    if stage == 0:
+        config_to_hf(model.config).save_pretrained(path)
+        if stages > 1:
+            weight_map = {n: f"model-{s + 1:05d}-of-{stages:05d}.safetensors" for s, ns in enumerate(names) for n in ns}
+            with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+                json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=1)

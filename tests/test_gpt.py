@@ -1,0 +1,236 @@
+"""The GPT against Hugging Face's models: logits, loss, every gradient and a few SGD steps, at TP = 1, 2, 4 with and
+without sequence parallelism; collective counts; init, dropout, recomputation; HF weights in and out."""
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import models
+import tp
+from models.hf import hf_state_dict
+from tp.testing import distributed
+
+from .helpers import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, comm_counts
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB, SEQ, BATCH = 50, 8, 2  # no tp divides the vocabulary; the sequence splits across 4 ranks
+
+
+def hf_model(family, kv_heads, seed=0):
+    """A tiny HF causal LM with random weights (no download), in eval mode (no dropout)."""
+    torch.manual_seed(seed)
+    if family == "gpt2":
+        config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=16, n_layer=2, n_head=4, n_positions=32,
+                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    else:
+        cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
+               "qwen2": transformers.Qwen2Config}[family]
+        config = cls(vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=2, head_dim=4,
+                     num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=32,
+                     tie_word_embeddings=family == "qwen2")
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+def tokens(seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=g), torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+
+
+def hf_loss(hf, x, y):
+    logits = hf(x).logits
+    return logits, F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
+
+
+# kv heads 1 (MQA), 2 and 4 of 4 query heads: fewer than, equal to and more than tp across TP = 1, 2, 4.
+FAMILIES = [("llama", 1), ("mistral", 2), ("qwen2", 4), ("gpt2", 4)]
+
+
+@pytest.mark.parametrize("tp_size", [1, 2, 4])
+@pytest.mark.parametrize("family,kv_heads", FAMILIES)
+@distributed(world_size=4)
+def test_gpt_matches_hugging_face(family, kv_heads, tp_size):
+    tp.init_mesh(tp=tp_size)
+    for sequence_parallel in (False, True):
+        hf = hf_model(family, kv_heads)
+        model = models.GPT.from_hf(hf, sequence_parallel=sequence_parallel)
+        hf_opt, opt = torch.optim.SGD(hf.parameters(), lr=0.5), torch.optim.SGD(model.parameters(), lr=0.5)
+        for step in range(3):
+            x, y = tokens(step)
+            hf_logits, expected = hf_loss(hf, x, y)
+            loss = model(x, y)
+            assert abs(loss.item() - expected.item()) <= 1e-5, (sequence_parallel, step, loss.item(), expected.item())
+            if step == 0:
+                err = (model(x) - hf_logits).abs().max().item()
+                assert err <= 1e-4, f"logits err {err} (sp={sequence_parallel})"
+            hf_opt.zero_grad(), opt.zero_grad()
+            expected.backward()
+            loss.backward()
+            if step == 0:  # every gradient, gathered over tp, under HF's names
+                reference = {n: p.grad for n, p in hf.named_parameters() if p.grad is not None}
+                ours = hf_state_dict(model, grads=True)
+                assert set(ours) == set(reference), set(reference) ^ set(ours)
+                for name, grad in ours.items():
+                    err = (grad - reference[name]).abs().max().item()
+                    assert err <= 1e-5, f"{name} grad err {err} (sp={sequence_parallel})"
+            hf_opt.step(), opt.step()
+
+
+def _block_counts(config, mesh, x):
+    torch.manual_seed(0)
+    block = models.TransformerBlock(config)
+    x = x.chunk(mesh.tp_size)[mesh.tp_rank] if config.sequence_parallel else x
+    x = x.clone().requires_grad_()
+    y, fwd = comm_counts(lambda: block(x))
+    _, bwd = comm_counts(lambda: y.sum().backward())
+    return fwd, bwd
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+@distributed(world_size=4)
+def test_collective_counts_per_block_and_model(sequence_parallel):
+    mesh = tp.init_mesh(tp=4)
+    x = torch.randn(SEQ, BATCH, 16)
+    for kv_heads, bias in ((4, False), (2, True)):  # kv heads sharded / replicated (+1 all-reduce of their grads)
+        config = models.GPTConfig(vocab_size=VOCAB, hidden_size=16, num_heads=4, num_kv_heads=kv_heads,
+                                  ffn_hidden_size=24, bias=bias, sequence_parallel=sequence_parallel)
+        fwd, bwd = _block_counts(config, mesh, x)
+        replicas = int(kv_heads < 4)
+        if sequence_parallel:  # forward: 2 AG + 2 RS; backward: 2 input re-gathers + 2 row AG, 2 RS, and the
+            # grads of the 2 norms (+ the 2 row biases) summed over tp
+            assert (fwd[ALL_GATHER], fwd[REDUCE_SCATTER], fwd["total"]) == (2, 2, 4), fwd
+            assert (bwd[ALL_GATHER], bwd[REDUCE_SCATTER], bwd[ALL_REDUCE]) == (4, 2, 2 + 2 * bias + replicas), bwd
+        else:  # one all-reduce per column->row pair each way
+            assert (fwd[ALL_REDUCE], fwd["total"]) == (2, 2), fwd
+            assert (bwd[ALL_REDUCE], bwd["total"]) == (2 + replicas, 2 + replicas), bwd
+    config = models.GPTConfig(vocab_size=VOCAB, hidden_size=16, num_heads=4, ffn_hidden_size=24, num_layers=2,
+                              sequence_parallel=sequence_parallel)
+    torch.manual_seed(0)
+    model = models.GPT(config)
+    x, y = tokens(0)
+    loss, fwd = comm_counts(lambda: model(x, y))
+    _, bwd = comm_counts(lambda: loss.backward())
+    if sequence_parallel:  # embedding RS, 2 blocks, output AG; loss: 2 AR
+        assert (fwd[ALL_GATHER], fwd[REDUCE_SCATTER], fwd[ALL_REDUCE]) == (5, 5, 2), fwd
+        # embedding AG, blocks (4 AG + 2 RS + 2 AR each), final norm AR, output re-gather AG + RS
+        assert (bwd[ALL_GATHER], bwd[REDUCE_SCATTER], bwd[ALL_REDUCE]) == (10, 5, 5), bwd
+    else:  # embedding AR, 2 per block, loss 2 | output dx AR, 2 per block
+        assert (fwd[ALL_REDUCE], fwd["total"], bwd[ALL_REDUCE], bwd["total"]) == (7, 7, 5, 5), (fwd, bwd)
+
+
+@pytest.mark.parametrize("tp_size", [2, 4])
+@distributed(world_size=4)
+def test_init_is_tp_invariant_and_padding_never_wins(tp_size):
+    mesh = tp.init_mesh(tp=tp_size)
+    config = models.GPTConfig(vocab_size=VOCAB, hidden_size=16, num_heads=4, num_kv_heads=1, ffn_hidden_size=24,
+                              position="learned", norm="layernorm", bias=True)
+    torch.manual_seed(3)
+    parallel = hf_state_dict(models.GPT(config.replace(hf_model_type="gpt2", activation="gelu_tanh")))
+    solo = torch.distributed.new_group([torch.distributed.get_rank()], use_local_synchronization=True)
+    torch.manual_seed(3)
+    serial = hf_state_dict(models.GPT(config.replace(hf_model_type="gpt2", activation="gelu_tanh"), group=solo),
+                           group=solo)
+    assert set(parallel) == set(serial)
+    for name in parallel:
+        assert torch.equal(parallel[name], serial[name]), name
+    torch.manual_seed(3)
+    model = models.GPT(config)
+    assert model.padded_vocab_size == 128 * tp_size
+    with torch.no_grad():
+        model.output.weight.fill_(1.0)  # real and padding columns give equal logits...
+        logits = model(tokens(0)[0])
+    assert logits.shape == (BATCH, SEQ, VOCAB)  # ...but the padding columns are dropped
+    assert mesh.tp_size == tp_size
+
+
+@distributed(world_size=2)
+def test_dropout_masks_and_recompute_give_the_same_gradients():
+    mesh = tp.init_mesh(tp=2)
+    config = models.GPTConfig(vocab_size=VOCAB, hidden_size=16, num_heads=4, ffn_hidden_size=24,
+                              dropout=0.3, attention_dropout=0.3)
+    x, y = tokens(1)
+
+    def grads(recompute, sequence_parallel=False):
+        torch.manual_seed(0)
+        model = models.GPT(config.replace(recompute=recompute, sequence_parallel=sequence_parallel)).train()
+        tp.model_parallel_seed(11)
+        model(x, y).backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    plain = grads("none")
+    for recompute in ("selective", "full"):
+        for name, grad in grads(recompute).items():
+            assert torch.equal(grad, plain[name]), (recompute, name)
+    no_dropout = models.GPT(config.replace(dropout=0.0, attention_dropout=0.0))
+    assert no_dropout.training  # dropout 0: nothing is drawn even in training mode
+    # The attention heads are tp-sharded: the qkv grads of the two ranks come from different masks; the replicated
+    # norms' grads come from one mask and agree.
+    every = [torch.empty_like(plain["layers.0.norm1.weight"]) for _ in range(2)]
+    torch.distributed.all_gather(every, plain["layers.0.norm1.weight"], group=mesh.tp_group)
+    assert torch.equal(every[0], every[1])
+    sp = grads("full", sequence_parallel=True)
+    assert sp["layers.0.norm1.weight"].shape == plain["layers.0.norm1.weight"].shape
+
+
+@distributed(world_size=4)
+def test_bad_configs_raise_on_every_rank_before_any_collective():
+    tp.init_mesh(tp=4)
+    base = dict(vocab_size=VOCAB, hidden_size=24, num_heads=4, ffn_hidden_size=24)
+    cases = [
+        (dict(num_heads=6, head_dim=4), r"num_heads=6 is not divisible by tp=4"),
+        (dict(num_heads=8, num_kv_heads=6, head_dim=3), r"num_heads=8 is not divisible by num_kv_heads=6"),
+        (dict(num_heads=12, num_kv_heads=6, head_dim=2), r"num_kv_heads=6 is not divisible by tp=4"),
+        (dict(num_heads=12, num_kv_heads=3, head_dim=2), r"tp=4 is not divisible by num_kv_heads=3"),
+        (dict(ffn_hidden_size=30), r"ffn_hidden_size=30 is not divisible by tp=4"),
+    ]
+    for changes, message in cases:
+        with pytest.raises(ValueError, match=message):
+            models.GPT(models.GPTConfig(**base | changes))
+    with pytest.raises(ValueError, match=r"activation='relu' must be one of"):
+        models.GPTConfig(**base, activation="relu")
+    model = models.GPT(models.GPTConfig(**base, sequence_parallel=True))
+    with pytest.raises(ValueError, match=r"s divisible by tp = 4, got shape \(6, 2\)"):
+        model(torch.zeros(2, 6, dtype=torch.long))
+    with pytest.raises(ValueError, match=rf"token id {VOCAB} is outside the vocabulary \[0, {VOCAB}\)"):
+        model(torch.full((2, 8), VOCAB))
+    with pytest.raises(ValueError, match=r"sequence length 300 exceeds max_seq_len=256"):
+        model(torch.zeros(2, 300, dtype=torch.long))
+
+
+@pytest.mark.parametrize("family,kv_heads", [("llama", 2), ("gpt2", 4)])
+@distributed(world_size=2)
+def test_hugging_face_round_trip_is_bit_exact_and_reads_only_shards(family, kv_heads):
+    import tempfile
+
+    from safetensors.torch import load_file
+
+    from models import hf as hf_io
+
+    mesh = tp.init_mesh(tp=2)
+    root = os.path.join(tempfile.gettempdir(), f"tp-roundtrip-{family}-{os.getppid()}")
+    source, target = os.path.join(root, "source"), os.path.join(root, "target")
+    if mesh.rank == 0:
+        hf_model(family, kv_heads).save_pretrained(source)
+    torch.distributed.barrier()
+    reads = []
+    read = hf_io._SafetensorsReader.read
+    hf_io._SafetensorsReader.read = lambda self, name, *a: reads.append((name, *a)) or read(self, name, *a)
+    try:
+        model = models.GPT.from_hf(source)
+    finally:
+        hf_io._SafetensorsReader.read = read
+    sharded = [r for r in reads if "mlp" in r[0] and r[0].endswith("weight")]
+    assert sharded and all(len(r) == 4 for r in sharded)  # slices, never whole sharded tensors
+    model.save_hf(target)
+    torch.distributed.barrier()
+    original, written = load_file(os.path.join(source, "model.safetensors")), \
+        load_file(os.path.join(target, "model.safetensors"))
+    written_keys = set(written)
+    assert written_keys == set(original) - {"lm_head.weight"} or written_keys == set(original), \
+        set(original) ^ written_keys
+    for name, tensor in written.items():
+        assert torch.equal(tensor, original[name]), name
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(target).eval()
+    x, _ = tokens(0)
+    assert torch.equal(reloaded(x).logits, hf_model(family, kv_heads)(x).logits)
