@@ -203,15 +203,16 @@ class WorkerPool:
     def _stacks(self, ranks):
         """Each of these (stuck) ranks' Python stacks, dumped by faulthandler on SIGUSR1 (see `_worker`)."""
         paths = {r: _stack_path(self._dir.name, r) for r in ranks}
-        started = [r for r in ranks if paths[r].exists() and self._procs[r].is_alive()]  # SIGUSR1 would kill the rest
+        # a rank whose file does not exist yet has not registered the dump, and SIGUSR1 would just kill it
+        started = [r for r in ranks if paths[r].exists() and self._procs[r].is_alive()]
         for r in started:
             os.kill(self._procs[r].pid, signal.SIGUSR1)
         deadline = time.monotonic() + _DUMP_WAIT
         while time.monotonic() < deadline and not all(paths[r].stat().st_size for r in started):
             time.sleep(0.05)
         time.sleep(0.05)  # a dump that has begun is done in microseconds
-        return {r: (paths[r].read_text() or "(no stack dumped)\n") if r in started else "(not started, or dead)\n"
-                for r in ranks}
+        not_started = "(no stack: still starting up, or dead)\n"
+        return {r: (paths[r].read_text() or "(no stack dumped)\n") if r in started else not_started for r in ranks}
 
     def close(self):
         self.broken = True
