@@ -1,0 +1,212 @@
+"""tp.parallelize on tiny Hugging Face models (random weights, built from their configs) against the dense model.
+
+Every rank builds the dense model from one seed and parallelizes a deep copy. Compared (fp32, <= 1e-4): logits and
+loss, every gradient (a sharded parameter's as this rank's slice of the dense gradient), the collective counts, and
+the logits again after SGD steps on both. TP = 2 on 2 ranks, TP = 4 on 4 ranks; the head counts make TP = 4 (and
+MQA at TP = 2) hold each kv head on several ranks.
+"""
+import copy
+import re
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import tp  # noqa: E402
+from tp.parallelize import default_plan, describe, parallelize  # noqa: E402
+from tp.testing import distributed  # noqa: E402
+
+from .helpers import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, assert_close, comm_counts  # noqa: E402
+
+ATOL = 1e-4
+V, S, B, LAYERS = 64, 8, 2, 2
+COMMON = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=LAYERS, num_attention_heads=4, vocab_size=V,
+              max_position_embeddings=32, bos_token_id=0, eos_token_id=1, pad_token_id=0)
+CONFIGS = {  # family: (config overrides, backward all-reduces per layer besides the replicated-kv sums)
+    "llama": (dict(num_key_value_heads=2), 5),  # GQA; q, k, v, gate, up all-reduce their input grads
+    "mistral": (dict(num_key_value_heads=1, sliding_window=4), 5),  # MQA
+    "qwen2": (dict(num_key_value_heads=4), 5),  # MHA, bias on q/k/v
+    "qwen3": (dict(num_key_value_heads=2, head_dim=8), 7),  # + q_norm/k_norm grads summed over tp
+    "gemma": (dict(num_key_value_heads=1, head_dim=8), 5),  # MQA, tied embeddings, sqrt(h)-scaled embeddings
+    "gemma2": (dict(num_key_value_heads=2, head_dim=8, sliding_window=4, attn_logit_softcapping=1.0,
+                    final_logit_softcapping=2.0), 5),  # soft-capping, sliding-window layers, eager attention
+    "phi3": (dict(num_key_value_heads=2), 2),  # fused qkv (unequal parts under GQA) and gate_up (strided)
+    "gpt2": (dict(n_embd=32, n_inner=48, n_layer=LAYERS, n_head=4, n_positions=32, resid_pdrop=0.0,
+                  embd_pdrop=0.0, attn_pdrop=0.0), 2),  # Conv1D, fused q|k|v
+}
+FAMILIES = list(CONFIGS)
+
+
+def tiny(family, **overrides):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = CONFIGS[family][0] if family == "gpt2" else COMMON | CONFIGS[family][0]
+    config = AutoConfig.for_model(family, **(fields | dict(vocab_size=V, bos_token_id=0, eos_token_id=1)) | overrides)
+    torch.manual_seed(0)  # the same weights on every rank
+    return AutoModelForCausalLM.from_config(config)
+
+
+def tokens(seed):
+    return torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(seed))
+
+
+def expected_grad(model, dense, name):
+    """This rank's slice of a dense parameter's gradient, in the parallel parameter's layout."""
+    module_name, _, pname = name.rpartition(".")
+    owner, grad = model.get_submodule(module_name), dense.get_parameter(name).grad
+    if isinstance(owner, tp.VocabParallelEmbedding):
+        return grad[owner.vocab_start:owner.vocab_end]
+    if isinstance(owner, (tp.ColumnParallelLinear, tp.RowParallelLinear)):
+        if type(dense.get_submodule(module_name)).__name__ == "Conv1D" and pname == "weight":
+            grad = grad.t()  # Conv1D keeps [in, out]
+        if pname == "bias" and isinstance(owner, tp.RowParallelLinear):
+            return grad
+        return owner.shard_dense(grad)
+    return grad
+
+
+def assert_grads_match(model, dense):
+    for name, p in model.named_parameters():
+        assert_close(p.grad, expected_grad(model, dense, name), ATOL, f"{name} grad")
+
+
+def sgd_steps(models, ids, steps):
+    """Step every model (grads already there) `steps` times with SGD on the same tokens."""
+    for model in models:
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        for step in range(steps):
+            if step:
+                model(ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+
+
+def assert_described(model):
+    text = describe(model)
+    for name, m in model.named_modules():
+        if isinstance(m, (tp.ColumnParallelLinear, tp.RowParallelLinear, tp.VocabParallelEmbedding)):
+            assert re.search(rf"^  {re.escape(name)} +(colwise|rowwise|vocab)", text, re.M), (name, text)
+
+
+def check_against_dense(dense, model, *, logits_shard=lambda t: t, fwd=None, bwd=None):
+    """Logits, loss, grads and collective counts of one step, then logits after two SGD steps."""
+    ids = tokens(seed=1)
+    out, fwd_counts = comm_counts(lambda: model(ids, labels=ids))
+    ref = dense(ids, labels=ids)
+    assert_close(out.logits, logits_shard(ref.logits.detach()), ATOL, "logits")
+    assert_close(out.loss, ref.loss.detach(), ATOL, "loss")
+    _, bwd_counts = comm_counts(lambda: out.loss.backward())
+    ref.loss.backward()
+    assert_grads_match(model, dense)
+    for counts, expected in ((fwd_counts, fwd), (bwd_counts, bwd)):
+        if expected is not None:
+            assert counts == expected | {"total": sum(expected.values())}, (counts, expected)
+    sgd_steps([model, dense], ids, steps=3)
+    other = tokens(seed=2)
+    assert_close(model(other).logits, logits_shard(dense(other).logits.detach()), ATOL, "logits after SGD")
+
+
+def _all_reduces(n):
+    return {ALL_REDUCE: n, ALL_GATHER: 0, REDUCE_SCATTER: 0}
+
+
+def backward_all_reduces(family, config, tp_size):
+    """Per model: each layer's column layers' input grads (+ Qwen3's norm grads), and, where kv heads < tp, the sum of
+    the kv rows' grads over their replicas (one per fused qkv, one each for k_proj and v_proj)."""
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    replica_sums = (1 if family == "phi3" else 2) * (kv_heads < tp_size)
+    return LAYERS * (CONFIGS[family][1] + replica_sums) if tp_size > 1 else 0
+
+
+def check_family(family, tp_size):
+    tp.init_mesh(tp=tp_size)
+    dense = tiny(family)
+    model = parallelize(copy.deepcopy(dense))
+    assert model.config.num_attention_heads == dense.config.num_attention_heads  # the shared config is untouched
+    check_against_dense(dense, model, fwd=_all_reduces(2 * LAYERS),
+                        bwd=_all_reduces(backward_all_reduces(family, dense.config, tp_size)))
+    assert_described(model)
+    kv_heads = getattr(dense.config, "num_key_value_heads", None) or 4
+    heads = rf"{4 // tp_size} heads, {kv_heads * max(1, tp_size // kv_heads) // tp_size} kv heads per rank"
+    assert len(re.findall(heads, describe(model))) == LAYERS, describe(model)
+    if dense.config.tie_word_embeddings:  # default plan: both stay whole, still one parameter
+        assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    if family == "phi3":  # HF's own plan: fused outputs gathered, whole heads on every rank
+        hf_plan = {f"model.{k}": v for k, v in dense.config.base_model_tp_plan.items()}
+        check_against_dense(tiny(family), parallelize(tiny(family), hf_plan))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@distributed(world_size=2)
+def test_family_matches_dense_tp2(family):
+    check_family(family, 2)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@distributed(world_size=4)
+def test_family_matches_dense_tp4(family):
+    check_family(family, 4)
+
+
+@pytest.mark.parametrize("family,head_style", [("llama", "colwise"), ("gemma", "colwise"),
+                                               ("gpt2", "colwise_gather_output")])
+@pytest.mark.parametrize("tp_size", [1, 2, 4])
+@distributed(world_size=4)
+def test_vocab_parallel_embedding_and_head(tp_size, family, head_style):
+    """Embedding 'vocab' and lm_head colwise: local logits with HF's loss replaced by the vocab-parallel one, or
+    gathered logits; a tied pair (gemma, gpt2) stays one parameter."""
+    mesh = tp.init_mesh(tp=tp_size)
+    dense = tiny(family)
+    embedding = "transformer.wte" if family == "gpt2" else "model.embed_tokens"
+    plan = default_plan(dense) | {embedding: "vocab", "lm_head": head_style}
+    model = parallelize(copy.deepcopy(dense), plan)
+    assert isinstance(model.get_input_embeddings(), tp.VocabParallelEmbedding)
+    assert (model.lm_head.weight is model.get_input_embeddings().weight) == dense.config.tie_word_embeddings
+    local = head_style == "colwise"
+    shard = (lambda t: t.chunk(tp_size, -1)[mesh.tp_rank]) if local else (lambda t: t)
+    # forward: 2 per layer + the embedding's; the vocab-parallel loss's two; backward: + the head's input grad
+    fwd = 2 * LAYERS + 1 + 2 * local if tp_size > 1 else 0
+    bwd = backward_all_reduces(family, dense.config, tp_size) + (tp_size > 1)
+    gathers = (not local) * (tp_size > 1)
+    check_against_dense(dense, model, logits_shard=shard,
+                        fwd={ALL_REDUCE: fwd, ALL_GATHER: gathers, REDUCE_SCATTER: 0}, bwd=_all_reduces(bwd))
+    assert "loss_function" in describe(model) if local else "loss_function" not in describe(model)
+
+
+REFUSALS = [  # (family, config overrides, plan or None, keyword arguments, what the message must name)
+    ("llama", dict(hidden_size=48, num_attention_heads=6, num_key_value_heads=6), None, {},
+     "num_attention_heads = 6 is not divisible by tp = 4"),
+    ("llama", dict(hidden_size=48, num_attention_heads=12, num_key_value_heads=3), None, {},
+     "num_key_value_heads = 3 is neither divisible by tp nor a divisor of it"),
+    ("gpt2", dict(n_head=2), None, {}, "num_attention_heads = 2 is not divisible by tp = 4"),
+    ("llama", dict(intermediate_size=50), None, {}, "out_features = 50 is not divisible"),
+    ("llama", {}, {"model.layers.*.mlp.down_proj": "sequence_parallel"}, {}, "unknown style 'sequence_parallel'"),
+    ("llama", {}, {"model.layers.*.mlp.nope": "colwise"}, {}, "'model.layers.*.mlp.nope' matches no module"),
+    ("llama", {}, {"model.norm": "colwise"}, {}, "model.norm is LlamaRMSNorm; style 'colwise' needs nn.Linear"),
+    ("llama", dict(vocab_size=66), {"model.embed_tokens": "vocab"}, {}, "num_embeddings = 66 is not divisible"),
+    ("llama", {}, {"model.layers.*.self_attn.q_proj": "colwise", "model.layers.*.self_attn.o_proj": "rowwise"}, {},
+     "model.layers.0.self_attn.k_proj is not sharded but must be 'colwise'"),
+    ("gemma", {}, {"lm_head": "colwise"}, {}, "lm_head.weight is tied to model.embed_tokens"),
+    ("llama", {}, {"model.layers.*.mlp.up_proj": "colwise", "model.layers.*.mlp.*_proj": "rowwise"}, {},
+     "model.layers.0.mlp.up_proj matches 'model.layers.*.mlp.up_proj' (colwise) and 'model.layers.*.mlp.*_proj'"),
+    ("llama", {}, None, dict(sequence_parallel=True), "sequence_parallel=True is not supported"),
+]
+
+
+@distributed(world_size=4)
+def test_refusals_leave_the_model_untouched():
+    """Each bad split raises ValueError on every rank, naming the bad value, before any module is replaced."""
+    tp.init_mesh(tp=4)
+    for family, overrides, plan, kwargs, message in REFUSALS:
+        model = tiny(family, **overrides)
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        modules = [type(m) for m in model.modules()]
+        with pytest.raises(ValueError, match=re.escape(message)):
+            parallelize(model, plan, **kwargs)
+        assert [type(m) for m in model.modules()] == modules, message
+        assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items()), message
+        assert describe(model).endswith("not parallelized by tp.parallelize")
+    model = parallelize(tiny("llama"))
+    with pytest.raises(ValueError, match="already parallelized"):
+        parallelize(model)

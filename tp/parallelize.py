@@ -1,0 +1,277 @@
+"""`tp.parallelize`: put the package's layers into an existing model, in place, following a plan.
+
+    tp.init_mesh(tp=2)
+    model = AutoModelForCausalLM.from_pretrained(name)   # the same weights on every rank
+    tp.parallelize(model)                                 # the family's plan: attention and MLP linears sharded
+    print(tp.describe(model))
+
+A plan maps module-name patterns (`*` matches within one dotted component, as in torch's parallelize_module) to
+styles:
+  colwise                  nn.Linear / HF Conv1D -> ColumnParallelLinear; output [..., out/tp] (local heads)
+  colwise_gather_output    -> ColumnParallelLinear(gather_output=True); output [..., out]
+  rowwise                  -> RowParallelLinear; input [..., in/tp], output all-reduced
+  rowwise_split_input      -> RowParallelLinear(input_is_parallel=False); input [..., in], split here
+  vocab                    nn.Embedding -> VocabParallelEmbedding
+  replicated_with_grad_allreduce   parameters stay whole, their grads are summed over tp inside backward (norms
+                           that see only this rank's heads: Qwen3's q_norm/k_norm)
+  replicate                left as it is
+HF's names embedding_rowwise, colwise_rep and rowwise_rep read as vocab, colwise_gather_output, rowwise_split_input.
+
+Every check runs before the first module is replaced, so a plan that cannot be right raises ValueError on every rank
+(all ranks hold the same model and plan) and leaves the model as it was.
+"""
+import fnmatch
+import types
+import warnings
+
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from . import plans
+from .cross_entropy import vocab_parallel_cross_entropy
+from .embedding import VocabParallelEmbedding
+from .grads import sync_grads_over_tp
+from .layers import ColumnParallelLinear, RowParallelLinear
+from .mesh import resolve_group
+
+GATHER_OUTPUT = {"colwise": False, "colwise_gather_output": True}
+INPUT_IS_PARALLEL = {"rowwise": True, "rowwise_split_input": False}
+STYLES = (*GATHER_OUTPUT, *INPUT_IS_PARALLEL, "vocab", "replicated_with_grad_allreduce", "replicate")
+ALIASES = {"embedding_rowwise": "vocab", "colwise_rep": "colwise_gather_output", "rowwise_rep": "rowwise_split_input"}
+_RECORD = "_tp_parallelize_record"
+
+
+def parallelize(module, plan=None, *, group=None, sequence_parallel=False):
+    """Replace `module`'s layers by tensor-parallel ones following `plan` (default: `default_plan(module)`), in
+    place, on the current mesh's tp group (or `group`); returns `module`.
+
+    Weights are sharded from the module's own (same dtype and device), so every rank must hold the same weights.
+    The attention modules whose heads become local get their local head counts; kv heads fewer than tp are held by
+    tp / kv ranks each, in the families that allow it. Raises ValueError, before changing anything, for a split
+    that cannot be right: heads not divisible by tp, an unknown style, a pattern matching nothing, a module of the
+    wrong kind, a tied weight sharded on one side only.
+    """
+    if sequence_parallel:
+        raise ValueError("sequence_parallel=True is not supported by tp.parallelize: Hugging Face models keep "
+                         "activations batch-first [b, s, h] and their attention takes the sequence length from its "
+                         "input, so sequence-sharded norms would need each family's attention rewritten")
+    if hasattr(module, _RECORD):
+        raise ValueError(f"{type(module).__name__} is already parallelized (tp.describe shows how)")
+    group = resolve_group(group)
+    family = plans.family_of(module)
+    if family is not None and not family.checked:
+        warnings.warn(f"tp.parallelize: model_type {plans.model_type(module)!r} is not among the families tp checked "
+                      f"({', '.join(plans.FAMILIES)}); its plan is applied with Hugging Face's semantics", stacklevel=2)
+    styles = _match(module, plans.default_plan(module) if plan is None else plan, strict=plan is not None)
+    modules = dict(module.named_modules())
+    for name, style in styles.items():
+        _check_kind(name, modules[name], style)
+    options, local_heads = plans.shard_options(module, modules, styles, family, dist.get_world_size(group))
+    ties = _ties(modules, styles, options)
+    vocab_parallel_logits = _vocab_parallel_output(module, modules, styles)
+    built = {}
+    for name, style in styles.items():
+        try:
+            built[name] = _build(modules[name], style, group, options.get(name, {}))
+        except ValueError as e:
+            raise ValueError(f"{name} ({style}): {e}") from None
+
+    # Nothing above touched the model; nothing below raises.
+    record = []
+    for name, style in styles.items():
+        new = built[name]
+        if new is not None:
+            parent, _, leaf = name.rpartition(".")
+            setattr(modules[parent], leaf, new)
+        elif style == "replicated_with_grad_allreduce":
+            _sum_grads_in_backward(modules[name], group)
+        record.append((name, style, _detail(new, style, ties.get(name))))
+    for linear, embedding in ties.items():
+        built[linear].weight = built[embedding].weight
+    for name, (heads, kv_heads, replicas) in local_heads.items():
+        family.localize(modules[name], heads, kv_heads)
+        spread = f" (each kv head on {replicas} ranks)" if replicas > 1 else ""
+        record.append((name, "heads", f"{heads} heads, {kv_heads} kv heads per rank{spread}"))
+    if vocab_parallel_logits:
+        module.loss_function = _vocab_parallel_causal_lm_loss(group)
+        record.append(("loss_function", "loss", "vocab-parallel cross-entropy on the local logits [..., V/tp]"))
+    source = "plan=" if plan is not None else plans.plan_source(module)
+    setattr(module, _RECORD, {"tp": dist.get_world_size(group), "plan": source, "entries": sorted(record)})
+    return module
+
+
+def default_plan(module):
+    """The plan `tp.parallelize(module)` uses: a copy to extend, e.g. {**tp.default_plan(m), "lm_head": "colwise"}."""
+    return plans.default_plan(module)
+
+
+def describe(module):
+    """What `tp.parallelize` did to `module`: one line per sharded or patched module, with its style."""
+    record = getattr(module, _RECORD, None)
+    if record is None:
+        return f"{type(module).__name__}: not parallelized by tp.parallelize"
+    width = max(len(name) for name, _, _ in record["entries"])
+    lines = [f"{type(module).__name__} over tp = {record['tp']} ranks, plan: {record['plan']}"]
+    lines += [f"  {name:<{width}}  {style:<22}  {detail}" for name, style, detail in record["entries"]]
+    return "\n".join(lines)
+
+
+def _matches(pattern, name):
+    atoms, parts = pattern.split("."), name.split(".")
+    return len(atoms) == len(parts) and all(fnmatch.fnmatchcase(p, a) for a, p in zip(atoms, parts))
+
+
+def _match(module, plan, *, strict):
+    """{module name: style} for every module a pattern matches (a default plan may name optional modules)."""
+    names = [name for name, _ in module.named_modules()]
+    styles, matched_by = {}, {}
+    for pattern, style in plan.items():
+        style = ALIASES.get(style, style)
+        if style not in STYLES:
+            raise ValueError(f"unknown style {style!r} for {pattern!r}; tp.parallelize supports {', '.join(STYLES)} "
+                             f"(and HF's {', '.join(ALIASES)})")
+        hits = [name for name in names if _matches(pattern, name)]
+        if not hits and strict:
+            raise ValueError(f"plan pattern {pattern!r} matches no module of {type(module).__name__}")
+        for name in hits:
+            if styles.setdefault(name, style) != style:
+                raise ValueError(f"{name} matches {matched_by[name]!r} ({styles[name]}) and {pattern!r} ({style})")
+            matched_by.setdefault(name, pattern)
+    if not styles:
+        raise ValueError(f"the plan matches no module of {type(module).__name__}")
+    return styles
+
+
+def _is_conv1d(module):  # transformers' Conv1D (GPT-2): a linear layer with its weight stored [in, out]
+    return type(module).__name__ == "Conv1D" and type(module).__module__.startswith("transformers.")
+
+
+def _is_scaled_embedding(module):  # transformers' *ScaledWordEmbedding (Gemma's): nn.Embedding times embed_scale
+    return (isinstance(module, nn.Embedding) and type(module).__name__.endswith("ScaledWordEmbedding")
+            and type(module).__module__.startswith("transformers.") and hasattr(module, "embed_scale"))
+
+
+def _check_kind(name, module, style):
+    if style in GATHER_OUTPUT or style in INPUT_IS_PARALLEL:
+        ok, wanted = type(module) is nn.Linear or _is_conv1d(module), "nn.Linear (or transformers' Conv1D)"
+    elif style == "vocab":
+        ok = type(module) is nn.Embedding or _is_scaled_embedding(module)
+        wanted = "nn.Embedding (or transformers' ScaledWordEmbedding)"
+    elif style == "replicated_with_grad_allreduce":
+        ok, wanted = any(True for _ in module.parameters(recurse=False)), "parameters of its own"
+    else:
+        ok, wanted = True, ""
+    if not ok:
+        raise ValueError(f"{name or 'the root module'} is {type(module).__name__}; style {style!r} needs {wanted}")
+    if not name and style != "replicate":
+        raise ValueError(f"the root module cannot be replaced in place (style {style!r} on pattern '')")
+
+
+def _ties(modules, styles, options):
+    """{linear: embedding} for weights shared by a 'vocab' embedding and a plain colwise linear (the same rows on
+    each rank: re-tied after sharding); any other parameter shared with a sharded module is refused."""
+    owners = {}
+    for name, m in modules.items():
+        for p in m.parameters(recurse=False):
+            owners.setdefault(id(p), []).append(name)
+    ties = {}
+    for name, style in styles.items():
+        if style in ("replicate", "replicated_with_grad_allreduce"):
+            continue
+        for pname, p in modules[name].named_parameters(recurse=False):
+            others = [o for o in owners[id(p)] if o != name]
+            if not others:
+                continue
+            embedding, linear = (name, others[0]) if style == "vocab" else (others[0], name)
+            if (len(others) > 1 or styles.get(embedding) != "vocab" or styles.get(linear) not in GATHER_OUTPUT
+                    or options.get(linear)):
+                raise ValueError(f"{name}.{pname} is tied to {', '.join(others)}: a tied weight can be sharded only "
+                                 "as a 'vocab' embedding together with its colwise output layer")
+            ties[linear] = embedding
+    return ties
+
+
+def _vocab_parallel_output(module, modules, styles):
+    """Whether the model's output layer gives vocab-parallel logits; then HF's loss must take them (checked here)."""
+    output = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
+    name = next((n for n, m in modules.items() if m is output), None) if output is not None else None
+    if name is None or styles.get(name) != "colwise":
+        return False
+    if hasattr(module, "loss_function"):
+        from transformers.loss.loss_utils import ForCausalLMLoss
+
+        if module.loss_function is not ForCausalLMLoss:
+            raise ValueError(f"{name} 'colwise' gives vocab-parallel logits, which only a causal-LM loss is replaced "
+                             f"for; {type(module).__name__}'s loss is {module.loss_function.__name__}: use "
+                             "'colwise_gather_output'")
+    return True
+
+
+def _as_linear(module):
+    """nn.Linear as it is; HF's Conv1D (weight [in, out]) as the nn.Linear it computes."""
+    if not _is_conv1d(module):
+        return module
+    return types.SimpleNamespace(in_features=module.nx, out_features=module.nf, weight=module.weight.t(),
+                                 bias=module.bias)
+
+
+def _build(module, style, group, options):
+    """The replacement module (None when the module stays), with the original's requires_grad and mode."""
+    if style in GATHER_OUTPUT:
+        new = ColumnParallelLinear.from_linear(_as_linear(module), gather_output=GATHER_OUTPUT[style], group=group,
+                                               **options)
+    elif style in INPUT_IS_PARALLEL:
+        new = RowParallelLinear.from_linear(_as_linear(module), input_is_parallel=INPUT_IS_PARALLEL[style],
+                                            group=group, **options)
+    elif style == "vocab":
+        new = VocabParallelEmbedding.from_embedding(module, group=group)
+        if _is_scaled_embedding(module):
+            new.register_buffer("embed_scale", module.embed_scale.clone(), persistent=False)
+            new.register_forward_hook(lambda mod, args, out: out * mod.embed_scale.to(out.dtype))
+    else:
+        return None
+    for pname, p in new.named_parameters(recurse=False):
+        p.requires_grad_(getattr(module, pname).requires_grad)
+    return new.train(module.training)
+
+
+def _sum_grads_in_backward(module, group):
+    """The module's own parameters enter each forward through sync_grads_over_tp: one all-reduce of their grads in
+    backward, before they reach .grad (so gradient accumulation stays right)."""
+    def swap_in(mod, args):
+        whole = {n: p for n, p in mod._parameters.items() if p is not None}
+        mod.__dict__["_tp_whole_params"] = whole
+        mod._parameters.update(zip(whole, sync_grads_over_tp(*whole.values(), group=group)))
+
+    def swap_back(mod, args, output):
+        mod._parameters.update(mod.__dict__.pop("_tp_whole_params"))
+
+    module.register_forward_pre_hook(swap_in)
+    module.register_forward_hook(swap_back, always_call=True)
+
+
+def _detail(new, style, tied_to):
+    if isinstance(new, VocabParallelEmbedding):
+        scaled = ", output times embed_scale" if hasattr(new, "embed_scale") else ""
+        return f"VocabParallelEmbedding, rows [{new.vocab_start}, {new.vocab_end}) of {new.num_embeddings}{scaled}"
+    if new is None:
+        return "grads summed over tp in backward" if style == "replicated_with_grad_allreduce" else "unchanged"
+    fused = f", parts {new.parts}" if new.stride > 1 else ""
+    fused += f", part_replicas {new.part_replicas}" if new.replicated else ""
+    tie = f", weight tied to {tied_to}" if tied_to else ""
+    return f"{type(new).__name__}, local weight {'x'.join(map(str, new.weight.shape))}{fused}{tie}"
+
+
+def _vocab_parallel_causal_lm_loss(group):
+    def loss_function(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, shift_labels=None,
+                      **kwargs):
+        """HF's ForCausalLMLoss on vocab-parallel logits [b, s, V/tp]: the full-vocab logits are never gathered."""
+        if shift_labels is None:
+            shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        reduction = "mean" if num_items_in_batch is None else "sum"
+        loss = vocab_parallel_cross_entropy(logits, shift_labels.to(logits.device), ignore_index=ignore_index,
+                                            reduction=reduction, vocab_size=vocab_size, group=group)
+        return loss if num_items_in_batch is None else loss / num_items_in_batch
+
+    return loss_function
