@@ -91,13 +91,13 @@ def tp_rows(shapes, hw, measured):
 
 
 def collective_rows(measured):
-    if not measured:
-        return []
-    e = measured["element_size"]
-    return [dict(r, tp=p, bytes=r["elements"] * e,
-                 wire_bytes=rl.Collective(r["kind"], "fwd", r["elements"] * e).wire_bytes(p),
-                 bus_bandwidth=rl.Collective(r["kind"], "fwd", r["elements"] * e).wire_bytes(p) / r["seconds"])
-            for p, rows in measured["collectives"].items() for r in rows]
+    rows = []
+    for p, timed in (measured["collectives"] if measured else {}).items():
+        for r in timed:
+            size = r["elements"] * measured["element_size"]
+            wire = rl.Collective(r["kind"], "fwd", size).wire_bytes(p)
+            rows.append(dict(r, tp=p, bytes=size, wire_bytes=wire, bus_bandwidth=wire / r["seconds"]))
+    return rows
 
 
 # ---- output ---------------------------------------------------------------------------------------------------------
