@@ -120,15 +120,17 @@ class GPT(nn.Module):
         return self.head(x, targets) if self.post_process else x
 
     @classmethod
-    def from_hf(cls, hf_model_or_path, *, group=None, **overrides):
+    def from_hf(cls, hf_model_or_path, *, group=None, dtype=None, stage=None, **overrides):
         """Build from a Hugging Face Llama/Mistral/Qwen2/GPT-2 model or a directory saved with save_pretrained,
-        each rank reading only its shards. `overrides` replace GPTConfig fields (e.g. sequence_parallel=True)."""
+        each rank reading only its shards. `overrides` replace GPTConfig fields (e.g. sequence_parallel=True);
+        `stage` (dict of layers, pre_process, post_process) builds one pipeline stage."""
         from .hf import load_hf
 
-        return load_hf(cls, hf_model_or_path, group=group, **overrides)
+        return load_hf(cls, hf_model_or_path, group=group, dtype=dtype, stage=stage, **overrides)
 
-    def save_hf(self, path):
-        """Write a directory `transformers.AutoModelForCausalLM.from_pretrained` loads (gathered on rank 0)."""
+    def save_hf(self, path, *, pp_group=None):
+        """Write a directory `transformers.AutoModelForCausalLM.from_pretrained` loads (gathered on tp rank 0; with
+        `pp_group`, one safetensors file per pipeline stage and an index)."""
         from .hf import save_hf
 
-        save_hf(self, path)
+        save_hf(self, path, group=self.group, pp_group=pp_group)

@@ -236,7 +236,8 @@ def load_hf_weights(model, reader):
         param.copy_(dense)
 
 
-def load_hf(cls, hf_model_or_path, *, group=None, dtype=None, **overrides):
+def load_hf(cls, hf_model_or_path, *, group=None, dtype=None, stage=None, **overrides):
+    """`stage`: GPT options of one pipeline stage (layers, pre_process, post_process); `overrides`: GPTConfig fields."""
     if isinstance(hf_model_or_path, (str, os.PathLike)):
         import transformers
 
@@ -245,7 +246,7 @@ def load_hf(cls, hf_model_or_path, *, group=None, dtype=None, **overrides):
     else:
         config = config_from_hf(hf_model_or_path.config, **overrides)
         reader = _StateDictReader(hf_model_or_path.state_dict())
-    model = cls(config, group=group, _init=False)
+    model = cls(config, group=group, _init=False, **(stage or {}))
     load_hf_weights(model, reader)
     return model if dtype is None else model.to(dtype)
 

@@ -1,123 +1,293 @@
-"""The package's main job. Until the GPT and its 3D-parallel trainer land, it trains a residual stack of
-tensor-parallel MLP blocks (Column -> GELU -> Row, optional sequence parallelism) with data parallelism (DDP over
-the mesh's dp group) on CPU processes, and checks the first step's loss against the same model run serially.
+"""The 3D-parallel training job: a GPT trained with tensor x pipeline x data parallelism.
 
-    python -m models.train                          # spawns 4 CPU ranks: tp=2 x dp=2
-    torchrun --nproc-per-node 8 -m models.train --tp 4 --sequence-parallel
+    python -m models.train                                   # 8 CPU processes: tp=2 x pp=2 x dp=2, gloo
+    python -m models.train --tp 4 --pp 1 --dp 2 --sequence-parallel --dp-mode fsdp
+    torchrun --nproc-per-node 8 -m models.train --tp 2 --pp 2 --dp 2     # under torchrun: its environment (NCCL)
+
+Not under torchrun, the whole configuration is validated in this process first (one line and exit 2 on error),
+then tp*pp*dp processes are started through torchrun's launcher on this machine; a rank that fails stops the others
+and is named. The data are byte tokens of Python's standard-library sources (models/data.py): no downloads.
 """
 import argparse
+import json
+import math
 import os
 import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 import tp
 
+from . import data
+from .config import PRESETS, GPTConfig
+from .gpt import GPT
+from .pipeline import PipelineRunner, allreduce_tied_embedding_grads, stage_layers, stage_options
 
-class Block(nn.Module):
-    """x + Row(GELU(Column(norm(x)))): one all-reduce forward and one backward (SP: all-gather + reduce-scatter)."""
-
-    def __init__(self, hidden, ffn, *, sequence_parallel, group=None):
-        super().__init__()
-        self.norm = nn.LayerNorm(hidden)
-        for p in self.norm.parameters():  # under SP each rank sees a sequence chunk: grads summed over tp
-            p.sequence_parallel = sequence_parallel
-        self.fc1 = tp.ColumnParallelLinear(hidden, ffn, activation="gelu", sequence_parallel=sequence_parallel,
-                                           group=group)
-        self.fc2 = tp.RowParallelLinear(ffn, hidden, sequence_parallel=sequence_parallel, group=group)
-
-    def forward(self, x):  # [s(/tp), b, h]
-        return x + self.fc2(self.fc1(self.norm(x)))
+SIZE_FIELDS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_hidden_size")
 
 
-def build(args, group=None):
-    torch.manual_seed(args.seed)  # same seed everywhere: shards are slices of the serial weights
-    blocks = [Block(args.hidden, args.ffn, sequence_parallel=args.sequence_parallel, group=group)
-              for _ in range(args.layers)]
-    return nn.Sequential(*blocks)
+def parser():
+    p = argparse.ArgumentParser(prog="python -m models.train", description=__doc__,
+                                formatter_class=lambda prog: argparse.ArgumentDefaultsHelpFormatter(prog, width=110))
+    a = p.add_argument
+    a("--tp", type=int, default=2, help="tensor-parallel size")
+    a("--pp", type=int, default=2, help="pipeline-parallel size (stages)")
+    a("--dp", type=int, default=2, help="data-parallel size")
+    a("--schedule", choices=("1f1b", "gpipe"), default="1f1b", help="pipeline schedule")
+    a("--global-batch-size", type=int, default=16, help="sequences per optimizer step, over all dp ranks")
+    a("--micro-batch-size", type=int, default=2, help="sequences per micro-batch")
+    a("--seq-len", type=int, default=64, help="tokens per sequence")
+    a("--steps", type=int, default=60, help="optimizer steps")
+    a("--lr", type=float, default=3e-3, help="peak learning rate (AdamW; linear warm-up, cosine decay)")
+    a("--warmup-steps", type=int, default=5, help="learning-rate warm-up steps")
+    a("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
+    a("--seed", type=int, default=1234, help="seed of the weights, the data order and dropout")
+    a("--sequence-parallel", action="store_true", help="Megatron sequence parallelism inside each tp group")
+    a("--recompute", choices=("none", "selective", "full"), default="none", help="activation recomputation")
+    a("--dp-mode", choices=("ddp", "fsdp"), default="ddp",
+      help="data parallelism: torch DDP on the dp group, or FSDP2 (fully_shard) on the dp mesh dim")
+    a("--model", choices=sorted(PRESETS), default="tiny", help="model size (the overrides below win)")
+    for field in SIZE_FIELDS:
+        a(f"--{field.replace('_', '-')}", type=int, default=None, help=f"override the preset's {field}")
+    a("--dropout", type=float, default=0.0, help="residual and attention dropout")
+    a("--from-hf", metavar="PATH", default=None,
+      help="start from a Hugging Face Llama/Mistral/Qwen2/GPT-2 directory (save_pretrained); its vocabulary "
+           "must cover bytes (>= 256)")
+    a("--save", metavar="DIR", default=None, help="write a resharding checkpoint here (at the end, and every "
+                                                   "--save-every steps)")
+    a("--save-every", type=int, default=0, metavar="N", help="checkpoint every N steps (0: only at the end)")
+    a("--load", metavar="DIR", default=None, help="resume from a checkpoint written at any tp/pp/dp split")
+    a("--export-hf", metavar="DIR", default=None, help="write the trained model in Hugging Face format at the end")
+    a("--log-jsonl", metavar="PATH", default=None, help="one JSON object per step: step, loss, tokens_per_s, ...")
+    a("--check-inputs", action="store_true",
+      help="assert every step that all tp ranks of a group read the same tokens (a checksum all-gather)")
+    a("--fail-at-step", type=int, default=None, help=argparse.SUPPRESS)  # fault injection for the tests
+    a("--fail-rank", type=int, default=0, help=argparse.SUPPRESS)
+    return p
 
 
-def batch(args, step, mesh):
-    """Synthetic regression data: target = sin(x); each dp replica draws its own micro-batch."""
-    g = torch.Generator().manual_seed(1000 * step + mesh.dp_rank)
-    x = torch.randn(args.seq, args.batch, args.hidden, generator=g)  # [s, b, h]
-    return x, torch.sin(x)
+def model_config(args):
+    """The GPTConfig the flags describe (a preset, or a Hugging Face config, with the overrides)."""
+    overrides = {f: getattr(args, f) for f in SIZE_FIELDS if getattr(args, f) is not None}
+    flags = dict(sequence_parallel=args.sequence_parallel, recompute=args.recompute, dropout=args.dropout,
+                 attention_dropout=args.dropout)
+    if args.from_hf:
+        import transformers
+
+        from .hf import config_from_hf
+
+        return config_from_hf(transformers.AutoConfig.from_pretrained(args.from_hf), **flags)
+    fields = PRESETS[args.model] | overrides | flags
+    fields.setdefault("max_seq_len", args.seq_len)
+    fields["max_seq_len"] = max(fields["max_seq_len"], args.seq_len)
+    return GPTConfig(**fields)
+
+
+def validate(args, world_size=None):
+    """Every check that needs no process: raises ValueError with one line naming the bad value."""
+    for name in ("tp", "pp", "dp", "global_batch_size", "micro_batch_size", "seq_len", "steps"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+    world = args.tp * args.pp * args.dp
+    if world_size is not None and world_size != world:
+        raise ValueError(f"WORLD_SIZE={world_size} but --tp*--pp*--dp = {args.tp}*{args.pp}*{args.dp} = {world}")
+    if args.global_batch_size % (args.dp * args.micro_batch_size):
+        raise ValueError(f"--global-batch-size={args.global_batch_size} is not divisible by --dp * "
+                         f"--micro-batch-size = {args.dp}*{args.micro_batch_size}")
+    config = model_config(args)
+    config.check_tp(args.tp)
+    stage_layers(config.num_layers, args.pp, 0)
+    if args.sequence_parallel and args.seq_len % args.tp:
+        raise ValueError(f"--seq-len={args.seq_len} is not divisible by --tp={args.tp} (sequence parallelism)")
+    if config.vocab_size < data.VOCAB_SIZE:
+        raise ValueError(f"vocab_size={config.vocab_size} cannot hold the {data.VOCAB_SIZE} byte tokens")
+    if args.save_every < 0:
+        raise ValueError(f"--save-every={args.save_every} must be >= 0")
+    if args.load and not os.path.isdir(args.load):
+        raise ValueError(f"--load {args.load}: no such directory")
+    return config
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tp", type=int, default=2)
-    p.add_argument("--nproc", type=int, default=4, help="ranks to spawn when not launched by torchrun")
-    p.add_argument("--sequence-parallel", action="store_true")
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--hidden", type=int, default=64)
-    p.add_argument("--ffn", type=int, default=256)
-    p.add_argument("--seq", type=int, default=32)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
-    if "RANK" not in os.environ:  # not under torchrun: become torchrun, on CPU processes
-        from torch.distributed.run import main as torchrun
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser().parse_args(argv)
+    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    try:
+        validate(args, int(os.environ["WORLD_SIZE"]) if under_torchrun else None)
+    except (ValueError, ImportError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if under_torchrun:
+        return _record(train)(args)
+    return launch(args, argv)
 
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
-        return torchrun([f"--nproc-per-node={args.nproc}", "--standalone",
-                         "-m", "models.train", *(argv if argv is not None else sys.argv[1:])])
-    train(args)
+
+def _record(fn):
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    return record(fn)
+
+
+def launch(args, argv):
+    """Start tp*pp*dp CPU processes on this machine through torchrun's launcher; name the rank that failed."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    world = args.tp * args.pp * args.dp
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    launcher = get_args_parser().parse_args([f"--nproc-per-node={world}", "--standalone", "--max-restarts=0",
+                                             "-m", "models.train", *argv])
+    try:
+        run(launcher)
+    except ChildFailedError as e:
+        rank, failure = min(e.failures.items())
+        message = failure.message if isinstance(failure.message, str) else failure.message.get("message", "")
+        print(f"error: rank {rank} of {world} failed (exit code {failure.exitcode}): "
+              f"{message.strip().splitlines()[-1] if message.strip() else 'see its output above'}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def wrap_data_parallel(stage, mesh, mode):
+    """DDP on the dp group, or FSDP2 over the dp mesh dim (each block, then the stage)."""
+    if mesh.dp_size == 1:
+        return stage
+    if mode == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        dp_mesh = mesh.device_mesh["dp"]
+        for block in stage.layers:
+            fully_shard(block, mesh=dp_mesh)
+        return fully_shard(stage, mesh=dp_mesh)
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(stage, process_group=mesh.dp_group)
+
+
+def learning_rate(args, step):
+    if step < args.warmup_steps:
+        return args.lr * (step + 1) / args.warmup_steps
+    progress = (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps)
+    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
 
 
 def train(args):
     torch.set_num_threads(1)
-    mesh = tp.init_mesh(tp=args.tp, backend="gloo")
-    log = print if dist.get_rank() == 0 else (lambda *a, **k: None)
-    log(f"{mesh.world_size} ranks: tp={mesh.tp_size} dp={mesh.dp_size} pp={mesh.pp_size}; "
-        f"sequence_parallel={args.sequence_parallel}")
-    model = build(args)
-    log(model[0])
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    mesh = tp.init_mesh(tp=args.tp, pp=args.pp, dp=args.dp, backend=backend)
+    if backend == "nccl":
+        torch.set_default_device(f"cuda:{torch.cuda.current_device()}")
+    config = model_config(args)
+    rank0 = dist.get_rank() == 0
+    torch.manual_seed(args.seed)  # the same on every rank: the weights do not depend on the split
+    if args.from_hf:
+        stage = GPT.from_hf(args.from_hf, group=mesh.tp_group, stage=stage_options(config, mesh),
+                            sequence_parallel=args.sequence_parallel, recompute=args.recompute,
+                            dropout=args.dropout, attention_dropout=args.dropout)
+    else:
+        stage = GPT(config, group=mesh.tp_group, **stage_options(config, mesh))
+    tp.model_parallel_seed(args.seed)  # dropout streams (per pipeline stage and tp rank)
+    module = wrap_data_parallel(stage, mesh, args.dp_mode)
+    optimizer = torch.optim.AdamW(module.parameters(), lr=args.lr, betas=(0.9, 0.95),
+                                  weight_decay=args.weight_decay)
+    start_step = 0
+    if args.load:
+        from . import checkpoint
 
-    # The parallel model must compute what the serial one does: compare the first loss with a dense replay.
-    x, y = batch(args, 0, mesh)
-    shard = (lambda t: t.chunk(mesh.tp_size, 0)[mesh.tp_rank]) if args.sequence_parallel else (lambda t: t)
-    with torch.no_grad():
-        parallel_loss = F.mse_loss(model(shard(x)), shard(y))
-        if args.sequence_parallel:  # each tp rank holds the loss of its sequence chunk
-            dist.all_reduce(parallel_loss, group=mesh.tp_group)
-            parallel_loss /= mesh.tp_size
-        serial_loss = F.mse_loss(_dense_copy(args)(x), y)
-    log(f"step 0: parallel loss {parallel_loss.item():.8f}, serial {serial_loss.item():.8f}, "
-        f"|diff| {(parallel_loss - serial_loss).abs().item():.2e}")
-
-    ddp = DistributedDataParallel(model, process_group=mesh.dp_group) if mesh.dp_size > 1 else model
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    start = time.perf_counter()
-    for step in range(args.steps):
-        x, y = batch(args, step, mesh)
-        loss = F.mse_loss(ddp(shard(x)), shard(y))  # SP: the mean over this rank's sequence chunk
-        opt.zero_grad(set_to_none=True)
-        # The serial loss is the mean over all chunks: each tp rank backpropagates its 1/tp share (the TP
-        # collectives sum the shares), else every gradient would be tp times too large.
-        (loss / mesh.tp_size if args.sequence_parallel else loss).backward()
-        tp.allreduce_sequence_parallel_grads(model)
-        opt.step()
-        reported = loss.detach().clone()
-        dist.all_reduce(reported)  # mean over every rank's (tp-replicated or sequence-chunk) loss
-        if step % 5 == 0 or step == args.steps - 1:
-            log(f"step {step:3d}  loss {reported.item() / mesh.world_size:.5f}")
-    log(f"{args.steps} steps in {time.perf_counter() - start:.2f}s")
+        start_step, _ = checkpoint.load(args.load, module, optimizer, mesh=mesh)
+    runner = PipelineRunner(module, mesh, micro_batch_size=args.micro_batch_size, seq_len=args.seq_len)
+    dataset = data.TokenWindows(data.corpus(), args.seq_len)
+    stream = data.batches(dataset, dp=mesh.dp_size, dp_rank=mesh.dp_rank, global_batch_size=args.global_batch_size,
+                          micro_batch_size=args.micro_batch_size, seed=args.seed, start_step=start_step)
+    params = sum(p.numel() for p in stage.parameters())
+    if rank0:
+        print(f"{mesh.world_size} ranks: tp={mesh.tp_size} pp={mesh.pp_size} dp={mesh.dp_size} ({args.dp_mode}), "
+              f"schedule={args.schedule}, micro-batches/step={args.global_batch_size // (mesh.dp_size * args.micro_batch_size)}, "
+              f"sequence_parallel={args.sequence_parallel}; model {args.model if not args.from_hf else args.from_hf}"
+              f" ({config.num_layers} layers, hidden {config.hidden_size}, {params:,} params on rank 0)", flush=True)
+    log = open(args.log_jsonl, "a" if args.load else "w") if rank0 and args.log_jsonl else None
+    bar = _progress(rank0, start_step, args.steps)
+    tokens_per_step = args.global_batch_size * args.seq_len
+    first_loss = loss = None
+    try:
+        for step in range(start_step, args.steps):
+            started = time.perf_counter()
+            micro_batches = next(stream)
+            if args.check_inputs:
+                for tokens, targets in micro_batches:
+                    tp.debug.check(torch.stack([tokens, targets]), mesh.tp_group, "the training tokens",
+                                   replicated=True)
+            if args.fail_at_step == step + 1 and dist.get_rank() == args.fail_rank:
+                raise RuntimeError(f"injected failure at step {step + 1} on rank {args.fail_rank}")
+            for group in optimizer.param_groups:
+                group["lr"] = learning_rate(args, step)
+            stats = runner.run(micro_batches, args.schedule)
+            allreduce_tied_embedding_grads(stage, mesh)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            loss = _mean_over(stats.loss, mesh.dp_group)
+            bubble = _mean_over(stats.bubble, mesh.pp_group)
+            elapsed = time.perf_counter() - started
+            first_loss = loss if first_loss is None else first_loss
+            record = {"step": step + 1, "loss": loss, "tokens_per_s": tokens_per_step / elapsed,
+                      "lr": learning_rate(args, step), "bubble": bubble, "step_s": elapsed}
+            if log:
+                log.write(json.dumps(record) + "\n")
+                log.flush()
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", bubble=f"{bubble:.2f}")
+            if args.save and args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
+                _save(args.save, module, optimizer, mesh, step + 1)
+        if args.save:
+            _save(args.save, module, optimizer, mesh, args.steps)
+        if args.export_hf:
+            stage.save_hf(args.export_hf, pp_group=mesh.pp_group if mesh.pp_size > 1 else None)
+    finally:
+        bar.close()
+        if log:
+            log.close()
+    if rank0:
+        ran = f"{args.steps - start_step} steps ({start_step + 1}..{args.steps})"
+        print(f"done: {ran} at tp={mesh.tp_size} pp={mesh.pp_size} dp={mesh.dp_size}; loss {first_loss:.4f} -> "
+              f"{loss:.4f}" + (f"; log: {args.log_jsonl}" if args.log_jsonl else "")
+              + (f"; checkpoint: {args.save}" if args.save else "")
+              + (f"; Hugging Face export: {args.export_hf}" if args.export_hf else ""), flush=True)
     tp.destroy_mesh()
+    return 0
 
 
-def _dense_copy(args):
-    """The same model with TP=1 (a one-rank group per process), built from the same seed."""
-    solo = dist.new_group([dist.get_rank()], use_local_synchronization=True)
-    return build(args, group=solo)
+def _mean_over(value, group):
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, group=group)
+    return t.item() / dist.get_world_size(group)
+
+
+def _progress(show, start, total):
+    if not show:
+        return _Quiet()
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True, file=sys.stdout)
+
+
+class _Quiet:
+    def update(self, n):
+        pass
+
+    def set_postfix(self, **kw):
+        pass
+
+    def close(self):
+        pass
+
+
+def _save(path, module, optimizer, mesh, step):
+    from . import checkpoint
+
+    checkpoint.save(path, module, optimizer, mesh=mesh, step=step)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -109,6 +109,10 @@ def _rank_major_order(parts, size):
     return torch.cat([_shard(dense, 0, r, size, parts, (1,) * len(parts)) for r in range(size)])
 
 
+def _on(index, device):
+    return index if index.device == device else index.to(device, non_blocking=True)
+
+
 class _SumReplicaGrads(torch.autograd.Function):
     """forward: identity · backward: grads of replicated rows summed over the ranks holding the same chunk.
 
@@ -173,10 +177,9 @@ class _ParallelLinear(nn.Module):
         # Collectives inside the layer (gather_output, a full input) move shards in rank-major order; with fused
         # parts that order differs from the dense one. rank_major[i] = the dense index at rank-major position i.
         ordered = self.stride > 1 and self.tp_size > 1 and not self.replicated
-        rank_major = _rank_major_order(self.parts, self.tp_size) if ordered else None
-        self.register_buffer("_rank_major", None if rank_major is None else rank_major.to(device), persistent=False)
-        self.register_buffer("_dense_from_rank_major", None if rank_major is None else
-                             rank_major.argsort().to(device), persistent=False)
+        # (Plain attributes, not buffers: nothing for DDP to broadcast or a state dict to carry; moved on use.)
+        self._rank_major = _rank_major_order(self.parts, self.tp_size) if ordered else None
+        self._dense_from_rank_major = None if self._rank_major is None else self._rank_major.argsort()
         self.init_method = init_method
         factory = {"dtype": dtype, "device": device}
         local = [out_features, in_features]
@@ -305,7 +308,9 @@ class ColumnParallelLinear(_ParallelLinear):
         if not self.gather_output or self.tp_size == 1:
             return y
         y = gather_from_tp_region(y, self.group)  # [s, b, out], rank-major
-        return y if self._dense_from_rank_major is None else y.index_select(-1, self._dense_from_rank_major)
+        if self._dense_from_rank_major is None:
+            return y
+        return y.index_select(-1, _on(self._dense_from_rank_major, y.device))
 
     def extra_repr(self):
         act = f", activation={self.activation}" if self.activation else ""
@@ -343,8 +348,8 @@ class RowParallelLinear(_ParallelLinear):
     def forward(self, x):  # [s, b, in/tp] (or [s, b, in] when not input_is_parallel)
         if not self.input_is_parallel and self.tp_size > 1:
             self._check_input(x, self.in_features, "in_features", replicated=True)
-            if self._rank_major is not None:
-                x = x.index_select(-1, self._rank_major)  # rank-major, so the split hands out the fused parts
+            if self._rank_major is not None:  # rank-major, so the split hands out the fused parts
+                x = x.index_select(-1, _on(self._rank_major, x.device))
             x = scatter_to_tp_region(x, self.group)
         else:
             self._check_input(x, self.weight.shape[1], "in_features/tp")
