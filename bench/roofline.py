@@ -14,8 +14,9 @@ tp.RowParallelLinear run it (tests/test_intensity.py counts their messages):
   without sequence parallelism: forward 1 all-reduce (row output), backward 1 all-reduce (column input grad);
   with it: forward all-gather (column input) + reduce-scatter (row output); backward all-gather (row output grad)
   + all-gather (the column layer re-gathers its input for wgrad) + reduce-scatter (column input grad).
-A transformer layer is two pairs. Not modelled: the attention core (per-head, local), GQA, SP's all-reduce of
-sequence-parallel parameter grads (norms, row biases: O(D) bytes), and latency on the GPU profiles (bandwidth only).
+A transformer layer is two pairs. Not modelled: the attention core (per-head, local), head counts (a real model also
+needs TP to divide its heads) and GQA, SP's all-reduce of sequence-parallel parameter grads (norms, row biases: O(D)
+bytes), and latency on the GPU profiles (bandwidth only).
 
 The recommendation is the scaling book's TP model ("How to Scale Your Model", "How to Think About GPUs", Tensor
 Parallelism), MLP forward on Y ranks: T_math = roofline time of the local forward GEMMs (= 4·T·D·F/(Y·C) for a
@@ -230,7 +231,7 @@ def tp_model(shape, tp, hw):
         "mlp_fwd_compute_s": t_math, "mlp_bwd_compute_s": sum(g.time(hw) for g in phase(mlp, False)),
         "attn_fwd_compute_s": sum(g.time(hw) for g in phase(attn, True)),
         "attn_bwd_compute_s": sum(g.time(hw) for g in phase(attn, False)),
-        # per pair (MLP or attention); a layer moves twice this
+        # per pair (MLP or attention; SP moves the same forward); a layer moves twice this
         "pair_fwd_wire_bytes": sum(c.wire_bytes(tp) for c in plain if c.phase == "fwd"),
         "pair_bwd_wire_bytes": sum(c.wire_bytes(tp) for c in plain if c.phase == "bwd"),
         "pair_bwd_wire_bytes_sp": sum(c.wire_bytes(tp) for c in sp if c.phase == "bwd"),
