@@ -142,10 +142,12 @@ def launch(args, argv):
     try:
         run(launcher)
     except ChildFailedError as e:
-        rank, failure = min(e.failures.items())
-        message = failure.message if isinstance(failure.message, str) else failure.message.get("message", "")
-        print(f"error: rank {rank} of {world} failed (exit code {failure.exitcode}): "
-              f"{message.strip().splitlines()[-1] if message.strip() else 'see its output above'}", file=sys.stderr)
+        rank, failure = e.get_first_failure()  # the others were stopped because of it
+        message = failure.message
+        while isinstance(message, dict):  # the worker's error file: {"message": "...", "extraInfo": {...}}
+            message = message.get("message", "")
+        last = str(message).strip().splitlines()[-1:] or ["see its output above"]
+        print(f"error: rank {rank} of {world} failed (exit code {failure.exitcode}): {last[0]}", file=sys.stderr)
         return 1
     return 0
 

@@ -1,0 +1,98 @@
+"""The training job end to end: any tp x pp x dp split (DDP or FSDP2, 1F1B or GPipe, SP) trains the same loss curve
+as one process; runs repeat bit for bit; bad configurations stop before any process starts; a failing rank is named."""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from models.train import parser, train
+from tp.testing import distributed
+
+SMALL = ["--model", "tiny", "--seq-len", "32", "--global-batch-size", "8", "--micro-batch-size", "2",
+         "--steps", "3", "--check-inputs", "--seed", "7"]
+
+
+def _losses(path):
+    with open(path) as f:
+        return [json.loads(line)["loss"] for line in f]
+
+
+def _run(*flags, timeout=300):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    return subprocess.run([sys.executable, "-m", "models.train", *flags], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+@distributed(world_size=8, timeout=300)
+def _train_on_ranks(flags, log):
+    train(parser().parse_args([*SMALL, *flags, "--log-jsonl", log]))
+    return _losses(log) if os.path.exists(log) and int(os.environ.get("RANK", "0")) == 0 else None
+
+
+def _curve(tmp, name, *flags):
+    from tp.testing import run
+
+    log = os.path.join(tmp, f"{name}.jsonl")
+    run(_train_on_ranks, 8, flags=list(flags), log=log, timeout=300)
+    return _losses(log)
+
+
+def test_every_split_trains_the_same_curve(tmp_path):
+    single = _run(*SMALL, "--tp", "1", "--pp", "1", "--dp", "1", "--log-jsonl", str(tmp_path / "serial.jsonl"))
+    assert single.returncode == 0, single.stderr[-3000:]
+    assert "done: 3 steps" in single.stdout and "loss" in single.stdout
+    serial = _losses(tmp_path / "serial.jsonl")
+    assert len(serial) == 3 and serial[-1] < serial[0]
+    splits = {
+        "2x2x2 ddp 1f1b": ["--tp", "2", "--pp", "2", "--dp", "2"],
+        "2x2x2 fsdp gpipe sp": ["--tp", "2", "--pp", "2", "--dp", "2", "--dp-mode", "fsdp", "--schedule", "gpipe",
+                                "--sequence-parallel"],
+        "4x1x2 sp recompute": ["--tp", "4", "--pp", "1", "--dp", "2", "--sequence-parallel", "--recompute", "full"],
+        "1x4x2": ["--tp", "1", "--pp", "4", "--dp", "2"],
+    }
+    curves = {name: _curve(str(tmp_path), name.replace(" ", "_"), *flags) for name, flags in splits.items()}
+    for name, curve in curves.items():
+        for step, (ours, reference) in enumerate(zip(curve, serial, strict=True)):
+            assert abs(ours - reference) <= 1e-5 * reference, f"{name}, step {step + 1}: {ours} vs {reference}"
+    again = _curve(str(tmp_path), "again", *splits["2x2x2 ddp 1f1b"])
+    assert again == curves["2x2x2 ddp 1f1b"]  # the same split twice: bit-identical
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--global-batch-size", "10"], r"--global-batch-size=10 is not divisible by --dp \* --micro-batch-size = 2\*2"),
+    (["--pp", "8", "--dp", "1", "--tp", "1"], r"pp=8 pipeline stages need at least 8 layers, the model has "
+                                              r"num_layers=4"),
+    (["--tp", "3", "--pp", "1", "--dp", "1"], r"num_heads=4 is not divisible by tp=3"),
+    (["--sequence-parallel", "--seq-len", "33"], r"--seq-len=33 is not divisible by --tp=2"),
+])
+def test_bad_configuration_is_one_line_before_any_process(flags, message):
+    import re
+
+    start = time.perf_counter()
+    result = _run(*flags)
+    assert result.returncode == 2 and result.stdout == "", (result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and re.search(message, lines[0]), lines
+    assert time.perf_counter() - start < 60
+
+
+def test_world_size_mismatch_under_torchrun_is_refused(monkeypatch):
+    from models.train import main
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert main(["--tp", "2", "--pp", "2", "--dp", "2"]) == 2
+
+
+def test_a_failing_rank_stops_the_others_and_is_named():
+    start = time.perf_counter()
+    result = _run(*SMALL, "--tp", "2", "--pp", "2", "--dp", "1", "--fail-at-step", "2", "--fail-rank", "3",
+                  timeout=240)
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert "error: rank 3 of 4 failed" in result.stderr and "injected failure at step 2 on rank 3" in result.stderr
+    assert time.perf_counter() - start < 180
