@@ -30,6 +30,13 @@ def print_table(rows, columns):
     return "\n".join(lines)
 
 
+def scratch_path(name):
+    """Where a benchmark writes by default: a temporary folder, never the committed bench/results/."""
+    import tempfile
+
+    return os.path.join(tempfile.gettempdir(), "tp-bench", name)
+
+
 def write_json(path, payload):
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
