@@ -7,6 +7,7 @@ MQA at TP = 2) hold each kv head on several ranks.
 """
 import copy
 import re
+import warnings
 
 import pytest
 import torch
@@ -41,7 +42,7 @@ FAMILIES = list(CONFIGS)
 def tiny(family, **overrides):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    fields = CONFIGS[family][0] if family == "gpt2" else COMMON | CONFIGS[family][0]
+    fields = CONFIGS[family][0] if family == "gpt2" else COMMON | CONFIGS.get(family, ({}, 0))[0]
     config = AutoConfig.for_model(family, **(fields | dict(vocab_size=V, bos_token_id=0, eos_token_id=1)) | overrides)
     torch.manual_seed(0)  # the same weights on every rank
     return AutoModelForCausalLM.from_config(config)
@@ -191,6 +192,8 @@ REFUSALS = [  # (family, config overrides, plan or None, keyword arguments, what
     ("llama", {}, {"model.layers.*.mlp.up_proj": "colwise", "model.layers.*.mlp.*_proj": "rowwise"}, {},
      "model.layers.0.mlp.up_proj matches 'model.layers.*.mlp.up_proj' (colwise) and 'model.layers.*.mlp.*_proj'"),
     ("llama", {}, None, dict(sequence_parallel=True), "sequence_parallel=True is not supported"),
+    ("granite", dict(num_key_value_heads=2), None, {},  # a family tp has not checked: kv heads never replicated
+     "num_key_value_heads = 2 < tp and replicating kv heads is not verified"),
 ]
 
 
@@ -202,7 +205,8 @@ def test_refusals_leave_the_model_untouched():
         model = tiny(family, **overrides)
         before = {k: v.clone() for k, v in model.state_dict().items()}
         modules = [type(m) for m in model.modules()]
-        with pytest.raises(ValueError, match=re.escape(message)):
+        with pytest.raises(ValueError, match=re.escape(message)), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (the unchecked family's warning)
             parallelize(model, plan, **kwargs)
         assert [type(m) for m in model.modules()] == modules, message
         assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items()), message
@@ -210,3 +214,29 @@ def test_refusals_leave_the_model_untouched():
     model = parallelize(tiny("llama"))
     with pytest.raises(ValueError, match="already parallelized"):
         parallelize(model)
+
+
+@distributed(world_size=2)
+def test_unchecked_family_follows_hf_plan_with_a_warning():
+    """A family outside tp's checked list (Granite: Llama-like with multipliers) runs its own plan, with a warning."""
+    tp.init_mesh(tp=2)
+    dense = tiny("granite", num_key_value_heads=2)
+    with pytest.warns(UserWarning, match="'granite' is not among the families tp checked"):
+        model = parallelize(copy.deepcopy(dense))
+    check_against_dense(dense, model, fwd=_all_reduces(2 * LAYERS), bwd=_all_reduces(5 * LAYERS))
+
+
+@distributed(world_size=2)
+def test_plain_module_plan():
+    """Any nn.Module with a plan: a Column -> GELU -> Row MLP out of nn.Sequential, same output and grads."""
+    tp.init_mesh(tp=2)
+    torch.manual_seed(0)
+    dense = torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.GELU(), torch.nn.Linear(10, 6))
+    model = parallelize(copy.deepcopy(dense), {"0": "colwise", "2": "rowwise"})
+    assert isinstance(model[0], tp.ColumnParallelLinear) and isinstance(model[2], tp.RowParallelLinear)
+    x = torch.randn(3, 5, 6, generator=torch.Generator().manual_seed(1))
+    assert_close(model(x), dense(x), 1e-6, "output")
+    model(x).square().sum().backward()
+    dense(x).square().sum().backward()
+    assert_grads_match(model, dense)
+    assert_described(model)

@@ -90,7 +90,8 @@ def parallelize(module, plan=None, *, group=None, sequence_parallel=False):
     for linear, embedding in ties.items():
         built[linear].weight = built[embedding].weight
     for name, (heads, kv_heads, replicas) in local_heads.items():
-        family.localize(modules[name], heads, kv_heads)
+        if family.localize is not None:  # (an unchecked family: kv heads never replicated, so no count changes)
+            family.localize(modules[name], heads, kv_heads)
         spread = f" (each kv head on {replicas} ranks)" if replicas > 1 else ""
         record.append((name, "heads", f"{heads} heads, {kv_heads} kv heads per rank{spread}"))
     if vocab_parallel_logits:

@@ -1,0 +1,114 @@
+"""A Hugging Face Llama, fwd+bwd wall time per training step at TP = 1, 2, 4 on gloo CPU ranks, parallelized three
+ways, next to the dense model on every rank:
+  ours      tp.parallelize(model)
+  DTensor   torch's parallelize_module with the model's base_model_tp_plan as ColwiseParallel/RowwiseParallel
+  HF        transformers' own apply_tensor_parallelism with the same plan (what from_pretrained(tp_plan=...) runs)
+
+    python -m bench.parallelize [--iters 20] [--out /tmp/bench_parallelize.json]
+
+All parallel models follow the same plan (attention and MLP linears sharded, embedding and lm_head whole) and start
+from the same weights. Each rank runs the models round-robin in one loop (so machine noise hits all alike); a
+step (forward with labels, HF's loss, backward) is timed on rank 0 between barriers. Target: ours/DTensor <= 0.6 at
+TP = 2.
+"""
+import argparse
+import copy
+import time
+
+import torch
+import torch.distributed as dist
+
+import tp
+from tp import testing
+from tp.parallelize import default_plan, parallelize
+
+from .common import machine, median, print_table, write_json
+
+# hidden, ffn, heads, kv heads, layers, batch, sequence: overhead-bound, REFERENCE.md §7's shape, larger
+SHAPES = [(128, 344, 4, 4, 2, 1, 128), (256, 688, 8, 4, 2, 4, 128), (512, 1376, 8, 4, 2, 4, 128)]
+VOCAB = 1024
+
+
+def _llama(hidden, ffn, heads, kv_heads, layers):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=ffn, num_attention_heads=heads,
+                         num_key_value_heads=kv_heads, num_hidden_layers=layers, vocab_size=VOCAB,
+                         max_position_embeddings=512, bos_token_id=0, eos_token_id=1, pad_token_id=0)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config)
+
+
+def _dtensor(model, mesh):
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    plan = {pattern: styles[style]() for pattern, style in default_plan(model).items()}
+    return parallelize_module(model, mesh.device_mesh["tp"], plan)
+
+
+def _hf(model, mesh):
+    from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+    plan = model._expand_parallel_plan(default_plan(model))  # wildcards -> layer numbers, weights included
+    return apply_tensor_parallelism(model, mesh.device_mesh["tp"], plan)
+
+
+def bench_rank(shape, iters, warmup):
+    """On every rank of a tp group: rank 0's median step time of each model."""
+    torch.set_num_threads(1)
+    mesh = tp.init_mesh(tp=dist.get_world_size())
+    hidden, ffn, heads, kv_heads, layers, batch, seq = shape
+    dense = _llama(hidden, ffn, heads, kv_heads, layers)
+    models = {"ours": parallelize(copy.deepcopy(dense)), "dtensor": _dtensor(copy.deepcopy(dense), mesh),
+              "hf": _hf(copy.deepcopy(dense), mesh), "dense": dense}
+    ids = torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(1))
+    losses = {name: model(ids, labels=ids).loss.item() for name, model in models.items()}
+    assert max(losses.values()) - min(losses.values()) < 1e-4, losses  # the same model four ways
+    times = {name: [] for name in models}
+    for i in range(warmup + iters):
+        for name, model in models.items():
+            dist.barrier()
+            start = time.perf_counter()
+            model(ids, labels=ids).loss.backward()
+            dist.barrier()
+            if i >= warmup:
+                times[name].append(time.perf_counter() - start)
+            model.zero_grad(set_to_none=True)
+    return {name: median(ts) for name, ts in times.items()}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--out", default="/tmp/bench_parallelize.json")
+    args = p.parse_args(argv)
+    rows = []
+    for shape in SHAPES:
+        for tp_size in args.tp:
+            t = testing.run(bench_rank, world_size=tp_size, timeout=1800, shape=shape, iters=args.iters,
+                            warmup=args.warmup)[0]
+            hidden, ffn, heads, kv_heads, layers, batch, seq = shape
+            rows.append({
+                "hidden": hidden, "ffn": ffn, "heads": f"{heads}/{kv_heads}", "layers": layers,
+                "tokens": f"{batch}x{seq}", "tp": tp_size,
+                "ours_ms": 1e3 * t["ours"], "dtensor_ms": 1e3 * t["dtensor"], "hf_ms": 1e3 * t["hf"],
+                "dense_ms": 1e3 * t["dense"], "ours_vs_dtensor": t["ours"] / t["dtensor"],
+                "ours_vs_hf": t["ours"] / t["hf"], "ours_vs_dense": t["ours"] / t["dense"],
+            })
+    testing.shutdown()
+    print(f"\nHF Llama (vocab {VOCAB}) fwd+bwd step, median of {args.iters}, on {machine()}, gloo")
+    table = print_table(rows, [
+        ("hidden", "hidden", "{}"), ("ffn", "ffn", "{}"), ("heads", "heads/kv", "{}"), ("layers", "layers", "{}"),
+        ("tokens", "tokens", "{}"), ("tp", "TP", "{}"), ("ours_ms", "tp.parallelize ms", "{:.1f}"),
+        ("dtensor_ms", "DTensor ms", "{:.1f}"), ("hf_ms", "HF tp_plan ms", "{:.1f}"), ("dense_ms", "dense ms", "{:.1f}"),
+        ("ours_vs_dtensor", "ours/DTensor", "{:.2f}"), ("ours_vs_hf", "ours/HF", "{:.2f}"),
+        ("ours_vs_dense", "ours/dense", "{:.2f}"),
+    ])
+    write_json(args.out, {"machine": machine(), "iters": args.iters, "rows": rows, "table": table})
+
+
+if __name__ == "__main__":
+    main()
