@@ -1,0 +1,279 @@
+"""Sharded training checkpoints that reshard: save at one tp/pp/dp split, resume at any other, no conversion step.
+
+`save(path, model, optimizer, mesh=, step=)` writes a torch.distributed.checkpoint (DCP) directory, every rank its
+own shards; `load(path, model, optimizer, mesh=)` fills a GPT stage and its optimizer built at any split of the same
+GPTConfig (sequence_parallel, recompute and dropout may differ) and returns (step, extra).
+
+The directory is DCP's format: `.metadata` (every tensor's dense shape and where each of its chunks lies) and one
+`__<rank>_0.distcp` per rank holding the chunks that rank wrote. Its keys do not depend on the split:
+
+- `model.<hf name>`: each parameter as the dense Hugging Face tensor it is made of (`models.hf.hf_sources`): q_proj,
+  k_proj, v_proj, gate_proj, up_proj separately, global layer indices, `embed_tokens`/`lm_head` with exactly
+  vocab_size rows (the padding rows, which depend on tp, are not stored), GPT-2's Conv1D weights as [in, out].
+- `optim.<hf name>.<state>`: the optimizer state of that tensor; entries shaped like the parameter (AdamW's exp_avg,
+  exp_avg_sq) are split exactly like it, the others (AdamW's scalar step) are stored whole.
+- `meta`: step, split, GPTConfig, optimizer class and param_groups hyperparameters, `extra` (rank 0's), written by
+  rank 0. `rng.<rank>`: each rank's `tp.get_rng_state()`.
+
+How it reshards: each rank describes what it holds as blocks of those HF tensors at their offsets (its q_proj rows,
+its rows of gate_proj and of up_proj, its o_proj/down_proj columns, its real vocabulary rows): a DTensor whose
+local tensor is DCP's LocalShardsWrapper (a list of blocks with their offsets, what torchrec checkpoints with; the
+DTensor's placements are nominal, its chunks come from the wrapper), or a plain tensor for what every tp rank holds
+whole (norms, row biases, learned positions), which DCP treats as replicated. Equal chunks held by several ranks (dp
+replicas, kv heads replicated when fewer than tp, the tied output layer's copy on the last pipeline stage) are
+written once. On load each rank asks for the blocks of its own layout and DCP reads the overlapping parts of
+whatever was written; stages hold disjoint layers, so one save/load over the world covers the pipeline. FSDP2
+(`fully_shard` over dp) parameters and states are gathered over dp with `full_tensor()` on save and re-sharded on
+load; a DDP-wrapped model is unwrapped. A tied embedding split across stages is assumed kept equal on both (its
+grads summed over the embedding group): both copies write the same chunks and both are loaded from them.
+
+RNG: restored only when the split (world size, tp, pp, dp, order) is unchanged, so resuming then is bit-exact with
+dropout too. At another split no rank's stream corresponds to a saved one: every rank keeps the generators it has
+(seed them with `tp.model_parallel_seed` before loading), and dropout masks differ from the uninterrupted run from
+then on (a warning says so when the config has dropout; with dropout 0, as in the demo, nothing differs).
+"""
+import dataclasses
+import os
+import pickle
+import warnings
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
+
+import tp
+
+from .gpt import GPT
+from .hf import _owners, _runs, _sharding, _source_size, hf_sources
+
+FREE_FIELDS = ("sequence_parallel", "recompute", "dropout", "attention_dropout")  # may change between save and load
+_VOCAB_PARAMS = ("embedding.weight", "output.weight")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Part:
+    """One HF tensor behind one of our tp-local parameters, and where this rank holds it: for each (start, length,
+    offset) in `runs`, local [start, start + length) along our `dim` is the HF tensor's [offset, offset + length)
+    (dim None: the whole tensor, replicated over tp)."""
+
+    key: str  # the HF name
+    shape: tuple  # the dense HF tensor's shape
+    transposed: bool  # HF stores it [in, out] (GPT-2's Conv1D)
+    dim: Optional[int] = None
+    runs: tuple = ()
+
+    def held(self):
+        return self.dim is None or bool(self.runs)
+
+    def views(self, tensor):
+        """This rank's blocks of the part within a tp-local tensor, as views in HF's orientation."""
+        pieces = [tensor] if self.dim is None else [tensor.narrow(self.dim, s, n) for s, n, _ in self.runs]
+        return [p.t() if self.transposed else p for p in pieces]
+
+    def stored(self, pieces, device_mesh):
+        """The blocks `pieces` as DCP stores them: the plain tensor if whole, else a DTensor of the HF tensor whose
+        local chunks sit at the blocks' offsets."""
+        if self.dim is None:
+            return pieces[0]
+        hf_dim = 1 - self.dim if self.transposed else self.dim
+        offsets = [tuple(offset if d == hf_dim else 0 for d in range(len(self.shape))) for *_, offset in self.runs]
+        shape = torch.Size(self.shape)
+        return DTensor.from_local(LocalShardsWrapper(pieces, offsets), device_mesh, (Replicate(), Shard(hf_dim)),
+                                  run_check=False, shape=shape, stride=torch.empty(shape, device="meta").stride())
+
+
+def _parts(model, name, module, attr, local_shape):
+    """The _Parts of every HF tensor behind our parameter `name` (of tp-local shape `local_shape`), held or not."""
+    config = model.config
+    sources = hf_sources(config, name, model.layer_range[0])
+
+    def hf_shape(shape, transposed):
+        return tuple(reversed(shape)) if transposed else tuple(shape)
+
+    sharding = _sharding(module, attr)
+    if sharding is None:
+        (key, transposed), = sources
+        return [_Part(key, hf_shape(local_shape, transposed), transposed)]
+    dim, total, indices = sharding
+    if len(sources) > 1:
+        sizes = [_source_size(config, key) for key, _ in sources]
+    else:
+        sizes = [config.vocab_size if name in _VOCAB_PARAMS else total]  # padding rows are not stored
+    parts, base = [], 0
+    for (key, transposed), size in zip(sources, sizes):
+        runs, position = [], 0
+        for start, stop in _runs(indices):  # consecutive dense indices, at local [position, position + stop - start)
+            a, b = max(start, base), min(stop, base + size)
+            if a < b:
+                runs.append((position + a - start, b - a, a - base))
+            position += stop - start
+        shape = list(local_shape)
+        shape[dim] = size
+        parts.append(_Part(key, hf_shape(shape, transposed), transposed, dim, tuple(runs)))
+        base += size
+    return parts
+
+
+def _parameters(model):
+    """(name, module, attribute, parameter) of every distinct parameter (a weight tied on this stage once)."""
+    seen = set()
+    for name, (module, attr) in _owners(model).items():
+        param = getattr(module, attr)
+        if id(param) not in seen:
+            seen.add(id(param))
+            yield name, module, attr, param
+
+
+def _tp_local(tensor):
+    """The whole tp-local tensor: FSDP2's dp shards gathered."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+@torch.no_grad()
+def _assign(target, value):
+    """Copy a tp-local tensor into `target` (an FSDP2 DTensor keeps only its dp shard)."""
+    if isinstance(target, DTensor):
+        value = distribute_tensor(value, target.device_mesh, target.placements, src_data_rank=None)
+    target.copy_(value)
+
+
+def _split(mesh):
+    return dict(world_size=mesh.world_size, order="-".join(mesh.order), **mesh.sizes)
+
+
+def _check(model, optimizer, mesh):
+    """The unwrapped GPT stage; raises, the same on every rank, before any collective."""
+    model = getattr(model, "module", model)  # DDP
+    if not isinstance(model, GPT):
+        raise TypeError(f"model must be a models.GPT stage (or a DDP / FSDP2 wrapping of one), got "
+                        f"{type(model).__name__}")
+    if model.tp_size != mesh.tp_size:
+        raise ValueError(f"the model is split over tp={model.tp_size} ranks but mesh has tp={mesh.tp_size}")
+    if optimizer is not None:
+        ours = {id(p) for *_, p in _parameters(model)}
+        foreign = [i for i, g in enumerate(optimizer.param_groups) for p in g["params"] if id(p) not in ours]
+        if foreign:
+            raise ValueError(f"optimizer param_groups {sorted(set(foreign))} hold parameters that are not the "
+                             f"model's (build the optimizer over model.parameters())")
+    return model
+
+
+def save(path, model, optimizer, *, mesh, step, extra=None):
+    """Write a checkpoint of this GPT stage, its optimizer, the RNG and `step` to directory `path` (collective over
+    every rank). `extra`: anything picklable to hand back on load (rank 0's is kept)."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step={step!r} must be an integer >= 0")
+    model = _check(model, optimizer, mesh)
+    device_mesh = mesh.device_mesh["dp", "tp"]
+    state = {}
+    for name, module, attr, param in _parameters(model):
+        parts = [part for part in _parts(model, name, module, attr, param.shape) if part.held()]
+        value = _tp_local(param.detach())
+        for part in parts:
+            state[f"model.{part.key}"] = part.stored(part.views(value), device_mesh)
+        for entry, value in (optimizer.state.get(param, {}) if optimizer is not None else {}).items():
+            if not torch.is_tensor(value):
+                raise TypeError(f"optimizer state {entry!r} of {name} is a {type(value).__name__}; only tensors are "
+                                "checkpointed")
+            value = _tp_local(value)
+            for part in parts:  # split like the parameter, or whole
+                state[f"optim.{part.key}.{entry}"] = part.stored(part.views(value), device_mesh) \
+                    if value.shape == param.shape else value
+    if mesh.rank == 0:
+        groups = None if optimizer is None else [{k: v for k, v in g.items() if k != "params"}
+                                                 for g in optimizer.param_groups]
+        meta = dict(step=step, split=_split(mesh), config=dataclasses.asdict(model.config), extra=extra,
+                    optimizer=None if optimizer is None else type(optimizer).__name__, param_groups=groups)
+        state["meta"] = pickle.dumps(meta)
+    state[f"rng.{mesh.rank}"] = pickle.dumps(tp.get_rng_state())
+    dcp.save(state, checkpoint_id=path)
+
+
+def _read_meta(path, model, optimizer):
+    """The checkpoint's meta, read by this rank alone; raises if it does not fit the model and optimizer."""
+    if not os.path.isfile(os.path.join(path, ".metadata")):
+        raise FileNotFoundError(f"{path!r} holds no checkpoint (no .metadata)")
+    holder = {"meta": None}
+    dcp.load(holder, checkpoint_id=path, no_dist=True)
+    meta = pickle.loads(holder["meta"])
+    saved, current = meta["config"], dataclasses.asdict(model.config)
+    differ = [f"{k}={saved.get(k)!r} (model: {v!r})" for k, v in current.items()
+              if k not in FREE_FIELDS and saved.get(k) != v]
+    if differ:
+        raise ValueError(f"checkpoint {path!r} was saved with another GPTConfig: {', '.join(differ)}")
+    if optimizer is not None and meta["optimizer"] is not None:
+        if type(optimizer).__name__ != meta["optimizer"]:
+            raise ValueError(f"checkpoint {path!r} holds {meta['optimizer']} state, not {type(optimizer).__name__}")
+        if len(optimizer.param_groups) != len(meta["param_groups"]):
+            raise ValueError(f"checkpoint {path!r} has {len(meta['param_groups'])} optimizer param_groups, the "
+                             f"optimizer {len(optimizer.param_groups)}")
+    return meta
+
+
+def load(path, model, optimizer, *, mesh):
+    """Fill this GPT stage and its optimizer from the checkpoint in `path`, written at any split (collective over
+    every rank). Returns (step, extra). Optimizer state is created as torch would have it after `step` steps."""
+    model = _check(model, optimizer, mesh)
+    meta = _read_meta(path, model, optimizer)
+    stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    device_mesh = mesh.device_mesh["dp", "tp"]
+    groups = {} if optimizer is None else {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    state, fills, new_states = {}, [], {}
+
+    def request(target, parts, prefix, suffix, dtype):
+        """Ask for this rank's blocks of `target` (a tp-local tensor made of `parts`); copied in after the load."""
+        fill = []
+        for part in parts:
+            if part.held():
+                buffers = [torch.empty(v.shape, dtype=dtype, device=target.device)
+                           for v in part.views(torch.empty(target.shape, device="meta"))]
+                state[f"{prefix}.{part.key}{suffix}"] = part.stored(buffers, device_mesh)
+                fill.append((part, buffers))
+        fills.append((target, fill))
+
+    for name, module, attr, param in _parameters(model):
+        parts = _parts(model, name, module, attr, param.shape)
+        request(param, parts, "model", "", param.dtype)
+        if id(param) not in groups:
+            continue
+        group, new = groups[id(param)], {}
+        prefix = f"optim.{parts[0].key}."
+        for key in (k for k in stored if k.startswith(prefix)):
+            entry, md = key[len(prefix):], stored[key]
+            if tuple(md.size) == parts[0].shape:  # split like the parameter
+                new[entry] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                request(new[entry], parts, "optim", f".{entry}", md.properties.dtype)
+            else:  # whole (AdamW's step: on the parameter's device only when capturable or fused, as torch does)
+                device = param.device if group.get("capturable") or group.get("fused") else "cpu"
+                new[entry] = torch.zeros(md.size, dtype=md.properties.dtype, device=device)
+                state[key] = new[entry]
+        new_states[param] = new
+    rng_key = f"rng.{mesh.rank}"
+    same_split = meta["split"] == _split(mesh)
+    if same_split:
+        state[rng_key] = None
+    dcp.load(state, checkpoint_id=path)
+
+    with torch.no_grad():
+        for target, fill in fills:
+            value = torch.zeros(target.shape, dtype=target.dtype, device=target.device)  # padding rows stay zero
+            for part, buffers in fill:
+                for view, buffer in zip(part.views(value), buffers):
+                    view.copy_(buffer)
+            _assign(target, value)
+    if optimizer is not None:
+        for param, new in new_states.items():
+            optimizer.state.pop(param, None)
+            if new:
+                optimizer.state[param] = new
+        for group, saved in zip(optimizer.param_groups, meta["param_groups"] or []):
+            group.update(saved)
+    if same_split:
+        tp.set_rng_state(pickle.loads(state[rng_key]))
+    elif model.config.dropout or model.config.attention_dropout:
+        warnings.warn(f"checkpoint {path!r} was saved at split {meta['split']}, this is {_split(mesh)}: the RNG "
+                      "state is not restored, so dropout masks differ from the uninterrupted run")
+    return meta["step"], meta["extra"]
