@@ -61,3 +61,18 @@ def time_call(fn, *, cuda=False, min_reps=3, min_seconds=0.05, max_reps=200):
         fn()
         times.append(time.perf_counter() - start)
     return median(times)
+
+
+def round_robin_times(steps, *, iters, warmup, sync=lambda: None):
+    """{name: median seconds} of each step function, the steps run in turn within every iteration (so machine noise
+    hits all alike), each timed between two sync() calls (dist.barrier: the slowest rank's time)."""
+    times = {name: [] for name in steps}
+    for i in range(warmup + iters):
+        for name, step in steps.items():
+            sync()
+            start = time.perf_counter()
+            step()
+            sync()
+            if i >= warmup:
+                times[name].append(time.perf_counter() - start)
+    return {name: median(ts) for name, ts in times.items()}
