@@ -4,7 +4,7 @@ ways, next to the dense model on every rank:
   DTensor   torch's parallelize_module with the model's base_model_tp_plan as ColwiseParallel/RowwiseParallel
   HF        transformers' own apply_tensor_parallelism with the same plan (what from_pretrained(tp_plan=...) runs)
 
-    python -m bench.parallelize [--iters 20] [--out /tmp/bench_parallelize.json]
+    python -m bench.parallelize [--iters 20] [--out PATH]     # JSON to a scratch path unless --out says otherwise
 
 All parallel models follow the same plan (attention and MLP linears sharded, embedding and lm_head whole) and start
 from the same weights. Each rank runs the models round-robin in one loop (so machine noise hits all alike); a
@@ -20,9 +20,10 @@ import torch.distributed as dist
 
 import tp
 from tp import testing
-from tp.parallelize import default_plan, parallelize
+from tp.parallelize import parallelize
+from tp.plans import default_plan
 
-from .common import machine, median, print_table, write_json
+from .common import machine, median, print_table, scratch_path, write_json
 
 # hidden, ffn, heads, kv heads, layers, batch, sequence: overhead-bound, REFERENCE.md §7's shape, larger
 SHAPES = [(128, 344, 4, 4, 2, 1, 128), (256, 688, 8, 4, 2, 4, 128), (512, 1376, 8, 4, 2, 4, 128)]
@@ -83,7 +84,8 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4])
-    p.add_argument("--out", default="/tmp/bench_parallelize.json")
+    p.add_argument("--out", default=scratch_path("parallelize.json"),
+                   help="JSON output (the committed table is bench/results/parallelize.json: pass it to refresh it)")
     args = p.parse_args(argv)
     rows = []
     for shape in SHAPES:
@@ -103,7 +105,8 @@ def main(argv=None):
     table = print_table(rows, [
         ("hidden", "hidden", "{}"), ("ffn", "ffn", "{}"), ("heads", "heads/kv", "{}"), ("layers", "layers", "{}"),
         ("tokens", "tokens", "{}"), ("tp", "TP", "{}"), ("ours_ms", "tp.parallelize ms", "{:.1f}"),
-        ("dtensor_ms", "DTensor ms", "{:.1f}"), ("hf_ms", "HF tp_plan ms", "{:.1f}"), ("dense_ms", "dense ms", "{:.1f}"),
+        ("dtensor_ms", "DTensor ms", "{:.1f}"), ("hf_ms", "HF tp_plan ms", "{:.1f}"),
+        ("dense_ms", "dense ms", "{:.1f}"),
         ("ours_vs_dtensor", "ours/DTensor", "{:.2f}"), ("ours_vs_hf", "ours/HF", "{:.2f}"),
         ("ours_vs_dense", "ours/dense", "{:.2f}"),
     ])

@@ -43,7 +43,7 @@ _RECORD = "_tp_parallelize_record"
 
 
 def parallelize(module, plan=None, *, group=None, sequence_parallel=False):
-    """Replace `module`'s layers by tensor-parallel ones following `plan` (default: `default_plan(module)`), in
+    """Replace `module`'s layers by tensor-parallel ones following `plan` (default: `tp.default_plan(module)`), in
     place, on the current mesh's tp group (or `group`); returns `module`.
 
     Weights are sharded from the module's own (same dtype and device), so every rank must hold the same weights.
@@ -67,7 +67,8 @@ def parallelize(module, plan=None, *, group=None, sequence_parallel=False):
     modules = dict(module.named_modules())
     for name, style in styles.items():
         _check_kind(name, modules[name], style)
-    options, local_heads = plans.shard_options(module, modules, styles, family, dist.get_world_size(group))
+    tp_size = dist.get_world_size(group)
+    options, local_heads = plans.shard_options(module, modules, styles, family, tp_size)
     ties = _ties(modules, styles, options)
     vocab_parallel_logits = _vocab_parallel_output(module, modules, styles)
     built = {}
@@ -98,13 +99,8 @@ def parallelize(module, plan=None, *, group=None, sequence_parallel=False):
         module.loss_function = _vocab_parallel_causal_lm_loss(group)
         record.append(("loss_function", "loss", "vocab-parallel cross-entropy on the local logits [..., V/tp]"))
     source = "plan=" if plan is not None else plans.plan_source(module)
-    setattr(module, _RECORD, {"tp": dist.get_world_size(group), "plan": source, "entries": sorted(record)})
+    setattr(module, _RECORD, {"tp": tp_size, "plan": source, "entries": sorted(record)})
     return module
-
-
-def default_plan(module):
-    """The plan `tp.parallelize(module)` uses: a copy to extend, e.g. {**tp.default_plan(m), "lm_head": "colwise"}."""
-    return plans.default_plan(module)
 
 
 def describe(module):
@@ -112,9 +108,9 @@ def describe(module):
     record = getattr(module, _RECORD, None)
     if record is None:
         return f"{type(module).__name__}: not parallelized by tp.parallelize"
-    width = max(len(name) for name, _, _ in record["entries"])
+    width, style_width = (max(len(entry[i]) for entry in record["entries"]) for i in (0, 1))
     lines = [f"{type(module).__name__} over tp = {record['tp']} ranks, plan: {record['plan']}"]
-    lines += [f"  {name:<{width}}  {style:<22}  {detail}" for name, style, detail in record["entries"]]
+    lines += [f"  {name:<{width}}  {style:<{style_width}}  {detail}" for name, style, detail in record["entries"]]
     return "\n".join(lines)
 
 

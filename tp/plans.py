@@ -101,7 +101,8 @@ def _base_plan(module):
 
 
 def default_plan(module):
-    """The plan `tp.parallelize(module)` applies: full module-name patterns -> styles."""
+    """The plan `tp.parallelize(module)` applies (full module-name patterns -> styles), a dict to extend:
+    `tp.parallelize(model, {**tp.default_plan(model), "model.embed_tokens": "vocab", "lm_head": "colwise"})`."""
     base, _ = _base_plan(module)
     if not base:
         raise ValueError(f"{type(module).__name__} has no tensor-parallel plan (no config.base_model_tp_plan, "
