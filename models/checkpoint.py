@@ -197,7 +197,9 @@ def _read_meta(path, model, optimizer):
     if not os.path.isfile(os.path.join(path, ".metadata")):
         raise FileNotFoundError(f"{path!r} holds no checkpoint (no .metadata)")
     holder = {"meta": None}
-    dcp.load(holder, checkpoint_id=path, no_dist=True)
+    with warnings.catch_warnings():  # DCP warns that no_dist means a single process: here it means this rank alone
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(holder, checkpoint_id=path, no_dist=True)
     meta = pickle.loads(holder["meta"])
     saved, current = meta["config"], dataclasses.asdict(model.config)
     differ = [f"{k}={saved.get(k)!r} (model: {v!r})" for k, v in current.items()
