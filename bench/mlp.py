@@ -76,14 +76,18 @@ def bench_rank(hidden, ffn, tokens, iters, warmup):
     return {name: median(ts) for name, ts in times.items()}
 
 
-def main(argv=None):
+def parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--iters", type=int, default=40)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--out", default=scratch_path("mlp.json"),
                    help="JSON output (the committed table is bench/results/mlp.json: pass it to refresh it)")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)
     rows = []
     for hidden, ffn, tokens in SHAPES:
         for tp_size in args.tp:

@@ -43,6 +43,7 @@ import torch.multiprocessing as mp
 
 DEFAULT_TIMEOUT = float(os.environ.get("TP_TEST_TIMEOUT", 60))
 _GRACE = 5.0  # seconds the other ranks get to report after one rank failed
+_STARTUP_TIMEOUT = 300.0  # spawning the ranks and importing torch, on a loaded machine
 _DUMP_WAIT = 2.0  # seconds a stuck rank gets to dump its stack
 
 
@@ -120,6 +121,8 @@ def _worker(rank, world_size, workdir, tasks, results):
     )
     import tp  # noqa: F401  (after the process group, so import errors surface as task errors below)
 
+    results.put((0, rank, True, "ready"))  # call timeouts start counting once every rank is up
+
     while (task := tasks.get()) is not None:
         task_id, module, qualname, rewrite_asserts, kwargs = task
         if rewrite_asserts:
@@ -156,6 +159,26 @@ class WorkerPool:
             p.start()
         self.broken = False
         self._task_id = 0
+        self._wait_until_started()
+
+    def _wait_until_started(self):
+        """Block until every rank has joined the process group (spawning and imports are not a call's time)."""
+        started, deadline = set(), time.monotonic() + _STARTUP_TIMEOUT
+        while len(started) < self.world_size:
+            dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
+            late = time.monotonic() > deadline
+            if dead or late:
+                self.close()
+                what = f"died (exit codes {[self._procs[r].exitcode for r in dead]})" if dead else \
+                    f"did not start within {_STARTUP_TIMEOUT:.0f}s"
+                raise RankError(f"ranks {dead or sorted(set(range(self.world_size)) - started)} of "
+                                f"{self.world_size} {what} while starting the worker pool")
+            try:
+                task_id, rank, _, _ = self._results.get(timeout=1.0)
+                if task_id == 0:
+                    started.add(rank)
+            except queue.Empty:
+                pass
 
     def run(self, fn, kwargs=None, *, timeout=DEFAULT_TIMEOUT):
         """Run fn(**kwargs) on every rank; returns the per-rank results in rank order."""
