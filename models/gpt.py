@@ -17,7 +17,7 @@ from torch import nn
 
 import tp
 from tp.mesh import resolve_group
-from tp.random import _mix
+from tp.random import derive_seed
 
 from .block import Norm, TransformerBlock, dropout, normal_init
 
@@ -26,7 +26,7 @@ from .block import Norm, TransformerBlock, dropout, normal_init
 def _seeded(base, index):
     """Draw a module's init from its own stream: the same weights whichever stage builds it."""
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(_mix(base, index))
+        torch.manual_seed(derive_seed(base, index))
         yield
 
 

@@ -29,7 +29,7 @@ def _default_device():
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def _mix(seed, position):
+def derive_seed(seed, position):
     """A 63-bit seed from two integers (splitmix64's finaliser): nearby inputs give unrelated streams."""
     z = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
@@ -41,7 +41,7 @@ def _mix(seed, position):
 def _fork_cpu(seed):
     position = int(torch.randint(0, 2**62, (1,)).item())  # advances the default stream alike on every tp rank
     with torch.random.fork_rng(devices=[], device_type="cpu"):
-        torch.default_generator.manual_seed(_mix(seed, position))
+        torch.default_generator.manual_seed(derive_seed(seed, position))
         yield
 
 
@@ -50,7 +50,7 @@ def _fork_cuda(seed, device):
     default = torch.cuda.default_generators[device.index if device.index is not None else 0]
     offset = default.get_offset()
     with torch.random.fork_rng(devices=[device], device_type="cuda"):
-        default.manual_seed(_mix(seed, default.initial_seed()))
+        default.manual_seed(derive_seed(seed, default.initial_seed()))
         default.set_offset(offset)
         try:
             yield
