@@ -1,8 +1,8 @@
 """tp.parallelize on tiny Hugging Face models (random weights, built from their configs) against the dense model.
 
-Every rank builds the dense model from one seed and parallelizes a deep copy. Compared (fp32, <= 1e-4): logits and
-loss, every gradient (a sharded parameter's as this rank's slice of the dense gradient), the collective counts, and
-the logits again after SGD steps on both. TP = 2 on 2 ranks, TP = 4 on 4 ranks; the head counts make TP = 4 (and
+Every rank builds the dense model from one seed and parallelizes a deep copy. Compared (fp32, <= 1e-4): greedy
+generation, logits and loss, every gradient (a sharded parameter's as this rank's slice of the dense gradient), the
+collective counts, and the logits again after SGD steps on both. TP = 2 on 2 ranks, TP = 4 on 4 ranks; the head counts make TP = 4 (and
 MQA at TP = 2) hold each kv head on several ranks.
 """
 import copy
@@ -126,6 +126,9 @@ def check_family(family, tp_size):
     dense = tiny(family)
     model = parallelize(copy.deepcopy(dense))
     assert model.config.num_attention_heads == dense.config.num_attention_heads  # the shared config is untouched
+    prompt = tokens(seed=3)[:, :5]  # greedy decoding through HF's cache, with this rank's (kv) heads
+    assert torch.equal(model.generate(prompt, max_new_tokens=4, do_sample=False),
+                       dense.generate(prompt, max_new_tokens=4, do_sample=False))
     check_against_dense(dense, model, fwd=_all_reduces(2 * LAYERS),
                         bwd=_all_reduces(backward_all_reduces(family, dense.config, tp_size)))
     assert_described(model)
@@ -173,7 +176,10 @@ def test_vocab_parallel_embedding_and_head(tp_size, family, head_style):
     gathers = (not local) * (tp_size > 1)
     check_against_dense(dense, model, logits_shard=shard,
                         fwd={ALL_REDUCE: fwd, ALL_GATHER: gathers, REDUCE_SCATTER: 0}, bwd=_all_reduces(bwd))
-    assert "loss_function" in describe(model) if local else "loss_function" not in describe(model)
+    assert ("loss_function" in describe(model)) == local
+    if local:  # greedy decoding over this rank's slice of the vocabulary would be silently wrong
+        with pytest.raises(RuntimeError, match="generate\\(\\) needs full-vocabulary logits"):
+            model.generate(tokens(seed=3), max_new_tokens=2)
 
 
 REFUSALS = [  # (family, config overrides, plan or None, keyword arguments, what the message must name)

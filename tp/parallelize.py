@@ -98,6 +98,9 @@ def parallelize(module, plan=None, *, group=None, sequence_parallel=False):
     if vocab_parallel_logits:
         module.loss_function = _vocab_parallel_causal_lm_loss(group)
         record.append(("loss_function", "loss", "vocab-parallel cross-entropy on the local logits [..., V/tp]"))
+        if hasattr(module, "generate"):  # it would pick tokens from this rank's slice of the vocabulary
+            module.generate = _generate_refused
+            record.append(("generate", "refused", "needs full logits: 'colwise_gather_output' on the output layer"))
     source = "plan=" if plan is not None else plans.plan_source(module)
     setattr(module, _RECORD, {"tp": tp_size, "plan": source, "entries": sorted(record)})
     return module
@@ -272,3 +275,8 @@ def _vocab_parallel_causal_lm_loss(group):
         return loss if num_items_in_batch is None else loss / num_items_in_batch
 
     return loss_function
+
+
+def _generate_refused(*args, **kwargs):
+    raise RuntimeError("generate() needs full-vocabulary logits, and this model's output layer is vocab-parallel "
+                       "('colwise'): parallelize it with 'colwise_gather_output' on the output layer to generate")
