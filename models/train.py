@@ -39,7 +39,7 @@ def parser():
     a("--global-batch-size", type=int, default=16, help="sequences per optimizer step, over all dp ranks")
     a("--micro-batch-size", type=int, default=2, help="sequences per micro-batch")
     a("--seq-len", type=int, default=64, help="tokens per sequence")
-    a("--steps", type=int, default=60, help="optimizer steps")
+    a("--steps", type=int, default=100, help="optimizer steps")
     a("--lr", type=float, default=3e-3, help="peak learning rate (AdamW; linear warm-up, cosine decay)")
     a("--warmup-steps", type=int, default=5, help="learning-rate warm-up steps")
     a("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
