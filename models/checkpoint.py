@@ -16,16 +16,18 @@ The directory is DCP's format: `.metadata` (every tensor's dense shape and where
   rank 0. `rng.<rank>`: each rank's `tp.get_rng_state()`.
 
 How it reshards: each rank describes what it holds as blocks of those HF tensors at their offsets (its q_proj rows,
-its rows of gate_proj and of up_proj, its o_proj/down_proj columns, its real vocabulary rows): a DTensor whose
-local tensor is DCP's LocalShardsWrapper (a list of blocks with their offsets, what torchrec checkpoints with; the
-DTensor's placements are nominal, its chunks come from the wrapper), or a plain tensor for what every tp rank holds
-whole (norms, row biases, learned positions), which DCP treats as replicated. Equal chunks held by several ranks (dp
-replicas, kv heads replicated when fewer than tp, the tied output layer's copy on the last pipeline stage) are
-written once. On load each rank asks for the blocks of its own layout and DCP reads the overlapping parts of
-whatever was written; stages hold disjoint layers, so one save/load over the world covers the pipeline. FSDP2
-(`fully_shard` over dp) parameters and states are gathered over dp with `full_tensor()` on save and re-sharded on
-load; a DDP-wrapped model is unwrapped. A tied embedding split across stages is assumed kept equal on both (its
-grads summed over the embedding group): both copies write the same chunks and both are loaded from them.
+its rows of gate_proj and of up_proj, its o_proj/down_proj columns, its real vocabulary rows), as a DTensor over the
+tp group whose local tensor is DCP's LocalShardsWrapper (blocks with their offsets, what torchrec checkpoints with;
+the placement is nominal, DCP takes the chunks from the wrapper). A plain Shard(d) DTensor could not describe these
+layouts: a rank's vocabulary rows end where the tp-dependent padding starts, kv heads fewer than tp are held whole
+by several ranks, and GPT-2's fused c_attn holds a slice of each of q, k and v. What every tp rank holds whole (norms,
+row biases, learned positions) is a plain tensor, which DCP treats as replicated. Equal chunks held by several ranks
+(dp replicas, replicated kv heads, the tied output layer's copy on the last pipeline stage) are written once. On load
+each rank asks for the blocks of its own layout and DCP reads the overlapping parts of whatever was written; stages
+hold disjoint layers, so one save/load over the world covers the pipeline. FSDP2 (`fully_shard` over dp) parameters
+and states are gathered over dp with `full_tensor()` on save and re-sharded on load; a DDP-wrapped model is
+unwrapped. A tied embedding split across stages is assumed kept equal on both (its grads summed over the embedding
+group): both copies write the same chunks and both are loaded from them.
 
 RNG: restored only when the split (world size, tp, pp, dp, order) is unchanged, so resuming then is bit-exact with
 dropout too. At another split no rank's stream corresponds to a saved one: every rank keeps the generators it has
@@ -39,9 +41,8 @@ import warnings
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 
 import tp
@@ -81,7 +82,7 @@ class _Part:
         hf_dim = 1 - self.dim if self.transposed else self.dim
         offsets = [tuple(offset if d == hf_dim else 0 for d in range(len(self.shape))) for *_, offset in self.runs]
         shape = torch.Size(self.shape)
-        return DTensor.from_local(LocalShardsWrapper(pieces, offsets), device_mesh, (Replicate(), Shard(hf_dim)),
+        return DTensor.from_local(LocalShardsWrapper(pieces, offsets), device_mesh, (Shard(hf_dim),),
                                   run_check=False, shape=shape, stride=torch.empty(shape, device="meta").stride())
 
 
@@ -167,7 +168,7 @@ def save(path, model, optimizer, *, mesh, step, extra=None):
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step={step!r} must be an integer >= 0")
     model = _check(model, optimizer, mesh)
-    device_mesh = mesh.device_mesh["dp", "tp"]
+    device_mesh = mesh.device_mesh["tp"]
     state = {}
     for name, module, attr, param in _parameters(model):
         parts = [part for part in _parts(model, name, module, attr, param.shape) if part.held()]
@@ -221,7 +222,7 @@ def load(path, model, optimizer, *, mesh):
     model = _check(model, optimizer, mesh)
     meta = _read_meta(path, model, optimizer)
     stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    device_mesh = mesh.device_mesh["dp", "tp"]
+    device_mesh = mesh.device_mesh["tp"]
     groups = {} if optimizer is None else {id(p): g for g in optimizer.param_groups for p in g["params"]}
     state, fills, new_states = {}, [], {}
 
