@@ -2,8 +2,8 @@
 
 Every rank builds the dense model from one seed and parallelizes a deep copy. Compared (fp32, <= 1e-4): greedy
 generation, logits and loss, every gradient (a sharded parameter's as this rank's slice of the dense gradient), the
-collective counts, and the logits again after SGD steps on both. TP = 2 on 2 ranks, TP = 4 on 4 ranks; the head counts make TP = 4 (and
-MQA at TP = 2) hold each kv head on several ranks.
+collective counts, and the logits again after SGD steps on both. TP = 2 on 2 ranks, TP = 4 on 4 ranks; the head
+counts make TP = 4 (and MQA at TP = 2) hold each kv head on several ranks.
 """
 import copy
 import re
