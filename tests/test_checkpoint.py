@@ -33,15 +33,13 @@ def build(config, mesh, wrap, seed):
     torch.manual_seed(seed)
     model = models.GPT(config, layers=(mesh.pp_rank * per_stage, (mesh.pp_rank + 1) * per_stage),
                        pre_process=mesh.is_first_stage, post_process=mesh.is_last_stage)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     if wrap == "ddp":
         model = DistributedDataParallel(model, process_group=mesh.dp_group)
     elif wrap == "fsdp2":
         for layer in model.layers:
             fully_shard(layer, mesh=mesh.device_mesh["dp"])
-        fully_shard(model, mesh=mesh.device_mesh["dp"])
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)  # over the DTensor parameters
-    return model, opt
+        fully_shard(model, mesh=mesh.device_mesh["dp"])  # the parameters become DTensors sharded over dp
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
 
 def train_step(model, opt, mesh, step):
@@ -192,7 +190,7 @@ def test_bad_input_raises_on_every_rank_before_any_collective(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"holds no checkpoint \(no .metadata\)"):
         checkpoint.load(path, model, opt, mesh=mesh)
     checkpoint.save(path, model, opt, mesh=mesh, step=0)
-    wider, wider_opt = build(LLAMA.replace(hidden_size=32, head_dim=4), mesh, None, seed=0)
+    wider, wider_opt = build(LLAMA.replace(hidden_size=32), mesh, None, seed=0)
     with pytest.raises(ValueError, match=r"another GPTConfig: hidden_size=16 \(model: 32\)$"):
         checkpoint.load(path, wider, wider_opt, mesh=mesh)
     with pytest.raises(ValueError, match=r"holds AdamW state, not SGD"):
