@@ -48,7 +48,7 @@ from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 import tp
 
 from .gpt import GPT
-from .hf import _owners, _runs, _sharding, _source_size, hf_sources
+from .hf import fused_part_size, hf_sources, index_runs, parameter_owners, tp_sharding
 
 FREE_FIELDS = ("sequence_parallel", "recompute", "dropout", "attention_dropout")  # may change between save and load
 _VOCAB_PARAMS = ("embedding.weight", "output.weight")
@@ -94,19 +94,19 @@ def _parts(model, name, module, attr, local_shape):
     def hf_shape(shape, transposed):
         return tuple(reversed(shape)) if transposed else tuple(shape)
 
-    sharding = _sharding(module, attr)
+    sharding = tp_sharding(module, attr)
     if sharding is None:
         (key, transposed), = sources
         return [_Part(key, hf_shape(local_shape, transposed), transposed)]
     dim, total, indices = sharding
     if len(sources) > 1:
-        sizes = [_source_size(config, key) for key, _ in sources]
+        sizes = [fused_part_size(config, key) for key, _ in sources]
     else:
         sizes = [config.vocab_size if name in _VOCAB_PARAMS else total]  # padding rows are not stored
     parts, base = [], 0
     for (key, transposed), size in zip(sources, sizes):
         runs, position = [], 0
-        for start, stop in _runs(indices):  # consecutive dense indices, at local [position, position + stop - start)
+        for start, stop in index_runs(indices):  # consecutive dense indices, at local [position, position + stop - start)
             a, b = max(start, base), min(stop, base + size)
             if a < b:
                 runs.append((position + a - start, b - a, a - base))
@@ -121,7 +121,7 @@ def _parts(model, name, module, attr, local_shape):
 def _parameters(model):
     """(name, module, attribute, parameter) of every distinct parameter (a weight tied on this stage once)."""
     seen = set()
-    for name, (module, attr) in _owners(model).items():
+    for name, (module, attr) in parameter_owners(model).items():
         param = getattr(module, attr)
         if id(param) not in seen:
             seen.add(id(param))

@@ -120,7 +120,7 @@ def hf_sources(config, name, layer_offset=0):
     return [(f"{block}.{part}.{kind}", False) for part in local]
 
 
-def _owners(model):
+def parameter_owners(model):
     """Our parameter name -> (module, attribute) for every parameter (tied ones under each name)."""
     owners = {}
     for module_name, module in model.named_modules():
@@ -129,7 +129,7 @@ def _owners(model):
     return owners
 
 
-def _sharding(module, attr):
+def tp_sharding(module, attr):
     """(dim, dense size along it, dense indices this rank holds) for a sharded parameter; None if replicated."""
     if isinstance(module, VocabParallelEmbedding):
         return 0, module.num_embeddings, torch.arange(module.vocab_start, module.vocab_end)
@@ -182,7 +182,7 @@ class _SafetensorsReader:
         return piece[start:stop] if dim == 0 else piece[:, start:stop]
 
 
-def _runs(indices):
+def index_runs(indices):
     """Consecutive runs [(start, stop)] of a 1-D index tensor, in order."""
     runs = []
     for i in indices.tolist():
@@ -203,7 +203,7 @@ def _read_dense_slice(reader, sources, dim, indices):
         size = shape[(1 - dim) if transposed else dim]
         offset_of.append((name, transposed, offset, size, shape))
         offset += size
-    for start, stop in _runs(indices):
+    for start, stop in index_runs(indices):
         for name, transposed, base, size, shape in offset_of:
             a, b = max(start, base), min(stop, base + size)
             if a < b:
@@ -221,10 +221,10 @@ def _read_dense_slice(reader, sources, dim, indices):
 @torch.no_grad()
 def load_hf_weights(model, reader):
     """Copy this rank's shard of every parameter (of this stage's layers) from the HF tensors behind `reader`."""
-    for name, (module, attr) in _owners(model).items():
+    for name, (module, attr) in parameter_owners(model).items():
         param = getattr(module, attr)
         sources = hf_sources(model.config, name, model.layer_range[0])
-        sharding = _sharding(module, attr)
+        sharding = tp_sharding(module, attr)
         if sharding is None:
             dense = torch.cat([reader.read(n).t() if t else reader.read(n) for n, t in sources])
         else:
@@ -257,7 +257,7 @@ def load_hf(cls, hf_model_or_path, *, group=None, dtype=None, stage=None, **over
 def _gather_dense(module, attr, group, grads=False):
     """The full dense parameter (or its grad) on every rank of the tp group (all-gather of the shards, back in
     dense order; replicated chunks carry equal values)."""
-    param, sharding = getattr(module, attr), _sharding(module, attr)
+    param, sharding = getattr(module, attr), tp_sharding(module, attr)
     param = param.grad if grads else param.detach()
     size = dist.get_world_size(group)
     if sharding is None or size == 1:
@@ -277,21 +277,21 @@ def hf_state_dict(model, group=None, *, grads=False):
     group = tp.mesh.resolve_group(group)
     config, out = model.config, {}
     offset = model.layer_range[0]
-    for name, (module, attr) in _owners(model).items():
+    for name, (module, attr) in parameter_owners(model).items():
         if name == "output.weight" and config.tie_embeddings:
             continue  # HF ties lm_head to the input embedding and stores it once
         dense = _gather_dense(module, attr, group, grads)
         if name in ("embedding.weight", "output.weight"):
             dense = dense[:config.vocab_size]  # drop the padding rows
         sources = hf_sources(config, name, offset)
-        sizes = [_source_size(config, n) for n, _ in sources]
+        sizes = [fused_part_size(config, n) for n, _ in sources]
         dim = 1 if name.endswith("proj.weight") or name.endswith("fc2.weight") else 0
         for (hf_name, transposed), piece in zip(sources, dense.split(sizes, dim) if len(sources) > 1 else [dense]):
             out[hf_name] = (piece.t() if transposed else piece).contiguous().cpu()
     return out
 
 
-def _source_size(config, hf_name):
+def fused_part_size(config, hf_name):
     """Along our fused dim, the size of one HF tensor that is part of a fused parameter."""
     c = config
     part = hf_name.split(".")[-2]

@@ -55,10 +55,11 @@ def parser():
     a("--from-hf", metavar="PATH", default=None,
       help="start from a Hugging Face Llama/Mistral/Qwen2/GPT-2 directory (save_pretrained); its vocabulary "
            "must cover bytes (>= 256)")
-    a("--save", metavar="DIR", default=None, help="write a resharding checkpoint here (at the end, and every "
-                                                   "--save-every steps)")
+    a("--save", metavar="DIR", default=None, help="write resharding checkpoints DIR/step-N (at the end, and every "
+                                                   "--save-every steps); DIR/latest names the newest")
     a("--save-every", type=int, default=0, metavar="N", help="checkpoint every N steps (0: only at the end)")
-    a("--load", metavar="DIR", default=None, help="resume from a checkpoint written at any tp/pp/dp split")
+    a("--load", metavar="DIR", default=None,
+      help="resume from the newest checkpoint in DIR (or the step directory DIR), written at any tp/pp/dp split")
     a("--export-hf", metavar="DIR", default=None, help="write the trained model in Hugging Face format at the end")
     a("--log-jsonl", metavar="PATH", default=None, help="one JSON object per step: step, loss, tokens_per_s, ...")
     a("--check-inputs", action="store_true",
@@ -198,7 +199,7 @@ def train(args):
     if args.load:
         from . import checkpoint
 
-        start_step, _ = checkpoint.load(args.load, module, optimizer, mesh=mesh)
+        start_step, _ = checkpoint.load(_latest(args.load), module, optimizer, mesh=mesh)
     runner = PipelineRunner(module, mesh, micro_batch_size=args.micro_batch_size, seq_len=args.seq_len)
     dataset = data.TokenWindows(data.corpus(), args.seq_len)
     stream = data.batches(dataset, dp=mesh.dp_size, dp_rank=mesh.dp_rank, global_batch_size=args.global_batch_size,
@@ -285,10 +286,27 @@ class _Quiet:
         pass
 
 
-def _save(path, module, optimizer, mesh, step):
+def _save(root, module, optimizer, mesh, step):
+    """Write ROOT/step-N, then point ROOT/latest at it: a crash mid-save never spoils the previous checkpoint."""
     from . import checkpoint
 
-    checkpoint.save(path, module, optimizer, mesh=mesh, step=step)
+    name = f"step-{step:06d}"
+    checkpoint.save(os.path.join(root, name), module, optimizer, mesh=mesh, step=step)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        with open(os.path.join(root, "latest.tmp"), "w") as f:
+            f.write(name)
+        os.replace(os.path.join(root, "latest.tmp"), os.path.join(root, "latest"))
+    dist.barrier()
+
+
+def _latest(root):
+    """The checkpoint --load reads: ROOT/latest's step directory, or ROOT itself if it is one."""
+    latest = os.path.join(root, "latest")
+    if os.path.exists(latest):
+        with open(latest) as f:
+            return os.path.join(root, f.read().strip())
+    return root
 
 
 if __name__ == "__main__":

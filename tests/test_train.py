@@ -62,6 +62,18 @@ def test_every_split_trains_the_same_curve(tmp_path):
     again = _curve(str(tmp_path), "again", *splits["2x2x2 ddp 1f1b"])
     assert again == curves["2x2x2 ddp 1f1b"]  # the same split twice: bit-identical
 
+    # Save at 2x2x2 after 2 steps, resume at 4x1x2 (FSDP2) and at 1x1x1: step 3 as if never interrupted.
+    ckpt = str(tmp_path / "ckpt")
+    _curve(str(tmp_path), "first_two", *splits["2x2x2 ddp 1f1b"], "--steps", "2", "--save", ckpt)
+    assert open(os.path.join(ckpt, "latest")).read() == "step-000002"
+    resumed = _curve(str(tmp_path), "resumed", "--tp", "4", "--pp", "1", "--dp", "2", "--dp-mode", "fsdp",
+                     "--load", ckpt)
+    single = _run(*SMALL, "--tp", "1", "--pp", "1", "--dp", "1", "--load", ckpt,
+                  "--log-jsonl", str(tmp_path / "resumed_serial.jsonl"))
+    assert single.returncode == 0, single.stderr[-3000:]
+    for curve in (resumed, _losses(tmp_path / "resumed_serial.jsonl")):
+        assert len(curve) == 1 and abs(curve[0] - serial[2]) <= 1e-5 * serial[2], (curve, serial)
+
 
 @pytest.mark.parametrize("flags,message", [
     (["--global-batch-size", "10"], r"--global-batch-size=10 is not divisible by --dp \* --micro-batch-size = 2\*2"),
