@@ -21,7 +21,9 @@ Targets at TP=2: ours <= 0.6x DTensor and <= 0.95x megatron-core; SP divides the
 import argparse
 import contextlib
 import copy
+import importlib.metadata
 import importlib.util
+import os
 import warnings
 
 import torch
@@ -256,17 +258,14 @@ def bench_rank(a, use_megatron):
         return results
 
 
-def _row(tp_size, sp, r, names):
-    row = {"tp": tp_size, "sp": "on" if sp else "off", "loss_err": max(abs(v - r["reference"])
-                                                                      for v in r["losses"].values())}
-    for name in names:
-        if name in r["times"]:
-            row[f"{name}_ms"] = 1e3 * r["times"][name]
-            row[f"{name}_mib"] = sum(r["saved"][name].values()) / 2**20
-            row[f"{name}_norm_mib"] = r["saved"][name]["norm/dropout"] / 2**20
-    row["ours_vs_dtensor"] = r["times"]["ours"] / r["times"]["dtensor"]
-    if "megatron" in r["times"]:
-        row["ours_vs_megatron"] = r["times"]["ours"] / r["times"]["megatron"]
+def _row(tp_size, sp, r):
+    row = {"tp": tp_size, "sp": "on" if sp else "off",
+           "loss_err": max(abs(loss - r["reference"]) for loss in r["losses"].values())}
+    for name, seconds in r["times"].items():
+        row |= {f"{name}_ms": 1e3 * seconds, f"{name}_mib": sum(r["saved"][name].values()) / 2**20,
+                f"{name}_norm_mib": r["saved"][name]["norm/dropout"] / 2**20}
+        if name != "ours":
+            row[f"ours_vs_{name}"] = r["times"]["ours"] / seconds
     return row
 
 
@@ -285,7 +284,7 @@ def main(argv=None):
     for tp_size in a.tp:
         results = testing.run(bench_rank, world_size=tp_size, timeout=3600, a=a, use_megatron=megatron is None)[0]
         for sp, r in results.items():
-            rows.append(_row(tp_size, sp, r, ("ours", "dtensor", "megatron")))
+            rows.append(_row(tp_size, sp, r))
             raw[f"tp{tp_size}_sp{int(sp)}"] = r
     shape = (f"Llama hidden {a.hidden}, ffn {a.ffn}, {a.layers} layers, {a.heads} heads / {a.kv_heads} kv, vocab "
              f"{a.vocab}, batch {a.batch} x seq {a.seq}")
@@ -301,14 +300,13 @@ def main(argv=None):
     saved = print_table(rows, [("tp", "TP", "{}"), ("sp", "SP", "{}")]
                         + [c for n in names for c in ((f"{n}_mib", f"{headers[n]} all", "{:.2f}"),
                                                        (f"{n}_norm_mib", f"{headers[n]} norm", "{:.2f}"))])
-    write_json(a.out, {"machine": machine(), "shape": shape, "args": vars(a), "megatron": megatron or _megatron_version(),
-                       "rows": rows, "raw": raw, "table": times + "\n\n" + saved})
+    write_json(a.out, {"machine": machine(), "load_average": os.getloadavg(), "shape": shape, "args": vars(a),
+                       "megatron": megatron or _megatron_version(), "rows": rows, "raw": raw,
+                       "table": times + "\n\n" + saved})
 
 
 def _megatron_version():
-    from megatron.core import __version__
-
-    return f"megatron-core {__version__}"
+    return f"megatron-core {importlib.metadata.version('megatron-core')}"
 
 
 if __name__ == "__main__":

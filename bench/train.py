@@ -1,0 +1,193 @@
+"""The training job's throughput per tp x pp x dp split, and the pipeline bubble measured against (p-1)/(m+p-1).
+
+    python -m bench.train [--steps 8] [--out /tmp/bench_train.json] [--plot /tmp/bench_bubble.png]
+
+Throughput: models.train.train() on tp*pp*dp gloo CPU ranks (one thread each) for 1x1x1, 2x1x1, 1x2x1, 1x1x2, 2x2x2,
+the same model, global batch and micro-batch size in every split; tokens/s is the median over the steps after the
+first of rank 0's per-step figure (global tokens / step wall time).
+
+Bubble: models.pipeline.PipelineRunner alone on pp = 2 and 4 ranks (tp = dp = 1), m = 1, 2, 4, 8 micro-batches,
+GPipe and 1F1B: idle time over p x the schedule's span (bubble_rank), the median of --reps runs after one warm-up,
+plotted against (p-1)/(m+p-1); the mean of the stages' own ScheduleStats.bubble is listed beside it. Every layer does
+the same work and the micro-batches are large, so the stages are nearly balanced and compute outweighs the
+point-to-point transfers. With more processes than cores (p = 4 on a 2-core CPU) the stages that compute at once
+share the cores, so a micro-batch's F+B time (listed) grows with m and the measured bubble drifts from the theory.
+"""
+import argparse
+import json
+import os
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+import models
+import tp
+from models.pipeline import PipelineRunner, build_stage
+from models.train import parser as train_parser
+from models.train import train
+from tp import testing
+
+from .common import machine, median, print_table, write_json
+
+SPLITS = ["1x1x1", "2x1x1", "1x2x1", "1x1x2", "2x2x2"]  # tp x pp x dp
+
+
+def split(text):
+    """'TxPxD' -> (tp, pp, dp)."""
+    try:
+        t, p, d = map(int, text.split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"split {text!r} must be TxPxD, e.g. 2x1x2") from None
+    return t, p, d
+
+
+def theory(p, m):
+    return (p - 1) / (m + p - 1)
+
+
+def train_rank(flags):
+    """models.train on these ranks; rank 0 returns its per-step log records."""
+    with tempfile.TemporaryDirectory() as tmp:
+        log = os.path.join(tmp, "log.jsonl")
+        train(train_parser().parse_args([*flags, "--log-jsonl", log]))
+        if dist.get_rank() != 0:
+            return None
+        with open(log) as f:
+            return [json.loads(line) for line in f]
+
+
+def bubble_rank(config, micro_batches, micro_batch_size, seq_len, reps):
+    """On pp ranks: {(schedule, m): (pipeline bubble, mean of the stages' own bubbles)}, medians of `reps` runs.
+
+    The pipeline bubble is the theory's quantity: idle time over p x the schedule's span (the stages start together
+    after a barrier; the span is the longest stage's wall time). A stage's own ScheduleStats.bubble stops its clock
+    at its last operation, so the later stages, which finish first, miss the drain (p = 2, m = 1: 0.375, not 0.5).
+    """
+    torch.set_num_threads(1)
+    mesh = tp.init_mesh(pp=dist.get_world_size())
+    torch.manual_seed(0)
+    runner = PipelineRunner(build_stage(config, mesh), mesh, micro_batch_size=micro_batch_size, seq_len=seq_len)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, config.vocab_size, (2, max(micro_batches), micro_batch_size, seq_len), generator=g)
+    result = {}
+    for schedule in ("gpipe", "1f1b"):
+        for m in micro_batches:
+            batches = list(zip(tokens[0, :m], tokens[1, :m]))
+            pipeline, stages, work = [], [], []  # work: a stage's F+B seconds per micro-batch
+            for rep in range(reps + 1):  # the first is a warm-up
+                dist.barrier()
+                stats = runner.run(batches, schedule)
+                sums = torch.tensor([stats.busy_s, stats.bubble], dtype=torch.float64)  # summed over the stages
+                span = torch.tensor([stats.total_s], dtype=torch.float64)
+                dist.all_reduce(sums)
+                dist.all_reduce(span, op=dist.ReduceOp.MAX)
+                if rep:
+                    pipeline.append(1 - sums[0].item() / (mesh.pp_size * span.item()))
+                    stages.append(sums[1].item() / mesh.pp_size)
+                    work.append(sums[0].item() / (mesh.pp_size * m))
+            runner.stage.zero_grad(set_to_none=True)
+            result[schedule, m] = median(pipeline), median(stages), median(work)
+    return result
+
+
+def bench_throughput(a):
+    rows = []
+    for t, p, d in a.splits:
+        flags = ["--tp", str(t), "--pp", str(p), "--dp", str(d), "--model", a.model, "--steps", str(a.steps),
+                 "--global-batch-size", str(a.global_batch_size), "--micro-batch-size", str(a.micro_batch_size),
+                 "--seq-len", str(a.seq_len)]
+        log = testing.run(train_rank, world_size=t * p * d, timeout=3600, flags=flags)[0]
+        after_first = log[1:] or log
+        rows.append({"split": f"{t}x{p}x{d}", "ranks": t * p * d,
+                     "micro_batches": a.global_batch_size // (d * a.micro_batch_size),
+                     "tokens_per_s": median([r["tokens_per_s"] for r in after_first]),
+                     "step_ms": 1e3 * median([r["step_s"] for r in after_first]),
+                     "bubble": median([r["bubble"] for r in after_first]),
+                     "loss": log[-1]["loss"]})
+    base = rows[0]["tokens_per_s"]
+    for row in rows:
+        row["speedup"] = row["tokens_per_s"] / base
+    return rows
+
+
+def bench_bubble(a):
+    config = models.GPTConfig(vocab_size=256, hidden_size=a.bubble_hidden, num_layers=4, num_heads=4,
+                              max_seq_len=a.bubble_seq)
+    rows = []
+    for p in a.pp:
+        measured = testing.run(bubble_rank, world_size=p, timeout=3600, config=config, micro_batches=a.micro_batches,
+                               micro_batch_size=a.bubble_micro_batch, seq_len=a.bubble_seq, reps=a.reps)[0]
+        for m in a.micro_batches:
+            row = {"p": p, "m": m, "theory": theory(p, m)}
+            for schedule in ("gpipe", "1f1b"):
+                row[schedule], row[f"{schedule}_stages"], work = measured[schedule, m]
+                row[f"{schedule}_work_ms"] = 1e3 * work
+            rows.append(row)
+    return rows
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for p, color in zip(sorted({r["p"] for r in rows}), ("tab:blue", "tab:red", "tab:green", "tab:purple")):
+        mine = [r for r in rows if r["p"] == p]
+        ms = [r["m"] for r in mine]
+        ax.plot(ms, [r["theory"] for r in mine], color=color, label=f"p={p}: (p-1)/(m+p-1)")
+        ax.plot(ms, [r["gpipe"] for r in mine], "o--", color=color, label=f"p={p}: GPipe, measured")
+        ax.plot(ms, [r["1f1b"] for r in mine], "s:", color=color, mfc="none", label=f"p={p}: 1F1B, measured")
+    ms = sorted({r["m"] for r in rows})
+    ax.set(xscale="log", xticks=ms, xticklabels=ms, xlabel="micro-batches m",
+           ylabel="bubble fraction", ylim=(0, 1), title=f"Pipeline bubble ({machine().split(' (')[0]})")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="tiny", help="models.train preset (the demo's default: tiny)")
+    p.add_argument("--splits", nargs="+", type=split, default=SPLITS, metavar="TxPxD", help="tp x pp x dp splits to train")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--global-batch-size", type=int, default=16)
+    p.add_argument("--micro-batch-size", type=int, default=2)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--pp", type=int, nargs="+", default=[2, 4], help="pipeline sizes of the bubble part")
+    p.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2, 4, 8], help="m of the bubble part")
+    p.add_argument("--bubble-hidden", type=int, default=256, help="hidden size of the bubble's 4-layer model")
+    p.add_argument("--bubble-micro-batch", type=int, default=8)
+    p.add_argument("--bubble-seq", type=int, default=128)
+    p.add_argument("--reps", type=int, default=3, help="schedule runs per bubble point (after one warm-up)")
+    p.add_argument("--skip", choices=("throughput", "bubble"), help="leave one part out")
+    p.add_argument("--out", default="/tmp/bench_train.json")
+    p.add_argument("--plot", default=None, help="bubble plot PNG (default: --out with .png)")
+    a = p.parse_args(argv)
+    payload = {"machine": machine(), "load_average": os.getloadavg(), "args": vars(a)}
+    if a.skip != "throughput":
+        rows = payload["throughput"] = bench_throughput(a)
+        print(f"\nmodels.train, model {a.model}, global batch {a.global_batch_size} x {a.seq_len} tokens, micro-batch "
+              f"{a.micro_batch_size}, median of steps 2..{a.steps}, on {machine()}, gloo, one thread per rank")
+        payload["throughput_table"] = print_table(rows, [
+            ("split", "tp x pp x dp", "{}"), ("ranks", "ranks", "{}"), ("micro_batches", "micro-batches", "{}"),
+            ("tokens_per_s", "tokens/s", "{:.0f}"), ("speedup", "vs 1x1x1", "{:.2f}"), ("step_ms", "step ms", "{:.1f}"),
+            ("bubble", "bubble", "{:.2f}"), ("loss", "last loss", "{:.3f}")])
+    if a.skip != "bubble":
+        rows = payload["bubble"] = bench_bubble(a)
+        print(f"\nPipeline bubble, 4 layers hidden {a.bubble_hidden}, micro-batch {a.bubble_micro_batch} x "
+              f"{a.bubble_seq} tokens, stages averaged, median of {a.reps} runs")
+        payload["bubble_table"] = print_table(rows, [
+            ("p", "p", "{}"), ("m", "m", "{}"), ("theory", "(p-1)/(m+p-1)", "{:.3f}"), ("gpipe", "GPipe", "{:.3f}"),
+            ("1f1b", "1F1B", "{:.3f}"), ("gpipe_stages", "GPipe stages' own", "{:.3f}"),
+            ("1f1b_stages", "1F1B stages' own", "{:.3f}"), ("1f1b_work_ms", "1F1B F+B ms/micro-batch", "{:.1f}")])
+        plot(rows, a.plot or os.path.splitext(a.out)[0] + ".png")
+    write_json(a.out, payload)
+
+
+if __name__ == "__main__":
+    main()

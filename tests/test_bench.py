@@ -1,0 +1,40 @@
+"""Smoke tests of bench.gpt and bench.train at tiny sizes: they run end to end and write what they promise. The
+numbers are not checked (benchmarks are not timed tests), only what holds on any machine."""
+import json
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from bench import gpt, train  # noqa: E402
+
+
+def test_gpt_benchmark_runs_and_sp_halves_the_norm_region(tmp_path):
+    out = tmp_path / "gpt.json"
+    gpt.main(["--tp", "2", "--iters", "1", "--warmup", "0", "--hidden", "32", "--ffn", "64", "--heads", "4",
+              "--kv-heads", "2", "--vocab", "128", "--seq", "16", "--no-megatron", "--out", str(out)])
+    result = json.loads(out.read_text())
+    off, on = result["rows"]
+    assert (off["tp"], off["sp"], on["sp"]) == (2, "off", "on")
+    assert off["loss_err"] < 1e-4 and on["loss_err"] < 1e-4  # the same Llama three ways (the bench also raises)
+    for row in (off, on):
+        assert row["ours_ms"] > 0 and row["dtensor_ms"] > 0 and "megatron_ms" not in row
+    for name in ("ours", "dtensor"):  # SP keeps 1/tp of the sequence in the norms
+        assert on[f"{name}_norm_mib"] == pytest.approx(off[f"{name}_norm_mib"] / 2)
+        assert 0 < on[f"{name}_mib"] < off[f"{name}_mib"]
+
+
+def test_train_benchmark_runs_every_part(tmp_path):
+    out, png = tmp_path / "train.json", tmp_path / "bubble.png"
+    train.main(["--splits", "1x1x1", "1x2x1", "--steps", "2", "--global-batch-size", "4", "--seq-len", "16",
+                "--pp", "2", "--micro-batches", "1", "2", "--reps", "1", "--bubble-hidden", "32",
+                "--bubble-micro-batch", "1", "--bubble-seq", "16", "--out", str(out), "--plot", str(png)])
+    result = json.loads(out.read_text())
+    single, piped = result["throughput"]
+    assert (single["split"], piped["split"]) == ("1x1x1", "1x2x1")
+    assert single["tokens_per_s"] > 0 and piped["tokens_per_s"] > 0
+    assert piped["loss"] == pytest.approx(single["loss"], abs=1e-5)  # the same training, split differently
+    assert [(r["p"], r["m"], r["theory"]) for r in result["bubble"]] == [(2, 1, 0.5), (2, 2, 1 / 3)]
+    for row in result["bubble"]:
+        assert all(0 <= row[k] < 1 for k in ("gpipe", "1f1b", "gpipe_stages", "1f1b_stages"))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
