@@ -11,4 +11,5 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TP_KERNELS_BACKEND", "torch")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # Hugging Face models are built from configs here: never ask the hub
 torch.set_num_threads(1)

@@ -201,6 +201,7 @@ def test_bad_configs_raise_on_every_rank_before_any_collective():
 @pytest.mark.parametrize("family,kv_heads", [("llama", 2), ("gpt2", 4)])
 @distributed(world_size=2)
 def test_hugging_face_round_trip_is_bit_exact_and_reads_only_shards(family, kv_heads):
+    import shutil
     import tempfile
 
     from safetensors.torch import load_file
@@ -208,8 +209,9 @@ def test_hugging_face_round_trip_is_bit_exact_and_reads_only_shards(family, kv_h
     from models import hf as hf_io
 
     mesh = tp.init_mesh(tp=2)
-    root = os.path.join(tempfile.gettempdir(), f"tp-roundtrip-{family}-{os.getppid()}")
-    source, target = os.path.join(root, "source"), os.path.join(root, "target")
+    root = [tempfile.mkdtemp(prefix="tp-roundtrip-") if mesh.rank == 0 else None]
+    torch.distributed.broadcast_object_list(root)  # one directory every rank sees
+    source, target = os.path.join(root[0], "source"), os.path.join(root[0], "target")
     if mesh.rank == 0:
         hf_model(family, kv_heads).save_pretrained(source)
     torch.distributed.barrier()
@@ -234,3 +236,6 @@ def test_hugging_face_round_trip_is_bit_exact_and_reads_only_shards(family, kv_h
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(target).eval()
     x, _ = tokens(0)
     assert torch.equal(reloaded(x).logits, hf_model(family, kv_heads)(x).logits)
+    torch.distributed.barrier()
+    if mesh.rank == 0:
+        shutil.rmtree(root[0])
