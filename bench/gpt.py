@@ -1,7 +1,7 @@
 """The GPT's fwd+bwd time per step and saved-activation bytes at TP = 1, 2, 4, sequence parallelism off and on, side
 by side with the same Hugging Face Llama under torch DTensor TP and, where installed, megatron-core's GPTModel.
 
-    python -m bench.gpt [--iters 10] [--tp 1 2 4] [--hidden 256 --layers 2 ...] [--out /tmp/bench_gpt.json]
+    python -m bench.gpt [--iters 20] [--tp 1 2 4] [--hidden 256 --layers 2 ...] [--out /tmp/bench_gpt.json]
 
 One LlamaForCausalLM (random weights, no download) is built on every rank and parallelized three ways:
   ours      models.GPT.from_hf(llama, sequence_parallel=sp)
@@ -271,7 +271,7 @@ def _row(tp_size, sp, r):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for flag, default in (("iters", 10), ("warmup", 2), ("hidden", 256), ("ffn", 688), ("layers", 2), ("heads", 8),
+    for flag, default in (("iters", 20), ("warmup", 3), ("hidden", 256), ("ffn", 688), ("layers", 2), ("heads", 8),
                           ("kv-heads", 4), ("vocab", 2048), ("seq", 128), ("batch", 2)):
         p.add_argument(f"--{flag}", type=int, default=default)
     p.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4])

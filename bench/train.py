@@ -10,8 +10,9 @@ Bubble: models.pipeline.PipelineRunner alone on pp = 2 and 4 ranks (tp = dp = 1)
 GPipe and 1F1B: idle time over p x the schedule's span (bubble_rank), the median of --reps runs after one warm-up,
 plotted against (p-1)/(m+p-1); the mean of the stages' own ScheduleStats.bubble is listed beside it. Every layer does
 the same work and the micro-batches are large, so the stages are nearly balanced and compute outweighs the
-point-to-point transfers. With more processes than cores (p = 4 on a 2-core CPU) the stages that compute at once
-share the cores, so a micro-batch's F+B time (listed) grows with m and the measured bubble drifts from the theory.
+point-to-point transfers. The theory assumes each forward/backward takes the same time throughout; with more
+processes than cores (p = 4 on a 2-core CPU), or other load, stages that compute at once share the cores, so a
+micro-batch's F+B time (listed) depends on how many stages are busy, and the measured bubble drifts from the theory.
 """
 import argparse
 import json
@@ -25,12 +26,12 @@ import models
 import tp
 from models.pipeline import PipelineRunner, build_stage
 from models.train import parser as train_parser
-from models.train import train
+from models.train import train, validate
 from tp import testing
 
 from .common import machine, median, print_table, write_json
 
-SPLITS = ["1x1x1", "2x1x1", "1x2x1", "1x1x2", "2x2x2"]  # tp x pp x dp
+SPLITS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2)]  # tp, pp, dp
 
 
 def split(text):
@@ -62,7 +63,8 @@ def bubble_rank(config, micro_batches, micro_batch_size, seq_len, reps):
 
     The pipeline bubble is the theory's quantity: idle time over p x the schedule's span (the stages start together
     after a barrier; the span is the longest stage's wall time). A stage's own ScheduleStats.bubble stops its clock
-    at its last operation, so the later stages, which finish first, miss the drain (p = 2, m = 1: 0.375, not 0.5).
+    at its last operation, so the later stages, which finish first, miss the drain (p = 2, m = 1, backward = 2 x
+    forward: 0.375, not 0.5).
     """
     torch.set_num_threads(1)
     mesh = tp.init_mesh(pp=dist.get_world_size())
@@ -97,13 +99,14 @@ def bench_throughput(a):
         flags = ["--tp", str(t), "--pp", str(p), "--dp", str(d), "--model", a.model, "--steps", str(a.steps),
                  "--global-batch-size", str(a.global_batch_size), "--micro-batch-size", str(a.micro_batch_size),
                  "--seq-len", str(a.seq_len)]
+        validate(train_parser().parse_args(flags))  # a bad split: one clear error before any rank starts
         log = testing.run(train_rank, world_size=t * p * d, timeout=3600, flags=flags)[0]
         after_first = log[1:] or log
         rows.append({"split": f"{t}x{p}x{d}", "ranks": t * p * d,
                      "micro_batches": a.global_batch_size // (d * a.micro_batch_size),
                      "tokens_per_s": median([r["tokens_per_s"] for r in after_first]),
                      "step_ms": 1e3 * median([r["step_s"] for r in after_first]),
-                     "bubble": median([r["bubble"] for r in after_first]),
+                     "bubble": median([r["bubble"] for r in after_first]) if p > 1 else None,
                      "loss": log[-1]["loss"]})
     base = rows[0]["tokens_per_s"]
     for row in rows:
@@ -141,8 +144,9 @@ def plot(rows, path):
         ax.plot(ms, [r["gpipe"] for r in mine], "o--", color=color, label=f"p={p}: GPipe, measured")
         ax.plot(ms, [r["1f1b"] for r in mine], "s:", color=color, mfc="none", label=f"p={p}: 1F1B, measured")
     ms = sorted({r["m"] for r in rows})
-    ax.set(xscale="log", xticks=ms, xticklabels=ms, xlabel="micro-batches m",
-           ylabel="bubble fraction", ylim=(0, 1), title=f"Pipeline bubble ({machine().split(' (')[0]})")
+    ax.set(xscale="log", xticks=ms, xticklabels=ms, xlabel="micro-batches m", ylabel="bubble fraction", ylim=(0, 1),
+           title=f"Pipeline bubble: idle / (p x span) ({machine().split(' (')[0]})")
+    ax.minorticks_off()
     ax.legend(fontsize=8)
     fig.tight_layout()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -153,7 +157,8 @@ def plot(rows, path):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny", help="models.train preset (the demo's default: tiny)")
-    p.add_argument("--splits", nargs="+", type=split, default=SPLITS, metavar="TxPxD", help="tp x pp x dp splits to train")
+    p.add_argument("--splits", nargs="+", type=split, default=SPLITS, metavar="TxPxD",
+                   help="tp x pp x dp splits to train")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--global-batch-size", type=int, default=16)
     p.add_argument("--micro-batch-size", type=int, default=2)
@@ -176,11 +181,11 @@ def main(argv=None):
         payload["throughput_table"] = print_table(rows, [
             ("split", "tp x pp x dp", "{}"), ("ranks", "ranks", "{}"), ("micro_batches", "micro-batches", "{}"),
             ("tokens_per_s", "tokens/s", "{:.0f}"), ("speedup", "vs 1x1x1", "{:.2f}"), ("step_ms", "step ms", "{:.1f}"),
-            ("bubble", "bubble", "{:.2f}"), ("loss", "last loss", "{:.3f}")])
+            ("bubble", "bubble (stages' own)", "{:.2f}"), ("loss", "last loss", "{:.3f}")])
     if a.skip != "bubble":
         rows = payload["bubble"] = bench_bubble(a)
-        print(f"\nPipeline bubble, 4 layers hidden {a.bubble_hidden}, micro-batch {a.bubble_micro_batch} x "
-              f"{a.bubble_seq} tokens, stages averaged, median of {a.reps} runs")
+        print(f"\nPipeline bubble (idle / (p x span); stages' own: the mean of ScheduleStats.bubble), 4 layers hidden "
+              f"{a.bubble_hidden}, micro-batch {a.bubble_micro_batch} x {a.bubble_seq} tokens, median of {a.reps} runs")
         payload["bubble_table"] = print_table(rows, [
             ("p", "p", "{}"), ("m", "m", "{}"), ("theory", "(p-1)/(m+p-1)", "{:.3f}"), ("gpipe", "GPipe", "{:.3f}"),
             ("1f1b", "1F1B", "{:.3f}"), ("gpipe_stages", "GPipe stages' own", "{:.3f}"),
