@@ -1,7 +1,7 @@
 """The GPT's fwd+bwd time per step and saved-activation bytes at TP = 1, 2, 4, sequence parallelism off and on, side
 by side with the same Hugging Face Llama under torch DTensor TP and, where installed, megatron-core's GPTModel.
 
-    python -m bench.gpt [--iters 20] [--tp 1 2 4] [--hidden 256 --layers 2 ...] [--out /tmp/bench_gpt.json]
+    python -m bench.gpt [--iters 20] [--tp 1 2 4] [--hidden 256 --layers 2 ...] [--out PATH]   (default: a temp folder)
 
 One LlamaForCausalLM (random weights, no download) is built on every rank and parallelized three ways:
   ours      models.GPT.from_hf(llama, sequence_parallel=sp)
@@ -35,7 +35,7 @@ import models
 import tp
 from tp import testing
 
-from .common import machine, print_table, round_robin_times, write_json
+from .common import machine, print_table, round_robin_times, scratch_path, write_json
 
 REGIONS = ("norm/dropout", "attn/mlp", "other")
 # The transformer layers of the three implementations: their own code (residual adds, dropout) is residual stream.
@@ -276,7 +276,7 @@ def main(argv=None):
         p.add_argument(f"--{flag}", type=int, default=default)
     p.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--no-megatron", action="store_true", help="leave megatron-core out even where it is installed")
-    p.add_argument("--out", default="/tmp/bench_gpt.json")
+    p.add_argument("--out", default=scratch_path("gpt.json"), help="JSON (bench/results/gpt.json: the committed one)")
     a = p.parse_args(argv)
     megatron = "not installed" if importlib.util.find_spec("megatron") is None else (
         "left out (--no-megatron)" if a.no_megatron else None)

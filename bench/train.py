@@ -1,6 +1,6 @@
 """The training job's throughput per tp x pp x dp split, and the pipeline bubble measured against (p-1)/(m+p-1).
 
-    python -m bench.train [--steps 8] [--out /tmp/bench_train.json] [--plot /tmp/bench_bubble.png]
+    python -m bench.train [--steps 8] [--out PATH] [--plot PNG]   (default: a temporary folder)
 
 Throughput: models.train.train() on tp*pp*dp gloo CPU ranks (one thread each) for 1x1x1, 2x1x1, 1x2x1, 1x1x2, 2x2x2,
 the same model, global batch and micro-batch size in every split; tokens/s is the median over the steps after the
@@ -29,7 +29,7 @@ from models.train import parser as train_parser
 from models.train import train, validate
 from tp import testing
 
-from .common import machine, median, print_table, write_json
+from .common import machine, median, print_table, scratch_path, write_json
 
 SPLITS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2)]  # tp, pp, dp
 
@@ -170,7 +170,7 @@ def main(argv=None):
     p.add_argument("--bubble-seq", type=int, default=128)
     p.add_argument("--reps", type=int, default=3, help="schedule runs per bubble point (after one warm-up)")
     p.add_argument("--skip", choices=("throughput", "bubble"), help="leave one part out")
-    p.add_argument("--out", default="/tmp/bench_train.json")
+    p.add_argument("--out", default=scratch_path("train.json"), help="JSON (bench/results/train.json: the committed one)")
     p.add_argument("--plot", default=None, help="bubble plot PNG (default: --out with .png)")
     a = p.parse_args(argv)
     payload = {"machine": machine(), "load_average": os.getloadavg(), "args": vars(a)}
