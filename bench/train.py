@@ -170,7 +170,7 @@ def main(argv=None):
     p.add_argument("--bubble-seq", type=int, default=128)
     p.add_argument("--reps", type=int, default=3, help="schedule runs per bubble point (after one warm-up)")
     p.add_argument("--skip", choices=("throughput", "bubble"), help="leave one part out")
-    p.add_argument("--out", default=scratch_path("train.json"), help="JSON (bench/results/train.json: the committed one)")
+    p.add_argument("--out", default=scratch_path("train.json"), help="JSON (bench/results/train.json: committed)")
     p.add_argument("--plot", default=None, help="bubble plot PNG (default: --out with .png)")
     a = p.parse_args(argv)
     payload = {"machine": machine(), "load_average": os.getloadavg(), "args": vars(a)}
