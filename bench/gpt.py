@@ -63,7 +63,7 @@ def saved_activation_bytes(step, params):
     seen = {storage(p).data_ptr() for p in params}
     stack, totals = ["other"], dict.fromkeys(REGIONS, 0)
 
-    def enter(module, args):
+    def enter(module, args):  # inside attention/MLP everything stays there (attention dropout is not SP's)
         stack.append(stack[-1] if stack[-1] == "attn/mlp" else _region(module) or stack[-1])
 
     def leave(module, args, output):
