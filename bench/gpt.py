@@ -4,7 +4,8 @@ by side with the same Hugging Face Llama under torch DTensor TP and, where insta
     python -m bench.gpt [--iters 20] [--tp 1 2 4] [--hidden 256 --layers 2 ...] [--out PATH]   (default: a temp folder)
 
 One LlamaForCausalLM (random weights, no download) is built on every rank and parallelized three ways:
-  ours      models.GPT.from_hf(llama, sequence_parallel=sp)
+  ours      models.GPT.from_hf(llama, sequence_parallel=sp); under SP the norm/bias grads are summed in one coalesced
+            all-reduce after backward, inside the timed step (sequence_parallel_grad_sync=False)
   DTensor   parallelize_module with HF's base_model_tp_plan (ColwiseParallel/RowwiseParallel); SP as torch's TP tutorial
             does for Llama (HF is batch-first, so the sequence is dim 1): SequenceParallel norms, attention and MLP
             inputs gathered from Shard(1) once per module, o_proj/down_proj RowwiseParallel(output_layouts=Shard(1))
@@ -234,7 +235,9 @@ def bench_rank(a, use_megatron):
             positions = torch.arange(a.seq).expand(a.batch, -1)
         results = {}
         for sp in (False, True) if mesh.tp_size > 1 else (False,):
-            ours = models.GPT.from_hf(hf, sequence_parallel=sp)
+            # SP norm/bias grads: one coalesced all-reduce after backward, inside the timed step (DTensor and
+            # megatron-core leave theirs partial until the optimizer step, outside it).
+            ours = models.GPT.from_hf(hf, sequence_parallel=sp, sequence_parallel_grad_sync=False)
             dtensor = _dtensor(copy.deepcopy(hf), mesh, sp)
             steps = {"ours": (ours, lambda: ours(x, y)), "dtensor": (dtensor, lambda: hf_loss(dtensor))}
             if use_megatron:
@@ -250,6 +253,8 @@ def bench_rank(a, use_megatron):
 
             def fwd_bwd(model, step):
                 step().backward()
+                if model is ours:
+                    tp.allreduce_sequence_parallel_grads(ours)
                 model.zero_grad(set_to_none=True)
 
             times = round_robin_times({name: (lambda m=m, s=s: fwd_bwd(m, s)) for name, (m, s) in steps.items()},

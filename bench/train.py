@@ -59,12 +59,13 @@ def train_rank(flags):
 
 
 def bubble_rank(config, micro_batches, micro_batch_size, seq_len, reps):
-    """On pp ranks: {(schedule, m): (pipeline bubble, mean of the stages' own bubbles)}, medians of `reps` runs.
+    """On pp ranks: {(schedule, m): (pipeline bubble, a stage's own idle fraction (mean), F+B seconds per
+    micro-batch)}, medians of `reps` runs.
 
-    The pipeline bubble is the theory's quantity: idle time over p x the schedule's span (the stages start together
-    after a barrier; the span is the longest stage's wall time). A stage's own ScheduleStats.bubble stops its clock
-    at its last operation, so the later stages, which finish first, miss the drain (p = 2, m = 1, backward = 2 x
-    forward: 0.375, not 0.5).
+    The pipeline bubble (ScheduleStats.bubble) is the theory's quantity: idle time over p x the schedule's span (the
+    stages start together after a barrier; the span is the longest stage's wall time). A stage's own clock stops at
+    its last operation, so the later stages, which finish first, miss the drain (p = 2, m = 1, backward = 2 x
+    forward: 0.375, not 0.5): listed beside it to show the difference.
     """
     torch.set_num_threads(1)
     mesh = tp.init_mesh(pp=dist.get_world_size())
@@ -80,14 +81,12 @@ def bubble_rank(config, micro_batches, micro_batch_size, seq_len, reps):
             for rep in range(reps + 1):  # the first is a warm-up
                 dist.barrier()
                 stats = runner.run(batches, schedule)
-                sums = torch.tensor([stats.busy_s, stats.bubble], dtype=torch.float64)  # summed over the stages
-                span = torch.tensor([stats.total_s], dtype=torch.float64)
-                dist.all_reduce(sums)
-                dist.all_reduce(span, op=dist.ReduceOp.MAX)
+                own = torch.tensor([stats.busy_s, 1 - stats.busy_s / stats.total_s], dtype=torch.float64)
+                dist.all_reduce(own)  # summed over the stages
                 if rep:
-                    pipeline.append(1 - sums[0].item() / (mesh.pp_size * span.item()))
-                    stages.append(sums[1].item() / mesh.pp_size)
-                    work.append(sums[0].item() / (mesh.pp_size * m))
+                    pipeline.append(stats.bubble)
+                    stages.append(own[1].item() / mesh.pp_size)
+                    work.append(own[0].item() / (mesh.pp_size * m))
             runner.stage.zero_grad(set_to_none=True)
             result[schedule, m] = median(pipeline), median(stages), median(work)
     return result

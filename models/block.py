@@ -26,19 +26,24 @@ class Norm(nn.Module):
     """RMSNorm (Hugging Face's: fp32 statistics, weight applied in the input dtype) or LayerNorm.
 
     Under sequence parallelism each rank normalises its own tokens, so the parameters' grads are partial: they are
-    summed over the tp group inside backward (one all-reduce per norm).
+    summed over the tp group inside backward (one all-reduce per norm), or, with `grad_sync=False`, tagged
+    `sequence_parallel` for one coalesced `tp.allreduce_sequence_parallel_grads` after backward.
     """
 
-    def __init__(self, kind, hidden, eps, *, sequence_parallel=False, group=None, dtype=None, device=None):
+    def __init__(self, kind, hidden, eps, *, sequence_parallel=False, grad_sync=True, group=None, dtype=None,
+                 device=None):
         super().__init__()
         self.kind, self.eps, self.sequence_parallel = kind, eps, sequence_parallel
+        self.sync = sequence_parallel and grad_sync  # else (SP) tagged for tp.allreduce_sequence_parallel_grads
         self.group = resolve_group(group) if sequence_parallel else group
         self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype, device=device))
         self.bias = nn.Parameter(torch.zeros(hidden, dtype=dtype, device=device)) if kind == "layernorm" else None
+        for p in self.parameters():
+            p.sequence_parallel = sequence_parallel and not grad_sync
 
     def forward(self, x):  # [s(/tp), b, h]
         params = (self.weight,) if self.bias is None else (self.weight, self.bias)
-        if self.sequence_parallel:
+        if self.sync:
             params = tp.sync_grads_over_tp(*params, group=self.group)
         if self.kind == "layernorm":
             return F.layer_norm(x, x.shape[-1:], *params, self.eps)
@@ -86,6 +91,7 @@ class Attention(nn.Module):
             sequence_parallel=sp, group=self.group, init_method=normal_init(config.init_std), _init=_init)
         self.proj = tp.RowParallelLinear(
             heads * d, config.hidden_size, bias=config.bias, sequence_parallel=sp, group=self.group,
+            sequence_parallel_grad_sync=config.sequence_parallel_grad_sync,
             init_method=normal_init(config.init_std / math.sqrt(2 * config.num_layers)), _init=_init)
 
     def core(self, q, k, v):  # [b, n, s, d]
@@ -121,6 +127,7 @@ class MLP(nn.Module):
             sequence_parallel=sp, group=group, init_method=normal_init(config.init_std), _init=_init)
         self.fc2 = tp.RowParallelLinear(
             ffn, config.hidden_size, bias=config.bias, sequence_parallel=sp, group=group,
+            sequence_parallel_grad_sync=config.sequence_parallel_grad_sync,
             init_method=normal_init(config.init_std / math.sqrt(2 * config.num_layers)), _init=_init)
 
     def forward(self, x):  # [s(/tp), b, h]
@@ -143,7 +150,8 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.config = config
         group = resolve_group(group)
-        norm = dict(sequence_parallel=config.sequence_parallel, group=group)
+        norm = dict(sequence_parallel=config.sequence_parallel, grad_sync=config.sequence_parallel_grad_sync,
+                    group=group)
         self.norm1 = Norm(config.norm, config.hidden_size, config.norm_eps, **norm)
         self.attention = Attention(config, group=group, _init=_init)
         self.norm2 = Norm(config.norm, config.hidden_size, config.norm_eps, **norm)

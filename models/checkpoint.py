@@ -47,10 +47,10 @@ from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 
 import tp
 
+from .config import RUNTIME_FIELDS
 from .gpt import GPT
 from .hf import fused_part_size, hf_sources, index_runs, parameter_owners, tp_sharding
 
-FREE_FIELDS = ("sequence_parallel", "recompute", "dropout", "attention_dropout")  # may change between save and load
 _VOCAB_PARAMS = ("embedding.weight", "output.weight")
 
 
@@ -204,7 +204,7 @@ def _read_meta(path, model, optimizer):
     meta = pickle.loads(holder["meta"])
     saved, current = meta["config"], dataclasses.asdict(model.config)
     differ = [f"{k}={saved.get(k)!r} (model: {v!r})" for k, v in current.items()
-              if k not in FREE_FIELDS and saved.get(k) != v]
+              if k not in RUNTIME_FIELDS and saved.get(k) != v]
     if differ:
         raise ValueError(f"checkpoint {path!r} was saved with another GPTConfig: {', '.join(differ)}")
     if optimizer is not None and meta["optimizer"] is not None:

@@ -7,6 +7,9 @@ ACTIVATIONS = ("swiglu", "gelu", "gelu_tanh")
 NORMS = ("rmsnorm", "layernorm")
 POSITIONS = ("rope", "learned")
 RECOMPUTE = ("none", "selective", "full")
+# Fields that change how a model runs, not its weights: free to differ between a checkpoint and its resumption.
+RUNTIME_FIELDS = ("sequence_parallel", "sequence_parallel_grad_sync", "recompute", "dropout",
+                  "attention_dropout")
 
 
 @dataclass
@@ -30,6 +33,11 @@ class GPTConfig:
     dropout: float = 0.0  # embedding and residual-branch outputs
     attention_dropout: float = 0.0
     sequence_parallel: bool = False
+    # SP parameters (norms, row biases, learned positions) see one sequence shard: True sums their grads over tp
+    # inside backward (one all-reduce per module; works under DDP and FSDP2); False tags them `sequence_parallel` for
+    # one coalesced tp.allreduce_sequence_parallel_grads after backward (Megatron's way; not under FSDP2, whose
+    # parameters lose the tags).
+    sequence_parallel_grad_sync: bool = True
     recompute: str = "none"  # "selective": the attention core; "full": every block
     make_vocab_size_divisible_by: int = 128
     init_std: float = 0.02

@@ -60,12 +60,14 @@ class GPT(nn.Module):
                 with _seeded(base, 1):
                     self.position_embedding = nn.Embedding(config.max_seq_len, h)
                     normal_init(config.init_std)(self.position_embedding.weight)
+                self.position_embedding.weight.sequence_parallel = sp and not config.sequence_parallel_grad_sync
         self.layers = nn.ModuleList()
         for i in range(*self.layer_range):
             with _seeded(base, 2 + i) if _init else contextlib.nullcontext():
                 self.layers.append(TransformerBlock(config, group=self.group, _init=_init))
         if post_process:
-            self.final_norm = Norm(config.norm, h, config.norm_eps, sequence_parallel=sp, group=self.group)
+            self.final_norm = Norm(config.norm, h, config.norm_eps, sequence_parallel=sp,
+                                   grad_sync=config.sequence_parallel_grad_sync, group=self.group)
             self.output = tp.ColumnParallelLinear(h, self.padded_vocab_size, bias=False, sequence_parallel=sp,
                                                   group=self.group, _init=False)
             if config.tie_embeddings and pre_process:
@@ -95,7 +97,8 @@ class GPT(nn.Module):
         if self.position_embedding is not None:
             weight = self.position_embedding.weight
             if c.sequence_parallel:  # this rank's positions; the others' rows get their grads on other ranks
-                weight, = tp.sync_grads_over_tp(weight, group=self.group)
+                if c.sequence_parallel_grad_sync:
+                    weight, = tp.sync_grads_over_tp(weight, group=self.group)
                 chunk = seq // self.tp_size
                 start = dist.get_rank(self.group) * chunk
                 x = x + weight[start:start + chunk].unsqueeze(1)

@@ -50,13 +50,10 @@ def build_stage(config, mesh):
 class ScheduleStats:
     loss: float = 0.0  # the mean over micro-batches (on every rank of the pipeline)
     busy_s: float = 0.0  # time in forward/backward compute on this stage
-    total_s: float = 0.0  # the schedule's wall time on this stage
+    total_s: float = 0.0  # the schedule's wall time on this stage (from the stages' common start)
+    bubble: float = 0.0  # the pipeline's idle fraction: 1 - Σ busy / (p · the longest stage's wall time)
     max_alive: int = 0  # micro-batches whose activations were alive at once
     order: list = field(default_factory=list)  # ("F" | "B", micro-batch) in execution order
-
-    @property
-    def bubble(self):
-        return 1.0 - self.busy_s / self.total_s if self.total_s else 0.0
 
 
 class PipelineRunner:
@@ -139,6 +136,8 @@ class PipelineRunner:
         p, i = mesh.pp_size, mesh.pp_rank
         warmup = m if schedule == "gpipe" else min(p - i - 1, m)
         stats, alive = ScheduleStats(), []  # alive: (index, received input, output) awaiting backward
+        if p > 1:
+            dist.barrier(group=mesh.pp_group)  # a common start: the span below is the pipeline's
         start = time.perf_counter()
         first, last = mesh.is_first_stage, mesh.is_last_stage
 
@@ -169,10 +168,15 @@ class PipelineRunner:
             input_grad = backward(grad)
             self._communicate(send_prev=None if first else input_grad)
         stats.total_s = time.perf_counter() - start
-        if p > 1:  # the loss lives on the last stage: share it along the pipeline
-            loss = torch.tensor([stats.loss], dtype=torch.float64)
-            dist.all_reduce(loss, group=mesh.pp_group)
-            stats.loss = loss.item()
+        # The loss lives on the last stage; the bubble is the theory's (p-1)/(m+p-1) quantity: idle time over p x the
+        # span, which a stage's own clock would understate (the stages that finish first miss the drain).
+        sums = torch.tensor([stats.loss, stats.busy_s], dtype=torch.float64)
+        span = torch.tensor([stats.total_s], dtype=torch.float64)
+        if p > 1:
+            dist.all_reduce(sums, group=mesh.pp_group)
+            dist.all_reduce(span, op=dist.ReduceOp.MAX, group=mesh.pp_group)
+        stats.loss = sums[0].item()
+        stats.bubble = max(0.0, 1.0 - sums[1].item() / (p * span.item())) if span.item() else 0.0
         return stats
 
 

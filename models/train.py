@@ -21,7 +21,7 @@ import torch.distributed as dist
 import tp
 
 from . import data
-from .config import PRESETS, GPTConfig
+from .config import PRESETS, RUNTIME_FIELDS, GPTConfig
 from .gpt import GPT
 from .pipeline import PipelineRunner, allreduce_tied_embedding_grads, stage_layers, stage_options
 
@@ -72,8 +72,9 @@ def parser():
 def model_config(args):
     """The GPTConfig the flags describe (a preset, or a Hugging Face config, with the overrides)."""
     overrides = {f: getattr(args, f) for f in SIZE_FIELDS if getattr(args, f) is not None}
+    # DDP (or no dp): SP grads summed in one all-reduce after the schedule; FSDP2 drops the tags that needs.
     flags = dict(sequence_parallel=args.sequence_parallel, recompute=args.recompute, dropout=args.dropout,
-                 attention_dropout=args.dropout)
+                 attention_dropout=args.dropout, sequence_parallel_grad_sync=args.dp_mode == "fsdp")
     if args.from_hf:
         import transformers
 
@@ -187,8 +188,7 @@ def train(args):
     torch.manual_seed(args.seed)  # the same on every rank: the weights do not depend on the split
     if args.from_hf:
         stage = GPT.from_hf(args.from_hf, group=mesh.tp_group, stage=stage_options(config, mesh),
-                            sequence_parallel=args.sequence_parallel, recompute=args.recompute,
-                            dropout=args.dropout, attention_dropout=args.dropout)
+                            **{f: getattr(config, f) for f in RUNTIME_FIELDS})
     else:
         stage = GPT(config, group=mesh.tp_group, **stage_options(config, mesh))
     tp.model_parallel_seed(args.seed)  # dropout streams (per pipeline stage and tp rank)
@@ -227,11 +227,13 @@ def train(args):
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(args, step)
             stats = runner.run(micro_batches, args.schedule)
+            if not config.sequence_parallel_grad_sync:
+                tp.allreduce_sequence_parallel_grads(stage, mesh.tp_group)  # one all-reduce for every SP param
             allreduce_tied_embedding_grads(stage, mesh)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             loss = _mean_over(stats.loss, mesh.dp_group)
-            bubble = _mean_over(stats.bubble, mesh.pp_group)
+            bubble = stats.bubble
             elapsed = time.perf_counter() - started
             first_loss = loss if first_loss is None else first_loss
             record = {"step": step + 1, "loss": loss, "tokens_per_s": tokens_per_step / elapsed,

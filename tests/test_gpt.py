@@ -239,3 +239,28 @@ def test_hugging_face_round_trip_is_bit_exact_and_reads_only_shards(family, kv_h
     torch.distributed.barrier()
     if mesh.rank == 0:
         shutil.rmtree(root[0])
+
+
+@distributed(world_size=2)
+def test_sequence_parallel_grads_can_wait_for_one_coalesced_all_reduce():
+    """sequence_parallel_grad_sync=False: no all-reduce per norm/bias in backward, one after it, same grads."""
+    mesh = tp.init_mesh(tp=2)
+    x = torch.randn(SEQ, BATCH, 16, generator=torch.Generator().manual_seed(0)).chunk(2)[mesh.tp_rank]
+    grads, counts = {}, {}
+    for sync in (True, False):
+        config = models.GPTConfig(vocab_size=VOCAB, hidden_size=16, num_heads=4, ffn_hidden_size=24, bias=True,
+                                  norm="layernorm", sequence_parallel=True, sequence_parallel_grad_sync=sync)
+        torch.manual_seed(0)
+        block = models.TransformerBlock(config)
+        y = block(x.clone().requires_grad_())
+        _, counts[sync] = comm_counts(lambda: y.sum().backward())
+        if not sync:
+            tagged = {n for n, p in block.named_parameters() if getattr(p, "sequence_parallel", False)}
+            assert tagged == {"norm1.weight", "norm1.bias", "norm2.weight", "norm2.bias", "attention.proj.bias",
+                              "mlp.fc2.bias"}
+            _, after = comm_counts(lambda: tp.allreduce_sequence_parallel_grads(block))
+            assert after[ALL_REDUCE] == after["total"] == 1
+        grads[sync] = {n: p.grad for n, p in block.named_parameters()}
+    assert counts[True][ALL_REDUCE] == 4 and counts[False][ALL_REDUCE] == 0, counts
+    for name, grad in grads[True].items():
+        assert torch.allclose(grad, grads[False][name], rtol=0, atol=1e-6), name

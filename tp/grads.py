@@ -64,6 +64,10 @@ def allreduce_sequence_parallel_grads(module, group=None):
     One coalesced all-reduce; call after backward and before the optimizer step. Uses `main_grad` when present.
     """
     group = resolve_group(group)
+    if any(type(p).__name__ == "DTensor" for p in module.parameters()):
+        raise ValueError("allreduce_sequence_parallel_grads on DTensor (FSDP2) parameters: their `sequence_parallel` "
+                         "tags do not survive the swap; sum sequence-parallel grads inside backward instead "
+                         "(the layers' default)")
     grads = [g for p in module.parameters() if getattr(p, "sequence_parallel", False)
              if (g := _grad_or_main_grad(p)) is not None]
     if grads and dist.get_world_size(group) > 1:
