@@ -478,3 +478,24 @@ def test_replicated_parts_hold_whole_chunks_and_sum_their_grads(tp_size):
     assert_close(x_local.grad, x.grad, ATOL, "input grad")
     assert_close(layer.weight.grad, dense.weight.grad[columns], ATOL, "weight grad")
     assert_close(layer.bias.grad, dense.bias.grad[columns], ATOL, "bias grad")
+
+
+@pytest.mark.parametrize("tp_size", [2, 4])
+@distributed(world_size=4)
+def test_column_layers_sharing_one_input_reduce_its_grad_once(tp_size):
+    """q, k, v reading one copy_to_tp_region(x) with disable_grad_reduce: one all-reduce backward, not three."""
+    mesh = tp.init_mesh(tp=tp_size)
+    denses = [dense_linear(7, 8, True, seed=10 + i) for i in range(3)]
+    layers = [tp.ColumnParallelLinear.from_linear(d, disable_grad_reduce=True) for d in denses]
+    assert "disable_grad_reduce=True" in repr(layers[0])
+    x_full = _x(mesh, 7).requires_grad_()
+    sum(d(x_full).square().sum() for d in denses).backward()
+    x = x_full.detach().clone().requires_grad_()
+    shared = tp.copy_to_tp_region(x)
+    _, bwd = comm_counts(lambda: sum(layer(shared).square().sum() for layer in layers).backward())
+    assert bwd[ALL_REDUCE] == bwd["total"] == 1, bwd
+    assert_close(x.grad, x_full.grad, ATOL, "input grad")
+    for layer, dense in zip(layers, denses):
+        assert_close(layer.weight.grad, layer.shard_dense(dense.weight.grad), ATOL, "weight grad")
+    with pytest.raises(ValueError, match="disable_grad_reduce=True with sequence_parallel=True"):
+        tp.ColumnParallelLinear(4, 8, disable_grad_reduce=True, sequence_parallel=True)

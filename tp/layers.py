@@ -274,6 +274,10 @@ class ColumnParallelLinear(_ParallelLinear):
     GQA) shard every part separately, so each rank holds its slice of each. `part_replicas=(1, r, r)` lets a part
     with fewer heads than ranks be held whole-chunk by r ranks each (kv heads < tp): ranks 0..r-1 hold its first
     chunk, and so on; those rows' grads are summed over their replicas inside backward.
+
+    `disable_grad_reduce=True` (Megatron's option) leaves the input gradient partial: the caller feeds several
+    column layers that read one tensor through a single `copy_to_tp_region` of it, so their summed input gradient
+    is all-reduced once (q, k and v; gate and up) instead of once per layer.
     """
 
     shard_dim = 0
@@ -281,8 +285,12 @@ class ColumnParallelLinear(_ParallelLinear):
     def __init__(
         self, in_features, out_features, bias=True, *, gather_output=False, sequence_parallel=False, group=None,
         init_method=None, dtype=None, device=None, stride=None, parts=None, part_replicas=None, activation=None,
-        _init=True,
+        disable_grad_reduce=False, _init=True,
     ):
+        if disable_grad_reduce and sequence_parallel:
+            raise ValueError("disable_grad_reduce=True with sequence_parallel=True: the sequence-parallel input "
+                             "needs the layer's own all-gather and reduce-scatter")
+        self.disable_grad_reduce = disable_grad_reduce
         kernels.ops.check_activation(activation)
         if activation == "swiglu":
             stride = stride or 2
@@ -300,7 +308,8 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def forward(self, x):  # [s(/tp), b, in]
         self._check_input(x, self.in_features, "in_features", replicated=not self.sequence_parallel)
-        comm = None if self.tp_size == 1 else "sequence" if self.sequence_parallel else "all-reduce"
+        comm = None if self.tp_size == 1 or self.disable_grad_reduce else \
+            "sequence" if self.sequence_parallel else "all-reduce"
         weight, bias = self.weight, self.bias
         if self.replicated and torch.is_grad_enabled():
             weight, bias = _SumReplicaGrads.apply(self._replica_layout, self.group, weight, bias)
@@ -314,6 +323,7 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def extra_repr(self):
         act = f", activation={self.activation}" if self.activation else ""
+        act += ", disable_grad_reduce=True" if self.disable_grad_reduce else ""
         return f"{super().extra_repr()}, gather_output={self.gather_output}, " \
                f"sequence_parallel={self.sequence_parallel}{act}"
 

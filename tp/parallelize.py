@@ -33,6 +33,7 @@ from .cross_entropy import vocab_parallel_cross_entropy
 from .embedding import VocabParallelEmbedding
 from .grads import sync_grads_over_tp
 from .layers import ColumnParallelLinear, RowParallelLinear
+from .mappings import copy_to_tp_region
 from .mesh import resolve_group
 
 GATHER_OUTPUT = {"colwise": False, "colwise_gather_output": True}
@@ -77,6 +78,7 @@ def parallelize(module, plan=None, *, group=None, sequence_parallel=False):
             built[name] = _build(modules[name], style, group, options.get(name, {}))
         except ValueError as e:
             raise ValueError(f"{name} ({style}): {e}") from None
+    shared_input = _SharedInputCopy(group)
 
     # Nothing above touched the model; nothing below raises.
     record = []
@@ -85,6 +87,8 @@ def parallelize(module, plan=None, *, group=None, sequence_parallel=False):
         if new is not None:
             parent, _, leaf = name.rpartition(".")
             setattr(modules[parent], leaf, new)
+            if isinstance(new, ColumnParallelLinear):
+                new.register_forward_pre_hook(shared_input)
         elif style == "replicated_with_grad_allreduce":
             _sum_grads_in_backward(modules[name], group)
         record.append((name, style, _detail(new, style, ties.get(name))))
@@ -101,6 +105,8 @@ def parallelize(module, plan=None, *, group=None, sequence_parallel=False):
         if hasattr(module, "generate"):  # it would pick tokens from this rank's slice of the vocabulary
             module.generate = _generate_refused
             record.append(("generate", "refused", "needs full logits: 'colwise_gather_output' on the output layer"))
+    module.register_forward_pre_hook(shared_input.clear)
+    module.register_forward_hook(shared_input.clear, always_call=True)
     source = "plan=" if plan is not None else plans.plan_source(module)
     setattr(module, _RECORD, {"tp": tp_size, "plan": source, "entries": sorted(record)})
     return module
@@ -216,11 +222,34 @@ def _as_linear(module):
                                  bias=module.bias)
 
 
+class _SharedInputCopy:
+    """Column layers reading the same tensor (q, k and v; gate and up) share one copy_to_tp_region of it, so their
+    summed input gradient is all-reduced once in backward, not once per layer (the layers have disable_grad_reduce).
+
+    Correct whatever else reads the tensor: only the column layers' (partial) gradients pass through the copy. The
+    cache lives for one forward of the parallelized model.
+    """
+
+    def __init__(self, group):
+        self.group, self.copies = group, {}
+
+    def __call__(self, layer, args):
+        x = args[0]
+        source, copy = self.copies.get(id(x), (None, None))
+        if source is not x:  # (holding x keeps its id from being reused within the forward)
+            copy = copy_to_tp_region(x, self.group)
+            self.copies[id(x)] = (x, copy)
+        return (copy, *args[1:])
+
+    def clear(self, *_):
+        self.copies.clear()
+
+
 def _build(module, style, group, options):
     """The replacement module (None when the module stays), with the original's requires_grad and mode."""
     if style in GATHER_OUTPUT:
         new = ColumnParallelLinear.from_linear(_as_linear(module), gather_output=GATHER_OUTPUT[style], group=group,
-                                               **options)
+                                               disable_grad_reduce=True, **options)
     elif style in INPUT_IS_PARALLEL:
         new = RowParallelLinear.from_linear(_as_linear(module), input_is_parallel=INPUT_IS_PARALLEL[style],
                                             group=group, **options)
