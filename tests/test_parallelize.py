@@ -170,10 +170,11 @@ def test_vocab_parallel_embedding_and_head(tp_size, family, head_style):
     assert (model.lm_head.weight is model.get_input_embeddings().weight) == dense.config.tie_word_embeddings
     local = head_style == "colwise"
     shard = (lambda t: t.chunk(tp_size, -1)[mesh.tp_rank]) if local else (lambda t: t)
-    # forward: 2 per layer + the embedding's; the vocab-parallel loss's two; backward: + the head's input grad
-    fwd = 2 * LAYERS + 1 + 2 * local if tp_size > 1 else 0
+    # forward: 2 per layer + the embedding's, and one all-gather (the gathered logits, or the vocab-parallel loss's
+    # statistics); backward: + the head's input grad
+    fwd = 2 * LAYERS + 1 if tp_size > 1 else 0
     bwd = backward_all_reduces(family, dense.config, tp_size) + (tp_size > 1)
-    gathers = (not local) * (tp_size > 1)
+    gathers = int(tp_size > 1)
     check_against_dense(dense, model, logits_shard=shard,
                         fwd={ALL_REDUCE: fwd, ALL_GATHER: gathers, REDUCE_SCATTER: 0}, bwd=_all_reduces(bwd))
     assert ("loss_function" in describe(model)) == local

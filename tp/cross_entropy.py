@@ -1,22 +1,25 @@
 """Vocabulary-parallel cross-entropy on [..., V/tp] logits: the full-vocab logits are never gathered.
 
-Forward: two all-reduces on [tokens]-sized tensors (the max logit; then the sum of exps, the target logit and,
-for label smoothing, the sum of logits, stacked into one). Backward: local, softmax − smoothed one-hot.
+Forward: one all-gather of four [tokens]-sized numbers per rank (its max logit, its sum of exps below that max,
+the target logit if it holds it, and, for label smoothing, its sum of logits), combined into the log-sum-exp on
+every rank (Megatron uses three all-reduces). Backward: local, softmax − smoothed one-hot.
 """
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from . import debug
+from .mappings import gather_first
 from .mesh import resolve_group
 
 REDUCTIONS = ("mean", "sum", "none")
 
 
-def _all_reduce(x, group, op=dist.ReduceOp.SUM):
-    if dist.get_world_size(group) > 1:
-        dist.all_reduce(x, op=op, group=group)
-    return x
+def _gather_ranks(stats, group):
+    """[k, ...] from every rank -> [ranks, k, ...] (one all-gather; nothing to move on one rank)."""
+    if dist.get_world_size(group) == 1:
+        return stats.unsqueeze(0)
+    return gather_first(stats.contiguous(), group).view(dist.get_world_size(group), *stats.shape)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -30,24 +33,24 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         x = logits[..., :real]  # [..., v] a view: padding columns never win the softmax nor count in smoothing
         compute = torch.promote_types(logits.dtype, torch.float32)  # 16-bit logits: fp32 math
         local_max = x.amax(-1).to(compute) if real else x.new_full(x.shape[:-1], -torch.inf, dtype=compute)
-        global_max = _all_reduce(local_max, group, dist.ReduceOp.MAX)  # [...]
-        shifted = x - global_max.unsqueeze(-1)  # [..., v] a new tensor, already in `compute` by type promotion
 
         valid = targets != ignore_index
         local_targets = targets.long() - vocab_start
         on_rank = valid & (local_targets >= 0) & (local_targets < real)
         local_targets = local_targets.masked_fill(~on_rank, 0)
-        target_logit = global_max.new_zeros(targets.shape)
+        target_logit = local_max.new_zeros(targets.shape)
         if real:  # (a rank holding only padding columns has nothing to gather)
-            target_logit = shifted.gather(-1, local_targets.unsqueeze(-1)).squeeze(-1).masked_fill_(~on_rank, 0)
-        logit_sum = [shifted.sum(-1)] if label_smoothing else []
-        softmax = shifted.exp_()  # reuses shifted's buffer
-        sums = _all_reduce(torch.stack([softmax.sum(-1), target_logit, *logit_sum]), group)  # [2 or 3, ...]
-        log_z = sums[0].log()
-        loss = log_z - sums[1]  # -log p(target)
+            target_logit = x.gather(-1, local_targets.unsqueeze(-1)).squeeze(-1).to(compute).masked_fill_(~on_rank, 0)
+        logit_sum = [x.sum(-1, dtype=compute)] if label_smoothing else []
+        softmax = (x - local_max.unsqueeze(-1)).exp_()  # [..., v] in `compute` (type promotion), <= 1: no overflow
+        # One collective: every rank's (max, sum of exp below its max, target logit, logit sum), combined here.
+        stats = _gather_ranks(torch.stack([local_max, softmax.sum(-1), target_logit, *logit_sum]), group)
+        global_max = stats[:, 0].amax(0)  # [...]
+        log_z = global_max + (stats[:, 1] * (stats[:, 0] - global_max).exp()).sum(0).log()  # log Σ_V exp(logit)
+        loss = log_z - stats[:, 2].sum(0)  # -log p(target)
         if label_smoothing:  # F.cross_entropy's: (1-ε)·nll + ε·mean over the vocabulary of -log p
-            loss = (1 - label_smoothing) * loss + label_smoothing * (log_z - sums[2] / vocab_size)
-        softmax.div_(sums[0].unsqueeze(-1))
+            loss = (1 - label_smoothing) * loss + label_smoothing * (log_z - stats[:, 3].sum(0) / vocab_size)
+        softmax.mul_((local_max - log_z).exp().unsqueeze(-1))  # exp(x - log_z)
         ctx.save_for_backward(softmax, local_targets, on_rank, valid)
         ctx.label_smoothing, ctx.vocab_size, ctx.per_rank, ctx.logits_dtype = (
             label_smoothing, vocab_size, per_rank, logits.dtype)
@@ -104,7 +107,7 @@ def vocab_parallel_cross_entropy(
     F.cross_entropy). The math runs, and the loss is returned, in fp32 for 16-bit logits (fp64 stays fp64); the
     gradient has the logits' dtype. The input is never modified; backward keeps the local softmax [..., V/tp] (in
     the math dtype), as Megatron does.
-    Collectives: two all-reduces on [...]-sized tensors forward, none backward.
+    Collectives: one all-gather of [3 or 4, ...] per rank forward, none backward.
     """
     group = resolve_group(group)
     padded = logits_shard.shape[-1] * dist.get_world_size(group) if logits_shard.dim() else 0
