@@ -63,9 +63,10 @@ def time_call(fn, *, cuda=False, min_reps=3, min_seconds=0.05, max_reps=200):
     return median(times)
 
 
-def round_robin_times(steps, *, iters, warmup, sync=lambda: None):
-    """{name: median seconds} of each step function, the steps run in turn within every iteration (so machine noise
-    hits all alike), each timed between two sync() calls (dist.barrier: the slowest rank's time)."""
+def round_robin_times(steps, *, iters, warmup, sync=lambda: None, reduce=median):
+    """{name: reduce(seconds of each iteration)} (default: the median) of each step function, the steps run in turn
+    within every iteration (so machine noise hits all alike), each timed between two sync() calls (dist.barrier: the
+    slowest rank's time). `reduce=list` keeps every iteration's time, for per-iteration ratios."""
     times = {name: [] for name in steps}
     for i in range(warmup + iters):
         for name, step in steps.items():
@@ -75,4 +76,4 @@ def round_robin_times(steps, *, iters, warmup, sync=lambda: None):
             sync()
             if i >= warmup:
                 times[name].append(time.perf_counter() - start)
-    return {name: median(ts) for name, ts in times.items()}
+    return {name: reduce(ts) for name, ts in times.items()}

@@ -7,18 +7,16 @@ Each rank runs the three models round-robin in one loop (so machine noise hits a
 between barriers. Ratios < 1 mean ours is faster. Targets: ours/DTensor <= 0.5; ours/plain (TP=1) <= 1.03.
 """
 import argparse
-import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 import tp
 from tp import testing
 
-from .common import machine, median, print_table, scratch_path, write_json
+from .common import machine, print_table, round_robin_times, scratch_path, write_json
 
 SHAPES = [(128, 512, 16), (512, 2048, 64), (1024, 4096, 256)]  # hidden, ffn, tokens (first: overhead-bound)
 
@@ -62,18 +60,13 @@ def bench_rank(hidden, ffn, tokens, iters, warmup):
         models["plain"] = dense
     x = torch.randn(tokens, 1, hidden, requires_grad=True)  # [s, b, h]
     g = torch.randn(tokens, 1, hidden)
-    times = {name: [] for name in models}
-    for i in range(warmup + iters):
-        for name, model in models.items():
-            dist.barrier()
-            start = time.perf_counter()
-            _step(model, x, g)
-            dist.barrier()
-            if i >= warmup:
-                times[name].append(time.perf_counter() - start)
-            model.zero_grad(set_to_none=True)
-            x.grad = None
-    return {name: median(ts) for name, ts in times.items()}
+    def step(model):
+        _step(model, x, g)
+        model.zero_grad(set_to_none=True)
+        x.grad = None
+
+    return round_robin_times({name: (lambda m=model: step(m)) for name, model in models.items()}, iters=iters,
+                             warmup=warmup, sync=dist.barrier)
 
 
 def parser():

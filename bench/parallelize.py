@@ -14,7 +14,6 @@ ours/DTensor <= 0.6 at TP = 2.
 """
 import argparse
 import copy
-import time
 
 import torch
 import torch.distributed as dist
@@ -24,7 +23,7 @@ from tp import testing
 from tp.parallelize import parallelize
 from tp.plans import default_plan
 
-from .common import machine, median, print_table, scratch_path, write_json
+from .common import machine, median, print_table, round_robin_times, scratch_path, write_json
 
 # hidden, ffn, heads, kv heads, layers, batch, sequence: overhead-bound, REFERENCE.md §7's shape, larger
 SHAPES = [(128, 344, 4, 4, 2, 1, 128), (256, 688, 8, 4, 2, 4, 128), (512, 1376, 8, 4, 2, 4, 128)]
@@ -67,17 +66,12 @@ def bench_rank(shape, iters, warmup):
     ids = torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(1))
     losses = {name: model(ids, labels=ids).loss.item() for name, model in models.items()}
     assert max(losses.values()) - min(losses.values()) < 1e-4, losses  # the same model four ways
-    times = {name: [] for name in models}
-    for i in range(warmup + iters):
-        for name, model in models.items():
-            dist.barrier()
-            start = time.perf_counter()
-            model(ids, labels=ids).loss.backward()
-            dist.barrier()
-            if i >= warmup:
-                times[name].append(time.perf_counter() - start)
-            model.zero_grad(set_to_none=True)
-    return times
+    def step(model):
+        model(ids, labels=ids).loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    return round_robin_times({name: (lambda m=model: step(m)) for name, model in models.items()}, iters=iters,
+                             warmup=warmup, sync=dist.barrier, reduce=list)
 
 
 def main(argv=None):
