@@ -131,9 +131,9 @@ class GPT(nn.Module):
 
         return load_hf(cls, hf_model_or_path, group=group, dtype=dtype, stage=stage, **overrides)
 
-    def save_hf(self, path, *, pp_group=None):
+    def save_hf(self, path, *, pp_group=None, dp_group=None):
         """Write a directory `transformers.AutoModelForCausalLM.from_pretrained` loads (gathered on tp rank 0; with
-        `pp_group`, one safetensors file per pipeline stage and an index)."""
+        `pp_group`, one safetensors file per pipeline stage and an index; with `dp_group`, replica 0 writes)."""
         from .hf import save_hf
 
-        save_hf(self, path, group=self.group, pp_group=pp_group)
+        save_hf(self, path, group=self.group, pp_group=pp_group, dp_group=dp_group)

@@ -259,6 +259,8 @@ def _gather_dense(module, attr, group, grads=False):
     dense order; replicated chunks carry equal values)."""
     param, sharding = getattr(module, attr), tp_sharding(module, attr)
     param = param.grad if grads else param.detach()
+    if hasattr(param, "full_tensor"):  # FSDP2: this rank's dp shard of the tp-local tensor
+        param = param.full_tensor()
     size = dist.get_world_size(group)
     if sharding is None or size == 1:
         return param
@@ -300,11 +302,12 @@ def fused_part_size(config, hf_name):
             "up_proj": c.ffn_hidden_size}.get(part, 0)
 
 
-def save_hf(model, path, *, group=None, pp_group=None):
+def save_hf(model, path, *, group=None, pp_group=None, dp_group=None):
     """Write `path` (config.json + safetensors) for transformers.AutoModelForCausalLM.from_pretrained.
 
     Called on every rank; tp rank 0 of each pipeline stage writes that stage's tensors (`pp_group`: the mesh's
-    pipeline group, when the model is one stage of several), global pipeline stage 0 the config and index.
+    pipeline group, when the model is one stage of several), global pipeline stage 0 the config and index; with
+    `dp_group`, only data-parallel replica 0 writes (the others hold the same weights).
     """
     from safetensors.torch import save_file
 
@@ -317,7 +320,7 @@ def save_hf(model, path, *, group=None, pp_group=None):
         dist.all_gather_object(names, sorted(tensors), group=pp_group)
     else:
         names = [sorted(tensors)]
-    if dist.get_rank(group) != 0:
+    if dist.get_rank(group) != 0 or (dp_group is not None and dist.get_rank(dp_group) != 0):
         return
     os.makedirs(path, exist_ok=True)
     file = "model.safetensors" if stages == 1 else f"model-{stage + 1:05d}-of-{stages:05d}.safetensors"

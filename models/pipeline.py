@@ -109,8 +109,8 @@ class PipelineRunner:
                 received.requires_grad_()
                 output = self.module(hidden=received, targets=targets if self.mesh.is_last_stage else None)
         if self.mesh.is_last_stage:
-            stats.loss += output.item() / num_micro
             output = output / num_micro  # the mean over micro-batches, as the un-pipelined batch mean
+            stats.loss = stats.loss + output.detach()  # (on the device: no host sync per micro-batch)
         stats.busy_s += time.perf_counter() - start
         stats.order.append(("F", index))
         return output
@@ -170,7 +170,7 @@ class PipelineRunner:
         stats.total_s = time.perf_counter() - start
         # The loss lives on the last stage; the bubble is the theory's (p-1)/(m+p-1) quantity: idle time over p x the
         # span, which a stage's own clock would understate (the stages that finish first miss the drain).
-        sums = torch.tensor([stats.loss, stats.busy_s], dtype=torch.float64)
+        sums = torch.tensor([float(stats.loss), stats.busy_s], dtype=torch.float64)
         span = torch.tensor([stats.total_s], dtype=torch.float64)
         if p > 1:
             dist.all_reduce(sums, group=mesh.pp_group)

@@ -28,9 +28,13 @@ from .pipeline import PipelineRunner, allreduce_tied_embedding_grads, stage_laye
 SIZE_FIELDS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_hidden_size")
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults shown, the description's example commands kept as written."""
+
+
 def parser():
     p = argparse.ArgumentParser(prog="python -m models.train", description=__doc__,
-                                formatter_class=lambda prog: argparse.ArgumentDefaultsHelpFormatter(prog, width=110))
+                                formatter_class=lambda prog: _HelpFormatter(prog, width=110))
     a = p.add_argument
     a("--tp", type=int, default=2, help="tensor-parallel size")
     a("--pp", type=int, default=2, help="pipeline-parallel size (stages)")
@@ -98,6 +102,12 @@ def validate(args, world_size=None):
     if args.global_batch_size % (args.dp * args.micro_batch_size):
         raise ValueError(f"--global-batch-size={args.global_batch_size} is not divisible by --dp * "
                          f"--micro-batch-size = {args.dp}*{args.micro_batch_size}")
+    for name in ("lr", "weight_decay"):
+        if getattr(args, name) < 0 or (name == "lr" and args.lr == 0):
+            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be "
+                             f"{'> 0' if name == 'lr' else '>= 0'}")
+    if args.from_hf and not os.path.isdir(args.from_hf):
+        raise ValueError(f"--from-hf {args.from_hf}: no such directory (a save_pretrained directory)")
     config = model_config(args)
     config.check_tp(args.tp)
     stage_layers(config.num_layers, args.pp, 0)
@@ -107,8 +117,16 @@ def validate(args, world_size=None):
         raise ValueError(f"vocab_size={config.vocab_size} cannot hold the {data.VOCAB_SIZE} byte tokens")
     if args.save_every < 0:
         raise ValueError(f"--save-every={args.save_every} must be >= 0")
-    if args.load and not os.path.isdir(args.load):
-        raise ValueError(f"--load {args.load}: no such directory")
+    if args.load:
+        if not os.path.isdir(args.load):
+            raise ValueError(f"--load {args.load}: no such directory")
+        saved = _saved_step(_latest(args.load))
+        if saved is not None and args.steps <= saved:
+            raise ValueError(f"--steps={args.steps} does not go beyond the checkpoint's step {saved}: nothing to train")
+    sequences = (len(data.corpus()) - 1) // args.seq_len
+    if args.global_batch_size > sequences:
+        raise ValueError(f"--global-batch-size={args.global_batch_size} exceeds the {sequences} sequences of "
+                         f"--seq-len={args.seq_len} in the corpus")
     return config
 
 
@@ -118,7 +136,7 @@ def main(argv=None):
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     try:
         validate(args, int(os.environ["WORLD_SIZE"]) if under_torchrun else None)
-    except (ValueError, ImportError) as e:
+    except (ValueError, ImportError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if under_torchrun:
@@ -193,8 +211,11 @@ def train(args):
         stage = GPT(config, group=mesh.tp_group, **stage_options(config, mesh))
     tp.model_parallel_seed(args.seed)  # dropout streams (per pipeline stage and tp rank)
     module = wrap_data_parallel(stage, mesh, args.dp_mode)
-    optimizer = torch.optim.AdamW(module.parameters(), lr=args.lr, betas=(0.9, 0.95),
-                                  weight_decay=args.weight_decay)
+    # No weight decay on 1-D parameters (norms, biases), as Megatron does.
+    decay = [p for p in module.parameters() if p.dim() > 1]
+    no_decay = [p for p in module.parameters() if p.dim() <= 1]
+    optimizer = torch.optim.AdamW([{"params": decay}, {"params": no_decay, "weight_decay": 0.0}], lr=args.lr,
+                                  betas=(0.9, 0.95), weight_decay=args.weight_decay)
     start_step = 0
     if args.load:
         from . import checkpoint
@@ -211,6 +232,11 @@ def train(args):
               f"sequence_parallel={args.sequence_parallel}; model {args.model if not args.from_hf else args.from_hf}"
               f" ({config.num_layers} layers, hidden {config.hidden_size}, {params:,} params on rank 0)", flush=True)
     log = open(args.log_jsonl, "a" if args.load else "w") if rank0 and args.log_jsonl else None
+    if start_step >= args.steps:
+        if rank0:
+            print(f"nothing to train: the checkpoint is at step {start_step}, --steps={args.steps}", flush=True)
+        tp.destroy_mesh()
+        return 0
     bar = _progress(rank0, start_step, args.steps)
     tokens_per_step = args.global_batch_size * args.seq_len
     first_loss = loss = None
@@ -248,7 +274,8 @@ def train(args):
         if args.save:
             _save(args.save, module, optimizer, mesh, args.steps)
         if args.export_hf:
-            stage.save_hf(args.export_hf, pp_group=mesh.pp_group if mesh.pp_size > 1 else None)
+            stage.save_hf(args.export_hf, pp_group=mesh.pp_group if mesh.pp_size > 1 else None,
+                          dp_group=mesh.dp_group)
     finally:
         bar.close()
         if log:
@@ -300,6 +327,12 @@ def _save(root, module, optimizer, mesh, step):
             f.write(name)
         os.replace(os.path.join(root, "latest.tmp"), os.path.join(root, "latest"))
     dist.barrier()
+
+
+def _saved_step(path):
+    """The step of a checkpoint directory named step-N (as --save writes them), else None."""
+    name = os.path.basename(os.path.normpath(path))
+    return int(name[5:]) if name.startswith("step-") and name[5:].isdigit() else None
 
 
 def _latest(root):

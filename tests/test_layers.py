@@ -475,6 +475,9 @@ def test_replicated_parts_hold_whole_chunks_and_sum_their_grads(tp_size):
     g_local[..., q_heads * head // tp_size:] *= float(mesh.tp_rank == 0)
     _, bwd = comm_counts(lambda: y.backward(g_local))
     assert bwd[ALL_REDUCE] == 2, bwd  # the input grad, and the replicated rows' weight/bias grads (one buffer)
+    layer.weight.main_grad = torch.zeros_like(layer.weight)  # would take wgrad before the replicas are summed
+    with pytest.raises(ValueError, match=r"weight.main_grad with part_replicas=\(1, \d, \d\) is not supported"):
+        layer(x_local)
     assert_close(x_local.grad, x.grad, ATOL, "input grad")
     assert_close(layer.weight.grad, dense.weight.grad[columns], ATOL, "weight grad")
     assert_close(layer.bias.grad, dense.bias.grad[columns], ATOL, "bias grad")

@@ -222,6 +222,8 @@ def test_refusals_leave_the_model_untouched():
     model = parallelize(tiny("llama"))
     with pytest.raises(ValueError, match="already parallelized"):
         parallelize(model)
+    with pytest.raises(RuntimeError, match=r"save_pretrained\(\) on a tp.parallelize'd model would write this rank's"):
+        model.save_pretrained("/nonexistent")
 
 
 @distributed(world_size=2)

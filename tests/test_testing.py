@@ -99,3 +99,12 @@ def test_run_from_a_plain_script(tmp_path):
             print(testing.run(body, world_size=2))
     """))
     assert _python([str(script)]).strip() == "[(0, False), (1, False)]"
+
+
+def test_a_nested_function_is_refused_before_reaching_the_ranks():
+    def body():
+        return 1
+
+    with pytest.raises(ValueError, match="test_a_nested_function_is_refused_before_reaching_the_ranks.<locals>.body "
+                                         "cannot run on the ranks: pass a module-level function"):
+        testing.run(body, 2)

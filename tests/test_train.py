@@ -42,6 +42,19 @@ def _curve(tmp, name, *flags):
     return _losses(log)
 
 
+def _hf_loss(path):
+    """The exported model's loss on one batch of the training data, through transformers."""
+    import torch
+    import transformers
+
+    from models import data
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    x, y = data.TokenWindows(data.corpus(), 32)[0]
+    with torch.no_grad():
+        return torch.nn.functional.cross_entropy(model(x[None]).logits[0], y).item()
+
+
 def test_every_split_trains_the_same_curve(tmp_path):
     single = _run(*SMALL, "--tp", "1", "--pp", "1", "--dp", "1", "--log-jsonl", str(tmp_path / "serial.jsonl"))
     assert single.returncode == 0, single.stderr[-3000:]
@@ -51,7 +64,7 @@ def test_every_split_trains_the_same_curve(tmp_path):
     splits = {
         "2x2x2 ddp 1f1b": ["--tp", "2", "--pp", "2", "--dp", "2"],
         "2x2x2 fsdp gpipe sp": ["--tp", "2", "--pp", "2", "--dp", "2", "--dp-mode", "fsdp", "--schedule", "gpipe",
-                                "--sequence-parallel"],
+                                "--sequence-parallel", "--export-hf", str(tmp_path / "exported")],
         "4x1x2 sp recompute": ["--tp", "4", "--pp", "1", "--dp", "2", "--sequence-parallel", "--recompute", "full"],
         "1x4x2": ["--tp", "1", "--pp", "4", "--dp", "2"],
     }
@@ -59,6 +72,8 @@ def test_every_split_trains_the_same_curve(tmp_path):
     for name, curve in curves.items():
         for step, (ours, reference) in enumerate(zip(curve, serial, strict=True)):
             assert abs(ours - reference) <= 1e-5 * reference, f"{name}, step {step + 1}: {ours} vs {reference}"
+    exported = _hf_loss(tmp_path / "exported")  # FSDP2 shards gathered, two pipeline stages' files and an index
+    assert abs(exported - curves["2x2x2 fsdp gpipe sp"][-1]) < 0.5 and exported < serial[0]
     again = _curve(str(tmp_path), "again", *splits["2x2x2 ddp 1f1b"])
     assert again == curves["2x2x2 ddp 1f1b"]  # the same split twice: bit-identical
 
@@ -73,6 +88,8 @@ def test_every_split_trains_the_same_curve(tmp_path):
     assert single.returncode == 0, single.stderr[-3000:]
     for curve in (resumed, _losses(tmp_path / "resumed_serial.jsonl")):
         assert len(curve) == 1 and abs(curve[0] - serial[2]) <= 1e-5 * serial[2], (curve, serial)
+    nothing = _run(*SMALL, "--load", ckpt, "--steps", "2")
+    assert nothing.returncode == 2 and "--steps=2 does not go beyond the checkpoint's step 2" in nothing.stderr
 
 
 @pytest.mark.parametrize("flags,message", [
@@ -81,6 +98,9 @@ def test_every_split_trains_the_same_curve(tmp_path):
                                               r"num_layers=4"),
     (["--tp", "3", "--pp", "1", "--dp", "1"], r"num_heads=4 is not divisible by tp=3"),
     (["--sequence-parallel", "--seq-len", "33"], r"--seq-len=33 is not divisible by --tp=2"),
+    (["--lr", "-1"], r"--lr=-1.0 must be > 0"),
+    (["--seq-len", "100000"], r"--global-batch-size=16 exceeds the \d+ sequences of --seq-len=100000"),
+    (["--from-hf", "/nonexistent"], r"--from-hf /nonexistent: no such directory"),
 ])
 def test_bad_configuration_is_one_line_before_any_process(flags, message):
     import re

@@ -188,3 +188,19 @@ def test_cross_entropy_bad_input_raises_on_every_rank():
         vocab_parallel_cross_entropy(logits, targets, vocab_size=21)
     with pytest.raises(ValueError, match="targets must be int64 or int32, got torch.float32"):
         vocab_parallel_cross_entropy(logits, targets.float())
+
+
+@distributed(world_size=2)
+def test_cross_entropy_with_a_rank_whose_logits_are_all_masked():
+    """A banned block of the vocabulary (-inf logits) on one rank: F.cross_entropy's finite loss, no NaN."""
+    tp.init_mesh(tp=2)
+    logits = randn(3, 8, seed=4)
+    logits[:, :4] = -torch.inf  # rank 0's whole shard
+    logits[0, 4:] -= 200.0  # very negative real logits must not underflow against a masked rank's max
+    targets = torch.tensor([5, 6, 7])
+    expected = F.cross_entropy(logits, targets)
+    local = logits.chunk(2, -1)[tp.get_mesh().tp_rank].clone().requires_grad_()
+    loss = vocab_parallel_cross_entropy(local, targets)
+    assert torch.isfinite(loss) and abs(loss.item() - expected.item()) <= 1e-10, (loss.item(), expected.item())
+    loss.backward()
+    assert torch.isfinite(local.grad).all()

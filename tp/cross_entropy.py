@@ -42,15 +42,18 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         if real:  # (a rank holding only padding columns has nothing to gather)
             target_logit = x.gather(-1, local_targets.unsqueeze(-1)).squeeze(-1).to(compute).masked_fill_(~on_rank, 0)
         logit_sum = [x.sum(-1, dtype=compute)] if label_smoothing else []
-        softmax = (x - local_max.unsqueeze(-1)).exp_()  # [..., v] in `compute` (type promotion), <= 1: no overflow
-        # One collective: every rank's (max, sum of exp below its max, target logit, logit sum), combined here.
+        # [..., v] in `compute` (type promotion), <= 1: no overflow; a row all -inf here (masked vocabulary) gives 0s
+        shift = torch.where(local_max.isfinite(), local_max, 0.0)
+        softmax = (x - shift.unsqueeze(-1)).exp_()
+        # One collective: every rank's (max, sum of exp below its max, target logit, logit sum), combined here (a
+        # rank's -inf max carries a zero sum: exp(-inf - max) * 0 = 0).
         stats = _gather_ranks(torch.stack([local_max, softmax.sum(-1), target_logit, *logit_sum]), group)
         global_max = stats[:, 0].amax(0)  # [...]
         log_z = global_max + (stats[:, 1] * (stats[:, 0] - global_max).exp()).sum(0).log()  # log Σ_V exp(logit)
         loss = log_z - stats[:, 2].sum(0)  # -log p(target)
         if label_smoothing:  # F.cross_entropy's: (1-ε)·nll + ε·mean over the vocabulary of -log p
             loss = (1 - label_smoothing) * loss + label_smoothing * (log_z - stats[:, 3].sum(0) / vocab_size)
-        softmax.mul_((local_max - log_z).exp().unsqueeze(-1))  # exp(x - log_z)
+        softmax.mul_((shift - log_z).exp().unsqueeze(-1))  # exp(x - log_z)
         ctx.save_for_backward(softmax, local_targets, on_rank, valid)
         ctx.label_smoothing, ctx.vocab_size, ctx.per_rank, ctx.logits_dtype = (
             label_smoothing, vocab_size, per_rank, logits.dtype)

@@ -312,6 +312,9 @@ class ColumnParallelLinear(_ParallelLinear):
             "sequence" if self.sequence_parallel else "all-reduce"
         weight, bias = self.weight, self.bias
         if self.replicated and torch.is_grad_enabled():
+            if hasattr(weight, "main_grad"):  # wgrad would land in main_grad before the replicas are summed
+                raise ValueError(f"weight.main_grad with part_replicas={self.part_replicas} is not supported: the "
+                                 "replicated rows' grads are summed in backward, which main_grad accumulation skips")
             weight, bias = _SumReplicaGrads.apply(self._replica_layout, self.group, weight, bias)
         y = _local_linear(x, weight, bias, self.activation, self.group, comm)  # [s, b, out/tp]
         if not self.gather_output or self.tp_size == 1:

@@ -105,6 +105,9 @@ def parallelize(module, plan=None, *, group=None, sequence_parallel=False):
         if hasattr(module, "generate"):  # it would pick tokens from this rank's slice of the vocabulary
             module.generate = _generate_refused
             record.append(("generate", "refused", "needs full logits: 'colwise_gather_output' on the output layer"))
+    if hasattr(module, "save_pretrained"):  # it would write this rank's shards under the dense names
+        module.save_pretrained = _save_pretrained_refused
+        record.append(("save_pretrained", "refused", "the state dict holds this rank's shards"))
     module.register_forward_pre_hook(shared_input.clear)
     module.register_forward_hook(shared_input.clear, always_call=True)
     source = "plan=" if plan is not None else plans.plan_source(module)
@@ -223,26 +226,26 @@ def _as_linear(module):
 
 
 class _SharedInputCopy:
-    """Column layers reading the same tensor (q, k and v; gate and up) share one copy_to_tp_region of it, so their
-    summed input gradient is all-reduced once in backward, not once per layer (the layers have disable_grad_reduce).
+    """Column layers reading the same tensor one after another (q, k and v; gate and up) share one
+    copy_to_tp_region of it, so their summed input gradient is all-reduced once in backward, not once per layer (the
+    layers have disable_grad_reduce).
 
-    Correct whatever else reads the tensor: only the column layers' (partial) gradients pass through the copy. The
-    cache lives for one forward of the parallelized model.
+    Correct whatever else reads the tensor: only the column layers' (partial) gradients pass through the copy. Only
+    the latest input is held (another input gets its own copy: one all-reduce more, never a wrong sum), so nothing
+    outlives the next column layer call or the end of the model's forward.
     """
 
     def __init__(self, group):
-        self.group, self.copies = group, {}
+        self.group, self.last = group, (None, None)
 
     def __call__(self, layer, args):
         x = args[0]
-        source, copy = self.copies.get(id(x), (None, None))
-        if source is not x:  # (holding x keeps its id from being reused within the forward)
-            copy = copy_to_tp_region(x, self.group)
-            self.copies[id(x)] = (x, copy)
-        return (copy, *args[1:])
+        if self.last[0] is not x:
+            self.last = (x, copy_to_tp_region(x, self.group))
+        return (self.last[1], *args[1:])
 
     def clear(self, *_):
-        self.copies.clear()
+        self.last = (None, None)
 
 
 def _build(module, style, group, options):
@@ -304,6 +307,12 @@ def _vocab_parallel_causal_lm_loss(group):
         return loss if num_items_in_batch is None else loss / num_items_in_batch
 
     return loss_function
+
+
+def _save_pretrained_refused(*args, **kwargs):
+    raise RuntimeError("save_pretrained() on a tp.parallelize'd model would write this rank's shards under the dense "
+                       "names (a checkpoint from_pretrained cannot load): save the model before tp.parallelize, or "
+                       "train models.GPT.from_hf(...) and use its save_hf")
 
 
 def _generate_refused(*args, **kwargs):

@@ -184,6 +184,8 @@ class WorkerPool:
         """Run fn(**kwargs) on every rank; returns the per-rank results in rank order."""
         __tracebackhide__ = True  # pytest shows the ranks' tracebacks, not this loop
         fn = getattr(fn, "__wrapped__", fn)
+        if "<" in fn.__qualname__:  # <lambda>, <locals>: the ranks import the body by its module and name
+            raise ValueError(f"{fn.__qualname__} cannot run on the ranks: pass a module-level function")
         self._task_id += 1
         task = (self._task_id, fn.__module__, fn.__qualname__, _rewritten_by_pytest(fn.__module__), kwargs or {})
         for q in self._tasks:
