@@ -6,6 +6,7 @@ all-reduces, backward 2 (+1 when kv heads are replicated); with SP: forward 2 al
 backward 4 all-gathers + 2 reduce-scatters + the norms' (and row biases') grad all-reduces.
 """
 import contextlib
+import functools
 import math
 
 import torch
@@ -61,13 +62,18 @@ def rotate_half(x):
     return torch.cat((-x2, x1), dim=-1)
 
 
+@functools.lru_cache(maxsize=16)
+def _rope_tables(seq, head_dim, theta, device, dtype):
+    """cos and sin [s, d] (computed in fp32, HF's way), once per shape: every layer and step reuses them."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
+    freqs = torch.outer(torch.arange(seq, dtype=torch.float32, device=device), inv_freq)  # [s, d/2]
+    angles = torch.cat((freqs, freqs), dim=-1)  # [s, d]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
 def rope(q, k, theta):
     """Rotary embeddings, rotate-half convention (HF and Megatron), positions 0..s-1, on [b, n, s, d] q and k."""
-    s, d = q.shape[-2], q.shape[-1]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=q.device) / d))
-    freqs = torch.outer(torch.arange(s, dtype=torch.float32, device=q.device), inv_freq)  # [s, d/2]
-    angles = torch.cat((freqs, freqs), dim=-1)  # [s, d]
-    cos, sin = angles.cos().to(q.dtype), angles.sin().to(q.dtype)
+    cos, sin = _rope_tables(q.shape[-2], q.shape[-1], theta, q.device, q.dtype)
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
