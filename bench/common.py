@@ -37,6 +37,19 @@ def scratch_path(name):
     return os.path.join(tempfile.gettempdir(), "tp-bench", name)
 
 
+def parser(doc, name, *, iters, warmup):
+    """The flags every side-by-side benchmark over TP degrees takes: --iters --warmup --tp --out."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--iters", type=int, default=iters)
+    p.add_argument("--warmup", type=int, default=warmup)
+    p.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--out", default=scratch_path(f"{name}.json"),
+                   help=f"JSON output (the committed table is bench/results/{name}.json: pass it to refresh it)")
+    return p
+
+
 def write_json(path, payload):
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:

@@ -6,7 +6,6 @@ DTensor TP (parallelize_module + ColwiseParallel/RowwiseParallel) and plain nn.L
 Each rank runs the three models round-robin in one loop (so machine noise hits all alike); a step is timed on rank 0
 between barriers. Ratios < 1 mean ours is faster. Targets: ours/DTensor <= 0.5; ours/plain (TP=1) <= 1.03.
 """
-import argparse
 
 import torch
 import torch.distributed as dist
@@ -16,7 +15,8 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 import tp
 from tp import testing
 
-from .common import machine, print_table, round_robin_times, scratch_path, write_json
+from .common import machine, print_table, round_robin_times, write_json
+from .common import parser as common_parser
 
 SHAPES = [(128, 512, 16), (512, 2048, 64), (1024, 4096, 256)]  # hidden, ffn, tokens (first: overhead-bound)
 
@@ -60,6 +60,7 @@ def bench_rank(hidden, ffn, tokens, iters, warmup):
         models["plain"] = dense
     x = torch.randn(tokens, 1, hidden, requires_grad=True)  # [s, b, h]
     g = torch.randn(tokens, 1, hidden)
+
     def step(model):
         _step(model, x, g)
         model.zero_grad(set_to_none=True)
@@ -70,13 +71,7 @@ def bench_rank(hidden, ffn, tokens, iters, warmup):
 
 
 def parser():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--iters", type=int, default=40)
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4])
-    p.add_argument("--out", default=scratch_path("mlp.json"),
-                   help="JSON output (the committed table is bench/results/mlp.json: pass it to refresh it)")
-    return p
+    return common_parser(__doc__, "mlp", iters=40, warmup=5)
 
 
 def main(argv=None):

@@ -12,7 +12,6 @@ step (forward with labels, HF's loss, backward) is timed on rank 0 between barri
 medians of per-iteration ratios (steps taken back to back, so load from other processes mostly cancels). Target:
 ours/DTensor <= 0.6 at TP = 2.
 """
-import argparse
 import copy
 
 import torch
@@ -23,7 +22,7 @@ from tp import testing
 from tp.parallelize import parallelize
 from tp.plans import default_plan
 
-from .common import machine, median, print_table, round_robin_times, scratch_path, write_json
+from .common import machine, median, parser, print_table, round_robin_times, write_json
 
 # hidden, ffn, heads, kv heads, layers, batch, sequence: overhead-bound, REFERENCE.md §7's shape, larger
 SHAPES = [(128, 344, 4, 4, 2, 1, 128), (256, 688, 8, 4, 2, 4, 128), (512, 1376, 8, 4, 2, 4, 128)]
@@ -75,13 +74,7 @@ def bench_rank(shape, iters, warmup):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4])
-    p.add_argument("--out", default=scratch_path("parallelize.json"),
-                   help="JSON output (the committed table is bench/results/parallelize.json: pass it to refresh it)")
-    args = p.parse_args(argv)
+    args = parser(__doc__, "parallelize", iters=20, warmup=3).parse_args(argv)
     rows = []
     for shape in SHAPES:
         for tp_size in args.tp:
