@@ -14,7 +14,8 @@ One LlamaForCausalLM (random weights, no download) is built on every rank and pa
 The losses of all three are checked against the dense Llama once per row (printed). fp32, gloo, one thread per rank.
 
 Time: each rank runs the models round-robin; a step (forward, mean cross-entropy, backward) is timed on rank 0 between
-barriers; median of --iters after --warmup. Saved activations: bytes of the distinct storages autograd saves in one
+barriers; median of --iters after --warmup; ratios are medians of per-iteration ratios (steps taken back to back, so
+load from other processes mostly cancels). Saved activations: bytes of the distinct storages autograd saves in one
 forward and loss (torch.autograd.graph.saved_tensors_hooks; parameters excluded), on rank 0, by region: norm/dropout
 (norms, dropout and the residual stream in the layers), attn/mlp, other (embedding, output layer, loss).
 Targets at TP=2: ours <= 0.6x DTensor and <= 0.95x megatron-core; SP divides the norm/dropout region by ~tp.
@@ -36,7 +37,7 @@ import models
 import tp
 from tp import testing
 
-from .common import machine, print_table, round_robin_times, scratch_path, write_json
+from .common import machine, median, print_table, round_robin_times, scratch_path, write_json
 
 REGIONS = ("norm/dropout", "attn/mlp", "other")
 # The transformer layers of the three implementations: their own code (residual adds, dropout) is residual stream.
@@ -258,7 +259,7 @@ def bench_rank(a, use_megatron):
                 model.zero_grad(set_to_none=True)
 
             times = round_robin_times({name: (lambda m=m, s=s: fwd_bwd(m, s)) for name, (m, s) in steps.items()},
-                                      iters=a.iters, warmup=a.warmup, sync=dist.barrier)
+                                      iters=a.iters, warmup=a.warmup, sync=dist.barrier, reduce=list)
             results[sp] = {"times": times, "saved": saved, "losses": losses, "reference": reference}
         return results
 
@@ -267,10 +268,10 @@ def _row(tp_size, sp, r):
     row = {"tp": tp_size, "sp": "on" if sp else "off",
            "loss_err": max(abs(loss - r["reference"]) for loss in r["losses"].values())}
     for name, seconds in r["times"].items():
-        row |= {f"{name}_ms": 1e3 * seconds, f"{name}_mib": sum(r["saved"][name].values()) / 2**20,
+        row |= {f"{name}_ms": 1e3 * median(seconds), f"{name}_mib": sum(r["saved"][name].values()) / 2**20,
                 f"{name}_norm_mib": r["saved"][name]["norm/dropout"] / 2**20}
-        if name != "ours":
-            row[f"ours_vs_{name}"] = r["times"]["ours"] / seconds
+        if name != "ours":  # steps taken back to back: load from other processes mostly cancels in the ratio
+            row[f"ours_vs_{name}"] = median([a / b for a, b in zip(r["times"]["ours"], seconds)])
     return row
 
 

@@ -48,10 +48,7 @@ class Norm(nn.Module):
             params = tp.sync_grads_over_tp(*params, group=self.group)
         if self.kind == "layernorm":
             return F.layer_norm(x, x.shape[-1:], *params, self.eps)
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return params[0] * x.to(dtype)
+        return params[0] * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)  # HF's: weight in x's dtype
 
     def extra_repr(self):
         return f"{self.kind}, {self.weight.shape[0]}, eps={self.eps}, sequence_parallel={self.sequence_parallel}"
@@ -71,10 +68,10 @@ def _rope_tables(seq, head_dim, theta, device, dtype):
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def rope(q, k, theta):
-    """Rotary embeddings, rotate-half convention (HF and Megatron), positions 0..s-1, on [b, n, s, d] q and k."""
-    cos, sin = _rope_tables(q.shape[-2], q.shape[-1], theta, q.device, q.dtype)
-    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+def rope(x, theta):
+    """Rotary embeddings, rotate-half convention (HF and Megatron), positions 0..s-1, on [b, n, s, d] heads."""
+    cos, sin = _rope_tables(x.shape[-2], x.shape[-1], theta, x.device, x.dtype)
+    return x * cos + rotate_half(x) * sin
 
 
 class Attention(nn.Module):
@@ -102,19 +99,19 @@ class Attention(nn.Module):
 
     def core(self, q, k, v):  # [b, n, s, d]
         """Softmax(qkᵀ/√d)v, causal; heads are tp-sharded, so attention dropout draws per-rank masks."""
-        k = k.repeat_interleave(self.local_heads // self.local_kv_heads, dim=1)  # GQA: kv head per query head
-        v = v.repeat_interleave(self.local_heads // self.local_kv_heads, dim=1)
         p = self.config.attention_dropout if self.training else 0.0
-        with tp.fork_rng() if p else contextlib.nullcontext():
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        with tp.fork_rng() if p else contextlib.nullcontext():  # GQA: query head i reads kv head i // (n / n_kv)
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
+                                                  enable_gqa=self.local_heads != self.local_kv_heads)
 
     def forward(self, x):  # [s(/tp), b, h]
         qkv = self.qkv(x)  # [s, b, (heads + 2 kv_heads)·d / tp]
-        d = self.head_dim
-        q, k, v = (rearrange(t, "s b (n d) -> b n s d", d=d) for t in
-                   qkv.split([self.local_heads * d, self.local_kv_heads * d, self.local_kv_heads * d], dim=-1))
+        q_and_k = (self.local_heads + self.local_kv_heads) * self.head_dim
+        qk, v = (rearrange(t, "s b (n d) -> b n s d", d=self.head_dim) for t in qkv.split(
+            [q_and_k, qkv.shape[-1] - q_and_k], dim=-1))
         if self.config.position == "rope":
-            q, k = rope(q, k, self.config.rope_theta)
+            qk = rope(qk, self.config.rope_theta)  # q and k heads rotated together: one pass
+        q, k = qk.split([self.local_heads, self.local_kv_heads], dim=1)
         if self.config.recompute == "selective" and torch.is_grad_enabled():
             context = checkpoint(self.core, q, k, v, use_reentrant=False)  # keep q, k, v; recompute the rest
         else:
