@@ -3,6 +3,11 @@ ways, next to the dense model on every rank:
   ours      tp.parallelize(model)
   DTensor   torch's parallelize_module with the model's base_model_tp_plan as ColwiseParallel/RowwiseParallel
   HF        transformers' own apply_tensor_parallelism with the same plan (what from_pretrained(tp_plan=...) runs)
+and, with the output layer vocab-parallel too (each library's vocab-parallel cross-entropy on the local logits):
+  ours vp   tp.parallelize(model, {**tp.default_plan(model), "lm_head": "colwise"}): HF's loss call runs
+            tp.vocab_parallel_cross_entropy
+  DTensor vp  lm_head ColwiseParallel(output_layouts=Shard(-1), use_local_output=False), the step under
+            torch's loss_parallel()
 
     python -m bench.parallelize [--iters 20] [--out PATH]     # JSON to a scratch path unless --out says otherwise
 
@@ -12,7 +17,9 @@ step (forward with labels, HF's loss, backward) is timed on rank 0 between barri
 medians of per-iteration ratios (steps taken back to back, so load from other processes mostly cancels). Target:
 ours/DTensor <= 0.6 at TP = 2.
 """
+import contextlib
 import copy
+import functools
 
 import torch
 import torch.distributed as dist
@@ -39,11 +46,14 @@ def _llama(hidden, ffn, heads, kv_heads, layers):
     return LlamaForCausalLM(config)
 
 
-def _dtensor(model, mesh):
+def _dtensor(model, mesh, vocab_parallel=False):
+    from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     plan = {pattern: styles[style]() for pattern, style in default_plan(model).items()}
+    if vocab_parallel:  # logits stay a DTensor sharded over the vocabulary, for loss_parallel()
+        plan["lm_head"] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
     return parallelize_module(model, mesh.device_mesh["tp"], plan)
 
 
@@ -60,23 +70,39 @@ def bench_rank(shape, iters, warmup):
     mesh = tp.init_mesh(tp=dist.get_world_size())
     hidden, ffn, heads, kv_heads, layers, batch, seq = shape
     dense = _llama(hidden, ffn, heads, kv_heads, layers)
-    models = {"ours": parallelize(copy.deepcopy(dense)), "dtensor": _dtensor(copy.deepcopy(dense), mesh),
-              "hf": _hf(copy.deepcopy(dense), mesh), "dense": dense}
-    ids = torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(1))
-    losses = {name: model(ids, labels=ids).loss.item() for name, model in models.items()}
-    assert max(losses.values()) - min(losses.values()) < 1e-4, losses  # the same model four ways
-    def step(model):
-        model(ids, labels=ids).loss.backward()
-        model.zero_grad(set_to_none=True)
+    from torch.distributed.tensor.parallel import loss_parallel
 
-    return round_robin_times({name: (lambda m=model: step(m)) for name, model in models.items()}, iters=iters,
-                             warmup=warmup, sync=dist.barrier, reduce=list)
+    vocab_parallel_plan = {**default_plan(dense), "lm_head": "colwise"}
+    models = {"ours": parallelize(copy.deepcopy(dense)), "dtensor": _dtensor(copy.deepcopy(dense), mesh),
+              "hf": _hf(copy.deepcopy(dense), mesh), "dense": dense,
+              "ours_vp": parallelize(copy.deepcopy(dense), vocab_parallel_plan),
+              "dtensor_vp": _dtensor(copy.deepcopy(dense), mesh, vocab_parallel=True)}
+    ids = torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(1))
+
+    def step(name, backward=True):
+        with loss_parallel() if name == "dtensor_vp" else contextlib.nullcontext():
+            loss = models[name](ids, labels=ids).loss
+            if backward:
+                loss.backward()
+                models[name].zero_grad(set_to_none=True)
+        return loss
+
+    with torch.no_grad():
+        losses = {name: step(name, backward=False) for name in models}
+    losses = {name: getattr(loss, "full_tensor", lambda: loss)().item() for name, loss in losses.items()}
+    assert max(losses.values()) - min(losses.values()) < 1e-4, losses  # the same model six ways
+    return round_robin_times({name: functools.partial(step, name) for name in models}, iters=iters, warmup=warmup,
+                             sync=dist.barrier, reduce=list)
 
 
 def main(argv=None):
-    args = parser(__doc__, "parallelize", iters=20, warmup=3).parse_args(argv)
+    p = parser(__doc__, "parallelize", iters=20, warmup=3)
+    p.add_argument("--shapes", nargs="+", type=lambda text: tuple(map(int, text.split(":"))),
+                   default=SHAPES, help="hidden:ffn:heads:kv_heads:layers:batch:seq each (default: "
+                   + " ".join(":".join(map(str, shape)) for shape in SHAPES) + ")")
+    args = p.parse_args(argv)
     rows = []
-    for shape in SHAPES:
+    for shape in args.shapes:
         for tp_size in args.tp:
             times = testing.run(bench_rank, world_size=tp_size, timeout=1800, shape=shape, iters=args.iters,
                                 warmup=args.warmup)[0]
@@ -87,6 +113,7 @@ def main(argv=None):
             # Ratios of steps taken back to back (median over iterations): load from other processes cancels.
             row |= {f"ours_vs_{name}": median([a / b for a, b in zip(times["ours"], times[name])])
                     for name in ("dtensor", "hf", "dense")}
+            row["ours_vp_vs_dtensor_vp"] = median([a / b for a, b in zip(times["ours_vp"], times["dtensor_vp"])])
             rows.append(row)
     testing.shutdown()
     print(f"\nHF Llama (vocab {VOCAB}) fwd+bwd step, median of {args.iters}, on {machine()}, gloo")
@@ -97,6 +124,12 @@ def main(argv=None):
         ("dense_ms", "dense ms", "{:.1f}"),
         ("ours_vs_dtensor", "ours/DTensor", "{:.2f}"), ("ours_vs_hf", "ours/HF", "{:.2f}"),
         ("ours_vs_dense", "ours/dense", "{:.2f}"),
+    ])
+    print("\nThe same with the output layer vocab-parallel and each library's vocab-parallel loss")
+    table += "\n\n" + print_table(rows, [
+        ("hidden", "hidden", "{}"), ("tokens", "tokens", "{}"), ("tp", "TP", "{}"),
+        ("ours_vp_ms", "tp.parallelize vp ms", "{:.1f}"), ("dtensor_vp_ms", "DTensor loss_parallel ms", "{:.1f}"),
+        ("ours_vp_vs_dtensor_vp", "ours/DTensor", "{:.2f}"),
     ])
     write_json(args.out, {"machine": machine(), "iters": args.iters, "rows": rows, "table": table})
 

@@ -1,4 +1,4 @@
-"""Smoke tests of bench.gpt and bench.train at tiny sizes: they run end to end and write what they promise. The
+"""Smoke tests of bench.gpt, bench.parallelize and bench.train at tiny sizes: they run end to end and write what they promise. The
 numbers are not checked (benchmarks are not timed tests), only what holds on any machine."""
 import json
 
@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from bench import gpt, train  # noqa: E402
+from bench import gpt, parallelize, train  # noqa: E402
 
 
 def test_gpt_benchmark_runs_and_sp_halves_the_norm_region(tmp_path):
@@ -38,3 +38,12 @@ def test_train_benchmark_runs_every_part(tmp_path):
     for row in result["bubble"]:
         assert all(0 <= row[k] < 1 for k in ("gpipe", "1f1b", "gpipe_stages", "1f1b_stages"))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_parallelize_benchmark_runs_every_model(tmp_path):
+    out = tmp_path / "parallelize.json"
+    parallelize.main(["--tp", "2", "--iters", "1", "--warmup", "0", "--shapes", "32:64:4:2:1:1:16", "--out", str(out)])
+    (row,) = json.loads(out.read_text())["rows"]  # (the six models' losses agree, or the bench raises)
+    assert (row["hidden"], row["heads"], row["tokens"], row["tp"]) == (32, "4/2", "1x16", 2)
+    for name in ("ours", "dtensor", "hf", "dense", "ours_vp", "dtensor_vp"):
+        assert row[f"{name}_ms"] > 0
