@@ -1,5 +1,5 @@
-"""Smoke tests of bench.gpt, bench.parallelize and bench.train at tiny sizes: they run end to end and write what they promise. The
-numbers are not checked (benchmarks are not timed tests), only what holds on any machine."""
+"""Smoke tests of bench.gpt, bench.parallelize and bench.train at tiny sizes: they run end to end and write what they
+promise. The numbers are not checked (benchmarks are not timed tests), only what holds on any machine."""
 import json
 
 import pytest
