@@ -502,3 +502,19 @@ def test_column_layers_sharing_one_input_reduce_its_grad_once(tp_size):
         assert_close(layer.weight.grad, layer.shard_dense(dense.weight.grad), ATOL, "weight grad")
     with pytest.raises(ValueError, match="disable_grad_reduce=True with sequence_parallel=True"):
         tp.ColumnParallelLinear(4, 8, disable_grad_reduce=True, sequence_parallel=True)
+
+
+@distributed(world_size=2)
+def test_deepcopy_shares_the_process_group():
+    """copy.deepcopy of a parallel model (EMA, a reference copy) copies the weights and shares the group handle."""
+    import copy
+
+    tp.init_mesh(tp=2)
+    torch.manual_seed(0)
+    model = nn.Sequential(tp.ColumnParallelLinear(HIDDEN, FFN), tp.RowParallelLinear(FFN, HIDDEN),
+                          tp.VocabParallelEmbedding(10, HIDDEN))
+    twin = copy.deepcopy(model)
+    assert twin[0].group is model[0].group and twin[2].group is model[2].group
+    assert twin[0].weight is not model[0].weight and torch.equal(twin[0].weight, model[0].weight)
+    x = randn(S, B, HIDDEN, seed=1, dtype=torch.float32)
+    assert torch.equal(twin[1](twin[0](x)), model[1](model[0](x)))

@@ -121,6 +121,15 @@ def backward_all_reduces(family, config, tp_size):
     return LAYERS * (CONFIGS[family][1] + replica_sums) if tp_size > 1 else 0
 
 
+def assert_full_state_dict(model, dense):
+    """tp.full_state_dict gives the dense model's state dict back: same names, shapes and (trained) values."""
+    full, expected = tp.full_state_dict(model), dense.state_dict()
+    assert list(full) == list(expected)
+    for name, tensor in expected.items():
+        assert full[name].shape == tensor.shape, name
+        assert_close(full[name], tensor, ATOL, f"full_state_dict[{name!r}]")
+
+
 def check_family(family, tp_size):
     tp.init_mesh(tp=tp_size)
     dense = tiny(family)
@@ -132,6 +141,7 @@ def check_family(family, tp_size):
     check_against_dense(dense, model, fwd=_all_reduces(2 * LAYERS),
                         bwd=_all_reduces(backward_all_reduces(family, dense.config, tp_size)))
     assert_described(model)
+    assert_full_state_dict(model, dense)  # after the SGD steps: fused parts, replicated kv rows, Conv1D layout
     kv_heads = getattr(dense.config, "num_key_value_heads", None) or 4
     heads = rf"{4 // tp_size} heads, {kv_heads * max(1, tp_size // kv_heads) // tp_size} kv heads per rank"
     assert len(re.findall(heads, describe(model))) == LAYERS, describe(model)
@@ -178,9 +188,36 @@ def test_vocab_parallel_embedding_and_head(tp_size, family, head_style):
     check_against_dense(dense, model, logits_shard=shard,
                         fwd={ALL_REDUCE: fwd, ALL_GATHER: gathers, REDUCE_SCATTER: 0}, bwd=_all_reduces(bwd))
     assert ("loss_function" in describe(model)) == local
+    assert_full_state_dict(model, dense)
     if local:  # greedy decoding over this rank's slice of the vocabulary would be silently wrong
         with pytest.raises(RuntimeError, match="generate\\(\\) needs full-vocabulary logits"):
             model.generate(tokens(seed=3), max_new_tokens=2)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@distributed(world_size=2)
+def test_save_pretrained_writes_the_trained_dense_model(family, tmp_path):
+    """A trained parallelized model (and a deep copy of it) saves with HF's save_pretrained: every rank calls it,
+    tp rank 0 writes the gathered weights, and from_pretrained loads the dense model the training produced."""
+    from transformers import AutoModelForCausalLM
+
+    tp.init_mesh(tp=2)
+    dense = tiny(family)
+    embedding = "transformer.wte" if family == "gpt2" else "model.embed_tokens"
+    model = parallelize(copy.deepcopy(dense), default_plan(dense) | {embedding: "vocab", "lm_head": "colwise"})
+    ids = tokens(seed=1)
+    for m in (model, dense):
+        m(ids, labels=ids).loss.backward()
+    sgd_steps([model, dense], ids, steps=2)
+    twin = copy.deepcopy(model)
+    for m, path in ((model, tmp_path / "model"), (twin, tmp_path / "twin")):
+        m.save_pretrained(path)
+        torch.distributed.barrier()
+        assert (path / "config.json").exists()
+        loaded = AutoModelForCausalLM.from_pretrained(path)
+        assert_close(loaded(tokens(seed=2)).logits, dense(tokens(seed=2)).logits.detach(), ATOL, f"{path} logits")
+    with pytest.raises(ValueError, match="the dense state dict is gathered here"):
+        model.save_pretrained(tmp_path / "other", state_dict=model.state_dict())
 
 
 REFUSALS = [  # (family, config overrides, plan or None, keyword arguments, what the message must name)
@@ -222,8 +259,6 @@ def test_refusals_leave_the_model_untouched():
     model = parallelize(tiny("llama"))
     with pytest.raises(ValueError, match="already parallelized"):
         parallelize(model)
-    with pytest.raises(RuntimeError, match=r"save_pretrained\(\) on a tp.parallelize'd model would write this rank's"):
-        model.save_pretrained("/nonexistent")
 
 
 @distributed(world_size=2)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import debug
-from .mappings import _ReduceFromTPInPlace, _ReduceScatterToSP
+from .mappings import _ReduceFromTPInPlace, _ReduceScatterToSP, gather_first
 from .mesh import resolve_group
 
 
@@ -59,6 +59,13 @@ class VocabParallelEmbedding(nn.Module):
         if self.padding_idx is not None:
             master[self.padding_idx].zero_()
         self.load_master(master)
+
+    @torch.no_grad()
+    def gather_dense(self, tensor):
+        """The dense [V, H] tensor from every rank's rows of it (a collective over the group)."""
+        if self.tp_size == 1:
+            return tensor
+        return gather_first(tensor, self.group)
 
     @torch.no_grad()
     def load_master(self, weight):

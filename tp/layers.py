@@ -221,6 +221,28 @@ class _ParallelLinear(nn.Module):
         return tensor.index_select(dim, self.shard_indices().to(tensor.device))
 
     @torch.no_grad()
+    def gather_dense(self, tensor):
+        """The dense tensor from every rank's slice of it (a collective over the group): shard_dense's inverse.
+        A row layer's bias is whole on every rank and comes back as it is."""
+        dim = self.shard_dim if tensor.dim() == 2 else 0
+        if self.tp_size == 1 or (self.shard_dim == 1 and tensor.dim() == 1):
+            return tensor
+        pieces = [torch.empty_like(tensor) for _ in range(self.tp_size)]
+        dist.all_gather(pieces, tensor.contiguous(), group=self.group)
+        n = (self.out_features, self.in_features)[self.shard_dim]
+        index = torch.cat([_shard(torch.arange(n), 0, r, self.tp_size, self.parts, self.part_replicas)
+                           for r in range(self.tp_size)])
+        order = index.argsort(stable=True)  # replicated chunks: each dense row taken from its first holder
+        ordered = index[order]
+        first = torch.empty_like(index, dtype=torch.bool)
+        first[order] = torch.cat([torch.tensor([True]), ordered[1:] != ordered[:-1]])
+        shape = list(tensor.shape)
+        shape[dim] = n
+        kept = first.nonzero().squeeze(1).to(tensor.device)
+        source = torch.cat(pieces, dim).index_select(dim, kept)
+        return tensor.new_empty(shape).index_copy_(dim, index[first].to(tensor.device), source)
+
+    @torch.no_grad()
     def load_master(self, weight, bias=None):
         """Copy this rank's slice of the dense [out, in] weight (and bias) into the local parameters."""
         if tuple(weight.shape) != (self.out_features, self.in_features):

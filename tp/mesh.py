@@ -4,12 +4,16 @@
 of the sizes in that order, rank = Σ coord[axis]·stride[axis]. Tensor-parallel groups are thus adjacent ranks
 (one node's NVLink domain) under the default order.
 """
+import copy
 import datetime
 import itertools
 import os
 
 import torch
 import torch.distributed as dist
+
+# A process group is a handle to a communicator: a deep copy of a module (an EMA or reference model) shares it.
+copy._deepcopy_dispatch[dist.ProcessGroup] = copy._deepcopy_atomic
 
 AXES = ("tp", "dp", "pp")
 COMPOSITES = ("tp-pp", "tp-dp")

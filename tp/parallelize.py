@@ -105,14 +105,36 @@ def parallelize(module, plan=None, *, group=None, sequence_parallel=False):
         if hasattr(module, "generate"):  # it would pick tokens from this rank's slice of the vocabulary
             module.generate = _generate_refused
             record.append(("generate", "refused", "needs full logits: 'colwise_gather_output' on the output layer"))
-    if hasattr(module, "save_pretrained"):  # it would write this rank's shards under the dense names
-        module.save_pretrained = _save_pretrained_refused
-        record.append(("save_pretrained", "refused", "the state dict holds this rank's shards"))
+    if hasattr(module, "save_pretrained"):  # the state dict holds this rank's shards under the dense names
+        module.save_pretrained = types.MethodType(_save_pretrained_gathered, module)  # (rebound by deepcopy)
+        record.append(("save_pretrained", "gathered", "writes the dense model: shards gathered, tp rank 0 writes"))
     module.register_forward_pre_hook(shared_input.clear)
     module.register_forward_hook(shared_input.clear, always_call=True)
     source = "plan=" if plan is not None else plans.plan_source(module)
-    setattr(module, _RECORD, {"tp": tp_size, "plan": source, "entries": sorted(record)})
+    conv1d = [name for name in built if _is_conv1d(modules[name])]
+    setattr(module, _RECORD, {"tp": tp_size, "plan": source, "entries": sorted(record), "group": group,
+                              "conv1d": conv1d})
     return module
+
+
+def full_state_dict(module):
+    """The module's state dict with every tensor-parallel parameter gathered to its dense shape, under the same
+    names and layout as before `parallelize` (HF Conv1D weights back to [in, out]). A collective: every rank of the
+    tp group calls it; every rank gets the dense tensors."""
+    state = module.state_dict()
+    conv1d = set(getattr(module, _RECORD, {}).get("conv1d", ()))
+    gathered = {}  # tied parameters (embedding and lm_head) gathered once, still one tensor
+    for name, sub in module.named_modules():
+        if not isinstance(sub, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
+            continue
+        for pname, param in sub.named_parameters(recurse=False):
+            key = f"{name}.{pname}" if name else pname
+            if key in state:
+                if id(param) not in gathered:
+                    dense = sub.gather_dense(state[key])
+                    gathered[id(param)] = dense.t().contiguous() if name in conv1d and pname == "weight" else dense
+                state[key] = gathered[id(param)]
+    return state
 
 
 def describe(module):
@@ -309,10 +331,15 @@ def _vocab_parallel_causal_lm_loss(group):
     return loss_function
 
 
-def _save_pretrained_refused(*args, **kwargs):
-    raise RuntimeError("save_pretrained() on a tp.parallelize'd model would write this rank's shards under the dense "
-                       "names (a checkpoint from_pretrained cannot load): save the model before tp.parallelize, or "
-                       "train models.GPT.from_hf(...) and use its save_hf")
+def _save_pretrained_gathered(module, save_directory, *args, **kwargs):
+    """Hugging Face's save_pretrained of the dense model: every tp rank calls it (the shards are gathered), tp rank
+    0 writes (with data parallelism, pass is_main_process= as usual)."""
+    if kwargs.get("state_dict") is not None:
+        raise ValueError("save_pretrained(state_dict=...) on a tp.parallelize'd model: the dense state dict is "
+                         "gathered here (tp.full_state_dict); pass none")
+    state = full_state_dict(module)
+    if dist.get_rank(getattr(module, _RECORD)["group"]) == 0:
+        type(module).save_pretrained(module, save_directory, *args, **(kwargs | {"state_dict": state}))
 
 
 def _generate_refused(*args, **kwargs):
