@@ -220,6 +220,33 @@ def test_save_pretrained_writes_the_trained_dense_model(family, tmp_path):
         model.save_pretrained(tmp_path / "other", state_dict=model.state_dict())
 
 
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@distributed(world_size=2)
+def test_attention_dropout_masks_are_per_rank(family):
+    """In training, attention dropout over this rank's heads draws its own masks (Megatron's per-tp-rank stream),
+    while the replicated stream (GPT-2's residual dropout after c_proj) stays shared: logits equal on both ranks.
+    The same default-generator state gives the same step (recompute-safe); without a seeded stream it raises."""
+    tp.init_mesh(tp=2)
+    drop = dict(attn_pdrop=0.5, resid_pdrop=0.3) if family == "gpt2" else dict(attention_dropout=0.5)
+    model = parallelize(tiny(family, attn_implementation="eager", **drop)).train()
+    ids = tokens(seed=1)
+    tp.get_rng_tracker().reset()
+    with pytest.raises(RuntimeError, match=r"per-rank masks: .*tp.model_parallel_seed"):
+        model(ids)
+    tp.model_parallel_seed(0)
+    out = model(ids, output_attentions=True)
+    dropped = [torch.empty_like(out.attentions[0], dtype=torch.bool) for _ in range(2)]  # [b, heads/tp, s, s]
+    torch.distributed.all_gather(dropped, out.attentions[0] == 0)
+    assert dropped[0].float().mean() > 0.3 and not torch.equal(dropped[0], dropped[1])
+    logits = [torch.empty_like(out.logits) for _ in range(2)]
+    torch.distributed.all_gather(logits, out.logits.detach())
+    assert torch.equal(logits[0], logits[1])
+    torch.manual_seed(5)
+    first = model(ids).logits
+    torch.manual_seed(5)
+    assert torch.equal(model(ids).logits, first)
+
+
 REFUSALS = [  # (family, config overrides, plan or None, keyword arguments, what the message must name)
     ("llama", dict(hidden_size=48, num_attention_heads=6, num_key_value_heads=6), None, {},
      "num_attention_heads = 6 is not divisible by tp = 4"),

@@ -35,6 +35,7 @@ from .grads import sync_grads_over_tp
 from .layers import ColumnParallelLinear, RowParallelLinear
 from .mappings import copy_to_tp_region
 from .mesh import resolve_group
+from .random import fork_rng
 
 GATHER_OUTPUT = {"colwise": False, "colwise_gather_output": True}
 INPUT_IS_PARALLEL = {"rowwise": True, "rowwise_split_input": False}
@@ -97,6 +98,7 @@ def parallelize(module, plan=None, *, group=None, sequence_parallel=False):
     for name, (heads, kv_heads, replicas) in local_heads.items():
         if family.localize is not None:  # (an unchecked family: kv heads never replicated, so no count changes)
             family.localize(modules[name], heads, kv_heads)
+        _HeadsRngFork(modules[name], built.get(f"{name}.{family.out}"))
         spread = f" (each kv head on {replicas} ranks)" if replicas > 1 else ""
         record.append((name, "heads", f"{heads} heads, {kv_heads} kv heads per rank{spread}"))
     if vocab_parallel_logits:
@@ -303,6 +305,42 @@ def _sum_grads_in_backward(module, group):
 
     module.register_forward_pre_hook(swap_in)
     module.register_forward_hook(swap_back, always_call=True)
+
+
+def _attention_dropout(attention):
+    """The attention-probability dropout an HF attention module applies in training (0.0: none)."""
+    p = getattr(attention, "attention_dropout", None)
+    if p is None:
+        p = getattr(getattr(attention, "attn_dropout", None), "p", 0.0)  # GPT-2
+    return float(p or 0.0)
+
+
+class _HeadsRngFork:
+    """Attention dropout over this rank's heads draws from the per-tp-rank stream (Megatron's), from the attention's
+    entry to its output projection: different heads get independent masks, and what follows the projection
+    (replicated, e.g. GPT-2's resid_dropout) keeps the shared stream. Recompute-safe (tp.fork_rng). A hook object
+    (not closures), so a deep copy of the model gets its own."""
+
+    def __init__(self, attention, out_proj):
+        self.active = None
+        attention.register_forward_pre_hook(self.enter)
+        if out_proj is not None:
+            out_proj.register_forward_pre_hook(self.leave)
+        attention.register_forward_hook(self.leave, always_call=True)
+
+    def enter(self, attention, args):
+        if attention.training and _attention_dropout(attention) > 0:
+            try:
+                fork = fork_rng()
+                fork.__enter__()
+            except RuntimeError as e:
+                raise RuntimeError(f"attention dropout over tensor-parallel heads draws per-rank masks: {e}") from None
+            self.active = fork
+
+    def leave(self, *_):
+        if self.active is not None:
+            fork, self.active = self.active, None
+            fork.__exit__(None, None, None)
 
 
 def _detail(new, style, tied_to):
