@@ -261,6 +261,9 @@ REFUSALS = [  # (family, config overrides, plan or None, keyword arguments, what
     ("llama", {}, {"model.layers.*.self_attn.q_proj": "colwise", "model.layers.*.self_attn.o_proj": "rowwise"}, {},
      "model.layers.0.self_attn.k_proj is not sharded but must be 'colwise'"),
     ("gemma", {}, {"lm_head": "colwise"}, {}, "lm_head.weight is tied to model.embed_tokens"),
+    ("llama", {}, {"model.layers.*.mlp.gate_proj": "colwise", "model.layers.*.mlp.up_proj": "colwise"}, {},
+     "model.layers.0.mlp.gate_proj is 'colwise' (output [..., out/tp]) but no layer beside it in "
+     "model.layers.0.mlp is 'rowwise'"),
     ("llama", {}, {"model.layers.*.mlp.up_proj": "colwise", "model.layers.*.mlp.*_proj": "rowwise"}, {},
      "model.layers.0.mlp.up_proj matches 'model.layers.*.mlp.up_proj' (colwise) and 'model.layers.*.mlp.*_proj'"),
     ("llama", {}, None, dict(sequence_parallel=True), "sequence_parallel=True is not supported"),

@@ -71,6 +71,8 @@ def parallelize(module, plan=None, *, group=None, sequence_parallel=False):
         _check_kind(name, modules[name], style)
     tp_size = dist.get_world_size(group)
     options, local_heads = plans.shard_options(module, modules, styles, family, tp_size)
+    if family is not None:
+        _check_local_outputs_consumed(module, modules, styles)
     ties = _ties(modules, styles, options)
     vocab_parallel_logits = _vocab_parallel_output(module, modules, styles)
     built = {}
@@ -199,6 +201,21 @@ def _check_kind(name, module, style):
         raise ValueError(f"{name or 'the root module'} is {type(module).__name__}; style {style!r} needs {wanted}")
     if not name and style != "replicate":
         raise ValueError(f"the root module cannot be replaced in place (style {style!r} on pattern '')")
+
+
+def _check_local_outputs_consumed(module, modules, styles):
+    """In an HF model, a 'colwise' layer's local output [..., out/tp] must reach a 'rowwise' layer beside it (its
+    MLP's or attention's); the output layer's local logits go to the vocab-parallel loss."""
+    output = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
+    for name, style in styles.items():
+        if style != "colwise" or modules[name] is output:
+            continue
+        parent = name.rpartition(".")[0]
+        siblings = [n for n, s in styles.items() if s == "rowwise" and n.rpartition(".")[0] == parent]
+        if not siblings:
+            raise ValueError(f"{name} is 'colwise' (output [..., out/tp]) but no layer beside it in "
+                             f"{parent or 'the root module'} is 'rowwise' to take that shard: shard its partner "
+                             "'rowwise', or use 'colwise_gather_output'")
 
 
 def _ties(modules, styles, options):

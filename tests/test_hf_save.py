@@ -1,0 +1,153 @@
+"""save_hf refuses what the target Hugging Face family cannot represent (on every rank, before any collective or file
+write); one function picks the family for both the config and the tensor names; GPT's input errors name what the
+caller passed."""
+import os
+
+import pytest
+import torch
+
+import models
+import tp
+from models import hf as hf_io
+from tp.testing import distributed
+
+transformers = pytest.importorskip("transformers")
+
+TINY = dict(vocab_size=100, hidden_size=32, num_layers=1, num_heads=4, ffn_hidden_size=64, max_seq_len=16)
+GPT2_LIKE = dict(position="learned", activation="gelu_tanh", norm="layernorm", bias=True, tie_embeddings=True)
+
+
+def cfg(**changes):
+    return models.GPTConfig(**TINY | changes)
+
+
+# (config fields, the family written) for configs that have a Hugging Face equivalent.
+WRITABLE = [
+    (dict(), "llama"),
+    (dict(bias=True), "llama"),
+    (dict(bias=True, qkv_bias=True), "llama"),  # qkv_bias adds nothing when every linear has a bias
+    (dict(num_kv_heads=2, tie_embeddings=True), "llama"),
+    (dict(hf_model_type="mistral", sliding_window=8), "mistral"),
+    (dict(hf_model_type="qwen2", qkv_bias=True, sliding_window=8), "qwen2"),
+    (GPT2_LIKE, "gpt2"),  # no hf_model_type: learned positions are GPT-2's
+    (GPT2_LIKE | dict(activation="gelu", hf_model_type="gpt2"), "gpt2"),
+]
+
+
+@pytest.mark.parametrize("fields,family", WRITABLE)
+def test_family_is_decided_once_and_the_config_converts(fields, family):
+    config = cfg(**fields)
+    assert hf_io.hf_family(config) == family
+    hf = hf_io.config_to_hf(config)
+    assert hf.model_type == family
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        token = getattr(hf, name, None)
+        assert token is None or 0 <= token < config.vocab_size, (name, token)
+    back = hf_io.config_from_hf(hf)
+    for name in ("vocab_size", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "ffn_hidden_size",
+                 "activation", "norm", "position", "bias", "tie_embeddings", "sliding_window"):
+        assert getattr(back, name) == getattr(config, name), name
+    # and the tensor names follow the same family
+    names = [n for n, _ in hf_io.hf_sources(config, "embedding.weight")]
+    assert names == (["transformer.wte.weight"] if family == "gpt2" else ["model.embed_tokens.weight"])
+
+
+# (config fields, what the message must name): every field the family cannot represent is refused up front.
+REFUSED = [
+    (dict(qkv_bias=True), r"qkv_bias=True"),  # llama: q/k/v bias only with o_proj and MLP biases (Qwen2's)
+    (dict(activation="gelu"), r"activation='gelu'"),  # rope + gelu: no family
+    (dict(norm="layernorm"), r"norm='layernorm'"),
+    (dict(sliding_window=8), r"sliding_window=8"),  # llama has none
+    (dict(hf_model_type="mistral", bias=True), r"bias=True"),
+    (dict(hf_model_type="mistral", qkv_bias=True), r"qkv_bias=True"),
+    (dict(hf_model_type="qwen2"), r"qkv_bias=False"),
+    (dict(hf_model_type="qwen2", qkv_bias=True, bias=True), r"bias=True"),
+    (dict(hf_model_type="gpt2"), r"activation='swiglu'.*norm='rmsnorm'.*position='rope'.*bias=False"),
+    (GPT2_LIKE | dict(tie_embeddings=False, num_kv_heads=2), r"num_kv_heads=2.*tie_embeddings=False"),
+    (GPT2_LIKE | dict(norm="rmsnorm", bias=False), r"norm='rmsnorm'.*bias=False"),
+    (GPT2_LIKE | dict(head_dim=4), r"head_dim=4"),
+    (GPT2_LIKE | dict(sliding_window=8), r"sliding_window=8"),
+    (dict(position="learned"), r"activation='swiglu'"),  # learned positions: GPT-2's, which has no SwiGLU
+]
+
+
+@pytest.mark.parametrize("fields,message", REFUSED)
+def test_configs_without_an_equivalent_are_refused_by_name(fields, message):
+    config = cfg(**fields)
+    with pytest.raises(ValueError, match=r"no Hugging Face .*equivalent.*" + message):
+        hf_io.config_to_hf(config)
+    with pytest.raises(ValueError, match=message):
+        hf_io.check_hf(config)
+
+
+def test_unknown_hf_model_type_is_refused():
+    with pytest.raises(ValueError, match=r"hf_model_type='bert' must be one of"):
+        cfg(hf_model_type="bert")
+
+
+@distributed(world_size=2)
+def test_save_hf_refuses_on_every_rank_before_writing(tmp_path_factory=None):
+    import tempfile
+
+    tp.init_mesh(tp=2)
+    root = [tempfile.mkdtemp(prefix="tp-hf-refused-") if torch.distributed.get_rank() == 0 else None]
+    torch.distributed.broadcast_object_list(root)
+    for fields, message in ((dict(qkv_bias=True), r"qkv_bias=True"), (dict(activation="gelu"), r"activation='gelu'"),
+                            (GPT2_LIKE | dict(norm="rmsnorm", bias=False), r"norm='rmsnorm'")):
+        model = models.GPT(cfg(**fields))
+        path = os.path.join(root[0], "out")
+        with pytest.raises(ValueError, match=message):  # every rank, so no rank waits in a collective
+            model.save_hf(path)
+        torch.distributed.barrier()
+        assert not os.path.exists(path), os.listdir(path)
+    torch.distributed.barrier()
+    if torch.distributed.get_rank() == 0:
+        os.rmdir(root[0])
+
+
+@distributed(world_size=2)
+def test_inferred_gpt2_saves_and_loads_with_valid_token_ids():
+    """A GPT-2-shaped config without hf_model_type: written as GPT-2 (names and config agree), loads in transformers
+    with the same logits and no missing weights."""
+    import shutil
+    import tempfile
+    import warnings
+
+    tp.init_mesh(tp=2)
+    root = [tempfile.mkdtemp(prefix="tp-hf-gpt2-") if torch.distributed.get_rank() == 0 else None]
+    torch.distributed.broadcast_object_list(root)
+    torch.manual_seed(0)
+    model = models.GPT(cfg(**GPT2_LIKE)).eval()
+    model.save_hf(root[0])
+    x = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(1))
+    ours = model(x)
+    torch.distributed.barrier()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # e.g. a bos/eos id outside the vocabulary
+        reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(root[0], output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert reloaded.config.model_type == "gpt2"
+    for name in ("bos_token_id", "eos_token_id"):
+        token = getattr(reloaded.config, name)
+        assert token is None or 0 <= token < 100, (name, token)
+    assert torch.allclose(reloaded.eval()(x).logits, ours, atol=1e-5)
+    torch.distributed.barrier()
+    if torch.distributed.get_rank() == 0:
+        shutil.rmtree(root[0])
+
+
+@distributed(world_size=2)
+def test_input_errors_name_what_the_caller_passed():
+    tp.init_mesh(tp=2)
+    torch.manual_seed(0)
+    model = models.GPT(cfg())
+    assert model.padded_vocab_size == 256
+    for bad in (-1, 100):
+        with pytest.raises(ValueError, match=rf"token id {bad} is outside the vocabulary \[0, 100\)"):
+            model(torch.full((1, 4), bad))
+    tokens = torch.zeros(2, 8, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"targets shape \(2, 4\) != tokens shape \(2, 8\)"):
+        model(tokens, torch.zeros(2, 4, dtype=torch.long))  # every rank, before the embedding's collective
+    with pytest.raises(ValueError, match=r"targets shape \(8, 2\) != tokens shape \(2, 8\)"):
+        model(tokens, torch.zeros(8, 2, dtype=torch.long))
+    assert model(tokens, tokens).dim() == 0  # still works
