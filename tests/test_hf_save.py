@@ -86,7 +86,7 @@ def test_unknown_hf_model_type_is_refused():
 
 
 @distributed(world_size=2)
-def test_save_hf_refuses_on_every_rank_before_writing(tmp_path_factory=None):
+def test_save_hf_refuses_on_every_rank_before_writing():
     import tempfile
 
     tp.init_mesh(tp=2)

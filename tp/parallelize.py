@@ -4,6 +4,8 @@
     model = AutoModelForCausalLM.from_pretrained(name)   # the same weights on every rank
     tp.parallelize(model)                                 # the family's plan: attention and MLP linears sharded
     print(tp.describe(model))
+    ...                                                   # train
+    model.save_pretrained(path)                           # every tp rank calls it: gathered, tp rank 0 writes
 
 A plan maps module-name patterns (`*` matches within one dotted component, as in torch's parallelize_module) to
 styles:
