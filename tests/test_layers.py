@@ -518,3 +518,11 @@ def test_deepcopy_shares_the_process_group():
     assert twin[0].weight is not model[0].weight and torch.equal(twin[0].weight, model[0].weight)
     x = randn(S, B, HIDDEN, seed=1, dtype=torch.float32)
     assert torch.equal(twin[1](twin[0](x)), model[1](model[0](x)))
+
+
+@distributed(world_size=2)
+def test_from_linear_refuses_what_is_not_a_linear():
+    tp.init_mesh(tp=2)
+    for cls in (tp.ColumnParallelLinear, tp.RowParallelLinear):
+        with pytest.raises(TypeError, match="from_linear needs an nn.Linear .* got Conv2d"):
+            cls.from_linear(nn.Conv2d(2, 2, 1))

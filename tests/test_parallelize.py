@@ -247,6 +247,20 @@ def test_attention_dropout_masks_are_per_rank(family):
     assert torch.equal(model(ids).logits, first)
 
 
+@distributed(world_size=2)
+def test_debug_mode_names_the_layer_whose_replicated_input_differs():
+    """TP_DEBUG on a parallelized model: a norm weight that drifted on one rank makes q_proj's input differ; the
+    error names the layer, on every rank."""
+    mesh = tp.init_mesh(tp=2)
+    model = parallelize(tiny("llama"))
+    if mesh.tp_rank == 1:
+        with torch.no_grad():
+            model.model.layers[0].input_layernorm.weight[0] += 1e-3
+    with tp.set_debug(True), pytest.raises(ValueError, match=r"the input of model\.layers\.0\.self_attn\.q_proj "
+                                                              r"should be replicated but differs"):
+        model(tokens(seed=1))
+
+
 REFUSALS = [  # (family, config overrides, plan or None, keyword arguments, what the message must name)
     ("llama", dict(hidden_size=48, num_attention_heads=6, num_key_value_heads=6), None, {},
      "num_attention_heads = 6 is not divisible by tp = 4"),

@@ -256,7 +256,11 @@ class _ParallelLinear(nn.Module):
     @classmethod
     def from_linear(cls, linear, **options):
         """Shard a dense nn.Linear onto this rank (dtype and device follow the linear unless given in options)."""
-        weight = linear.weight
+        weight = getattr(linear, "weight", None)
+        if not (hasattr(linear, "in_features") and hasattr(linear, "out_features") and weight is not None
+                and weight.dim() == 2):
+            raise TypeError(f"from_linear needs an nn.Linear (in_features, out_features, a 2-D weight), got "
+                            f"{type(linear).__name__}")
         options = {"dtype": weight.dtype, "device": weight.device} | options
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None, _init=False, **options)
         layer.load_master(weight.detach(), None if linear.bias is None else linear.bias.detach())

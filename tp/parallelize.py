@@ -23,6 +23,7 @@ Every check runs before the first module is replaced, so a plan that cannot be r
 (all ranks hold the same model and plan) and leaves the model as it was.
 """
 import fnmatch
+import functools
 import types
 import warnings
 
@@ -30,7 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from . import plans
+from . import debug, plans
 from .cross_entropy import vocab_parallel_cross_entropy
 from .embedding import VocabParallelEmbedding
 from .grads import sync_grads_over_tp
@@ -93,7 +94,7 @@ def parallelize(module, plan=None, *, group=None, sequence_parallel=False):
             parent, _, leaf = name.rpartition(".")
             setattr(modules[parent], leaf, new)
             if isinstance(new, ColumnParallelLinear):
-                new.register_forward_pre_hook(shared_input)
+                new.register_forward_pre_hook(functools.partial(shared_input, name))
         elif style == "replicated_with_grad_allreduce":
             _sum_grads_in_backward(modules[name], group)
         record.append((name, style, _detail(new, style, ties.get(name))))
@@ -281,9 +282,11 @@ class _SharedInputCopy:
     def __init__(self, group):
         self.group, self.last = group, (None, None)
 
-    def __call__(self, layer, args):
+    def __call__(self, name, layer, args):
         x = args[0]
         if self.last[0] is not x:
+            if debug._enabled:  # name the layer (the mapping's own check would say "CopyToTP")
+                debug.check(x, self.group, f"the input of {name}", replicated=True)
             self.last = (x, copy_to_tp_region(x, self.group))
         return (self.last[1], *args[1:])
 
