@@ -7,6 +7,7 @@ ACTIVATIONS = ("swiglu", "gelu", "gelu_tanh")
 NORMS = ("rmsnorm", "layernorm")
 POSITIONS = ("rope", "learned")
 RECOMPUTE = ("none", "selective", "full")
+HF_FAMILIES = ("llama", "mistral", "qwen2", "gpt2")  # the Hugging Face families save_hf writes
 # Fields that change how a model runs, not its weights: free to differ between a checkpoint and its resumption.
 RUNTIME_FIELDS = ("sequence_parallel", "sequence_parallel_grad_sync", "recompute", "dropout",
                   "attention_dropout")
@@ -42,7 +43,8 @@ class GPTConfig:
     make_vocab_size_divisible_by: int = 128
     init_std: float = 0.02
     sliding_window: Optional[int] = None  # not implemented: sequences longer than this are refused
-    hf_model_type: Optional[str] = None  # "llama" | "mistral" | "qwen2" | "gpt2": the family save_hf writes
+    # "llama" | "mistral" | "qwen2" | "gpt2": the family save_hf writes; None: GPT-2 for learned positions, else Llama
+    hf_model_type: Optional[str] = None
 
     def __post_init__(self):
         self.num_kv_heads = self.num_kv_heads or self.num_heads
@@ -60,6 +62,9 @@ class GPTConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an integer >= 1")
+        if self.hf_model_type is not None and self.hf_model_type not in HF_FAMILIES:
+            raise ValueError(f"hf_model_type={self.hf_model_type!r} must be one of {HF_FAMILIES} (or None: "
+                             "inferred)")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not divisible by num_kv_heads={self.num_kv_heads}")
         if self.position == "rope" and self.head_dim % 2:

@@ -91,8 +91,9 @@ class GPT(nn.Module):
         if seq > limit:
             raise ValueError(f"sequence length {seq} exceeds max_seq_len={c.max_seq_len}"
                              + (f" / sliding_window={c.sliding_window} (not implemented)" if c.sliding_window else ""))
-        if tokens.max() >= c.vocab_size:  # the padded embedding rows exist, but are not tokens
-            raise ValueError(f"token id {int(tokens.max())} is outside the vocabulary [0, {c.vocab_size})")
+        outside = tokens[(tokens < 0) | (tokens >= c.vocab_size)]  # the padded embedding rows exist, but are not tokens
+        if outside.numel():
+            raise ValueError(f"token id {int(outside[0])} is outside the vocabulary [0, {c.vocab_size})")
         x = self.embedding(tokens.t())  # [s(/tp), b, h]
         if self.position_embedding is not None:
             weight = self.position_embedding.weight
@@ -114,9 +115,23 @@ class GPT(nn.Module):
         return tp.vocab_parallel_cross_entropy(logits, targets.t(), vocab_size=self.config.vocab_size,
                                                group=self.group)
 
+    def _check_targets(self, tokens, targets, hidden):
+        """targets must be [b, s] like the tokens (or the [b, s] of a later stage's hidden [s(/tp), b, h])."""
+        if self.pre_process:
+            if tuple(targets.shape) != tuple(tokens.shape):
+                raise ValueError(f"targets shape {tuple(targets.shape)} != tokens shape {tuple(tokens.shape)} "
+                                 "(both [batch, seq])")
+            return
+        seq = hidden.shape[0] * (self.tp_size if self.config.sequence_parallel else 1)
+        if tuple(targets.shape) != (hidden.shape[1], seq):
+            raise ValueError(f"targets shape {tuple(targets.shape)} != [batch, seq] {(hidden.shape[1], seq)} of this "
+                             f"stage's input hidden {tuple(hidden.shape)} ([seq(/tp), batch, hidden])")
+
     def forward(self, tokens=None, targets=None, *, hidden=None):
         """tokens [b, s] (first stage) or hidden [s(/tp), b, h] (later stages) -> loss / logits (last stage) or
         hidden."""
+        if targets is not None and self.post_process:
+            self._check_targets(tokens, targets, hidden)  # every rank, before any collective
         x = self.embed(tokens) if self.pre_process else hidden
         for layer in self.layers:
             x = layer(x)

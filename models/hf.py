@@ -16,10 +16,10 @@ import tp
 from tp.embedding import VocabParallelEmbedding
 from tp.layers import ColumnParallelLinear, RowParallelLinear
 
-from .config import GPTConfig
+from .config import HF_FAMILIES, GPTConfig
 
 LLAMA_LIKE = ("llama", "mistral", "qwen2")
-FAMILIES = LLAMA_LIKE + ("gpt2",)
+FAMILIES = HF_FAMILIES
 
 
 # ---- config ------------------------------------------------------------------------------------------------------
@@ -65,29 +65,97 @@ def config_from_hf(hf, **overrides):
     return GPTConfig(**(fields | {"hf_model_type": family} | overrides))
 
 
+def hf_family(config):
+    """The Hugging Face family `config` is written as (config_to_hf, save_hf) and whose tensor names it uses
+    (hf_sources: hf_state_dict, checkpoints): its hf_model_type, else GPT-2 for learned positions (the only family
+    with them), else Llama. Whether the config fits that family is check_hf's question."""
+    return config.hf_model_type or ("gpt2" if config.position == "learned" else "llama")
+
+
+_NAMES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "gpt2": "GPT-2"}
+
+
+def hf_problems(config, family=None):
+    """'field=value (what the family has)' for every field of `config` that `family` (default: hf_family) cannot
+    represent; empty when a checkpoint of that family holds exactly this model."""
+    c, family = config, family or hf_family(config)
+    name, problems = _NAMES[family], []
+
+    def need(ok, field, has):
+        if not ok:
+            problems.append(f"{field}={getattr(c, field)!r} ({name}: {has})")
+
+    if family == "gpt2":
+        need(c.activation in ("gelu_tanh", "gelu"), "activation", "'gelu_tanh' or 'gelu'")
+        need(c.norm == "layernorm", "norm", "'layernorm'")
+        need(c.position == "learned", "position", "'learned'")
+        need(c.bias, "bias", "a bias on every linear and norm")
+        need(c.num_kv_heads == c.num_heads, "num_kv_heads", f"no GQA/MQA: num_heads={c.num_heads}")
+        need(c.head_dim * c.num_heads == c.hidden_size, "head_dim",
+             f"hidden_size / num_heads = {c.hidden_size}/{c.num_heads}")
+        need(c.tie_embeddings, "tie_embeddings", "the output layer tied to the embedding")
+        need(c.sliding_window is None, "sliding_window", "no sliding window")
+        return problems
+    need(c.activation == "swiglu", "activation", "'swiglu'")
+    need(c.norm == "rmsnorm", "norm", "'rmsnorm'")
+    need(c.position == "rope", "position", "'rope'")
+    if family == "llama":  # attention_bias = mlp_bias = bias: q/k/v biases only together with all the others
+        need(c.bias or not c.qkv_bias, "qkv_bias", "q/k/v biases only with bias=True (every linear); q/k/v "
+             "biases alone are Qwen2's")
+        need(c.sliding_window is None, "sliding_window", "no sliding window; Mistral and Qwen2 have one")
+    elif family == "mistral":
+        need(not c.bias, "bias", "no biases")
+        need(not c.qkv_bias, "qkv_bias", "no biases")
+    else:  # qwen2
+        need(not c.bias, "bias", "biases on q/k/v only")
+        need(c.qkv_bias, "qkv_bias", "always q/k/v biases")
+    return problems
+
+
+def check_hf(config):
+    """Raise a ValueError naming every field the Hugging Face family of `config` (hf_family) cannot represent.
+    Collective-free: save_hf calls it on every rank before it gathers or writes anything."""
+    family = hf_family(config)
+    problems = hf_problems(config, family)
+    if problems:
+        why = ""
+        if config.hf_model_type is None:
+            fits = [f for f in FAMILIES if f != family and not hf_problems(config, f)]
+            why = (f" (hf_model_type=None: {family} inferred from position={config.position!r}; "
+                   + (f"hf_model_type={fits[0]!r} fits)" if fits else "no other family fits either)"))
+        raise ValueError(f"this GPTConfig has no Hugging Face {family} equivalent{why}: " + "; ".join(problems))
+    return family
+
+
 def config_to_hf(config):
-    """The transformers config a saved model is loaded with."""
+    """The transformers config a saved model is loaded with; a ValueError (check_hf) if there is none."""
     import transformers
 
-    c, family = config, config.hf_model_type or ("gpt2" if config.position == "learned" else "llama")
+    c, family = config, check_hf(config)
     if family == "gpt2":
         act = {"gelu_tanh": "gelu_new", "gelu": "gelu"}[c.activation]
-        return transformers.GPT2Config(vocab_size=c.vocab_size, n_embd=c.hidden_size, n_layer=c.num_layers,
-                                       n_head=c.num_heads, n_inner=c.ffn_hidden_size, n_positions=c.max_seq_len,
-                                       activation_function=act, layer_norm_epsilon=c.norm_eps,
-                                       tie_word_embeddings=True)
-    if c.activation != "swiglu" or c.norm != "rmsnorm" or c.position != "rope" or c.qkv_bias != (family == "qwen2"):
-        raise ValueError(f"this GPTConfig has no {family} equivalent (activation={c.activation}, norm={c.norm}, "
-                         f"position={c.position}, qkv_bias={c.qkv_bias})")
-    cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
-           "qwen2": transformers.Qwen2Config}[family]
-    extra = {"attention_bias": c.bias, "mlp_bias": c.bias} if family == "llama" else {}
-    if family == "mistral":
-        extra["sliding_window"] = c.sliding_window
-    return cls(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.ffn_hidden_size,
-               num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
-               head_dim=c.head_dim, max_position_embeddings=c.max_seq_len, rms_norm_eps=c.norm_eps,
-               rope_theta=c.rope_theta, tie_word_embeddings=c.tie_embeddings, hidden_act="silu", **extra)
+        hf = transformers.GPT2Config(vocab_size=c.vocab_size, n_embd=c.hidden_size, n_layer=c.num_layers,
+                                     n_head=c.num_heads, n_inner=c.ffn_hidden_size, n_positions=c.max_seq_len,
+                                     activation_function=act, layer_norm_epsilon=c.norm_eps, tie_word_embeddings=True)
+    else:
+        cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
+               "qwen2": transformers.Qwen2Config}[family]
+        extra = {"attention_bias": c.bias, "mlp_bias": c.bias} if family == "llama" else {}
+        if family == "mistral":
+            extra["sliding_window"] = c.sliding_window
+        if family == "qwen2":  # every layer slides (max_window_layers=0), as ours refuse longer sequences in all
+            extra.update(use_sliding_window=c.sliding_window is not None, sliding_window=c.sliding_window,
+                         max_window_layers=0)
+        hf = cls(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.ffn_hidden_size,
+                 num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
+                 num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim, max_position_embeddings=c.max_seq_len,
+                 rms_norm_eps=c.norm_eps, rope_theta=c.rope_theta, tie_word_embeddings=c.tie_embeddings,
+                 hidden_act="silu", **extra)
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):  # the family's defaults (GPT-2's 50256) may not
+        token = getattr(hf, name, None)  # exist in this vocabulary: no such token then
+        if token is not None and not 0 <= token < c.vocab_size:
+            setattr(hf, name, None)
+    return hf
 
 
 # ---- names: our parameter -> the HF tensors it concatenates ------------------------------------------------------
@@ -95,7 +163,7 @@ def config_to_hf(config):
 
 def hf_sources(config, name, layer_offset=0):
     """([(hf name, transposed)], ...) concatenated along our shard dim make our parameter `name` (dense)."""
-    gpt2 = config.hf_model_type == "gpt2"
+    gpt2 = hf_family(config) == "gpt2"
     root = "transformer" if gpt2 else "model"
     embed = f"{root}.wte.weight" if gpt2 else f"{root}.embed_tokens.weight"
     if name == "embedding.weight" or (name == "output.weight" and config.tie_embeddings):
@@ -278,6 +346,8 @@ def hf_state_dict(model, group=None, *, grads=False):
     tp): {hf name: tensor}."""
     group = tp.mesh.resolve_group(group)
     config, out = model.config, {}
+    if hf_family(config) != "gpt2" and config.activation != "swiglu":  # no gate|up to split fc1 into
+        check_hf(config)  # raises, naming the activation (before any gather)
     offset = model.layer_range[0]
     for name, (module, attr) in parameter_owners(model).items():
         if name == "output.weight" and config.tie_embeddings:
@@ -311,6 +381,7 @@ def save_hf(model, path, *, group=None, pp_group=None, dp_group=None):
     """
     from safetensors.torch import save_file
 
+    hf_config = config_to_hf(model.config)  # every rank, before any collective or write: the same ValueError on all
     group = tp.mesh.resolve_group(group)
     tensors = hf_state_dict(model, group)
     stages = dist.get_world_size(pp_group) if pp_group is not None else 1
@@ -326,7 +397,7 @@ def save_hf(model, path, *, group=None, pp_group=None, dp_group=None):
     file = "model.safetensors" if stages == 1 else f"model-{stage + 1:05d}-of-{stages:05d}.safetensors"
     save_file(tensors, os.path.join(path, file), metadata={"format": "pt"})
     if stage == 0:
-        config_to_hf(model.config).save_pretrained(path)
+        hf_config.save_pretrained(path)
         if stages > 1:
             weight_map = {n: f"model-{s + 1:05d}-of-{stages:05d}.safetensors" for s, ns in enumerate(names) for n in ns}
             with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:

@@ -80,6 +80,13 @@ def test_configs_without_an_equivalent_are_refused_by_name(fields, message):
         hf_io.check_hf(config)
 
 
+def test_an_inferred_family_that_does_not_fit_names_one_that_does():
+    with pytest.raises(ValueError, match=r"hf_model_type='qwen2' fits"):
+        hf_io.check_hf(cfg(qkv_bias=True))
+    with pytest.raises(ValueError, match=r"no other family fits either"):
+        hf_io.check_hf(cfg(activation="gelu"))
+
+
 def test_unknown_hf_model_type_is_refused():
     with pytest.raises(ValueError, match=r"hf_model_type='bert' must be one of"):
         cfg(hf_model_type="bert")
