@@ -59,18 +59,41 @@ def rotate_half(x):
     return torch.cat((-x2, x1), dim=-1)
 
 
-@functools.lru_cache(maxsize=16)
-def _rope_tables(seq, head_dim, theta, device, dtype):
-    """cos and sin [s, d] (computed in fp32, HF's way), once per shape: every layer and step reuses them."""
+def rope_frequencies(head_dim, theta, scaling=None, device=None):
+    """inv_freq [d/2] in fp32, HF's: θ^(−2i/d), divided by `factor` ("linear") or, "llama3" (Llama 3.1+), by `factor`
+    for wavelengths beyond original_max_position_embeddings / low_freq_factor, kept below
+    original / high_freq_factor, and interpolated smoothly between."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
+    kind = (scaling or {}).get("rope_type", "default")
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        original = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+        smooth = (original / wavelen - low) / (high - low)
+        medium = (wavelen >= original / high) & (wavelen <= original / low)
+        return torch.where(medium, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
+    if kind != "default":  # (GPTConfig validates rope_scaling)
+        raise ValueError(f"rope_type={kind!r} is not supported")
+    return inv_freq
+
+
+@functools.lru_cache(maxsize=16)
+def _rope_tables(seq, head_dim, theta, scaling, device, dtype):
+    """cos and sin [s, d] (computed in fp32, HF's way), once per shape: every layer and step reuses them."""
+    inv_freq = rope_frequencies(head_dim, theta, dict(scaling) if scaling else None, device)
     freqs = torch.outer(torch.arange(seq, dtype=torch.float32, device=device), inv_freq)  # [s, d/2]
     angles = torch.cat((freqs, freqs), dim=-1)  # [s, d]
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def rope(x, theta):
-    """Rotary embeddings, rotate-half convention (HF and Megatron), positions 0..s-1, on [b, n, s, d] heads."""
-    cos, sin = _rope_tables(x.shape[-2], x.shape[-1], theta, x.device, x.dtype)
+def rope(x, theta, scaling=None):
+    """Rotary embeddings, rotate-half convention (HF and Megatron), positions 0..s-1, on [b, n, s, d] heads;
+    `scaling`: HF's rope parameters for "linear" or "llama3" scaling (None: plain)."""
+    key = tuple(sorted(scaling.items())) if scaling else None
+    cos, sin = _rope_tables(x.shape[-2], x.shape[-1], theta, key, x.device, x.dtype)
     return x * cos + rotate_half(x) * sin
 
 
@@ -110,7 +133,7 @@ class Attention(nn.Module):
         qk, v = (rearrange(t, "s b (n d) -> b n s d", d=self.head_dim) for t in qkv.split(
             [q_and_k, qkv.shape[-1] - q_and_k], dim=-1))
         if self.config.position == "rope":
-            qk = rope(qk, self.config.rope_theta)  # q and k heads rotated together: one pass
+            qk = rope(qk, self.config.rope_theta, self.config.rope_scaling)  # q and k in one pass
         q, k = qk.split([self.local_heads, self.local_kv_heads], dim=1)
         if self.config.recompute == "selective" and torch.is_grad_enabled():
             context = checkpoint(self.core, q, k, v, use_reentrant=False)  # keep q, k, v; recompute the rest

@@ -13,6 +13,19 @@ RUNTIME_FIELDS = ("sequence_parallel", "sequence_parallel_grad_sync", "recompute
                   "attention_dropout")
 
 
+ROPE_SCALING_FIELDS = {"linear": ("factor",),
+                       "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+
+
+def _check_rope_scaling(scaling):
+    kind = scaling.get("rope_type") if isinstance(scaling, dict) else None
+    if kind not in ROPE_SCALING_FIELDS:
+        raise ValueError(f"rope_scaling={scaling!r}: rope_type must be one of {tuple(ROPE_SCALING_FIELDS)}")
+    missing = [f for f in ROPE_SCALING_FIELDS[kind] if not isinstance(scaling.get(f), (int, float))]
+    if missing:
+        raise ValueError(f"rope_scaling={scaling!r}: {kind} scaling needs numbers for {missing}")
+
+
 @dataclass
 class GPTConfig:
     vocab_size: int = 256
@@ -28,6 +41,9 @@ class GPTConfig:
     norm_eps: float = 1e-5
     position: str = "rope"
     rope_theta: float = 10000.0
+    # HF's rope parameters for scaled RoPE: {"rope_type": "linear", "factor": f} or "llama3" (Llama 3.1+: factor,
+    # low_freq_factor, high_freq_factor, original_max_position_embeddings); None: plain RoPE
+    rope_scaling: Optional[dict] = None
     bias: bool = False  # every linear
     qkv_bias: bool = False  # the QKV projection only (Qwen2)
     tie_embeddings: bool = False
@@ -67,6 +83,8 @@ class GPTConfig:
                              "inferred)")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not divisible by num_kv_heads={self.num_kv_heads}")
+        if self.rope_scaling is not None:
+            _check_rope_scaling(self.rope_scaling)
         if self.position == "rope" and self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for rope")
         for name in ("dropout", "attention_dropout"):

@@ -16,7 +16,7 @@ import tp
 from tp.embedding import VocabParallelEmbedding
 from tp.layers import ColumnParallelLinear, RowParallelLinear
 
-from .config import HF_FAMILIES, GPTConfig
+from .config import HF_FAMILIES, ROPE_SCALING_FIELDS, GPTConfig
 
 LLAMA_LIKE = ("llama", "mistral", "qwen2")
 FAMILIES = HF_FAMILIES
@@ -25,12 +25,17 @@ FAMILIES = HF_FAMILIES
 # ---- config ------------------------------------------------------------------------------------------------------
 
 
-def _rope_theta(hf):
-    params = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
-    kind = params.get("rope_type", params.get("type", "default"))
-    if kind != "default":
-        raise ValueError(f"rope_type={kind!r} (rope scaling) is not supported; only the default rotary embedding")
-    return float(params.get("rope_theta", getattr(hf, "rope_theta", None) or 10000.0))
+def _rope(hf):
+    """(rope_theta, rope_scaling or None) of a Llama-like HF config: plain, "linear" or "llama3" RoPE."""
+    params = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
+    theta = float(params.pop("rope_theta", None) or getattr(hf, "rope_theta", None) or 10000.0)
+    kind = params.setdefault("rope_type", params.pop("type", "default"))
+    if kind == "default":
+        return theta, None
+    if kind not in ROPE_SCALING_FIELDS:
+        raise ValueError(f"rope_type={kind!r} (rope scaling) is not supported; only plain RoPE and "
+                         f"{', '.join(ROPE_SCALING_FIELDS)} scaling")
+    return theta, {"rope_type": kind} | {f: params[f] for f in ROPE_SCALING_FIELDS[kind] if f in params}
 
 
 def config_from_hf(hf, **overrides):
@@ -54,13 +59,14 @@ def config_from_hf(hf, **overrides):
         if attention_bias != mlp_bias:
             raise ValueError(f"attention_bias={attention_bias} with mlp_bias={mlp_bias}: GPTConfig's `bias` covers "
                              "every linear")
+        rope_theta, rope_scaling = _rope(hf)
         window = getattr(hf, "sliding_window", None) if getattr(hf, "use_sliding_window", True) is not False else None
         fields = dict(vocab_size=hf.vocab_size, hidden_size=hf.hidden_size, num_layers=hf.num_hidden_layers,
                       num_heads=hf.num_attention_heads, num_kv_heads=hf.num_key_value_heads,
                       head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
                       ffn_hidden_size=hf.intermediate_size, max_seq_len=hf.max_position_embeddings,
                       activation="swiglu", norm="rmsnorm", norm_eps=hf.rms_norm_eps, position="rope",
-                      rope_theta=_rope_theta(hf), bias=attention_bias, qkv_bias=family == "qwen2",
+                      rope_theta=rope_theta, rope_scaling=rope_scaling, bias=attention_bias, qkv_bias=family == "qwen2",
                       tie_embeddings=bool(hf.tie_word_embeddings), sliding_window=window)
     return GPTConfig(**(fields | {"hf_model_type": family} | overrides))
 
@@ -95,6 +101,7 @@ def hf_problems(config, family=None):
              f"hidden_size / num_heads = {c.hidden_size}/{c.num_heads}")
         need(c.tie_embeddings, "tie_embeddings", "the output layer tied to the embedding")
         need(c.sliding_window is None, "sliding_window", "no sliding window")
+        need(c.rope_scaling is None, "rope_scaling", "learned positions, no RoPE")
         return problems
     need(c.activation == "swiglu", "activation", "'swiglu'")
     need(c.norm == "rmsnorm", "norm", "'rmsnorm'")
@@ -151,6 +158,8 @@ def config_to_hf(config):
                  num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim, max_position_embeddings=c.max_seq_len,
                  rms_norm_eps=c.norm_eps, rope_theta=c.rope_theta, tie_word_embeddings=c.tie_embeddings,
                  hidden_act="silu", **extra)
+        if c.rope_scaling:  # transformers 5: rope_parameters holds theta and the scaling together
+            hf.rope_parameters = {"rope_theta": c.rope_theta, **c.rope_scaling}
     for name in ("bos_token_id", "eos_token_id", "pad_token_id"):  # the family's defaults (GPT-2's 50256) may not
         token = getattr(hf, name, None)  # exist in this vocabulary: no such token then
         if token is not None and not 0 <= token < c.vocab_size:

@@ -158,3 +158,38 @@ def test_input_errors_name_what_the_caller_passed():
     with pytest.raises(ValueError, match=r"targets shape \(8, 2\) != tokens shape \(2, 8\)"):
         model(tokens, torch.zeros(8, 2, dtype=torch.long))
     assert model(tokens, tokens).dim() == 0  # still works
+
+
+@pytest.mark.parametrize("scaling", [dict(rope_type="linear", factor=4.0),
+                                     dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                          original_max_position_embeddings=8)])
+@distributed(world_size=2)
+def test_scaled_rope_loads_matches_and_saves(scaling, tmp_path):
+    """Llama 3.1-style ("llama3") and linear RoPE scaling: from_hf takes it, logits equal HF's at TP=2 on a sequence
+    past original_max_position_embeddings, and save_hf writes it back (from_pretrained gives the same logits)."""
+    tp.init_mesh(tp=2)
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                      rope_scaling=dict(scaling), bos_token_id=0, eos_token_id=1)
+    dense = transformers.LlamaForCausalLM(config).eval()
+    model = models.GPT.from_hf(dense).eval()
+    assert model.config.rope_scaling == scaling
+    x = torch.randint(0, 100, (2, 24), generator=torch.Generator().manual_seed(1))
+    expected = dense(x).logits
+    assert torch.allclose(model(x), expected, atol=1e-5)
+    assert not torch.allclose(models.GPT.from_hf(dense, rope_scaling=None).eval()(x), expected, atol=1e-3)
+    model.save_hf(tmp_path)
+    torch.distributed.barrier()
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert reloaded.config.rope_parameters["rope_type"] == scaling["rope_type"]
+    assert torch.allclose(reloaded(x).logits, expected, atol=1e-5)
+
+
+def test_bad_rope_scaling_is_refused_by_name():
+    with pytest.raises(ValueError, match="rope_type must be one of"):
+        cfg(rope_scaling=dict(rope_type="yarn", factor=2.0))
+    with pytest.raises(ValueError, match=r"llama3 scaling needs numbers for \['low_freq_factor'"):
+        cfg(rope_scaling=dict(rope_type="llama3", factor=8.0))
+    with pytest.raises(ValueError, match=r"rope_scaling=\{'rope_type': 'linear', 'factor': 2.0\} \(GPT-2"):
+        hf_io.check_hf(cfg(**GPT2_LIKE, rope_scaling=dict(rope_type="linear", factor=2.0)))
