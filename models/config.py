@@ -1,5 +1,6 @@
 """GPTConfig: one dataclass for the decoder-only transformers the package builds (Llama/Mistral/Qwen2/GPT-2 shapes)."""
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -17,13 +18,21 @@ ROPE_SCALING_FIELDS = {"linear": ("factor",),
                        "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
 
 
-def _check_rope_scaling(scaling):
+def _check_rope_scaling(scaling, position):
     kind = scaling.get("rope_type") if isinstance(scaling, dict) else None
     if kind not in ROPE_SCALING_FIELDS:
         raise ValueError(f"rope_scaling={scaling!r}: rope_type must be one of {tuple(ROPE_SCALING_FIELDS)}")
-    missing = [f for f in ROPE_SCALING_FIELDS[kind] if not isinstance(scaling.get(f), (int, float))]
-    if missing:
-        raise ValueError(f"rope_scaling={scaling!r}: {kind} scaling needs numbers for {missing}")
+    if position != "rope":
+        raise ValueError(f"rope_scaling={scaling!r} with position={position!r}: scaling applies to RoPE only")
+    unknown = sorted(set(scaling) - {"rope_type", *ROPE_SCALING_FIELDS[kind]})
+    if unknown:
+        raise ValueError(f"rope_scaling={scaling!r}: unknown fields {unknown} for {kind} scaling")
+    bad = [f for f in ROPE_SCALING_FIELDS[kind] if isinstance(scaling.get(f), bool)
+           or not isinstance(scaling.get(f), (int, float)) or not 0 < scaling[f] < math.inf]
+    if bad:
+        raise ValueError(f"rope_scaling={scaling!r}: {kind} scaling needs finite positive numbers for {bad}")
+    if kind == "llama3" and not scaling["low_freq_factor"] < scaling["high_freq_factor"]:
+        raise ValueError(f"rope_scaling={scaling!r}: llama3 scaling needs low_freq_factor < high_freq_factor")
 
 
 @dataclass
@@ -84,7 +93,7 @@ class GPTConfig:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not divisible by num_kv_heads={self.num_kv_heads}")
         if self.rope_scaling is not None:
-            _check_rope_scaling(self.rope_scaling)
+            _check_rope_scaling(self.rope_scaling, self.position)
         if self.position == "rope" and self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for rope")
         for name in ("dropout", "attention_dropout"):

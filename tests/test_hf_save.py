@@ -186,10 +186,26 @@ def test_scaled_rope_loads_matches_and_saves(scaling, tmp_path):
     assert torch.allclose(reloaded(x).logits, expected, atol=1e-5)
 
 
-def test_bad_rope_scaling_is_refused_by_name():
-    with pytest.raises(ValueError, match="rope_type must be one of"):
-        cfg(rope_scaling=dict(rope_type="yarn", factor=2.0))
-    with pytest.raises(ValueError, match=r"llama3 scaling needs numbers for \['low_freq_factor'"):
-        cfg(rope_scaling=dict(rope_type="llama3", factor=8.0))
-    with pytest.raises(ValueError, match=r"rope_scaling=\{'rope_type': 'linear', 'factor': 2.0\} \(GPT-2"):
-        hf_io.check_hf(cfg(**GPT2_LIKE, rope_scaling=dict(rope_type="linear", factor=2.0)))
+LLAMA3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+              original_max_position_embeddings=8)
+
+
+@pytest.mark.parametrize("scaling,message", [
+    (dict(rope_type="yarn", factor=2.0), "rope_type must be one of"),
+    (dict(rope_type="llama3", factor=8.0), r"finite positive numbers for \['low_freq_factor', 'high_freq_factor'"),
+    (dict(rope_type="linear", factor=0), r"finite positive numbers for \['factor'\]"),
+    (dict(rope_type="linear", factor=float("nan")), r"finite positive numbers for \['factor'\]"),
+    (dict(rope_type="linear", factor=-2.0), r"finite positive numbers for \['factor'\]"),
+    (dict(rope_type="linear", factor=True), r"finite positive numbers for \['factor'\]"),
+    (dict(rope_type="linear", factor=2.0, foo=[1, 2]), r"unknown fields \['foo'\]"),
+    (LLAMA3 | dict(original_max_position_embeddings=0), "original_max_position_embeddings"),
+    (LLAMA3 | dict(low_freq_factor=4.0), "low_freq_factor < high_freq_factor"),
+])
+def test_bad_rope_scaling_is_refused_by_name(scaling, message):
+    with pytest.raises(ValueError, match=message):
+        cfg(rope_scaling=scaling)
+
+
+def test_rope_scaling_needs_rope():
+    with pytest.raises(ValueError, match="scaling applies to RoPE only"):
+        cfg(**GPT2_LIKE, rope_scaling=dict(rope_type="linear", factor=2.0))

@@ -194,6 +194,21 @@ def test_vocab_parallel_embedding_and_head(tp_size, family, head_style):
             model.generate(tokens(seed=3), max_new_tokens=2)
 
 
+@distributed(world_size=2)
+def test_full_state_dict_of_a_model_around_the_parallelized_one():
+    """parallelize on the base model (GPT-2's transformer, Conv1D layers), full_state_dict on the whole model: the
+    dense names and [in, out] layouts."""
+    tp.init_mesh(tp=2)
+    dense = tiny("gpt2")
+    model = copy.deepcopy(dense)
+    parallelize(model.transformer, {"h.*.attn.c_attn": "colwise", "h.*.attn.c_proj": "rowwise",
+                                    "h.*.mlp.c_fc": "colwise", "h.*.mlp.c_proj": "rowwise"})
+    full = tp.full_state_dict(model)
+    assert list(full) == list(dense.state_dict())
+    for name, tensor in dense.state_dict().items():
+        assert torch.equal(full[name], tensor), name
+
+
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 @distributed(world_size=2)
 def test_save_pretrained_writes_the_trained_dense_model(family, tmp_path):

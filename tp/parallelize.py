@@ -118,18 +118,16 @@ def parallelize(module, plan=None, *, group=None, sequence_parallel=False):
     module.register_forward_pre_hook(shared_input.clear)
     module.register_forward_hook(shared_input.clear, always_call=True)
     source = "plan=" if plan is not None else plans.plan_source(module)
-    conv1d = [name for name in built if _is_conv1d(modules[name])]
-    setattr(module, _RECORD, {"tp": tp_size, "plan": source, "entries": sorted(record), "group": group,
-                              "conv1d": conv1d})
+    setattr(module, _RECORD, {"tp": tp_size, "plan": source, "entries": sorted(record), "group": group})
     return module
 
 
 def full_state_dict(module):
     """The module's state dict with every tensor-parallel parameter gathered to its dense shape, under the same
-    names and layout as before `parallelize` (HF Conv1D weights back to [in, out]). A collective: every rank of the
-    tp group calls it; every rank gets the dense tensors."""
+    names and layout as before `parallelize` (HF Conv1D weights back to [in, out]), for the module `parallelize`
+    was given or any module containing it. A collective: every rank of the tp group calls it; every rank gets the
+    dense tensors."""
     state = module.state_dict()
-    conv1d = set(getattr(module, _RECORD, {}).get("conv1d", ()))
     gathered = {}  # tied parameters (embedding and lm_head) gathered once, still one tensor
     for name, sub in module.named_modules():
         if not isinstance(sub, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
@@ -139,7 +137,8 @@ def full_state_dict(module):
             if key in state:
                 if id(param) not in gathered:
                     dense = sub.gather_dense(state[key])
-                    gathered[id(param)] = dense.t().contiguous() if name in conv1d and pname == "weight" else dense
+                    transposed = getattr(sub, "_tp_from_conv1d", False) and pname == "weight"
+                    gathered[id(param)] = dense.t().contiguous() if transposed else dense
                 state[key] = gathered[id(param)]
     return state
 
@@ -309,6 +308,8 @@ def _build(module, style, group, options):
             new.register_forward_hook(lambda mod, args, out: out * mod.embed_scale.to(out.dtype))
     else:
         return None
+    if _is_conv1d(module):  # full_state_dict writes its weight back as [in, out], from whichever module it is called
+        new._tp_from_conv1d = True
     for pname, p in new.named_parameters(recurse=False):
         p.requires_grad_(getattr(module, pname).requires_grad)
     return new.train(module.training)
