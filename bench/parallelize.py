@@ -69,9 +69,9 @@ def bench_rank(shape, iters, warmup):
     torch.set_num_threads(1)
     mesh = tp.init_mesh(tp=dist.get_world_size())
     hidden, ffn, heads, kv_heads, layers, batch, seq = shape
-    dense = _llama(hidden, ffn, heads, kv_heads, layers)
     from torch.distributed.tensor.parallel import loss_parallel
 
+    dense = _llama(hidden, ffn, heads, kv_heads, layers)
     vocab_parallel_plan = {**default_plan(dense), "lm_head": "colwise"}
     models = {"ours": parallelize(copy.deepcopy(dense)), "dtensor": _dtensor(copy.deepcopy(dense), mesh),
               "hf": _hf(copy.deepcopy(dense), mesh), "dense": dense,

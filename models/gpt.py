@@ -91,9 +91,9 @@ class GPT(nn.Module):
         if seq > limit:
             raise ValueError(f"sequence length {seq} exceeds max_seq_len={c.max_seq_len}"
                              + (f" / sliding_window={c.sliding_window} (not implemented)" if c.sliding_window else ""))
-        outside = tokens[(tokens < 0) | (tokens >= c.vocab_size)]  # the padded embedding rows exist, but are not tokens
-        if outside.numel():
-            raise ValueError(f"token id {int(outside[0])} is outside the vocabulary [0, {c.vocab_size})")
+        low, high = torch.stack(torch.aminmax(tokens)).tolist()  # one host sync
+        if low < 0 or high >= c.vocab_size:  # the padded embedding rows exist, but are not tokens
+            raise ValueError(f"token id {low if low < 0 else high} is outside the vocabulary [0, {c.vocab_size})")
         x = self.embedding(tokens.t())  # [s(/tp), b, h]
         if self.position_embedding is not None:
             weight = self.position_embedding.weight

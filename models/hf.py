@@ -29,7 +29,7 @@ def _rope(hf):
     """(rope_theta, rope_scaling or None) of a Llama-like HF config: plain, "linear" or "llama3" RoPE."""
     params = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
     theta = float(params.pop("rope_theta", None) or getattr(hf, "rope_theta", None) or 10000.0)
-    kind = params.setdefault("rope_type", params.pop("type", "default"))
+    kind = params.get("rope_type", params.get("type", "default"))  # ("type": transformers 4's key)
     if kind == "default":
         return theta, None
     if kind not in ROPE_SCALING_FIELDS:
@@ -66,8 +66,8 @@ def config_from_hf(hf, **overrides):
                       head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
                       ffn_hidden_size=hf.intermediate_size, max_seq_len=hf.max_position_embeddings,
                       activation="swiglu", norm="rmsnorm", norm_eps=hf.rms_norm_eps, position="rope",
-                      rope_theta=rope_theta, rope_scaling=rope_scaling, bias=attention_bias, qkv_bias=family == "qwen2",
-                      tie_embeddings=bool(hf.tie_word_embeddings), sliding_window=window)
+                      rope_theta=rope_theta, rope_scaling=rope_scaling, bias=attention_bias,
+                      qkv_bias=family == "qwen2", tie_embeddings=bool(hf.tie_word_embeddings), sliding_window=window)
     return GPTConfig(**(fields | {"hf_model_type": family} | overrides))
 
 
@@ -101,7 +101,6 @@ def hf_problems(config, family=None):
              f"hidden_size / num_heads = {c.hidden_size}/{c.num_heads}")
         need(c.tie_embeddings, "tie_embeddings", "the output layer tied to the embedding")
         need(c.sliding_window is None, "sliding_window", "no sliding window")
-        need(c.rope_scaling is None, "rope_scaling", "learned positions, no RoPE")
         return problems
     need(c.activation == "swiglu", "activation", "'swiglu'")
     need(c.norm == "rmsnorm", "norm", "'rmsnorm'")
