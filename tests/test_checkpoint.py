@@ -148,8 +148,10 @@ def load_and_continue(config, mesh, wrap, path, saved, uninterrupted, exact):
             k_rows = slice(config.hidden_size, 2 * config.hidden_size)
             assert err[k_rows].max().item() <= 1e-5, f"{key} (k rows): err {err[k_rows].max().item():.3g}"
             err[k_rows] = 0
-        scale = 1.0 if key.startswith("param ") else value.abs().max().item()
-        assert err.max().item() <= 1e-6 * scale, f"{key}: err {err.max().item():.3g}"
+        # Adam's moments relative to their largest entry: exp_avg_sq squares the gradients' relative rounding
+        # (1e-6 of it seen on an AMD EPYC, from another fp32 reduction order); a wrong reshard is off by O(1).
+        bound = 1e-6 if key.startswith("param ") else 1e-5 * value.abs().max().item()
+        assert err.max().item() <= bound, f"{key}: err {err.max().item():.3g} > {bound:.3g}"
     return rng_before_load, rng_after_load
 
 
