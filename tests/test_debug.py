@@ -34,6 +34,23 @@ def test_divergent_replicated_input_raises_on_every_rank_naming_the_ranks():
 
 
 @distributed(world_size=2)
+def test_non_finite_values_are_compared_by_position():
+    """NaN/inf: the same on every rank passes; a NaN/inf at another place, or a divergence beside one, is caught."""
+    mesh = tp.init_mesh(tp=2)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+    x[0, 0], x[2, 3] = float("nan"), float("inf")
+    with tp.set_debug(True):
+        tp.copy_to_tp_region(x)  # replicated, non-finite values included
+        beside = x.clone()
+        beside[1, 1] += mesh.tp_rank  # a finite value differs beside the inf
+        moved = x.clone()
+        moved[3, mesh.tp_rank] = float("-inf")  # same count, other place
+        for bad in (beside, moved):
+            with pytest.raises(ValueError, match=r"should be replicated but differs .*ranks \[0\] vs ranks \[1\]"):
+                tp.copy_to_tp_region(bad)
+
+
+@distributed(world_size=2)
 def test_different_sequence_lengths_raise_on_every_rank_instead_of_garbage_or_abort():
     mesh = tp.init_mesh(tp=2)
     fc1, fc2 = _mlp(sequence_parallel=True)

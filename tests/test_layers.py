@@ -402,6 +402,42 @@ def test_fused_parts_with_layer_internal_collectives_keep_the_dense_order(tp_siz
         assert_close(row.weight.grad, row.shard_dense(dense.weight.grad), ATOL, f"row weight grad {options}")
 
 
+@pytest.mark.parametrize("tp_size", [1, 2, 4])
+@distributed(world_size=4)
+def test_swiglu_with_gather_output_gives_the_dense_activation(tp_size):
+    """SwiGLU's output is F wide and each rank's slice is its chunk of F: gathered as is (not reordered as parts)."""
+    mesh = tp.init_mesh(tp=tp_size)
+    dense = dense_linear(7, 2 * 8, True, seed=6)  # fused [gate; up], F = 8
+    col = tp.ColumnParallelLinear.from_linear(dense, activation="swiglu", gather_output=True)
+    x_full = _x(mesh, 7).requires_grad_()
+    gate, up = dense(x_full).chunk(2, -1)
+    (F.silu(gate) * up).square().sum().backward()
+    x = x_full.detach().clone().requires_grad_()
+    y = col(x)
+    assert_close(y, F.silu(gate) * up, ATOL, "output")
+    y.square().sum().backward()
+    assert_close(x.grad, x_full.grad, ATOL, "input grad")
+    assert_close(col.weight.grad, col.shard_dense(dense.weight.grad), ATOL, "weight grad")
+
+
+@pytest.mark.parametrize("tp_size", [1, 2])
+@distributed(world_size=2)
+def test_fp64_layers_stay_fp64_under_autocast(tp_size):
+    """autocast leaves fp64 alone (F.linear does): fp64 layers compute in fp64 at any tp, main_grad or not."""
+    mesh = tp.init_mesh(tp=tp_size)
+    torch.manual_seed(0)
+    d1, d2 = nn.Linear(6, 8, dtype=torch.float64), nn.Linear(8, 6, dtype=torch.float64)
+    col, row = tp.ColumnParallelLinear.from_linear(d1), tp.RowParallelLinear.from_linear(d2)
+    x = torch.randn(3, 6, dtype=torch.float64)
+    for main_grad in (False, True):
+        if main_grad:
+            col.weight.main_grad = torch.zeros_like(col.weight)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y, y_dense = row(col(x)), d2(d1(x))
+        assert y.dtype == y_dense.dtype == torch.float64, (main_grad, y.dtype)
+        assert_close(y, y_dense, 1e-12, f"output (main_grad={main_grad})")
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 @distributed(world_size=2)
 def test_master_weight_is_drawn_in_the_layer_dtype(dtype):
