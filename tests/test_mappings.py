@@ -82,6 +82,16 @@ def test_reduce_does_not_modify_its_input():
     assert torch.equal(x, torch.ones(3, 4)) and torch.equal(y, torch.full((3, 4), 2.0))
 
 
+@distributed(world_size=2)
+def test_scatter_returns_a_copy_whatever_the_layout():
+    """A last-dim chunk of a one-token input is contiguous; it is still copied, so in-place ops leave x alone."""
+    tp.init_mesh(tp=2)
+    for shape in ((1, 4), (1, 1, 4), (3, 4)):
+        x = torch.ones(shape)
+        tp.scatter_to_tp_region(x).add_(1)
+        assert torch.equal(x, torch.ones(shape)), shape
+
+
 def test_layers_without_mesh_or_group_raise():
     with pytest.raises(RuntimeError, match="no tensor-parallel mesh"):
         tp.copy_to_tp_region(torch.zeros(2))
