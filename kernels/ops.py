@@ -50,7 +50,9 @@ def autocast_operands(x, weight, bias=None):
     if not torch.is_autocast_enabled(device):
         return x, weight, bias
     dtype = torch.get_autocast_dtype(device)
-    return tuple(t if t is None or t.dtype == dtype else t.to(dtype) for t in (x, weight, bias))
+    # autocast's eligibility rule: floating tensors other than fp64 (F.linear leaves fp64 alone)
+    return tuple(t.to(dtype) if t is not None and t.is_floating_point() and t.dtype != torch.float64 else t
+                 for t in (x, weight, bias))
 
 
 def check_main_grad(main_grad, weight_shape, device):

@@ -2,9 +2,10 @@
 
 A "replicated" input that differs across the tp group (pytorch#119343), or ranks passing different shapes, makes
 tensor parallelism compute wrong numbers or hang without an error. With `TP_DEBUG=1` in the environment or
-`tp.set_debug(True)`, the mappings, the layers and the models all-gather a 12-number summary of such inputs (shape,
-two checksums and a scale) over the tp group before communicating, and raise on every rank a ValueError naming the
-ranks that differ. Off (the default) it costs one boolean test per call and adds no collective.
+`tp.set_debug(True)`, the mappings, the layers and the models all-gather a 13-number summary of such inputs (shape,
+two checksums, a scale, where any NaN/inf lie) over the tp group before communicating, and raise on every rank a
+ValueError naming the ranks that differ. Finite values may differ by ~1e-9 of the tensor's L1 norm (rounding).
+Off (the default) it costs one boolean test per call and adds no collective.
 """
 import os
 
@@ -36,12 +37,16 @@ def is_debug():
 
 
 def _summary(x):
-    """[ndim, shape (padded), sum, position-weighted sum, sum of |x|] in float64: equal tensors, equal summaries."""
+    """[ndim, shape (padded), sums of the finite values (plain, position-weighted, |x|), position-weighted sum of
+    the non-finite values' kinds] in float64: equal tensors, equal summaries; NaN/inf compared by place and kind."""
     if x.dim() > _MAX_DIMS:
         raise ValueError(f"tp debug checks support up to {_MAX_DIMS} dims, got shape {tuple(x.shape)}")
     flat = x.detach().reshape(-1).double()
     weights = torch.linspace(1.0, 2.0, flat.numel(), dtype=torch.float64, device=flat.device)
-    sums = torch.stack([flat.sum(), (flat * weights).sum(), flat.abs().sum()])
+    finite = flat.isfinite()
+    kinds = flat.isnan() * 1.0 + (flat == torch.inf) * 2.0 + (flat == -torch.inf) * 3.0  # 0 where finite
+    flat = flat.where(finite, 0.0)
+    sums = torch.stack([flat.sum(), (flat * weights).sum(), (kinds * weights).sum(), flat.abs().sum()])
     shape = torch.tensor([x.dim(), *x.shape] + [0] * (_MAX_DIMS - x.dim()), dtype=torch.float64, device=x.device)
     return torch.cat([shape, sums])
 
@@ -73,11 +78,11 @@ def check(x, group, what, *, replicated):
         detail = "; ".join(f"ranks {c} have shape {shapes[c[0]]}" for c in classes)
         raise ValueError(f"tp debug: {what} has different shapes across the tp group: {detail}")
     if replicated:
-        sums = every[:, -3:]
-        scale = sums[:, 2].max().item() + 1e-30
+        sums = every[:, -4:]
+        scale = sums[:, 3].max().item() + 1e-30
 
-        def same(a, b):
-            return bool(torch.isclose(a[:2], b[:2], rtol=0, atol=1e-9 * scale, equal_nan=True).all())
+        def same(a, b):  # finite values within rounding of the largest; non-finite ones exactly in place and kind
+            return bool(torch.isclose(a[:2], b[:2], rtol=0, atol=1e-9 * scale).all()) and bool(a[2] == b[2])
 
         classes = _groups_of(list(sums), same)
         if len(classes) > 1:

@@ -331,6 +331,8 @@ class ColumnParallelLinear(_ParallelLinear):
         if self.replicated and gather_output:
             raise ValueError(f"gather_output=True with part_replicas={self.part_replicas}: the gathered output would "
                              "repeat the replicated parts")
+        if activation == "swiglu":  # the output is F wide, each rank's slice its chunk of F: already dense-ordered
+            self._dense_from_rank_major = None
 
     def forward(self, x):  # [s(/tp), b, in]
         self._check_input(x, self.in_features, "in_features", replicated=not self.sequence_parallel)

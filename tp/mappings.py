@@ -37,7 +37,7 @@ def split_last(x, group):
     """This rank's chunk of the last dim."""
     parts = dist.get_world_size(group)
     _check_divisible(x.shape[-1], parts, "the last dim")
-    return x.chunk(parts, dim=-1)[dist.get_rank(group)].contiguous()
+    return x.chunk(parts, dim=-1)[dist.get_rank(group)].clone(memory_format=torch.contiguous_format)  # never a view
 
 
 def gather_last(x, group):
