@@ -219,3 +219,18 @@ def test_resume_in_one_process(tmp_path):
             checkpoint.load(path, model, opt, mesh=mesh)
     finally:
         tp.destroy_mesh()
+
+
+def test_max_seq_len_defines_weights_only_for_learned_positions():
+    """RoPE has no position weights: a checkpoint resumes at another max_seq_len (a longer --seq-len); learned
+    positions do not."""
+    import dataclasses
+
+    rope = models.GPTConfig(vocab_size=64, hidden_size=16, num_layers=1, num_heads=4, max_seq_len=32)
+    checkpoint.check_config(dataclasses.asdict(rope), rope.replace(max_seq_len=64, sequence_parallel=True), "ckpt")
+    learned = rope.replace(position="learned")
+    with pytest.raises(ValueError, match=r"checkpoint 'ckpt' was saved with another GPTConfig: max_seq_len=32 "
+                                         r"\(model: 64\)"):
+        checkpoint.check_config(dataclasses.asdict(learned), learned.replace(max_seq_len=64), "ckpt")
+    with pytest.raises(ValueError, match=r"hidden_size=16 \(model: 32\)"):
+        checkpoint.check_config(dataclasses.asdict(rope), rope.replace(hidden_size=32), "ckpt")

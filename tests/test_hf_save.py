@@ -144,6 +144,40 @@ def test_inferred_gpt2_saves_and_loads_with_valid_token_ids():
 
 
 @distributed(world_size=2)
+def test_save_hf_replaces_an_earlier_export_in_the_same_directory():
+    """Weight files an earlier export left that this one does not write are removed: transformers would load them
+    (one file beside a sharded index, or the index beside one file)."""
+    import shutil
+    import tempfile
+
+    from models.pipeline import build_stage
+
+    mesh = tp.init_mesh(tp=1, pp=2)
+    root = [tempfile.mkdtemp(prefix="tp-hf-reexport-") if torch.distributed.get_rank() == 0 else None]
+    torch.distributed.broadcast_object_list(root)
+    config = cfg(num_layers=2)
+    x = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(1))
+    weight_files = lambda: sorted(f for f in os.listdir(root[0]) if f.startswith("model"))  # noqa: E731
+    if mesh.pp_rank == 0:  # an earlier export: the one-file model of another seed
+        torch.manual_seed(0)
+        models.GPT(config, group=mesh.tp_group).save_hf(root[0])
+    torch.distributed.barrier()
+    torch.manual_seed(1)
+    build_stage(config, mesh).save_hf(root[0], pp_group=mesh.pp_group)  # two stage files and an index
+    torch.distributed.barrier()
+    if mesh.pp_rank == 0:
+        assert weight_files() == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+                                  "model.safetensors.index.json"], weight_files()
+        torch.manual_seed(1)
+        model = models.GPT(config, group=mesh.tp_group).eval()  # PP-invariant init: the stages' weights
+        reloaded = transformers.AutoModelForCausalLM.from_pretrained(root[0]).eval()
+        assert torch.allclose(reloaded(x).logits, model(x), atol=1e-5)
+        model.save_hf(root[0])  # and back to one file
+        assert weight_files() == ["model.safetensors"], weight_files()
+        shutil.rmtree(root[0])
+
+
+@distributed(world_size=2)
 def test_input_errors_name_what_the_caller_passed():
     tp.init_mesh(tp=2)
     torch.manual_seed(0)

@@ -62,3 +62,21 @@ def test_schedule_equals_the_unpipelined_model(schedule, tp_size, pp_size, seque
         assert stats.max_alive == min(pp_size - mesh.pp_rank, NUM_MICRO) <= pp_size
         assert [kind for kind, _ in stats.order[:warmup + 2]] == ["F"] * (warmup + 1) + ["B"]
     assert 0.0 <= stats.bubble < 1.0
+
+
+@distributed(world_size=2)
+def test_micro_batches_of_another_shape_or_count_raise_on_every_stage():
+    """A micro-batch the runner was not built for (or stages given different counts) is refused on every stage
+    before any send: the receiving buffers have the built shape, so it would compute on garbage or hang."""
+    mesh = tp.init_mesh(tp=1, pp=2)
+    config = models.GPTConfig(vocab_size=VOCAB, hidden_size=16, num_layers=2, num_heads=4, ffn_hidden_size=24)
+    torch.manual_seed(0)
+    runner = PipelineRunner(build_stage(config, mesh), mesh, micro_batch_size=MICRO, seq_len=SEQ)
+    smaller = [(x[:1], y[:1]) for x, y in micro_batches()]
+    with pytest.raises(ValueError, match=r"micro-batch 0: tokens shape \(1, 8\) != \[micro_batch_size, seq_len\] "
+                                         r"\(2, 8\)"):
+        runner.run(smaller)
+    fewer = micro_batches()[:NUM_MICRO - mesh.pp_rank]
+    with pytest.raises(ValueError, match=r"stages were given different numbers of micro-batches: 3 to 4"):
+        runner.run(fewer)
+    assert runner.run(micro_batches()).loss > 0  # and the runner still works

@@ -128,3 +128,62 @@ def test_a_failing_rank_stops_the_others_and_is_named():
     assert result.returncode == 1, result.stderr[-2000:]
     assert "error: rank 3 of 4 failed" in result.stderr and "injected failure at step 2 on rank 3" in result.stderr
     assert time.perf_counter() - start < 180
+
+
+@pytest.fixture(scope="module")
+def tiny_hf_dir(tmp_path_factory):
+    """A save_pretrained Llama directory: 2 layers, 64 positions, a vocabulary covering bytes."""
+    transformers = pytest.importorskip("transformers")
+    path = tmp_path_factory.mktemp("hf") / "llama"
+    config = transformers.LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--lr", "nan"], r"--lr=nan must be a finite number > 0"),
+    (["--lr", "inf"], r"--lr=inf must be a finite number > 0"),
+    (["--weight-decay", "nan"], r"--weight-decay=nan must be a finite number >= 0"),
+    (["--warmup-steps", "-3"], r"--warmup-steps=-3 must be >= 0"),
+    (["--save", "{file}"], r"--save .*afile exists and is not a directory"),
+    (["--export-hf", "{file}"], r"--export-hf .*afile exists and is not a directory"),
+    (["--load", "{empty}"], r"holds no checkpoint"),
+    (["--from-hf", "{hf}", "--num-layers", "1"], r"--from-hf takes the model's shape from its config: drop "
+                                                 r"--num-layers"),
+    (["--from-hf", "{hf}", "--model", "small"], r"--from-hf takes the model's shape from its config: drop --model"),
+    (["--from-hf", "{hf}", "--seq-len", "128"], r"--seq-len=128 exceeds the model's max_seq_len=64"),
+])
+def test_bad_values_are_refused_up_front_naming_them(flags, message, tmp_path, tiny_hf_dir):
+    """validate() (what the launcher runs before any process): the values that used to fail in every rank, after
+    training, or not at all."""
+    from models.train import validate
+
+    (tmp_path / "afile").write_text("")
+    (tmp_path / "empty").mkdir()
+    paths = {"file": str(tmp_path / "afile"), "empty": str(tmp_path / "empty"), "hf": tiny_hf_dir}
+    args = parser().parse_args([flag.format(**paths) for flag in flags])
+    with pytest.raises((ValueError, OSError), match=message):
+        validate(args)
+
+
+def test_from_hf_without_overrides_validates(tiny_hf_dir):
+    from models.train import validate
+
+    config = validate(parser().parse_args(["--from-hf", tiny_hf_dir, "--seq-len", "64", "--tp", "2"]))
+    assert (config.num_layers, config.hidden_size, config.max_seq_len) == (2, 32, 64)
+
+
+def test_flags_win_over_the_checkpoints_hyperparameters():
+    """A resumed run's optimizer takes --weight-decay (and the schedule's lr) from the flags, not the checkpoint."""
+    import torch
+
+    from models.train import set_hyperparameters
+
+    args = parser().parse_args(["--weight-decay", "0.5", "--lr", "1e-3", "--warmup-steps", "0"])
+    weight, norm = torch.nn.Parameter(torch.ones(2, 2)), torch.nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.AdamW([{"params": [weight]}, {"params": [norm], "weight_decay": 0.0}])
+    for group in optimizer.param_groups:  # as checkpoint.load leaves them: the saved run's values
+        group.update(lr=7.0, weight_decay=0.01)
+    set_hyperparameters(optimizer, args, step=0)
+    assert [(g["lr"], g["weight_decay"]) for g in optimizer.param_groups] == [(1e-3, 0.5), (1e-3, 0.0)]
