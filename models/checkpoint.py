@@ -193,20 +193,31 @@ def save(path, model, optimizer, *, mesh, step, extra=None):
     dcp.save(state, checkpoint_id=path)
 
 
-def _read_meta(path, model, optimizer):
-    """The checkpoint's meta, read by this rank alone; raises if it does not fit the model and optimizer."""
+def check_config(saved, config, path):
+    """Raise unless GPTConfig `config` builds the same weights as the checkpoint's saved config (a dict): runtime
+    fields may differ, and max_seq_len too unless positions are learned (RoPE holds no position weights)."""
+    free = RUNTIME_FIELDS + (() if config.position == "learned" else ("max_seq_len",))
+    differ = [f"{k}={saved.get(k)!r} (model: {v!r})" for k, v in dataclasses.asdict(config).items()
+              if k not in free and saved.get(k) != v]
+    if differ:
+        raise ValueError(f"checkpoint {path!r} was saved with another GPTConfig: {', '.join(differ)}")
+
+
+def read_meta(path):
+    """The checkpoint's meta (step, split, config, optimizer hyperparameters), read by this process alone."""
     if not os.path.isfile(os.path.join(path, ".metadata")):
         raise FileNotFoundError(f"{path!r} holds no checkpoint (no .metadata)")
     holder = {"meta": None}
     with warnings.catch_warnings():  # DCP warns that no_dist means a single process: here it means this rank alone
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(holder, checkpoint_id=path, no_dist=True)
-    meta = pickle.loads(holder["meta"])
-    saved, current = meta["config"], dataclasses.asdict(model.config)
-    differ = [f"{k}={saved.get(k)!r} (model: {v!r})" for k, v in current.items()
-              if k not in RUNTIME_FIELDS and saved.get(k) != v]
-    if differ:
-        raise ValueError(f"checkpoint {path!r} was saved with another GPTConfig: {', '.join(differ)}")
+    return pickle.loads(holder["meta"])
+
+
+def _read_meta(path, model, optimizer):
+    """The checkpoint's meta, read by this rank alone; raises if it does not fit the model and optimizer."""
+    meta = read_meta(path)
+    check_config(meta["config"], model.config, path)
     if optimizer is not None and meta["optimizer"] is not None:
         if type(optimizer).__name__ != meta["optimizer"]:
             raise ValueError(f"checkpoint {path!r} holds {meta['optimizer']} state, not {type(optimizer).__name__}")

@@ -8,6 +8,7 @@ transformers is imported only here, and only when these functions run.
 """
 import json
 import os
+import re
 
 import torch
 import torch.distributed as dist
@@ -402,11 +403,16 @@ def save_hf(model, path, *, group=None, pp_group=None, dp_group=None):
     if dist.get_rank(group) != 0 or (dp_group is not None and dist.get_rank(dp_group) != 0):
         return
     os.makedirs(path, exist_ok=True)
-    file = "model.safetensors" if stages == 1 else f"model-{stage + 1:05d}-of-{stages:05d}.safetensors"
-    save_file(tensors, os.path.join(path, file), metadata={"format": "pt"})
+    files = ["model.safetensors"] if stages == 1 else \
+        [f"model-{s + 1:05d}-of-{stages:05d}.safetensors" for s in range(stages)] + ["model.safetensors.index.json"]
+    if stage == 0:  # an earlier export's weight files that this one does not write: transformers could load them
+        for stale in set(os.listdir(path)) - set(files):
+            if re.fullmatch(r"model(-\d+-of-\d+)?\.safetensors(\.index\.json)?", stale):
+                os.remove(os.path.join(path, stale))
+    save_file(tensors, os.path.join(path, files[stage]), metadata={"format": "pt"})
     if stage == 0:
         hf_config.save_pretrained(path)
         if stages > 1:
-            weight_map = {n: f"model-{s + 1:05d}-of-{stages:05d}.safetensors" for s, ns in enumerate(names) for n in ns}
+            weight_map = {n: files[s] for s, ns in enumerate(names) for n in ns}
             with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
                 json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=1)

@@ -69,6 +69,7 @@ class PipelineRunner:
         config = self.stage.config
         seq = seq_len // mesh.tp_size if config.sequence_parallel else seq_len
         self.shape = (seq, micro_batch_size, config.hidden_size)  # [s(/tp), b, h]
+        self.batch_shape = (micro_batch_size, seq_len)
         self.dtype = next(self.stage.parameters()).dtype
 
     # ---- point-to-point ----------------------------------------------------------------------------------------
@@ -128,6 +129,28 @@ class PipelineRunner:
 
     # ---- schedules -----------------------------------------------------------------------------------------------
 
+    def _check_batches(self, batches):
+        """Raise on every stage if any stage's micro-batches differ from the shape the buffers are built for, or
+        the stages were given different counts; the one all-reduce is also the schedule's common start."""
+        problem = next((f"micro-batch {k}: {name} shape {tuple(t.shape)} != [micro_batch_size, seq_len] "
+                        f"{self.batch_shape} this runner was built for"
+                        for k, batch in enumerate(batches) for name, t in zip(("tokens", "targets"), batch)
+                        if t is not None and tuple(t.shape) != self.batch_shape), None)
+        if self.mesh.pp_size == 1:
+            if problem:
+                raise ValueError(problem)
+            return
+        flags = torch.tensor([problem is not None, len(batches), -len(batches)], dtype=torch.float64,
+                             device=self._device())
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.mesh.pp_group)
+        bad, most, fewest = flags.tolist()
+        if most != -fewest:
+            raise ValueError(f"the pipeline stages were given different numbers of micro-batches: {-fewest:.0f} to "
+                             f"{most:.0f}")
+        if bad:
+            raise ValueError(problem or "another pipeline stage's micro-batches do not have the shape "
+                             f"[micro_batch_size, seq_len] {self.batch_shape} this runner was built for")
+
     def run(self, batches, schedule="1f1b"):
         """Forward and backward every micro-batch; returns ScheduleStats (loss: the mean over micro-batches)."""
         if schedule not in ("1f1b", "gpipe"):
@@ -136,8 +159,7 @@ class PipelineRunner:
         p, i = mesh.pp_size, mesh.pp_rank
         warmup = m if schedule == "gpipe" else min(p - i - 1, m)
         stats, alive = ScheduleStats(), []  # alive: (index, received input, output) awaiting backward
-        if p > 1:
-            dist.barrier(group=mesh.pp_group)  # a common start: the span below is the pipeline's
+        self._check_batches(batches)
         start = time.perf_counter()
         first, last = mesh.is_first_stage, mesh.is_last_stage
 

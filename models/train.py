@@ -12,6 +12,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 import time
 
@@ -52,7 +53,7 @@ def parser():
     a("--recompute", choices=("none", "selective", "full"), default="none", help="activation recomputation")
     a("--dp-mode", choices=("ddp", "fsdp"), default="ddp",
       help="data parallelism: torch DDP on the dp group, or FSDP2 (fully_shard) on the dp mesh dim")
-    a("--model", choices=sorted(PRESETS), default="tiny", help="model size (the overrides below win)")
+    a("--model", choices=sorted(PRESETS), default=None, help="model size, default tiny (the overrides below win)")
     for field in SIZE_FIELDS:
         a(f"--{field.replace('_', '-')}", type=int, default=None, help=f"override the preset's {field}")
     a("--dropout", type=float, default=0.0, help="residual and attention dropout")
@@ -85,7 +86,7 @@ def model_config(args):
         from .hf import config_from_hf
 
         return config_from_hf(transformers.AutoConfig.from_pretrained(args.from_hf), **flags)
-    fields = PRESETS[args.model] | overrides | flags
+    fields = PRESETS[args.model or "tiny"] | overrides | flags
     fields.setdefault("max_seq_len", args.seq_len)
     fields["max_seq_len"] = max(fields["max_seq_len"], args.seq_len)
     return GPTConfig(**fields)
@@ -103,26 +104,45 @@ def validate(args, world_size=None):
         raise ValueError(f"--global-batch-size={args.global_batch_size} is not divisible by --dp * "
                          f"--micro-batch-size = {args.dp}*{args.micro_batch_size}")
     for name in ("lr", "weight_decay"):
-        if getattr(args, name) < 0 or (name == "lr" and args.lr == 0):
-            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be "
+        value = getattr(args, name)
+        if not math.isfinite(value) or value < 0 or (name == "lr" and value == 0):
+            raise ValueError(f"--{name.replace('_', '-')}={value} must be a finite number "
                              f"{'> 0' if name == 'lr' else '>= 0'}")
-    if args.from_hf and not os.path.isdir(args.from_hf):
-        raise ValueError(f"--from-hf {args.from_hf}: no such directory (a save_pretrained directory)")
+    for name in ("warmup_steps", "save_every"):
+        if getattr(args, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 0")
+    for name in ("save", "export_hf"):
+        path = getattr(args, name)
+        if path and os.path.exists(path) and not os.path.isdir(path):
+            raise ValueError(f"--{name.replace('_', '-')} {path} exists and is not a directory")
+    if args.from_hf:
+        if not os.path.isdir(args.from_hf):
+            raise ValueError(f"--from-hf {args.from_hf}: no such directory (a save_pretrained directory)")
+        shape_flags = [f"--{f.replace('_', '-')}" for f in ("model", *SIZE_FIELDS) if getattr(args, f) is not None]
+        if shape_flags:
+            raise ValueError(f"--from-hf takes the model's shape from its config: drop {' '.join(shape_flags)}")
     config = model_config(args)
+    limit = min(config.max_seq_len, config.sliding_window or config.max_seq_len)
+    if args.seq_len > limit:  # (presets grow max_seq_len to --seq-len; a Hugging Face model's is its own)
+        raise ValueError(f"--seq-len={args.seq_len} exceeds the model's max_seq_len={config.max_seq_len}"
+                         + (f" / sliding_window={config.sliding_window}" if config.sliding_window else ""))
     config.check_tp(args.tp)
     stage_layers(config.num_layers, args.pp, 0)
     if args.sequence_parallel and args.seq_len % args.tp:
         raise ValueError(f"--seq-len={args.seq_len} is not divisible by --tp={args.tp} (sequence parallelism)")
     if config.vocab_size < data.VOCAB_SIZE:
         raise ValueError(f"vocab_size={config.vocab_size} cannot hold the {data.VOCAB_SIZE} byte tokens")
-    if args.save_every < 0:
-        raise ValueError(f"--save-every={args.save_every} must be >= 0")
     if args.load:
+        from . import checkpoint
+
         if not os.path.isdir(args.load):
             raise ValueError(f"--load {args.load}: no such directory")
-        saved = _saved_step(_latest(args.load))
-        if saved is not None and args.steps <= saved:
-            raise ValueError(f"--steps={args.steps} does not go beyond the checkpoint's step {saved}: nothing to train")
+        path = _latest(args.load)
+        meta = checkpoint.read_meta(path)
+        checkpoint.check_config(meta["config"], config, path)
+        if args.steps <= meta["step"]:
+            raise ValueError(f"--steps={args.steps} does not go beyond the checkpoint's step {meta['step']}: "
+                             "nothing to train")
     sequences = (len(data.corpus()) - 1) // args.seq_len
     if args.global_batch_size > sequences:
         raise ValueError(f"--global-batch-size={args.global_batch_size} exceeds the {sequences} sequences of "
@@ -166,8 +186,11 @@ def launch(args, argv):
         message = failure.message
         while isinstance(message, dict):  # the worker's error file: {"message": "...", "extraInfo": {...}}
             message = message.get("message", "")
-        last = str(message).strip().splitlines()[-1:] or ["see its output above"]
-        print(f"error: rank {rank} of {world} failed (exit code {failure.exitcode}): {last[0]}", file=sys.stderr)
+        lines = str(message).strip().splitlines()
+        # the exception's line, not torchelastic's trailer ("To enable traceback see: ...") when it adds one
+        errors = [line for line in lines if re.match(r"[\w.]+(Error|Exception)\b.*:", line)]
+        last = (errors or lines or ["see its output above"])[-1]
+        print(f"error: rank {rank} of {world} failed (exit code {failure.exitcode}): {last}", file=sys.stderr)
         return 1
     return 0
 
@@ -186,6 +209,13 @@ def wrap_data_parallel(stage, mesh, mode):
     from torch.nn.parallel import DistributedDataParallel
 
     return DistributedDataParallel(stage, process_group=mesh.dp_group)
+
+
+def set_hyperparameters(optimizer, args, step):
+    """This step's learning rate, and the flags' weight decay (group 0; group 1 holds the 1-D parameters, never
+    decayed): the flags win over what a loaded checkpoint's param_groups carried."""
+    for group, weight_decay in zip(optimizer.param_groups, (args.weight_decay, 0.0)):
+        group["lr"], group["weight_decay"] = learning_rate(args, step), weight_decay
 
 
 def learning_rate(args, step):
@@ -229,14 +259,14 @@ def train(args):
     if rank0:
         print(f"{mesh.world_size} ranks: tp={mesh.tp_size} pp={mesh.pp_size} dp={mesh.dp_size} ({args.dp_mode}), "
               f"schedule={args.schedule}, micro-batches/step={args.global_batch_size // (mesh.dp_size * args.micro_batch_size)}, "
-              f"sequence_parallel={args.sequence_parallel}; model {args.model if not args.from_hf else args.from_hf}"
+              f"sequence_parallel={args.sequence_parallel}; model {args.from_hf or args.model or 'tiny'}"
               f" ({config.num_layers} layers, hidden {config.hidden_size}, {params:,} params on rank 0)", flush=True)
-    log = open(args.log_jsonl, "a" if args.load else "w") if rank0 and args.log_jsonl else None
     if start_step >= args.steps:
         if rank0:
             print(f"nothing to train: the checkpoint is at step {start_step}, --steps={args.steps}", flush=True)
         tp.destroy_mesh()
         return 0
+    log = open(args.log_jsonl, "a" if args.load else "w") if rank0 and args.log_jsonl else None
     bar = _progress(rank0, start_step, args.steps)
     tokens_per_step = args.global_batch_size * args.seq_len
     first_loss = loss = None
@@ -250,8 +280,7 @@ def train(args):
                                    replicated=True)
             if args.fail_at_step == step + 1 and dist.get_rank() == args.fail_rank:
                 raise RuntimeError(f"injected failure at step {step + 1} on rank {args.fail_rank}")
-            for group in optimizer.param_groups:
-                group["lr"] = learning_rate(args, step)
+            set_hyperparameters(optimizer, args, step)
             stats = runner.run(micro_batches, args.schedule)
             if not config.sequence_parallel_grad_sync:
                 tp.allreduce_sequence_parallel_grads(stage, mesh.tp_group)  # one all-reduce for every SP param
@@ -336,12 +365,14 @@ def _saved_step(path):
 
 
 def _latest(root):
-    """The checkpoint --load reads: ROOT/latest's step directory, or ROOT itself if it is one."""
+    """The checkpoint --load reads: ROOT/latest's step directory, else ROOT's newest step-N, else ROOT itself."""
     latest = os.path.join(root, "latest")
     if os.path.exists(latest):
         with open(latest) as f:
             return os.path.join(root, f.read().strip())
-    return root
+    steps = [name for name in os.listdir(root) if _saved_step(name) is not None
+             and os.path.isdir(os.path.join(root, name))]
+    return os.path.join(root, max(steps, key=_saved_step)) if steps else root
 
 
 if __name__ == "__main__":

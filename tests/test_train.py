@@ -90,6 +90,8 @@ def test_every_split_trains_the_same_curve(tmp_path):
         assert len(curve) == 1 and abs(curve[0] - serial[2]) <= 1e-5 * serial[2], (curve, serial)
     nothing = _run(*SMALL, "--load", ckpt, "--steps", "2")
     assert nothing.returncode == 2 and "--steps=2 does not go beyond the checkpoint's step 2" in nothing.stderr
+    other = _run(*SMALL, "--load", ckpt, "--hidden-size", "128")  # refused before any process, not in every rank
+    assert other.returncode == 2 and "saved with another GPTConfig: hidden_size=64 (model: 128)" in other.stderr
 
 
 @pytest.mark.parametrize("flags,message", [
@@ -98,7 +100,7 @@ def test_every_split_trains_the_same_curve(tmp_path):
                                               r"num_layers=4"),
     (["--tp", "3", "--pp", "1", "--dp", "1"], r"num_heads=4 is not divisible by tp=3"),
     (["--sequence-parallel", "--seq-len", "33"], r"--seq-len=33 is not divisible by --tp=2"),
-    (["--lr", "-1"], r"--lr=-1.0 must be > 0"),
+    (["--lr", "-1"], r"--lr=-1.0 must be a finite number > 0"),
     (["--seq-len", "100000"], r"--global-batch-size=16 exceeds the \d+ sequences of --seq-len=100000"),
     (["--from-hf", "/nonexistent"], r"--from-hf /nonexistent: no such directory"),
 ])
