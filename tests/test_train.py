@@ -189,3 +189,15 @@ def test_flags_win_over_the_checkpoints_hyperparameters():
         group.update(lr=7.0, weight_decay=0.01)
     set_hyperparameters(optimizer, args, step=0)
     assert [(g["lr"], g["weight_decay"]) for g in optimizer.param_groups] == [(1e-3, 0.5), (1e-3, 0.0)]
+
+
+def test_load_without_latest_takes_the_newest_step_directory(tmp_path):
+    from models.train import _latest
+
+    for step in (2, 10, 9):
+        (tmp_path / f"step-{step:06d}").mkdir()
+    (tmp_path / "step-notes.txt").write_text("")
+    assert _latest(str(tmp_path)) == str(tmp_path / "step-000010")
+    (tmp_path / "latest").write_text("step-000002")
+    assert _latest(str(tmp_path)) == str(tmp_path / "step-000002")
+    assert _latest(str(tmp_path / "step-000009")) == str(tmp_path / "step-000009")  # a step directory itself
