@@ -250,7 +250,12 @@ def train(args):
     if args.load:
         from . import checkpoint
 
-        start_step, _ = checkpoint.load(_latest(args.load), module, optimizer, mesh=mesh)
+        start_step, extra = checkpoint.load(_latest(args.load), module, optimizer, mesh=mesh)
+        changed = [f"--{k.replace('_', '-')}={v}" for k, v in (extra or {}).items()
+                   if k in _DATA_ORDER and getattr(args, k) != v]
+        if changed and dist.get_rank() == 0:
+            print(f"note: the checkpoint's run had {', '.join(changed)}: the data order from here differs from that "
+                  "run's", file=sys.stderr, flush=True)
     runner = PipelineRunner(module, mesh, micro_batch_size=args.micro_batch_size, seq_len=args.seq_len)
     dataset = data.TokenWindows(data.corpus(), args.seq_len)
     stream = data.batches(dataset, dp=mesh.dp_size, dp_rank=mesh.dp_rank, global_batch_size=args.global_batch_size,
@@ -299,9 +304,9 @@ def train(args):
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", bubble=f"{bubble:.2f}")
             if args.save and args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
-                _save(args.save, module, optimizer, mesh, step + 1)
+                _save(args.save, module, optimizer, mesh, step + 1, args)
         if args.save:
-            _save(args.save, module, optimizer, mesh, args.steps)
+            _save(args.save, module, optimizer, mesh, args.steps, args)
         if args.export_hf:
             stage.save_hf(args.export_hf, pp_group=mesh.pp_group if mesh.pp_size > 1 else None,
                           dp_group=mesh.dp_group)
@@ -344,12 +349,16 @@ class _Quiet:
         pass
 
 
-def _save(root, module, optimizer, mesh, step):
+_DATA_ORDER = ("global_batch_size", "seed", "seq_len")  # the data stream's position depends on them
+
+
+def _save(root, module, optimizer, mesh, step, args):
     """Write ROOT/step-N, then point ROOT/latest at it: a crash mid-save never spoils the previous checkpoint."""
     from . import checkpoint
 
     name = f"step-{step:06d}"
-    checkpoint.save(os.path.join(root, name), module, optimizer, mesh=mesh, step=step)
+    checkpoint.save(os.path.join(root, name), module, optimizer, mesh=mesh, step=step,
+                    extra={k: getattr(args, k) for k in _DATA_ORDER})
     dist.barrier()
     if dist.get_rank() == 0:
         with open(os.path.join(root, "latest.tmp"), "w") as f:

@@ -86,8 +86,11 @@ def test_every_split_trains_the_same_curve(tmp_path):
     single = _run(*SMALL, "--tp", "1", "--pp", "1", "--dp", "1", "--load", ckpt,
                   "--log-jsonl", str(tmp_path / "resumed_serial.jsonl"))
     assert single.returncode == 0, single.stderr[-3000:]
+    assert "note:" not in single.stderr
     for curve in (resumed, _losses(tmp_path / "resumed_serial.jsonl")):
         assert len(curve) == 1 and abs(curve[0] - serial[2]) <= 1e-5 * serial[2], (curve, serial)
+    reseeded = _run(*SMALL, "--tp", "1", "--pp", "1", "--dp", "1", "--load", ckpt, "--seed", "8")
+    assert reseeded.returncode == 0 and "note: the checkpoint's run had --seed=7: the data order" in reseeded.stderr
     nothing = _run(*SMALL, "--load", ckpt, "--steps", "2")
     assert nothing.returncode == 2 and "--steps=2 does not go beyond the checkpoint's step 2" in nothing.stderr
     other = _run(*SMALL, "--load", ckpt, "--hidden-size", "128")  # refused before any process, not in every rank
