@@ -26,12 +26,14 @@ def test_gpt_benchmark_runs_and_sp_halves_the_norm_region(tmp_path):
 
 def test_train_benchmark_runs_every_part(tmp_path):
     out, png = tmp_path / "train.json", tmp_path / "bubble.png"
-    train.main(["--splits", "1x1x1", "1x2x1", "--steps", "2", "--global-batch-size", "4", "--seq-len", "16",
+    train.main(["--splits", "1x2x1", "1x1x1", "--steps", "2", "--global-batch-size", "4", "--seq-len", "16",
                 "--pp", "2", "--micro-batches", "1", "2", "--reps", "1", "--bubble-hidden", "32",
                 "--bubble-micro-batch", "1", "--bubble-seq", "16", "--out", str(out), "--plot", str(png)])
     result = json.loads(out.read_text())
-    single, piped = result["throughput"]
+    piped, single = result["throughput"]
     assert (single["split"], piped["split"]) == ("1x1x1", "1x2x1")
+    assert single["speedup"] == 1.0 and piped["speedup"] == piped["tokens_per_s"] / single["tokens_per_s"]
+    assert "vs 1x1x1" in result["throughput_table"]
     assert single["tokens_per_s"] > 0 and piped["tokens_per_s"] > 0
     assert piped["loss"] == pytest.approx(single["loss"], abs=1e-5)  # the same training, split differently
     assert [(r["p"], r["m"], r["theory"]) for r in result["bubble"]] == [(2, 1, 0.5), (2, 2, 1 / 3)]
@@ -47,3 +49,12 @@ def test_parallelize_benchmark_runs_every_model(tmp_path):
     assert (row["hidden"], row["heads"], row["tokens"], row["tp"]) == (32, "4/2", "1x16", 2)
     for name in ("ours", "dtensor", "hf", "dense", "ours_vp", "dtensor_vp"):
         assert row[f"{name}_ms"] > 0
+
+
+def test_kernels_benchmark_creates_its_output_folder(tmp_path):
+    from bench import kernels as bench_kernels
+
+    out = tmp_path / "new" / "kernels.json"
+    bench_kernels.main(["--hidden", "256", "--tokens", "256", "--tp", "2", "--layers", "fc2", "--reps", "1",
+                        "--out", str(out)])
+    assert json.loads(out.read_text())["results"]

@@ -208,3 +208,27 @@ def test_bad_arguments_raise():
         intensity.main(["--no-measure", "--hardware", "cpu-measured", "--hidden", "64", "--tokens", "8"])
     with pytest.raises(ValueError, match="--ffn 512 needs --hidden"):
         intensity.main(["--no-measure", "--ffn", "512"])
+
+
+def test_recommendation_takes_the_largest_token_count_whatever_the_order():
+    ordered = intensity.main(["--no-measure", "--hidden", "1024", "--tokens", "16", "16384"])["recommendations"]
+    reversed_ = intensity.main(["--no-measure", "--hidden", "1024", "--tokens", "16384", "16"])["recommendations"]
+    assert reversed_ == ordered and ordered[0]["shape"]["tokens"] == 16384
+
+
+def test_max_gflop_zero_times_no_gemm(tmp_path):
+    result = intensity.main(["--quick", "--hardware", "cpu-measured", "--hidden", "64", "--tokens", "8",
+                             "--measure-tp", "2", "--max-gflop", "0", "--peak-size", "64", "--bandwidth-mb", "1",
+                             "--min-seconds", "0.001"])
+    assert result["measured"]["gemms"] == {}
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--measure-tp", "1"], r"--measure-tp needs degrees >= 2, got \[1\]"),
+    (["--measure-tp", "2", "3"], r"--measure-tp 3 does not divide the message of 8 tokens x hidden 64"),
+    (["--hidden", "0"], r"--hidden 0 must be >= 1"),
+    (["--tokens", "0"], r"--tokens 0 must be >= 1"),
+])
+def test_bad_measurement_arguments_are_named_before_measuring(flags, message):
+    with pytest.raises(ValueError, match=message):
+        intensity.main(["--quick", "--hidden", "64", "--tokens", "8", *flags])
