@@ -46,7 +46,7 @@ def shapes_from(args):
         layers = [(d, rl.default_ffn(d, mlp), mlp) for mlp in args.mlp for d in args.hiddens]
     else:
         layers = [(args.hidden, args.ffn or rl.default_ffn(args.hidden, mlp), mlp) for mlp in args.mlp]
-    return [[rl.Shape(d, f, t, mlp) for t in args.tokens] for d, f, mlp in layers]
+    return [[rl.Shape(d, f, t, mlp) for t in sorted(set(args.tokens))] for d, f, mlp in layers]  # largest T last
 
 
 # ---- rows -----------------------------------------------------------------------------------------------------------
@@ -211,8 +211,18 @@ def parse_args(argv):
             setattr(args, name, value)
     args.mlp = args.mlp or (["gelu"] if args.hidden else ["gelu", "swiglu"])
     args.measure_tp = args.measure_tp or ([2**i for i in range(1, world.bit_length())] if world > 1 else [2, 4])
+    for name in ("hidden", "ffn", "tokens"):
+        bad = [v for v in (getattr(args, name) if name == "tokens" else [getattr(args, name)]) if v is not None and v < 1]
+        if bad:
+            raise ValueError(f"--{name} {bad[0]} must be >= 1")
     if any(p < 2 for p in args.measure_tp):
         raise ValueError(f"--measure-tp needs degrees >= 2, got {args.measure_tp}")
+    if not args.no_measure:  # the timed collectives move tokens x hidden elements split over each degree
+        for hidden in [args.hidden] if args.hidden else args.hiddens:
+            for t in args.tokens:
+                p = next((p for p in args.measure_tp if t * hidden % p), None)
+                if p:
+                    raise ValueError(f"--measure-tp {p} does not divide the message of {t} tokens x hidden {hidden}")
     return args
 
 
@@ -258,4 +268,7 @@ def _run(args):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except ValueError as e:  # a bad argument: one line, not a traceback
+        raise SystemExit(f"error: {e}")

@@ -1,6 +1,6 @@
 """Fused kernels.linear vs torch on the local shard shapes of GPT MLP layers under tensor parallelism.
 
-    python -m bench.kernels [--out bench/kernels.json] [--quick] [--hidden 4096 8192] [--tokens 4096 16384]
+    python -m bench.kernels [--out bench/results/kernels.json] [--quick] [--hidden 4096 8192] [--tokens 4096 16384]
 
 Per (hidden h, tokens T, TP degree): fc1 = ColumnParallel [T, h] x [4h/TP, h]^T + bias, GELU; fc1_swiglu = the same
 with a fused gate/up weight [2·4h/TP, h]; fc2 = RowParallel [T, 4h/TP] x [h, 4h/TP]^T (bias added after the
@@ -12,7 +12,6 @@ GPU timings are medians of triton.testing.do_bench. Without a GPU the Triton ker
 says nothing about speed); the script then times only torch on CPU, on shapes shrunk by --shrink, and says so.
 """
 import argparse
-import json
 import platform
 import statistics
 import time
@@ -21,6 +20,8 @@ import torch
 import torch.nn.functional as F
 
 import kernels
+
+from .common import write_json
 
 LAYERS = ("fc1", "fc1_swiglu", "fc2")
 
@@ -192,8 +193,7 @@ def main(argv=None):
             meta["triton"] = triton.__version__
         except ImportError:
             meta["triton"] = None
-        with open(args.out, "w") as f:
-            json.dump(dict(meta=meta, results=results), f, indent=1)
+        write_json(args.out, dict(meta=meta, results=results))
         print(f"wrote {args.out}")
 
 

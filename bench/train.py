@@ -8,7 +8,7 @@ first of rank 0's per-step figure (global tokens / step wall time).
 
 Bubble: models.pipeline.PipelineRunner alone on pp = 2 and 4 ranks (tp = dp = 1), m = 1, 2, 4, 8 micro-batches,
 GPipe and 1F1B: idle time over p x the schedule's span (bubble_rank), the median of --reps runs after one warm-up,
-plotted against (p-1)/(m+p-1); the mean of the stages' own ScheduleStats.bubble is listed beside it. Every layer does
+plotted against (p-1)/(m+p-1); the mean of the stages' own idle fractions (1 - busy / own span) is listed beside it. Every layer does
 the same work and the micro-batches are large, so the stages are nearly balanced and compute outweighs the
 point-to-point transfers. The theory assumes each forward/backward takes the same time throughout; with more
 processes than cores (p = 4 on a 2-core CPU), or other load, stages that compute at once share the cores, so a
@@ -107,9 +107,9 @@ def bench_throughput(a):
                      "step_ms": 1e3 * median([r["step_s"] for r in after_first]),
                      "bubble": median([r["bubble"] for r in after_first]) if p > 1 else None,
                      "loss": log[-1]["loss"]})
-    base = rows[0]["tokens_per_s"]
+    base = next((row for row in rows if row["split"] == "1x1x1"), rows[0])
     for row in rows:
-        row["speedup"] = row["tokens_per_s"] / base
+        row["speedup"], row["baseline"] = row["tokens_per_s"] / base["tokens_per_s"], base["split"]
     return rows
 
 
@@ -179,12 +179,13 @@ def main(argv=None):
               f"{a.micro_batch_size}, median of steps 2..{a.steps}, on {machine()}, gloo, one thread per rank")
         payload["throughput_table"] = print_table(rows, [
             ("split", "tp x pp x dp", "{}"), ("ranks", "ranks", "{}"), ("micro_batches", "micro-batches", "{}"),
-            ("tokens_per_s", "tokens/s", "{:.0f}"), ("speedup", "vs 1x1x1", "{:.2f}"), ("step_ms", "step ms", "{:.1f}"),
-            ("bubble", "bubble (stages' own)", "{:.2f}"), ("loss", "last loss", "{:.3f}")])
+            ("tokens_per_s", "tokens/s", "{:.0f}"), ("speedup", f"vs {rows[0]['baseline']}", "{:.2f}"),
+            ("step_ms", "step ms", "{:.1f}"), ("bubble", "bubble (idle / (p x span))", "{:.2f}"),
+            ("loss", "last loss", "{:.3f}")])
     if a.skip != "bubble":
         rows = payload["bubble"] = bench_bubble(a)
-        print(f"\nPipeline bubble (idle / (p x span); stages' own: the mean of ScheduleStats.bubble), 4 layers hidden "
-              f"{a.bubble_hidden}, micro-batch {a.bubble_micro_batch} x {a.bubble_seq} tokens, median of {a.reps} runs")
+        print(f"\nPipeline bubble (idle / (p x span); stages' own: the mean of each stage's 1 - busy / its own span), "
+              f"4 layers hidden {a.bubble_hidden}, micro-batch {a.bubble_micro_batch} x {a.bubble_seq} tokens, median of {a.reps} runs")
         payload["bubble_table"] = print_table(rows, [
             ("p", "p", "{}"), ("m", "m", "{}"), ("theory", "(p-1)/(m+p-1)", "{:.3f}"), ("gpipe", "GPipe", "{:.3f}"),
             ("1f1b", "1F1B", "{:.3f}"), ("gpipe_stages", "GPipe stages' own", "{:.3f}"),

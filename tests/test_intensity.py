@@ -213,7 +213,7 @@ def test_bad_arguments_raise():
 def test_recommendation_takes_the_largest_token_count_whatever_the_order():
     ordered = intensity.main(["--no-measure", "--hidden", "1024", "--tokens", "16", "16384"])["recommendations"]
     reversed_ = intensity.main(["--no-measure", "--hidden", "1024", "--tokens", "16384", "16"])["recommendations"]
-    assert reversed_ == ordered and ordered[0]["shape"]["tokens"] == 16384
+    assert reversed_ == ordered and ordered[0]["tokens"] == 16384
 
 
 def test_max_gflop_zero_times_no_gemm(tmp_path):
