@@ -1,6 +1,7 @@
 """Smoke tests of bench.gpt, bench.parallelize and bench.train at tiny sizes: they run end to end and write what they
 promise. The numbers are not checked (benchmarks are not timed tests), only what holds on any machine."""
 import json
+import re
 
 import pytest
 
@@ -58,3 +59,21 @@ def test_kernels_benchmark_creates_its_output_folder(tmp_path):
     bench_kernels.main(["--hidden", "256", "--tokens", "256", "--tp", "2", "--layers", "fc2", "--reps", "1",
                         "--out", str(out)])
     assert json.loads(out.read_text())["results"]
+
+
+@pytest.mark.parametrize("module,flags,message", [
+    ("mlp", ["--iters", "0"], r"argument --iters: 0 is not >= 1"),
+    ("mlp", ["--tp", "0"], r"argument --tp: 0 is not >= 1"),
+    ("gpt", ["--tp", "3"], r"num_heads=8 is not divisible by tp=3"),
+    ("gpt", ["--tp", "4", "--kv-heads", "2", "--no-megatron"], r"DTensor TP .* --kv-heads 2 .* --tp 4"),
+    ("parallelize", ["--shapes", "128:344"], r"hidden:ffn:heads:kv_heads:layers:batch:seq, got '128:344'"),
+    ("train", ["--splits", "3x1x1"], r"num_heads=4 is not divisible by tp=3"),
+    ("train", ["--reps", "0"], r"argument --reps: 0 is not >= 1"),
+])
+def test_impossible_arguments_are_one_usage_error_before_any_rank(module, flags, message, capsys):
+    import importlib
+
+    with pytest.raises(SystemExit) as exit_info:
+        importlib.import_module(f"bench.{module}").main(flags)
+    assert exit_info.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
