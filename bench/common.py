@@ -37,14 +37,27 @@ def scratch_path(name):
     return os.path.join(tempfile.gettempdir(), "tp-bench", name)
 
 
+def at_least(minimum):
+    """An argparse type: an integer >= minimum (argparse names the flag in its one-line error)."""
+    import argparse
+
+    def parse(text):
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} is not >= {minimum}")
+        return value
+
+    return parse
+
+
 def parser(doc, name, *, iters, warmup):
     """The flags every side-by-side benchmark over TP degrees takes: --iters --warmup --tp --out."""
     import argparse
 
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--iters", type=int, default=iters)
-    p.add_argument("--warmup", type=int, default=warmup)
-    p.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--iters", type=at_least(1), default=iters)
+    p.add_argument("--warmup", type=at_least(0), default=warmup)
+    p.add_argument("--tp", type=at_least(1), nargs="+", default=[1, 2, 4])
     p.add_argument("--out", default=scratch_path(f"{name}.json"),
                    help=f"JSON output (the committed table is bench/results/{name}.json: pass it to refresh it)")
     return p

@@ -37,7 +37,7 @@ import models
 import tp
 from tp import testing
 
-from .common import machine, median, print_table, round_robin_times, scratch_path, write_json
+from .common import at_least, machine, median, print_table, round_robin_times, scratch_path, write_json
 
 REGIONS = ("norm/dropout", "attn/mlp", "other")
 # The transformer layers of the three implementations: their own code (residual adds, dropout) is residual stream.
@@ -279,13 +279,24 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     for flag, default in (("iters", 20), ("warmup", 3), ("hidden", 256), ("ffn", 688), ("layers", 2), ("heads", 8),
                           ("kv-heads", 4), ("vocab", 2048), ("seq", 128), ("batch", 2)):
-        p.add_argument(f"--{flag}", type=int, default=default)
-    p.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4])
+        p.add_argument(f"--{flag}", type=at_least(0 if flag == "warmup" else 1), default=default)
+    p.add_argument("--tp", type=at_least(1), nargs="+", default=[1, 2, 4])
     p.add_argument("--no-megatron", action="store_true", help="leave megatron-core out even where it is installed")
     p.add_argument("--out", default=scratch_path("gpt.json"), help="JSON (bench/results/gpt.json: the committed one)")
     a = p.parse_args(argv)
     megatron = "not installed" if importlib.util.find_spec("megatron") is None else (
         "left out (--no-megatron)" if a.no_megatron else None)
+    for tp_size in a.tp:  # what would fail inside the ranks: one usage error here
+        try:
+            models.GPTConfig(vocab_size=a.vocab, hidden_size=a.hidden, num_layers=a.layers, num_heads=a.heads,
+                             num_kv_heads=a.kv_heads, ffn_hidden_size=a.ffn, max_seq_len=a.seq).check_tp(tp_size)
+        except ValueError as e:
+            p.error(str(e))
+        if a.kv_heads % tp_size:
+            p.error(f"DTensor TP (HF's plan shards k/v projections) needs --kv-heads {a.kv_heads} divisible by "
+                    f"--tp {tp_size}")
+        if megatron is None and a.vocab % tp_size:
+            p.error(f"megatron-core needs --vocab {a.vocab} divisible by --tp {tp_size} (or --no-megatron)")
     rows, raw = [], {}
     for tp_size in a.tp:
         results = testing.run(bench_rank, world_size=tp_size, timeout=3600, a=a, use_megatron=megatron is None)[0]

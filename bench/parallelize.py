@@ -95,12 +95,27 @@ def bench_rank(shape, iters, warmup):
                              sync=dist.barrier, reduce=list)
 
 
+def _shape(text):
+    import argparse
+
+    fields = text.split(":")
+    if len(fields) != 7 or not all(f.isdigit() and int(f) > 0 for f in fields):
+        raise argparse.ArgumentTypeError(f"needs 7 positive integers hidden:ffn:heads:kv_heads:layers:batch:seq, "
+                                         f"got {text!r}")
+    return tuple(map(int, fields))
+
+
 def main(argv=None):
     p = parser(__doc__, "parallelize", iters=20, warmup=3)
-    p.add_argument("--shapes", nargs="+", type=lambda text: tuple(map(int, text.split(":"))),
+    p.add_argument("--shapes", nargs="+", type=_shape,
                    default=SHAPES, help="hidden:ffn:heads:kv_heads:layers:batch:seq each (default: "
                    + " ".join(":".join(map(str, shape)) for shape in SHAPES) + ")")
     args = p.parse_args(argv)
+    for hidden, ffn, heads, kv_heads, *_ in args.shapes:
+        for tp_size in args.tp:
+            if heads % tp_size or kv_heads % tp_size or hidden % heads or kv_heads > heads:
+                p.error(f"shape hidden {hidden}, heads {heads}/{kv_heads} cannot be split over --tp {tp_size} (heads "
+                        "and kv heads divisible by tp, hidden by heads)")
     rows = []
     for shape in args.shapes:
         for tp_size in args.tp:

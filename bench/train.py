@@ -29,7 +29,7 @@ from models.train import parser as train_parser
 from models.train import train, validate
 from tp import testing
 
-from .common import machine, median, print_table, scratch_path, write_json
+from .common import at_least, machine, median, print_table, scratch_path, write_json
 
 SPLITS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2)]  # tp, pp, dp
 
@@ -92,13 +92,16 @@ def bubble_rank(config, micro_batches, micro_batch_size, seq_len, reps):
     return result
 
 
+def _train_flags(a, t, p, d):
+    return ["--tp", str(t), "--pp", str(p), "--dp", str(d), "--model", a.model, "--steps", str(a.steps),
+            "--global-batch-size", str(a.global_batch_size), "--micro-batch-size", str(a.micro_batch_size),
+            "--seq-len", str(a.seq_len)]
+
+
 def bench_throughput(a):
     rows = []
     for t, p, d in a.splits:
-        flags = ["--tp", str(t), "--pp", str(p), "--dp", str(d), "--model", a.model, "--steps", str(a.steps),
-                 "--global-batch-size", str(a.global_batch_size), "--micro-batch-size", str(a.micro_batch_size),
-                 "--seq-len", str(a.seq_len)]
-        validate(train_parser().parse_args(flags))  # a bad split: one clear error before any rank starts
+        flags = _train_flags(a, t, p, d)
         log = testing.run(train_rank, world_size=t * p * d, timeout=3600, flags=flags)[0]
         after_first = log[1:] or log
         rows.append({"split": f"{t}x{p}x{d}", "ranks": t * p * d,
@@ -167,11 +170,16 @@ def main(argv=None):
     p.add_argument("--bubble-hidden", type=int, default=256, help="hidden size of the bubble's 4-layer model")
     p.add_argument("--bubble-micro-batch", type=int, default=8)
     p.add_argument("--bubble-seq", type=int, default=128)
-    p.add_argument("--reps", type=int, default=3, help="schedule runs per bubble point (after one warm-up)")
+    p.add_argument("--reps", type=at_least(1), default=3, help="schedule runs per bubble point (after one warm-up)")
     p.add_argument("--skip", choices=("throughput", "bubble"), help="leave one part out")
     p.add_argument("--out", default=scratch_path("train.json"), help="JSON (bench/results/train.json: committed)")
     p.add_argument("--plot", default=None, help="bubble plot PNG (default: --out with .png)")
     a = p.parse_args(argv)
+    for t, pp, d in a.splits if a.skip != "throughput" else []:  # a bad split: one usage error before any rank
+        try:
+            validate(train_parser().parse_args(_train_flags(a, t, pp, d)))
+        except ValueError as e:
+            p.error(f"split {t}x{pp}x{d}: {e}")
     payload = {"machine": machine(), "load_average": os.getloadavg(), "args": vars(a)}
     if a.skip != "throughput":
         rows = payload["throughput"] = bench_throughput(a)
