@@ -95,3 +95,17 @@ def test_scatter_returns_a_copy_whatever_the_layout():
 def test_layers_without_mesh_or_group_raise():
     with pytest.raises(RuntimeError, match="no tensor-parallel mesh"):
         tp.copy_to_tp_region(torch.zeros(2))
+
+
+@distributed(world_size=2)
+def test_sync_grads_over_tp_leaves_other_tensors_grads_alone():
+    """The summed grad is the parameter's own: autograd may hand the same grad tensor to a sibling input (an add)."""
+    mesh = tp.init_mesh(tp=2)
+    r = mesh.tp_rank
+    p = torch.nn.Parameter(torch.zeros(4))
+    h = torch.full((4,), float(r + 1), requires_grad=True)
+    x = h * 1.0  # created before the sync: autograd runs the sync's backward first
+    w, = tp.sync_grads_over_tp(p)
+    ((x + w) * (r + 1)).sum().backward()  # the add's one grad tensor goes to both branches
+    assert torch.equal(p.grad, torch.full((4,), 3.0))  # 1 + 2 over the two ranks
+    assert torch.equal(h.grad, torch.full((4,), float(r + 1)))  # this rank's own
