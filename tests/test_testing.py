@@ -108,3 +108,70 @@ def test_a_nested_function_is_refused_before_reaching_the_ranks():
     with pytest.raises(ValueError, match="test_a_nested_function_is_refused_before_reaching_the_ranks.<locals>.body "
                                          "cannot run on the ranks: pass a module-level function"):
         testing.run(body, 2)
+
+
+def _die_on_rank_one():
+    if dist.get_rank() == 1:
+        os._exit(3)
+    dist.barrier()
+
+
+def _leave_state_behind():
+    import torch
+
+    import tp
+
+    tp.init_mesh(tp=dist.get_world_size())
+    tp.model_parallel_seed(0)
+    tp.set_debug(True)
+    torch.manual_seed(5)
+
+
+def _state():
+    import torch
+
+    import tp
+
+    return tp.is_debug(), tp.get_rng_tracker().get_states(), torch.randn(2).tolist()
+
+
+def _sleep_then_all_reduce(seconds):
+    import time
+
+    import torch
+
+    if dist.get_rank() == 0:
+        time.sleep(seconds)
+    dist.all_reduce(torch.ones(1))
+    return True
+
+
+def test_a_dead_rank_is_reported_and_the_next_call_gets_fresh_ranks():
+    with pytest.raises(testing.RankError, match=r"rank 1 died \(exit code 3\)"):
+        testing.run(_die_on_rank_one, world_size=2)
+    assert testing.run(_rank, world_size=2) == [0, 1]
+
+
+def test_each_call_starts_from_a_clean_rank():
+    fresh = testing.WorkerPool(2)
+    try:
+        before = fresh.run(_state)
+        fresh.run(_leave_state_behind)
+        assert fresh.run(_state) == before  # debug off, no tracked streams, the default generator as at start
+    finally:
+        fresh.close()
+
+
+def test_a_call_may_wait_longer_than_twice_the_default_timeout(monkeypatch):
+    """The process group's own timeout follows the call's: a rank may block in a collective up to `timeout`."""
+    monkeypatch.setenv("TP_TEST_TIMEOUT", "0.5")  # what the spawned ranks read
+    fresh = testing.WorkerPool(2, timeout=30)
+    try:
+        assert fresh.run(_sleep_then_all_reduce, {"seconds": 2}, timeout=30) == [True, True]
+    finally:
+        fresh.close()
+
+
+def test_no_ranks_is_refused():
+    with pytest.raises(ValueError, match=r"world_size=0 must be >= 1"):
+        testing.run(_rank, world_size=0)
