@@ -15,19 +15,22 @@ from .mesh import resolve_group
 
 
 @torch.no_grad()
-def _all_reduce_coalesced(tensors, group, *, average=False):
-    """Sum (or average) same-dtype tensors over the group in place, one all-reduce per dtype."""
+def _all_reduce_coalesced(tensors, group, *, average=False, inplace=True):
+    """Sum (or average) same-dtype tensors over the group, one all-reduce per dtype: in place, or (inplace=False)
+    returned as new tensors, the inputs untouched."""
     size = dist.get_world_size(group)
     by_dtype = {}
-    for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
+    for i, t in enumerate(tensors):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    out = list(tensors)
     for same in by_dtype.values():
-        flat = torch.cat([t.reshape(-1) for t in same])
+        flat = torch.cat([tensors[i].reshape(-1) for i in same])
         dist.all_reduce(flat, group=group)
         if average:
             flat /= size
-        for t, reduced in zip(same, flat.split([t.numel() for t in same])):
-            t.copy_(reduced.view_as(t))
+        for i, reduced in zip(same, flat.split([tensors[i].numel() for i in same])):
+            out[i] = tensors[i].copy_(reduced.view_as(tensors[i])) if inplace else reduced.view_as(tensors[i])
+    return out
 
 
 class _SumGradsOverTP(torch.autograd.Function):
@@ -39,9 +42,8 @@ class _SumGradsOverTP(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, *grads):
-        present = [g.contiguous() for g in grads if g is not None]
-        _all_reduce_coalesced(present, ctx.group)
-        it = iter(present)
+        # not in place: autograd may have handed the same grad tensor to another input (both sides of an add)
+        it = iter(_all_reduce_coalesced([g for g in grads if g is not None], ctx.group, inplace=False))
         return (None, *(None if g is None else next(it) for g in grads))
 
 

@@ -105,7 +105,7 @@ def _stack_path(workdir, rank):
     return Path(workdir, f"stack{rank}")
 
 
-def _worker(rank, world_size, workdir, tasks, results):
+def _worker(rank, world_size, workdir, tasks, results, collective_timeout):
     # The parent sends SIGUSR1 when this rank hangs and reads the stacks from this file for its report.
     faulthandler.register(signal.SIGUSR1, file=open(_stack_path(workdir, rank), "w"), all_threads=True)
     sys.meta_path.insert(0, rewriter := _AssertRewriter())
@@ -116,10 +116,12 @@ def _worker(rank, world_size, workdir, tasks, results):
         torch.set_default_device(f"cuda:{rank}")
     dist.init_process_group(
         backend, init_method=f"file://{os.path.join(workdir, 'store')}", rank=rank, world_size=world_size,
-        # twice the default call timeout: the harness reports a hang, with every stuck rank's stack, before gloo would
-        timeout=datetime.timedelta(seconds=2 * DEFAULT_TIMEOUT),
+        # beyond any call's timeout: the harness reports a hang, with every stuck rank's stack, before gloo would
+        timeout=datetime.timedelta(seconds=collective_timeout),
     )
-    import tp  # noqa: F401  (after the process group, so import errors surface as task errors below)
+    import tp  # (after the process group, so import errors surface as task errors below)
+
+    fresh_rng, fresh_debug = torch.get_rng_state(), tp.is_debug()
 
     results.put((0, rank, True, "ready"))  # call timeouts start counting once every rank is up
 
@@ -136,13 +138,19 @@ def _worker(rank, world_size, workdir, tasks, results):
         finally:  # the next test starts from a clean rank (but keeps the process groups: creating them is slow)
             tp.destroy_mesh(keep_groups=True)
             torch.set_default_dtype(torch.float32)
+            tp.set_debug(fresh_debug)
+            tp.get_rng_tracker().reset()
+            torch.set_rng_state(fresh_rng)  # (CUDA generators: tests seed them; the ranks' GPUs differ anyway)
 
 
 class WorkerPool:
-    """`world_size` spawned ranks sharing one default process group, running submitted functions."""
+    """`world_size` spawned ranks sharing one default process group, running submitted functions whose timeout is
+    at most `timeout` (the process group's own timeout is twice that)."""
 
-    def __init__(self, world_size):
-        self.world_size = world_size
+    def __init__(self, world_size, *, timeout=DEFAULT_TIMEOUT):
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size={world_size!r} must be >= 1")
+        self.world_size, self.timeout = world_size, timeout
         ctx = mp.get_context("spawn")
         self._dir = tempfile.TemporaryDirectory(prefix="tp-testing-")
         self._results = ctx.Queue()
@@ -150,7 +158,8 @@ class WorkerPool:
         os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by the workers only
         self._procs = [
             ctx.Process(
-                target=_worker, args=(r, world_size, self._dir.name, self._tasks[r], self._results), daemon=True,
+                target=_worker, args=(r, world_size, self._dir.name, self._tasks[r], self._results, 2 * timeout),
+                daemon=True,
                 name=f"tp-rank{r}",
             )
             for r in range(world_size)
@@ -184,6 +193,9 @@ class WorkerPool:
         """Run fn(**kwargs) on every rank; returns the per-rank results in rank order."""
         __tracebackhide__ = True  # pytest shows the ranks' tracebacks, not this loop
         fn = getattr(fn, "__wrapped__", fn)
+        if timeout > self.timeout:
+            raise ValueError(f"timeout={timeout} exceeds the {self.timeout}s this pool's process group was built for "
+                             "(tp.testing.run respawns the pool for it)")
         if "<" in fn.__qualname__:  # <lambda>, <locals>: the ranks import the body by its module and name
             raise ValueError(f"{fn.__qualname__} cannot run on the ranks: pass a module-level function")
         self._task_id += 1
@@ -212,6 +224,7 @@ class WorkerPool:
             stacks = self._stacks(missing)
             for r in missing:
                 self._procs[r].kill()
+        if missing or not all(p.is_alive() for p in self._procs):  # a dead rank breaks the group: respawn next time
             self.close()
         errors = {r: v for r, (ok, v) in sorted(outcome.items()) if not ok}
         report = "".join([f"\n---- rank {r} ----\n{tb}" for r, tb in errors.items()] +
@@ -257,10 +270,13 @@ class WorkerPool:
 _pools = {}
 
 
-def pool(world_size):
-    """The shared pool of `world_size` ranks, (re)spawned when missing or broken."""
-    if world_size not in _pools or _pools[world_size].broken:
-        _pools[world_size] = WorkerPool(world_size)
+def pool(world_size, timeout=DEFAULT_TIMEOUT):
+    """The shared pool of `world_size` ranks, (re)spawned when missing, broken or built for a shorter timeout."""
+    current = _pools.get(world_size)
+    if current is None or current.broken or current.timeout < timeout:
+        if current is not None and not current.broken:
+            current.close()
+        _pools[world_size] = WorkerPool(world_size, timeout=max(timeout, DEFAULT_TIMEOUT))
     return _pools[world_size]
 
 
@@ -276,7 +292,7 @@ def shutdown():
 def run(fn, world_size, *, timeout=DEFAULT_TIMEOUT, **kwargs):
     """Run the module-level function fn(**kwargs) on `world_size` ranks; returns per-rank results."""
     __tracebackhide__ = True
-    return pool(world_size).run(fn, kwargs, timeout=timeout)
+    return pool(world_size, timeout).run(fn, kwargs, timeout=timeout)
 
 
 def distributed(world_size, *, timeout=DEFAULT_TIMEOUT):
