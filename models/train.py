@@ -160,7 +160,11 @@ def main(argv=None):
         print(f"error: {e}", file=sys.stderr)
         return 2
     if under_torchrun:
-        return _record(train)(args)
+        try:
+            return _record(train)(args)
+        finally:  # tp.destroy_mesh keeps torchrun's default group (for a next mesh); the job is over
+            if dist.is_initialized():
+                dist.destroy_process_group()
     return launch(args, argv)
 
 

@@ -1,5 +1,6 @@
 """tp.layout (pure) and tp.init_mesh (real process groups): hand-checked examples, invariants, errors."""
 import itertools
+import os
 
 import pytest
 import torch
@@ -152,3 +153,42 @@ def test_destroy_mesh_can_keep_groups_for_the_next_mesh():
     assert out.tolist() == again.ranks("tp")  # and still working
     tp.destroy_mesh()  # without keep_groups they are destroyed: the next mesh creates new ones
     assert tp.init_mesh(tp=2).tp_group is not tp_group
+
+
+@distributed(world_size=2)
+def test_a_destroyed_mesh_says_so():
+    mesh = tp.init_mesh(tp=2)
+    tp.destroy_mesh()
+    for use in (lambda: mesh.tp_group, lambda: mesh.tp_rank, lambda: mesh.device_mesh):
+        with pytest.raises(RuntimeError, match=r"this mesh was destroyed by tp.destroy_mesh\(\)"):
+            use()
+
+
+REINIT = """
+import torch, torch.distributed as dist, tp
+for tp_size in (2, 1, 2):
+    mesh = tp.init_mesh(tp=tp_size)
+    out = torch.zeros(2)
+    dist.all_gather_into_tensor(out, torch.tensor([float(dist.get_rank())]))
+    assert out.tolist() == [0.0, 1.0]
+    tp.destroy_mesh()
+assert dist.is_initialized()  # torchrun's default group is kept (re-creating it can hang in torch)
+dist.destroy_process_group()
+print("reinit ok", dist.is_initialized())
+"""
+
+
+def test_destroy_and_init_again_under_torchrun(tmp_path):
+    """init_mesh, destroy_mesh, init_mesh under torchrun: the default group it made from torchrun's environment is
+    kept and reused (destroying and re-creating it hung in torch, intermittently)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "reinit.py"
+    script.write_text(REINIT)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    for _ in range(3):  # the hang was intermittent
+        result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                                 "2", str(script)], capture_output=True, text=True, timeout=120, env=env | {
+                                     "OMP_NUM_THREADS": "1"})
+        assert result.returncode == 0 and result.stdout.count("reinit ok False") == 2, result.stderr[-2000:]

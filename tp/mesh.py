@@ -85,7 +85,7 @@ class Mesh:
         self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
         self.sizes = _sizes(self.world_size, tp, pp, dp)
         self.order = _parse_order(order)
-        self._owns_default_group = owns_default_group
+        self._owns_default_group, self._destroyed = owns_default_group, False
         table = layout(self.world_size, tp=tp, pp=pp, dp=self.sizes["dp"], order=order)
         table["embedding"] = [_embedding_ranks(g) for g in table["pp"]]
         if _kept_groups[0] is not dist.group.WORLD:
@@ -110,6 +110,8 @@ class Mesh:
         self._device_mesh = None
 
     def _check(self, axis):
+        if self._destroyed:
+            raise RuntimeError("this mesh was destroyed by tp.destroy_mesh(); use the current one (tp.get_mesh())")
         if axis not in self._ranks:
             raise ValueError(f"unknown axis {axis!r}; expected one of {sorted(self._ranks)}")
         return axis
@@ -173,14 +175,18 @@ class Mesh:
         else:
             for group in self._created.values():
                 dist.destroy_process_group(group)
-        self._created, self._groups = {}, {}
+        self._created, self._groups, self._destroyed = {}, {}, True
         if self._owns_default_group:
             dist.destroy_process_group()
 
 
+def _under_torchrun():
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
 def _init_default_group(backend, timeout):
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun's environment
+    if _under_torchrun():
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend, timeout=timeout)
@@ -199,7 +205,11 @@ def init_mesh(*, tp=1, pp=1, dp=None, order="tp-dp-pp", backend=None, timeout=da
     if _current is not None:
         raise RuntimeError(f"a mesh is already initialised ({_current!r}); call tp.destroy_mesh() first")
     _parse_order(order)
-    owns = not dist.is_initialized()
+    # A default group made here is destroyed with the mesh, except torchrun's: re-creating that one from the same
+    # environment can hang inside torch, so it stays for the next init_mesh (as Megatron keeps it).
+    owns = not dist.is_initialized() and not _under_torchrun()
+    if not dist.is_initialized() and _under_torchrun():
+        _init_default_group(backend, timeout)
     if not owns:  # validate before any collective so that every rank raises the same error
         _sizes(dist.get_world_size(), tp, pp, dp)
     else:
@@ -221,7 +231,8 @@ def get_mesh():
 
 
 def destroy_mesh(*, keep_groups=False):
-    """Destroy the current mesh's groups (and the default group if init_mesh created it).
+    """Destroy the current mesh's groups (and the default group if init_mesh created it for a lone process; one made
+    from torchrun's environment is kept for the next init_mesh: `torch.distributed.destroy_process_group()` at exit).
 
     keep_groups=True keeps the process groups for a later init_mesh that needs the same rank lists (creating
     groups is the slow part; the test harness reuses them across tests, as a training job would keep them).
