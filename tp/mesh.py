@@ -205,11 +205,11 @@ def init_mesh(*, tp=1, pp=1, dp=None, order="tp-dp-pp", backend=None, timeout=da
     if _current is not None:
         raise RuntimeError(f"a mesh is already initialised ({_current!r}); call tp.destroy_mesh() first")
     _parse_order(order)
-    # A default group made here is destroyed with the mesh, except torchrun's: re-creating that one from the same
-    # environment can hang inside torch, so it stays for the next init_mesh (as Megatron keeps it).
-    owns = not dist.is_initialized() and not _under_torchrun()
     if not dist.is_initialized() and _under_torchrun():
+        # kept when the mesh is destroyed: re-creating it from the same environment can hang inside torch (Megatron
+        # keeps it too)
         _init_default_group(backend, timeout)
+    owns = not dist.is_initialized()  # a lone process: its one-rank group is made here and destroyed with the mesh
     if not owns:  # validate before any collective so that every rank raises the same error
         _sizes(dist.get_world_size(), tp, pp, dp)
     else:

@@ -3,7 +3,8 @@
 Workers are spawned once per world size and reused across calls (spawning is the slow part). A failure on any
 rank raises `RankError` with every failing rank's traceback; a hang raises `RankTimeout` with the Python stack of
 every rank that did not answer (where it is stuck), and the workers are killed (the next call spawns fresh ones).
-Each call gets `timeout` seconds (default: `TP_TEST_TIMEOUT`, else 60). Under pytest, the ranks import test modules
+Each call gets `timeout` seconds (default: `TP_TEST_TIMEOUT`, else 60) and starts from a clean rank: no mesh,
+`torch.manual_seed(0)` on every rank, debug mode and the tracked RNG streams as at start-up. Under pytest, the ranks import test modules
 with pytest's assertion rewriting, so a bare `assert` reports its values as it would in the test process.
 
 In pytest, decorate a module-level function; its parameters can be parametrized as usual:
@@ -121,7 +122,7 @@ def _worker(rank, world_size, workdir, tasks, results, collective_timeout):
     )
     import tp  # (after the process group, so import errors surface as task errors below)
 
-    fresh_rng, fresh_debug = torch.get_rng_state(), tp.is_debug()
+    fresh_debug = tp.is_debug()
 
     results.put((0, rank, True, "ready"))  # call timeouts start counting once every rank is up
 
@@ -130,6 +131,7 @@ def _worker(rank, world_size, workdir, tasks, results, collective_timeout):
         if rewrite_asserts:
             rewriter.modules.add(module)
         try:
+            torch.manual_seed(0)  # every call, on every rank: results never depend on the tests run before
             value = _resolve(module, qualname)(**kwargs)
             pickle.dumps(value)  # fail here, with a traceback, rather than silently in the queue's feeder thread
             results.put((task_id, rank, True, value))
@@ -140,7 +142,6 @@ def _worker(rank, world_size, workdir, tasks, results, collective_timeout):
             torch.set_default_dtype(torch.float32)
             tp.set_debug(fresh_debug)
             tp.get_rng_tracker().reset()
-            torch.set_rng_state(fresh_rng)  # (CUDA generators: tests seed them; the ranks' GPUs differ anyway)
 
 
 class WorkerPool:
