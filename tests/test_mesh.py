@@ -173,8 +173,10 @@ for tp_size in (2, 1, 2):
     assert out.tolist() == [0.0, 1.0]
     tp.destroy_mesh()
 assert dist.is_initialized()  # torchrun's default group is kept (re-creating it can hang in torch)
+rank = dist.get_rank()
 dist.destroy_process_group()
-print("reinit ok", dist.is_initialized())
+if rank == 0:  # (one rank prints: torchrun interleaves the ranks' output)
+    print("reinit ok", dist.is_initialized())
 """
 
 
@@ -191,4 +193,4 @@ def test_destroy_and_init_again_under_torchrun(tmp_path):
         result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                                  "2", str(script)], capture_output=True, text=True, timeout=120, env=env | {
                                      "OMP_NUM_THREADS": "1"})
-        assert result.returncode == 0 and result.stdout.count("reinit ok False") == 2, result.stderr[-2000:]
+        assert result.returncode == 0 and "reinit ok False" in result.stdout, result.stderr[-2000:]  # both exit 0
