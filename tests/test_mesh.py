@@ -194,3 +194,11 @@ def test_destroy_and_init_again_under_torchrun(tmp_path):
                                  "2", str(script)], capture_output=True, text=True, timeout=120, env=env | {
                                      "OMP_NUM_THREADS": "1"})
         assert result.returncode == 0 and "reinit ok False" in result.stdout, result.stderr[-2000:]  # both exit 0
+
+
+def test_numpy_integers_are_sizes():
+    import numpy as np
+
+    assert tp.layout(8, tp=np.int64(2), pp=np.int32(2)) == tp.layout(8, tp=2, pp=2)
+    with pytest.raises(ValueError, match=r"tp=.*2\.0\)? must be an integer >= 1"):
+        tp.layout(8, tp=np.float64(2))

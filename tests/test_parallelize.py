@@ -344,3 +344,15 @@ def test_plain_module_plan():
     dense(x).square().sum().backward()
     assert_grads_match(model, dense)
     assert_described(model)
+
+
+@distributed(world_size=2)
+def test_describe_a_container_lists_its_parallelized_submodules():
+    tp.init_mesh(tp=2)
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"mlp": torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.GELU(),
+                                                             torch.nn.Linear(10, 6)), "head": torch.nn.Linear(6, 3)})
+    parallelize(model["mlp"], {"0": "colwise", "2": "rowwise"})
+    text = describe(model)
+    assert text.startswith("ModuleDict: parallelized inside: mlp") and "colwise" in text and "rowwise" in text, text
+    assert describe(torch.nn.Linear(2, 2)) == "Linear: not parallelized by tp.parallelize"

@@ -81,3 +81,10 @@ def test_checkpoint_recomputes_the_same_tp_dropout_mask(use_reentrant):
         assert torch.equal(plain, recomputed)
     shards = _gather(grads(False)[1], mesh.tp_group)
     assert not torch.equal(shards[0], shards[1])  # still a different mask per tp rank
+
+
+def test_model_parallel_seed_without_a_mesh_raises_before_reseeding():
+    state = torch.get_rng_state()
+    with pytest.raises(RuntimeError, match="no tensor-parallel mesh"):
+        tp.model_parallel_seed(5)
+    assert torch.equal(torch.get_rng_state(), state)
