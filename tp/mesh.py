@@ -7,6 +7,7 @@ of the sizes in that order, rank = Σ coord[axis]·stride[axis]. Tensor-parallel
 import copy
 import datetime
 import itertools
+import numbers
 import os
 
 import torch
@@ -38,9 +39,13 @@ def _parse_order(order):
 
 
 def _sizes(world_size, tp, pp, dp):
-    for name, value in (("world_size", world_size), ("tp", tp), ("pp", pp)) + ((("dp", dp),) if dp is not None else ()):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    def size(name, value):  # any integer type (numpy's too), not bool
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
             raise ValueError(f"{name}={value!r} must be an integer >= 1")
+        return int(value)
+
+    world_size, tp, pp = size("world_size", world_size), size("tp", tp), size("pp", pp)
+    dp = None if dp is None else size("dp", dp)
     if world_size % (tp * pp):
         raise ValueError(f"world_size={world_size} is not divisible by tp*pp={tp}*{pp}={tp * pp}")
     if dp is None:

@@ -147,7 +147,11 @@ def describe(module):
     """What `tp.parallelize` did to `module`: one line per sharded or patched module, with its style."""
     record = getattr(module, _RECORD, None)
     if record is None:
-        return f"{type(module).__name__}: not parallelized by tp.parallelize"
+        inside = [(name, sub) for name, sub in module.named_modules() if getattr(sub, _RECORD, None) is not None]
+        if not inside:
+            return f"{type(module).__name__}: not parallelized by tp.parallelize"
+        return f"{type(module).__name__}: parallelized inside: " + "\n".join(
+            f"{name}: {describe(sub)}" for name, sub in inside)
     width, style_width = (max(len(entry[i]) for entry in record["entries"]) for i in (0, 1))
     lines = [f"{type(module).__name__} over tp = {record['tp']} ranks, plan: {record['plan']}"]
     lines += [f"  {name:<{width}}  {style:<{style_width}}  {detail}" for name, style, detail in record["entries"]]

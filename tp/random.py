@@ -98,11 +98,12 @@ def get_rng_tracker():
 def model_parallel_seed(seed, *, group=None, device=None):
     """Seed the default generators with seed + 100·pp_rank and the tracked model-parallel stream with that
     + 2718 + tp_rank. `device`: where the tracked stream lives (default: the current GPU, else the CPU)."""
+    tp_rank = dist.get_rank(resolve_group(group))  # (raises without a mesh or group, before anything is reseeded)
     pp_rank = _mesh._current.pp_rank if _mesh._current is not None else 0
     seed = seed + _PP_STRIDE * pp_rank
     torch.manual_seed(seed)  # CPU and every GPU
     _tracker.reset()
-    _tracker.add(MODEL_PARALLEL_RNG, seed + _TP_OFFSET + dist.get_rank(resolve_group(group)), device=device)
+    _tracker.add(MODEL_PARALLEL_RNG, seed + _TP_OFFSET + tp_rank, device=device)
 
 
 def fork_rng(name=MODEL_PARALLEL_RNG):
