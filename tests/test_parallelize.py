@@ -356,3 +356,11 @@ def test_describe_a_container_lists_its_parallelized_submodules():
     text = describe(model)
     assert text.startswith("ModuleDict: parallelized inside: mlp") and "colwise" in text and "rowwise" in text, text
     assert describe(torch.nn.Linear(2, 2)) == "Linear: not parallelized by tp.parallelize"
+
+
+@distributed(world_size=2)
+def test_a_wrong_kind_error_names_the_hf_style_written():
+    tp.init_mesh(tp=2)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with pytest.raises(ValueError, match=r"0 is Linear; style 'vocab' \(HF's 'embedding_rowwise'\) needs nn.Embedding"):
+        parallelize(model, {"0": "embedding_rowwise"})
