@@ -204,7 +204,9 @@ def _check_kind(name, module, style):
     else:
         ok, wanted = True, ""
     if not ok:
-        raise ValueError(f"{name or 'the root module'} is {type(module).__name__}; style {style!r} needs {wanted}")
+        hf_name = next((f" (HF's {alias!r})" for alias, ours in ALIASES.items() if ours == style), "")
+        raise ValueError(f"{name or 'the root module'} is {type(module).__name__}; style {style!r}{hf_name} needs "
+                         f"{wanted}")
     if not name and style != "replicate":
         raise ValueError(f"the root module cannot be replaced in place (style {style!r} on pattern '')")
 
