@@ -141,17 +141,20 @@ def load_and_continue(config, mesh, wrap, path, saved, uninterrupted, exact):
         if exact:
             assert torch.equal(resumed[key], value), key
             continue
-        err = (resumed[key] - value).abs()  # other reduction orders: fp32 rounding of the gradients
+        got = resumed[key]
+        if key.startswith("exp_avg_sq "):  # squared gradients, squared rounding: compare them in gradient units
+            got, value = got.sqrt(), value.sqrt()
+        err = (got - value).abs()  # other reduction orders: fp32 rounding of the gradients
         if key.startswith("param ") and key.endswith("attn.c_attn.bias"):
             # GPT-2's k bias has a zero gradient in exact arithmetic (softmax ignores a per-query shift), so AdamW
             # normalises rounding noise into steps: it follows the uninterrupted run only to ~lr·1e-3.
             k_rows = slice(config.hidden_size, 2 * config.hidden_size)
             assert err[k_rows].max().item() <= 1e-5, f"{key} (k rows): err {err[k_rows].max().item():.3g}"
             err[k_rows] = 0
-        # Adam's moments relative to their largest entry: exp_avg_sq squares the gradients' relative rounding
-        # (1e-6 of it seen on an AMD EPYC, from another fp32 reduction order); a wrong reshard is off by O(1).
-        bound = 1e-6 if key.startswith("param ") else 1e-5 * value.abs().max().item()
-        assert err.max().item() <= bound, f"{key}: err {err.max().item():.3g} > {bound:.3g}"
+        # Adam's moments relative to their largest entry: up to 6.5e-7 seen for exp_avg and sqrt(exp_avg_sq)
+        # (exp_avg_sq itself: 1.05e-6 on an AMD EPYC); a wrong reshard is off by O(1)
+        scale = 1.0 if key.startswith("param ") else value.abs().max().item()
+        assert err.max().item() <= 1e-6 * scale, f"{key}: err {err.max().item():.3g}"
     return rng_before_load, rng_after_load
 
 
