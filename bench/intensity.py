@@ -211,8 +211,8 @@ def parse_args(argv):
             setattr(args, name, value)
     args.mlp = args.mlp or (["gelu"] if args.hidden else ["gelu", "swiglu"])
     args.measure_tp = args.measure_tp or ([2**i for i in range(1, world.bit_length())] if world > 1 else [2, 4])
-    for name in ("hidden", "ffn", "tokens"):
-        bad = [v for v in (getattr(args, name) if name == "tokens" else [getattr(args, name)]) if v is not None and v < 1]
+    for name, values in (("hidden", [args.hidden]), ("ffn", [args.ffn]), ("tokens", args.tokens)):
+        bad = [v for v in values if v is not None and v < 1]
         if bad:
             raise ValueError(f"--{name} {bad[0]} must be >= 1")
     if any(p < 2 for p in args.measure_tp):

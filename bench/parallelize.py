@@ -13,9 +13,9 @@ and, with the output layer vocab-parallel too (each library's vocab-parallel cro
 
 All parallel models follow the same plan (attention and MLP linears sharded, embedding and lm_head whole; the vp
 models shard lm_head too) and start from the same weights. Each rank runs the models round-robin in one loop (so
-machine noise hits all alike); a step (forward with labels, HF's loss, backward) is timed on rank 0 between barriers. Times are medians; ratios are
-medians of per-iteration ratios (steps taken back to back, so load from other processes mostly cancels). Target:
-ours/DTensor <= 0.6 at TP = 2.
+machine noise hits all alike); a step (forward with labels, HF's loss, backward) is timed on rank 0 between
+barriers. Times are medians; ratios are medians of per-iteration ratios (steps taken back to back, so load from
+other processes mostly cancels). Target: ours/DTensor <= 0.6 at TP = 2.
 """
 import contextlib
 import copy

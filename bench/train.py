@@ -8,11 +8,12 @@ first of rank 0's per-step figure (global tokens / step wall time).
 
 Bubble: models.pipeline.PipelineRunner alone on pp = 2 and 4 ranks (tp = dp = 1), m = 1, 2, 4, 8 micro-batches,
 GPipe and 1F1B: idle time over p x the schedule's span (bubble_rank), the median of --reps runs after one warm-up,
-plotted against (p-1)/(m+p-1); the mean of the stages' own idle fractions (1 - busy / own span) is listed beside it. Every layer does
-the same work and the micro-batches are large, so the stages are nearly balanced and compute outweighs the
-point-to-point transfers. The theory assumes each forward/backward takes the same time throughout; with more
-processes than cores (p = 4 on a 2-core CPU), or other load, stages that compute at once share the cores, so a
-micro-batch's F+B time (listed) depends on how many stages are busy, and the measured bubble drifts from the theory.
+plotted against (p-1)/(m+p-1); the mean of the stages' own idle fractions (1 - busy / own span) is listed beside
+it. Every layer does the same work and the micro-batches are large, so the stages are nearly balanced and compute
+outweighs the point-to-point transfers. The theory assumes each forward/backward takes the same time throughout;
+with more processes than cores (p = 4 on a 2-core CPU), or other load, stages that compute at once share the cores,
+so a micro-batch's F+B time (listed) depends on how many stages are busy, and the measured bubble drifts from the
+theory.
 """
 import argparse
 import json
@@ -193,7 +194,8 @@ def main(argv=None):
     if a.skip != "bubble":
         rows = payload["bubble"] = bench_bubble(a)
         print(f"\nPipeline bubble (idle / (p x span); stages' own: the mean of each stage's 1 - busy / its own span), "
-              f"4 layers hidden {a.bubble_hidden}, micro-batch {a.bubble_micro_batch} x {a.bubble_seq} tokens, median of {a.reps} runs")
+              f"4 layers hidden {a.bubble_hidden}, micro-batch {a.bubble_micro_batch} x {a.bubble_seq} tokens, "
+              f"median of {a.reps} runs")
         payload["bubble_table"] = print_table(rows, [
             ("p", "p", "{}"), ("m", "m", "{}"), ("theory", "(p-1)/(m+p-1)", "{:.3f}"), ("gpipe", "GPipe", "{:.3f}"),
             ("1f1b", "1F1B", "{:.3f}"), ("gpipe_stages", "GPipe stages' own", "{:.3f}"),

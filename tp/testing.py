@@ -4,8 +4,9 @@ Workers are spawned once per world size and reused across calls (spawning is the
 rank raises `RankError` with every failing rank's traceback; a hang raises `RankTimeout` with the Python stack of
 every rank that did not answer (where it is stuck), and the workers are killed (the next call spawns fresh ones).
 Each call gets `timeout` seconds (default: `TP_TEST_TIMEOUT`, else 60) and starts from a clean rank: no mesh,
-`torch.manual_seed(0)` on every rank, debug mode and the tracked RNG streams as at start-up. Under pytest, the ranks import test modules
-with pytest's assertion rewriting, so a bare `assert` reports its values as it would in the test process.
+`torch.manual_seed(0)` on every rank, debug mode and the tracked RNG streams as at start-up. Under pytest, the ranks
+import test modules with pytest's assertion rewriting, so a bare `assert` reports its values as it would in the
+test process.
 
 In pytest, decorate a module-level function; its parameters can be parametrized as usual:
 
