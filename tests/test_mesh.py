@@ -10,6 +10,7 @@ import tp
 from tp.testing import distributed
 
 ORDERS = ["-".join(p) for p in itertools.permutations(("tp", "dp", "pp"))]
+ORDERS_CP = ["-".join(p) for p in itertools.permutations(("tp", "cp", "dp", "pp"))]
 
 
 def test_layout_reference_example():
@@ -43,15 +44,15 @@ def _coords(rank, sizes, order):
     return coords
 
 
-@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("order", ORDERS_CP)
 @pytest.mark.parametrize("world_size", [1, 2, 4, 6, 8, 12, 16, 24])
 def test_layout_invariants(world_size, order):
-    for tp_size, pp_size in itertools.product(range(1, world_size + 1), repeat=2):
-        if world_size % (tp_size * pp_size):
+    for tp_size, cp_size, pp_size in itertools.product(range(1, world_size + 1), repeat=3):
+        if world_size % (tp_size * cp_size * pp_size):
             continue
-        sizes = {"tp": tp_size, "pp": pp_size, "dp": world_size // (tp_size * pp_size)}
-        groups = tp.layout(world_size, tp=tp_size, pp=pp_size, order=order)
-        assert groups == tp.layout(world_size, tp=tp_size, pp=pp_size, dp=sizes["dp"], order=order)
+        sizes = {"tp": tp_size, "cp": cp_size, "pp": pp_size, "dp": world_size // (tp_size * cp_size * pp_size)}
+        groups = tp.layout(world_size, tp=tp_size, cp=cp_size, pp=pp_size, order=order)
+        assert groups == tp.layout(world_size, tp=tp_size, cp=cp_size, pp=pp_size, dp=sizes["dp"], order=order)
         for name, gs in groups.items():
             axes = name.split("-")
             size = 1
@@ -63,20 +64,82 @@ def test_layout_invariants(world_size, order):
                 cs = [_coords(r, sizes, order) for r in g]
                 assert all(c[a] == cs[0][a] for c in cs for a in sizes if a not in axes), (name, g)
                 assert len({tuple(c[a] for a in axes) for c in cs}) == len(g)
-        if order == "tp-dp-pp":  # Megatron's default: tp groups are blocks of adjacent ranks
+        if order.startswith("tp-"):  # Megatron's default: tp groups are blocks of adjacent ranks
             assert all(g == list(range(g[0], g[0] + tp_size)) for g in groups["tp"])
+
+
+def _megatron_rank_groups(world_size, sizes, order, token):
+    """megatron-core's RankGenerator.get_ranks(token) (generate_masked_orthogonal_rank_groups), transcribed: groups
+    enumerated over the other axes (first in `order` fastest), members over the token's axes (first fastest)."""
+    axes = order.split("-")
+    axes += [a for a in sizes if a not in axes]  # axes of size 1 left out of the order are appended
+    strides = list(itertools.accumulate([1] + [sizes[a] for a in axes[:-1]], lambda a, b: a * b))
+    masked = [(sizes[a], st) for a, st in zip(axes, strides) if a in token.split("-")]
+    unmasked = [(sizes[a], st) for a, st in zip(axes, strides) if a not in token.split("-")]
+
+    def offsets(dims):  # every coordinate combination, the first dim fastest, as Σ coord·stride
+        out = [0]
+        for size, stride in dims:
+            out = [o + c * stride for c in range(size) for o in out]
+        return out
+
+    return [[base + member for member in offsets(masked)] for base in offsets(unmasked)]
+
+
+@pytest.mark.parametrize("order", ["tp-cp-dp-pp", "tp-cp-pp-dp", "tp-dp-cp-pp", "cp-tp-dp-pp", "pp-dp-cp-tp",
+                                   "tp-dp-pp"])
+def test_layout_equals_megatron_rank_generator(order):
+    """Every group list, for every split of 1..16 ranks, as megatron-core's RankGenerator lists it (the real one
+    when megatron-core is installed, else its algorithm transcribed)."""
+    try:
+        from megatron.core.parallel_state import RankGenerator
+    except ImportError:
+        RankGenerator = None
+    checked = 0
+    for world_size in (1, 2, 4, 8, 12, 16):
+        for tp_size, cp_size, pp_size in itertools.product((1, 2, 3, 4), repeat=3):
+            if world_size % (tp_size * cp_size * pp_size) or (cp_size > 1 and "cp" not in order):
+                continue
+            dp_size = world_size // (tp_size * cp_size * pp_size)
+            sizes = {"tp": tp_size, "cp": cp_size, "dp": dp_size, "pp": pp_size}
+            groups = tp.layout(world_size, tp=tp_size, cp=cp_size, pp=pp_size, order=order)
+            for token in ("tp", "cp", "dp", "pp", "tp-pp", "tp-dp", "tp-cp", "dp-cp"):
+                expected = (RankGenerator(tp=tp_size, ep=1, dp=dp_size, pp=pp_size, cp=cp_size, order=order)
+                            .get_ranks(token) if RankGenerator else
+                            _megatron_rank_groups(world_size, sizes, order, token))
+                assert groups[token] == expected, (world_size, sizes, order, token)
+                checked += 1
+    assert checked > 100
+
+
+def test_layout_with_cp_by_hand():
+    """16 ranks, tp=2 cp=2 pp=2 (dp=2), Megatron's order tp-cp-dp-pp: rank = tp + 2·cp + 4·dp + 8·pp."""
+    groups = tp.layout(16, tp=2, cp=2, pp=2)
+    assert groups["tp"][:2] == [[0, 1], [2, 3]]
+    assert groups["cp"][:3] == [[0, 2], [1, 3], [4, 6]]
+    assert groups["dp"][:3] == [[0, 4], [1, 5], [2, 6]]
+    assert groups["pp"][:2] == [[0, 8], [1, 9]]
+    assert groups["tp-cp"][:2] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert groups["dp-cp"][:3] == [[0, 2, 4, 6], [1, 3, 5, 7], [8, 10, 12, 14]]
+    # cp = 1: the layouts of the three-axis orders are unchanged
+    assert tp.layout(8, tp=2, pp=2, order="tp-dp-pp") == tp.layout(8, tp=2, pp=2)
+    assert tp.layout(8, tp=2, pp=2)["cp"] == [[r] for r in range(8)]
 
 
 @pytest.mark.parametrize("kwargs,message", [
     (dict(world_size=8, tp=3), r"world_size=8 is not divisible by tp\*pp=3\*1=3"),
+    (dict(world_size=8, tp=2, cp=3), r"world_size=8 is not divisible by tp\*cp\*pp=2\*3\*1=6"),
+    (dict(world_size=8, tp=2, cp=2, dp=3), r"tp\*cp\*dp\*pp=2\*2\*3\*1=12 does not equal world_size=8"),
+    (dict(world_size=8, cp=0), r"cp=0 must be an integer >= 1"),
+    (dict(world_size=8, cp=2, order="tp-dp-pp"), r"order='tp-dp-pp' .*missing: \['cp'\]"),
     (dict(world_size=8, tp=2, pp=2, dp=3), r"tp\*dp\*pp=2\*3\*2=12 does not equal world_size=8"),
     (dict(world_size=8, tp=0), r"tp=0 must be an integer >= 1"),
     (dict(world_size=8, pp=-2), r"pp=-2 must be an integer >= 1"),
     (dict(world_size=8, tp=True), r"tp=True must be an integer >= 1"),  # bools are ints to Python, not to us
     (dict(world_size=8, tp=2.0), r"tp=2.0 must be an integer >= 1"),
     (dict(world_size=8, tp=2, dp=False), r"dp=False must be an integer >= 1"),
-    (dict(world_size=4, order="tp-dp-xp"), r"order='tp-dp-xp' .*unknown: \['xp'\], missing: \['pp'\]"),
-    (dict(world_size=4, order="tp-dp"), r"missing: \['pp'\]"),
+    (dict(world_size=4, order="tp-dp-xp"), r"order='tp-dp-xp' .*unknown: \['xp'\]"),
+    (dict(world_size=4, pp=2, order="tp-dp"), r"missing: \['pp'\]"),
     (dict(world_size=4, order="tp-tp-dp-pp"), r"repeated: \['tp'\]"),
 ])
 def test_layout_errors(kwargs, message):
@@ -84,14 +147,15 @@ def test_layout_errors(kwargs, message):
         tp.layout(**kwargs)
 
 
-@pytest.mark.parametrize("order", ["tp-dp-pp", "pp-dp-tp"])
+@pytest.mark.parametrize("order,cp", [("tp-dp-pp", 1), ("pp-dp-tp", 1), ("tp-cp-dp-pp", 2), ("cp-pp-tp-dp", 2)])
 @distributed(world_size=8)
-def test_init_mesh_groups(order):
-    mesh = tp.init_mesh(tp=2, pp=2, order=order)
+def test_init_mesh_groups(order, cp):
+    mesh = tp.init_mesh(tp=2, cp=cp, pp=2, order=order)
     rank = dist.get_rank()
-    table = tp.layout(8, tp=2, pp=2, order=order)
-    assert tp.get_mesh() is mesh and mesh.dp_size == 2
-    for axis in ("tp", "dp", "pp", "tp-pp", "tp-dp"):
+    table = tp.layout(8, tp=2, cp=cp, pp=2, order=order)
+    assert tp.get_mesh() is mesh and mesh.dp_size == 2 // cp and mesh.cp_size == cp
+    assert mesh.cp_rank == mesh.local_rank("cp") and mesh.cp_group is mesh.group("cp")
+    for axis in ("tp", "cp", "dp", "pp", "tp-pp", "tp-dp", "tp-cp", "dp-cp"):
         (mine,) = [g for g in table[axis] if rank in g]
         assert mesh.ranks(axis) == mine and mesh.size(axis) == len(mine)
         assert mesh.local_rank(axis) == mine.index(rank) == dist.get_rank(mesh.group(axis))
@@ -105,18 +169,23 @@ def test_init_mesh_groups(order):
     assert mesh.next_stage_rank == pp_ranks[(i + 1) % 2] and mesh.prev_stage_rank == pp_ranks[(i - 1) % 2]
     assert mesh.embedding_ranks == [pp_ranks[0], pp_ranks[-1]]
     dm = mesh.device_mesh
-    assert dm.mesh_dim_names == tuple(reversed(order.split("-")))
-    for axis in ("tp", "dp", "pp"):
+    names = order.split("-") + ["cp"] * ("cp" not in order)  # an axis left out is appended (slowest)
+    assert dm.mesh_dim_names == tuple(reversed(names))
+    for axis in ("tp", "cp", "dp", "pp"):
         assert sorted(dm[axis].mesh.flatten().tolist()) == mesh.ranks(axis)
         assert dm.get_local_rank(axis) == mesh.local_rank(axis)
+    flat = mesh.flat_device_mesh("dp-cp")
+    assert flat.mesh.tolist() == mesh.ranks("dp-cp") and flat.get_local_rank() == mesh.local_rank("dp-cp")
 
 
 @distributed(world_size=4)
 def test_init_mesh_errors_raise_on_every_rank():
     with pytest.raises(ValueError, match="world_size=4 is not divisible by tp\\*pp=3\\*1=3"):
         tp.init_mesh(tp=3)
-    with pytest.raises(ValueError, match="unknown: \\['cp'\\]"):
-        tp.init_mesh(order="tp-cp-dp-pp")
+    with pytest.raises(ValueError, match="unknown: \\['ep'\\]"):
+        tp.init_mesh(order="tp-cp-ep-dp-pp")
+    with pytest.raises(ValueError, match="missing: \\['cp'\\]"):
+        tp.init_mesh(cp=2, order="tp-dp-pp")
     mesh = tp.init_mesh(tp=2)
     with pytest.raises(RuntimeError, match="already initialised"):
         tp.init_mesh(tp=2)

@@ -183,7 +183,7 @@ def test_flags_win_over_the_checkpoints_hyperparameters():
     """A resumed run's optimizer takes --weight-decay (and the schedule's lr) from the flags, not the checkpoint."""
     import torch
 
-    from models.train import set_hyperparameters
+    from models.loop import set_hyperparameters
 
     args = parser().parse_args(["--weight-decay", "0.5", "--lr", "1e-3", "--warmup-steps", "0"])
     weight, norm = torch.nn.Parameter(torch.ones(2, 2)), torch.nn.Parameter(torch.ones(2))

@@ -1,8 +1,11 @@
-"""The hybrid mesh: ranks grouped into tensor (tp), data (dp) and pipeline (pp) groups in Megatron's rank order.
+"""The hybrid mesh: ranks grouped into tensor (tp), context (cp), data (dp) and pipeline (pp) groups in Megatron's
+rank order.
 
-`order` lists the axes fastest-varying first ("tp-dp-pp" is Megatron's default): with strides the prefix products
-of the sizes in that order, rank = Σ coord[axis]·stride[axis]. Tensor-parallel groups are thus adjacent ranks
-(one node's NVLink domain) under the default order.
+`order` lists the axes fastest-varying first ("tp-cp-dp-pp" is Megatron's default, its "tp-cp-ep-dp-pp" without
+experts): with strides the prefix products of the sizes in that order, rank = Σ coord[axis]·stride[axis].
+Tensor-parallel groups are thus adjacent ranks (one node's NVLink domain) under the default order. An axis of size 1
+may be left out of `order` (it is appended, as Megatron's RankGenerator does): "tp-dp-pp" is the same layout as
+"tp-cp-dp-pp" when cp = 1.
 """
 import copy
 import datetime
@@ -16,8 +19,10 @@ import torch.distributed as dist
 # A process group is a handle to a communicator: a deep copy of a module (an EMA or reference model) shares it.
 copy._deepcopy_dispatch[dist.ProcessGroup] = copy._deepcopy_atomic
 
-AXES = ("tp", "dp", "pp")
-COMPOSITES = ("tp-pp", "tp-dp")
+AXES = ("tp", "cp", "dp", "pp")
+# "tp-pp": model-parallel (a parameter's shards); "dp-cp": the group gradients are reduced over; "tp-cp": the ranks
+# that share one micro-batch (the loss is equal on all of them)
+COMPOSITES = ("tp-pp", "tp-dp", "tp-cp", "dp-cp")
 
 _current = None
 # Process groups kept by destroy_mesh(keep_groups=True) for the next init_mesh, keyed by their ranks, valid while
@@ -25,34 +30,38 @@ _current = None
 _kept_groups = [None, {}]
 
 
-def _parse_order(order):
+def _parse_order(order, sizes=None):
+    """The axes of `order`, fastest first, with the axes it leaves out appended (each must have size 1 in `sizes`)."""
     axes = order.split("-") if isinstance(order, str) else []
     unknown = [a for a in axes if a not in AXES]
-    if unknown or sorted(axes) != sorted(AXES):
-        missing = [a for a in AXES if a not in axes]
-        repeated = sorted({a for a in axes if axes.count(a) > 1})
+    repeated = sorted({a for a in axes if axes.count(a) > 1})
+    missing = [a for a in AXES if a not in axes and (sizes is None or sizes[a] > 1)]
+    if unknown or repeated or not axes or (sizes is not None and missing):
         raise ValueError(
-            f"order={order!r} must list each of {'/'.join(AXES)} exactly once "
+            f"order={order!r} must list each of {'/'.join(AXES)} at most once, and every axis of size > 1 "
             f"(unknown: {unknown}, missing: {missing}, repeated: {repeated})"
         )
-    return axes
+    return axes + [a for a in AXES if a not in axes]
 
 
-def _sizes(world_size, tp, pp, dp):
+def _sizes(world_size, tp, pp, dp, cp=1):
     def size(name, value):  # any integer type (numpy's too), not bool
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
             raise ValueError(f"{name}={value!r} must be an integer >= 1")
         return int(value)
 
-    world_size, tp, pp = size("world_size", world_size), size("tp", tp), size("pp", pp)
+    world_size, tp, cp, pp = size("world_size", world_size), size("tp", tp), size("cp", cp), size("pp", pp)
     dp = None if dp is None else size("dp", dp)
-    if world_size % (tp * pp):
-        raise ValueError(f"world_size={world_size} is not divisible by tp*pp={tp}*{pp}={tp * pp}")
+    # the messages name cp only when it is used, so a tp/pp/dp user reads the formula they know
+    names, values = ("tp*cp*pp", f"{tp}*{cp}*{pp}") if cp > 1 else ("tp*pp", f"{tp}*{pp}")
+    if world_size % (tp * cp * pp):
+        raise ValueError(f"world_size={world_size} is not divisible by {names}={values}={tp * cp * pp}")
     if dp is None:
-        dp = world_size // (tp * pp)
-    if tp * dp * pp != world_size:
-        raise ValueError(f"tp*dp*pp={tp}*{dp}*{pp}={tp * dp * pp} does not equal world_size={world_size}")
-    return {"tp": tp, "dp": dp, "pp": pp}
+        dp = world_size // (tp * cp * pp)
+    if tp * cp * dp * pp != world_size:
+        names, values = ("tp*cp*dp*pp", f"{tp}*{cp}*{dp}*{pp}") if cp > 1 else ("tp*dp*pp", f"{tp}*{dp}*{pp}")
+        raise ValueError(f"{names}={values}={tp * cp * dp * pp} does not equal world_size={world_size}")
+    return {"tp": tp, "cp": cp, "dp": dp, "pp": pp}
 
 
 def _groups(sizes, order, axes):
@@ -72,10 +81,14 @@ def _groups(sizes, order, axes):
     return sorted(groups)
 
 
-def layout(world_size, *, tp=1, pp=1, dp=None, order="tp-dp-pp"):
-    """Rank groups per axis ("tp", "dp", "pp") and composite ("tp-pp" model-parallel, "tp-dp"); no process group needed."""
-    sizes = _sizes(world_size, tp, pp, dp)
-    axes = _parse_order(order)
+DEFAULT_ORDER = "tp-cp-dp-pp"
+
+
+def layout(world_size, *, tp=1, cp=1, pp=1, dp=None, order=DEFAULT_ORDER):
+    """Rank groups per axis ("tp", "cp", "dp", "pp") and composite ("tp-pp" model-parallel, "tp-dp", "tp-cp",
+    "dp-cp"), each as megatron-core's RankGenerator lists them; no process group needed."""
+    sizes = _sizes(world_size, tp, pp, dp, cp)
+    axes = _parse_order(order, sizes)
     return {name: _groups(sizes, axes, name.split("-")) for name in AXES + COMPOSITES}
 
 
@@ -86,12 +99,12 @@ def _embedding_ranks(pp_ranks):
 class Mesh:
     """Process groups of one hybrid layout, seen from this rank. Build with `tp.init_mesh`."""
 
-    def __init__(self, *, tp, pp, dp, order, owns_default_group):
+    def __init__(self, *, tp, pp, dp, order, owns_default_group, cp=1):
         self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
-        self.sizes = _sizes(self.world_size, tp, pp, dp)
-        self.order = _parse_order(order)
+        self.sizes = _sizes(self.world_size, tp, pp, dp, cp)
+        self.order = _parse_order(order, self.sizes)
         self._owns_default_group, self._destroyed = owns_default_group, False
-        table = layout(self.world_size, tp=tp, pp=pp, dp=self.sizes["dp"], order=order)
+        table = layout(self.world_size, tp=tp, cp=cp, pp=pp, dp=self.sizes["dp"], order=order)
         table["embedding"] = [_embedding_ranks(g) for g in table["pp"]]
         if _kept_groups[0] is not dist.group.WORLD:
             _kept_groups[:] = [dist.group.WORLD, {}]
@@ -122,7 +135,8 @@ class Mesh:
         return axis
 
     def group(self, axis):
-        """The process group of this rank along `axis` ("tp", "dp", "pp", "tp-pp", "tp-dp", "embedding")."""
+        """The process group of this rank along `axis` ("tp", "cp", "dp", "pp", "tp-pp", "tp-dp", "tp-cp", "dp-cp",
+        "embedding")."""
         return self._groups[self._check(axis)]
 
     def ranks(self, axis):
@@ -138,12 +152,15 @@ class Mesh:
 
     # The axes users touch most often.
     tp_group = property(lambda self: self.group("tp"))
+    cp_group = property(lambda self: self.group("cp"))
     dp_group = property(lambda self: self.group("dp"))
     pp_group = property(lambda self: self.group("pp"))
     tp_size = property(lambda self: self.sizes["tp"])
+    cp_size = property(lambda self: self.sizes["cp"])
     dp_size = property(lambda self: self.sizes["dp"])
     pp_size = property(lambda self: self.sizes["pp"])
     tp_rank = property(lambda self: self.local_rank("tp"))
+    cp_rank = property(lambda self: self.local_rank("cp"))
     dp_rank = property(lambda self: self.local_rank("dp"))
     pp_rank = property(lambda self: self.local_rank("pp"))
 
@@ -158,7 +175,8 @@ class Mesh:
 
     @property
     def device_mesh(self):
-        """A torch DeviceMesh on this mesh's groups, dims slowest first (reversed `order`: ("pp", "dp", "tp") by default)."""
+        """A torch DeviceMesh on this mesh's groups, dims slowest first (reversed `order`: ("pp", "dp", "cp", "tp") by
+        default). `flat_device_mesh("dp-cp")` is the one-dimensional mesh of a composite group (FSDP2 over dp×cp)."""
         if self._device_mesh is None:
             from torch.distributed.device_mesh import DeviceMesh
 
@@ -169,6 +187,15 @@ class Mesh:
                 [self.group(a) for a in names], device_type, mesh=mesh, mesh_dim_names=names
             )
         return self._device_mesh
+
+    def flat_device_mesh(self, axis):
+        """A one-dimensional torch DeviceMesh over this rank's group along `axis` (an axis or a composite such as
+        "dp-cp"), its dim named `axis` with "_" for "-"."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        return DeviceMesh.from_group(self.group(axis), device_type, mesh=torch.tensor(self.ranks(axis)),
+                                     mesh_dim_names=(axis.replace("-", "_"),))
 
     def __repr__(self):
         coords = ", ".join(f"{a}={self.local_rank(a)}/{self.sizes[a]}" for a in self.order)
@@ -199,7 +226,8 @@ def _init_default_group(backend, timeout):
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
 
 
-def init_mesh(*, tp=1, pp=1, dp=None, order="tp-dp-pp", backend=None, timeout=datetime.timedelta(minutes=10)):
+def init_mesh(*, tp=1, cp=1, pp=1, dp=None, order=DEFAULT_ORDER, backend=None,
+              timeout=datetime.timedelta(minutes=10)):
     """Create every group of the layout once and make the mesh current (used by layers when no group is passed).
 
     Uses the default process group if one exists (then `backend` and `timeout` are those it was created with),
@@ -216,11 +244,11 @@ def init_mesh(*, tp=1, pp=1, dp=None, order="tp-dp-pp", backend=None, timeout=da
         _init_default_group(backend, timeout)
     owns = not dist.is_initialized()  # a lone process: its one-rank group is made here and destroyed with the mesh
     if not owns:  # validate before any collective so that every rank raises the same error
-        _sizes(dist.get_world_size(), tp, pp, dp)
+        _parse_order(order, _sizes(dist.get_world_size(), tp, pp, dp, cp))
     else:
         _init_default_group(backend, timeout)
     try:
-        _current = Mesh(tp=tp, pp=pp, dp=dp, order=order, owns_default_group=owns)
+        _current = Mesh(tp=tp, cp=cp, pp=pp, dp=dp, order=order, owns_default_group=owns)
     except Exception:
         if owns:
             dist.destroy_process_group()

@@ -1,0 +1,210 @@
+"""The training loop run on every rank: the mesh, the GPT stage under DDP or FSDP2, the pipeline schedule, AdamW with
+warm-up and cosine decay, logging, checkpoints. `models/train.py` is its command line and launcher."""
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import tp
+
+from . import data
+from .checkpoint_dirs import latest as _latest
+from .config import PRESETS, RUNTIME_FIELDS, GPTConfig
+from .gpt import GPT
+from .pipeline import PipelineRunner, allreduce_tied_embedding_grads, stage_options
+
+SIZE_FIELDS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_hidden_size")
+
+
+def model_config(args):
+    """The GPTConfig the flags describe (a preset, or a Hugging Face config, with the overrides)."""
+    overrides = {f: getattr(args, f) for f in SIZE_FIELDS if getattr(args, f) is not None}
+    # DDP (or no dp): SP grads summed in one all-reduce after the schedule; FSDP2 drops the tags that needs.
+    flags = dict(sequence_parallel=args.sequence_parallel, recompute=args.recompute, dropout=args.dropout,
+                 attention_dropout=args.dropout, sequence_parallel_grad_sync=args.dp_mode == "fsdp")
+    if args.from_hf:
+        import transformers
+
+        from .hf import config_from_hf
+
+        return config_from_hf(transformers.AutoConfig.from_pretrained(args.from_hf), **flags)
+    fields = PRESETS[args.model or "tiny"] | overrides | flags
+    fields.setdefault("max_seq_len", args.seq_len)
+    fields["max_seq_len"] = max(fields["max_seq_len"], args.seq_len)
+    return GPTConfig(**fields)
+
+
+def wrap_data_parallel(stage, mesh, mode):
+    """DDP on the dp group, or FSDP2 over the dp mesh dim (each block, then the stage)."""
+    if mesh.dp_size == 1:
+        return stage
+    if mode == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        dp_mesh = mesh.device_mesh["dp"]
+        for block in stage.layers:
+            fully_shard(block, mesh=dp_mesh)
+        return fully_shard(stage, mesh=dp_mesh)
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(stage, process_group=mesh.dp_group)
+
+
+def set_hyperparameters(optimizer, args, step):
+    """This step's learning rate, and the flags' weight decay (group 0; group 1 holds the 1-D parameters, never
+    decayed): the flags win over what a loaded checkpoint's param_groups carried."""
+    for group, weight_decay in zip(optimizer.param_groups, (args.weight_decay, 0.0)):
+        group["lr"], group["weight_decay"] = learning_rate(args, step), weight_decay
+
+
+def learning_rate(args, step):
+    if step < args.warmup_steps:
+        return args.lr * (step + 1) / args.warmup_steps
+    progress = (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps)
+    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
+
+
+def train(args):
+    torch.set_num_threads(1)
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    mesh = tp.init_mesh(tp=args.tp, pp=args.pp, dp=args.dp, backend=backend)
+    if backend == "nccl":
+        torch.set_default_device(f"cuda:{torch.cuda.current_device()}")
+    config = model_config(args)
+    rank0 = dist.get_rank() == 0
+    torch.manual_seed(args.seed)  # the same on every rank: the weights do not depend on the split
+    if args.from_hf:
+        stage = GPT.from_hf(args.from_hf, group=mesh.tp_group, stage=stage_options(config, mesh),
+                            **{f: getattr(config, f) for f in RUNTIME_FIELDS})
+    else:
+        stage = GPT(config, group=mesh.tp_group, **stage_options(config, mesh))
+    tp.model_parallel_seed(args.seed)  # dropout streams (per pipeline stage and tp rank)
+    module = wrap_data_parallel(stage, mesh, args.dp_mode)
+    # No weight decay on 1-D parameters (norms, biases), as Megatron does.
+    decay = [p for p in module.parameters() if p.dim() > 1]
+    no_decay = [p for p in module.parameters() if p.dim() <= 1]
+    optimizer = torch.optim.AdamW([{"params": decay}, {"params": no_decay, "weight_decay": 0.0}], lr=args.lr,
+                                  betas=(0.9, 0.95), weight_decay=args.weight_decay)
+    start_step = 0
+    if args.load:
+        from . import checkpoint
+
+        start_step, extra = checkpoint.load(_latest(args.load), module, optimizer, mesh=mesh)
+        changed = [f"--{k.replace('_', '-')}={v}" for k, v in (extra or {}).items()
+                   if k in _DATA_ORDER and getattr(args, k) != v]
+        if changed and dist.get_rank() == 0:
+            print(f"note: the checkpoint's run had {', '.join(changed)}: the data order from here differs from that "
+                  "run's", file=sys.stderr, flush=True)
+    runner = PipelineRunner(module, mesh, micro_batch_size=args.micro_batch_size, seq_len=args.seq_len)
+    dataset = data.TokenWindows(data.corpus(), args.seq_len)
+    stream = data.batches(dataset, dp=mesh.dp_size, dp_rank=mesh.dp_rank, global_batch_size=args.global_batch_size,
+                          micro_batch_size=args.micro_batch_size, seed=args.seed, start_step=start_step)
+    params = sum(p.numel() for p in stage.parameters())
+    if rank0:
+        print(f"{mesh.world_size} ranks: tp={mesh.tp_size} pp={mesh.pp_size} dp={mesh.dp_size} ({args.dp_mode}), "
+              f"schedule={args.schedule}, micro-batches/step={args.global_batch_size // (mesh.dp_size * args.micro_batch_size)}, "
+              f"sequence_parallel={args.sequence_parallel}; model {args.from_hf or args.model or 'tiny'}"
+              f" ({config.num_layers} layers, hidden {config.hidden_size}, {params:,} params on rank 0)", flush=True)
+    if start_step >= args.steps:
+        if rank0:
+            print(f"nothing to train: the checkpoint is at step {start_step}, --steps={args.steps}", flush=True)
+        tp.destroy_mesh()
+        return 0
+    log = open(args.log_jsonl, "a" if args.load else "w") if rank0 and args.log_jsonl else None
+    bar = _progress(rank0, start_step, args.steps)
+    tokens_per_step = args.global_batch_size * args.seq_len
+    first_loss = loss = None
+    try:
+        for step in range(start_step, args.steps):
+            started = time.perf_counter()
+            micro_batches = next(stream)
+            if args.check_inputs:
+                for tokens, targets in micro_batches:
+                    tp.debug.check(torch.stack([tokens, targets]), mesh.tp_group, "the training tokens",
+                                   replicated=True)
+            if args.fail_at_step == step + 1 and dist.get_rank() == args.fail_rank:
+                raise RuntimeError(f"injected failure at step {step + 1} on rank {args.fail_rank}")
+            set_hyperparameters(optimizer, args, step)
+            stats = runner.run(micro_batches, args.schedule)
+            if not config.sequence_parallel_grad_sync:
+                tp.allreduce_sequence_parallel_grads(stage, mesh.tp_group)  # one all-reduce for every SP param
+            allreduce_tied_embedding_grads(stage, mesh)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            loss = _mean_over(stats.loss, mesh.dp_group)
+            bubble = stats.bubble
+            elapsed = time.perf_counter() - started
+            first_loss = loss if first_loss is None else first_loss
+            record = {"step": step + 1, "loss": loss, "tokens_per_s": tokens_per_step / elapsed,
+                      "lr": learning_rate(args, step), "bubble": bubble, "step_s": elapsed}
+            if log:
+                log.write(json.dumps(record) + "\n")
+                log.flush()
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", bubble=f"{bubble:.2f}")
+            if args.save and args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
+                _save(args.save, module, optimizer, mesh, step + 1, args)
+        if args.save:
+            _save(args.save, module, optimizer, mesh, args.steps, args)
+        if args.export_hf:
+            stage.save_hf(args.export_hf, pp_group=mesh.pp_group if mesh.pp_size > 1 else None,
+                          dp_group=mesh.dp_group)
+    finally:
+        bar.close()
+        if log:
+            log.close()
+    if rank0:
+        ran = f"{args.steps - start_step} steps ({start_step + 1}..{args.steps})"
+        print(f"done: {ran} at tp={mesh.tp_size} pp={mesh.pp_size} dp={mesh.dp_size}; loss {first_loss:.4f} -> "
+              f"{loss:.4f}" + (f"; log: {args.log_jsonl}" if args.log_jsonl else "")
+              + (f"; checkpoint: {args.save}" if args.save else "")
+              + (f"; Hugging Face export: {args.export_hf}" if args.export_hf else ""), flush=True)
+    tp.destroy_mesh()
+    return 0
+
+
+def _mean_over(value, group):
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, group=group)
+    return t.item() / dist.get_world_size(group)
+
+
+def _progress(show, start, total):
+    if not show:
+        return _Quiet()
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True, file=sys.stdout)
+
+
+class _Quiet:
+    def update(self, n):
+        pass
+
+    def set_postfix(self, **kw):
+        pass
+
+    def close(self):
+        pass
+
+
+_DATA_ORDER = ("global_batch_size", "seed", "seq_len")  # the data stream's position depends on them
+
+
+def _save(root, module, optimizer, mesh, step, args):
+    """Write ROOT/step-N, then point ROOT/latest at it: a crash mid-save never spoils the previous checkpoint."""
+    from . import checkpoint
+
+    name = f"step-{step:06d}"
+    checkpoint.save(os.path.join(root, name), module, optimizer, mesh=mesh, step=step,
+                    extra={k: getattr(args, k) for k in _DATA_ORDER})
+    dist.barrier()
+    if dist.get_rank() == 0:
+        with open(os.path.join(root, "latest.tmp"), "w") as f:
+            f.write(name)
+        os.replace(os.path.join(root, "latest.tmp"), os.path.join(root, "latest"))
+    dist.barrier()
