@@ -42,8 +42,8 @@ def stage_options(config, mesh):
 
 
 def build_stage(config, mesh):
-    """This rank's pipeline stage of the GPT (the whole model when pp = 1), on the mesh's tp group."""
-    return GPT(config, group=mesh.tp_group, **stage_options(config, mesh))
+    """This rank's pipeline stage of the GPT (the whole model when pp = 1), on the mesh's tp and cp groups."""
+    return GPT(config, group=mesh.tp_group, cp_group=mesh.cp_group, **stage_options(config, mesh))
 
 
 @dataclass
@@ -67,8 +67,8 @@ class PipelineRunner:
         self.module, self.mesh = module, mesh
         self.stage = module.module if isinstance(module, DistributedDataParallel) else module
         config = self.stage.config
-        seq = seq_len // mesh.tp_size if config.sequence_parallel else seq_len
-        self.shape = (seq, micro_batch_size, config.hidden_size)  # [s(/tp), b, h]
+        seq = seq_len // mesh.cp_size // (mesh.tp_size if config.sequence_parallel else 1)
+        self.shape = (seq, micro_batch_size, config.hidden_size)  # [s(/cp)(/tp), b, h]: p2p carries this rank's share
         self.batch_shape = (micro_batch_size, seq_len)
         self.dtype = next(self.stage.parameters()).dtype
 
