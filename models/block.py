@@ -1,7 +1,9 @@
 """The transformer block from the tensor-parallel layers: pre-norm attention (fused QKV, RoPE, GQA) and MLP.
 
 Activations are Megatron's [s, b, h]; with sequence parallelism the residual stream (norms, dropout, residual adds)
-holds [s/tp, b, h] and the column layers all-gather the sequence. Per block and step, without SP: forward 2
+holds [s/tp, b, h] and the column layers all-gather the sequence. With context parallelism (a cp group) every
+activation holds this rank's s/cp tokens in the load-balanced layout (tp.cp_shard); attention runs over the whole
+sequence through tp.context_parallel_attention, RoPE and dropout follow each token's global position. Per block and step, without SP: forward 2
 all-reduces, backward 2 (+1 when kv heads are replicated); with SP: forward 2 all-gathers + 2 reduce-scatters,
 backward 4 all-gathers + 2 reduce-scatters + the norms' (and row biases') grad all-reduces.
 """
@@ -16,7 +18,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import tp
-from tp.mesh import resolve_group
+from tp.mesh import resolve_cp_group, resolve_group
 
 
 def normal_init(std):
@@ -89,23 +91,45 @@ def _rope_tables(seq, head_dim, theta, scaling, device, dtype):
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def rope(x, theta, scaling=None):
-    """Rotary embeddings, rotate-half convention (HF and Megatron), positions 0..s-1, on [b, n, s, d] heads;
-    `scaling`: HF's rope parameters for "linear" or "llama3" scaling (None: plain)."""
+def rope(x, theta, scaling=None, positions=None):
+    """Rotary embeddings, rotate-half convention (HF and Megatron), on [b, n, s, d] heads at positions 0..s-1, or at
+    `positions` [s] (a context-parallel shard's global positions); `scaling`: HF's rope parameters for "linear" or
+    "llama3" scaling (None: plain)."""
     key = tuple(sorted(scaling.items())) if scaling else None
-    cos, sin = _rope_tables(x.shape[-2], x.shape[-1], theta, key, x.device, x.dtype)
+    length = x.shape[-2] if positions is None else int(positions.max()) + 1
+    cos, sin = _rope_tables(length, x.shape[-1], theta, key, x.device, x.dtype)
+    if positions is not None:
+        cos, sin = cos[positions], sin[positions]
     return x * cos + rotate_half(x) * sin
+
+
+@functools.lru_cache(maxsize=64)
+def _positions(rows, tp_size, tp_rank, cp_group, device):
+    seq = rows * tp_size * torch.distributed.get_world_size(cp_group)
+    return tp.cp_positions(seq, group=cp_group, device=device).chunk(tp_size)[tp_rank], seq
+
+
+def token_positions(rows, *, sequence_parallel, tp_group, cp_group, device):
+    """(global positions [rows], sequence length) of the rows of an activation [rows, b, h] (rows = s/cp, or s/cp/tp
+    under SP): this cp rank's load-balanced share, under SP this tp rank's slice of it; None without context
+    parallelism."""
+    if cp_group is None or torch.distributed.get_world_size(cp_group) == 1:
+        return None
+    tp_size = torch.distributed.get_world_size(tp_group) if sequence_parallel else 1
+    tp_rank = torch.distributed.get_rank(tp_group) if sequence_parallel else 0
+    return _positions(rows, tp_size, tp_rank, cp_group, device)
 
 
 class Attention(nn.Module):
     """Causal self-attention: one fused QKV ColumnParallelLinear (each rank its own q, k and v heads; kv heads
     replicated when fewer than tp), RoPE, scaled_dot_product_attention, RowParallelLinear out."""
 
-    def __init__(self, config, *, group=None, _init=True):
+    def __init__(self, config, *, group=None, cp_group=None, _init=True):
         super().__init__()
-        self.group = resolve_group(group)
+        self.group, self.cp_group = resolve_group(group), resolve_cp_group(cp_group)
         size = torch.distributed.get_world_size(self.group)
         config.check_tp(size)
+        config.check_cp(1 if self.cp_group is None else torch.distributed.get_world_size(self.cp_group))
         heads, kv_heads, d = config.num_heads, config.num_kv_heads, config.head_dim
         kv_replicas = size // kv_heads if kv_heads < size else 1
         self.local_heads, self.local_kv_heads = heads // size, kv_heads * kv_replicas // size
@@ -120,20 +144,26 @@ class Attention(nn.Module):
             sequence_parallel_grad_sync=config.sequence_parallel_grad_sync,
             init_method=normal_init(config.init_std / math.sqrt(2 * config.num_layers)), _init=_init)
 
-    def core(self, q, k, v):  # [b, n, s, d]
-        """Softmax(qkᵀ/√d)v, causal; heads are tp-sharded, so attention dropout draws per-rank masks."""
+    def core(self, q, k, v):  # [b, n, s(/cp), d]
+        """Softmax(qkᵀ/√d)v, causal; heads are tp-sharded, so attention dropout draws per-rank masks. Under context
+        parallelism the queries of this rank's tokens attend to the whole sequence (K/V ringed or gathered)."""
+        if self.cp_group is not None and torch.distributed.get_world_size(self.cp_group) > 1:
+            return tp.context_parallel_attention(q, k, v, causal=True, mode=self.config.cp_mode, group=self.cp_group)
         p = self.config.attention_dropout if self.training else 0.0
         with tp.fork_rng() if p else contextlib.nullcontext():  # GQA: query head i reads kv head i // (n / n_kv)
             return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
                                                   enable_gqa=self.local_heads != self.local_kv_heads)
 
-    def forward(self, x):  # [s(/tp), b, h]
-        qkv = self.qkv(x)  # [s, b, (heads + 2 kv_heads)·d / tp]
+    def forward(self, x):  # [s(/cp)(/tp), b, h]
+        qkv = self.qkv(x)  # [s(/cp), b, (heads + 2 kv_heads)·d / tp]
         q_and_k = (self.local_heads + self.local_kv_heads) * self.head_dim
         qk, v = (rearrange(t, "s b (n d) -> b n s d", d=self.head_dim) for t in qkv.split(
             [q_and_k, qkv.shape[-1] - q_and_k], dim=-1))
         if self.config.position == "rope":
-            qk = rope(qk, self.config.rope_theta, self.config.rope_scaling)  # q and k in one pass
+            positions = token_positions(qkv.shape[0], sequence_parallel=False, tp_group=self.group,
+                                        cp_group=self.cp_group, device=qkv.device)
+            qk = rope(qk, self.config.rope_theta, self.config.rope_scaling,
+                      None if positions is None else positions[0])  # q and k in one pass
         q, k = qk.split([self.local_heads, self.local_kv_heads], dim=1)
         if self.config.recompute == "selective" and torch.is_grad_enabled():
             context = checkpoint(self.core, q, k, v, use_reentrant=False)  # keep q, k, v; recompute the rest
@@ -160,11 +190,17 @@ class MLP(nn.Module):
         return self.fc2(self.fc1(x))  # fc1: [s, b, ffn/tp]
 
 
-def dropout(x, p, training, sequence_parallel):
-    """Dropout on the residual stream: one mask on every tp rank, or, under SP (each rank its own tokens), the
-    rank's own."""
+def dropout(x, p, training, sequence_parallel, positions=None):
+    """Dropout on the residual stream [rows, b, h]: one mask on every tp rank, or, under SP (each rank its own
+    tokens), the rank's own. Under context parallelism (`positions`: (the rows' global positions, the sequence
+    length)) every rank draws the mask of the whole sequence on the shared stream and keeps its rows': the masks of
+    the run without cp and without SP (bit for bit on the CPU, where F.dropout draws them the same way)."""
     if not p or not training:
         return x
+    if positions is not None:
+        rows, seq = positions
+        noise = x.new_empty(seq, *x.shape[1:]).bernoulli_(1 - p).div_(1 - p)  # F.dropout's CPU draw, [s, b, h]
+        return x * noise[rows]
     with tp.fork_rng() if sequence_parallel else contextlib.nullcontext():
         return F.dropout(x, p, training=True)
 
@@ -172,21 +208,24 @@ def dropout(x, p, training, sequence_parallel):
 class TransformerBlock(nn.Module):
     """Pre-norm block: x + attention(norm(x)), then x + mlp(norm(x)). [s(/tp), b, h] -> same."""
 
-    def __init__(self, config, *, group=None, _init=True):
+    def __init__(self, config, *, group=None, cp_group=None, _init=True):
         super().__init__()
         self.config = config
-        group = resolve_group(group)
+        group, self.cp_group = resolve_group(group), resolve_cp_group(cp_group)
+        self.group = group
         norm = dict(sequence_parallel=config.sequence_parallel, grad_sync=config.sequence_parallel_grad_sync,
                     group=group)
         self.norm1 = Norm(config.norm, config.hidden_size, config.norm_eps, **norm)
-        self.attention = Attention(config, group=group, _init=_init)
+        self.attention = Attention(config, group=group, cp_group=self.cp_group, _init=_init)
         self.norm2 = Norm(config.norm, config.hidden_size, config.norm_eps, **norm)
         self.mlp = MLP(config, group=group, _init=_init)
 
     def _forward(self, x):
         c = self.config
-        x = x + dropout(self.attention(self.norm1(x)), c.dropout, self.training, c.sequence_parallel)
-        return x + dropout(self.mlp(self.norm2(x)), c.dropout, self.training, c.sequence_parallel)
+        positions = token_positions(x.shape[0], sequence_parallel=c.sequence_parallel, tp_group=self.group,
+                                    cp_group=self.cp_group, device=x.device) if c.dropout and self.training else None
+        x = x + dropout(self.attention(self.norm1(x)), c.dropout, self.training, c.sequence_parallel, positions)
+        return x + dropout(self.mlp(self.norm2(x)), c.dropout, self.training, c.sequence_parallel, positions)
 
     def forward(self, x):  # [s(/tp), b, h]
         if self.config.recompute == "full" and torch.is_grad_enabled():

@@ -11,7 +11,8 @@ RECOMPUTE = ("none", "selective", "full")
 HF_FAMILIES = ("llama", "mistral", "qwen2", "gpt2")  # the Hugging Face families save_hf writes
 # Fields that change how a model runs, not its weights: free to differ between a checkpoint and its resumption.
 RUNTIME_FIELDS = ("sequence_parallel", "sequence_parallel_grad_sync", "recompute", "dropout",
-                  "attention_dropout")
+                  "attention_dropout", "cp_mode")
+CP_MODES = ("ring", "allgather")
 
 
 ROPE_SCALING_FIELDS = {"linear": ("factor",),
@@ -65,6 +66,9 @@ class GPTConfig:
     # parameters lose the tags).
     sequence_parallel_grad_sync: bool = True
     recompute: str = "none"  # "selective": the attention core; "full": every block
+    # context parallelism (a cp group of the mesh): "ring" passes K/V around the group, overlapped with the blocks'
+    # attention; "allgather" gathers K/V once (Llama 3's way)
+    cp_mode: str = "ring"
     make_vocab_size_divisible_by: int = 128
     init_std: float = 0.02
     sliding_window: Optional[int] = None  # not implemented: sequences longer than this are refused
@@ -79,7 +83,7 @@ class GPTConfig:
                                     else 4 * self.hidden_size)
         for name, value, allowed in (("activation", self.activation, ACTIVATIONS), ("norm", self.norm, NORMS),
                                      ("position", self.position, POSITIONS),
-                                     ("recompute", self.recompute, RECOMPUTE)):
+                                     ("recompute", self.recompute, RECOMPUTE), ("cp_mode", self.cp_mode, CP_MODES)):
             if value not in allowed:
                 raise ValueError(f"{name}={value!r} must be one of {allowed}")
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -111,6 +115,21 @@ class GPTConfig:
                              f"replicated when fewer than tp)")
         if self.ffn_hidden_size % tp:
             raise ValueError(f"ffn_hidden_size={self.ffn_hidden_size} is not divisible by tp={tp}")
+
+    def check_cp(self, cp):
+        """Raise a ValueError naming the value if this model cannot run on a context-parallel group of `cp` ranks."""
+        if cp > 1 and self.attention_dropout:
+            raise ValueError(f"attention_dropout={self.attention_dropout} with cp={cp}: attention dropout is not "
+                             "supported under context parallelism (residual dropout is)")
+
+    def check_seq_len(self, seq_len, *, tp=1, cp=1):
+        """Raise a ValueError naming both numbers unless `seq_len` splits into 2·cp load-balanced chunks (and each
+        cp rank's tokens over tp under sequence parallelism)."""
+        factors = ([f"2*cp = 2*{cp} (context parallelism's load-balanced chunks)"] if cp > 1 else []) + \
+            ([f"tp = {tp} (sequence parallelism)"] if self.sequence_parallel and tp > 1 else [])
+        multiple = (2 * cp if cp > 1 else 1) * (tp if self.sequence_parallel else 1)
+        if seq_len % multiple:
+            raise ValueError(f"sequence length {seq_len} is not divisible by {multiple}: {' times '.join(factors)}")
 
     def padded_vocab_size(self, tp):
         """The vocabulary rounded up to a multiple of tp·make_vocab_size_divisible_by (Megatron's padding)."""

@@ -4,6 +4,13 @@
 padding columns dropped); `model(tokens, targets)` returns the mean cross-entropy through the vocab-parallel loss,
 the same scalar on every tp rank, without ever gathering the logits. Internally activations are [s, b, h].
 
+Context parallelism (`cp_group`, by default the mesh's): every rank of a cp group passes the full [b, s] tokens (and
+targets); the model keeps its load-balanced share (tp.cp_shard: s/cp tokens), positions follow each token's global
+position, attention covers the whole sequence, `model(tokens)` returns the full logits (tp.cp_unshard) and
+`model(tokens, targets)` the global mean over the non-ignored tokens of the whole sequence, equal on every rank of
+tp×cp. Each cp rank's backward then yields its share of the gradient: the sum over the cp group (not the mean) is the
+gradient of that loss, so data parallelism reduces over dp×cp summing over cp (models.loop does).
+
 Initialisation is TP- and PP-invariant: the embedding, every block and the output layer draw their full master
 weights from their own seed, derived from one draw of the default generator, so `torch.manual_seed(s); GPT(cfg)`
 holds at any tp the slices of the TP=1 weights, and a pipeline stage holding layers i..j holds exactly those layers
@@ -16,10 +23,10 @@ import torch.distributed as dist
 from torch import nn
 
 import tp
-from tp.mesh import resolve_group
+from tp.mesh import resolve_cp_group, resolve_group
 from tp.random import derive_seed
 
-from .block import Norm, TransformerBlock, dropout, normal_init
+from .block import Norm, TransformerBlock, dropout, normal_init, token_positions
 
 
 @contextlib.contextmanager
@@ -37,11 +44,14 @@ class GPT(nn.Module):
     a pipeline stage; the defaults build the whole model.
     """
 
-    def __init__(self, config, *, group=None, layers=None, pre_process=True, post_process=True, _init=True):
+    def __init__(self, config, *, group=None, cp_group=None, layers=None, pre_process=True, post_process=True,
+                 _init=True):
         super().__init__()
-        self.config, self.group = config, resolve_group(group)
+        self.config, self.group, self.cp_group = config, resolve_group(group), resolve_cp_group(cp_group)
         self.tp_size = dist.get_world_size(self.group)
+        self.cp_size = 1 if self.cp_group is None else dist.get_world_size(self.cp_group)
         config.check_tp(self.tp_size)
+        config.check_cp(self.cp_size)
         self.padded_vocab_size = config.padded_vocab_size(self.tp_size)
         self.layer_range = layers or (0, config.num_layers)
         if not 0 <= self.layer_range[0] <= self.layer_range[1] <= config.num_layers:
@@ -64,7 +74,7 @@ class GPT(nn.Module):
         self.layers = nn.ModuleList()
         for i in range(*self.layer_range):
             with _seeded(base, 2 + i) if _init else contextlib.nullcontext():
-                self.layers.append(TransformerBlock(config, group=self.group, _init=_init))
+                self.layers.append(TransformerBlock(config, group=self.group, cp_group=self.cp_group, _init=_init))
         if post_process:
             self.final_norm = Norm(config.norm, h, config.norm_eps, sequence_parallel=sp,
                                    grad_sync=config.sequence_parallel_grad_sync, group=self.group)
@@ -82,7 +92,12 @@ class GPT(nn.Module):
         master = normal_init(c.init_std)(torch.empty(c.vocab_size, c.hidden_size))
         return torch.cat([master, master.new_zeros(self.padded_vocab_size - c.vocab_size, c.hidden_size)])
 
-    def embed(self, tokens):  # [b, s] -> [s(/tp), b, h]
+    def _positions(self, rows, device):
+        """(global positions, s) of this rank's rows of the residual stream under context parallelism, else None."""
+        return token_positions(rows, sequence_parallel=self.config.sequence_parallel, tp_group=self.group,
+                               cp_group=self.cp_group, device=device)
+
+    def embed(self, tokens):  # [b, s] -> [s(/cp)(/tp), b, h]
         c = self.config
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be [batch, seq], got shape {tuple(tokens.shape)}")
@@ -91,29 +106,50 @@ class GPT(nn.Module):
         if seq > limit:
             raise ValueError(f"sequence length {seq} exceeds max_seq_len={c.max_seq_len}"
                              + (f" / sliding_window={c.sliding_window} (not implemented)" if c.sliding_window else ""))
+        if self.cp_size > 1:
+            c.check_seq_len(seq, tp=self.tp_size, cp=self.cp_size)
         low, high = torch.stack(torch.aminmax(tokens)).tolist()  # one host sync
         if low < 0 or high >= c.vocab_size:  # the padded embedding rows exist, but are not tokens
             raise ValueError(f"token id {low if low < 0 else high} is outside the vocabulary [0, {c.vocab_size})")
-        x = self.embedding(tokens.t())  # [s(/tp), b, h]
+        if self.cp_size > 1:
+            tokens = tp.cp_shard(tokens, 1, group=self.cp_group)  # [b, s/cp]: this rank's load-balanced share
+        x = self.embedding(tokens.t())  # [s(/cp)(/tp), b, h]
+        positions = self._positions(x.shape[0], x.device)
         if self.position_embedding is not None:
             weight = self.position_embedding.weight
-            if c.sequence_parallel:  # this rank's positions; the others' rows get their grads on other ranks
-                if c.sequence_parallel_grad_sync:
-                    weight, = tp.sync_grads_over_tp(weight, group=self.group)
+            if c.sequence_parallel and c.sequence_parallel_grad_sync:  # the others' rows get their grads elsewhere
+                weight, = tp.sync_grads_over_tp(weight, group=self.group)
+            if positions is not None:
+                x = x + weight[positions[0]].unsqueeze(1)
+            elif c.sequence_parallel:  # this rank's positions
                 chunk = seq // self.tp_size
                 start = dist.get_rank(self.group) * chunk
                 x = x + weight[start:start + chunk].unsqueeze(1)
             else:
                 x = x + weight[:seq].unsqueeze(1)
-        return dropout(x, c.dropout, self.training, c.sequence_parallel)
+        return dropout(x, c.dropout, self.training, c.sequence_parallel, positions)
 
-    def head(self, x, targets=None):  # [s(/tp), b, h] -> loss, or logits [b, s, vocab_size]
-        logits = self.output(self.final_norm(x))  # [s, b, V/tp] (SP: the sequence gathered)
+    def head(self, x, targets=None):  # [s(/cp)(/tp), b, h] -> loss, or logits [b, s, vocab_size]
+        logits = self.output(self.final_norm(x))  # [s(/cp), b, V/tp] (SP: the sequence gathered)
         if targets is None:
-            logits = tp.gather_from_tp_region(logits, self.group)[..., :self.config.vocab_size]  # [s, b, V]
+            logits = tp.gather_from_tp_region(logits, self.group)[..., :self.config.vocab_size]  # [s(/cp), b, V]
+            if self.cp_size > 1:
+                logits = tp.cp_unshard(logits, 0, group=self.cp_group)  # [s, b, V]
             return logits.transpose(0, 1)  # [b, s, V]
-        return tp.vocab_parallel_cross_entropy(logits, targets.t(), vocab_size=self.config.vocab_size,
-                                               group=self.group)
+        if self.cp_size == 1:
+            return tp.vocab_parallel_cross_entropy(logits, targets.t(), vocab_size=self.config.vocab_size,
+                                                   group=self.group)
+        return self._context_parallel_loss(logits, tp.cp_shard(targets, 1, group=self.cp_group).t())
+
+    def _context_parallel_loss(self, logits, targets, ignore_index=-100):  # [s/cp, b, V/tp], [s/cp, b]
+        """The mean over the non-ignored tokens of the whole sequence: this rank's sum and count summed over the cp
+        group (one all-reduce; backward: identity, each rank's graph yields its share of the gradient). Finite when
+        this rank's tokens are all ignored; NaN with zero gradients, as F.cross_entropy, when every token is."""
+        total = tp.vocab_parallel_cross_entropy(logits, targets, vocab_size=self.config.vocab_size,
+                                                ignore_index=ignore_index, reduction="sum", group=self.group)
+        count = (targets != ignore_index).sum().to(total.dtype)
+        total, count = tp.reduce_from_tp_region(torch.stack([total, count]), self.cp_group).unbind()
+        return total / count.clamp(min=1) + torch.where(count == 0, float("nan"), 0.0)  # (no host sync)
 
     def _check_targets(self, tokens, targets, hidden):
         """targets must be [b, s] like the tokens (or the [b, s] of a later stage's hidden [s(/tp), b, h])."""
@@ -122,7 +158,7 @@ class GPT(nn.Module):
                 raise ValueError(f"targets shape {tuple(targets.shape)} != tokens shape {tuple(tokens.shape)} "
                                  "(both [batch, seq])")
             return
-        seq = hidden.shape[0] * (self.tp_size if self.config.sequence_parallel else 1)
+        seq = hidden.shape[0] * (self.tp_size if self.config.sequence_parallel else 1) * self.cp_size
         if tuple(targets.shape) != (hidden.shape[1], seq):
             raise ValueError(f"targets shape {tuple(targets.shape)} != [batch, seq] {(hidden.shape[1], seq)} of this "
                              f"stage's input hidden {tuple(hidden.shape)} ([seq(/tp), batch, hidden])")

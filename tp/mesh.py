@@ -280,3 +280,10 @@ def resolve_group(group):
     """`group` itself, or the current mesh's tensor-parallel group when None."""
     return get_mesh().tp_group if group is None else group
 
+
+
+def resolve_cp_group(group):
+    """`group` itself, else the current mesh's context-parallel group, else None (no mesh: no context parallelism)."""
+    if group is not None:
+        return group
+    return _current.cp_group if _current is not None else None
