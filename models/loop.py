@@ -24,8 +24,10 @@ def model_config(args):
     """The GPTConfig the flags describe (a preset, or a Hugging Face config, with the overrides)."""
     overrides = {f: getattr(args, f) for f in SIZE_FIELDS if getattr(args, f) is not None}
     # DDP (or no dp): SP grads summed in one all-reduce after the schedule; FSDP2 drops the tags that needs.
+    attention_dropout = args.dropout if args.attention_dropout is None else args.attention_dropout
     flags = dict(sequence_parallel=args.sequence_parallel, recompute=args.recompute, dropout=args.dropout,
-                 attention_dropout=args.dropout, sequence_parallel_grad_sync=args.dp_mode == "fsdp")
+                 attention_dropout=attention_dropout, sequence_parallel_grad_sync=args.dp_mode == "fsdp",
+                 cp_mode=args.cp_mode)
     if args.from_hf:
         import transformers
 
@@ -39,19 +41,37 @@ def model_config(args):
 
 
 def wrap_data_parallel(stage, mesh, mode):
-    """DDP on the dp group, or FSDP2 over the dp mesh dim (each block, then the stage)."""
-    if mesh.dp_size == 1:
+    """DDP on the dp×cp group, or FSDP2 over it (each block, then the stage). Gradients are summed over cp (each cp
+    rank holds its tokens' share of the gradient of the global loss) and averaged over dp: divided by dp, not dp·cp."""
+    if mesh.size("dp-cp") == 1:
         return stage
     if mode == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
-        dp_mesh = mesh.device_mesh["dp"]
+        dp_mesh = mesh.device_mesh["dp"] if mesh.cp_size == 1 else mesh.flat_device_mesh("dp-cp")
         for block in stage.layers:
             fully_shard(block, mesh=dp_mesh)
-        return fully_shard(stage, mesh=dp_mesh)
+        module = fully_shard(stage, mesh=dp_mesh)
+        if mesh.cp_size > 1:
+            for m in module.modules():
+                if hasattr(m, "set_gradient_divide_factor"):
+                    m.set_gradient_divide_factor(float(mesh.dp_size))
+        return module
     from torch.nn.parallel import DistributedDataParallel
 
-    return DistributedDataParallel(stage, process_group=mesh.dp_group)
+    module = DistributedDataParallel(stage, process_group=mesh.group("dp-cp"))
+    if mesh.cp_size > 1:
+        module.register_comm_hook(mesh.group("dp-cp"), _sum_then_divide_by(mesh.dp_size))
+    return module
+
+
+def _sum_then_divide_by(divisor):
+    """A DDP communication hook: the bucket divided by `divisor` and summed over the group (DDP's default divides by
+    the group's size)."""
+    def hook(group, bucket):
+        tensor = bucket.buffer().div_(divisor)
+        return dist.all_reduce(tensor, group=group, async_op=True).get_future().then(lambda fut: fut.value()[0])
+    return hook
 
 
 def set_hyperparameters(optimizer, args, step):
@@ -71,7 +91,7 @@ def learning_rate(args, step):
 def train(args):
     torch.set_num_threads(1)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    mesh = tp.init_mesh(tp=args.tp, pp=args.pp, dp=args.dp, backend=backend)
+    mesh = tp.init_mesh(tp=args.tp, cp=args.cp, pp=args.pp, dp=args.dp, backend=backend)
     if backend == "nccl":
         torch.set_default_device(f"cuda:{torch.cuda.current_device()}")
     config = model_config(args)
@@ -105,7 +125,8 @@ def train(args):
                           micro_batch_size=args.micro_batch_size, seed=args.seed, start_step=start_step)
     params = sum(p.numel() for p in stage.parameters())
     if rank0:
-        print(f"{mesh.world_size} ranks: tp={mesh.tp_size} pp={mesh.pp_size} dp={mesh.dp_size} ({args.dp_mode}), "
+        print(f"{mesh.world_size} ranks: tp={mesh.tp_size} cp={mesh.cp_size} pp={mesh.pp_size} dp={mesh.dp_size} "
+              f"({args.dp_mode}), "
               f"schedule={args.schedule}, micro-batches/step={args.global_batch_size // (mesh.dp_size * args.micro_batch_size)}, "
               f"sequence_parallel={args.sequence_parallel}; model {args.from_hf or args.model or 'tiny'}"
               f" ({config.num_layers} layers, hidden {config.hidden_size}, {params:,} params on rank 0)", flush=True)
@@ -124,7 +145,7 @@ def train(args):
             micro_batches = next(stream)
             if args.check_inputs:
                 for tokens, targets in micro_batches:
-                    tp.debug.check(torch.stack([tokens, targets]), mesh.tp_group, "the training tokens",
+                    tp.debug.check(torch.stack([tokens, targets]), mesh.group("tp-cp"), "the training tokens",
                                    replicated=True)
             if args.fail_at_step == step + 1 and dist.get_rank() == args.fail_rank:
                 raise RuntimeError(f"injected failure at step {step + 1} on rank {args.fail_rank}")
@@ -152,14 +173,14 @@ def train(args):
             _save(args.save, module, optimizer, mesh, args.steps, args)
         if args.export_hf:
             stage.save_hf(args.export_hf, pp_group=mesh.pp_group if mesh.pp_size > 1 else None,
-                          dp_group=mesh.dp_group)
+                          dp_group=mesh.group("dp-cp"))
     finally:
         bar.close()
         if log:
             log.close()
     if rank0:
         ran = f"{args.steps - start_step} steps ({start_step + 1}..{args.steps})"
-        print(f"done: {ran} at tp={mesh.tp_size} pp={mesh.pp_size} dp={mesh.dp_size}; loss {first_loss:.4f} -> "
+        print(f"done: {ran} at tp={mesh.tp_size} cp={mesh.cp_size} pp={mesh.pp_size} dp={mesh.dp_size}; loss {first_loss:.4f} -> "
               f"{loss:.4f}" + (f"; log: {args.log_jsonl}" if args.log_jsonl else "")
               + (f"; checkpoint: {args.save}" if args.save else "")
               + (f"; Hugging Face export: {args.export_hf}" if args.export_hf else ""), flush=True)

@@ -33,6 +33,9 @@ def parser():
     a("--tp", type=int, default=2, help="tensor-parallel size")
     a("--pp", type=int, default=2, help="pipeline-parallel size (stages)")
     a("--dp", type=int, default=2, help="data-parallel size")
+    a("--cp", type=int, default=1, help="context-parallel size: each sequence split over cp ranks (ring attention)")
+    a("--cp-mode", choices=("ring", "allgather"), default="ring",
+      help="context-parallel attention: K/V ringed with p2p (overlapped), or all-gathered once (Llama 3's)")
     a("--schedule", choices=("1f1b", "gpipe"), default="1f1b", help="pipeline schedule")
     a("--global-batch-size", type=int, default=16, help="sequences per optimizer step, over all dp ranks")
     a("--micro-batch-size", type=int, default=2, help="sequences per micro-batch")
@@ -49,7 +52,9 @@ def parser():
     a("--model", choices=sorted(PRESETS), default=None, help="model size, default tiny (the overrides below win)")
     for field in SIZE_FIELDS:
         a(f"--{field.replace('_', '-')}", type=int, default=None, help=f"override the preset's {field}")
-    a("--dropout", type=float, default=0.0, help="residual and attention dropout")
+    a("--dropout", type=float, default=0.0, help="residual (and, unless given, attention) dropout")
+    a("--attention-dropout", type=float, default=None,
+      help="attention-probability dropout (default: --dropout; not supported with --cp > 1)")
     a("--from-hf", metavar="PATH", default=None,
       help="start from a Hugging Face Llama/Mistral/Qwen2/GPT-2 directory (save_pretrained); its vocabulary "
            "must cover bytes (>= 256)")
@@ -69,12 +74,13 @@ def parser():
 
 def validate(args, world_size=None):
     """Every check that needs no process: raises ValueError with one line naming the bad value."""
-    for name in ("tp", "pp", "dp", "global_batch_size", "micro_batch_size", "seq_len", "steps"):
+    for name in ("tp", "cp", "pp", "dp", "global_batch_size", "micro_batch_size", "seq_len", "steps"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
-    world = args.tp * args.pp * args.dp
+    world = args.tp * args.cp * args.pp * args.dp
     if world_size is not None and world_size != world:
-        raise ValueError(f"WORLD_SIZE={world_size} but --tp*--pp*--dp = {args.tp}*{args.pp}*{args.dp} = {world}")
+        raise ValueError(f"WORLD_SIZE={world_size} but --tp*--cp*--pp*--dp = {args.tp}*{args.cp}*{args.pp}*{args.dp}"
+                         f" = {world}")
     if args.global_batch_size % (args.dp * args.micro_batch_size):
         raise ValueError(f"--global-batch-size={args.global_batch_size} is not divisible by --dp * "
                          f"--micro-batch-size = {args.dp}*{args.micro_batch_size}")
@@ -105,6 +111,16 @@ def validate(args, world_size=None):
     stage_layers(config.num_layers, args.pp, 0)
     if args.sequence_parallel and args.seq_len % args.tp:
         raise ValueError(f"--seq-len={args.seq_len} is not divisible by --tp={args.tp} (sequence parallelism)")
+    if args.cp > 1:
+        if config.attention_dropout:
+            raise ValueError(f"--attention-dropout={config.attention_dropout} with --cp={args.cp}: attention dropout "
+                             "is not supported under context parallelism (pass --attention-dropout 0)")
+        try:
+            config.check_seq_len(args.seq_len, tp=args.tp, cp=args.cp)
+        except ValueError as e:
+            raise ValueError(f"--seq-len={args.seq_len} with --cp={args.cp}"
+                             + (f" --tp={args.tp} --sequence-parallel" if args.sequence_parallel else "")
+                             + f": {str(e).split(': ', 1)[1]}") from None
     if config.vocab_size < data.VOCAB_SIZE:
         raise ValueError(f"vocab_size={config.vocab_size} cannot hold the {data.VOCAB_SIZE} byte tokens")
     if args.load:
@@ -154,7 +170,7 @@ def launch(args, argv):
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
-    world = args.tp * args.pp * args.dp
+    world = args.tp * args.cp * args.pp * args.dp
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     launcher = get_args_parser().parse_args([f"--nproc-per-node={world}", "--standalone", "--max-restarts=0",
                                              "-m", "models.train", *argv])
