@@ -1,0 +1,208 @@
+"""The GPT under context parallelism against Hugging Face's dense model: logits, loss and every gradient (summed over
+cp, gathered over tp) in fp64 at cp = 2 and 4, with tp, SP, GQA/MQA, learned positions and both attention modes;
+ignored tokens; dropout masks; the training job's curves, pipelines and checkpoints across cp; bad configurations."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import models
+import tp
+from models.block import dropout, token_positions
+from models.hf import hf_state_dict
+from tp.testing import distributed
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB, SEQ, BATCH = 50, 24, 2  # s/(2cp) = 3 tokens per chunk at cp = 4; no tp divides the vocabulary
+
+
+def hf_model(family, kv_heads):
+    torch.manual_seed(0)
+    if family == "gpt2":  # learned positions, LayerNorm, GELU, biases, tied embeddings
+        config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=16, n_layer=2, n_head=4, n_positions=32,
+                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    else:
+        config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                                          head_dim=4, num_attention_heads=4, num_key_value_heads=kv_heads,
+                                          max_position_embeddings=32)
+    return transformers.AutoModelForCausalLM.from_config(config).double().eval()
+
+
+def batch(seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=g), torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+
+
+def _grads(model, mesh):
+    """Every gradient as HF tensors: each cp rank's share summed over the cp group, then gathered over tp."""
+    for p in model.parameters():
+        dist.all_reduce(p.grad, group=mesh.cp_group)
+    return hf_state_dict(model, grads=True)
+
+
+def _compare(hf, model, mesh, x, y, what):
+    logits = hf(x).logits
+    expected = F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
+    expected.backward()
+    ours = model(x)
+    assert (ours - logits).abs().max().item() <= 1e-12, f"{what}: logits"
+    loss = model(x, y)
+    assert abs(loss.item() - expected.item()) <= 1e-12, f"{what}: loss {loss.item()} vs {expected.item()}"
+    loss.backward()
+    reference = {n: p.grad for n, p in hf.named_parameters() if p.grad is not None}
+    grads = _grads(model, mesh)
+    assert set(grads) == set(reference), what
+    for name, grad in grads.items():
+        err = (grad - reference[name]).abs().max().item()
+        assert err <= 1e-10, f"{what}: {name} grad err {err}"
+
+
+@pytest.mark.parametrize("tp_size,cp_size", [(1, 2), (1, 4), (2, 2)])
+@distributed(world_size=4)
+def test_gpt_under_cp_equals_the_dense_model(tp_size, cp_size):
+    mesh = tp.init_mesh(tp=tp_size, cp=cp_size)
+    for family, kv_heads in (("llama", 2), ("llama", 1), ("gpt2", 4)):
+        for sequence_parallel in (False, True) if tp_size > 1 else (False,):
+            for mode in ("ring", "allgather"):
+                hf = hf_model(family, kv_heads)
+                model = models.GPT.from_hf(hf, sequence_parallel=sequence_parallel, cp_mode=mode,
+                                           dtype=torch.float64)
+                assert model.cp_size == cp_size
+                _compare(hf, model, mesh, *batch(1), f"{family} kv={kv_heads} sp={sequence_parallel} {mode}")
+
+
+@distributed(world_size=2)
+def test_ignored_tokens_under_cp():
+    """A rank whose tokens are all ignored still gets the global mean (finite); every token ignored gives NaN with
+    zero gradients, exactly as F.cross_entropy."""
+    mesh = tp.init_mesh(cp=2)
+    x, y = batch(2)
+    rank0 = torch.cat([torch.arange(SEQ).chunk(4)[i] for i in (0, 3)])  # cp rank 0's chunks
+    y_partly = y.clone()
+    y_partly[:, rank0] = -100  # every token cp rank 0 holds
+    hf = hf_model("llama", 2)
+    model = models.GPT.from_hf(hf, dtype=torch.float64)
+    _compare(hf, model, mesh, x, y_partly, "rank 0's tokens ignored")
+    hf.zero_grad(), model.zero_grad()
+    y_none = torch.full_like(y, -100)
+    expected = F.cross_entropy(hf(x).logits.reshape(-1, VOCAB), y_none.reshape(-1))
+    loss = model(x, y_none)
+    assert torch.isnan(expected) and torch.isnan(loss)
+    loss.backward()
+    assert all(p.grad is None or not p.grad.any() for p in model.parameters())  # zero, as F.cross_entropy's
+
+
+def test_dropout_under_cp_keeps_the_masks_of_the_run_without_cp():
+    """Each rank's rows of the residual stream get the mask F.dropout draws for those positions on the full
+    sequence (checked for every rank of cp = 2 and 3, on the CPU where F.dropout draws the same way)."""
+    x = torch.randn(12, 3, 5)
+    torch.manual_seed(7)
+    expected = F.dropout(x, 0.3, training=True)
+    for cp in (2, 3):
+        for rank in range(cp):
+            rows = torch.cat([c for i, c in enumerate(x.chunk(2 * cp)) if i in (rank, 2 * cp - 1 - rank)])
+            positions = torch.cat([torch.arange(12).chunk(2 * cp)[i] for i in (rank, 2 * cp - 1 - rank)])
+            torch.manual_seed(7)
+            ours = dropout(rows, 0.3, True, False, (positions, 12))
+            assert torch.equal(ours, expected[positions]), (cp, rank)
+
+
+@distributed(world_size=4)
+def test_token_positions_follow_the_load_balanced_layout():
+    mesh = tp.init_mesh(tp=2, cp=2)
+    positions, seq = token_positions(6, sequence_parallel=False, tp_group=mesh.tp_group, cp_group=mesh.cp_group,
+                                     device="cpu")
+    chunks = torch.arange(12).chunk(4)
+    assert seq == 12 and positions.tolist() == torch.cat([chunks[mesh.cp_rank], chunks[3 - mesh.cp_rank]]).tolist()
+    positions, seq = token_positions(3, sequence_parallel=True, tp_group=mesh.tp_group, cp_group=mesh.cp_group,
+                                     device="cpu")  # under SP: this tp rank's half of the cp share
+    mine = torch.cat([chunks[mesh.cp_rank], chunks[3 - mesh.cp_rank]]).chunk(2)[mesh.tp_rank]
+    assert seq == 12 and positions.tolist() == mine.tolist()
+    assert token_positions(6, sequence_parallel=False, tp_group=mesh.tp_group, cp_group=None, device="cpu") is None
+
+
+@distributed(world_size=2)
+def test_bad_sequence_lengths_and_attention_dropout_are_refused_on_every_rank():
+    tp.init_mesh(cp=2)
+    config = models.GPTConfig(vocab_size=VOCAB, hidden_size=16, num_heads=4, num_layers=1, max_seq_len=32)
+    model = models.GPT(config)
+    with pytest.raises(ValueError, match=r"sequence length 10 is not divisible by 4: 2\*cp = 2\*2"):
+        model(torch.zeros(1, 10, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"attention_dropout=0.1 with cp=2"):
+        models.GPT(config.replace(attention_dropout=0.1))
+
+
+# ---- the training job ---------------------------------------------------------------------------------------------
+
+from .test_train import SMALL, _curve, _losses, _run  # noqa: E402  (the training job's test helpers)
+
+
+@distributed(world_size=4, timeout=300)
+def _train_on_4_ranks(flags, log):
+    from models.train import parser, train
+
+    train(parser().parse_args([*SMALL, *flags, "--log-jsonl", log]))
+
+
+def _close(curve, reference, what):
+    assert len(curve) == len(reference), what
+    for step, (ours, expected) in enumerate(zip(curve, reference)):
+        assert abs(ours - expected) <= 1e-5 * expected, f"{what}, step {step + 1}: {ours} vs {expected}"
+
+
+def test_cp_splits_train_the_serial_curve_and_reshard_across_cp(tmp_path):
+    serial = _run(*SMALL, "--tp", "1", "--pp", "1", "--dp", "1", "--log-jsonl", str(tmp_path / "serial.jsonl"))
+    assert serial.returncode == 0, serial.stderr[-3000:]
+    serial = _losses(tmp_path / "serial.jsonl")
+    splits = {  # tp x cp x pp x dp
+        "1x2x2x2 ring": ["--tp", "1", "--cp", "2", "--pp", "2", "--dp", "2"],
+        "2x2x1x2 sp": ["--tp", "2", "--cp", "2", "--pp", "1", "--dp", "2", "--sequence-parallel"],
+        "1x4x1x2 allgather fsdp selective": ["--tp", "1", "--cp", "4", "--pp", "1", "--dp", "2", "--cp-mode",
+                                             "allgather", "--dp-mode", "fsdp", "--recompute", "selective"],
+    }
+    for name, flags in splits.items():
+        _close(_curve(str(tmp_path), name.replace(" ", "_"), *flags), serial, name)
+    # Save at cp = 2 (with pp) after 2 steps, resume at cp = 4: step 3 as if never interrupted.
+    ckpt = str(tmp_path / "ckpt")
+    _curve(str(tmp_path), "first_two", *splits["1x2x2x2 ring"], "--steps", "2", "--save", ckpt)
+    resumed = _curve(str(tmp_path), "resumed", "--tp", "2", "--cp", "4", "--pp", "1", "--dp", "1", "--load", ckpt)
+    _close(resumed, serial[2:], "resumed at cp=4")
+
+
+def test_dropout_under_cp_trains_the_curve_of_the_run_without_cp(tmp_path):
+    """Residual dropout masks follow positions, not the split: cp = 2 (and tp = 2 with SP on top) draw the masks of
+    one process (dp = pp = 1: data parallelism and pipeline stages draw other masks by design, with or without cp)."""
+    from tp.testing import run
+
+    dropout = ["--dropout", "0.1", "--attention-dropout", "0"]
+    curves = {}
+    for name, flags in {"1x1": ["--tp", "1", "--cp", "1"], "1x2": ["--tp", "1", "--cp", "2"],
+                        "2x2 sp": ["--tp", "2", "--cp", "2", "--sequence-parallel"]}.items():
+        log = str(tmp_path / f"{name.replace(' ', '_')}.jsonl")
+        world = int(flags[1]) * int(flags[3])
+        if world == 4:
+            run(_train_on_4_ranks, 4, flags=[*flags, "--pp", "1", "--dp", "1", *dropout], log=log, timeout=300)
+        else:
+            result = _run(*SMALL, *flags, "--pp", "1", "--dp", "1", *dropout, "--log-jsonl", log)
+            assert result.returncode == 0, result.stderr[-3000:]
+        curves[name] = _losses(log)
+    _close(curves["1x2"], curves["1x1"], "cp=2 with dropout")
+    _close(curves["2x2 sp"], curves["1x1"], "tp=2 cp=2 SP with dropout")
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--cp", "2", "--seq-len", "30"], r"--seq-len=30 with --cp=2: sequence length 30 is not divisible by 4: "
+                                       r"2\*cp = 2\*2"),
+    (["--cp", "2", "--tp", "2", "--sequence-parallel", "--seq-len", "36"],
+     r"--seq-len=36 with --cp=2 --tp=2 --sequence-parallel: .* not divisible by 8"),
+    (["--cp", "2", "--dropout", "0.1"], r"--attention-dropout=0.1 with --cp=2: attention dropout is not supported"),
+    (["--cp", "0"], r"--cp=0 must be >= 1"),
+])
+def test_bad_cp_configuration_is_one_line_before_any_process(flags, message):
+    import re
+
+    result = _run(*flags)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and re.search(message, lines[0]), lines
