@@ -201,6 +201,29 @@ class PipelineRunner:
         stats.bubble = max(0.0, 1.0 - sums[1].item() / (p * span.item())) if span.item() else 0.0
         return stats
 
+    def forward_only(self, batches):
+        """Evaluation: every micro-batch forward through the stages in eval mode, no graph, no backward (no DDP
+        sync); returns the mean loss over the micro-batches, on every rank of the pipeline."""
+        self._check_batches(batches)
+        first, last = self.mesh.is_first_stage, self.mesh.is_last_stage
+        total = torch.zeros((), dtype=torch.float64, device=self._device())
+        was_training = self.stage.training
+        self.stage.eval()
+        try:
+            with torch.no_grad():
+                for tokens, targets in batches:
+                    received, _ = self._communicate(recv_prev=not first)
+                    output = self.stage(tokens if first else None, targets if last else None, hidden=received)
+                    if last:
+                        total += output.double()
+                    else:
+                        self._communicate(send_next=output)
+        finally:
+            self.stage.train(was_training)
+        if self.mesh.pp_size > 1:  # the loss lives on the last stage
+            dist.all_reduce(total, group=self.mesh.pp_group)
+        return total.item() / len(batches)
+
 
 def allreduce_tied_embedding_grads(stage, mesh):
     """Sum the first stage's embedding grad and the last stage's tied output grad (their two copies of one weight)."""
