@@ -1,0 +1,309 @@
+"""Pipeline schedules as data: generators of per-rank action lists, and a simulator that checks and times them.
+
+A schedule is a pure function `(pp, micro_batches, virtual_stages) -> Schedule`: for each pipeline rank, the list of
+actions it runs in order. An action is F (forward), B (backward of the input: dgrad, on the critical path), W
+(backward of the weights: wgrad, deferrable) or BW (the fused backward), each of one model chunk on one micro-batch.
+Chunk c of rank r holds virtual stage c·p + r (Megatron's interleaving; with one chunk, stage r). The transfers are
+derived, not listed: F of stage s sends its output to stage s+1's rank, B/BW of stage s sends its input's gradient
+to stage s-1's rank (two chunks on one rank hand over locally).
+
+`simulate(schedule, costs)` runs the lists against per-action costs (F, B, W of one micro-batch through a whole
+rank's layers; a chunk costs 1/V of that, the fused BW costs B + W), with every action starting once its inputs
+exist: it raises ScheduleError on a deadlock or a broken dependency, and returns the timeline, the bubble fraction
+(idle / (stages x span)) and the peak activations (the most forward chunks awaiting their B on any rank, in
+micro-batches through a whole stage: a chunk counts 1/V).
+
+Closed forms for unit costs (F = B = W = 1), which the simulator reproduces (tests/test_schedules.py):
+- gpipe, 1f1b: bubble (p-1)/(m+p-1); peak m (GPipe) and min(p, m) (1F1B).
+- interleaved: (p-1)/(V·m+p-1); peak <= p + (p-1)/V.
+- zb (ZB-H1, Qi et al. 2024): <= (p-1)/(3m+p-1) for m >= p, i.e. an idle (p-1)(F+B-W) per rank; peak <= p.
+"""
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+KINDS = ("F", "B", "W", "BW")
+
+
+class ScheduleError(ValueError):
+    """A schedule that cannot run: a deadlock, a missing or repeated action, or an action before its inputs."""
+
+
+class Action(NamedTuple):
+    kind: str  # "F" | "B" | "W" | "BW"
+    chunk: int  # the model chunk on this rank (0 <= chunk < virtual_stages)
+    micro: int  # the micro-batch
+
+    def __repr__(self):
+        return f"{self.kind}{self.micro}" + (f".{self.chunk}" if self.chunk else "")
+
+
+class Message(NamedTuple):
+    kind: str  # "act" (F's output, forward) | "grad" (B's input gradient, backward)
+    stage: int  # the virtual stage that receives it
+    micro: int
+
+
+@dataclass(frozen=True)
+class Schedule:
+    name: str
+    pp: int
+    micro_batches: int
+    virtual_stages: int
+    actions: tuple  # per rank: a tuple of Actions
+
+    @property
+    def num_stages(self):
+        return self.pp * self.virtual_stages
+
+    @property
+    def split_backward(self):
+        """True when backward runs as B and W (the layers must defer their weight gradients)."""
+        return any(a.kind == "B" for rank in self.actions for a in rank)
+
+    def stage(self, rank, chunk):
+        """The virtual stage chunk `chunk` of `rank` holds."""
+        return chunk * self.pp + rank
+
+    def place(self, stage):
+        """(rank, chunk) holding virtual stage `stage`."""
+        return stage % self.pp, stage // self.pp
+
+    def sends(self, rank, action):
+        """[(message, destination rank)] that `action` on `rank` produces."""
+        s = self.stage(rank, action.chunk)
+        if action.kind == "F" and s + 1 < self.num_stages:
+            return [(Message("act", s + 1, action.micro), self.place(s + 1)[0])]
+        if action.kind in ("B", "BW") and s > 0:
+            return [(Message("grad", s - 1, action.micro), self.place(s - 1)[0])]
+        return []
+
+    def receives(self, rank, action):
+        """[(message, source rank)] that `action` on `rank` needs before it starts."""
+        s = self.stage(rank, action.chunk)
+        if action.kind == "F" and s > 0:
+            return [(Message("act", s, action.micro), self.place(s - 1)[0])]
+        if action.kind in ("B", "BW") and s + 1 < self.num_stages:
+            return [(Message("grad", s, action.micro), self.place(s + 1)[0])]
+        return []
+
+
+# ---- generators ------------------------------------------------------------------------------------------------
+
+
+def check_arguments(name, pp, micro_batches, virtual_stages=1):
+    """Raise ScheduleError (one line naming the value) if schedule `name` cannot run these sizes."""
+    if name not in SCHEDULES:
+        raise ScheduleError(f"schedule={name!r} must be one of {tuple(SCHEDULES)}")
+    for what, value in (("pp", pp), ("micro_batches", micro_batches), ("virtual_stages", virtual_stages)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ScheduleError(f"{what}={value!r} must be an integer >= 1")
+    if name != "interleaved" and virtual_stages != 1:
+        raise ScheduleError(f"virtual_stages={virtual_stages}: schedule {name!r} runs one model chunk per rank "
+                            "(virtual stages are for 'interleaved')")
+    if name == "interleaved":
+        if pp < 2:
+            raise ScheduleError(f"schedule 'interleaved' needs pp >= 2 pipeline stages, got pp={pp}")
+        if virtual_stages < 2:
+            raise ScheduleError(f"schedule 'interleaved' needs virtual_stages >= 2 model chunks per rank, got "
+                                f"virtual_stages={virtual_stages} (one chunk per rank is '1f1b')")
+        if micro_batches < pp:  # Megatron: the micro-batch group (p) must lie in [p, m]
+            raise ScheduleError(f"schedule 'interleaved' needs micro_batches >= pp: micro_batches={micro_batches} < "
+                                f"pp={pp}")
+        if micro_batches % pp:  # Megatron: the last group of m mod p < p micro-batches would stall the pipeline
+            raise ScheduleError(f"schedule 'interleaved' needs micro_batches divisible by pp: micro_batches="
+                                f"{micro_batches} is not a multiple of pp={pp}")
+
+
+def gpipe(pp, micro_batches, virtual_stages=1):
+    """Every forward, then every backward (fused), on every rank."""
+    check_arguments("gpipe", pp, micro_batches, virtual_stages)
+    m = micro_batches
+    ranks = [[Action("F", 0, k) for k in range(m)] + [Action("BW", 0, k) for k in range(m)] for _ in range(pp)]
+    return _schedule("gpipe", pp, m, 1, ranks)
+
+
+def one_f_one_b(pp, micro_batches, virtual_stages=1):
+    """PipeDream-Flush: rank r runs min(p-r-1, m) warm-up forwards, then one forward one backward, then the rest."""
+    check_arguments("1f1b", pp, micro_batches, virtual_stages)
+    ranks = []
+    for r in range(pp):
+        warmup = min(pp - r - 1, micro_batches)
+        order = [Action("F", 0, k) for k in range(warmup)]
+        for k in range(warmup, micro_batches):
+            order += [Action("F", 0, k), Action("BW", 0, k - warmup)]
+        order += [Action("BW", 0, k) for k in range(micro_batches - warmup, micro_batches)]
+        ranks.append(order)
+    return _schedule("1f1b", pp, micro_batches, 1, ranks)
+
+
+def interleaved(pp, micro_batches, virtual_stages):
+    """Megatron's interleaved 1F1B: micro-batches in groups of p go through chunk 0, 1, ..., V-1 of each rank
+    (backward through V-1, ..., 0); rank r warms up with 2(p-r-1) + (V-1)·p forwards, then alternates."""
+    check_arguments("interleaved", pp, micro_batches, virtual_stages)
+    p, m, v = pp, micro_batches, virtual_stages
+    # Megatron's schedule table: (micro-batch, chunk) of the i-th forward; the i-th backward takes chunk V-1-chunk.
+    table = [(k, c) for start in range(0, m, p) for c in range(v) for k in range(start, min(start + p, m))]
+    total = len(table)
+    ranks = []
+    for r in range(p):
+        warmup = min(2 * (p - r - 1) + (v - 1) * p, total)
+        forwards = [Action("F", c, k) for k, c in table]
+        backwards = [Action("BW", v - 1 - c, k) for k, c in table]
+        order = forwards[:warmup]
+        for i in range(total - warmup):
+            order += [forwards[warmup + i], backwards[i]]
+        order += backwards[total - warmup:]
+        ranks.append(order)
+    return _schedule("interleaved", p, m, v, ranks)
+
+
+def zero_bubble(pp, micro_batches, virtual_stages=1):
+    """ZB-H1: 1F1B with the backward split into B and W; rank r holds back its first r W's and runs each later W
+    after the next B (torch.pipelining's ordering), so the last ranks fill the drain with weight gradients. Same
+    warm-up as 1F1B, hence 1F1B's peak activations."""
+    check_arguments("zb", pp, micro_batches, virtual_stages)
+    m, ranks = micro_batches, []
+    for r in range(pp):
+        warmup = min(pp - r - 1, m)
+        order, backwards, weights = [Action("F", 0, k) for k in range(warmup)], 0, 0
+        for step in range(m):
+            if warmup + step < m:
+                order.append(Action("F", 0, warmup + step))
+            order.append(Action("B", 0, backwards))
+            backwards += 1
+            if step >= r:  # rank r runs its W's r steps behind its B's
+                order.append(Action("W", 0, weights))
+                weights += 1
+        order += [Action("W", 0, k) for k in range(weights, m)]
+        ranks.append(order)
+    return _schedule("zb", pp, m, 1, ranks)
+
+
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved, "zb": zero_bubble}
+
+
+def build(name, pp, micro_batches, virtual_stages=1):
+    """The schedule `name` ('gpipe' | '1f1b' | 'interleaved' | 'zb') for p ranks, m micro-batches, V chunks."""
+    check_arguments(name, pp, micro_batches, virtual_stages)
+    return SCHEDULES[name](pp, micro_batches, virtual_stages)
+
+
+def _schedule(name, pp, m, v, ranks):
+    return Schedule(name, pp, m, v, tuple(tuple(order) for order in ranks))
+
+
+# ---- checking and simulation -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Timeline:
+    schedule: Schedule
+    costs: tuple  # (F, B, W) of a micro-batch through a whole rank's layers
+    intervals: list  # per rank: [(start, end, Action)] in execution order
+    span: float  # the last action's end (every rank starts at 0)
+    busy: list  # per rank: the time it computes
+    peaks: list  # per rank: the most forward chunks awaiting their B at once (a chunk counts 1/V)
+    sent: dict = field(default_factory=dict)  # Message -> the time it was sent
+
+    @property
+    def bubble_fraction(self):
+        """Idle over stages x span: the fraction of the pipeline's time nobody computes."""
+        return 1.0 - sum(self.busy) / (len(self.busy) * self.span) if self.span else 0.0
+
+    @property
+    def peak_activations(self):
+        return max(self.peaks)
+
+
+def check_actions(schedule):
+    """Raise ScheduleError unless every rank runs, for each of its chunks and micro-batches, one F and then either
+    one BW or one B followed by one W (the order within a rank; dependencies across ranks are simulate()'s)."""
+    expected = {(c, k) for c in range(schedule.virtual_stages) for k in range(schedule.micro_batches)}
+    if len(schedule.actions) != schedule.pp:
+        raise ScheduleError(f"{schedule.name}: {len(schedule.actions)} action lists for pp={schedule.pp} ranks")
+    for r, order in enumerate(schedule.actions):
+        done = {}
+        for i, a in enumerate(order):
+            where = f"{schedule.name}: rank {r}, action {i} ({a!r})"
+            if a.kind not in KINDS or (a.chunk, a.micro) not in expected:
+                raise ScheduleError(f"{where}: no such action (chunks < {schedule.virtual_stages}, micro-batches < "
+                                    f"{schedule.micro_batches})")
+            seen = done.setdefault((a.chunk, a.micro), [])
+            before = {"F": [], "B": ["F"], "BW": ["F"], "W": ["F", "B"]}[a.kind]
+            if seen != before:
+                raise ScheduleError(f"{where}: follows {seen or 'nothing'} of its micro-batch and chunk, expected "
+                                    f"{before or 'nothing'}")
+            seen.append(a.kind)
+        missing = sorted(key for key in expected if done.get(key) not in (["F", "BW"], ["F", "B", "W"]))
+        if missing:
+            c, k = missing[0]
+            raise ScheduleError(f"{schedule.name}: rank {r} does not complete micro-batch {k} of chunk {c} "
+                                f"(has {done.get((c, k), [])})")
+
+
+def simulate(schedule, costs=(1.0, 1.0, 1.0)):
+    """Run the action lists with these (F, B, W) costs, each action as soon as its rank is free and its inputs have
+    arrived (transfers take no time). Raises ScheduleError on a deadlock; returns the Timeline."""
+    check_actions(schedule)
+    if len(costs) != 3 or any(not c >= 0 for c in costs):
+        raise ScheduleError(f"costs={tuple(costs)} must be three numbers >= 0 (F, B, W)")
+    v = schedule.virtual_stages
+    cost = {"F": costs[0] / v, "B": costs[1] / v, "W": costs[2] / v, "BW": (costs[1] + costs[2]) / v}
+    p = schedule.pp
+    position, clock = [0] * p, [0.0] * p
+    intervals, busy = [[] for _ in range(p)], [0.0] * p
+    sent = {}
+    while True:
+        progressed = False
+        for r in range(p):
+            order = schedule.actions[r]
+            while position[r] < len(order):
+                a = order[position[r]]
+                needs = [m for m, _ in schedule.receives(r, a)]
+                if any(m not in sent for m in needs):
+                    break
+                start = max([clock[r], *(sent[m] for m in needs)])
+                end = start + cost[a.kind]
+                intervals[r].append((start, end, a))
+                busy[r] += end - start
+                clock[r] = end
+                for m, _ in schedule.sends(r, a):
+                    sent[m] = end
+                position[r] += 1
+                progressed = True
+        if all(position[r] == len(schedule.actions[r]) for r in range(p)):
+            break
+        if not progressed:
+            stuck = ", ".join(f"rank {r} at {schedule.actions[r][position[r]]!r} (waits for "
+                              f"{[tuple(m) for m, _ in schedule.receives(r, schedule.actions[r][position[r]])]})"
+                              for r in range(p) if position[r] < len(schedule.actions[r]))
+            raise ScheduleError(f"{schedule.name}: deadlock: {stuck}")
+    return Timeline(schedule, tuple(costs), intervals, max(clock), busy, _peaks(schedule), sent)
+
+
+def _peaks(schedule):
+    """Per rank, the most forward chunks awaiting their B (or BW) at once, in micro-batches through a whole stage."""
+    peaks = []
+    for order in schedule.actions:
+        alive = peak = 0
+        for a in order:
+            alive += {"F": 1, "B": -1, "BW": -1}.get(a.kind, 0)
+            peak = max(peak, alive)
+        peaks.append(peak / schedule.virtual_stages)
+    return peaks
+
+
+def pair_order(schedule, timeline=None):
+    """{(rank a, rank b) with a < b: [(Message, source, destination)]}: the transfers between two ranks in one order
+    both agree on (by the unit-cost simulation's send time). Issuing each pair's sends and receives in this order
+    never makes one rank's queue wait on an operation the other issues later (NCCL's stream order needs this)."""
+    timeline = timeline or simulate(schedule)
+    pairs = {}
+    for r, order in enumerate(schedule.actions):
+        for a in order:
+            for message, dst in schedule.sends(r, a):
+                if dst != r:
+                    pairs.setdefault((min(r, dst), max(r, dst)), []).append((message, r, dst))
+    for transfers in pairs.values():
+        transfers.sort(key=lambda t: (timeline.sent[t[0]], t[0]))
+    return pairs
