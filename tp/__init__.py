@@ -1,5 +1,6 @@
 """Megatron-style tensor parallelism: hybrid mesh, conjugate mappings, parallel layers."""
 from .debug import is_debug, set_debug
+from .context import context_parallel_attention, cp_positions, cp_shard, cp_unshard
 from .cross_entropy import vocab_parallel_cross_entropy
 from .embedding import VocabParallelEmbedding
 from .grads import allreduce_main_grads, allreduce_sequence_parallel_grads, ddp_ignore_main_grads, sync_grads_over_tp
@@ -25,6 +26,7 @@ __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
     "allreduce_sequence_parallel_grads", "sync_grads_over_tp", "allreduce_main_grads", "ddp_ignore_main_grads",
     "parallelize", "describe", "default_plan", "full_state_dict",
+    "cp_shard", "cp_unshard", "cp_positions", "context_parallel_attention",
     "set_debug", "is_debug",
     "model_parallel_seed", "fork_rng", "get_rng_tracker", "get_rng_state", "set_rng_state",
 ]
