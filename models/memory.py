@@ -1,0 +1,284 @@
+"""Per-rank memory of a GPTConfig under a tp × cp × pp × dp split: parameters, gradients, optimizer state and
+activations of the largest pipeline stage, counted as this package's code allocates and saves them.
+
+    estimate(config, tp=8, pp=4, dp=16, micro_batch_size=1, seq_len=4096, sequence_parallel=True,
+             recompute="selective", dp_mode="zero1", precision="bf16")  -> MemoryEstimate (bytes)
+
+Parameters: the exact shapes models.GPT builds on a stage (tests compare them with a real stage): fused QKV with
+kv heads replicated when fewer than tp, SwiGLU's fused gate/up, the vocabulary padded to tp·128, norms and row biases
+whole on every tp rank, a tied output weight counted once where both ends share a stage. Stages split the layers as
+models.pipeline.stage_layers does; with V virtual stages rank r holds chunks c·pp + r (Megatron's interleaving).
+
+Bytes per parameter (REFERENCE §11, Megatron's distributed-optimizer table; d = dp·cp ranks share the optimizer,
+as Megatron's distributed optimizer shards over the dp-cp group):
+  fp32: params 4, grads 4, Adam moments 8;  bf16: params 2, fp32 main_grad 4, fp32 master 4 + moments 8;
+  and AdamW's step counter, 4 bytes per parameter tensor.
+  ddp: all of it on every rank (18 B bf16, 16 B fp32); zero1: the optimizer state / d (6 + 12/d, 8 + 8/d);
+  fsdp: everything / d, each parameter sharded on dim 0 as FSDP2 does (ceil(rows / d) rows per rank), its master
+  kept as the sharded fp32 parameter (16/d), plus the unsharded compute copy and grads of the largest block while
+  it runs (transient).
+
+Activations per layer and micro-batch (T = b·s/cp tokens on this rank, T' = T/tp under SP, e = 2 bf16 / 4 fp32
+bytes, h hidden, a heads, k kv heads (local k' = max(k/tp, 1)), d head dim, f ffn). Korthikanti et al. 2022 count
+(REFERENCE §12) redone for this code: SDPA keeps no s×s scores, SwiGLU, GQA, RMSNorm's fp32 statistics:
+  norm (×2)  RMSNorm: input in fp32 (4·T'h: it upcasts), rstd 4·T', normed and weighted output e·2·T'h;
+             LayerNorm: input and output e·2·T'h, mean and rstd 8·T'
+  attention  fused qkv e·T(a/tp + 2k')d, roped q,k e·T(a/tp + k')d (RoPE only: else views of qkv), output
+             e·T·a/tp·d, log-sum-exp 4·T·a/tp
+             (selective recompute drops the lse only: with SDPA there are no scores to drop)
+  mlp        pre-activation e·T·(2)f/tp, output e·T·f/tp; at tp = 1 on the torch backend without main_grad,
+             autograd's own SwiGLU keeps an fp32 pre-activation and silu(gate) instead (4·3T·f + e·T·f)
+  dropout    p > 0: a 1-byte mask per residual dropout (2·T'h)
+  full recompute: the block input only, e·T'h (plus one block recomputed at a time: `transient`)
+Per micro-batch and stage: token ids (8 B) and the embedding's mask; on the last stage the final norm, the loss's
+fp32 softmax over this rank's real vocabulary columns, targets and masks; on other stages the output kept for the
+backward send (e·T'h, not a saved tensor but held by the runner). RoPE's cos/sin tables once per stage.
+In flight (micro-batches whose activations are alive at once, stage i of p): 1F1B and ZB-H1 min(p − i, m), GPipe m,
+interleaved (p − i − 1)·2 + (V − 1)·p + 1 chunks of 1/V stage each (Megatron's warm-up; rank 0: p + (p − 1)/V).
+"""
+import math
+from dataclasses import asdict, dataclass
+
+from .config import GPTConfig
+from .pipeline import stage_layers
+
+PRECISIONS = {"fp32": 4, "bf16": 2}  # activation / parameter bytes
+DP_MODES = ("ddp", "zero1", "fsdp")
+RECOMPUTE = ("none", "selective", "full")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
+BACKENDS = ("triton", "torch")
+MAIN_GRAD = {"bf16": True, "fp32": False}  # the training job keeps an fp32 main_grad under bf16 (REFERENCE §11)
+STEP_BYTES = 4  # torch.optim.AdamW's per-tensor step counter (a float32 scalar tensor)
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per rank on the largest stage; `stage` is its pipeline rank."""
+    params: int
+    grads: int
+    optimizer: int
+    activations: int  # saved for backward × in-flight micro-batches, plus embedding/loss
+    transient: int  # live only while one block runs: full recompute's recomputed block, FSDP's unsharded block
+    total: int
+    stage: int
+    in_flight: float  # micro-batches of whole-stage activations alive at once on that stage
+    layer_activations: int  # one layer, one micro-batch
+
+    def as_dict(self):
+        return asdict(self)
+
+
+# ---- parameters ----------------------------------------------------------------------------------------------------
+
+
+def _local_kv_heads(config, tp):
+    return config.num_kv_heads * (tp // config.num_kv_heads if config.num_kv_heads < tp else 1) // tp
+
+
+def layer_parameter_shapes(config, tp):
+    """[(name, shape)] of one TransformerBlock on a tp rank, as models.block builds it."""
+    h, d, ffn = config.hidden_size, config.head_dim, config.ffn_hidden_size
+    qkv_rows = (config.num_heads // tp + 2 * _local_kv_heads(config, tp)) * d
+    fc1_rows = (2 if config.activation == "swiglu" else 1) * ffn // tp
+    def norm(name):
+        return [(f"{name}.weight", (h,))] + ([(f"{name}.bias", (h,))] if config.norm == "layernorm" else [])
+
+    shapes = norm("norm1") + [("attention.qkv.weight", (qkv_rows, h))]
+    if config.bias or config.qkv_bias:
+        shapes.append(("attention.qkv.bias", (qkv_rows,)))
+    shapes.append(("attention.proj.weight", (h, config.num_heads * d // tp)))
+    shapes += [("attention.proj.bias", (h,))] if config.bias else []
+    shapes += norm("norm2") + [("mlp.fc1.weight", (fc1_rows, h))]
+    shapes += [("mlp.fc1.bias", (fc1_rows,))] if config.bias else []
+    shapes.append(("mlp.fc2.weight", (h, ffn // tp)))
+    shapes += [("mlp.fc2.bias", (h,))] if config.bias else []
+    return shapes
+
+
+def stage_chunks(num_layers, pp, stage, virtual_stages=1):
+    """[(first layer, stop, pre_process, post_process)] of the model chunks pipeline rank `stage` holds: chunk c is
+    virtual stage c·pp + stage of pp·V, split as models.pipeline.stage_layers splits stages."""
+    total = pp * virtual_stages
+    chunks = []
+    for c in range(virtual_stages):
+        v = c * pp + stage
+        start, stop = stage_layers(num_layers, total, v)
+        chunks.append((start, stop, v == 0, v == total - 1))
+    return chunks
+
+
+def stage_parameter_shapes(config, tp, pp=1, stage=0, virtual_stages=1):
+    """[(name, shape)] of every parameter pipeline rank `stage` holds on one tp rank (a tied weight once)."""
+    h, padded = config.hidden_size, config.padded_vocab_size(tp)
+    shapes = []
+    for c, (start, stop, first, last) in enumerate(stage_chunks(config.num_layers, pp, stage, virtual_stages)):
+        prefix = f"chunk{c}." if virtual_stages > 1 else ""
+        if first:
+            shapes.append((f"{prefix}embedding.weight", (padded // tp, h)))
+            if config.position == "learned":
+                shapes.append((f"{prefix}position_embedding.weight", (config.max_seq_len, h)))
+        for i in range(start, stop):
+            shapes += [(f"{prefix}layers.{i - start}.{name}", shape) for name, shape in layer_parameter_shapes(config, tp)]
+        if last:
+            shapes += [(f"{prefix}final_norm.weight", (h,))]
+            shapes += [(f"{prefix}final_norm.bias", (h,))] if config.norm == "layernorm" else []
+            if not (config.tie_embeddings and first):  # tied on one stage: the embedding's own parameter
+                shapes.append((f"{prefix}output.weight", (padded // tp, h)))
+    return shapes
+
+
+def bytes_per_parameter(precision, dp_mode, shards=1):
+    """(params, grads, optimizer) bytes per parameter on one rank; `shards` ranks share what the mode shards."""
+    e = PRECISIONS[precision]
+    master = 4 if precision == "bf16" else 0
+    if dp_mode == "fsdp":  # FSDP2 keeps the fp32 sharded parameter (it is the master) and sharded fp32 grads
+        return 4 / shards, 4 / shards, 8 / shards
+    optimizer = (master + 8) / (shards if dp_mode == "zero1" else 1)
+    return e, 4, optimizer
+
+
+def _sharded_numel(shape, shards):
+    """Elements FSDP2 allocates per rank for one parameter: dim 0 padded to a multiple of the shards."""
+    rest = math.prod(shape[1:])
+    return -(-shape[0] // shards) * rest
+
+
+def parameter_memory(config, *, tp, pp, stage, virtual_stages, dp_mode, precision, shards):
+    """(params, grads, optimizer, transient) bytes of pipeline rank `stage`."""
+    shapes = [shape for _, shape in stage_parameter_shapes(config, tp, pp, stage, virtual_stages)]
+    if dp_mode == "fsdp":
+        local = sum(_sharded_numel(s, shards) for s in shapes)
+        block = sum(math.prod(s) for _, s in layer_parameter_shapes(config, tp))
+        transient = (PRECISIONS[precision] + 4) * block  # one block's unsharded compute copy and its grads
+        return 4 * local, 4 * local, 8 * local + STEP_BYTES * len(shapes), transient
+    n = sum(math.prod(s) for s in shapes)
+    p, g, o = bytes_per_parameter(precision, dp_mode)  # unsharded bytes; zero1 shards the optimizer state evenly
+    return int(p * n), int(g * n), int(o * (-(-n // shards) if dp_mode == "zero1" else n)) + STEP_BYTES * len(shapes), 0
+
+
+# ---- activations ---------------------------------------------------------------------------------------------------
+
+
+def layer_activation_bytes(config, *, tp, cp=1, micro_batch_size, seq_len, sequence_parallel, recompute,
+                           precision, backend="triton"):
+    """Bytes one TransformerBlock saves for backward per micro-batch on one rank (the module docstring)."""
+    e = PRECISIONS[precision]
+    h, d, f = config.hidden_size, config.head_dim, config.ffn_hidden_size
+    tokens = micro_batch_size * seq_len // cp
+    rows = tokens // tp if sequence_parallel else tokens  # the residual stream's tokens
+    if recompute == "full":
+        return e * rows * h
+    heads, kv = config.num_heads // tp, _local_kv_heads(config, tp)
+    if config.norm == "rmsnorm":  # fp32 input copy, rstd, normed, weighted (the next linear's input)
+        norm = (4 + 2 * e) * rows * h + 4 * rows
+    else:  # F.layer_norm: input, mean and rstd, and the output the next linear keeps
+        norm = 2 * e * rows * h + 8 * rows
+    roped = heads + kv if config.position == "rope" else 0  # RoPE writes q and k anew; else they view qkv
+    attention = e * tokens * d * ((heads + 2 * kv) + roped + heads)
+    attention += 0 if recompute == "selective" else 4 * tokens * heads
+    if cp > 1 and config.position == "rope":  # cos/sin gathered at this rank's positions, per layer
+        attention += 2 * e * tokens // micro_batch_size * d
+    native = backend == "torch" and tp == 1 and not MAIN_GRAD[precision]
+    if config.activation == "swiglu" and native:  # autograd's SwiGLU at accumulator precision
+        mlp = 4 * tokens * 3 * f + e * tokens * f
+    else:
+        mlp = e * tokens * ((2 if config.activation == "swiglu" else 1) * f // tp + f // tp)
+    masks = 2 * rows * h if config.dropout else 0
+    return 2 * norm + attention + mlp + masks
+
+
+def edge_activation_bytes(config, *, tp, cp=1, micro_batch_size, seq_len, sequence_parallel, precision,
+                          first, last):
+    """Per micro-batch bytes outside the blocks: embedding (first stage), final norm and loss (last stage), or the
+    output held for the backward send (other stages)."""
+    e = PRECISIONS[precision]
+    h = config.hidden_size
+    tokens = micro_batch_size * seq_len // cp
+    rows = tokens // tp if sequence_parallel else tokens
+    total = 0
+    if first:
+        total += 8 * tokens + (tokens if tp > 1 else 0)  # ids, and the out-of-shard mask
+        total += rows * h if config.dropout else 0
+    if last:
+        real = min(config.padded_vocab_size(tp) // tp, config.vocab_size)  # rank 0's columns: the most
+        total += (4 + 2 * e) * rows * h + 4 * rows if config.norm == "rmsnorm" else 2 * e * rows * h + 8 * rows
+        total += 4 * tokens * real + 10 * tokens + 8  # fp32 softmax, targets (int64), two masks, the token count
+    else:
+        total += e * rows * h  # the stage output, kept until its gradient arrives
+    return total
+
+
+def in_flight(schedule, pp, stage, virtual_stages=1, micro_batches=None):
+    """Micro-batches of whole-stage activations alive at once on pipeline rank `stage` (module docstring)."""
+    m = micro_batches
+    if schedule == "gpipe":
+        if m is None:
+            raise ValueError("schedule='gpipe' keeps every micro-batch alive: give micro_batches")
+        return m
+    if schedule == "interleaved":
+        chunks = (pp - stage - 1) * 2 + (virtual_stages - 1) * pp + 1
+        if m is not None:
+            chunks = min(chunks, m * virtual_stages)
+        return chunks / virtual_stages
+    return pp - stage if m is None else min(pp - stage, m)
+
+
+# ---- the estimate ----------------------------------------------------------------------------------------------------
+
+
+def _check(config, tp, cp, pp, dp, micro_batch_size, seq_len, sequence_parallel, recompute, dp_mode, precision,
+           virtual_stages, schedule, backend):
+    if not isinstance(config, GPTConfig):
+        raise ValueError(f"config must be a GPTConfig, got {type(config).__name__}")
+    for name, value in (("tp", tp), ("cp", cp), ("pp", pp), ("dp", dp), ("micro_batch_size", micro_batch_size),
+                        ("seq_len", seq_len), ("virtual_stages", virtual_stages)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be an integer >= 1")
+    for name, value, allowed in (("recompute", recompute, RECOMPUTE), ("dp_mode", dp_mode, DP_MODES),
+                                 ("precision", precision, tuple(PRECISIONS)), ("schedule", schedule, SCHEDULES),
+                                 ("backend", backend, BACKENDS)):
+        if value not in allowed:
+            raise ValueError(f"{name}={value!r} must be one of {allowed}")
+    config.check_tp(tp)
+    if pp * virtual_stages > config.num_layers:
+        raise ValueError(f"pp={pp} x virtual_stages={virtual_stages} stages need at least that many layers, the "
+                         f"model has num_layers={config.num_layers}")
+    if (virtual_stages > 1) != (schedule == "interleaved"):
+        raise ValueError(f"virtual_stages={virtual_stages} goes with schedule='interleaved' (got {schedule!r})")
+    split = 2 * cp * (tp if sequence_parallel else 1) if cp > 1 else (tp if sequence_parallel else 1)
+    if seq_len % split:
+        raise ValueError(f"seq_len={seq_len} is not divisible by {split} (" + (
+            "2·cp" if cp > 1 else "") + ("·tp: sequence parallelism" if sequence_parallel else "") + ")")
+
+
+def estimate(config, *, tp, cp=1, pp, dp, micro_batch_size, seq_len, sequence_parallel, recompute, dp_mode,
+             precision, virtual_stages=1, schedule="1f1b", micro_batches=None, backend="triton"):
+    """Per-rank bytes of the pipeline stage that needs the most (MemoryEstimate). `micro_batches` per step (None:
+    at least pp, 1F1B's worst case; GPipe needs it); `backend` "triton" (the fused layers, GPUs) or "torch" (CPU
+    eager: at tp = 1 autograd's own activation ops)."""
+    _check(config, tp, cp, pp, dp, micro_batch_size, seq_len, sequence_parallel, recompute, dp_mode, precision,
+           virtual_stages, schedule, backend)
+    shape = dict(tp=tp, cp=cp, micro_batch_size=micro_batch_size, seq_len=seq_len,
+                 sequence_parallel=sequence_parallel, precision=precision)
+    per_layer = layer_activation_bytes(config, recompute=recompute, backend=backend, **shape)
+    full_layer = layer_activation_bytes(config, recompute="none", backend=backend, **shape)
+    e = PRECISIONS[precision]
+    # RoPE's cos/sin [s, d], cached across layers (under cp each layer indexes its own: in layer_activation_bytes)
+    rope_tables = 2 * e * seq_len * config.head_dim if config.position == "rope" and recompute != "full" and \
+        cp == 1 else 0
+    best = None
+    for stage in range(pp):
+        chunks = stage_chunks(config.num_layers, pp, stage, virtual_stages)
+        layers = sum(stop - start for start, stop, _, _ in chunks)
+        alive = in_flight(schedule, pp, stage, virtual_stages, micro_batches)
+        edges = sum(edge_activation_bytes(config, first=first, last=last, **shape) for _, _, first, last in chunks)
+        activations = int(alive * (layers * per_layer + edges)) + rope_tables
+        params, grads, optimizer, transient = parameter_memory(
+            config, tp=tp, pp=pp, stage=stage, virtual_stages=virtual_stages, dp_mode=dp_mode,
+            precision=precision, shards=dp * cp)
+        transient += full_layer if recompute == "full" else 0
+        total = params + grads + optimizer + activations + transient
+        if best is None or total > best.total:
+            best = MemoryEstimate(params, grads, optimizer, activations, transient, total, stage, alive, per_layer)
+    return best

@@ -1,0 +1,226 @@
+"""models.memory against this package's own allocations: the parameter shapes of real GPT stages, the bytes of
+parameters, gradients and AdamW state after a training step, and the activations autograd saves in a GPT stage
+(saved_tensors_hooks, as bench.gpt counts them) within 5 % at tiny sizes for tp / SP / recompute / precision / pipeline
+edges; the closed forms (bytes per parameter, in-flight micro-batches) against hand-computed cases."""
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import models
+import tp
+from models import memory
+from models.block import TransformerBlock
+from tp.testing import distributed
+
+# kv heads 2 of 8: replicated at tp = 4 (GQA); vocab 300 padded per tp; ffn 80 splits over 1, 2, 4.
+TINY = dict(vocab_size=300, hidden_size=64, num_layers=3, num_heads=8, num_kv_heads=2, ffn_hidden_size=80,
+            max_seq_len=64)
+VARIANTS = {
+    "llama": {},
+    "gpt2": dict(activation="gelu", norm="layernorm", bias=True, position="learned", tie_embeddings=True,
+                 num_kv_heads=8),
+    "qwen": dict(qkv_bias=True, num_kv_heads=1, tie_embeddings=True),
+}
+
+
+def config(variant="llama", **changes):
+    return models.GPTConfig(**(TINY | VARIANTS[variant] | changes))
+
+
+# ---- closed forms --------------------------------------------------------------------------------------------------
+
+
+def test_bytes_per_parameter_by_hand():
+    """REFERENCE §11 (Megatron's distributed-optimizer table): 18 vs 6 + 12/d for bf16, 16 vs 8 + 8/d for fp32."""
+    assert sum(memory.bytes_per_parameter("bf16", "ddp")) == 18
+    assert sum(memory.bytes_per_parameter("bf16", "zero1", 8)) == 6 + 12 / 8
+    assert sum(memory.bytes_per_parameter("fp32", "ddp")) == 16
+    assert sum(memory.bytes_per_parameter("fp32", "zero1", 4)) == 8 + 8 / 4
+    assert sum(memory.bytes_per_parameter("bf16", "fsdp", 16)) == 16 / 16  # fp32 sharded master, grads, moments
+
+
+def test_in_flight_micro_batches_by_hand():
+    # 1F1B: stage i of p keeps p - i (fewer when m < p); GPipe all m
+    assert [memory.in_flight("1f1b", 4, i) for i in range(4)] == [4, 3, 2, 1]
+    assert memory.in_flight("1f1b", 4, 0, micro_batches=2) == 2
+    assert memory.in_flight("gpipe", 4, 3, micro_batches=8) == 8
+    with pytest.raises(ValueError, match="give micro_batches"):
+        memory.in_flight("gpipe", 4, 0)
+    # interleaved, rank 0: (p-1)·2 + (V-1)·p + 1 chunks of 1/V = p + (p-1)/V (Korthikanti's 1 + (p-1)/(pV) factor)
+    assert memory.in_flight("interleaved", 4, 0, virtual_stages=2) == (3 * 2 + 4 + 1) / 2 == 4 * (1 + 3 / 8)
+    assert memory.in_flight("interleaved", 4, 3, virtual_stages=2) == (0 + 4 + 1) / 2
+
+
+def test_stage_chunks_follow_the_pipeline_split():
+    # 7 layers on 3 stages: 3, 2, 2 (models.pipeline.stage_layers); interleaved 2 x 3 virtual stages of 7 layers
+    assert memory.stage_chunks(7, 3, 0) == [(0, 3, True, False)]
+    assert memory.stage_chunks(7, 3, 2) == [(5, 7, False, True)]
+    assert memory.stage_chunks(7, 3, 0, 2) == [(0, 2, True, False), (4, 5, False, False)]
+    assert memory.stage_chunks(7, 3, 2, 2) == [(3, 4, False, False), (6, 7, False, True)]
+
+
+def test_dense_model_counts_by_hand():
+    """One layer of a GPT-2-shaped model, tp = 1: 12h² + 13h parameters (Narayanan et al. 2021, eq. 2's per-layer
+    count: QKV 3h² + 3h, proj h² + h, fc1 4h² + 4h, fc2 4h² + h, two LayerNorms 4h)."""
+    h = 64
+    c = models.GPTConfig(vocab_size=256, hidden_size=h, num_layers=1, num_heads=4, activation="gelu", norm="layernorm",
+                         bias=True, position="learned")
+    per_layer = sum(math.prod(s) for _, s in memory.layer_parameter_shapes(c, 1))
+    assert per_layer == 12 * h * h + 13 * h
+
+
+def test_bad_requests_name_the_value():
+    c = config()
+    args = dict(tp=1, pp=1, dp=1, micro_batch_size=1, seq_len=16, sequence_parallel=False, recompute="none",
+                dp_mode="ddp", precision="bf16")
+    for changes, message in ((dict(tp=4, seq_len=18, sequence_parallel=True), "seq_len=18"),
+                             (dict(tp=3), "num_heads=8 is not divisible by tp=3"),
+                             (dict(recompute="some"), "recompute='some'"), (dict(dp_mode="zero3"), "dp_mode='zero3'"),
+                             (dict(virtual_stages=2), "virtual_stages=2 goes with schedule='interleaved'"),
+                             (dict(pp=4), "num_layers=3"), (dict(dp=0), "dp=0")):
+        with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+            memory.estimate(c, **(args | changes))
+
+
+# ---- against real stages --------------------------------------------------------------------------------------------
+
+
+def _stage(cfg, pp, stage, mesh):
+    start, stop = models.pipeline.stage_layers(cfg.num_layers, pp, stage)
+    return models.GPT(cfg, group=mesh.tp_group, layers=(start, stop), pre_process=stage == 0,
+                      post_process=stage == pp - 1)
+
+
+@pytest.mark.parametrize("tp_size", [1, 2, 4])
+@distributed(world_size=4)
+def test_parameters_grads_and_adamw_state_are_what_a_stage_allocates(tp_size):
+    """Every stage's parameter shapes equal the estimate's list; after a step of the training job's AdamW (two
+    groups, as models.loop builds it) params, grads and optimizer state are the estimate's bytes exactly."""
+    mesh = tp.init_mesh(tp=tp_size)
+    for variant in VARIANTS:
+        cfg = config(variant)
+        for pp in (1, 2, 3):
+            for stage in range(pp):
+                model = _stage(cfg, pp, stage, mesh)
+                expected = memory.stage_parameter_shapes(cfg, tp_size, pp, stage)
+                assert [(n, tuple(p.shape)) for n, p in model.named_parameters()] == expected, (variant, pp, stage)
+        model = _stage(cfg, 1, 0, mesh)
+        x = torch.randint(0, cfg.vocab_size, (2, 8))
+        model(x, x).backward()
+        params = list(model.parameters())
+        opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() > 1]},
+                                 {"params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0}])
+        opt.step()
+        state = sum(t.nbytes for s in opt.state.values() for t in s.values())
+        got = (sum(p.nbytes for p in params), sum(p.grad.nbytes for p in params), state)
+        want = memory.parameter_memory(cfg, tp=tp_size, pp=1, stage=0, virtual_stages=1, dp_mode="ddp",
+                                       precision="fp32", shards=1)[:3]
+        assert got == want, (variant, got, want)
+
+
+def _saved_bytes(model, step):
+    """{"layers": [bytes per TransformerBlock], "edges": bytes outside them} of the distinct storages autograd saves
+    while step() runs (parameters excluded): bench.gpt's count, attributed to blocks."""
+    seen = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    blocks = {id(m): i for i, m in enumerate(m for m in model.modules() if isinstance(m, TransformerBlock))}
+    where, totals = ["edges"], {"edges": 0, **{i: 0 for i in blocks.values()}}
+
+    def enter(module, args):
+        where.append(blocks.get(id(module), where[-1]))
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            totals[where[-1]] += storage.nbytes()
+        return t
+
+    def leave(module, args, output):
+        where.pop()
+
+    hooks = [torch.nn.modules.module.register_module_forward_pre_hook(enter),
+             torch.nn.modules.module.register_module_forward_hook(leave)]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = step()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    out.float().sum().backward()
+    return {"layers": [totals[i] for i in sorted(blocks.values())], "edges": totals["edges"]}
+
+
+def _check_saved(cfg, mesh, *, pp, stage, precision, batch, seq, cp=1):
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    model = _stage(cfg, pp, stage, mesh).to(dtype)
+    if precision == "bf16" and mesh.tp_size == 1:  # bf16 training keeps fp32 main_grad buffers (REFERENCE §11);
+        for p in model.parameters():  # at tp > 1 the layers save the same either way
+            p.main_grad = torch.zeros_like(p, dtype=torch.float32)
+    first, last = stage == 0, stage == pp - 1
+    tokens = torch.randint(0, cfg.vocab_size, (batch, seq))
+    rows = seq // cp // (mesh.tp_size if cfg.sequence_parallel else 1)
+    hidden = None if first else torch.randn(rows, batch, cfg.hidden_size, dtype=dtype, requires_grad=True)
+    saved = _saved_bytes(model, lambda: model(tokens if first else None, tokens if last else None, hidden=hidden))
+    shape = dict(tp=mesh.tp_size, cp=cp, micro_batch_size=batch, seq_len=seq,
+                 sequence_parallel=cfg.sequence_parallel, precision=precision)
+    per_layer = memory.layer_activation_bytes(cfg, recompute=cfg.recompute, backend="torch", **shape)
+    rope = 2 * memory.PRECISIONS[precision] * seq * cfg.head_dim if cfg.position == "rope" and \
+        cfg.recompute != "full" and cp == 1 else 0
+    layers = sum(saved["layers"])
+    want = len(saved["layers"]) * per_layer + rope
+    label = (mesh.tp_size, cfg.sequence_parallel, cfg.recompute, precision, pp, stage, cfg.activation)
+    assert abs(layers - want) <= 0.05 * want, (label, layers, want, saved["layers"])
+    # edges, on tp rank 0 (it holds the most real vocabulary columns: the estimate's rank); the stage output a
+    # non-last stage holds for its send is not a saved tensor (it is in the estimate)
+    edges = memory.edge_activation_bytes(cfg, first=first, last=last, **shape)
+    if not last:
+        edges -= memory.PRECISIONS[precision] * rows * batch * cfg.hidden_size
+    if mesh.tp_rank == 0:
+        assert abs(saved["edges"] - edges) <= 0.05 * max(edges, 1) + 16, (label, saved["edges"], edges)
+    return layers, want
+
+
+@distributed(world_size=4)
+def test_saved_activations_within_5_percent_of_the_estimate():
+    """tp 1, 2, 4 x SP off/on x recompute none/selective/full x fp32/bf16, GQA with replicated kv heads at tp 4,
+    SwiGLU and GELU; a 3-stage pipeline's first, middle and last stage (embedding, output held, loss)."""
+    for tp_size in (1, 2, 4):
+        mesh = tp.init_mesh(tp=tp_size)
+        for sp in (False, True) if tp_size > 1 else (False,):
+            for recompute in ("none", "selective", "full"):
+                for precision in ("fp32", "bf16"):
+                    cfg = config(sequence_parallel=sp, recompute=recompute)
+                    _check_saved(cfg, mesh, pp=1, stage=0, precision=precision, batch=3, seq=16)
+        gelu = config("gpt2", sequence_parallel=tp_size > 1)
+        _check_saved(gelu, mesh, pp=1, stage=0, precision="fp32", batch=2, seq=16)
+        for stage in range(3):
+            _check_saved(config(), mesh, pp=3, stage=stage, precision="bf16", batch=2, seq=16)
+        tp.destroy_mesh()
+
+
+def test_estimate_picks_the_largest_stage_and_sums_its_parts():
+    cfg = models.GPTConfig(vocab_size=32000, hidden_size=1024, num_layers=8, num_heads=16, num_kv_heads=4)
+    args = dict(tp=2, pp=4, dp=4, micro_batch_size=1, seq_len=1024, sequence_parallel=True, recompute="selective",
+                dp_mode="zero1", precision="bf16")
+    est = memory.estimate(cfg, **args)
+    assert est.total == est.params + est.grads + est.optimizer + est.activations + est.transient
+    assert est.stage == 0 and est.in_flight == 4  # 1F1B: stage 0 holds p micro-batches
+    # by hand: 2 layers x 4 in flight x per layer, plus 4 x (ids + mask + the stage output held), plus cos/sin
+    per_layer = memory.layer_activation_bytes(cfg, tp=2, micro_batch_size=1, seq_len=1024, sequence_parallel=True,
+                                              recompute="selective", precision="bf16")
+    edges = 8 * 1024 + 1024 + 2 * 512 * 1024
+    assert est.activations == 4 * (2 * per_layer + edges) + 2 * 2 * 1024 * cfg.head_dim
+    # zero1 shards the fp32 master + moments over dp x cp; ddp keeps them whole
+    ddp = memory.estimate(cfg, **(args | dict(dp_mode="ddp")))
+    n = ddp.params // 2
+    assert ddp.optimizer - est.optimizer == 12 * n - 12 * (-(-n // 4))
+    assert memory.estimate(cfg, **(args | dict(cp=2))).optimizer < est.optimizer  # dp x cp ranks share it
+    # interleaved (2 x 2 chunks): the last rank holds (V-1)·p + 1 = 3 chunks of 1/V stage, each micro-batch with
+    # the loss's fp32 softmax over 16000 vocabulary columns: the largest stage here
+    inter = memory.estimate(cfg, **(args | dict(pp=2, virtual_stages=2, schedule="interleaved")))
+    assert (inter.stage, inter.in_flight) == (1, 1.5)
+    # full recompute keeps only block inputs, and recomputes one block at a time
+    full = memory.estimate(cfg, **(args | dict(recompute="full")))
+    assert full.layer_activations == 2 * 512 * 1024 and full.transient > 0
