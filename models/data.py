@@ -140,6 +140,22 @@ def token_count(args):
     return None if path is None else token_files.read_header(path)["count"]
 
 
+def check_size(args, num_tokens):
+    """One line if `num_tokens` tokens leave fewer training windows than one global batch."""
+    train, held, _ = split_sizes(num_tokens, args.seq_len)
+    if args.global_batch_size > train:
+        what = args.data or "the corpus"
+        raise ValueError(f"--global-batch-size={args.global_batch_size} exceeds the {max(train, 0)} sequences of "
+                         f"--seq-len={args.seq_len} in {what} left for training ({held} held out for validation)")
+
+
+def prepare(args):
+    """The launcher's part, before any rank starts: tokenize a user's text into its cache once (a progress bar on a
+    terminal), then check it fills a global batch."""
+    path = token_path(args)
+    check_size(args, len(load(path)))
+
+
 def shared_tokens(args, group=None):
     """On every rank of a process group: rank 0 finds (or builds) the token file, the others read the file it names
     (one builder, never every rank racing)."""

@@ -12,6 +12,7 @@ import torch.distributed as dist
 import tp
 
 from . import data
+from .flops import flops_per_token
 from .checkpoint_dirs import latest as _latest
 from .config import PRESETS, RUNTIME_FIELDS, GPTConfig
 from .gpt import GPT
@@ -35,6 +36,8 @@ def model_config(args):
 
         return config_from_hf(transformers.AutoConfig.from_pretrained(args.from_hf), **flags)
     fields = PRESETS[args.model or "tiny"] | overrides | flags
+    if data.vocab_size(args) is not None:  # a tokenizer's (or a token file's) vocabulary; GPTConfig pads it for tp
+        fields["vocab_size"] = data.vocab_size(args)
     fields.setdefault("max_seq_len", args.seq_len)
     fields["max_seq_len"] = max(fields["max_seq_len"], args.seq_len)
     return GPTConfig(**fields)
@@ -120,7 +123,9 @@ def train(args):
             print(f"note: the checkpoint's run had {', '.join(changed)}: the data order from here differs from that "
                   "run's", file=sys.stderr, flush=True)
     runner = PipelineRunner(module, mesh, micro_batch_size=args.micro_batch_size, seq_len=args.seq_len)
-    dataset = data.TokenWindows(data.corpus(), args.seq_len)
+    tokens = data.shared_tokens(args)  # rank 0 tokenizes a user's text if the launcher has not (own torchrun)
+    data.check_size(args, len(tokens))
+    dataset, held_out = data.split(tokens, args.seq_len)  # the last ~1% of the windows: validation only
     stream = data.batches(dataset, dp=mesh.dp_size, dp_rank=mesh.dp_rank, global_batch_size=args.global_batch_size,
                           micro_batch_size=args.micro_batch_size, seed=args.seed, start_step=start_step)
     params = sum(p.numel() for p in stage.parameters())
@@ -130,6 +135,16 @@ def train(args):
               f"schedule={args.schedule}, micro-batches/step={args.global_batch_size // (mesh.dp_size * args.micro_batch_size)}, "
               f"sequence_parallel={args.sequence_parallel}; model {args.from_hf or args.model or 'tiny'}"
               f" ({config.num_layers} layers, hidden {config.hidden_size}, {params:,} params on rank 0)", flush=True)
+    if args.eval_only:
+        val_loss = evaluate(runner, held_out, args, mesh)
+        if rank0:
+            print(f"val_loss {val_loss:.4f} at step {start_step} ({args.eval_iters} batches of "
+                  f"{args.global_batch_size} held-out sequences)", flush=True)
+            if args.log_jsonl:
+                with open(args.log_jsonl, "a") as f:
+                    f.write(json.dumps({"step": start_step, "val_loss": val_loss}) + "\n")
+        tp.destroy_mesh()
+        return 0
     if start_step >= args.steps:
         if rank0:
             print(f"nothing to train: the checkpoint is at step {start_step}, --steps={args.steps}", flush=True)
@@ -138,7 +153,8 @@ def train(args):
     log = open(args.log_jsonl, "a" if args.load else "w") if rank0 and args.log_jsonl else None
     bar = _progress(rank0, start_step, args.steps)
     tokens_per_step = args.global_batch_size * args.seq_len
-    first_loss = loss = None
+    step_flops = flops_per_token(config, args.seq_len) * tokens_per_step  # model FLOPs (REFERENCE §12)
+    first_loss = loss = val_loss = grad_norm = None
     try:
         for step in range(start_step, args.steps):
             started = time.perf_counter()
@@ -155,18 +171,24 @@ def train(args):
                 tp.allreduce_sequence_parallel_grads(stage, mesh.tp_group)  # one all-reduce for every SP param
             allreduce_tied_embedding_grads(stage, mesh)
             optimizer.step()
+            memory = max_memory_bytes(module, optimizer) if step == start_step else {}  # grads and state exist now
             optimizer.zero_grad(set_to_none=True)
             loss = _mean_over(stats.loss, mesh.dp_group)
             bubble = stats.bubble
             elapsed = time.perf_counter() - started
             first_loss = loss if first_loss is None else first_loss
-            record = {"step": step + 1, "loss": loss, "tokens_per_s": tokens_per_step / elapsed,
-                      "lr": learning_rate(args, step), "bubble": bubble, "step_s": elapsed}
+            record = {"step": step + 1, "loss": loss, "grad_norm": grad_norm, "lr": learning_rate(args, step),
+                      "tokens_per_s": tokens_per_step / elapsed,
+                      "tflops_per_rank": step_flops / mesh.world_size / elapsed / 1e12, "bubble": bubble,
+                      "step_s": elapsed} | memory
+            if args.eval_every and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps):
+                record["val_loss"] = val_loss = evaluate(runner, held_out, args, mesh)
             if log:
                 log.write(json.dumps(record) + "\n")
                 log.flush()
             bar.update(1)
-            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", bubble=f"{bubble:.2f}")
+            bar.set_postfix(loss=f"{loss:.4f}", **({} if grad_norm is None else {"grad_norm": f"{grad_norm:.3f}"}),
+                            tok_s=f"{record['tokens_per_s']:.0f}", bubble=f"{bubble:.2f}")
             if args.save and args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
                 _save(args.save, module, optimizer, mesh, step + 1, args)
         if args.save:
@@ -181,11 +203,40 @@ def train(args):
     if rank0:
         ran = f"{args.steps - start_step} steps ({start_step + 1}..{args.steps})"
         print(f"done: {ran} at tp={mesh.tp_size} cp={mesh.cp_size} pp={mesh.pp_size} dp={mesh.dp_size}; loss {first_loss:.4f} -> "
-              f"{loss:.4f}" + (f"; log: {args.log_jsonl}" if args.log_jsonl else "")
+              f"{loss:.4f}" + (f", val_loss {val_loss:.4f}" if val_loss is not None else "")
+              + (f"; log: {args.log_jsonl}" if args.log_jsonl else "")
               + (f"; checkpoint: {args.save}" if args.save else "")
               + (f"; Hugging Face export: {args.export_hf}" if args.export_hf else ""), flush=True)
     tp.destroy_mesh()
     return 0
+
+
+def evaluate(runner, held_out, args, mesh):
+    """val_loss: the mean loss over --eval-iters global batches of the held-out windows, forward only; the same
+    batches, and so the same value, for any split."""
+    batches = data.eval_batches(held_out, dp=mesh.dp_size, dp_rank=mesh.dp_rank,
+                                global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size,
+                                iters=args.eval_iters)
+    return _mean_over(runner.forward_only([micro for batch in batches for micro in batch]), mesh.dp_group)
+
+
+def max_memory_bytes(module, optimizer):
+    """param_bytes, grad_bytes (.grad or main_grad), optimizer_bytes (its state tensors) of this rank's shards
+    (FSDP2: local shards), each the largest over all ranks (one all-reduce)."""
+    params = list({id(p): p for p in module.parameters()}.values())  # a tied weight once
+    grads = [p.main_grad if getattr(p, "main_grad", None) is not None else p.grad for p in params]
+    state = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    sizes = [sum(_nbytes(t) for t in group) for group in (params, grads, state)]
+    totals = torch.tensor(sizes, dtype=torch.int64)
+    dist.all_reduce(totals, op=dist.ReduceOp.MAX)
+    return dict(zip(("param_bytes", "grad_bytes", "optimizer_bytes"), totals.tolist()))
+
+
+def _nbytes(t):
+    if t is None:
+        return 0
+    t = t.to_local() if hasattr(t, "to_local") else t
+    return t.numel() * t.element_size()
 
 
 def _mean_over(value, group):

@@ -56,8 +56,18 @@ def parser():
     a("--attention-dropout", type=float, default=None,
       help="attention-probability dropout (default: --dropout; not supported with --cp > 1)")
     a("--from-hf", metavar="PATH", default=None,
-      help="start from a Hugging Face Llama/Mistral/Qwen2/GPT-2 directory (save_pretrained); its vocabulary "
-           "must cover bytes (>= 256)")
+      help="start from a Hugging Face Llama/Mistral/Qwen2/GPT-2 directory (save_pretrained); its own tokenizer "
+           "is used when the directory holds one (else bytes: the vocabulary must cover 256)")
+    a("--data", metavar="PATH", default=None,
+      help="training text: a .txt/.jsonl (field \"text\") file, a directory of them, or a token file PREFIX.bin "
+           "with its PREFIX.json sidecar (python -m models.tokens); default: the bundled corpus")
+    a("--tokenizer", metavar="DIR", default=None,
+      help="a local Hugging Face tokenizer directory (AutoTokenizer): text is tokenized once into a cache beside "
+           "the data, documents ended by its EOS; the model's vocabulary follows it; default: bytes")
+    a("--eval-every", type=int, default=0, metavar="N",
+      help="validation loss (val_loss) on the held-out last ~1%% of the data every N steps and at the end (0: never)")
+    a("--eval-iters", type=int, default=10, metavar="K", help="global batches per validation")
+    a("--eval-only", action="store_true", help="evaluate the --load checkpoint (or the --from-hf model) and exit")
     a("--save", metavar="DIR", default=None, help="write resharding checkpoints DIR/step-N (at the end, and every "
                                                    "--save-every steps); DIR/latest names the newest")
     a("--save-every", type=int, default=0, metavar="N", help="checkpoint every N steps (0: only at the end)")
@@ -89,7 +99,7 @@ def validate(args, world_size=None):
         if not math.isfinite(value) or value < 0 or (name == "lr" and value == 0):
             raise ValueError(f"--{name.replace('_', '-')}={value} must be a finite number "
                              f"{'> 0' if name == 'lr' else '>= 0'}")
-    for name in ("warmup_steps", "save_every"):
+    for name in ("warmup_steps", "save_every", "eval_every"):
         if getattr(args, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 0")
     for name in ("save", "export_hf"):
@@ -102,6 +112,11 @@ def validate(args, world_size=None):
         shape_flags = [f"--{f.replace('_', '-')}" for f in ("model", *SIZE_FIELDS) if getattr(args, f) is not None]
         if shape_flags:
             raise ValueError(f"--from-hf takes the model's shape from its config: drop {' '.join(shape_flags)}")
+    if args.eval_iters < 1:
+        raise ValueError(f"--eval-iters={args.eval_iters} must be >= 1")
+    if args.eval_only and not (args.load or args.from_hf):
+        raise ValueError("--eval-only evaluates a model: give --load DIR (a checkpoint) or --from-hf DIR")
+    data.check_source(args)  # --data / --tokenizer: paths, empty text, a loadable tokenizer
     config = model_config(args)
     limit = min(config.max_seq_len, config.sliding_window or config.max_seq_len)
     if args.seq_len > limit:  # (presets grow max_seq_len to --seq-len; a Hugging Face model's is its own)
@@ -121,8 +136,7 @@ def validate(args, world_size=None):
             raise ValueError(f"--seq-len={args.seq_len} with --cp={args.cp}"
                              + (f" --tp={args.tp} --sequence-parallel" if args.sequence_parallel else "")
                              + f": {str(e).split(': ', 1)[1]}") from None
-    if config.vocab_size < data.VOCAB_SIZE:
-        raise ValueError(f"vocab_size={config.vocab_size} cannot hold the {data.VOCAB_SIZE} byte tokens")
+    data.check_vocab(args, config.vocab_size)
     if args.load:
         from . import checkpoint
 
@@ -131,13 +145,12 @@ def validate(args, world_size=None):
         path = _latest(args.load)
         meta = checkpoint.read_meta(path)
         checkpoint.check_config(meta["config"], config, path)
-        if args.steps <= meta["step"]:
+        if args.steps <= meta["step"] and not args.eval_only:
             raise ValueError(f"--steps={args.steps} does not go beyond the checkpoint's step {meta['step']}: "
                              "nothing to train")
-    sequences = (len(data.corpus()) - 1) // args.seq_len
-    if args.global_batch_size > sequences:
-        raise ValueError(f"--global-batch-size={args.global_batch_size} exceeds the {sequences} sequences of "
-                         f"--seq-len={args.seq_len} in the corpus")
+    count = data.token_count(args)  # (None: text not yet tokenized; checked after the launcher tokenizes it)
+    if count is not None:
+        data.check_size(args, count)
     return config
 
 
@@ -147,6 +160,8 @@ def main(argv=None):
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     try:
         validate(args, int(os.environ["WORLD_SIZE"]) if under_torchrun else None)
+        if not under_torchrun:
+            data.prepare(args)  # a user's text tokenized once, here, before any rank starts
     except (ValueError, ImportError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

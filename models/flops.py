@@ -1,0 +1,26 @@
+"""Model FLOPs of a GPTConfig (REFERENCE §12): what the training log's tflops_per_rank and the planner count.
+
+Per token of a training step (forward 1x, backward 2x the matmuls):
+    6 · N                       N: the blocks' matmul weights (q, k, v, output projection, MLP; GQA's smaller k/v)
+  + 12 · L · heads·head_dim · s attention scores QKᵀ and the weighted sum AV (halved with causal_halved=True)
+  + 6 · h · V                   the output layer (logits), V the real vocabulary (not the tp padding)
+Embedding lookups, norms, biases, softmax and the loss are not counted; recomputation is not counted (model FLOPs,
+not hardware FLOPs). With ffn = 4h, MHA and GELU this is Narayanan et al. (2021)'s 72·L·h²·(1 + s/(6h) + V/(12·L·h))
+per token, their eq. 3 without the recomputed forward; full (not halved) causal attention is how they, PaLM and
+torchtitan count it.
+"""
+
+
+def matmul_params(config):
+    """Weights of the transformer blocks that multiply every token: N of the 6·N term."""
+    h, d = config.hidden_size, config.head_dim
+    attention = h * (config.num_heads + 2 * config.num_kv_heads) * d + config.num_heads * d * h
+    mlp = (3 if config.activation == "swiglu" else 2) * h * config.ffn_hidden_size
+    return config.num_layers * (attention + mlp)
+
+
+def flops_per_token(config, seq_len, *, causal_halved=False):
+    """Training FLOPs (forward + backward) per token of `seq_len`-token sequences."""
+    attention = 12 * config.num_layers * config.num_heads * config.head_dim * seq_len
+    logits = 6 * config.hidden_size * config.vocab_size
+    return 6 * matmul_params(config) + (attention // 2 if causal_halved else attention) + logits

@@ -1,0 +1,316 @@
+"""A user's data and tokenizer, validation and the training log: token files and their cache, the held-out split,
+model FLOPs, bad --data/--tokenizer values, and a run on a user's text directory with a locally built tokenizer
+whose loss and val_loss curves are the same at tp2 x pp2 x dp2 as in one process."""
+import inspect
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from models import data, tokens
+from models.train import parser, train, validate
+from tp.testing import distributed, run
+
+EOS = "<|endoftext|>"
+
+
+def _source(*modules):
+    return "\n".join(inspect.getsource(__import__(name, fromlist=["_"])) for name in modules)
+
+
+def _build_tokenizer(path, text, vocab_size):
+    """A byte-level BPE trained here on `text` (no downloads), saved as a Hugging Face tokenizer directory."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator([text], trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS],
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=EOS).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A user's text directory (three .txt files, a .jsonl of functions, a file to ignore) and a 400-token
+    tokenizer trained on it."""
+    root = tmp_path_factory.mktemp("user")
+    text = root / "text"
+    (text / "sub").mkdir(parents=True)
+    (text / "a.txt").write_text(_source("dataclasses", "enum"))
+    (text / "b.txt").write_text(_source("ast"))
+    (text / "sub" / "c.txt").write_text(_source("typing"))
+    rows = [{"text": inspect.getsource(f), "id": i} for i, f in enumerate(vars(__import__("shutil")).values())
+            if inspect.isfunction(f) and f.__module__ == "shutil"]
+    (text / "d.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows) + "\n")
+    (text / "notes.md").write_text("not read: neither .txt nor .jsonl")
+    docs = [(text / "a.txt").read_text(), (text / "b.txt").read_text(), *[r["text"] for r in rows],
+            (text / "sub" / "c.txt").read_text()]  # the sorted walk: a.txt, b.txt, d.jsonl, sub/c.txt
+    tokenizer = _build_tokenizer(root / "tokenizer", "\n".join(docs), 400)
+    return {"text": str(text), "tokenizer": tokenizer, "docs": docs, "root": root}
+
+
+def _args(*flags):
+    return parser().parse_args(list(flags))
+
+
+# ---- token files and the cache ---------------------------------------------------------------------------------------
+
+
+def test_text_is_tokenized_once_into_a_cache_keyed_by_tokenizer_and_data(corpus, tmp_path, monkeypatch):
+    from transformers import AutoTokenizer
+
+    args = _args("--data", corpus["text"], "--tokenizer", corpus["tokenizer"])
+    assert data.token_count(args) is None  # not built yet: nothing tokenized by asking
+    path = data.token_path(args, progress=False)
+    assert os.path.dirname(path) == os.path.join(corpus["text"], ".tokens")
+    stream, header = tokens.read(path)
+    tok = AutoTokenizer.from_pretrained(corpus["tokenizer"])
+    expected = [i for doc in corpus["docs"] for i in tok(doc, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]]
+    assert stream.dtype == np.uint16 and stream.tolist() == expected  # documents in order, each ended by EOS
+    assert (header["documents"], header["vocab_size"], header["eos_id"]) == (len(corpus["docs"]), 400, 0)
+    assert data.vocab_size(args) == 400 and data.token_count(args) == len(expected)
+
+    def no_rebuild(*a, **k):
+        raise AssertionError("tokenized again")
+
+    monkeypatch.setattr(tokens, "build", no_rebuild)
+    assert data.token_path(args) == path  # the same tokenizer and data: the cache
+    monkeypatch.undo()
+    other = _build_tokenizer(tmp_path / "other", "\n".join(corpus["docs"]), 300)
+    assert data.token_path(_args("--data", corpus["text"], "--tokenizer", other), build=False) is None
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    (copy / "a.txt").write_text(corpus["docs"][0])
+    first = data.token_path(_args("--data", str(copy), "--tokenizer", corpus["tokenizer"]), progress=False)
+    (copy / "a.txt").write_text(corpus["docs"][0] + "x")
+    assert data.token_path(_args("--data", str(copy), "--tokenizer", corpus["tokenizer"]), build=False) is None
+    assert first != data.token_path(_args("--data", str(copy), "--tokenizer", corpus["tokenizer"]), progress=False)
+    # without a tokenizer: UTF-8 bytes, documents joined by a blank line (as the bundled corpus)
+    as_bytes, header = tokens.read(data.token_path(_args("--data", str(copy)), progress=False))
+    assert as_bytes.dtype == np.uint8 and bytes(as_bytes) == (corpus["docs"][0] + "x").encode()
+    assert data.vocab_size(_args("--data", str(copy))) == 256
+
+
+def test_token_file_roundtrip_and_cli(corpus, tmp_path):
+    out = tmp_path / "mine.bin"
+    result = subprocess.run([sys.executable, "-m", "models.tokens", "--data", corpus["text"], "--tokenizer",
+                             corpus["tokenizer"], "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    ids, header = tokens.read(str(out))
+    cached, _ = tokens.read(data.token_path(_args("--data", corpus["text"], "--tokenizer", corpus["tokenizer"]),
+                                            progress=False))
+    assert np.array_equal(ids, cached) and str(len(ids)) in result.stdout.replace(",", "")
+    args = _args("--data", str(out), "--tp", "1", "--pp", "1", "--dp", "1", "--seq-len", "32")
+    assert validate(args).vocab_size == 400  # a token file's vocabulary from its sidecar
+    big = tmp_path / "big.bin"  # written by hand, as a user's own tool would: uint32 and a sidecar
+    np.arange(70000, dtype="<u4").tofile(big)
+    (tmp_path / "big.json").write_text(json.dumps({"dtype": "uint32", "count": 70000, "vocab_size": 70000}))
+    stream, _ = tokens.read(str(big))
+    x, y = data.TokenWindows(stream, 8)[8000]
+    assert x.dtype == torch.int64 and x.tolist() == list(range(64000, 64008)) and y[-1] == 64008
+    assert tokens.dtype_for(256) == "uint8" and tokens.dtype_for(65536) == "uint16" and tokens.dtype_for(65537) == \
+        "uint32"
+
+
+# ---- the held-out split -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_tokens,seq_len", [(3201, 32), (5000, 7), (700, 64)])
+def test_held_out_windows_are_never_trained_on(num_tokens, seq_len):
+    positions = torch.arange(num_tokens)  # token i is the number i: every batch says which positions it read
+    train_windows, held_out = data.split(positions, seq_len)
+    total = (num_tokens - 1) // seq_len
+    assert len(held_out) == max(1, -(-total // 100)) and len(train_windows) >= total - len(held_out) - 1
+    seen = set()
+    stream = data.batches(train_windows, dp=2, dp_rank=1, global_batch_size=4, micro_batch_size=2, seed=3)
+    for _ in range(3 * len(train_windows) // 4):  # three epochs
+        for x, y in next(stream):
+            seen |= set(x.flatten().tolist()) | set(y.flatten().tolist())
+    held = set()
+    for batch in data.eval_batches(held_out, dp=1, dp_rank=0, global_batch_size=4, micro_batch_size=2, iters=3):
+        for x, y in batch:
+            held |= set(x.flatten().tolist()) | set(y.flatten().tolist())
+    assert not seen & held and max(seen) < train_windows.span(len(train_windows) - 1)[1] <= min(held)
+    assert min(held) == held_out.span(0)[0] and max(held) < num_tokens
+
+
+@pytest.mark.parametrize("dp", [2, 4])
+def test_eval_batches_are_the_same_global_batches_for_any_dp(dp):
+    _, held_out = data.split(torch.arange(20001), 16)  # 13 held-out windows: 3 batches of 8 wrap round
+    whole = data.eval_batches(held_out, dp=1, dp_rank=0, global_batch_size=8, micro_batch_size=2, iters=3)
+    parts = [data.eval_batches(held_out, dp=dp, dp_rank=r, global_batch_size=8, micro_batch_size=2, iters=3)
+             for r in range(dp)]
+    for j in range(3):
+        rows = sorted(tuple(x) for part in parts for mb, _ in part[j] for x in mb.tolist())
+        assert rows == sorted(tuple(x) for mb, _ in whole[j] for x in mb.tolist())
+    assert whole[0][0][0][0, 0] == held_out.span(0)[0]
+
+
+# ---- model FLOPs --------------------------------------------------------------------------------------------------
+
+
+@distributed(world_size=1)
+def test_model_flops_match_a_count_of_the_dense_models_matmuls():
+    """6N + attention + logits equals torch's FlopCounterMode over one forward and backward (math attention, so
+    the counter sees its matmuls; a vocabulary that needs no padding)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    import tp
+    from models.config import GPTConfig
+    from models.flops import flops_per_token
+    from models.gpt import GPT
+
+    tp.init_mesh(tp=1)
+    base = dict(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=24)
+    for changes in ({}, {"activation": "gelu", "num_kv_heads": 4, "ffn_hidden_size": 96, "position": "learned"},
+                    {"num_kv_heads": 1, "head_dim": 8, "tie_embeddings": True, "num_layers": 3}):
+        config = GPTConfig(**(base | changes))
+        model = GPT(config)
+        x, y = torch.randint(0, 256, (3, 24)), torch.randint(0, 256, (3, 24))
+        with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+            model(x, y).backward()
+        assert counter.get_total_flops() == 3 * 24 * flops_per_token(config, 24), changes
+        halved = flops_per_token(config, 24) - flops_per_token(config, 24, causal_halved=True)
+        assert halved == 6 * config.num_layers * config.num_heads * config.head_dim * 24
+
+
+def test_model_flops_are_narayanans_formula():
+    """With ffn = 4h, MHA and GELU: 72·L·h²·(1 + s/(6h) + V/(12·L·h)) per token (Narayanan et al. 2021, eq. 3
+    without the recomputed forward)."""
+    from models.config import GPTConfig
+    from models.flops import flops_per_token
+
+    L, h, s, V = 24, 1024, 2048, 50257
+    config = GPTConfig(vocab_size=V, hidden_size=h, num_layers=L, num_heads=16, activation="gelu", max_seq_len=s)
+    assert flops_per_token(config, s) == pytest.approx(72 * L * h * h * (1 + s / (6 * h) + V / (12 * L * h)),
+                                                       rel=1e-12)
+
+
+# ---- bad values ---------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hf_with_tokenizer(tmp_path_factory, corpus):
+    """A save_pretrained Llama of vocabulary 300 holding the corpus's 400-token tokenizer (too large for it)."""
+    import transformers
+
+    path = tmp_path_factory.mktemp("hf") / "llama"
+    config = transformers.LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    transformers.AutoTokenizer.from_pretrained(corpus["tokenizer"]).save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--data", "{missing}"], r"^--data .*missing: no such file or directory$"),
+    (["--data", "{empty_file}"], r"^--data .*empty.txt is empty$"),
+    (["--data", "{no_text}"], r"^--data .*no_text holds no .txt or .jsonl files$"),
+    (["--data", "{blank_dir}"], r"^--data .*blank: its 2 .txt/.jsonl file\(s\) are all empty$"),
+    (["--data", "{bin_alone}"], r"^--data .*alone.bin: a token file needs its JSON sidecar .*alone.json"),
+    (["--data", "{text}", "--tokenizer", "{missing}"], r"^--tokenizer .*missing: no such directory"),
+    (["--data", "{text}", "--tokenizer", "{no_text}"], r"^--tokenizer .*no_text: cannot load a tokenizer"),
+    (["--from-hf", "{hf}", "--seq-len", "32"], r"^the tokenizer of --from-hf .*llama has 400 tokens, more than the "
+                                               r"model's vocab_size=300$"),
+    (["--from-hf", "{hf}", "--tokenizer", "{tokenizer}", "--seq-len", "32"],
+     r"^--tokenizer .*tokenizer has 400 tokens, more than the model's vocab_size=300$"),
+    (["--eval-iters", "0"], r"^--eval-iters=0 must be >= 1$"),
+    (["--eval-every", "-1"], r"^--eval-every=-1 must be >= 0$"),
+    (["--eval-only"], r"^--eval-only evaluates a model: give --load DIR"),
+    (["--data", "{tiny}", "--global-batch-size", "8"], r"^--global-batch-size=8 exceeds the 5 sequences of "
+                                                       r"--seq-len=64 in .*tiny.txt left for training"),
+])
+def test_bad_data_values_are_one_line_naming_them(flags, message, corpus, hf_with_tokenizer, tmp_path):
+    import re
+
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "no_text").mkdir()
+    (tmp_path / "no_text" / "data.csv").write_text("a,b\n")
+    (tmp_path / "blank").mkdir()
+    (tmp_path / "blank" / "x.txt").write_text("")
+    (tmp_path / "blank" / "y.jsonl").write_text("")
+    (tmp_path / "alone.bin").write_bytes(b"\0\0")
+    (tmp_path / "tiny.txt").write_text("x" * 400)  # 6 windows of 64 bytes: 5 to train on, 1 held out
+    paths = {"missing": str(tmp_path / "missing"), "empty_file": str(tmp_path / "empty.txt"),
+             "no_text": str(tmp_path / "no_text"), "blank_dir": str(tmp_path / "blank"),
+             "bin_alone": str(tmp_path / "alone.bin"), "text": corpus["text"], "hf": hf_with_tokenizer,
+             "tokenizer": corpus["tokenizer"], "tiny": str(tmp_path / "tiny.txt")}
+    args = _args(*[flag.format(**paths) for flag in flags])
+    with pytest.raises(ValueError) as error:
+        validate(args)
+        data.prepare(args)  # (what the launcher runs next, before any rank: tokenizing a user's text)
+    assert len(str(error.value).splitlines()) == 1 and re.search(message, str(error.value)), str(error.value)
+
+
+def test_a_jsonl_row_without_text_is_named_and_nothing_is_cached(tmp_path):
+    (tmp_path / "rows.jsonl").write_text('{"text": "fine"}\n{"body": "no text field"}\n')
+    with pytest.raises(ValueError, match=r"rows.jsonl line 2: no string field \"text\""):
+        data.prepare(_args("--data", str(tmp_path)))
+    assert not any(name.endswith((".bin", ".json")) for name in os.listdir(tmp_path / ".tokens"))
+
+
+def test_from_hf_reads_its_own_tokenizer_and_the_cli_refuses_in_one_line(hf_with_tokenizer, tmp_path, corpus):
+    args = _args("--from-hf", hf_with_tokenizer)
+    assert data.tokenizer_dir(args) == hf_with_tokenizer and data.vocab_size(args) == 400
+    (tmp_path / "text").mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    result = subprocess.run([sys.executable, "-m", "models.train", "--data", str(tmp_path / "text")],
+                            capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.strip() == f"error: --data {tmp_path / 'text'} holds no .txt or .jsonl files"
+
+
+# ---- a run on a user's text ---------------------------------------------------------------------------------------
+
+RUN = ["--model", "tiny", "--seq-len", "32", "--global-batch-size", "8", "--micro-batch-size", "2", "--steps", "3",
+       "--seed", "5", "--eval-every", "2", "--eval-iters", "2", "--check-inputs"]
+
+
+@distributed(world_size=8, timeout=300)
+def _train(flags, log):
+    train(parser().parse_args([*RUN, *flags, "--log-jsonl", log]))
+
+
+def _rows(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_a_users_text_and_tokenizer_train_the_same_curve_at_2x2x2_as_in_one_process(corpus, tmp_path):
+    fresh = tmp_path / "text"  # a copy with no cache yet: rank 0 of the 8 tokenizes it, the others wait
+    fresh.mkdir()
+    for name in ("a.txt", "b.txt", "d.jsonl"):
+        (fresh / name).write_bytes(open(os.path.join(corpus["text"], name), "rb").read())
+    user = ["--data", str(fresh), "--tokenizer", corpus["tokenizer"]]
+    ckpt = str(tmp_path / "ckpt")
+    run(_train, 8, timeout=300, flags=[*user, "--tp", "2", "--pp", "2", "--dp", "2", "--save", ckpt],
+        log=str(tmp_path / "split.jsonl"))
+    assert len([f for f in os.listdir(fresh / ".tokens") if f.endswith(".bin")]) == 1
+    run(_train, 1, timeout=300, flags=[*user, "--tp", "1", "--pp", "1", "--dp", "1"],
+        log=str(tmp_path / "serial.jsonl"))
+    split, serial = _rows(tmp_path / "split.jsonl"), _rows(tmp_path / "serial.jsonl")
+    assert [r["step"] for r in split] == [1, 2, 3] and [("val_loss" in r) for r in split] == [False, True, True]
+    for ours, reference in zip(split, serial, strict=True):
+        for key in ("loss", "val_loss"):
+            if key in reference:
+                assert abs(ours[key] - reference[key]) <= 1e-5 * reference[key], (key, ours, reference)
+        assert ours["tflops_per_rank"] > 0 and ours["tokens_per_s"] > 0 and "grad_norm" in ours and ours["lr"] > 0
+    assert serial[-1]["loss"] < serial[0]["loss"] < 6.5  # ln(400) = 6.0: a 400-token vocabulary, not bytes
+    # per-rank memory in the first row only: 8 ranks hold about a quarter of the model each (tp2 x pp2)
+    assert all("param_bytes" in r for r in split[:1]) and not any("param_bytes" in r for r in split[1:])
+    for key in ("param_bytes", "grad_bytes"):
+        assert serial[0][key] / 4 <= split[0][key] < serial[0][key] / 2, key
+    assert split[0]["optimizer_bytes"] >= 2 * split[0]["param_bytes"]  # AdamW: two moments
+    # the checkpoint evaluated alone, in one process: the val_loss the 2x2x2 run logged at its last step
+    run(_train, 1, timeout=300, flags=[*user, "--tp", "1", "--pp", "1", "--dp", "1", "--load", ckpt,
+                                       "--eval-only"], log=str(tmp_path / "eval.jsonl"))
+    (evaluated,) = _rows(tmp_path / "eval.jsonl")
+    assert evaluated["step"] == 3 and abs(evaluated["val_loss"] - split[-1]["val_loss"]) <= 1e-5 * evaluated["val_loss"]
