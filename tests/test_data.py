@@ -276,7 +276,7 @@ RUN = ["--model", "tiny", "--seq-len", "32", "--global-batch-size", "8", "--micr
 
 @distributed(world_size=8, timeout=300)
 def _train(flags, log):
-    train(parser().parse_args([*RUN, *flags, "--log-jsonl", log]))
+    train(parser().parse_args([*flags, "--log-jsonl", log]))
 
 
 def _rows(path):
@@ -289,7 +289,7 @@ def test_a_users_text_and_tokenizer_train_the_same_curve_at_2x2x2_as_in_one_proc
     fresh.mkdir()
     for name in ("a.txt", "b.txt", "d.jsonl"):
         (fresh / name).write_bytes(open(os.path.join(corpus["text"], name), "rb").read())
-    user = ["--data", str(fresh), "--tokenizer", corpus["tokenizer"]]
+    user = [*RUN, "--data", str(fresh), "--tokenizer", corpus["tokenizer"]]
     ckpt = str(tmp_path / "ckpt")
     run(_train, 8, timeout=300, flags=[*user, "--tp", "2", "--pp", "2", "--dp", "2", "--save", ckpt],
         log=str(tmp_path / "split.jsonl"))
@@ -314,3 +314,29 @@ def test_a_users_text_and_tokenizer_train_the_same_curve_at_2x2x2_as_in_one_proc
                                        "--eval-only"], log=str(tmp_path / "eval.jsonl"))
     (evaluated,) = _rows(tmp_path / "eval.jsonl")
     assert evaluated["step"] == 3 and abs(evaluated["val_loss"] - split[-1]["val_loss"]) <= 1e-5 * evaluated["val_loss"]
+
+
+def test_eval_only_of_a_hf_model_with_its_own_tokenizer_is_transformers_loss_on_the_held_out_windows(corpus,
+                                                                                                      tmp_path):
+    import transformers
+
+    path = tmp_path / "llama"
+    config = transformers.LlamaConfig(vocab_size=400, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    transformers.AutoTokenizer.from_pretrained(corpus["tokenizer"]).save_pretrained(path)
+    flags = ["--from-hf", str(path), "--data", corpus["text"], "--eval-only", "--eval-iters", "2", "--seq-len", "32",
+             "--global-batch-size", "8", "--micro-batch-size", "4", "--tp", "1", "--pp", "1", "--dp", "1"]
+    run(_train, 1, timeout=300, flags=flags, log=str(tmp_path / "eval.jsonl"))
+    (row,) = _rows(tmp_path / "eval.jsonl")
+    args = _args(*flags)
+    assert data.tokenizer_dir(args) == str(path)  # no --tokenizer: the model directory's own
+    _, held_out = data.split(data.load(data.token_path(args)), 32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    losses = []
+    with torch.no_grad():
+        for batch in data.eval_batches(held_out, dp=1, dp_rank=0, global_batch_size=8, micro_batch_size=4, iters=2):
+            losses += [torch.nn.functional.cross_entropy(model(x).logits.flatten(0, 1), y.flatten()).item()
+                       for x, y in batch]
+    assert row["step"] == 0 and abs(row["val_loss"] - sum(losses) / len(losses)) <= 1e-5 * row["val_loss"]
