@@ -6,7 +6,8 @@
 
 Not under torchrun, the whole configuration is validated in this process first (one line and exit 2 on error),
 then tp*pp*dp processes are started through torchrun's launcher on this machine; a rank that fails stops the others
-and is named. The data are byte tokens of Python's standard-library sources (models/data.py): no downloads.
+and is named. The data are byte tokens of Python's standard-library sources (models/data.py): no downloads;
+`--data PATH --tokenizer DIR` trains on your text, tokenized once by the launcher (models/tokens.py).
 """
 import argparse
 import math
