@@ -1,0 +1,264 @@
+"""Context-parallel attention: ring vs all-gather vs dense, measured on gloo ranks and modelled at scale.
+
+    python -m bench.attention [--seq 256 512 1024 2048] [--cp 1 2 4] [--heads 4 --kv-heads 4 --head-dim 64]
+                              [--iters 5] [--out PATH] [--json]      (JSON to a temporary folder unless --out)
+
+Measured: fwd+bwd of causal attention over s tokens (batch 1, fp32, one thread per rank), each cp size on its own
+spawned ranks (gloo; NCCL when there are cp GPUs):
+  dense       F.scaled_dot_product_attention over the whole sequence, in this process, one thread (the cp = 1 row)
+  ring        tp.context_parallel_attention(mode="ring") on cp ranks, each holding s/cp tokens (cp_shard)
+  allgather   the same, mode="allgather"
+Time: the modes run round-robin; a step is timed between barriers (the slowest rank); median of --iters after
+--warmup. Memory per rank (the largest over the ranks), from one untimed step: "saved" = bytes of the distinct
+storages autograd saves for backward (saved_tensors_hooks; inputs included), "largest" = the largest tensor any op
+returns in forward or backward (a TorchDispatchMode); their sum bounds the peak the attention adds from below. Not
+RSS. err = max |out − dense out| over this rank's share; ring and allgather outputs and q/k/v grads are compared too.
+
+Modelled (per layer and rank, causal, balanced, batch 1, bf16 on the wire and in the blocks, fp32 dK/dV; roofline.py's
+profiles, compute at the peak C, the α-β model with α = --latency-us per message or collective): n = S/cp tokens per
+rank, a KV message is 2·Hkv·n·d·e bytes. Every ring step computes the same causal work, half of an n x n block of
+H heads: t_blk = 2·H·n²·d / C forward, 2.5x that backward (flash's 5 matmuls for 2), plus folding the partial output
+(forward) or dq (backward) into an fp32 accumulator, t_acc = 3·4·H·n·d / HBM. The transfer hides under the block when
+t_blk >= t_kv + α, i.e. n >= (Hkv/H)·e·C/W without latency.
+  ring fwd       = t_blk + (cp−1)·max(t_blk, t_kv + α) + cp·t_acc
+  ring bwd       = 2.5·t_blk + (cp−1)·max(2.5·t_blk, t_kv + t_dkv + α) + cp·t_acc + t_dkv + α  (dK/dV's hop home)
+  allgather fwd  = (cp−1)·t_kv + α + cp·t_blk              (one all-gather, exposed; one kernel per chunk, no merge)
+  allgather bwd  = cp·2.5·t_blk + (cp−1)·t_dkv + α           (one reduce-scatter of fp32 dK/dV, exposed)
+The all-gather wins when the blocks are too small to hide anything (latency-bound: the ring pays α and a merge per
+step) and KV is small (GQA); the ring wins when the exposed all-gather of K and V is large (MHA, low W).
+"""
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+import tp
+from tp import testing
+
+from .common import at_least, machine, print_table, round_robin_times, scratch_path, write_json
+from .roofline import HARDWARE
+
+MODES = ("ring", "allgather")
+# A cp ring across nodes sends over each GPU's own NIC: roofline's h100-ib is a node's 8 NICs (400 GB/s), one is 50.
+PROFILES = {"h100-nvlink": HARDWARE["h100-nvlink"], "a100-nvlink": HARDWARE["a100-nvlink"],
+            "h100-ib-gpu": dataclasses.replace(HARDWARE["h100-ib"], name="h100-ib-gpu", link=50e9)}
+
+
+# ---- measured ------------------------------------------------------------------------------------------------------
+
+
+class _Largest(TorchDispatchMode):
+    """The byte size of the largest tensor any op returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        sizes = [t.numel() * t.element_size() for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        self.bytes = max([self.bytes, *sizes])
+        return out
+
+
+def memory(step):
+    """(saved bytes, largest op output bytes) of one step() (see the module docstring)."""
+    saved = {}
+
+    def pack(t):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _Largest() as largest:
+        step()
+    return sum(saved.values()), largest.bytes
+
+
+def _inputs(seq, heads, kv_heads, head_dim, device):
+    """The full q, k, v and output gradient [1, heads, s, d] (the same on every rank) and the dense output."""
+    g = torch.Generator().manual_seed(0)
+    full = [torch.randn(1, h, seq, head_dim, generator=g).to(device) for h in (heads, kv_heads, kv_heads, heads)]
+    with torch.no_grad():
+        return full, _dense(*full[:3])
+
+
+def _dense(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def _run(attend, inputs, *, iters, warmup, sync):
+    """{name: [seconds, saved bytes, largest bytes]} and {name: (out, q/k/v grads)} of fwd+bwd steps."""
+
+    def step(name):
+        q, k, v, dout = inputs[name]
+        for t in (q, k, v):
+            t.grad = None
+        out = attend[name](q, k, v)
+        out.backward(dout)
+        return out
+
+    times = round_robin_times({name: (lambda name=name: step(name)) for name in inputs}, iters=iters, warmup=warmup,
+                              sync=sync)
+    result = {name: [times[name], *memory(lambda name=name: step(name))] for name in inputs}
+    return result, {name: (step(name).detach(), *(t.grad for t in inputs[name][:3])) for name in inputs}
+
+
+def measure_dense(seq, heads, kv_heads, head_dim, iters, warmup):
+    """The cp = 1 row, in this process (one thread, as a rank): [seconds, saved bytes, largest bytes]."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        full, _ = _inputs(seq, heads, kv_heads, head_dim, device)
+        inputs = {"dense": [t.clone().requires_grad_(i < 3) for i, t in enumerate(full)]}
+        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        return _run({"dense": _dense}, inputs, iters=iters, warmup=warmup, sync=sync)[0]["dense"]
+    finally:
+        torch.set_num_threads(threads)
+
+
+def measure_rank(seq, heads, kv_heads, head_dim, iters, warmup):
+    """On the cp ranks: {mode: [seconds (the slowest rank's), saved bytes, largest bytes (this rank's), max error vs
+    dense]} and ring vs allgather (outputs and grads)."""
+    torch.set_num_threads(1)
+    tp.init_mesh(cp=dist.get_world_size())
+    device = testing.device()
+    full, dense_out = _inputs(seq, heads, kv_heads, head_dim, device)
+    inputs = {mode: [tp.cp_shard(t, 2).clone().requires_grad_(i < 3) for i, t in enumerate(full)] for mode in MODES}
+    attend = {mode: (lambda q, k, v, mode=mode: tp.context_parallel_attention(q, k, v, mode=mode)) for mode in MODES}
+    sync = (lambda: (torch.cuda.synchronize(), dist.barrier())) if device.type == "cuda" else dist.barrier
+    result, outputs = _run(attend, inputs, iters=iters, warmup=warmup, sync=sync)
+    for mode in MODES:
+        result[mode].append((outputs[mode][0] - tp.cp_shard(dense_out, 2)).abs().max().item())
+    result["ring_vs_allgather"] = max((a - b).abs().max().item() for a, b in zip(outputs["ring"], outputs["allgather"]))
+    return result
+
+
+def measure(a):
+    rows = []
+    for seq in a.seq:
+        dense_s = None
+        for cp in sorted(set(a.cp)):
+            if cp == 1:
+                dense_s, saved, largest = measure_dense(seq, a.heads, a.kv_heads, a.head_dim, a.iters, a.warmup)
+                rows.append(_row(seq, 1, "dense", dense_s, saved, largest, None, None, dense_s))
+                continue
+            per_rank = testing.run(measure_rank, world_size=cp, timeout=3600, seq=seq, heads=a.heads,
+                                   kv_heads=a.kv_heads, head_dim=a.head_dim, iters=a.iters, warmup=a.warmup)
+            for mode in MODES:
+                saved, largest, err = (max(r[mode][i] for r in per_rank) for i in (1, 2, 3))
+                rows.append(_row(seq, cp, mode, per_rank[0][mode][0], saved, largest, err,
+                                 max(r["ring_vs_allgather"] for r in per_rank), dense_s))
+    testing.shutdown()
+    return rows
+
+
+def _row(seq, cp, mode, seconds, saved, largest, err, ring_vs_allgather, dense_s):
+    return {"seq": seq, "cp": cp, "mode": mode, "ms": 1e3 * seconds, "vs_dense": seconds / dense_s if dense_s else None,
+            "saved_mib": saved / 2**20, "largest_mib": largest / 2**20, "peak_mib": (saved + largest) / 2**20,
+            "err": err, "ring_vs_allgather": ring_vs_allgather}
+
+
+# ---- modelled ------------------------------------------------------------------------------------------------------
+
+
+def model_row(hw, seq, cp, heads, kv_heads, head_dim, latency):
+    """Modelled per-rank fwd+bwd seconds of one causal attention layer in both modes (module docstring)."""
+    n, e, acc = seq // cp, hw.element_size, 4
+    t_blk = 2 * heads * n * n * head_dim / hw.flops
+    t_acc = 3 * acc * heads * n * head_dim / hw.hbm
+    t_kv = 2 * kv_heads * n * head_dim * e / hw.link
+    t_dkv = 2 * kv_heads * n * head_dim * acc / hw.link
+    ring_fwd = t_blk + (cp - 1) * max(t_blk, t_kv + latency) + cp * t_acc
+    ring_bwd = 2.5 * t_blk + (cp - 1) * max(2.5 * t_blk, t_kv + t_dkv + latency) + cp * t_acc + t_dkv + latency
+    allgather_fwd = (cp - 1) * t_kv + latency + cp * t_blk
+    allgather_bwd = cp * 2.5 * t_blk + (cp - 1) * t_dkv + latency
+    ring, allgather = ring_fwd + ring_bwd, allgather_fwd + allgather_bwd
+    return {"hardware": hw.name, "seq": seq, "cp": cp, "heads": f"{heads}/{kv_heads}", "n": n,
+            "block_us": 1e6 * t_blk, "kv_us": 1e6 * (t_kv + latency), "hidden": t_blk >= t_kv + latency,
+            "hide_from_n": kv_heads / heads * e * hw.flops_per_link_byte,
+            "ring_ms": 1e3 * ring, "allgather_ms": 1e3 * allgather, "compute_ms": 1e3 * 3.5 * cp * t_blk,
+            "winner": "ring" if ring < allgather else "allgather"}
+
+
+def model(a):
+    return [model_row(PROFILES[name], seq, cp, a.heads_model, kv, a.head_dim_model, a.latency_us * 1e-6)
+            for name in a.hardware for cp in a.model_cp for seq in a.model_seq for kv in (a.heads_model, a.kv_model)]
+
+
+# ---- the command ---------------------------------------------------------------------------------------------------
+
+MEASURED_COLUMNS = [
+    ("seq", "s", "{}"), ("cp", "cp", "{}"), ("mode", "mode", "{}"), ("ms", "fwd+bwd ms", "{:.2f}"),
+    ("vs_dense", "vs dense", "{:.2f}"), ("saved_mib", "saved MiB", "{:.2f}"), ("largest_mib", "largest MiB", "{:.2f}"),
+    ("peak_mib", "saved+largest MiB", "{:.2f}"), ("err", "err vs dense", "{:.1e}"),
+    ("ring_vs_allgather", "ring vs allgather", "{:.1e}")]
+MODEL_COLUMNS = [
+    ("hardware", "hardware", "{}"), ("seq", "S", "{}"), ("cp", "cp", "{}"), ("heads", "H/Hkv", "{}"),
+    ("n", "n=S/cp", "{}"), ("block_us", "block us", "{:.1f}"), ("kv_us", "KV+α us", "{:.1f}"),
+    ("hidden", "hidden", "{}"), ("ring_ms", "ring ms", "{:.3f}"), ("allgather_ms", "allgather ms", "{:.3f}"),
+    ("compute_ms", "compute ms", "{:.3f}"), ("winner", "faster", "{}")]
+
+
+def parser():
+    p = argparse.ArgumentParser(prog="python -m bench.attention", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seq", type=at_least(2), nargs="+", default=[256, 512, 1024, 2048], help="measured lengths")
+    p.add_argument("--cp", type=at_least(1), nargs="+", default=[1, 2, 4], help="measured cp sizes (1: dense)")
+    p.add_argument("--heads", type=at_least(1), default=4)
+    p.add_argument("--kv-heads", type=at_least(1), default=4)
+    p.add_argument("--head-dim", type=at_least(1), default=64)
+    p.add_argument("--iters", type=at_least(1), default=5)
+    p.add_argument("--warmup", type=at_least(0), default=1)
+    p.add_argument("--hardware", nargs="+", choices=tuple(PROFILES), default=list(PROFILES))
+    p.add_argument("--model-seq", type=at_least(1), nargs="+", default=[8192, 32768, 131072], help="modelled S")
+    p.add_argument("--model-cp", type=at_least(2), nargs="+", default=[8, 16])
+    p.add_argument("--heads-model", type=at_least(1), default=32, help="modelled query heads (Llama 3 8B: 32)")
+    p.add_argument("--kv-model", type=at_least(1), default=8, help="modelled GQA kv heads (beside MHA)")
+    p.add_argument("--head-dim-model", type=at_least(1), default=128)
+    p.add_argument("--latency-us", type=float, default=10.0,
+                   help="α per p2p message or collective, µs (an assumption; the profiles list bandwidth only)")
+    p.add_argument("--out", default=scratch_path("attention.json"), help="JSON (bench/results/attention.json: committed)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
+    return p
+
+
+def main(argv=None):
+    p = parser()
+    a = p.parse_args(argv)
+    bad = [(s, cp) for s in a.seq for cp in a.cp if s % (2 * cp)]
+    if bad:
+        p.error(f"--seq {bad[0][0]} is not divisible by 2·cp = {2 * bad[0][1]}")
+    if a.heads % a.kv_heads or a.heads_model % a.kv_model:
+        p.error(f"--heads {a.heads} / --heads-model {a.heads_model} must be multiples of --kv-heads {a.kv_heads} / "
+                f"--kv-model {a.kv_model}")
+    measured, modelled = measure(a), model(a)
+    payload = {"machine": machine(), "load_average": os.getloadavg(), "args": vars(a), "measured": measured,
+               "model": modelled}
+    if a.json:
+        print(json.dumps(payload))
+    else:
+        print(f"\nCausal attention fwd+bwd, batch 1, {a.heads}/{a.kv_heads} heads, head dim {a.head_dim}, fp32, median "
+              f"of {a.iters}, on {machine()}; memory per rank (the largest rank)")
+        payload["measured_table"] = print_table(measured, MEASURED_COLUMNS)
+        print(f"\nModel: per layer and rank, bf16, α = {a.latency_us:g} us, compute at peak (see the docstring)")
+        payload["model_table"] = print_table(modelled, MODEL_COLUMNS)
+        for name in a.hardware:
+            hw = PROFILES[name]
+            print(f"{name}: ring hides the KV transfer once n >= (Hkv/H)·e·C/W = "
+                  f"{hw.element_size * hw.flops_per_link_byte:.0f}·Hkv/H tokens per rank (without α)")
+    with contextlib.redirect_stdout(sys.stderr if a.json else sys.stdout):  # --json: stdout is the JSON alone
+        write_json(a.out, payload)
+    return 0
+
+
+if __name__ == "__main__":
+    main()
