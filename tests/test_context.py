@@ -48,7 +48,9 @@ def check_against_dense(mesh, mode, causal, heads, kv_heads, b, dtype, atol, see
     cp, r = mesh.cp_size, mesh.cp_rank
     full = qkv_full(b, heads, kv_heads, 2 * cp * C, dtype, seed)
     expected = [own_slots(t, 2, r, cp) for t in dense(*full, causal)]
-    q, k, v, dout = (own_slots(t, 2, r, cp).requires_grad_(i < 3) for i, t in enumerate(full))
+    # [b, s, heads, d] storage seen as [b, heads, s, d]: the layout a model's projections give (not contiguous)
+    q, k, v, dout = (own_slots(t, 2, r, cp).transpose(1, 2).contiguous().transpose(1, 2).requires_grad_(i < 3)
+                     for i, t in enumerate(full))
     out = tp.context_parallel_attention(q, k, v, causal=causal, mode=mode)
     out.backward(dout)
     what = f"{mode} causal={causal} heads={heads}/{kv_heads} b={b} {dtype}"
