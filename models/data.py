@@ -71,13 +71,14 @@ def check_source(args):
 
 
 def vocab_size(args):
-    """The vocabulary the data's ids need: the tokenizer's, a token file's, 256 for a user's text as bytes; None
-    for the bundled corpus as bytes (the model keeps its own)."""
+    """The vocabulary the data's ids need: the tokenizer's (and a token file's, if larger), a token file's, 256
+    for a user's text as bytes; None for the bundled corpus as bytes (the model keeps its own)."""
+    from_file = token_files.read_header(args.data)["vocab_size"] if args.data and _is_token_file(args.data) else 0
     if tokenizer_dir(args):
-        return token_files.tokenizer_vocab_size(token_files.load_tokenizer(tokenizer_dir(args)))
+        return max(from_file, token_files.tokenizer_vocab_size(token_files.load_tokenizer(tokenizer_dir(args))))
     if args.data is None:
         return None
-    return token_files.read_header(args.data)["vocab_size"] if _is_token_file(args.data) else VOCAB_SIZE
+    return from_file or VOCAB_SIZE
 
 
 def check_vocab(args, model_vocab):
@@ -85,12 +86,13 @@ def check_vocab(args, model_vocab):
     needed = vocab_size(args) or VOCAB_SIZE
     if needed <= model_vocab:
         return
+    if args.data is not None and _is_token_file(args.data) and token_files.read_header(args.data)["vocab_size"] \
+            == needed:
+        raise ValueError(f"--data {args.data} has vocab_size={needed} in its sidecar, more than the model's "
+                         f"vocab_size={model_vocab}")
     if tokenizer_dir(args):
         what = f"--tokenizer {args.tokenizer}" if args.tokenizer else f"the tokenizer of --from-hf {args.from_hf}"
         raise ValueError(f"{what} has {needed} tokens, more than the model's vocab_size={model_vocab}")
-    if args.data is not None and _is_token_file(args.data):
-        raise ValueError(f"--data {args.data} has vocab_size={needed} in its sidecar, more than the model's "
-                         f"vocab_size={model_vocab}")
     raise ValueError(f"vocab_size={model_vocab} cannot hold the {VOCAB_SIZE} byte tokens")
 
 
@@ -133,11 +135,13 @@ def load(path):
 
 
 def token_count(args):
-    """Tokens of the run's data if known without tokenizing anything (else None)."""
+    """Tokens of the run's data if known without reading a user's text (the bundled corpus as bytes, a token
+    file), else None: every rank validates, and hashing the text to find its cache is rank 0's job."""
     if args.data is None and tokenizer_dir(args) is None:
         return len(corpus_text().encode("utf-8"))
-    path = token_path(args, build=False)
-    return None if path is None else token_files.read_header(path)["count"]
+    if args.data is not None and _is_token_file(args.data):
+        return token_files.read_header(args.data)["count"]
+    return None
 
 
 def check_size(args, num_tokens):

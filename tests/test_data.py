@@ -67,7 +67,7 @@ def test_text_is_tokenized_once_into_a_cache_keyed_by_tokenizer_and_data(corpus,
     from transformers import AutoTokenizer
 
     args = _args("--data", corpus["text"], "--tokenizer", corpus["tokenizer"])
-    assert data.token_count(args) is None  # not built yet: nothing tokenized by asking
+    assert data.token_count(args) is None  # a user's text: not read to validate (rank 0 finds or builds its cache)
     path = data.token_path(args, progress=False)
     assert os.path.dirname(path) == os.path.join(corpus["text"], ".tokens")
     stream, header = tokens.read(path)
@@ -75,7 +75,7 @@ def test_text_is_tokenized_once_into_a_cache_keyed_by_tokenizer_and_data(corpus,
     expected = [i for doc in corpus["docs"] for i in tok(doc, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]]
     assert stream.dtype == np.uint16 and stream.tolist() == expected  # documents in order, each ended by EOS
     assert (header["documents"], header["vocab_size"], header["eos_id"]) == (len(corpus["docs"]), 400, 0)
-    assert data.vocab_size(args) == 400 and data.token_count(args) == len(expected)
+    assert data.vocab_size(args) == 400 and data.token_count(args) is None
 
     def no_rebuild(*a, **k):
         raise AssertionError("tokenized again")
@@ -222,6 +222,8 @@ def hf_with_tokenizer(tmp_path_factory, corpus):
                                                r"model's vocab_size=300$"),
     (["--from-hf", "{hf}", "--tokenizer", "{tokenizer}", "--seq-len", "32"],
      r"^--tokenizer .*tokenizer has 400 tokens, more than the model's vocab_size=300$"),
+    (["--from-hf", "{hf}", "--data", "{big_bin}", "--seq-len", "32"],
+     r"^--data .*big.bin has vocab_size=500 in its sidecar, more than the model's vocab_size=300$"),
     (["--eval-iters", "0"], r"^--eval-iters=0 must be >= 1$"),
     (["--eval-every", "-1"], r"^--eval-every=-1 must be >= 0$"),
     (["--eval-only"], r"^--eval-only evaluates a model: give --load DIR"),
@@ -238,11 +240,13 @@ def test_bad_data_values_are_one_line_naming_them(flags, message, corpus, hf_wit
     (tmp_path / "blank" / "x.txt").write_text("")
     (tmp_path / "blank" / "y.jsonl").write_text("")
     (tmp_path / "alone.bin").write_bytes(b"\0\0")
+    np.arange(200, dtype=np.uint16).tofile(tmp_path / "big.bin")
+    (tmp_path / "big.json").write_text(json.dumps({"dtype": "uint16", "count": 200, "vocab_size": 500}))
     (tmp_path / "tiny.txt").write_text("x" * 400)  # 6 windows of 64 bytes: 5 to train on, 1 held out
     paths = {"missing": str(tmp_path / "missing"), "empty_file": str(tmp_path / "empty.txt"),
              "no_text": str(tmp_path / "no_text"), "blank_dir": str(tmp_path / "blank"),
              "bin_alone": str(tmp_path / "alone.bin"), "text": corpus["text"], "hf": hf_with_tokenizer,
-             "tokenizer": corpus["tokenizer"], "tiny": str(tmp_path / "tiny.txt")}
+             "tokenizer": corpus["tokenizer"], "tiny": str(tmp_path / "tiny.txt"), "big_bin": str(tmp_path / "big.bin")}
     args = _args(*[flag.format(**paths) for flag in flags])
     with pytest.raises(ValueError) as error:
         validate(args)
