@@ -139,6 +139,12 @@ def linear_dgrad(grad_out, weight, preact=None, activation=None, *, need_input_g
 
 
 def linear_wgrad(dz, x, *, main_grad=None):
-    if main_grad is not None:
-        check_main_grad(main_grad, (dz.shape[1], x.shape[1]), dz.device)
-    return _impl(dz).linear_wgrad(dz, x, main_grad=main_grad)
+    if main_grad is None:
+        return _impl(dz).linear_wgrad(dz, x)
+    check_main_grad(main_grad, (dz.shape[1], x.shape[1]), dz.device)
+    out = _impl(dz).linear_wgrad(dz, x, main_grad=main_grad)
+    # The one place main_grad is accumulated: its owner may want to know (tp.optim counts a bucket's arrivals).
+    hook = getattr(main_grad, "post_accumulate_hook", None)
+    if hook is not None:
+        hook()
+    return out

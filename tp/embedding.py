@@ -46,6 +46,7 @@ class VocabParallelEmbedding(nn.Module):
         owned = padding_idx is not None and self.vocab_start <= padding_idx < self.vocab_end
         self._local_padding_idx = padding_idx - self.vocab_start if owned else None
         self.weight = nn.Parameter(torch.empty(per_rank, embedding_dim, dtype=dtype, device=device))
+        self.weight.tensor_parallel, self.weight.partition_dim = True, 0  # Megatron's tags: rows sharded over tp
         if _init and self.weight.device.type != "meta":
             self.reset_parameters()
 

@@ -190,6 +190,8 @@ class _ParallelLinear(nn.Module):
         for p in (self.weight, self.bias if self.shard_dim == 0 else None):
             if p is not None:  # Megatron's tags: sharded over tp (grad norms count every rank's slice)
                 p.tensor_parallel, p.partition_dim = True, self.shard_dim if p.dim() == 2 else 0
+                if self.replicated:  # (local rows, ranks holding them) per part: tp.clip_grad_norm_ counts them once
+                    p.replica_rows = tuple((rows, self.tp_size // chunks) for rows, chunks, _ in self._replica_layout)
         if _init and self.weight.device.type != "meta":
             self.reset_parameters()
 
@@ -340,7 +342,9 @@ class ColumnParallelLinear(_ParallelLinear):
             "sequence" if self.sequence_parallel else "all-reduce"
         weight, bias = self.weight, self.bias
         if self.replicated and torch.is_grad_enabled():
-            if hasattr(weight, "main_grad"):  # wgrad would land in main_grad before the replicas are summed
+            # wgrad would land in main_grad before the replicas are summed, unless a hook folds .grad into main_grad
+            # (tp.optim.DataParallel's): the summed grads then reach main_grad through .grad
+            if hasattr(weight, "main_grad") and not getattr(weight, "folds_grad_into_main_grad", False):
                 raise ValueError(f"weight.main_grad with part_replicas={self.part_replicas} is not supported: the "
                                  "replicated rows' grads are summed in backward, which main_grad accumulation skips")
             weight, bias = _SumReplicaGrads.apply(self._replica_layout, self.group, weight, bias)

@@ -1,0 +1,265 @@
+"""tp.optim against a serial reference: the distributed optimizer (ZeRO-1) and its all-reduce form step exactly as one
+process's AdamW does (fp64), with gradient accumulation, several buckets, padding, a deferred weight gradient; the
+collectives are one reduce-scatter and one all-gather per bucket; bf16 parameters are copies of fp32 masters that the
+optimizer updates; bytes per parameter follow REFERENCE §11's table; clip_grad_norm_ gives the serial model's norm
+across tp (replicated kv rows, duplicated norms and biases), pp (a tied embedding on two stages) and dp (replicated,
+zero1 shards, FSDP2 shards)."""
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import kernels
+import models
+import tp
+from models.pipeline import stage_options
+from tests.helpers import comm_counts
+from tp.optim import DataParallel, DistributedOptimizer, _reduced_grad, clip_grad_norm_, keep_param_tags, memory_bytes
+from tp.testing import distributed
+
+ROWS, MICRO, STEPS = 8, 2, 3  # global batch rows, micro-batches per step, steps
+
+
+def net(group, dtype=torch.float64, late=False):
+    """LayerNorm (.grad path, 5 elements: padding) -> column (fused wgrad into main_grad) -> row parallel layer."""
+    torch.manual_seed(0)
+    column = tp.ColumnParallelLinear(5, 6, activation="gelu", group=group, dtype=dtype)
+    row = tp.RowParallelLinear(6, 3, group=group, dtype=dtype)
+    if late:  # its weight gradient computed after backward, as a zero-bubble schedule's W pass does
+        row.forward = _late_row(row)
+    return nn.Sequential(nn.LayerNorm(5, bias=False, dtype=dtype), column, row)
+
+
+_deferred = []
+
+
+class _LateWgrad(torch.autograd.Function):
+    """forward: x Wᵀ · backward: dx now, W's gradient queued (into main_grad through kernels.ops.linear_wgrad)."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        ctx.main_grad = weight.main_grad
+        return x @ weight.t()
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        _deferred.append(lambda: kernels.ops.linear_wgrad(grad.reshape(-1, grad.shape[-1]),
+                                                          x.reshape(-1, x.shape[-1]), main_grad=ctx.main_grad))
+        return grad @ weight, None
+
+
+def _late_row(row):
+    def forward(x):
+        return tp.reduce_from_tp_region(_LateWgrad.apply(x, row.weight), row.group) + row.bias
+    return forward
+
+
+def batch(step, dp_rank, dp_size):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(ROWS, 5, generator=g, dtype=torch.float64).chunk(dp_size)[dp_rank]
+
+
+def solo_group():
+    return dist.new_group([dist.get_rank()], use_local_synchronization=True)
+
+
+def reference(steps):
+    """One process, the dense layers, torch's AdamW on the whole batch: the parameters after each step."""
+    model = net(solo_group())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    states = []
+    for step in range(steps):
+        model(batch(step, 0, 1)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        states.append([p.detach().clone() for p in model.parameters()])
+    return model, states
+
+
+@pytest.mark.parametrize("shard", [True, False])
+@distributed(world_size=4)
+def test_distributed_optimizer_steps_as_serial_adamw(shard):
+    mesh = tp.init_mesh(tp=2)
+    _, ref_states = reference(STEPS)
+    model = DataParallel(net(mesh.tp_group), group=mesh.dp_group, shard=shard, bucket_numel=10)
+    assert [len(b.params) for b in model.buckets] == [2, 2, 1]  # row (12), column (3·5 + 3), norm (5: padded to 6)
+    opt = DistributedOptimizer(model, lr=1e-2, weight_decay=0.1)
+    column, row = model.module[1], model.module[2]
+    plain = net(mesh.tp_group)  # the tp layers' own backward collectives, counted apart
+    hidden = plain[1](plain[0](batch(0, 0, 1)))
+    _, tp_counts = comm_counts(lambda: plain[2](hidden).sum().backward())
+    for step in range(STEPS):
+        micro = batch(step, mesh.dp_rank, mesh.dp_size).chunk(MICRO)
+        with model.no_sync():
+            (model(micro[0]).square().mean() / MICRO).backward()
+        fired = []
+        hidden = model.module[1](model.module[0](micro[1]))
+        hidden.register_hook(lambda g: fired.append([b.handle is not None for b in model.buckets]))
+        _, counts = comm_counts(lambda: (model.module[2](hidden).square().mean() / MICRO).backward())
+        # the row layer's bucket was already reducing when backward reached its input; the norm's was not
+        assert fired == [[True, False, False]]
+        assert counts["reduce_scatter"] == (3 if shard else 0)
+        assert counts["all_reduce"] - tp_counts["all_reduce"] == (0 if shard else 3)
+        _, counts = comm_counts(opt.step)
+        assert (counts["all_gather"], counts["reduce_scatter"], counts["all_reduce"]) == ((3, 0, 0) if shard
+                                                                                          else (0, 0, 0))
+        opt.zero_grad()
+        model.finish_param_sync()
+        expected = ref_states[step]
+        for got, want, layer in zip(model.parameters(), expected, (None, column, column, row, row)):
+            want = want if layer is None or (layer is row and want.dim() == 1) else layer.shard_dense(want)
+            assert (got - want).abs().max().item() < 1e-12
+
+
+@distributed(world_size=4)
+def test_a_deferred_weight_gradient_is_waited_for():
+    """The row weight's gradient arrives after backward (a B/W split): its bucket reduces only then."""
+    mesh = tp.init_mesh(tp=2)
+    _, ref_states = reference(1)
+    model = DataParallel(net(mesh.tp_group, late=True), group=mesh.dp_group, bucket_numel=10)
+    opt = DistributedOptimizer(model, lr=1e-2, weight_decay=0.1)
+    _deferred.clear()
+    model(batch(0, mesh.dp_rank, mesh.dp_size)).square().mean().backward()
+    assert [b.handle is not None for b in model.buckets] == [False, True, True]  # row's waits for its weight
+    _deferred.pop()()
+    assert model.buckets[0].handle is not None
+    opt.step()
+    model.finish_param_sync()
+    assert (model.module[2].weight - model.module[2].shard_dense(ref_states[0][3])).abs().max().item() < 1e-12
+
+
+@distributed(world_size=2)
+def test_a_gradient_arriving_twice_is_refused():
+    tp.init_mesh()
+    model = DataParallel(net(None), bucket_numel=1000)  # one bucket: the column layer twice would complete it early
+    column = model.module[1]
+    x = torch.ones(2, 5, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match=r"the gradient of 1.weight arrived twice in one synchronised backward"):
+        (column(x) + column(2 * x)).sum().backward()
+
+
+@distributed(world_size=4)
+def test_masters_not_bf16_copies_are_updated_and_bytes_per_parameter():
+    mesh = tp.init_mesh()
+    d = mesh.dp_size
+    table = {("fp32", False): 16, ("fp32", True): 8 + 8 / d, ("bf16", False): 18, ("bf16", True): 6 + 12 / d}
+    for (precision, shard), per_param in table.items():
+        torch.manual_seed(0)
+        dense = nn.Linear(16, 16)  # 272 parameters: one bucket, divisible by dp (no padding)
+        with torch.no_grad():  # 0.25 ± 1e-6 rounds to 0.25 in bf16 (whose spacing there is 2^-9)
+            dense.weight.fill_(0.25)
+        initial = [p.detach().clone() for p in dense.parameters()]
+        model = DataParallel(dense, shard=shard, param_dtype=torch.bfloat16 if precision == "bf16" else None)
+        opt = DistributedOptimizer(model, lr=1e-6)  # an update far below bf16's resolution
+        model(torch.randn(4, 16).to(model.param_dtype)).float().square().mean().backward()
+        opt.step()
+        model.finish_param_sync()
+        masters = opt.full_state()
+        for p, init in zip(dense.parameters(), initial):
+            master = masters[p]["param"]
+            assert master.dtype == torch.float32 and p.dtype == model.param_dtype
+            moved = (master - init).abs()
+            assert 0.9e-6 < moved.min().item() and moved.max().item() < 1.1e-6  # Adam's first step: ~lr each
+            assert torch.equal(p, master.to(p.dtype))  # the parameters are the masters (rounded to bf16)
+            if precision == "bf16":
+                assert torch.equal(p, init.to(torch.bfloat16))  # ...which did not move in bf16
+        got = memory_bytes(model, opt)
+        steps = sum(1 for s in opt.state.values() if "step" in s) * 4  # AdamW's scalar step per tensor
+        assert sum(got.values()) - steps == per_param * 272, (precision, shard, got)
+    ddp = torch.nn.parallel.DistributedDataParallel(nn.Linear(16, 16), process_group=mesh.dp_group)
+    adam = torch.optim.AdamW(ddp.parameters())
+    ddp(torch.randn(4, 16)).sum().backward()
+    adam.step()
+    assert sum(memory_bytes(ddp, adam).values()) - 2 * 4 == 16 * 272  # torch DDP + AdamW: 16 bytes per parameter
+
+
+# ---- clip_grad_norm_ -----------------------------------------------------------------------------------------------
+
+# kv heads 1 < tp 2 (replicated rows), row biases, learned positions (read outside their module), tied embeddings
+GPT = models.GPTConfig(vocab_size=50, hidden_size=16, num_layers=2, num_heads=4, num_kv_heads=1, ffn_hidden_size=24,
+                       max_seq_len=8, bias=True, position="learned", tie_embeddings=True, activation="gelu",
+                       norm="layernorm", make_vocab_size_divisible_by=1)
+
+
+def gpt_batch(mesh):
+    g = torch.Generator().manual_seed(3)
+    x, y = (torch.randint(0, GPT.vocab_size, (4, 8), generator=g) for _ in range(2))
+    return x.chunk(mesh.dp_size)[mesh.dp_rank], y.chunk(mesh.dp_size)[mesh.dp_rank], x, y
+
+
+def forward_backward(module, mesh, x, y):
+    if mesh.pp_size == 1:
+        return module(x, y).backward()
+    if mesh.is_first_stage:
+        hidden = module(x)
+        dist.send(hidden.detach(), mesh.next_stage_rank)
+        grad = torch.empty_like(hidden)
+        dist.recv(grad, mesh.next_stage_rank)
+        return hidden.backward(grad)
+    hidden = torch.empty(8, len(x), GPT.hidden_size)
+    dist.recv(hidden, mesh.prev_stage_rank)
+    module(hidden=hidden.requires_grad_(), targets=y).backward()
+    dist.send(hidden.grad, mesh.prev_stage_rank)
+
+
+@pytest.mark.parametrize("split,wrap", [(dict(tp=2, pp=2), None), (dict(tp=2), "zero1"), (dict(tp=2), "fsdp2"),
+                                        (dict(pp=2), "zero1")])
+@distributed(world_size=4)
+def test_clip_grad_norm_is_the_serial_models_norm(split, wrap):
+    mesh = tp.init_mesh(**split)
+    x, y, full_x, full_y = gpt_batch(mesh)
+    torch.manual_seed(0)
+    serial = models.GPT(GPT, group=solo_group())
+    serial(full_x, full_y).backward()
+    expected = torch.nn.utils.get_total_norm([p.grad for p in serial.parameters()]).item()
+
+    torch.manual_seed(0)
+    stage = models.GPT(GPT, group=mesh.tp_group, **stage_options(GPT, mesh))
+    tied = None
+    if mesh.pp_size > 1 and mesh.in_embedding_group:
+        tied = stage.embedding.weight if mesh.is_first_stage else stage.output.weight
+        if mesh.is_last_stage:
+            tied.shared = True  # the first stage's embedding, held again: counted there
+    module = stage
+    if wrap == "zero1":
+        module = DataParallel(stage, group=mesh.dp_group, bucket_numel=300,
+                              tied=[(tied, mesh.embedding_group)] if tied is not None else ())
+    elif wrap == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        with keep_param_tags(stage):
+            module = fully_shard(stage, mesh=mesh.device_mesh["dp"])
+    forward_backward(module, mesh, x, y)
+    if tied is not None and wrap is None:
+        dist.all_reduce(tied.grad, group=mesh.embedding_group)
+    norm = clip_grad_norm_(module.parameters(), expected / 2, mesh=mesh)
+    assert abs(norm.item() - expected) <= 1e-5 * expected, (norm.item(), expected)
+    after = clip_grad_norm_(module.parameters(), 0, mesh=mesh)  # measure only
+    assert abs(after.item() - expected / 2) <= 1e-5 * expected
+
+    grads = [g for p in module.parameters() if (g := _reduced_grad(p)[0]) is not None and g.numel()]
+    if mesh.rank == 0:  # one rank's inf: every rank gets a non-finite norm, and nothing is scaled
+        grads[0].view(-1)[0] = math.inf
+    before = [g.clone() for g in grads]
+    assert not math.isfinite(clip_grad_norm_(module.parameters(), 1e-3, mesh=mesh).item())
+    assert all(torch.equal(a, b) for a, b in zip(before, grads) if a.isfinite().all())
+
+
+@distributed(world_size=2)
+def test_bad_values_are_refused_before_any_collective():
+    tp.init_mesh()
+    with pytest.raises(ValueError, match=r"average_over=0 must be a number > 0"):
+        DataParallel(net(None), average_over=0)
+    with pytest.raises(ValueError, match=r"bucket_numel=0 must be an integer >= 1"):
+        DataParallel(net(None), bucket_numel=0)
+    model = DataParallel(net(None))
+    with pytest.raises(ValueError, match=r"params must hold each of the module's trainable parameters once"):
+        DistributedOptimizer(model, list(model.parameters())[:2])
+    with pytest.raises(TypeError, match=r"needs a tp.optim.DataParallel module, got Sequential"):
+        DistributedOptimizer(net(None))
+    with pytest.raises(ValueError, match=r"max_norm=-1 must be a number >= 0"):
+        clip_grad_norm_(model.parameters(), -1)

@@ -1,0 +1,509 @@
+"""Mixed precision, the distributed optimizer (Megatron's, ZeRO-1) and global gradient clipping, for any module on any
+data-parallel group.
+
+- `DataParallel(module, group=, shard=True, param_dtype=None)`: the parameters and their gradients live in contiguous
+  buckets (reverse registration order, roughly the order backward produces them): the values in `param_dtype`
+  (bf16: Megatron's mixed precision), the gradients in fp32 `param.main_grad` (the fused wgrad of the tp linears
+  accumulates into it; other parameters' `.grad` is added into it by a post-accumulate-grad hook and freed), so
+  micro-batches accumulate in fp32 and the dp reduction runs in fp32: a bf16 sum would round every partial gradient
+  to 8 mantissa bits and make the result depend on the dp size; fp32 costs twice the bytes of a bf16 reduction
+  (Megatron's `grad_reduce_in_fp32`). A bucket's reduce-scatter (`shard=False`: all-reduce, Megatron's DDP) starts
+  asynchronously once each of its parameters has reported its gradient in a synchronised backward (arrivals are
+  counted, whatever order they come in: a deferred weight-gradient pass is waited for); `no_sync()` /
+  `set_requires_gradient_sync(False)` accumulate without reducing. Gradients are summed over the group and divided by
+  `average_over` (default the group size: pass the dp size when the group is dp x cp).
+- `DistributedOptimizer(dp_module, param_groups, optimizer=torch.optim.AdamW, **hyperparameters)`: a torch optimizer
+  over this rank's 1/dp shard of every bucket: the fp32 masters (the parameters' own storage when they are fp32, a
+  copy made before the cast when they are bf16) with the reduced fp32 gradient shard. `step()` updates them, copies
+  them into the bf16 parameters and starts the buckets' all-gathers, which the next forward waits for bucket by
+  bucket (forward pre-hooks), so they overlap with it where the order allows.
+- `clip_grad_norm_(params, max_norm, *, mesh=None)`: the global L2 norm of the gradients, each parameter counted once
+  across tp, pp and dp (x cp), clipped in place; `memory_bytes(model, optimizer)`: what a rank holds per category.
+"""
+import contextlib
+import functools
+import itertools
+import math
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .mappings import _all_gather, _reduce_scatter
+from .mesh import get_mesh
+
+_DONE = object()  # the handle of a reduction that needed no collective (a group of one rank)
+
+
+def default_bucket_numel(dp_size):
+    """Megatron's bucket size: max(4e7, 1e6 x dp) parameters."""
+    return max(40_000_000, 1_000_000 * dp_size)
+
+
+class _Bucket:
+    """Contiguous parameters: values in the parameters' dtype, gradients in fp32 (fp64 for fp64 parameters), padded
+    to a multiple of the group size; this rank's shard of both and the fp32 masters of that shard."""
+
+    def __init__(self, params, *, rank, size, shard, param_dtype, tied_group):
+        self.params, self.tied_group = params, tied_group
+        self.offsets = list(itertools.accumulate([0] + [p.numel() for p in params]))[:-1]
+        self.offset = dict(zip(params, self.offsets))
+        numel = sum(p.numel() for p in params)
+        padded = -(-numel // size) * size if shard else numel
+        device = params[0].device
+        grad_dtype = torch.float64 if params[0].dtype == torch.float64 else torch.float32
+        values = torch.zeros(padded, dtype=grad_dtype, device=device)  # the (fp32) values as they are now
+        for p, offset in zip(params, self.offsets):
+            values[offset:offset + p.numel()] = p.detach().reshape(-1)
+        self.param_data = values if param_dtype == grad_dtype else values.to(param_dtype)
+        self.grad_data = torch.zeros(padded, dtype=grad_dtype, device=device)
+        n = padded // size if shard else padded
+        self.start, self.stop = (rank * n, (rank + 1) * n) if shard else (0, n)
+        self.param_shard = self.param_data[self.start:self.stop]
+        self.grad_shard = self.grad_data[self.start:self.stop]
+        # masters: the fp32 parameters themselves, or the fp32 values from before the cast (never the bf16 ones)
+        self.master_shard = self.param_shard if self.param_data is values else values[self.start:self.stop].clone()
+        for p, offset in zip(params, self.offsets):  # (views made with grad mode on: updated in place in any mode)
+            p.data = self.param_data[offset:offset + p.numel()].view_as(p)
+            p.main_grad = self.grad_data[offset:offset + p.numel()].view_as(p)
+        self.waiting, self.handle, self.gather, self.deferred = set(params), None, None, False
+
+    def piece(self, p):
+        """(offset of this rank's shard within p, the shard's range within the bucket's shard) or None if empty."""
+        offset = self.offset[p]
+        a, b = max(offset, self.start), min(offset + p.numel(), self.stop)
+        return (a - offset, slice(a - self.start, b - self.start)) if a < b else None
+
+
+class DataParallel(nn.Module):
+    """Data parallelism over `group` through contiguous fp32 gradient buckets (see the module docstring).
+
+    `tied`: pairs (parameter, group) of a weight held by several ranks outside dp (a tied embedding on the first and
+    last pipeline stages): its gradient is summed over that group before the dp reduction, at `finish_grad_sync`,
+    in a bucket of its own so the dp shards line up on every copy (Megatron's rule). Parameters registered under
+    several names (a tied weight within one module) are also reduced there.
+    `overlap_param_gather=False` waits for the all-gathers at the end of `step()`.
+    """
+
+    def __init__(self, module, *, group=None, average_over=None, shard=True, param_dtype=None, bucket_numel=None,
+                 tied=(), overlap_param_gather=True):
+        super().__init__()
+        self.group = get_mesh().dp_group if group is None else group
+        self.size, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        average_over = self.size if average_over is None else average_over
+        if isinstance(average_over, bool) or not isinstance(average_over, (int, float)) or not average_over > 0:
+            raise ValueError(f"average_over={average_over!r} must be a number > 0 (the gradients' divisor)")
+        bucket_numel = default_bucket_numel(self.size) if bucket_numel is None else bucket_numel
+        if isinstance(bucket_numel, bool) or not isinstance(bucket_numel, int) or bucket_numel < 1:
+            raise ValueError(f"bucket_numel={bucket_numel!r} must be an integer >= 1")
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        dtypes = sorted({str(p.dtype) for _, p in named})
+        if len(dtypes) != 1 or any(not p.is_floating_point() for _, p in named):
+            raise ValueError(f"DataParallel needs trainable parameters of one floating dtype, got {dtypes}")
+        if param_dtype is not None and not param_dtype.is_floating_point:
+            raise ValueError(f"param_dtype={param_dtype} must be a floating dtype")
+        self.module, self.average_over, self.shard = module, average_over, shard
+        self.overlap_param_gather = overlap_param_gather
+        self.param_dtype = param_dtype or named[0][1].dtype
+        self._names = {p: n for n, p in named}
+        tied = dict(tied)
+        if any(p not in self._names for p in tied):
+            raise ValueError("tied= names parameters that are not this module's trainable parameters")
+        uses = Counter(id(p) for _, p in module.named_parameters(remove_duplicate=False))
+        alone = {p for _, p in named if p in tied or uses[id(p)] > 1}  # reduced at finish_grad_sync, on their own
+        groups, current = [], []
+        for _, p in reversed(named):
+            if p in alone:
+                groups.append([p])
+                continue
+            current.append(p)
+            if sum(q.numel() for q in current) >= bucket_numel:
+                groups, current = groups + [current], []
+        groups += [current] if current else []
+        self.buckets = [_Bucket(ps, rank=self.rank, size=self.size, shard=shard, param_dtype=self.param_dtype,
+                                tied_group=tied.get(ps[0])) for ps in groups]
+        self._bucket_of = {p: b for b in self.buckets for p in b.params}
+        for b in self.buckets:
+            b.deferred = b.params[0] in alone
+            for p in b.params:
+                p.main_grad.post_accumulate_hook = functools.partial(self._arrived, p)  # the fused wgrad calls it
+                p.register_post_accumulate_grad_hook(self._fold_grad)
+                p.folds_grad_into_main_grad = True  # (a layer may then let .grad carry what main_grad cannot)
+                p.finish_grad_sync = self.finish_grad_sync  # clip_grad_norm_ reduces before it measures
+                if shard:
+                    start, where = b.piece(p) or (0, slice(0, 0))
+                    p.main_grad_shard, p.main_grad_shard_offset = b.grad_shard[where], start
+                    p.main_grad_shard_group = self.group
+        if self.param_dtype != named[0][1].dtype:
+            for m in module.modules():  # floating buffers follow the parameters (activations in param_dtype)
+                for name, buf in m._buffers.items():
+                    if buf is not None and buf.is_floating_point():
+                        m._buffers[name] = buf.to(self.param_dtype)
+        self._sync, self._reduced = True, False
+        # the first forward records the modules whose pre-hook ran; buckets holding parameters of the others (read
+        # outside their own module's forward, e.g. a position table added by the parent) are waited for at entry
+        self._seen, self._eager, self._calibrated = None, [], False
+        for m in module.modules():
+            mine = sorted({self.buckets.index(self._bucket_of[p]) for p in m.parameters(recurse=False)
+                           if p in self._bucket_of})
+            if mine:
+                m.register_forward_pre_hook(functools.partial(self._before, m, [self.buckets[i] for i in mine]))
+        module.register_forward_pre_hook(self._before_root, prepend=True)
+        module.register_forward_hook(self._after_root)
+
+    def __getattr__(self, name):  # the wrapped module's attributes (config, ...), as FSDP2's in-place wrapping keeps
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "module":
+                raise
+            return getattr(self.module, name)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def extra_repr(self):
+        return (f"dp={self.size}, shard={self.shard}, average_over={self.average_over}, param_dtype={self.param_dtype}"
+                f", buckets={len(self.buckets)}, params={sum(p.numel() for b in self.buckets for p in b.params)}")
+
+    # ---- gradients -------------------------------------------------------------------------------------------------
+
+    def set_requires_gradient_sync(self, requires_gradient_sync):
+        """Whether the next backward's gradients are the last of this step (FSDP2's name; the pipeline runner sets
+        it): only then do arrivals count and buckets reduce."""
+        self._sync = bool(requires_gradient_sync)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate into main_grad without reducing (DDP's name)."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    def _fold_grad(self, p):  # post-accumulate-grad hook: .grad (any dtype) into the fp32 buffer
+        if p.grad is None:  # (a fused wgrad returned None: main_grad has it, and its hook reported it)
+            return
+        p.main_grad.add_(p.grad)
+        p.grad = None
+        self._arrived(p)
+
+    def _arrived(self, p):
+        self._reduced = False
+        b = self._bucket_of[p]
+        if not self._sync or b.deferred:
+            return
+        if b.handle is not None or p not in b.waiting:
+            raise RuntimeError(f"the gradient of {self._names[p]} arrived twice in one synchronised backward (or "
+                               "after its bucket's reduction started): a parameter used more than once per backward "
+                               "must be registered under each name or passed in tied=")
+        b.waiting.discard(p)
+        if not b.waiting:
+            self._reduce(b)
+
+    def _reduce(self, b):
+        if b.tied_group is not None and dist.get_world_size(b.tied_group) > 1:
+            dist.all_reduce(b.grad_data, group=b.tied_group)  # the copies' sum first, then dp
+        if self.size == 1:
+            b.handle = _DONE
+        elif self.shard:  # in place: this rank's shard of the buffer receives the sum
+            b.handle = _reduce_scatter(b.grad_shard, b.grad_data, group=self.group, async_op=True)
+        else:
+            b.handle = dist.all_reduce(b.grad_data, group=self.group, async_op=True)
+
+    def finish_grad_sync(self):
+        """Reduce every bucket that has not started (deferred, tied, unused parameters), wait for all, divide by
+        `average_over`. Idempotent until new gradients arrive; the optimizer's step calls it."""
+        if self._reduced:
+            return
+        for b in self.buckets:
+            if b.handle is None:
+                self._reduce(b)
+        for b in self.buckets:
+            if b.handle is not _DONE:
+                b.handle.wait()
+            if self.average_over != 1:
+                b.grad_shard.div_(self.average_over)
+            b.handle, b.waiting = None, set(b.params)
+        self._reduced = True
+
+    def zero_grad_buffer(self):
+        """Zero every main_grad (and drop .grad) for the next step."""
+        for b in self.buckets:
+            if b.handle not in (None, _DONE):
+                b.handle.wait()
+            b.grad_data.zero_()
+            b.handle, b.waiting = None, set(b.params)
+            for p in b.params:
+                p.grad = None
+        self._reduced = False
+
+    # ---- parameters ------------------------------------------------------------------------------------------------
+
+    def start_param_sync(self):
+        """All-gather every bucket's updated shard, asynchronously, in forward order (no-op when not sharded)."""
+        if not self.shard or self.size == 1:
+            return
+        for b in reversed(self.buckets):
+            b.gather = _all_gather(b.param_data, b.param_shard, group=self.group, async_op=True)
+        if not self.overlap_param_gather:
+            self.finish_param_sync()
+
+    def finish_param_sync(self, buckets=None):
+        """Wait for the parameters' all-gathers (of `buckets`, default all): call before reading parameters outside
+        a forward (checkpoints, exports)."""
+        for b in self.buckets if buckets is None else buckets:
+            if b.gather is not None:
+                b.gather.wait()
+                b.gather = None
+
+    def _before(self, module, buckets, *_):
+        if self._seen is not None:
+            self._seen.add(module)
+        self.finish_param_sync(buckets)
+
+    def _before_root(self, *_):
+        if not self._calibrated and self._seen is None:
+            self._seen = set()
+        self.finish_param_sync(self._eager)
+
+    def _after_root(self, *_):
+        if self._seen is not None:
+            hooked = {p for m in self._seen for p in m.parameters(recurse=False)}
+            self._eager = [b for b in self.buckets if any(p not in hooked for p in b.params)]
+            self._seen, self._calibrated = None, True
+
+
+class DistributedOptimizer:
+    """`optimizer` (a torch optimizer class, AdamW by default) over this rank's shard of a `DataParallel` module's
+    fp32 masters, with their reduced fp32 gradients; `params` as torch optimizers take them (groups of the module's
+    parameters, each once). `param_groups` are the inner optimizer's: set lr / weight_decay there."""
+
+    def __init__(self, module, params=None, *, optimizer=torch.optim.AdamW, **hyperparameters):
+        if not isinstance(module, DataParallel):
+            raise TypeError(f"DistributedOptimizer needs a tp.optim.DataParallel module, got {type(module).__name__}")
+        groups = list(module.parameters() if params is None else params)
+        groups = [{"params": groups}] if groups and isinstance(groups[0], torch.Tensor) else \
+            [dict(g, params=list(g["params"])) for g in groups]
+        given = [p for g in groups for p in g["params"]]
+        if len(given) != len(set(given)) or set(given) != set(module._bucket_of):
+            raise ValueError("DistributedOptimizer params must hold each of the module's trainable parameters once")
+        self.module, self.masters = module, {}
+        inner = []
+        for g in groups:
+            pieces = []
+            for p in g["params"]:
+                b = module._bucket_of[p]
+                if (piece := b.piece(p)) is not None:
+                    master = b.master_shard[piece[1]]
+                    master.grad = b.grad_shard[piece[1]]  # a view: the reduced gradient, every step
+                    self.masters[p] = master
+                    pieces.append(master)
+            inner.append(dict(g, params=pieces))
+        self.optimizer = optimizer(inner, **hyperparameters)
+
+    param_groups = property(lambda self: self.optimizer.param_groups)
+    state = property(lambda self: self.optimizer.state)
+    defaults = property(lambda self: self.optimizer.defaults)
+
+    def __repr__(self):
+        return f"DistributedOptimizer({type(self.optimizer).__name__}, {self.module.extra_repr()})"
+
+    @torch.no_grad()
+    def step(self):
+        """Reduce (what is left of) the gradients, step the masters, copy them into the parameters, all-gather."""
+        self.module.finish_grad_sync()
+        self.module.finish_param_sync()  # (fp32: the masters are the shards the last gather wrote)
+        self.optimizer.step()
+        for b in self.module.buckets:
+            if b.master_shard is not b.param_shard:
+                b.param_shard.copy_(b.master_shard)
+        self.module.start_param_sync()
+
+    def zero_grad(self, set_to_none=True):
+        self.module.zero_grad_buffer()
+
+    @torch.no_grad()
+    def full_state(self):
+        """{param: {"param": fp32 master, <state>: ...}} for every parameter, whole (its tp-local shape): the dp shards
+        all-gathered (a collective over the dp group). What checkpoints store."""
+        m = self.module
+        kinds = {k: v.dim() > 0 for s in self.state.values() for k, v in s.items()}  # name: shaped like the piece?
+        if m.shard and m.size > 1:  # a rank may hold no piece at all: every rank learns every entry
+            every = [None] * m.size
+            dist.all_gather_object(every, kinds, group=m.group)
+            kinds = {k: v for d in every for k, v in d.items()}
+        out = {}
+        for b in m.buckets:
+            flats = {"param": b.master_shard}
+            for name in (k for k, flat in kinds.items() if flat):
+                flats[name] = torch.zeros_like(b.master_shard)
+                for p in b.params:
+                    if p in self.masters and name in self.state[self.masters[p]]:
+                        flats[name][b.piece(p)[1]] = self.state[self.masters[p]][name]
+            scalars = {name: torch.full((len(b.params),), -math.inf, dtype=torch.float64)
+                       for name, flat in kinds.items() if not flat}
+            for name, t in scalars.items():
+                for i, p in enumerate(b.params):
+                    if p in self.masters and name in self.state[self.masters[p]]:
+                        t[i] = float(self.state[self.masters[p]][name])
+                if m.shard and m.size > 1:
+                    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=m.group)
+            for name, flat in flats.items():
+                full = flat
+                if m.shard and m.size > 1:
+                    full = flat.new_empty(b.grad_data.numel())
+                    _all_gather(full, flat.contiguous(), group=m.group)
+                for p, offset in zip(b.params, b.offsets):
+                    out.setdefault(p, {})[name] = full[offset:offset + p.numel()].view(p.shape).clone()
+            for name, t in scalars.items():
+                for i, p in enumerate(b.params):
+                    out[p][name] = torch.tensor(t[i].item(), dtype=torch.float32)
+        return out
+
+    @torch.no_grad()
+    def load_full_state(self, param, values):
+        """Set one parameter from whole (tp-local) tensors: "param" the fp32 master (also copied into the parameter),
+        the others optimizer state (shaped like the parameter: this rank's shard kept; else whole). No collective."""
+        b = self.module._bucket_of[param]
+        if "param" in values:
+            param.copy_(values["param"])
+        master = self.masters.get(param)
+        if master is None:
+            return
+        start = b.piece(param)[0]
+        flat = lambda t: t.reshape(-1)[start:start + master.numel()]  # noqa: E731
+        if "param" in values:
+            master.copy_(flat(values["param"]))
+        self.state[master] = {k: flat(v).to(master.dtype).clone() if v.shape == param.shape else v.clone()
+                              for k, v in values.items() if k != "param"}
+
+
+# ---- gradient clipping ---------------------------------------------------------------------------------------------
+
+def _reduced_grad(p):
+    """(this rank's part of p's reduced gradient, its flat offset in p, the group it is sharded over or None)."""
+    if getattr(p, "main_grad_shard", None) is not None:
+        return p.main_grad_shard, p.main_grad_shard_offset, p.main_grad_shard_group
+    grad = getattr(p, "main_grad", None)
+    grad = p.grad if grad is None else grad
+    if grad is not None and hasattr(grad, "to_local"):  # FSDP2: a DTensor sharded on dim 0
+        from torch.distributed.tensor import Shard
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        if grad.device_mesh.ndim != 1 or grad.placements[0] != Shard(0):
+            raise ValueError(f"clip_grad_norm_: a DTensor gradient placed {grad.placements} on a "
+                             f"{grad.device_mesh.ndim}-D mesh (expected FSDP2's Shard(0) on one dim)")
+        _, offset = compute_local_shape_and_global_offset(grad.shape, grad.device_mesh, grad.placements)
+        return grad.to_local(), offset[0] * math.prod(grad.shape[1:]), grad.device_mesh.get_group()
+    return grad, 0, None
+
+
+def _counted(p, mesh, group):
+    """Whether this rank counts its part of p's gradient over the data-parallel ranks (dp x cp)."""
+    if group is None:  # replicated over dp x cp: the first rank counts it
+        return mesh.local_rank("dp-cp") == 0
+    size = dist.get_world_size(group)
+    if size == mesh.size("dp-cp"):
+        return True
+    if size == mesh.dp_size:
+        return mesh.cp_rank == 0
+    raise ValueError(f"clip_grad_norm_: a gradient sharded over {size} ranks, neither dp={mesh.dp_size} nor "
+                     f"dp x cp={mesh.size('dp-cp')}")
+
+
+def _sum_of_squares(p, grad, offset, tp_rank):
+    """Σ g² over the elements this tp rank counts: all of a tp-sharded parameter but its replicated rows held first by
+    another rank (kv heads fewer than tp), none of a tp-duplicated one except on tp rank 0."""
+    flat = grad.reshape(-1).to(torch.float64)
+    if not getattr(p, "tensor_parallel", False):
+        return flat.dot(flat) if tp_rank == 0 else flat.new_zeros(())
+    replicas = getattr(p, "replica_rows", None)
+    if replicas is None:
+        return flat.dot(flat)
+    keep = torch.cat([torch.full((rows,), r == 1 or tp_rank % r == 0) for rows, r in replicas])  # [local rows]
+    row = (offset + torch.arange(flat.numel(), device=flat.device)) // math.prod(p.shape[1:])
+    return (flat.square() * keep.to(flat.device)[row]).sum()
+
+
+@torch.no_grad()
+def clip_grad_norm_(params, max_norm, *, mesh=None):
+    """Scale the gradients in place so that their global L2 norm is at most `max_norm` (0: measure only); returns
+    the norm before clipping (a 0-d fp32 tensor, the same on every rank; inf/nan when a gradient is not finite:
+    skip that step).
+
+    The norm is over the whole model: every rank of the mesh passes its parameters and one all-reduce over the world
+    sums the squares, each element counted once: tp-sharded weights (`tensor_parallel`) on every tp rank, their rows
+    replicated over tp (`replica_rows`, kv heads fewer than tp) and tp-duplicated parameters (norms, row biases) on
+    one; a copy held by another pipeline stage (`shared`, the last stage's tied output layer) not at all;
+    gradients replicated over dp (x cp) once, those sharded over it (zero1's `main_grad_shard`, FSDP2's DTensors)
+    summed over their shards. `main_grad` is used when present; DataParallel's reductions are finished first.
+    """
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm >= 0:
+        raise ValueError(f"max_norm={max_norm!r} must be a number >= 0 (0: measure only)")
+    mesh = get_mesh() if mesh is None else mesh
+    params = list(dict.fromkeys(params))
+    for finish in dict.fromkeys(p.finish_grad_sync for p in params if hasattr(p, "finish_grad_sync")):
+        finish()
+    total, grads = torch.zeros((), dtype=torch.float64), []
+    for p in params:
+        grad, offset, group = _reduced_grad(p)
+        if grad is None:
+            continue
+        grads.append(grad)
+        if not getattr(p, "shared", False) and _counted(p, mesh, group):
+            total += _sum_of_squares(p, grad, offset, mesh.tp_rank).cpu()
+    if mesh.world_size > 1:
+        total = total.to(grads[0].device if grads else total.device)
+        dist.all_reduce(total)
+    norm = total.sqrt().float().cpu()
+    if max_norm > 0 and math.isfinite(norm.item()):
+        coefficient = max_norm / (norm.item() + 1e-6)
+        if coefficient < 1:
+            for grad in grads:
+                grad.mul_(coefficient)
+    return norm
+
+
+CLIP_TAGS = ("tensor_parallel", "partition_dim", "replica_rows", "shared")
+
+
+@contextlib.contextmanager
+def keep_param_tags(module):
+    """Restore the parameter attributes clip_grad_norm_ reads after a wrapper that replaces the parameters (FSDP2's
+    fully_shard drops them): `with keep_param_tags(stage): fully_shard(...)`."""
+    tags = {n: {t: getattr(p, t) for t in CLIP_TAGS if hasattr(p, t)} for n, p in module.named_parameters()}
+    yield
+    for name, p in module.named_parameters():
+        for tag, value in tags.get(name, {}).items():
+            setattr(p, tag, value)
+
+
+# ---- memory --------------------------------------------------------------------------------------------------------
+
+def _bytes(t):
+    t = t.to_local() if hasattr(t, "to_local") else t
+    return t.numel() * t.element_size()
+
+
+def memory_bytes(model, optimizer=None):
+    """{param_bytes, grad_bytes, optimizer_bytes} this rank holds: parameters (buckets incl. padding, or the local
+    shards), gradients (main_grad buffers, or the .grad backward allocates in the parameters' dtype) and optimizer
+    state (its tensors, and fp32 masters kept apart from the parameters). Optimizer state exists after the first
+    step. Per parameter this gives REFERENCE §11's table: bf16 18 (DataParallel) vs 6 + 12/d (sharded), fp32 16 vs
+    8 + 8/d."""
+    if isinstance(model, DataParallel):
+        buckets = model.buckets
+        param = sum(_bytes(b.param_data) for b in buckets)
+        grad = sum(_bytes(b.grad_data) for b in buckets)
+        masters = sum(_bytes(b.master_shard) for b in buckets if b.master_shard is not b.param_shard)
+    else:
+        params = list(dict.fromkeys(model.parameters()))
+        param = grad = sum(_bytes(p) for p in params if p.requires_grad)
+        param += sum(_bytes(p) for p in params if not p.requires_grad)
+        masters = 0
+    state = 0 if optimizer is None else sum(_bytes(v) for s in optimizer.state.values() for v in s.values()
+                                            if torch.is_tensor(v))
+    return dict(param_bytes=param, grad_bytes=grad, optimizer_bytes=masters + state)
