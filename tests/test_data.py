@@ -98,6 +98,18 @@ def test_text_is_tokenized_once_into_a_cache_keyed_by_tokenizer_and_data(corpus,
     assert data.vocab_size(_args("--data", str(copy))) == 256
 
 
+def test_a_tokenizer_without_data_tokenizes_the_bundled_corpus_into_the_user_cache(corpus, tmp_path, monkeypatch):
+    from transformers import AutoTokenizer
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    args = _args("--tokenizer", corpus["tokenizer"])
+    stream, header = tokens.read(data.token_path(args, progress=False))
+    assert data.token_path(args, build=False).startswith(str(tmp_path / "tp-layers"))
+    tok = AutoTokenizer.from_pretrained(corpus["tokenizer"])
+    assert stream.tolist() == tok(data.corpus_text(), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    assert data.token_count(_args()) == len(data.corpus()) and data.vocab_size(_args()) is None  # bytes, in memory
+
+
 def test_token_file_roundtrip_and_cli(corpus, tmp_path):
     out = tmp_path / "mine.bin"
     result = subprocess.run([sys.executable, "-m", "models.tokens", "--data", corpus["text"], "--tokenizer",
