@@ -104,12 +104,17 @@ def _bundled_text_file():
     """The bundled corpus written as a text file (for a tokenizer to read), rewritten only when it changed."""
     text = corpus_text()
     path = os.path.join(_cache_root(), "corpus", "stdlib.txt")
-    if not os.path.isfile(path) or open(path, encoding="utf-8").read() != text:
+    if not os.path.isfile(path) or _read(path) != text:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(f"{path}.tmp{os.getpid()}", "w", encoding="utf-8") as f:
             f.write(text)
         os.replace(f"{path}.tmp{os.getpid()}", path)
     return path
+
+
+def _read(path):
+    with open(path, encoding="utf-8") as f:
+        return f.read()
 
 
 def token_path(args, *, build=True, progress=True):
