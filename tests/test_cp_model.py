@@ -136,7 +136,7 @@ def test_bad_sequence_lengths_and_attention_dropout_are_refused_on_every_rank():
 
 # ---- the training job ---------------------------------------------------------------------------------------------
 
-from .test_train import SMALL, _curve, _losses, _run  # noqa: E402  (the training job's test helpers)
+from .test_train import SMALL, _curve, _hf_loss, _losses, _run  # noqa: E402  (the training job's test helpers)
 
 
 @distributed(world_size=4, timeout=300)
@@ -163,7 +163,10 @@ def test_cp_splits_train_the_serial_curve_and_reshard_across_cp(tmp_path):
                                              "allgather", "--dp-mode", "fsdp", "--recompute", "selective"],
     }
     for name, flags in splits.items():
-        _close(_curve(str(tmp_path), name.replace(" ", "_"), *flags), serial, name)
+        export = ["--export-hf", str(tmp_path / "exported")] if name.startswith("2x2") else []
+        _close(_curve(str(tmp_path), name.replace(" ", "_"), *flags, *export), serial, name)
+    exported = _hf_loss(tmp_path / "exported")  # written once by the dp x cp replicas, loadable by transformers
+    assert abs(exported - serial[-1]) < 0.5 and exported < serial[0]
     # Save at cp = 2 (with pp) after 2 steps, resume at cp = 4: step 3 as if never interrupted.
     ckpt = str(tmp_path / "ckpt")
     _curve(str(tmp_path), "first_two", *splits["1x2x2x2 ring"], "--steps", "2", "--save", ckpt)
