@@ -1,5 +1,6 @@
 """The training loop run on every rank: the mesh, the GPT stage under DDP or FSDP2, the pipeline schedule, AdamW with
 warm-up and cosine decay, logging, checkpoints. `models/train.py` is its command line and launcher."""
+import datetime
 import json
 import math
 import os
@@ -13,7 +14,8 @@ import tp
 
 from . import data
 from .flops import flops_per_token
-from .checkpoint_dirs import latest as _latest
+from . import checkpoint_dirs, failures, launch, progress
+from .checkpoint_dirs import resume_path
 from .config import PRESETS, RUNTIME_FIELDS, GPTConfig
 from .gpt import GPT
 from .pipeline import PipelineRunner, allreduce_tied_embedding_grads, stage_options
@@ -94,7 +96,9 @@ def learning_rate(args, step):
 def train(args):
     torch.set_num_threads(1)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    mesh = tp.init_mesh(tp=args.tp, cp=args.cp, pp=args.pp, dp=args.dp, backend=backend)
+    mesh = tp.init_mesh(tp=args.tp, cp=args.cp, pp=args.pp, dp=args.dp, backend=backend,
+                        timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
+    launch.announce_layout(mesh)  # rank 0 prints which ranks sit on which node, and their coordinates
     if backend == "nccl":
         torch.set_default_device(f"cuda:{torch.cuda.current_device()}")
     config = model_config(args)
@@ -113,10 +117,13 @@ def train(args):
     optimizer = torch.optim.AdamW([{"params": decay}, {"params": no_decay, "weight_decay": 0.0}], lr=args.lr,
                                   betas=(0.9, 0.95), weight_decay=args.weight_decay)
     start_step = 0
-    if args.load:
+    resume = resume_path(args.load, args.save)  # None: a fresh start (--save and --load the same, still empty)
+    if resume:
         from . import checkpoint
 
-        start_step, extra = checkpoint.load(_latest(args.load), module, optimizer, mesh=mesh)
+        start_step, extra = checkpoint.load(resume, module, optimizer, mesh=mesh)
+        if rank0:
+            print(f"resuming from {resume} (step {start_step})", flush=True)
         changed = [f"--{k.replace('_', '-')}={v}" for k, v in (extra or {}).items()
                    if k in _DATA_ORDER and getattr(args, k) != v]
         if changed and dist.get_rank() == 0:
@@ -150,8 +157,8 @@ def train(args):
             print(f"nothing to train: the checkpoint is at step {start_step}, --steps={args.steps}", flush=True)
         tp.destroy_mesh()
         return 0
-    log = open(args.log_jsonl, "a" if args.load else "w") if rank0 and args.log_jsonl else None
-    bar = _progress(rank0, start_step, args.steps)
+    log = progress.open_log(args.log_jsonl, start_step) if rank0 and args.log_jsonl else None
+    bar = progress.progress(rank0, start_step, args.steps, interval=args.log_interval)
     tokens_per_step = args.global_batch_size * args.seq_len
     step_flops = flops_per_token(config, args.seq_len) * tokens_per_step  # model FLOPs (REFERENCE §12)
     first_loss = loss = val_loss = grad_norm = None
@@ -165,6 +172,9 @@ def train(args):
                                    replicated=True)
             if args.fail_at_step == step + 1 and dist.get_rank() == args.fail_rank:
                 raise RuntimeError(f"injected failure at step {step + 1} on rank {args.fail_rank}")
+            failures.note_step(step + 1)
+            if args.hang_at_step == step + 1 and dist.get_rank() == args.fail_rank:
+                time.sleep(1e9)  # a hung rank (for the tests): the others time out in their next collective
             set_hyperparameters(optimizer, args, step)
             stats = runner.run(micro_batches, args.schedule)
             if not config.sequence_parallel_grad_sync:
@@ -188,7 +198,8 @@ def train(args):
                 log.flush()
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.4f}", **({} if grad_norm is None else {"grad_norm": f"{grad_norm:.3f}"}),
-                            tok_s=f"{record['tokens_per_s']:.0f}", bubble=f"{bubble:.2f}")
+                            tok_s=f"{record['tokens_per_s']:.0f}",
+                            **({"bubble": f"{bubble:.2f}"} if mesh.pp_size > 1 else {}))  # no pipeline: no bubble
             if args.save and args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
                 _save(args.save, module, optimizer, mesh, step + 1, args)
         if args.save:
@@ -245,38 +256,26 @@ def _mean_over(value, group):
     return t.item() / dist.get_world_size(group)
 
 
-def _progress(show, start, total):
-    if not show:
-        return _Quiet()
-    from tqdm import tqdm
-
-    return tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True, file=sys.stdout)
-
-
-class _Quiet:
-    def update(self, n):
-        pass
-
-    def set_postfix(self, **kw):
-        pass
-
-    def close(self):
-        pass
-
-
 _DATA_ORDER = ("global_batch_size", "seed", "seq_len")  # the data stream's position depends on them
 
 
 def _save(root, module, optimizer, mesh, step, args):
-    """Write ROOT/step-N, then point ROOT/latest at it: a crash mid-save never spoils the previous checkpoint."""
+    """Write ROOT/step-N, then point ROOT/latest at it (models/checkpoint_dirs.py): a kill mid-save never spoils the
+    previous checkpoint, and what it half wrote is removed here, at the next save."""
     from . import checkpoint
 
-    name = f"step-{step:06d}"
+    name = checkpoint_dirs.step_name(step)
+    if dist.get_rank() == 0:
+        removed = checkpoint_dirs.remove_unfinished(root, step)
+        if removed:
+            print(f"removed unfinished checkpoint{'s' * (len(removed) > 1)} {', '.join(removed)} in {root}",
+                  file=sys.stderr, flush=True)
+    dist.barrier()
     checkpoint.save(os.path.join(root, name), module, optimizer, mesh=mesh, step=step,
                     extra={k: getattr(args, k) for k in _DATA_ORDER})
+    if args.slow_save_at_step == step and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        time.sleep(60)  # (tests) the step directory is written, `latest` not yet moved: a kill lands mid-save
     dist.barrier()
     if dist.get_rank() == 0:
-        with open(os.path.join(root, "latest.tmp"), "w") as f:
-            f.write(name)
-        os.replace(os.path.join(root, "latest.tmp"), os.path.join(root, "latest"))
+        checkpoint_dirs.commit(root, name)
     dist.barrier()

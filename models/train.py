@@ -10,15 +10,16 @@ and is named. The data are byte tokens of Python's standard-library sources (mod
 `--data PATH --tokenizer DIR` trains on your text, tokenized once by the launcher (models/tokens.py).
 """
 import argparse
+import datetime
 import math
 import os
-import re
 import sys
 
-import torch.distributed as dist
+from tp.mesh import DEFAULT_ORDER
 
-from . import data
-from .checkpoint_dirs import latest as _latest
+from . import data, failures, launch
+from .checkpoint_dirs import latest as _latest  # noqa: F401  (the tests' name for it)
+from .checkpoint_dirs import resume_path
 from .config import PRESETS
 from .loop import SIZE_FIELDS, model_config, train  # noqa: F401  (`models.train.train`: the per-rank job)
 from .pipeline import stage_layers
@@ -33,7 +34,8 @@ def parser():
     a = p.add_argument
     a("--tp", type=int, default=2, help="tensor-parallel size")
     a("--pp", type=int, default=2, help="pipeline-parallel size (stages)")
-    a("--dp", type=int, default=2, help="data-parallel size")
+    a("--dp", type=int, default=None,
+      help="data-parallel size (default: WORLD_SIZE / (tp*cp*pp) under torchrun, as Megatron; else 2)")
     a("--cp", type=int, default=1, help="context-parallel size: each sequence split over cp ranks (ring attention)")
     a("--cp-mode", choices=("ring", "allgather"), default="ring",
       help="context-parallel attention: K/V ringed with p2p (overlapped), or all-gathered once (Llama 3's)")
@@ -78,13 +80,29 @@ def parser():
     a("--log-jsonl", metavar="PATH", default=None, help="one JSON object per step: step, loss, tokens_per_s, ...")
     a("--check-inputs", action="store_true",
       help="assert every step that all tp ranks of a group read the same tokens (a checksum all-gather)")
+    a("--log-interval", type=int, default=10, metavar="N",
+      help="when stdout is not a terminal (a file, a pipe): one progress line every N steps instead of a tqdm bar")
+    a("--log-dir", metavar="DIR", default=None,
+      help="each rank's log DIR/rank-N.log: all the output of ranks other than 0, a failing rank's traceback "
+           "(default: DIR/logs of --save, else a new temporary directory)")
+    a("--print-layout", action="store_true",
+      help="print which global ranks sit on which node, each rank's local rank and tp/cp/pp/dp coordinates, and exit")
+    a("--distributed-timeout-minutes", type=float, default=10.0, metavar="M",
+      help="collective timeout: a rank that hangs ends the job after M minutes, and is named")
+    a("--max-restarts", type=int, default=0, metavar="K",
+      help="restart every rank up to K times after a failure (torchrun's flag, for our launcher); with --save DIR "
+           "--load DIR the job resumes from DIR/latest")
     a("--fail-at-step", type=int, default=None, help=argparse.SUPPRESS)  # fault injection for the tests
+    a("--hang-at-step", type=int, default=None, help=argparse.SUPPRESS)  # --fail-rank sleeps there
+    a("--slow-save-at-step", type=int, default=None, help=argparse.SUPPRESS)  # a first attempt's save pauses
     a("--fail-rank", type=int, default=0, help=argparse.SUPPRESS)
     return p
 
 
 def validate(args, world_size=None):
-    """Every check that needs no process: raises ValueError with one line naming the bad value."""
+    """Every check that needs no process: raises ValueError with one line naming the bad value. Sets args.dp when
+    it was not given (from `world_size`, torchrun's WORLD_SIZE)."""
+    args.dp = launch.resolve_dp(args, world_size)
     for name in ("tp", "cp", "pp", "dp", "global_batch_size", "micro_batch_size", "seq_len", "steps"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
@@ -103,10 +121,12 @@ def validate(args, world_size=None):
     for name in ("warmup_steps", "save_every", "eval_every"):
         if getattr(args, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 0")
-    for name in ("save", "export_hf"):
-        path = getattr(args, name)
-        if path and os.path.exists(path) and not os.path.isdir(path):
-            raise ValueError(f"--{name.replace('_', '-')} {path} exists and is not a directory")
+    for name, low in (("log_interval", 1), ("max_restarts", 0)):
+        if getattr(args, name) < low:
+            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= {low}")
+    if not args.distributed_timeout_minutes > 0:
+        raise ValueError(f"--distributed-timeout-minutes={args.distributed_timeout_minutes} must be > 0")
+    launch.check_paths(args)  # --save, --load, --export-hf, --log-jsonl, --log-dir: before any process
     if args.from_hf:
         if not os.path.isdir(args.from_hf):
             raise ValueError(f"--from-hf {args.from_hf}: no such directory (a save_pretrained directory)")
@@ -138,15 +158,14 @@ def validate(args, world_size=None):
                              + (f" --tp={args.tp} --sequence-parallel" if args.sequence_parallel else "")
                              + f": {str(e).split(': ', 1)[1]}") from None
     data.check_vocab(args, config.vocab_size)
-    if args.load:
+    path = resume_path(args.load, args.save)  # None: nothing to load (--save and --load the same, still empty)
+    if path:
         from . import checkpoint
 
-        if not os.path.isdir(args.load):
-            raise ValueError(f"--load {args.load}: no such directory")
-        path = _latest(args.load)
         meta = checkpoint.read_meta(path)
         checkpoint.check_config(meta["config"], config, path)
-        if args.steps <= meta["step"] and not args.eval_only:
+        restarted = os.path.realpath(args.save or "") == os.path.realpath(args.load)  # (the loop says it is done)
+        if args.steps <= meta["step"] and not args.eval_only and not restarted:
             raise ValueError(f"--steps={args.steps} does not go beyond the checkpoint's step {meta['step']}: "
                              "nothing to train")
     count = data.token_count(args)  # (None: text not yet tokenized; checked after the launcher tokenizes it)
@@ -161,49 +180,23 @@ def main(argv=None):
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     try:
         validate(args, int(os.environ["WORLD_SIZE"]) if under_torchrun else None)
+        if args.print_layout and not under_torchrun:  # this machine, one node: no process needed
+            print("\n".join(launch.layout_lines(launch.sizes_of(args), DEFAULT_ORDER,
+                                                launch.this_machine(launch.world_of(args)))))
+            return 0
         if not under_torchrun:
             data.prepare(args)  # a user's text tokenized once, here, before any rank starts
     except (ValueError, ImportError, OSError) as e:
+        if under_torchrun:  # every rank refuses; rank 0 alone says why
+            return failures.refuse(str(e))
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if under_torchrun:
-        try:
-            return _record(train)(args)
-        finally:  # tp.destroy_mesh keeps torchrun's default group (for a next mesh); the job is over
-            if dist.is_initialized():
-                dist.destroy_process_group()
-    return launch(args, argv)
-
-
-def _record(fn):
-    from torch.distributed.elastic.multiprocessing.errors import record
-
-    return record(fn)
-
-
-def launch(args, argv):
-    """Start tp*pp*dp CPU processes on this machine through torchrun's launcher; name the rank that failed."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser, run
-
-    world = args.tp * args.cp * args.pp * args.dp
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    launcher = get_args_parser().parse_args([f"--nproc-per-node={world}", "--standalone", "--max-restarts=0",
-                                             "-m", "models.train", *argv])
-    try:
-        run(launcher)
-    except ChildFailedError as e:
-        rank, failure = e.get_first_failure()  # the others were stopped because of it
-        message = failure.message
-        while isinstance(message, dict):  # the worker's error file: {"message": "...", "extraInfo": {...}}
-            message = message.get("message", "")
-        lines = str(message).strip().splitlines()
-        # the exception's line, not torchelastic's trailer ("To enable traceback see: ...") when it adds one
-        errors = [line for line in lines if re.match(r"[\w.]+(Error|Exception)\b.*:", line)]
-        last = (errors or lines or ["see its output above"])[-1]
-        print(f"error: rank {rank} of {world} failed (exit code {failure.exitcode}): {last}", file=sys.stderr)
-        return 1
-    return 0
+    if not under_torchrun:
+        return launch.launch(args, argv)
+    timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
+    if args.print_layout:
+        return launch.print_layout_under_torchrun(args, timeout)
+    return failures.run_rank(train, args, launch.log_dir(args), timeout.total_seconds())
 
 
 if __name__ == "__main__":

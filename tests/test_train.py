@@ -199,6 +199,7 @@ def test_load_without_latest_takes_the_newest_step_directory(tmp_path):
 
     for step in (2, 10, 9):
         (tmp_path / f"step-{step:06d}").mkdir()
+        (tmp_path / f"step-{step:06d}" / ".metadata").write_text("")  # complete (a half-written one is ignored)
     (tmp_path / "step-notes.txt").write_text("")
     assert _latest(str(tmp_path)) == str(tmp_path / "step-000010")
     (tmp_path / "latest").write_text("step-000002")

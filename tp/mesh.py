@@ -109,6 +109,7 @@ class Mesh:
         if _kept_groups[0] is not dist.group.WORLD:
             _kept_groups[:] = [dist.group.WORLD, {}]
         kept = _kept_groups[1]
+        timeout = _default_group_timeout()  # new_group's own default is torch's (30 min on gloo), not the world's
         self._ranks, self._groups, created = {}, {}, {}
         # new_group is collective over the world: every rank creates every group, in the same order (and every
         # rank has kept the same groups, since all of them ran the same init/destroy calls).
@@ -121,7 +122,7 @@ class Mesh:
                     elif key in kept:
                         created[key] = kept.pop(key)
                     else:
-                        created[key] = dist.new_group(list(ranks))
+                        created[key] = dist.new_group(list(ranks), timeout=timeout)
                 if self.rank in ranks:
                     self._ranks[name], self._groups[name] = list(ranks), created[key]
         self._created = {k: g for k, g in created.items() if g is not dist.group.WORLD}
@@ -216,12 +217,47 @@ def _under_torchrun():
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def _default_group_timeout():
+    """The default group's collective timeout (None where torch does not expose it: new_group's default then)."""
+    device = torch.device("cuda" if dist.get_backend() == "nccl" else "cpu")
+    try:
+        return dist.group.WORLD._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def _lone_process_error(tp, cp, pp, dp):
+    """The error of a mesh that needs several processes asked for in one process started without torchrun."""
+    import shlex
+    import sys
+
+    world = tp * cp * pp * (dp or 1)
+    given = {k: v for k, v in dict(tp=tp, cp=cp, pp=pp, dp=dp).items() if v not in (1, None)}
+    call = ", ".join(f"{k}={v}" for k, v in given.items())
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is not None and spec.name and spec.name != "__main__":
+        target = ["-m", spec.name.removesuffix(".__main__")]
+    elif sys.argv and sys.argv[0] and sys.argv[0] != "-c":
+        target = [sys.argv[0]]
+    else:
+        target = ["your_script.py"]
+    command = shlex.join(["torchrun", "--nproc-per-node", str(world), *target, *sys.argv[1:]])
+    return RuntimeError(f"tp.init_mesh({call}) needs {world} processes, but this is one process started without "
+                        f"torchrun (RANK and WORLD_SIZE are not set): launch it with `{command}`, or use "
+                        + ", ".join(f"{k}=1" for k in given) + " in one process")
+
+
 def _init_default_group(backend, timeout):
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if _under_torchrun():
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend, timeout=timeout)
+        # torchrun's agent keeps one TCPStore across restarts of the worker group (--max-restarts): keys under a
+        # per-attempt prefix, or a restarted rank can read the previous attempt's addresses (pytorch#135712)
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
+        store = dist.PrefixStore(f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     else:  # a single process outside any launcher
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
 
@@ -238,6 +274,14 @@ def init_mesh(*, tp=1, cp=1, pp=1, dp=None, order=DEFAULT_ORDER, backend=None,
     if _current is not None:
         raise RuntimeError(f"a mesh is already initialised ({_current!r}); call tp.destroy_mesh() first")
     _parse_order(order)
+    if not dist.is_initialized() and not _under_torchrun():  # one process: a mesh of several ranks cannot be made
+        try:
+            needed = tp * cp * pp * (dp or 1)
+        except TypeError:
+            needed = 1  # (the size check names the bad value)
+        if needed > 1:
+            _sizes(needed, tp, pp, dp, cp)
+            raise _lone_process_error(tp, cp, pp, dp)
     if not dist.is_initialized() and _under_torchrun():
         # kept when the mesh is destroyed: re-creating it from the same environment can hang inside torch (Megatron
         # keeps it too)

@@ -1,0 +1,84 @@
+"""What rank 0 shows while training: a tqdm bar on a terminal; one plain line every --log-interval steps when stdout
+is a file or a pipe (Megatron's style: no carriage returns); and the JSONL log, kept as one run across resumes."""
+import json
+import os
+import sys
+import time
+
+
+def progress(show, start, total, *, interval, stream=None):
+    """A tqdm-like object (`update(n)`, `set_postfix(**fields)`, `close()`): tqdm when `stream` (stdout) is a
+    terminal, else plain lines every `interval` steps and at the last; nothing when not `show`."""
+    stream = sys.stdout if stream is None else stream
+    if not show:
+        return _Quiet()
+    if stream.isatty():
+        from tqdm import tqdm
+
+        return tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True, file=stream)
+    return PlainLines(start, total, interval=interval, stream=stream)
+
+
+class _Quiet:
+    def update(self, n=1):
+        pass
+
+    def set_postfix(self, **fields):
+        pass
+
+    def close(self):
+        pass
+
+
+class PlainLines:
+    """`step 10/100 | loss 4.8123 | tok_s 1884 | 0.35 s/step`: printed when set_postfix follows an update that
+    reached a multiple of `interval` (or the last step)."""
+
+    def __init__(self, start, total, *, interval, stream):
+        self.n, self.total, self.interval, self.stream = start, total, max(1, interval), stream
+        self._since, self._steps, self._printed = time.perf_counter(), 0, start
+
+    def update(self, n=1):
+        self.n += n
+        self._steps += n
+
+    def set_postfix(self, **fields):
+        if self._printed == self.n or (self.n % self.interval and self.n != self.total):
+            return
+        now = time.perf_counter()
+        per_step = (now - self._since) / max(1, self._steps)
+        width = len(str(self.total))
+        line = " | ".join([f"step {self.n:>{width}}/{self.total}", *(f"{k} {v}" for k, v in fields.items()),
+                           f"{per_step:.3g} s/step"])
+        print(line, file=self.stream, flush=True)
+        self._since, self._steps, self._printed = now, 0, self.n
+
+    def close(self):
+        pass
+
+
+def open_log(path, start_step):
+    """The JSONL log opened for appending by a run that starts after step `start_step`: rows of later steps (a run
+    that died after its last checkpoint and redoes them) are dropped, so the file reads as one run; earlier rows are
+    kept as written. A fresh run (start_step 0) starts an empty file."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    kept, dropped = [], not start_step
+    if start_step and os.path.exists(path):
+        with open(path) as f:
+            lines = f.readlines()
+        for line in lines:
+            try:
+                row = json.loads(line)
+            except ValueError:
+                row = None  # a row cut by the kill
+            if row is None or row.get("step", 0) > start_step or not line.endswith("\n"):
+                dropped = True
+            else:
+                kept.append(line)
+    if not dropped:
+        return open(path, "a")  # appended as it is
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.writelines(kept)
+    os.replace(tmp, path)
+    return open(path, "a")

@@ -1,0 +1,225 @@
+"""Faults, for real under torchrun: a worker SIGKILLed after a step or in the middle of a save, torchrun restarts the
+group (--max-restarts), the job resumes from the newest complete checkpoint with the curve of an uninterrupted run,
+the JSONL log appended; a hung rank ends the job within the collective timeout, named; a failure inside the ranks is
+one line naming the first failing rank. Plus the checkpoint-directory rules those rely on."""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from models import checkpoint_dirs, failures, progress
+
+JOB = ["--model", "tiny", "--seq-len", "32", "--global-batch-size", "8", "--micro-batch-size", "2", "--seed", "7",
+       "--tp", "2", "--pp", "1", "--dp", "1", "--steps", "8", "--log-interval", "1"]
+
+
+def env():
+    clean = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                               "MASTER_PORT", "TORCHELASTIC_RUN_ID")}
+    return clean | {"OMP_NUM_THREADS": "1"}
+
+
+def rows(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def torchrun(*flags, nproc=2, restarts=0):
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                             str(nproc), f"--max-restarts={restarts}", "-m", "models.train", *flags],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env())
+
+
+def worker(agent, rank):
+    """The pid of torchrun's worker process of global rank `rank` (a child of the agent, RANK in its environment)."""
+    for _ in range(600):
+        for child in open(f"/proc/{agent.pid}/task/{agent.pid}/children").read().split():
+            try:
+                environ = open(f"/proc/{child}/environ", "rb").read().split(b"\0")
+            except OSError:
+                continue
+            if f"RANK={rank}".encode() in environ:
+                return int(child)
+        time.sleep(0.05)
+    raise AssertionError(f"no worker of rank {rank}")
+
+
+def wait_for(condition, agent, what, timeout=180):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert agent.poll() is None, f"the job ended before {what}: {agent.communicate()}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The curve of the job run straight through (our launcher, the same split)."""
+    log = tmp_path_factory.mktemp("reference") / "log.jsonl"
+    result = subprocess.run([sys.executable, "-m", "models.train", *JOB, "--log-jsonl", str(log)],
+                            capture_output=True, text=True, timeout=300, env=env())
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [r["loss"] for r in rows(log)]
+
+
+def _resumed_job(tmp_path, kill_when, *extra):
+    """Run JOB under torchrun --max-restarts 1 with --save D --load D --save-every 2; SIGKILL rank 1's worker when
+    `kill_when(ckpt, log)` holds. Returns (stdout, stderr, the log's rows before the kill, its rows at the end)."""
+    ckpt, log = str(tmp_path / "ckpt"), str(tmp_path / "log.jsonl")
+    agent = torchrun(*JOB, "--save", ckpt, "--load", ckpt, "--save-every", "2", "--log-jsonl", log, *extra,
+                     restarts=1)
+    try:
+        wait_for(lambda: kill_when(ckpt, log), agent, "the moment to kill")
+        before = open(log).read().splitlines()
+        os.kill(worker(agent, 1), signal.SIGKILL)
+        out, err = agent.communicate(timeout=300)
+    finally:
+        agent.kill()
+    assert agent.returncode == 0, err[-3000:]
+    return out, err, before, open(log).read().splitlines()
+
+
+def _logged_steps(log):
+    try:
+        return len(rows(log))
+    except (OSError, ValueError):
+        return 0
+
+
+def test_a_worker_killed_after_a_step_restarts_and_trains_the_uninterrupted_curve(tmp_path, uninterrupted):
+    out, err, before, after = _resumed_job(tmp_path, lambda ckpt, log: _logged_steps(log) >= 3)
+    resumed = re.search(r"resuming from \S+step-0*(\d+) \(step (\d+)\)", out)
+    assert resumed and resumed[1] == resumed[2] and int(resumed[1]) in (2, 4, 6), out
+    resumed = int(resumed[1])
+    final = [json.loads(line) for line in after]
+    assert [r["step"] for r in final] == list(range(1, 9))  # one row per step: the redone ones replaced
+    assert [r["loss"] for r in final] == uninterrupted  # data order, RNG and optimizer state restored: bit for bit
+    assert after[:resumed] == before[:resumed]  # the rows up to the checkpoint kept as first written (appended)
+    assert len(before) > resumed  # (the kill came after the checkpoint: some steps were redone)
+    assert checkpoint_dirs.latest(str(tmp_path / "ckpt")).endswith("step-000008")
+
+
+def test_a_worker_killed_mid_save_resumes_from_the_previous_checkpoint(tmp_path, uninterrupted):
+    """The first attempt pauses after writing step-000004's shards and before moving `latest` (a test hook); the
+    kill lands there. step-000004 is not read (latest still names step-000002) and is removed at the next save."""
+    def mid_save(ckpt, log):
+        latest = os.path.join(ckpt, "latest")
+        return checkpoint_dirs.is_complete(os.path.join(ckpt, "step-000004")) and open(latest).read() == "step-000002"
+
+    out, err, before, after = _resumed_job(tmp_path, mid_save, "--slow-save-at-step", "4")
+    assert "resuming from" in out and "step-000002 (step 2)" in out, out
+    assert "removed unfinished checkpoint step-000004" in err, err[-3000:]
+    final = [json.loads(line) for line in after]
+    assert [r["step"] for r in final] == list(range(1, 9)) and [r["loss"] for r in final] == uninterrupted
+    assert after[:2] == before[:2] and len(before) == 4  # rows 3 and 4 were redone
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["latest", "logs", "step-000002", "step-000004",
+                                                     "step-000006", "step-000008"]
+
+
+def test_a_hung_rank_ends_the_job_within_the_timeout_and_is_named(tmp_path):
+    """Rank 3 (second stage, tp rank 1) sleeps at step 2: its tp peer waits in an all-reduce, the first stage in a
+    p2p receive; each times out after --distributed-timeout-minutes (6 s, on the mesh's sub-groups too)."""
+    start = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "models.train", *JOB, "--pp", "2", "--steps", "4",
+                             "--hang-at-step", "2", "--fail-rank", "3", "--distributed-timeout-minutes", "0.1",
+                             "--log-dir", str(tmp_path / "logs")],
+                            capture_output=True, text=True, timeout=300, env=env())
+    elapsed = time.monotonic() - start
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: rank 3 of 4 (node 0, local rank 3) hung at step 2: the "
+                                                   "other ranks timed out after 6 s"), result.stderr[-3000:]
+    assert str(tmp_path / "logs") in lines[0]
+    for rank in (0, 1, 2):  # every waiting rank's own traceback is in its file
+        assert "Timed out" in (tmp_path / "logs" / f"rank-{rank}.log").read_text()
+    assert elapsed < 100, elapsed  # (startup of 5 processes on a loaded machine + 6 s + the 2 s grace)
+
+
+def test_a_checkpoint_failure_inside_the_ranks_is_one_line(tmp_path):
+    """A file where the step directory goes: DCP fails on both ranks; one line names rank 0's underlying error."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "step-000002").write_text("not a directory")
+    result = subprocess.run([sys.executable, "-m", "models.train", *JOB, "--steps", "2", "--save", str(ckpt)],
+                            capture_output=True, text=True, timeout=300, env=env())
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr[-3000:]
+    assert lines[0].startswith("error: rank 0 of 2 failed (node 0, local rank 0): FileExistsError: ")
+    assert "step-000002" in lines[0] and "(torch.distributed.checkpoint failed on ranks 0, 1; rank 0's error)" \
+        in lines[0] and f"(traceback: {ckpt / 'logs' / 'rank-0.log'})" in lines[0]
+    assert "CheckpointException" in (ckpt / "logs" / "rank-0.log").read_text()  # the whole traceback is there
+
+
+def test_checkpoint_exception_is_described_by_its_first_failing_rank():
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    with pytest.warns(UserWarning):
+        with pytest.raises(BaseException) as caught:
+            dcp.save({"a": torch.ones(2)}, checkpoint_id="/dev/null/x/step-000002", no_dist=True)
+    assert type(caught.value).__name__ == "CheckpointException"
+    assert failures.describe(caught.value) == ("NotADirectoryError: [Errno 20] Not a directory: '/dev/null/x/"
+                                               "step-000002' (torch.distributed.checkpoint failed on rank 0; rank "
+                                               "0's error)")
+    assert failures.kind(caught.value) == "error"
+    assert failures.kind(RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:1")) == "peer"
+    assert failures.kind(RuntimeError("[unbound_buffer.cc:78] Timed out waiting 6000ms for recv")) == "timeout"
+
+
+def _checkpoint(path, step):
+    os.makedirs(path / checkpoint_dirs.step_name(step))
+    (path / checkpoint_dirs.step_name(step) / ".metadata").write_text("")
+
+
+def test_half_written_step_directories_are_ignored_and_removed_at_the_next_save(tmp_path):
+    _checkpoint(tmp_path, 2)
+    checkpoint_dirs.commit(str(tmp_path), "step-000002")
+    _checkpoint(tmp_path, 4)  # complete but `latest` never moved: killed between the shards and the commit
+    os.makedirs(tmp_path / "step-000006")  # shards only, no .metadata
+    os.makedirs(tmp_path / "step-000010")
+    assert checkpoint_dirs.latest(str(tmp_path)) == str(tmp_path / "step-000002")
+    assert checkpoint_dirs.resume_path(str(tmp_path)) == str(tmp_path / "step-000002")
+    assert checkpoint_dirs.remove_unfinished(str(tmp_path), 6) == ["step-000004", "step-000006", "step-000010"]
+    assert sorted(os.listdir(tmp_path)) == ["latest", "step-000002"]
+    (tmp_path / "latest").unlink()  # no `latest`: the newest step directory with a .metadata
+    os.makedirs(tmp_path / "step-000008")
+    assert checkpoint_dirs.latest(str(tmp_path)) == str(tmp_path / "step-000002")
+
+
+def test_save_and_load_the_same_directory_starts_fresh_until_it_holds_a_checkpoint(tmp_path):
+    root = str(tmp_path / "run")
+    assert checkpoint_dirs.resume_path(root, root) is None  # not there yet
+    os.makedirs(os.path.join(root, "logs"))
+    os.makedirs(os.path.join(root, "step-000002"))  # half-written only
+    assert checkpoint_dirs.resume_path(root, root) is None
+    with pytest.raises(ValueError, match=r"--load .*run: holds no checkpoint"):
+        checkpoint_dirs.resume_path(root)  # --load alone must name a checkpoint
+    with pytest.raises(ValueError, match=r"--load .*nowhere: no such directory"):
+        checkpoint_dirs.resume_path(str(tmp_path / "nowhere"))
+    _checkpoint(tmp_path / "run", 4)
+    assert checkpoint_dirs.resume_path(root, root) == os.path.join(root, "step-000004")
+    checkpoint_dirs.commit(root, "step-000009")
+    with pytest.raises(ValueError, match=r"latest names step-000009, which holds no complete checkpoint"):
+        checkpoint_dirs.resume_path(root, root)
+
+
+def test_the_jsonl_log_keeps_one_run_across_resumes(tmp_path):
+    path = tmp_path / "sub" / "log.jsonl"
+    with progress.open_log(str(path), 0) as log:  # a fresh run: an empty file (parents created)
+        log.writelines(json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in range(1, 6))
+    first = path.read_text()
+    with progress.open_log(str(path), 5) as log:  # resumed where the log ends: appended as it is
+        log.write(json.dumps({"step": 6, "loss": 0.1}) + "\n")
+    assert path.read_text().startswith(first)
+    with open(path, "a") as f:
+        f.write('{"step": 7, "lo')  # a row cut by a kill
+    with progress.open_log(str(path), 4) as log:  # resumed from step 4: rows 5.. are redone
+        pass
+    assert [r["step"] for r in rows(path)] == [1, 2, 3, 4] and path.read_text() == "".join(
+        first.splitlines(keepends=True)[:4])
