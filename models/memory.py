@@ -12,11 +12,12 @@ models.pipeline.stage_layers does; with V virtual stages rank r holds chunks c·
 Bytes per parameter (REFERENCE §11, Megatron's distributed-optimizer table; d = dp·cp ranks share the optimizer,
 as Megatron's distributed optimizer shards over the dp-cp group):
   fp32: params 4, grads 4, Adam moments 8;  bf16: params 2, fp32 main_grad 4, fp32 master 4 + moments 8;
-  and AdamW's step counter, 4 bytes per parameter tensor.
-  ddp: all of it on every rank (18 B bf16, 16 B fp32); zero1: the optimizer state / d (6 + 12/d, 8 + 8/d);
-  fsdp: everything / d, each parameter sharded on dim 0 as FSDP2 does (ceil(rows / d) rows per rank), its master
-  kept as the sharded fp32 parameter (16/d), plus the unsharded compute copy and grads of the largest block while
-  it runs (transient).
+  and AdamW's step counter, 4 bytes per parameter tensor (per piece of one under the distributed optimizer).
+  ddp: all of it on every rank (18 B bf16, 16 B fp32; fp32 runs torch DDP, whose bucket copy of the gradients is
+  counted as transient); zero1: the optimizer state / d (6 + 12/d, 8 + 8/d), exactly as tp.optim.DataParallel and
+  DistributedOptimizer lay it out (buckets padded to a multiple of d); fsdp: everything / d, each parameter sharded
+  on dim 0 as FSDP2 does (ceil(rows / d) rows per rank), its master kept as the sharded fp32 parameter (16/d), plus
+  the unsharded compute copy and grads of the largest block while it runs (transient).
 
 Activations per layer and micro-batch (T = b·s/cp tokens on this rank, T' = T/tp under SP, e = 2 bf16 / 4 fp32
 bytes, h hidden, a heads, k kv heads (local k' = max(k/tp, 1)), d head dim, f ffn). Korthikanti et al. 2022 count
@@ -37,7 +38,7 @@ In flight (micro-batches whose activations are alive at once, stage i of p): 1F1
 interleaved (p − i − 1)·2 + (V − 1)·p + 1 chunks of 1/V stage each (Megatron's warm-up; rank 0: p + (p − 1)/V).
 """
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from .config import GPTConfig
 from .pipeline import stage_layers
@@ -66,7 +67,7 @@ class MemoryEstimate:
     layer_activations: int  # one layer, one micro-batch
 
     def as_dict(self):
-        return asdict(self)
+        return {name: getattr(self, name) for name in self.__dataclass_fields__}
 
 
 # ---- parameters ----------------------------------------------------------------------------------------------------
@@ -108,23 +109,34 @@ def stage_chunks(num_layers, pp, stage, virtual_stages=1):
     return chunks
 
 
+def _edge_shapes(config, tp, first, last):
+    """[(name, shape)] outside the blocks of a chunk: embedding (first), final norm and output layer (last)."""
+    h, padded = config.hidden_size, config.padded_vocab_size(tp)
+    shapes = []
+    if first:
+        shapes.append(("embedding.weight", (padded // tp, h)))
+        if config.position == "learned":
+            shapes.append(("position_embedding.weight", (config.max_seq_len, h)))
+    return shapes
+
+
+def _head_shapes(config, tp, first):
+    h, padded = config.hidden_size, config.padded_vocab_size(tp)
+    shapes = [("final_norm.weight", (h,))] + ([("final_norm.bias", (h,))] if config.norm == "layernorm" else [])
+    if not (config.tie_embeddings and first):  # tied on one stage: the embedding's own parameter
+        shapes.append(("output.weight", (padded // tp, h)))
+    return shapes
+
+
 def stage_parameter_shapes(config, tp, pp=1, stage=0, virtual_stages=1):
     """[(name, shape)] of every parameter pipeline rank `stage` holds on one tp rank (a tied weight once)."""
-    h, padded = config.hidden_size, config.padded_vocab_size(tp)
     shapes = []
     for c, (start, stop, first, last) in enumerate(stage_chunks(config.num_layers, pp, stage, virtual_stages)):
         prefix = f"chunk{c}." if virtual_stages > 1 else ""
-        if first:
-            shapes.append((f"{prefix}embedding.weight", (padded // tp, h)))
-            if config.position == "learned":
-                shapes.append((f"{prefix}position_embedding.weight", (config.max_seq_len, h)))
+        shapes += [(prefix + name, shape) for name, shape in _edge_shapes(config, tp, first, last)]
         for i in range(start, stop):
             shapes += [(f"{prefix}layers.{i - start}.{name}", shape) for name, shape in layer_parameter_shapes(config, tp)]
-        if last:
-            shapes += [(f"{prefix}final_norm.weight", (h,))]
-            shapes += [(f"{prefix}final_norm.bias", (h,))] if config.norm == "layernorm" else []
-            if not (config.tie_embeddings and first):  # tied on one stage: the embedding's own parameter
-                shapes.append((f"{prefix}output.weight", (padded // tp, h)))
+        shapes += [(prefix + name, shape) for name, shape in _head_shapes(config, tp, first)] if last else []
     return shapes
 
 
@@ -140,21 +152,88 @@ def bytes_per_parameter(precision, dp_mode, shards=1):
 
 def _sharded_numel(shape, shards):
     """Elements FSDP2 allocates per rank for one parameter: dim 0 padded to a multiple of the shards."""
-    rest = math.prod(shape[1:])
-    return -(-shape[0] // shards) * rest
+    return -(-shape[0] // shards) * math.prod(shape[1:])
+
+
+def _registration(config, tp, chunks):
+    """[(numel, alone)] of a stage's parameters in registration order; `alone`: a tied embedding/output weight, which
+    tp.optim.DataParallel reduces in a bucket of its own."""
+    layer = [(math.prod(s), False) for _, s in layer_parameter_shapes(config, tp)]
+    items = []
+    for start, stop, first, last in chunks:
+        items += [(math.prod(s), config.tie_embeddings and name == "embedding.weight")
+                  for name, s in _edge_shapes(config, tp, first, last)]
+        items += layer * (stop - start)
+        if last:
+            items += [(math.prod(s), config.tie_embeddings and name == "output.weight")
+                      for name, s in _head_shapes(config, tp, first)]
+    return items
+
+
+def _bucket_bytes(items, shards, *, shard, precision):
+    """(params, grads, optimizer) bytes of the most loaded rank under tp.optim.DataParallel (+ DistributedOptimizer
+    when `shard`): buckets of max(4e7, 1e6·dp) parameters in reverse registration order, each padded to a multiple
+    of the dp size when sharded; fp32 gradients; fp32 masters (a copy under bf16) and AdamW's moments over this
+    rank's shard, one step counter per parameter piece in it."""
+    bucket_numel = max(40_000_000, 1_000_000 * shards)
+    groups, current = [], []
+    for numel, alone in reversed(items):
+        if alone:
+            groups.append([numel])
+            continue
+        current.append(numel)
+        if sum(current) >= bucket_numel:
+            groups, current = groups + [current], []
+    groups += [current] if current else []
+    padded_total, per_rank = 0, [0] * (shards if shard else 1)
+    for group in groups:
+        numel = sum(group)
+        size = -(-numel // shards) * shards if shard else numel
+        padded_total += size
+        n = size // shards if shard else size
+        offsets = [0]
+        for x in group:
+            offsets.append(offsets[-1] + x)
+        for r in range(len(per_rank)):
+            lo, hi = r * n, min((r + 1) * n, numel)
+            real = max(0, hi - lo)
+            pieces = sum(1 for i in range(len(group)) if offsets[i] < hi and offsets[i + 1] > lo)
+            masters = 4 * n if precision == "bf16" else 0  # a copy of the shard (padding included) under bf16
+            per_rank[r] += masters + 8 * real + STEP_BYTES * pieces
+    return PRECISIONS[precision] * padded_total, 4 * padded_total, max(per_rank)
+
+
+_CACHE = {}
 
 
 def parameter_memory(config, *, tp, pp, stage, virtual_stages, dp_mode, precision, shards):
-    """(params, grads, optimizer, transient) bytes of pipeline rank `stage`."""
-    shapes = [shape for _, shape in stage_parameter_shapes(config, tp, pp, stage, virtual_stages)]
+    """(params, grads, optimizer, transient) bytes of pipeline rank `stage` under the training job's data
+    parallelism: fp32 "ddp" is torch DDP (+ its bucket copy of the gradients, transient) and AdamW; bf16, and "zero1",
+    tp.optim.DataParallel (+ DistributedOptimizer); "fsdp" FSDP2 (each parameter's dim 0 split over the ranks) and
+    AdamW. Memoized: the planner asks for the same stages many times."""
+    key = (repr(config), tp, pp, stage, virtual_stages, dp_mode, precision, shards)
+    if key not in _CACHE:
+        _CACHE[key] = _parameter_memory(config, tp, pp, stage, virtual_stages, dp_mode, precision, shards)
+    return _CACHE[key]
+
+
+def _parameter_memory(config, tp, pp, stage, virtual_stages, dp_mode, precision, shards):
+    chunks = stage_chunks(config.num_layers, pp, stage, virtual_stages)
+    layers = sum(stop - start for start, stop, _, _ in chunks)
+    edges = [shape for _, _, first, last in chunks for _, shape in
+             _edge_shapes(config, tp, first, last) + (_head_shapes(config, tp, first) if last else [])]
+    layer = [shape for _, shape in layer_parameter_shapes(config, tp)]
+    tensors = layers * len(layer) + len(edges)
     if dp_mode == "fsdp":
-        local = sum(_sharded_numel(s, shards) for s in shapes)
-        block = sum(math.prod(s) for _, s in layer_parameter_shapes(config, tp))
-        transient = (PRECISIONS[precision] + 4) * block  # one block's unsharded compute copy and its grads
-        return 4 * local, 4 * local, 8 * local + STEP_BYTES * len(shapes), transient
-    n = sum(math.prod(s) for s in shapes)
-    p, g, o = bytes_per_parameter(precision, dp_mode)  # unsharded bytes; zero1 shards the optimizer state evenly
-    return int(p * n), int(g * n), int(o * (-(-n // shards) if dp_mode == "zero1" else n)) + STEP_BYTES * len(shapes), 0
+        local = layers * sum(_sharded_numel(s, shards) for s in layer) + sum(_sharded_numel(s, shards) for s in edges)
+        transient = (PRECISIONS[precision] + 4) * sum(math.prod(s) for s in layer)  # a block's unsharded copy, grads
+        return 4 * local, 4 * local, 8 * local + STEP_BYTES * tensors, transient
+    if dp_mode == "zero1" or precision == "bf16":
+        return (*_bucket_bytes(_registration(config, tp, chunks), shards, shard=dp_mode == "zero1",
+                               precision=precision), 0)
+    n = layers * sum(math.prod(s) for s in layer) + sum(math.prod(s) for s in edges)
+    ddp_buckets = 4 * n if shards > 1 else 0  # torch DDP reduces through its own copy of the gradients
+    return 4 * n, 4 * n, 8 * n + STEP_BYTES * tensors, ddp_buckets
 
 
 # ---- activations ---------------------------------------------------------------------------------------------------
@@ -268,7 +347,10 @@ def estimate(config, *, tp, cp=1, pp, dp, micro_batch_size, seq_len, sequence_pa
     rope_tables = 2 * e * seq_len * config.head_dim if config.position == "rope" and recompute != "full" and \
         cp == 1 else 0
     best = None
-    for stage in range(pp):
+    # Only the ends can be the largest: pipeline rank 0 holds at least any middle rank's layers (stage_layers gives the
+    # extra ones to the first stages; with interleaving its chunks are the first of each round), at least as many
+    # micro-batches in flight, and the embedding; the last holds the output layer and the loss.
+    for stage in sorted({0, pp - 1}):
         chunks = stage_chunks(config.num_layers, pp, stage, virtual_stages)
         layers = sum(stop - start for start, stop, _, _ in chunks)
         alive = in_flight(schedule, pp, stage, virtual_stages, micro_batches)

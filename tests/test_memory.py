@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 import models
 import tp
+import tp.optim
 from models import memory
 from models.block import TransformerBlock
 from tp.testing import distributed
@@ -214,8 +215,9 @@ def test_estimate_picks_the_largest_stage_and_sums_its_parts():
     assert est.activations == 4 * (2 * per_layer + edges) + 2 * 2 * 1024 * cfg.head_dim
     # zero1 shards the fp32 master + moments over dp x cp; ddp keeps them whole
     ddp = memory.estimate(cfg, **(args | dict(dp_mode="ddp")))
-    n = ddp.params // 2
-    assert ddp.optimizer - est.optimizer == 12 * n - 12 * (-(-n // 4))
+    n, tensors = ddp.params // 2, len(memory.stage_parameter_shapes(cfg, 2, 4, 0))
+    assert n % 4 == 0 and ddp.optimizer == 12 * n + 4 * tensors  # fp32 master, two moments, step counters
+    assert 0 < est.optimizer - 12 * n // 4 <= 4 * tensors  # a quarter of them, the counters of this rank's pieces
     assert memory.estimate(cfg, **(args | dict(cp=2))).optimizer < est.optimizer  # dp x cp ranks share it
     # interleaved (2 x 2 chunks): the last rank holds (V-1)·p + 1 = 3 chunks of 1/V stage, each micro-batch with
     # the loss's fp32 softmax over 16000 vocabulary columns: the largest stage here
@@ -224,3 +226,44 @@ def test_estimate_picks_the_largest_stage_and_sums_its_parts():
     # full recompute keeps only block inputs, and recomputes one block at a time
     full = memory.estimate(cfg, **(args | dict(recompute="full")))
     assert full.layer_activations == 2 * 512 * 1024 and full.transient > 0
+
+
+def _max_over_ranks(values):
+    t = torch.tensor(values, dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return tuple(t.tolist())
+
+
+@pytest.mark.parametrize("tp_size", [1, 2])
+@distributed(world_size=4)
+def test_data_parallel_bytes_are_what_tp_optim_and_fsdp2_allocate(tp_size):
+    """tp.optim.DataParallel (+ DistributedOptimizer) in bf16 and fp32, sharded (zero1) and not, and FSDP2, over the
+    4 / tp data-parallel ranks: tp.optim.memory_bytes after one AdamW step, the largest rank's, equals the estimate
+    exactly (buckets padded to the dp size, fp32 masters under bf16, one step counter per parameter piece)."""
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = tp.init_mesh(tp=tp_size, dp=4 // tp_size)
+    for variant in ("llama", "qwen"):
+        cfg = config(variant, vocab_size=301)  # 301: an odd parameter count, so the buckets need padding
+        for dp_mode, precision in (("zero1", "bf16"), ("zero1", "fp32"), ("ddp", "bf16"), ("fsdp", "fp32")):
+            torch.manual_seed(0)
+            stage = _stage(cfg, 1, 0, mesh)
+            if dp_mode == "fsdp":
+                for block in stage.layers:
+                    fully_shard(block, mesh=mesh.device_mesh["dp"])
+                module = fully_shard(stage, mesh=mesh.device_mesh["dp"])
+                optimizer = torch.optim.AdamW(module.parameters())
+            else:
+                module = tp.optim.DataParallel(stage, group=mesh.dp_group, shard=dp_mode == "zero1",
+                                               param_dtype=torch.bfloat16 if precision == "bf16" else None)
+                params = list(module.parameters())
+                optimizer = tp.optim.DistributedOptimizer(module, [
+                    {"params": [p for p in params if p.dim() > 1]},
+                    {"params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0}])
+            x = torch.randint(0, cfg.vocab_size, (2, 8))
+            module(x, x).backward()
+            optimizer.step()
+            got = _max_over_ranks(list(tp.optim.memory_bytes(module, optimizer).values()))
+            want = memory.parameter_memory(cfg, tp=tp_size, pp=1, stage=0, virtual_stages=1, dp_mode=dp_mode,
+                                           precision=precision, shards=mesh.dp_size)[:3]
+            assert got == want, (variant, dp_mode, precision, got, want)
