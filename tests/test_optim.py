@@ -16,7 +16,7 @@ import models
 import tp
 from models.pipeline import stage_options
 from tests.helpers import comm_counts
-from tp.optim import DataParallel, DistributedOptimizer, _reduced_grad, clip_grad_norm_, keep_param_tags, memory_bytes
+from tp.optim import DataParallel, DistributedOptimizer, reduced_grad, clip_grad_norm_, keep_param_tags, memory_bytes
 from tp.testing import distributed
 
 ROWS, MICRO, STEPS = 8, 2, 3  # global batch rows, micro-batches per step, steps
@@ -207,13 +207,14 @@ def forward_backward(module, mesh, x, y):
 
 
 @pytest.mark.parametrize("split,wrap", [(dict(tp=2, pp=2), None), (dict(tp=2), "zero1"), (dict(tp=2), "fsdp2"),
-                                        (dict(pp=2), "zero1")])
+                                        (dict(pp=2), "zero1"), (dict(cp=2), "zero1")])
 @distributed(world_size=4)
 def test_clip_grad_norm_is_the_serial_models_norm(split, wrap):
     mesh = tp.init_mesh(**split)
     x, y, full_x, full_y = gpt_batch(mesh)
     torch.manual_seed(0)
-    serial = models.GPT(GPT, group=solo_group())
+    solo = solo_group()
+    serial = models.GPT(GPT, group=solo, cp_group=solo)
     serial(full_x, full_y).backward()
     expected = torch.nn.utils.get_total_norm([p.grad for p in serial.parameters()]).item()
 
@@ -226,7 +227,8 @@ def test_clip_grad_norm_is_the_serial_models_norm(split, wrap):
             tied.shared = True  # the first stage's embedding, held again: counted there
     module = stage
     if wrap == "zero1":
-        module = DataParallel(stage, group=mesh.dp_group, bucket_numel=300,
+        # gradients summed over cp (each cp rank holds its tokens' share), averaged over dp
+        module = DataParallel(stage, group=mesh.group("dp-cp"), average_over=mesh.dp_size, bucket_numel=300,
                               tied=[(tied, mesh.embedding_group)] if tied is not None else ())
     elif wrap == "fsdp2":
         from torch.distributed.fsdp import fully_shard
@@ -241,7 +243,7 @@ def test_clip_grad_norm_is_the_serial_models_norm(split, wrap):
     after = clip_grad_norm_(module.parameters(), 0, mesh=mesh)  # measure only
     assert abs(after.item() - expected / 2) <= 1e-5 * expected
 
-    grads = [g for p in module.parameters() if (g := _reduced_grad(p)[0]) is not None and g.numel()]
+    grads = [g for p in module.parameters() if (g := reduced_grad(p)[0]) is not None and g.numel()]
     if mesh.rank == 0:  # one rank's inf: every rank gets a non-finite norm, and nothing is scaled
         grads[0].view(-1)[0] = math.inf
     before = [g.clone() for g in grads]

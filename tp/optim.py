@@ -17,8 +17,9 @@ data-parallel group.
   copy made before the cast when they are bf16) with the reduced fp32 gradient shard. `step()` updates them, copies
   them into the bf16 parameters and starts the buckets' all-gathers, which the next forward waits for bucket by
   bucket (forward pre-hooks), so they overlap with it where the order allows.
-- `clip_grad_norm_(params, max_norm, *, mesh=None)`: the global L2 norm of the gradients, each parameter counted once
-  across tp, pp and dp (x cp), clipped in place; `memory_bytes(model, optimizer)`: what a rank holds per category.
+- `clip_grad_norm_(params, max_norm, *, mesh=None)` (tp/clip.py): the global L2 norm of the gradients, each parameter
+  counted once across tp, pp and dp (x cp), clipped in place; `memory_bytes(model, optimizer)`: what a rank holds
+  per category.
 """
 import contextlib
 import functools
@@ -30,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .clip import CLIP_TAGS, clip_grad_norm_, keep_param_tags, reduced_grad  # noqa: F401  (tp.optim's API)
 from .mappings import _all_gather, _reduce_scatter
 from .mesh import get_mesh
 
@@ -290,7 +292,8 @@ class DistributedOptimizer:
         given = [p for g in groups for p in g["params"]]
         if len(given) != len(set(given)) or set(given) != set(module._bucket_of):
             raise ValueError("DistributedOptimizer params must hold each of the module's trainable parameters once")
-        self.module, self.masters = module, {}
+        self.module, self.masters, self.group_of = module, {}, {}
+        self.masters_dtype = module.buckets[0].master_shard.dtype
         inner = []
         for g in groups:
             pieces = []
@@ -303,6 +306,9 @@ class DistributedOptimizer:
                     pieces.append(master)
             inner.append(dict(g, params=pieces))
         self.optimizer = optimizer(inner, **hyperparameters)
+        for g, group in zip(groups, self.optimizer.param_groups):  # (a model parameter's group: its hyperparameters)
+            for p in g["params"]:
+                self.group_of[p] = group
 
     param_groups = property(lambda self: self.optimizer.param_groups)
     state = property(lambda self: self.optimizer.state)
@@ -379,106 +385,6 @@ class DistributedOptimizer:
             master.copy_(flat(values["param"]))
         self.state[master] = {k: flat(v).to(master.dtype).clone() if v.shape == param.shape else v.clone()
                               for k, v in values.items() if k != "param"}
-
-
-# ---- gradient clipping ---------------------------------------------------------------------------------------------
-
-def _reduced_grad(p):
-    """(this rank's part of p's reduced gradient, its flat offset in p, the group it is sharded over or None)."""
-    if getattr(p, "main_grad_shard", None) is not None:
-        return p.main_grad_shard, p.main_grad_shard_offset, p.main_grad_shard_group
-    grad = getattr(p, "main_grad", None)
-    grad = p.grad if grad is None else grad
-    if grad is not None and hasattr(grad, "to_local"):  # FSDP2: a DTensor sharded on dim 0
-        from torch.distributed.tensor import Shard
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        if grad.device_mesh.ndim != 1 or grad.placements[0] != Shard(0):
-            raise ValueError(f"clip_grad_norm_: a DTensor gradient placed {grad.placements} on a "
-                             f"{grad.device_mesh.ndim}-D mesh (expected FSDP2's Shard(0) on one dim)")
-        _, offset = compute_local_shape_and_global_offset(grad.shape, grad.device_mesh, grad.placements)
-        return grad.to_local(), offset[0] * math.prod(grad.shape[1:]), grad.device_mesh.get_group()
-    return grad, 0, None
-
-
-def _counted(p, mesh, group):
-    """Whether this rank counts its part of p's gradient over the data-parallel ranks (dp x cp)."""
-    if group is None:  # replicated over dp x cp: the first rank counts it
-        return mesh.local_rank("dp-cp") == 0
-    size = dist.get_world_size(group)
-    if size == mesh.size("dp-cp"):
-        return True
-    if size == mesh.dp_size:
-        return mesh.cp_rank == 0
-    raise ValueError(f"clip_grad_norm_: a gradient sharded over {size} ranks, neither dp={mesh.dp_size} nor "
-                     f"dp x cp={mesh.size('dp-cp')}")
-
-
-def _sum_of_squares(p, grad, offset, tp_rank):
-    """Σ g² over the elements this tp rank counts: all of a tp-sharded parameter but its replicated rows held first by
-    another rank (kv heads fewer than tp), none of a tp-duplicated one except on tp rank 0."""
-    flat = grad.reshape(-1).to(torch.float64)
-    if not getattr(p, "tensor_parallel", False):
-        return flat.dot(flat) if tp_rank == 0 else flat.new_zeros(())
-    replicas = getattr(p, "replica_rows", None)
-    if replicas is None:
-        return flat.dot(flat)
-    keep = torch.cat([torch.full((rows,), r == 1 or tp_rank % r == 0) for rows, r in replicas])  # [local rows]
-    row = (offset + torch.arange(flat.numel(), device=flat.device)) // math.prod(p.shape[1:])
-    return (flat.square() * keep.to(flat.device)[row]).sum()
-
-
-@torch.no_grad()
-def clip_grad_norm_(params, max_norm, *, mesh=None):
-    """Scale the gradients in place so that their global L2 norm is at most `max_norm` (0: measure only); returns
-    the norm before clipping (a 0-d fp32 tensor, the same on every rank; inf/nan when a gradient is not finite:
-    skip that step).
-
-    The norm is over the whole model: every rank of the mesh passes its parameters and one all-reduce over the world
-    sums the squares, each element counted once: tp-sharded weights (`tensor_parallel`) on every tp rank, their rows
-    replicated over tp (`replica_rows`, kv heads fewer than tp) and tp-duplicated parameters (norms, row biases) on
-    one; a copy held by another pipeline stage (`shared`, the last stage's tied output layer) not at all;
-    gradients replicated over dp (x cp) once, those sharded over it (zero1's `main_grad_shard`, FSDP2's DTensors)
-    summed over their shards. `main_grad` is used when present; DataParallel's reductions are finished first.
-    """
-    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm >= 0:
-        raise ValueError(f"max_norm={max_norm!r} must be a number >= 0 (0: measure only)")
-    mesh = get_mesh() if mesh is None else mesh
-    params = list(dict.fromkeys(params))
-    for finish in dict.fromkeys(p.finish_grad_sync for p in params if hasattr(p, "finish_grad_sync")):
-        finish()
-    total, grads = torch.zeros((), dtype=torch.float64), []
-    for p in params:
-        grad, offset, group = _reduced_grad(p)
-        if grad is None:
-            continue
-        grads.append(grad)
-        if not getattr(p, "shared", False) and _counted(p, mesh, group):
-            total += _sum_of_squares(p, grad, offset, mesh.tp_rank).cpu()
-    if mesh.world_size > 1:
-        total = total.to(grads[0].device if grads else total.device)
-        dist.all_reduce(total)
-    norm = total.sqrt().float().cpu()
-    if max_norm > 0 and math.isfinite(norm.item()):
-        coefficient = max_norm / (norm.item() + 1e-6)
-        if coefficient < 1:
-            for grad in grads:
-                grad.mul_(coefficient)
-    return norm
-
-
-CLIP_TAGS = ("tensor_parallel", "partition_dim", "replica_rows", "shared")
-
-
-@contextlib.contextmanager
-def keep_param_tags(module):
-    """Restore the parameter attributes clip_grad_norm_ reads after a wrapper that replaces the parameters (FSDP2's
-    fully_shard drops them): `with keep_param_tags(stage): fully_shard(...)`."""
-    tags = {n: {t: getattr(p, t) for t in CLIP_TAGS if hasattr(p, t)} for n, p in module.named_parameters()}
-    yield
-    for name, p in module.named_parameters():
-        for tag, value in tags.get(name, {}).items():
-            setattr(p, tag, value)
 
 
 # ---- memory --------------------------------------------------------------------------------------------------------

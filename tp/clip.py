@@ -1,0 +1,108 @@
+"""Global gradient-norm clipping (Megatron's clip_grad_norm_fp32) over a model split across tp, pp and dp (x cp).
+
+Every rank passes its parameters; one all-reduce over the world sums the squares, each element counted once, read
+from the attributes the layers set: tp-sharded weights (`tensor_parallel`) on every tp rank, their rows replicated
+over tp (`replica_rows`: kv heads fewer than tp) once, tp-duplicated parameters (norms, row biases) on tp rank 0, a
+copy held by another pipeline stage (`shared`: the last stage's tied output layer) nowhere; gradients replicated
+over dp (x cp) once, those sharded over it (zero1's `main_grad_shard`, FSDP2's DTensor shards) on every rank.
+"""
+import contextlib
+import math
+
+import torch
+import torch.distributed as dist
+
+from .mesh import get_mesh
+
+
+def reduced_grad(p):
+    """(this rank's part of p's reduced gradient, its flat offset in p, the group it is sharded over or None): zero1's
+    shard of main_grad, FSDP2's local shard, else main_grad or .grad whole."""
+    if getattr(p, "main_grad_shard", None) is not None:
+        return p.main_grad_shard, p.main_grad_shard_offset, p.main_grad_shard_group
+    grad = getattr(p, "main_grad", None)
+    grad = p.grad if grad is None else grad
+    if grad is not None and hasattr(grad, "to_local"):  # FSDP2: a DTensor sharded on dim 0
+        from torch.distributed.tensor import Shard
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        if grad.device_mesh.ndim != 1 or grad.placements[0] != Shard(0):
+            raise ValueError(f"clip_grad_norm_: a DTensor gradient placed {grad.placements} on a "
+                             f"{grad.device_mesh.ndim}-D mesh (expected FSDP2's Shard(0) on one dim)")
+        _, offset = compute_local_shape_and_global_offset(grad.shape, grad.device_mesh, grad.placements)
+        return grad.to_local(), offset[0] * math.prod(grad.shape[1:]), grad.device_mesh.get_group()
+    return grad, 0, None
+
+
+def _counted(p, mesh, group):
+    """Whether this rank counts its part of p's gradient over the data-parallel ranks (dp x cp)."""
+    if group is None:  # replicated over dp x cp: the first rank counts it
+        return mesh.local_rank("dp-cp") == 0
+    if dist.get_world_size(group) != mesh.size("dp-cp"):
+        raise ValueError(f"clip_grad_norm_: a gradient sharded over {dist.get_world_size(group)} ranks, not over the "
+                         f"dp x cp = {mesh.size('dp-cp')} ranks that reduce it")
+    return True
+
+
+def _sum_of_squares(p, grad, offset, tp_rank):
+    """Σ g² over the elements this tp rank counts: all of a tp-sharded parameter but its replicated rows held first by
+    another rank (kv heads fewer than tp), none of a tp-duplicated one except on tp rank 0."""
+    flat = grad.reshape(-1).to(torch.float64)
+    if not getattr(p, "tensor_parallel", False):
+        return flat.dot(flat) if tp_rank == 0 else flat.new_zeros(())
+    replicas = getattr(p, "replica_rows", None)
+    if replicas is None:
+        return flat.dot(flat)
+    keep = torch.cat([torch.full((rows,), r == 1 or tp_rank % r == 0) for rows, r in replicas])  # [local rows]
+    row = (offset + torch.arange(flat.numel(), device=flat.device)) // math.prod(p.shape[1:])
+    return (flat.square() * keep.to(flat.device)[row]).sum()
+
+
+@torch.no_grad()
+def clip_grad_norm_(params, max_norm, *, mesh=None):
+    """Scale the gradients in place so that their global L2 norm is at most `max_norm` (0: measure only); returns
+    the norm before clipping (a 0-d fp32 tensor, the same on every rank; inf/nan when a gradient is not finite:
+    skip that step).
+
+    Over the whole model (see the module docstring): every rank of `mesh` (default the current one) calls it with
+    its parameters. `main_grad` is used when present; tp.optim.DataParallel's reductions are finished first.
+    """
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm >= 0:
+        raise ValueError(f"max_norm={max_norm!r} must be a number >= 0 (0: measure only)")
+    mesh = get_mesh() if mesh is None else mesh
+    params = list(dict.fromkeys(params))
+    for finish in dict.fromkeys(p.finish_grad_sync for p in params if hasattr(p, "finish_grad_sync")):
+        finish()
+    nccl = dist.get_backend() == "nccl"
+    total = torch.zeros((), dtype=torch.float64, device=torch.cuda.current_device() if nccl else "cpu")
+    grads = []
+    for p in params:
+        grad, offset, group = reduced_grad(p)
+        if grad is None:
+            continue
+        grads.append(grad)
+        if not getattr(p, "shared", False) and _counted(p, mesh, group):
+            total += _sum_of_squares(p, grad, offset, mesh.tp_rank).to(total.device)
+    if mesh.world_size > 1:
+        dist.all_reduce(total)
+    norm = total.sqrt().float().cpu()  # (one host sync)
+    if max_norm > 0 and math.isfinite(norm.item()):
+        coefficient = max_norm / (norm.item() + 1e-6)
+        if coefficient < 1:
+            for grad in grads:
+                grad.mul_(coefficient)
+    return norm
+
+
+CLIP_TAGS = ("tensor_parallel", "partition_dim", "replica_rows", "shared")
+
+
+@contextlib.contextmanager
+def keep_param_tags(module):
+    """Restore the parameter attributes clip_grad_norm_ reads after a wrapper that replaces the parameters (FSDP2's
+    fully_shard drops them): `with keep_param_tags(stage): fully_shard(...)`."""
+    tags = {n: {t: getattr(p, t) for t in CLIP_TAGS if hasattr(p, t)} for n, p in module.named_parameters()}
+    yield
+    for name, p in module.named_parameters():
+        for tag, value in tags.get(name, {}).items():
+            setattr(p, tag, value)
