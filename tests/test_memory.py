@@ -54,6 +54,22 @@ def test_in_flight_micro_batches_by_hand():
     assert memory.in_flight("interleaved", 4, 3, virtual_stages=2) == (0 + 4 + 1) / 2
 
 
+def test_in_flight_equals_the_schedule_simulators_peaks():
+    """The closed forms against models.schedules (the runner's action lists): every rank's peak of forward chunks
+    awaiting their backward, for GPipe, 1F1B, ZB-H1 and interleaved over a grid of (p, m, V)."""
+    from models import schedules
+
+    for p in (2, 3, 4):
+        for m in (1, p, 2 * p, 3 * p + 1):
+            for name, vs in (("gpipe", (1,)), ("1f1b", (1,)), ("zb", (1,)), ("interleaved", (2, 3))):
+                for v in vs:
+                    if name == "interleaved" and (m < p or m % p):
+                        continue
+                    peaks = schedules.simulate(schedules.build(name, p, m, v)).peaks
+                    closed = [memory.in_flight(name, p, r, v, micro_batches=m) for r in range(p)]
+                    assert closed == pytest.approx(peaks), (name, p, m, v, closed, peaks)
+
+
 def test_stage_chunks_follow_the_pipeline_split():
     # 7 layers on 3 stages: 3, 2, 2 (models.pipeline.stage_layers); interleaved 2 x 3 virtual stages of 7 layers
     assert memory.stage_chunks(7, 3, 0) == [(0, 3, True, False)]
@@ -186,7 +202,8 @@ def _check_saved(cfg, mesh, *, pp, stage, precision, batch, seq, cp=1):
 @distributed(world_size=4)
 def test_saved_activations_within_5_percent_of_the_estimate():
     """tp 1, 2, 4 x SP off/on x recompute none/selective/full x fp32/bf16, GQA with replicated kv heads at tp 4,
-    SwiGLU and GELU; a 3-stage pipeline's first, middle and last stage (embedding, output held, loss)."""
+    SwiGLU and GELU; a 3-stage pipeline's first, middle and last stage (embedding, output held, loss); cp 2 and 4
+    with ring and all-gather attention, with tp, SP and recompute."""
     for tp_size in (1, 2, 4):
         mesh = tp.init_mesh(tp=tp_size)
         for sp in (False, True) if tp_size > 1 else (False,):
@@ -198,6 +215,16 @@ def test_saved_activations_within_5_percent_of_the_estimate():
         _check_saved(gelu, mesh, pp=1, stage=0, precision="fp32", batch=2, seq=16)
         for stage in range(3):
             _check_saved(config(), mesh, pp=3, stage=stage, precision="bf16", batch=2, seq=16)
+        tp.destroy_mesh()
+    # context parallelism: ring and all-gather attention (tp.context_parallel_attention) on s/cp tokens per rank
+    for tp_size, cp, mode, sp, recompute, precision in ((1, 2, "ring", False, "none", "fp32"),
+                                                        (2, 2, "ring", True, "none", "bf16"),
+                                                        (1, 2, "allgather", False, "none", "fp32"),
+                                                        (1, 4, "ring", False, "selective", "fp32"),
+                                                        (2, 2, "allgather", True, "full", "bf16")):
+        mesh = tp.init_mesh(tp=tp_size, cp=cp)
+        cfg = config(sequence_parallel=sp, recompute=recompute, cp_mode=mode)
+        _check_saved(cfg, mesh, pp=1, stage=0, precision=precision, batch=2, seq=16, cp=cp)
         tp.destroy_mesh()
 
 
