@@ -232,22 +232,14 @@ def evaluate(runner, held_out, args, mesh):
 
 
 def max_memory_bytes(module, optimizer):
-    """param_bytes, grad_bytes (.grad or main_grad), optimizer_bytes (its state tensors) of this rank's shards
-    (FSDP2: local shards), each the largest over all ranks (one all-reduce)."""
-    params = list({id(p): p for p in module.parameters()}.values())  # a tied weight once
-    grads = [p.main_grad if getattr(p, "main_grad", None) is not None else p.grad for p in params]
-    state = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-    sizes = [sum(_nbytes(t) for t in group) for group in (params, grads, state)]
-    totals = torch.tensor(sizes, dtype=torch.int64)
+    """tp.optim.memory_bytes (this rank's param_bytes, grad_bytes, optimizer_bytes), each the largest over all ranks
+    (one all-reduce)."""
+    from tp.optim import memory_bytes
+
+    sizes = memory_bytes(module, optimizer)
+    totals = torch.tensor(list(sizes.values()), dtype=torch.int64)
     dist.all_reduce(totals, op=dist.ReduceOp.MAX)
-    return dict(zip(("param_bytes", "grad_bytes", "optimizer_bytes"), totals.tolist()))
-
-
-def _nbytes(t):
-    if t is None:
-        return 0
-    t = t.to_local() if hasattr(t, "to_local") else t
-    return t.numel() * t.element_size()
+    return dict(zip(sizes, totals.tolist()))
 
 
 def _mean_over(value, group):
