@@ -1,0 +1,340 @@
+"""bench.plan's step-time model: one training step of a GPTConfig under a plan (tp, cp, pp, vp, dp, micro-batch,
+recompute, SP, dp mode) on a node profile (bench.roofline.Cluster), per rank of the slowest pipeline stage.
+
+Per micro-batch and stage (T = b·s/cp tokens per rank, T' = T/tp under SP, e bytes per element):
+- GEMMs: every per-rank GEMM of the layers (fused QKV with GQA, output projection, fc1 (SwiGLU: 2F), fc2; forward,
+  dgrad, wgrad) and the output layer, each at bench.roofline's Gemm roofline with the profile's achieved GEMM rate:
+  max(FLOPs / (η_gemm·C), bytes / HBM) — one efficiency curve per profile, never per run.
+- Attention core: "flash" (SDPA, this package): causal forward 2·b·s²·d·a/tp/cp FLOPs (QKᵀ and PV, half the square),
+  backward 2.5× (it recomputes the scores), at η_attn·C. "materialized" (Megatron 2021-22): QKᵀ and PV as batched
+  GEMMs over the whole square, plus softmax, mask and dropout streaming the b·a/tp·s² scores through HBM.
+- Element-wise ops (memory-bound, at HBM): "eager" — this package's norms, RoPE and residual adds as separate torch
+  ops; "fused" — Megatron's fused LayerNorm, bias-GeLU and bias-dropout-add kernels. Backward streams twice forward.
+- TP collectives: bench.roofline.pair_collectives for the two column→row pairs (ring bytes, SP's extra re-gather),
+  plus the embedding's and output layer's; NVLink inside a node, the NIC across nodes, at η_comm, plus the profile's
+  latency per collective; not overlapped (Megatron 2022 and this package run them on the critical path).
+- cp: ring mode moves (cp−1)·2·b·s/cp·kv·d elements of K/V per layer forward, K/V again plus fp32 dK/dV backward,
+  hidden behind the attention blocks it feeds (exposed: what exceeds them); all-gather mode: one all-gather forward
+  and a reduce-scatter backward, exposed.
+- Recompute: full adds every block's forward again; selective the attention core's (materialized: with its softmax).
+Per step: m micro-batches through the slowest stage plus the schedule's bubble ((p−1)/V micro-batch times for
+1F1B/GPipe/interleaved; ZB-H1 (p−1)·(F + B − W)), pp p2p of each micro-batch's activation (×V interleaved), the dp
+gradient reduce (ddp all-reduce; zero1 reduce-scatter + parameter all-gather; fsdp per-micro-batch parameter
+all-gathers and one gradient reduce-scatter), overlapped with the last backward where the implementation does, and
+the optimizer step (memory-bound over its local state).
+MFU = model FLOPs (6·N + attention 12·L·h·s + logits 6·h·V per token, REFERENCE §12, full attention as the papers
+count it) / (step time × peak × GPUs); HFU adds the recomputed FLOPs.
+"""
+import math
+from dataclasses import dataclass, replace
+
+from models import memory
+from models.flops import flops_per_token
+
+from . import roofline as rl
+
+
+@dataclass(frozen=True)
+class Plan:
+    tp: int
+    cp: int
+    pp: int
+    vp: int
+    dp: int
+    mbs: int
+    recompute: str = "none"
+    sp: bool = False
+    dp_mode: str = "ddp"
+
+    @property
+    def gpus(self):
+        return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def schedule(self):
+        return "interleaved" if self.vp > 1 else "1f1b"
+
+
+@dataclass(frozen=True)
+class Software:
+    """How the trained code runs: facts of an implementation (not fitted)."""
+    name: str
+    precision: str = "bf16"
+    attention: str = "flash"  # "flash" (SDPA, no s×s in memory) | "materialized" (scores, softmax, dropout in HBM)
+    elementwise: str = "eager"  # "eager" (separate torch ops) | "fused" (Megatron's fused kernels)
+    grad_bytes: int = 4  # per gradient element reduced over dp (fp32 main_grad; Megatron's fp16 runs: 2)
+    dp_overlap: bool = True  # the gradient reduce overlaps the last micro-batch's backward (bucketed)
+    p2p_scatter_gather: bool = False  # Megatron: each tp rank sends 1/tp of the activation between stages
+    backend: str = "triton"  # models.memory's: "torch" on CPU (autograd's own ops at tp = 1)
+
+
+OURS = Software("tp-layers")
+OURS_CPU = Software("tp-layers on CPU", precision="fp32", backend="torch")
+MEGATRON_2021 = Software("Megatron-LM 2021-22", precision="fp16", attention="materialized", elementwise="fused",
+                         grad_bytes=2, dp_overlap=False, p2p_scatter_gather=True)
+ELEMENT_SIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
+OPS_PER_LAYER = 24  # forward ops of one block (norms 2x4, qkv, rope 5, core, proj, 2 adds, fc1, fc2, collectives 2+)
+
+
+def model_flops_per_token(config, seq_len):
+    """Training FLOPs per token (REFERENCE §12), as the training log counts them (models.flops): 6·N (the blocks'
+    matmul weights) + 12·L·a·d·s (attention, full square) + 6·h·V (logits). For a GPT-3-shaped model: Narayanan et
+    al.'s 72·L·h²·(1 + s/(6h) + V/(12·L·h))."""
+    return flops_per_token(config, seq_len)
+
+
+def recompute_flops_per_token(config, seq_len, recompute):
+    """FLOPs recomputed per token: full — every block's forward (a third of its 6·N and attention); selective —
+    the attention core's forward (QKᵀ, PV over the full square, as Korthikanti et al. count it)."""
+    attention = 4 * config.num_layers * config.num_heads * config.head_dim * seq_len
+    if recompute == "full":
+        return (model_flops_per_token(config, seq_len) - 6 * config.hidden_size * config.vocab_size) / 3
+    return attention if recompute == "selective" else 0
+
+
+# ---- pieces ---------------------------------------------------------------------------------------------------------
+
+
+def _gemm_time(gemm, cluster, e):
+    hw = cluster.device
+    return max(gemm.flops / (cluster.gemm_efficiency * hw.flops), gemm.bytes(e) / hw.hbm)
+
+
+def _bandwidth(cluster, group_span):
+    """Per-device bandwidth of a group spanning `group_span` consecutive ranks: NVLink inside a node, else the NIC."""
+    inside = group_span <= cluster.gpus_per_node
+    return (cluster.device.link if inside else cluster.inter_node) * cluster.comm_efficiency
+
+
+def _collective_time(kind, size, ranks, bandwidth, cluster):
+    if ranks == 1:
+        return 0.0
+    return rl.Collective(kind, "fwd", size).wire_bytes(ranks) / bandwidth + cluster.device.latency
+
+
+def _layer_gemms(config, plan, tokens):
+    h, d, tp = config.hidden_size, config.head_dim, plan.tp
+    kv = memory._local_kv_heads(config, tp)
+    fc1 = (2 if config.activation == "swiglu" else 1) * config.ffn_hidden_size // tp
+    return (rl.linear_gemms("qkv", tokens, h, (config.num_heads // tp + 2 * kv) * d)
+            + rl.linear_gemms("proj", tokens, config.num_heads * d // tp, h)
+            + rl.linear_gemms("fc1", tokens, h, fc1) + rl.linear_gemms("fc2", tokens, config.ffn_hidden_size // tp, h))
+
+
+def _attention_times(config, plan, seq_len, cluster, software, e):
+    """(forward, backward) seconds of one layer's attention core per micro-batch."""
+    heads = plan.mbs * config.num_heads // plan.tp  # (batch × local heads) independent problems
+    s_q, s_k, d = seq_len // plan.cp, seq_len, config.head_dim
+    if software.attention == "flash":
+        flops = 2 * heads * s_q * s_k * d  # QKᵀ and PV, causal: half of 4·s_q·s_k·d
+        rate = cluster.attention_efficiency * cluster.device.flops
+        return flops / rate, 2.5 * flops / rate
+    qk, pv = rl.Gemm("qk", "fwd", s_q, d, s_k), rl.Gemm("pv", "fwd", s_q, s_k, d)
+    gemm = heads * (_gemm_time(qk, cluster, e) + _gemm_time(pv, cluster, e))
+    scores = heads * s_q * s_k
+    # forward: softmax (read, write), dropout (read, write, 1-byte mask); backward: dropout and softmax grads
+    stream = cluster.device.hbm
+    return gemm + scores * (4 * e + 1) / stream, 2 * gemm + scores * (6 * e + 1) / stream
+
+
+def _elementwise_bytes(config, plan, tokens, software, e):
+    """Forward bytes through HBM of one layer's element-wise ops (the module docstring); backward: twice this."""
+    rows = tokens // plan.tp if plan.sp else tokens
+    h = config.hidden_size
+    if software.elementwise == "fused":  # LN read+write ×2, bias-dropout-add (2 in, 1 out, mask) ×2, bias-GeLU
+        return rows * h * (2 * 2 * e + 2 * (3 * e + 1)) + 2 * e * tokens * config.ffn_hidden_size // plan.tp
+    # RMSNorm ×2: upcast (e in, 4 out), statistics (two fp32 passes), downcast (4 in, e out), weight (e in, e out);
+    # residual adds ×2 (2 in, 1 out); RoPE on q and k: ~10 passes of e (mul, rotate-half chunks and cat, mul, add)
+    qk = tokens * (config.num_heads // plan.tp + memory._local_kv_heads(config, plan.tp)) * config.head_dim
+    rope = 10 * e * qk if config.position == "rope" else 0
+    return rows * h * (2 * (4 * e + 20) + 2 * 3 * e) + rope
+
+
+def _tp_comm(config, plan, tokens, cluster, e):
+    """(forward, backward) seconds of one layer's tensor-parallel collectives."""
+    if plan.tp == 1:
+        return 0.0, 0.0
+    bandwidth = _bandwidth(cluster, plan.tp)
+    times = {"fwd": 0.0, "bwd": 0.0}
+    for c in 2 * rl.pair_collectives(tokens, config.hidden_size, plan.tp, e, sequence_parallel=plan.sp):
+        times[c.phase] += _collective_time(c.kind, c.size, plan.tp, bandwidth, cluster)
+    return times["fwd"], times["bwd"]
+
+
+def cp_kv_elements(config, plan, seq_len):
+    """K and V elements of one rank's share per layer and micro-batch: 2·b·s/cp·kv·d (kv: this tp rank's heads).
+    Ring mode sends cp − 1 of them forward, as many again backward plus as many dK/dV (fp32)."""
+    return 2 * plan.mbs * seq_len // plan.cp * memory._local_kv_heads(config, plan.tp) * config.head_dim
+
+
+def _cp_comm(config, plan, seq_len, cluster, e, attention):
+    """(forward, backward) exposed seconds of one layer's cp K/V traffic (module docstring)."""
+    if plan.cp == 1:
+        return 0.0, 0.0
+    block = cp_kv_elements(config, plan, seq_len)
+    bandwidth = _bandwidth(cluster, plan.tp * plan.cp)
+    if config.cp_mode == "allgather":
+        gather = _collective_time(rl.ALL_GATHER, e * block * plan.cp, plan.cp, bandwidth, cluster)
+        scatter = _collective_time(rl.REDUCE_SCATTER, 4 * block * plan.cp, plan.cp, bandwidth, cluster)
+        return gather, scatter
+    step = e * block / bandwidth + cluster.device.latency  # one ring step's send (and receive)
+    fwd = (plan.cp - 1) * step
+    bwd = (plan.cp - 1) * (step + 4 * block / bandwidth)  # K/V again, fp32 dK/dV back
+    return max(0.0, fwd - attention[0]), max(0.0, bwd - attention[1])
+
+
+def bubble_fraction(pp, micro_batches, virtual_stages=1):
+    """Idle fraction of the pipeline's span with equal micro-batch times (REFERENCE §8, §10): 1F1B and GPipe
+    (p−1)/(m+p−1); interleaved (p−1)/(V·m + p−1)."""
+    return (pp - 1) / (virtual_stages * micro_batches + pp - 1)
+
+
+@dataclass
+class StageTimes:
+    """Seconds per micro-batch on one pipeline rank."""
+    fwd: float = 0.0
+    bwd: float = 0.0  # input-gradient part (B)
+    wgrad: float = 0.0  # weight-gradient GEMMs (W; inside bwd for fused schedules)
+    recompute: float = 0.0
+    parts: dict = None  # per micro-batch: gemm, attention, elementwise, tp_comm, cp_comm, recompute, overhead
+
+    @property
+    def total(self):
+        return self.fwd + self.bwd + self.wgrad + self.recompute
+
+
+def stage_times(config, plan, seq_len, cluster, software, stage):
+    """StageTimes of pipeline rank `stage` (its layers, and the embedding / output layer where it holds them)."""
+    e = ELEMENT_SIZE[software.precision]
+    tokens = plan.mbs * seq_len // plan.cp
+    chunks = memory.stage_chunks(config.num_layers, plan.pp, stage, plan.vp)
+    layers = sum(stop - start for start, stop, _, _ in chunks)
+    gemms = _layer_gemms(config, plan, tokens)
+    g = {phase: sum(_gemm_time(x, cluster, e) for x in gemms if x.phase == phase) for phase in ("fwd", "dgrad",
+                                                                                                 "wgrad")}
+    attention = _attention_times(config, plan, seq_len, cluster, software, e)
+    elementwise = _elementwise_bytes(config, plan, tokens, software, e) / cluster.device.hbm
+    tp_fwd, tp_bwd = _tp_comm(config, plan, tokens, cluster, e)
+    cp_fwd, cp_bwd = _cp_comm(config, plan, seq_len, cluster, e, attention)
+    overhead = OPS_PER_LAYER * cluster.op_overhead
+    layer_fwd = g["fwd"] + attention[0] + elementwise + tp_fwd + cp_fwd + overhead
+    layer_bwd = g["dgrad"] + attention[1] + 2 * elementwise + tp_bwd + cp_bwd + 2 * overhead
+    recompute = {"full": layer_fwd, "selective": attention[0]}.get(plan.recompute, 0.0)
+    parts = {"gemm": layers * sum(g.values()), "attention": layers * sum(attention),
+             "elementwise": layers * 3 * elementwise, "tp_comm": layers * (tp_fwd + tp_bwd),
+             "cp_comm": layers * (cp_fwd + cp_bwd), "recompute": layers * recompute, "overhead": layers * 3 * overhead}
+    times = StageTimes(layers * layer_fwd, layers * layer_bwd, layers * g["wgrad"], layers * recompute, parts)
+    rows = tokens // plan.tp if plan.sp else tokens
+    for _, _, first, last in chunks:
+        if first:  # embedding lookup (write T'·h) and its all-reduce (SP: reduce-scatter)
+            comm = _collective_time(rl.REDUCE_SCATTER if plan.sp else rl.ALL_REDUCE, e * tokens * config.hidden_size,
+                                    plan.tp, _bandwidth(cluster, plan.tp), cluster)
+            lookup = e * rows * config.hidden_size / cluster.device.hbm
+            times.fwd += lookup + comm
+            parts["elementwise"] += lookup
+            parts["tp_comm"] += comm
+        if last:  # output layer GEMMs, the loss's fp32 softmax over this rank's vocabulary (~4 passes each way)
+            head = rl.linear_gemms("logits", tokens, config.hidden_size, config.padded_vocab_size(plan.tp) // plan.tp)
+            loss = 16 * tokens * config.padded_vocab_size(plan.tp) // plan.tp / cluster.device.hbm
+            comm = 0.0
+            if plan.sp:  # the output layer gathers the sequence, and reduce-scatters its input gradient
+                bandwidth = _bandwidth(cluster, plan.tp)
+                comm = 2 * _collective_time(rl.ALL_GATHER, e * tokens * config.hidden_size, plan.tp, bandwidth,
+                                            cluster)
+            times.fwd += _gemm_time(head[0], cluster, e) + loss + comm / 2
+            times.bwd += _gemm_time(head[1], cluster, e) + loss + comm / 2
+            times.wgrad += _gemm_time(head[2], cluster, e)
+            parts["gemm"] += sum(_gemm_time(x, cluster, e) for x in head)
+            parts["elementwise"] += 2 * loss
+            parts["tp_comm"] += comm
+    return times
+
+
+# ---- the step --------------------------------------------------------------------------------------------------------
+
+
+def _stage_params(config, plan, stage):
+    chunks = memory.stage_chunks(config.num_layers, plan.pp, stage, plan.vp)
+    layers = sum(stop - start for start, stop, _, _ in chunks)
+    per_layer = sum(math.prod(s) for _, s in memory.layer_parameter_shapes(config, plan.tp))
+    edges = sum(math.prod(s) for _, _, first, last in chunks for _, s in
+                memory._edge_shapes(config, plan.tp, first, last) + (
+                    memory._head_shapes(config, plan.tp, first) if last else []))
+    return layers * per_layer + edges
+
+
+def _dp_time(config, plan, cluster, software, stage, times, micro_batches):
+    """Exposed seconds of the data-parallel traffic per step on `stage`."""
+    shards = plan.dp * plan.cp  # gradients are reduced over dp x cp
+    if shards == 1:
+        return 0.0
+    n = _stage_params(config, plan, stage)
+    e = ELEMENT_SIZE[software.precision]
+    bandwidth = _bandwidth(cluster, plan.tp * plan.cp * plan.dp)
+    grads = software.grad_bytes * n
+    window = times.bwd + times.wgrad + times.recompute if software.dp_overlap else 0.0  # the last backward
+    if plan.dp_mode == "ddp":
+        return max(0.0, _collective_time(rl.ALL_REDUCE, grads, shards, bandwidth, cluster) - window)
+    scatter = max(0.0, _collective_time(rl.REDUCE_SCATTER, grads, shards, bandwidth, cluster) - window)
+    gather = _collective_time(rl.ALL_GATHER, e * n, shards, bandwidth, cluster)
+    if plan.dp_mode == "zero1":
+        return scatter + gather
+    # fsdp: every micro-batch gathers the parameters for its forward and again for its backward, prefetched
+    return scatter + micro_batches * max(0.0, 2 * gather - times.total)
+
+
+def _optimizer_time(config, plan, cluster, software, stage):
+    n = _stage_params(config, plan, stage)
+    local = n / (plan.dp * plan.cp) if plan.dp_mode in ("zero1", "fsdp") else n
+    touched = 32 if software.precision in ("bf16", "fp16") else 28  # Adam: read and write param, master, moments
+    return local * touched / cluster.device.hbm
+
+
+def _p2p_time(config, plan, seq_len, cluster, software):
+    """Seconds of one activation send between neighbouring stages."""
+    if plan.pp == 1:
+        return 0.0
+    e = ELEMENT_SIZE[software.precision]
+    rows = plan.mbs * seq_len // plan.cp // (plan.tp if plan.sp else 1)
+    size = e * rows * config.hidden_size
+    if software.p2p_scatter_gather and not plan.sp:
+        size /= plan.tp
+    bandwidth = _bandwidth(cluster, 2 * plan.tp * plan.cp * plan.dp)  # the neighbour is tp·cp·dp ranks away
+    return size / bandwidth + cluster.device.latency
+
+
+def _with_cpu_sharing(cluster, plan):
+    """On the CPU profile ranks beyond the cores share them: each gets cores / ranks of a core's rate."""
+    if not cluster.cores or plan.gpus <= cluster.cores:
+        return cluster
+    slow = cluster.cores / plan.gpus
+    device = replace(cluster.device, flops=cluster.device.flops * slow, hbm=cluster.device.hbm * slow)
+    return replace(cluster, device=device, op_overhead=cluster.op_overhead / slow)
+
+
+def step_time(config, plan, *, seq_len, global_batch_size, cluster, software=OURS):
+    """{"step_s", "tokens_per_s", "mfu", "hfu", "breakdown": {part: seconds per step}} of one training step."""
+    cluster = _with_cpu_sharing(cluster, plan)
+    m = global_batch_size // (plan.dp * plan.mbs)
+    # Only the ends can be the slowest (or hold the most parameters): rank 0 has at least any middle rank's layers
+    # and the embedding, the last rank the output layer and the loss (models.memory.estimate says why).
+    distinct = [(s, stage_times(config, plan, seq_len, cluster, software, s)) for s in sorted({0, plan.pp - 1})]
+    slowest, t = max(distinct, key=lambda item: item[1].total)
+    p2p = _p2p_time(config, plan, seq_len, cluster, software)
+    per_micro = t.total + 2 * p2p * plan.vp if plan.pp > 1 else t.total
+    busy = m * per_micro  # span = busy / (1 − bubble fraction): (p − 1)/V micro-batch times of idling
+    bubble = busy * bubble_fraction(plan.pp, m, plan.vp) / (1 - bubble_fraction(plan.pp, m, plan.vp))
+    dp = max(_dp_time(config, plan, cluster, software, s, times, m) for s, times in distinct)
+    optimizer = max(_optimizer_time(config, plan, cluster, software, s) for s, _ in distinct)
+    step = m * per_micro + bubble + dp + optimizer
+    tokens = global_batch_size * seq_len
+    flops = model_flops_per_token(config, seq_len) * tokens
+    recomputed = recompute_flops_per_token(config, seq_len, plan.recompute) * tokens
+    peak = plan.gpus * cluster.device.flops * (cluster.cores / plan.gpus if cluster.cores and
+                                               plan.gpus > cluster.cores else 1)
+    breakdown = {name: m * value for name, value in t.parts.items()}
+    breakdown.update(pp_p2p=m * 2 * p2p * plan.vp if plan.pp > 1 else 0.0, bubble=bubble, dp_comm=dp,
+                     optimizer=optimizer)
+    return {"step_s": step, "tokens_per_s": tokens / step, "mfu": flops / (step * peak),
+            "hfu": (flops + recomputed) / (step * peak), "micro_batches": m, "slowest_stage": slowest,
+            "breakdown": breakdown}
