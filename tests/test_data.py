@@ -110,15 +110,15 @@ def test_a_tokenizer_without_data_tokenizes_the_bundled_corpus_into_the_user_cac
     assert data.token_count(_args()) == len(data.corpus()) and data.vocab_size(_args()) is None  # bytes, in memory
 
 
-def test_token_file_roundtrip_and_cli(corpus, tmp_path):
+def test_token_file_roundtrip_and_cli(corpus, tmp_path, capsys):
     out = tmp_path / "mine.bin"
-    result = subprocess.run([sys.executable, "-m", "models.tokens", "--data", corpus["text"], "--tokenizer",
-                             corpus["tokenizer"], "--out", str(out)], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
+    assert tokens.main(["--data", corpus["text"], "--tokenizer", corpus["tokenizer"], "--out", str(out)]) == 0
     ids, header = tokens.read(str(out))
     cached, _ = tokens.read(data.token_path(_args("--data", corpus["text"], "--tokenizer", corpus["tokenizer"]),
                                             progress=False))
-    assert np.array_equal(ids, cached) and str(len(ids)) in result.stdout.replace(",", "")
+    assert np.array_equal(ids, cached) and str(len(ids)) in capsys.readouterr().out.replace(",", "")
+    assert tokens.main(["--data", str(tmp_path / "nothing")]) == 2
+    assert capsys.readouterr().err == f"error: --data {tmp_path / 'nothing'}: no such file or directory\n"
     args = _args("--data", str(out), "--tp", "1", "--pp", "1", "--dp", "1", "--seq-len", "32")
     assert validate(args).vocab_size == 400  # a token file's vocabulary from its sidecar
     big = tmp_path / "big.bin"  # written by hand, as a user's own tool would: uint32 and a sidecar
