@@ -294,3 +294,21 @@ def test_data_parallel_bytes_are_what_tp_optim_and_fsdp2_allocate(tp_size):
             want = memory.parameter_memory(cfg, tp=tp_size, pp=1, stage=0, virtual_stages=1, dp_mode=dp_mode,
                                            precision=precision, shards=mesh.dp_size)[:3]
             assert got == want, (variant, dp_mode, precision, got, want)
+
+
+@pytest.mark.parametrize("split,dp_mode", [((2, 2, 1), "ddp"), ((1, 2, 2), "fsdp")])
+def test_the_training_jobs_logged_bytes_equal_the_estimate(split, dp_mode):
+    """models.train's log (param_bytes, grad_bytes, optimizer_bytes: each the largest over the ranks) after its first
+    step equals the estimate's largest stage per category, exactly."""
+    from bench.train import train_rank
+    from tp import testing
+
+    t, p, d = split
+    flags = ["--tp", str(t), "--pp", str(p), "--dp", str(d), "--dp-mode", dp_mode, "--model", "tiny", "--steps", "1",
+             "--global-batch-size", "4", "--micro-batch-size", "2", "--seq-len", "32"]
+    log = testing.run(train_rank, world_size=4, timeout=300, flags=flags)[0][0]
+    cfg = models.GPTConfig(**(models.config.PRESETS["tiny"] | {"max_seq_len": 256}))
+    stages = [memory.parameter_memory(cfg, tp=t, pp=p, stage=s, virtual_stages=1, dp_mode=dp_mode, precision="fp32",
+                                      shards=d) for s in range(p)]
+    want = tuple(max(stage[i] for stage in stages) for i in range(3))
+    assert (log["param_bytes"], log["grad_bytes"], log["optimizer_bytes"]) == want
