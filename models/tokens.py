@@ -161,7 +161,10 @@ def load_tokenizer(directory):
         raise ValueError(f"--tokenizer {directory}: no such directory (a Hugging Face tokenizer directory)")
     try:
         import transformers
-
+    except ImportError:
+        raise ValueError(f"--tokenizer {directory}: reading a tokenizer needs transformers (pip install -e "
+                         "'.[hf]')") from None
+    try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(directory, local_files_only=True)
     except (OSError, ValueError, KeyError, TypeError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
