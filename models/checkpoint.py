@@ -29,6 +29,12 @@ and states are gathered over dp with `full_tensor()` on save and re-sharded on l
 unwrapped. A tied embedding split across stages is assumed kept equal on both (its grads summed over the embedding
 group): both copies write the same chunks and both are loaded from them.
 
+The distributed optimizer (`tp.optim.DistributedOptimizer`, zero1, and its all-reduce form for ddp under bf16)
+keeps each rank's 1/dp of the fp32 masters and AdamW state: they are all-gathered over dp on save and written as
+above, and each rank keeps its shard on load, so checkpoints move freely between ddp, zero1 and fsdp at any dp size.
+The parameters are always stored as the fp32 masters (bf16 runs: not the bf16 copies; `optimizer` names the inner
+torch optimizer, AdamW), so a bf16 run resumes in fp32 and the other way round.
+
 RNG: restored only when the split (world size, tp, pp, dp, order) is unchanged, so resuming then is bit-exact with
 dropout too. At another split no rank's stream corresponds to a saved one: every rank keeps the generators it has
 (seed them with `tp.model_parallel_seed` before loading), and dropout masks differ from the uninterrupted run from
@@ -141,6 +147,14 @@ def _assign(target, value):
     target.copy_(value)
 
 
+def _distributed(optimizer):
+    return isinstance(optimizer, tp.optim.DistributedOptimizer)
+
+
+def _optimizer_name(optimizer):
+    return type(optimizer.optimizer if _distributed(optimizer) else optimizer).__name__
+
+
 def _split(mesh):
     return dict(world_size=mesh.world_size, order="-".join(mesh.order), **mesh.sizes)
 
@@ -153,7 +167,10 @@ def _check(model, optimizer, mesh):
                         f"{type(model).__name__}")
     if model.tp_size != mesh.tp_size:
         raise ValueError(f"the model is split over tp={model.tp_size} ranks but mesh has tp={mesh.tp_size}")
-    if optimizer is not None:
+    if _distributed(optimizer):
+        if optimizer.module.module is not model:
+            raise ValueError("the DistributedOptimizer steps another module's parameters than the model's")
+    elif optimizer is not None:
         ours = {id(p) for *_, p in _parameters(model)}
         foreign = [i for i, g in enumerate(optimizer.param_groups) for p in g["params"] if id(p) not in ours]
         if foreign:
@@ -167,15 +184,20 @@ def save(path, model, optimizer, *, mesh, step, extra=None):
     every rank). `extra`: anything picklable to hand back on load (rank 0's is kept)."""
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step={step!r} must be an integer >= 0")
+    if hasattr(model, "finish_param_sync"):  # tp.optim.DataParallel: its parameters' all-gathers complete
+        model.finish_param_sync()
     model = _check(model, optimizer, mesh)
     device_mesh = mesh.device_mesh["tp"]
     state = {}
+    whole = optimizer.full_state() if _distributed(optimizer) else None  # fp32 masters and state, dp-gathered
     for name, module, attr, param in _parameters(model):
         parts = [part for part in _parts(model, name, module, attr, param.shape) if part.held()]
-        value = _tp_local(param.detach())
+        value = _tp_local(param.detach()) if whole is None else whole[param].pop("param")
         for part in parts:
             state[f"model.{part.key}"] = part.stored(part.views(value), device_mesh)
-        for entry, value in (optimizer.state.get(param, {}) if optimizer is not None else {}).items():
+        entries = whole[param] if whole is not None else optimizer.state.get(param, {}) if optimizer is not None \
+            else {}
+        for entry, value in entries.items():
             if not torch.is_tensor(value):
                 raise TypeError(f"optimizer state {entry!r} of {name} is a {type(value).__name__}; only tensors are "
                                 "checkpointed")
@@ -187,7 +209,7 @@ def save(path, model, optimizer, *, mesh, step, extra=None):
         groups = None if optimizer is None else [{k: v for k, v in g.items() if k != "params"}
                                                  for g in optimizer.param_groups]
         meta = dict(step=step, split=_split(mesh), config=dataclasses.asdict(model.config), extra=extra,
-                    optimizer=None if optimizer is None else type(optimizer).__name__, param_groups=groups)
+                    optimizer=None if optimizer is None else _optimizer_name(optimizer), param_groups=groups)
         state["meta"] = pickle.dumps(meta)
     state[f"rng.{mesh.rank}"] = pickle.dumps(tp.get_rng_state())
     dcp.save(state, checkpoint_id=path)
@@ -219,8 +241,8 @@ def _read_meta(path, model, optimizer):
     meta = read_meta(path)
     check_config(meta["config"], model.config, path)
     if optimizer is not None and meta["optimizer"] is not None:
-        if type(optimizer).__name__ != meta["optimizer"]:
-            raise ValueError(f"checkpoint {path!r} holds {meta['optimizer']} state, not {type(optimizer).__name__}")
+        if _optimizer_name(optimizer) != meta["optimizer"]:
+            raise ValueError(f"checkpoint {path!r} holds {meta['optimizer']} state, not {_optimizer_name(optimizer)}")
         if len(optimizer.param_groups) != len(meta["param_groups"]):
             raise ValueError(f"checkpoint {path!r} has {len(meta['param_groups'])} optimizer param_groups, the "
                              f"optimizer {len(optimizer.param_groups)}")
@@ -234,8 +256,10 @@ def load(path, model, optimizer, *, mesh):
     meta = _read_meta(path, model, optimizer)
     stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     device_mesh = mesh.device_mesh["tp"]
-    groups = {} if optimizer is None else {id(p): g for g in optimizer.param_groups for p in g["params"]}
-    state, fills, new_states = {}, [], {}
+    distributed = _distributed(optimizer)
+    groups = {} if optimizer is None else {id(p): g for p, g in optimizer.group_of.items()} if distributed else \
+        {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    state, fills, new_states, masters = {}, [], {}, {}
 
     def request(target, parts, prefix, suffix, dtype):
         """Ask for this rank's blocks of `target` (a tp-local tensor made of `parts`); copied in after the load."""
@@ -250,7 +274,10 @@ def load(path, model, optimizer, *, mesh):
 
     for name, module, attr, param in _parameters(model):
         parts = _parts(model, name, module, attr, param.shape)
-        request(param, parts, "model", "", param.dtype)
+        target = param
+        if distributed:  # the fp32 master (and, through it, a bf16 parameter) from the stored fp32 values
+            target = masters[param] = torch.zeros(param.shape, dtype=optimizer.masters_dtype, device=param.device)
+        request(target, parts, "model", "", target.dtype)
         if id(param) not in groups:
             continue
         group, new = groups[id(param)], {}
@@ -258,7 +285,7 @@ def load(path, model, optimizer, *, mesh):
         for key in (k for k in stored if k.startswith(prefix)):
             entry, md = key[len(prefix):], stored[key]
             if tuple(md.size) == parts[0].shape:  # split like the parameter
-                new[entry] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                new[entry] = torch.zeros_like(target, memory_format=torch.preserve_format)
                 request(new[entry], parts, "optim", f".{entry}", md.properties.dtype)
             else:  # whole (AdamW's step: on the parameter's device only when capturable or fused, as torch does)
                 device = param.device if group.get("capturable") or group.get("fused") else "cpu"
@@ -278,13 +305,16 @@ def load(path, model, optimizer, *, mesh):
                 for view, buffer in zip(part.views(value), buffers):
                     view.copy_(buffer)
             _assign(target, value)
-    if optimizer is not None:
+    if distributed:  # each rank keeps its shard of the masters and state
+        for param, master in masters.items():
+            optimizer.load_full_state(param, {"param": master, **new_states.get(param, {})})
+    elif optimizer is not None:
         for param, new in new_states.items():
             optimizer.state.pop(param, None)
             if new:
                 optimizer.state[param] = new
-        for group, saved in zip(optimizer.param_groups, meta["param_groups"] or []):
-            group.update(saved)
+    for group, saved in zip(optimizer.param_groups if optimizer is not None else (), meta["param_groups"] or []):
+        group.update(saved)
     if same_split:
         tp.set_rng_state(pickle.loads(state[rng_key]))
     elif model.config.dropout or model.config.attention_dropout:

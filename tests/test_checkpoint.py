@@ -1,7 +1,8 @@
 """Checkpoints that reshard: train AdamW at one tp/pp/dp split, save, load at another (tp 2->4 and 4->1, pp 2<->1, dp
-1->4, DDP, FSDP2, tied embeddings across stages) and check that (a) the loaded parameters and AdamW states, gathered
-dense, equal the saved ones bit for bit, and (b) one more step gives what the uninterrupted run gives (bit for bit
-at the same split)."""
+1->4, DDP, FSDP2, the distributed optimizer (zero1), bf16 with fp32 masters, tied embeddings across stages) and check
+that (a) the loaded parameters (fp32 masters) and AdamW states, gathered dense, equal the saved ones bit for bit, and
+(b) one more step gives what the uninterrupted run gives (bit for bit at the same split; not compared when the
+precision changes)."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -15,6 +16,7 @@ import tp
 import tp.testing
 from models import checkpoint
 from models.hf import hf_state_dict
+from tp.optim import DataParallel, DistributedOptimizer
 from tp.testing import distributed
 
 # kv heads 2 < tp 4: replicated k/v chunks; no tp divides the vocabulary.
@@ -28,11 +30,18 @@ STATES = ("exp_avg", "exp_avg_sq")
 
 
 def build(config, mesh, wrap, seed):
-    """This rank's pipeline stage (equal layer counts), wrapped for dp, and its AdamW."""
+    """This rank's pipeline stage (equal layer counts), wrapped for dp, and its AdamW (zero1 / bf16: tp.optim's
+    DataParallel and DistributedOptimizer; "ddp-bf16": the all-reduce form)."""
     per_stage = config.num_layers // mesh.pp_size
     torch.manual_seed(seed)
     model = models.GPT(config, layers=(mesh.pp_rank * per_stage, (mesh.pp_rank + 1) * per_stage),
                        pre_process=mesh.is_first_stage, post_process=mesh.is_last_stage)
+    if wrap in ("zero1", "zero1-bf16", "ddp-bf16"):
+        tied = _tied_copy(model, mesh)
+        model = DataParallel(model, group=mesh.dp_group, shard=wrap != "ddp-bf16", bucket_numel=500,
+                             param_dtype=torch.bfloat16 if wrap.endswith("bf16") else None,
+                             tied=[(tied, mesh.embedding_group)] if tied is not None else ())
+        return model, DistributedOptimizer(model, lr=1e-2, weight_decay=0.1)
     if wrap == "ddp":
         model = DistributedDataParallel(model, process_group=mesh.dp_group)
     elif wrap == "fsdp2":
@@ -40,6 +49,12 @@ def build(config, mesh, wrap, seed):
             fully_shard(layer, mesh=mesh.device_mesh["dp"])
         fully_shard(model, mesh=mesh.device_mesh["dp"])  # the parameters become DTensors sharded over dp
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def _tied_copy(stage, mesh):
+    if not stage.config.tie_embeddings or mesh.pp_size == 1 or not mesh.in_embedding_group:
+        return None
+    return stage.embedding.weight if mesh.is_first_stage else stage.output.weight
 
 
 def train_step(model, opt, mesh, step):
@@ -58,12 +73,14 @@ def train_step(model, opt, mesh, step):
         hidden.backward(grad)
     else:
         seq = SEQ // mesh.tp_size if stage.config.sequence_parallel else SEQ
-        hidden = torch.empty(seq, len(x), stage.config.hidden_size)  # [s(/tp), b/dp, h]
+        hidden = torch.empty(seq, len(x), stage.config.hidden_size,  # [s(/tp), b/dp, h]
+                             dtype=next(stage.parameters()).dtype)
         dist.recv(hidden, mesh.prev_stage_rank)
         hidden.requires_grad_()
         model(hidden=hidden, targets=y).backward()
         dist.send(hidden.grad, mesh.prev_stage_rank)
-    if mesh.pp_size > 1 and stage.config.tie_embeddings:  # the two copies of the tied embedding stay equal
+    if mesh.pp_size > 1 and stage.config.tie_embeddings and not isinstance(model, DataParallel):  # (it sums them)
+        # the two copies of the tied embedding stay equal
         tied = stage.embedding.weight if mesh.is_first_stage else stage.output.weight
         dist.all_reduce(tied.grad, group=mesh.embedding_group)
     opt.step()
@@ -77,13 +94,15 @@ def snapshot(model, opt, mesh):
     plain = models.GPT(stage.config, layers=stage.layer_range, pre_process=stage.pre_process,
                        post_process=stage.post_process, _init=False)  # holds FSDP2's gathered tensors
     pairs = list(zip(plain.parameters(), stage.parameters()))
+    # the distributed optimizer's fp32 masters and state, dp-gathered (what its checkpoints hold)
+    whole = opt.full_state() if isinstance(opt, DistributedOptimizer) else None
     with torch.no_grad():
         for mine, theirs in pairs:
-            mine.copy_(full(theirs))
+            mine.copy_(full(theirs) if whole is None else whole[theirs]["param"])
     out = {f"param {k}": v for k, v in hf_state_dict(plain, mesh.tp_group).items()}
     for state in STATES:
         for mine, theirs in pairs:
-            mine.grad = full(opt.state[theirs][state])
+            mine.grad = full(opt.state[theirs][state]) if whole is None else whole[theirs][state]
         out |= {f"{state} {k}": v for k, v in hf_state_dict(plain, mesh.tp_group, grads=True).items()}
     every = [None] * mesh.world_size
     dist.all_gather_object(every, out)
@@ -91,6 +110,11 @@ def snapshot(model, opt, mesh):
 
 
 def assert_state_as_torch_makes_it(model, opt, step):
+    if isinstance(opt, DistributedOptimizer):  # its pieces: flat fp32 shards of the masters
+        for master, state in opt.state.items():
+            assert set(state) == {"step", *STATES} and state["step"].item() == step
+            assert all(state[name].shape == master.shape and state[name].dtype == torch.float32 for name in STATES)
+        return
     for p in getattr(model, "module", model).parameters():
         state = opt.state[p]
         assert set(state) == {"step", *STATES}, set(state)
@@ -137,7 +161,7 @@ def load_and_continue(config, mesh, wrap, path, saved, uninterrupted, exact):
     assert_state_as_torch_makes_it(model, opt, STEPS)
     train_step(model, opt, mesh, STEPS)
     resumed = snapshot(model, opt, mesh)
-    for key, value in uninterrupted.items():  # (b)
+    for key, value in uninterrupted.items() if uninterrupted is not None else ():  # (b)
         if exact:
             assert torch.equal(resumed[key], value), key
             continue
@@ -166,6 +190,10 @@ CASES = {  # name: (config, split saved, wrap, split loaded, wrap)
                            dict(tp=2, pp=2), None),
     "gpt2-tied-tp2pp2-to-tp4": (GPT2, dict(tp=2, pp=2), None, dict(tp=4), None),
     "fsdp2-tp2dp2-to-tp1dp4": (LLAMA, dict(tp=2), "fsdp2", dict(tp=1), "fsdp2"),
+    "zero1-tp2dp2-to-tp1dp4-zero1": (LLAMA, dict(tp=2), "zero1", dict(tp=1), "zero1"),
+    "ddp-fp32-to-zero1-bf16-pp2dp2": (LLAMA, dict(tp=2), "ddp", dict(pp=2), "zero1-bf16"),
+    "gpt2-tied-zero1-bf16-pp2dp2-to-fsdp2-fp32": (GPT2, dict(pp=2), "zero1-bf16", dict(tp=2), "fsdp2"),
+    "ddp-bf16-tp2dp2-to-zero1-fp32-tp4": (LLAMA, dict(tp=2), "ddp-bf16", dict(tp=4), "zero1"),
 }
 
 
@@ -179,8 +207,9 @@ def test_resume_at_another_split_continues_the_run(case, tmp_path):
     same_split = split_a == split_b and wrap_a == wrap_b
     mesh = tp.init_mesh(**split_b)
     # sequence parallelism may differ between save and load; at the same split it changes the numerics, so not there
+    same_precision = str(wrap_a).endswith("bf16") == str(wrap_b).endswith("bf16")  # (else one more step differs)
     before, after = load_and_continue(config.replace(sequence_parallel=not same_split), mesh, wrap_b, path, saved,
-                                      uninterrupted, exact=same_split)
+                                      uninterrupted if same_precision else None, exact=same_split)
     assert torch.equal(after, rng_at_save if same_split else before)  # restored at the same split only
 
 
