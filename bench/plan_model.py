@@ -18,7 +18,8 @@ Per micro-batch and stage (T = b·s/cp tokens per rank, T' = T/tp under SP, e by
   and a reduce-scatter backward, exposed.
 - Recompute: full adds every block's forward again; selective the attention core's (materialized: with its softmax).
 Per step: m micro-batches through the slowest stage plus the schedule's bubble ((p−1)/V micro-batch times for
-1F1B/GPipe/interleaved; ZB-H1 (p−1)·(F + B − W)), pp p2p of each micro-batch's activation (×V interleaved), the dp
+1F1B and interleaved: bubble_fraction, equal to models.schedules' simulation; plans use 1F1B, or interleaved when
+vp > 1), pp p2p of each micro-batch's activation (×V interleaved), the dp
 gradient reduce (ddp all-reduce; zero1 reduce-scatter + parameter all-gather; fsdp per-micro-batch parameter
 all-gathers and one gradient reduce-scatter), overlapped with the last backward where the implementation does, and
 the optimizer step (memory-bound over its local state).

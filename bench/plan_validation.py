@@ -13,7 +13,6 @@ efficiency, minimising the mean |error| over the 18 A100 figures; the CPU's per-
 run alone (the other splits are predictions).
 """
 import json
-import math
 from dataclasses import dataclass, replace
 
 import models
@@ -168,7 +167,8 @@ def calibrate():
 
 TABLE = [("row", "run", "{}"), ("plan", "plan (as published)", "{}"),
          ("memory_gb", "mem GB", "{:.1f}"), ("published_mfu", "MFU pub", "{:.1%}"),
-         ("predicted_mfu", "MFU pred", "{:.1%}"), ("error_mfu", "err", "{:+.1%}"), ("published_hfu", "HFU pub", "{:.1%}"),
+         ("predicted_mfu", "MFU pred", "{:.1%}"), ("error_mfu", "err", "{:+.1%}"),
+         ("published_hfu", "HFU pub", "{:.1%}"),
          ("predicted_hfu", "HFU pred", "{:.1%}"), ("error_hfu", "err", "{:+.1%}")]
 CPU_TABLE = [("row", "run", "{}"), ("measured_tokens_per_s", "measured tokens/s", "{:,.0f}"),
              ("predicted_tokens_per_s", "predicted", "{:,.0f}"), ("error_tokens_per_s", "err", "{:+.1%}")]

@@ -308,7 +308,8 @@ def cpu_cluster(path="bench/results/intensity/intensity.json", *, op_overhead=CP
                       link=measured["link"], latency=measured["latency"], dtype=measured["dtype"],
                       element_size=measured["element_size"],
                       source=f"bench.intensity on {measured['device']} ({path}): square-GEMM peak / cores, copy "
-                             "bandwidth, link bandwidth and per-collective latency fitted to the timed gloo collectives")
+                             "bandwidth, link bandwidth and per-collective latency fitted to the timed gloo "
+                             "collectives")
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return Cluster("cpu-measured", device, memory=ram, reserved=0.0, inter_node=measured["link"], gpus_per_node=cores,
                    gemm_efficiency=1.0, comm_efficiency=comm_efficiency, attention_efficiency=1.0,

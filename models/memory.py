@@ -135,7 +135,8 @@ def stage_parameter_shapes(config, tp, pp=1, stage=0, virtual_stages=1):
         prefix = f"chunk{c}." if virtual_stages > 1 else ""
         shapes += [(prefix + name, shape) for name, shape in _edge_shapes(config, tp, first, last)]
         for i in range(start, stop):
-            shapes += [(f"{prefix}layers.{i - start}.{name}", shape) for name, shape in layer_parameter_shapes(config, tp)]
+            shapes += [(f"{prefix}layers.{i - start}.{name}", shape)
+                       for name, shape in layer_parameter_shapes(config, tp)]
         shapes += [(prefix + name, shape) for name, shape in _head_shapes(config, tp, first)] if last else []
     return shapes
 
