@@ -284,7 +284,7 @@ def plot(rows, path):
         left = [a + b for a, b in zip(left, widths)]
     ax.invert_yaxis()
     ax.set_xlabel("seconds per step (modelled)")
-    ax.legend(fontsize=8, ncol=3)
+    ax.legend(fontsize=8, ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.12 - 0.3 / len(rows)))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
