@@ -1,19 +1,27 @@
-"""Pipeline parallelism for the GPT: stage split, point-to-point transfers, GPipe and 1F1B schedules.
+"""Pipeline parallelism for the GPT: the stage split, and the runner that executes any schedule of models.schedules.
 
 A stage is `GPT(config, layers=(start, stop), pre_process=first, post_process=last)`: the embedding lives on the
-first stage, the final norm, output layer and loss on the last. Activations [s(/tp), b, h] and their gradients move
-between neighbouring stages with batched isend/irecv on the pipeline group; shapes are fixed by the micro-batch, so
-both sides know them in advance. Each micro-batch's loss is divided by the number of micro-batches, so the summed
-gradients are those of the mean loss over the whole batch, as the un-pipelined model computes it.
+first stage, the final norm, output layer and loss on the last. With V virtual stages (interleaved schedules) each
+rank holds V such chunks: chunk c of rank r is virtual stage c·p + r of p·V equal ones (Megatron's layout), the first
+chunk of rank 0 holding the embedding, the last chunk of the last rank the head. Each micro-batch's loss is divided by
+the number of micro-batches, so the summed gradients are those of the mean loss over the batch.
 
-Schedules (p stages, m micro-batches; both idle (p-1)/(m+p-1) of the time):
-- GPipe: every forward, then every backward; m micro-batches of activations alive.
-- 1F1B: stage i runs min(p-i-1, m) warm-up forwards, then alternates one forward and one backward, then the
-  remaining backwards; at most p-i micro-batches alive.
+The runner executes a schedule's action list for this rank (F, B, W, fused BW; `models.schedules`): activations
+[s(/cp)(/tp), b, h] and their gradients move between the ranks of neighbouring virtual stages with isend/irecv on the
+pipeline group (shapes are fixed by the micro-batch, so both sides know them), each link's transfers issued on both
+ends in one agreed order (`schedules.pair_order`): sends never block, a receive waits only when its action needs
+it. B runs backward under `kernels.linear.defer_wgrad()` (the layers queue their weight-gradient GEMMs) and W runs
+what it queued.
 
-Data parallelism rides along: under DDP every forward runs in `no_sync()` and the reducer is armed just before the
-last backward (so gradients are averaged once, overlapped with that backward, as torch.distributed.pipelining does);
-under FSDP2 gradient sync is switched on for the last backward only.
+Data parallelism rides along; every forward runs without gradient sync, and the gradients are complete before `run`
+returns:
+- DDP: the reducer is armed just before each chunk's last BW, so the all-reduce overlaps it, as
+  torch.distributed.pipelining does. Under the B/W split it is armed just before the chunk's last W, whose one
+  autograd call also runs every other parameter's accumulator (with zeros): each DDP hook fires once, after the
+  parameter's last contribution (the reducer reads .grad when its hook fires), and the all-reduce overlaps that W.
+  (DDP must not look for unused parameters: find_unused_parameters=False, the default.)
+- FSDP2: gradient sync and resharding are off during the schedule; after the last W every parameter group's
+  post-backward (reduce-scatter) runs once, as torch.distributed.pipelining does.
 """
 import contextlib
 import time
@@ -21,29 +29,54 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from kernels.linear import defer_wgrad
+
+from . import schedules
 from .gpt import GPT
 
 
-def stage_layers(num_layers, pp, stage):
-    """(start, stop) of `stage`'s layers: an even split, the first `num_layers % pp` stages taking one more."""
-    if pp > num_layers:
+def stage_layers(num_layers, pp, stage, virtual_stages=1):
+    """(start, stop) of virtual stage `stage`'s layers, of pp·V stages: an even split, the first `num_layers % pp`
+    stages taking one more (V = 1); with V > 1 the layers must divide evenly (Megatron's interleaving)."""
+    stages = pp * virtual_stages
+    if virtual_stages > 1 and num_layers % stages:
+        raise ValueError(f"num_layers={num_layers} is not divisible by pp*virtual_stages = {pp}*{virtual_stages} "
+                         "(interleaved chunks hold equal numbers of layers)")
+    if stages > num_layers:
         raise ValueError(f"pp={pp} pipeline stages need at least {pp} layers, the model has num_layers={num_layers}")
-    base, extra = divmod(num_layers, pp)
+    base, extra = divmod(num_layers, stages)
     start = stage * base + min(stage, extra)
     return start, start + base + (stage < extra)
 
 
-def stage_options(config, mesh):
-    """GPT keyword arguments of this rank's pipeline stage."""
-    return dict(layers=stage_layers(config.num_layers, mesh.pp_size, mesh.pp_rank), pre_process=mesh.is_first_stage,
-                post_process=mesh.is_last_stage)
+def stage_options(config, mesh, chunk=0, virtual_stages=1):
+    """GPT keyword arguments of this rank's pipeline stage (its model chunk `chunk` of V)."""
+    stage, stages = chunk * mesh.pp_size + mesh.pp_rank, mesh.pp_size * virtual_stages
+    return dict(layers=stage_layers(config.num_layers, mesh.pp_size, stage, virtual_stages),
+                pre_process=stage == 0, post_process=stage == stages - 1)
 
 
 def build_stage(config, mesh):
     """This rank's pipeline stage of the GPT (the whole model when pp = 1), on the mesh's tp and cp groups."""
     return GPT(config, group=mesh.tp_group, cp_group=mesh.cp_group, **stage_options(config, mesh))
+
+
+def build_chunks(config, mesh, virtual_stages):
+    """This rank's V model chunks (a list of GPT stages), each with the weights of the one-stage model's layers."""
+    state, chunks = torch.get_rng_state(), []
+    for c in range(virtual_stages):
+        torch.set_rng_state(state)  # every chunk draws the model's one seed, as the whole model does
+        chunks.append(GPT(config, group=mesh.tp_group, cp_group=mesh.cp_group,
+                          **stage_options(config, mesh, c, virtual_stages)))
+    return chunks
+
+
+def unwrap(module):
+    """The GPT stage inside DDP (FSDP2 modules are the stage itself)."""
+    return module.module if isinstance(module, DistributedDataParallel) else module
 
 
 @dataclass
@@ -52,82 +85,96 @@ class ScheduleStats:
     busy_s: float = 0.0  # time in forward/backward compute on this stage
     total_s: float = 0.0  # the schedule's wall time on this stage (from the stages' common start)
     bubble: float = 0.0  # the pipeline's idle fraction: 1 - Σ busy / (p · the longest stage's wall time)
-    max_alive: int = 0  # micro-batches whose activations were alive at once
-    order: list = field(default_factory=list)  # ("F" | "B", micro-batch) in execution order
+    max_alive: int = 0  # forward chunks whose activations were alive at once (awaiting their B)
+    peak_activations: float = 0.0  # max_alive in micro-batches through a whole stage (a chunk counts 1/V)
+    times: dict = field(default_factory=dict)  # seconds per action kind ("F", "B", "W", "BW") on this stage
+    order: list = field(default_factory=list)  # the Actions in execution order
+
+
+class _Transfers:
+    """This rank's side of a schedule's transfers: each link's sends and receives issued in the order both ends
+    agree on; sends asynchronous (waited at the end), receives posted in that order and waited when needed; two
+    chunks on this rank hand over locally."""
+
+    def __init__(self, schedule, mesh, shape, dtype, device):
+        self.rank, self.group, self.ranks = mesh.pp_rank, mesh.pp_group, mesh.ranks("pp")
+        self.shape, self.dtype, self.device, self.m = shape, dtype, device, schedule.micro_batches
+        self.links = {}  # peer -> [(message, outgoing)]
+        for (a, b), transfers in schedules.pair_order(schedule).items():
+            if self.rank in (a, b):
+                self.links[b if a == self.rank else a] = [(msg, src == self.rank) for msg, src, _ in transfers]
+        self.cursor = dict.fromkeys(self.links, 0)
+        self.ready, self.posted, self.local, self.sending = {}, {}, {}, []
+        self.sent = self.received = 0
+
+    def _tag(self, message):
+        return (2 * message.stage + (message.kind == "grad")) * self.m + message.micro
+
+    def _issue(self, peer, message):
+        """Issue the link's operations up to and including `message`'s."""
+        ops = self.links[peer]
+        while True:
+            msg, outgoing = ops[self.cursor[peer]]
+            self.cursor[peer] += 1
+            if outgoing:
+                if msg not in self.ready:
+                    raise RuntimeError(f"pipeline schedule: {tuple(msg)} is due on the link to pipeline rank {peer} "
+                                       "before this rank has computed it")
+                tensor = self.ready.pop(msg)
+                self.sending.append((dist.isend(tensor, self.ranks[peer], group=self.group, tag=self._tag(msg)),
+                                     tensor))
+                self.sent += 1
+            else:
+                buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+                self.posted[msg] = buffer, dist.irecv(buffer, self.ranks[peer], group=self.group, tag=self._tag(msg))
+                self.received += 1
+            if msg == message:
+                return
+
+    def send(self, message, dst, tensor):
+        if dst == self.rank:
+            self.local[message] = tensor.detach()
+            return
+        self.ready[message] = tensor.detach().contiguous()
+        self._issue(dst, message)
+
+    def recv(self, message, src):
+        if src == self.rank:
+            return self.local.pop(message)
+        if message not in self.posted:
+            self._issue(src, message)
+        buffer, work = self.posted.pop(message)
+        work.wait()
+        return buffer
+
+    def finish(self):
+        for work, _ in self.sending:
+            work.wait()
+        self.sending.clear()
 
 
 class PipelineRunner:
-    """Runs one optimizer step's micro-batches through this rank's stage with a schedule.
+    """Runs one optimizer step's micro-batches through this rank's stage (or model chunks) with a schedule.
 
-    `module`: the stage (a GPT stage, or DDP / FSDP2 around it). `batches`: per micro-batch (tokens [b, s],
-    targets [b, s]); only the first stage reads tokens and only the last reads targets.
+    `module`: the stage (a GPT stage, or DDP / FSDP2 around it), or a list of V chunks for interleaved schedules
+    (`build_chunks`, each wrapped alike). `batches`: per micro-batch (tokens [b, s], targets [b, s]); only the first
+    stage reads tokens and only the last reads targets.
     """
 
     def __init__(self, module, mesh, *, micro_batch_size, seq_len):
         self.module, self.mesh = module, mesh
-        self.stage = module.module if isinstance(module, DistributedDataParallel) else module
+        self.chunks = list(module) if isinstance(module, (list, tuple, nn.ModuleList)) else [module]
+        self.stages = [unwrap(c) for c in self.chunks]
+        self.stage = self.stages[0]
         config = self.stage.config
         seq = seq_len // mesh.cp_size // (mesh.tp_size if config.sequence_parallel else 1)
         self.shape = (seq, micro_batch_size, config.hidden_size)  # [s(/cp)(/tp), b, h]: p2p carries this rank's share
         self.batch_shape = (micro_batch_size, seq_len)
         self.dtype = next(self.stage.parameters()).dtype
-
-    # ---- point-to-point ----------------------------------------------------------------------------------------
-
-    def _communicate(self, *, send_next=None, send_prev=None, recv_prev=False, recv_next=False):
-        """One batched isend/irecv with the neighbouring stages; returns (from prev, from next)."""
-        mesh, ops = self.mesh, []
-        from_prev = from_next = None
-        if recv_prev:
-            from_prev = torch.empty(self.shape, dtype=self.dtype, device=self._device())
-            ops.append(dist.P2POp(dist.irecv, from_prev, mesh.prev_stage_rank, mesh.pp_group))
-        if send_next is not None:
-            ops.append(dist.P2POp(dist.isend, send_next.contiguous(), mesh.next_stage_rank, mesh.pp_group))
-        if send_prev is not None:
-            ops.append(dist.P2POp(dist.isend, send_prev.contiguous(), mesh.prev_stage_rank, mesh.pp_group))
-        if recv_next:
-            from_next = torch.empty(self.shape, dtype=self.dtype, device=self._device())
-            ops.append(dist.P2POp(dist.irecv, from_next, mesh.next_stage_rank, mesh.pp_group))
-        if ops:
-            for request in dist.batch_isend_irecv(ops):
-                request.wait()
-        return from_prev, from_next
+        self._plans = {}  # (schedule, m) -> (Schedule, link order): built once, reused every step
 
     def _device(self):
         return next(self.stage.parameters()).device
-
-    # ---- one micro-batch -----------------------------------------------------------------------------------------
-
-    def _forward(self, index, batch, received, stats, num_micro):
-        start = time.perf_counter()
-        tokens, targets = batch
-        context = self.module.no_sync() if isinstance(self.module, DistributedDataParallel) else \
-            contextlib.nullcontext()
-        with context:
-            if self.mesh.is_first_stage:
-                output = self.module(tokens, targets if self.mesh.is_last_stage else None)
-            else:
-                received.requires_grad_()
-                output = self.module(hidden=received, targets=targets if self.mesh.is_last_stage else None)
-        if self.mesh.is_last_stage:
-            output = output / num_micro  # the mean over micro-batches, as the un-pipelined batch mean
-            stats.loss = stats.loss + output.detach()  # (on the device: no host sync per micro-batch)
-        stats.busy_s += time.perf_counter() - start
-        stats.order.append(("F", index))
-        return output
-
-    def _backward(self, index, received, output, grad, stats, last):
-        start = time.perf_counter()
-        if isinstance(self.module, DistributedDataParallel) and last:  # average over dp during this backward
-            self.module.reducer.prepare_for_backward(list(torch.nn.parallel.distributed._find_tensors(output)))
-        if hasattr(self.module, "set_requires_gradient_sync"):  # FSDP2: reduce-scatter on the last backward only
-            self.module.set_requires_gradient_sync(last)
-        torch.autograd.backward(output, grad_tensors=grad)
-        stats.busy_s += time.perf_counter() - start
-        stats.order.append(("B", index))
-        return None if received is None else received.grad
-
-    # ---- schedules -----------------------------------------------------------------------------------------------
 
     def _check_batches(self, batches):
         """Raise on every stage if any stage's micro-batches differ from the shape the buffers are built for, or
@@ -151,85 +198,151 @@ class PipelineRunner:
             raise ValueError(problem or "another pipeline stage's micro-batches do not have the shape "
                              f"[micro_batch_size, seq_len] {self.batch_shape} this runner was built for")
 
+    def schedule(self, name, micro_batches):
+        """The Schedule `name` for this pipeline, m micro-batches and this runner's chunks (cached)."""
+        key = (name, micro_batches)
+        if key not in self._plans:
+            self._plans[key] = schedules.build(name, self.mesh.pp_size, micro_batches, len(self.chunks))
+        return self._plans[key]
+
     def run(self, batches, schedule="1f1b"):
-        """Forward and backward every micro-batch; returns ScheduleStats (loss: the mean over micro-batches)."""
-        if schedule not in ("1f1b", "gpipe"):
-            raise ValueError(f"schedule={schedule!r} must be '1f1b' or 'gpipe'")
-        mesh, m = self.mesh, len(batches)
-        p, i = mesh.pp_size, mesh.pp_rank
-        warmup = m if schedule == "gpipe" else min(p - i - 1, m)
-        stats, alive = ScheduleStats(), []  # alive: (index, received input, output) awaiting backward
+        """Forward and backward every micro-batch with `schedule` (a name of models.schedules.SCHEDULES, or a
+        Schedule); returns ScheduleStats (loss: the mean over micro-batches)."""
         self._check_batches(batches)
+        m, p = len(batches), self.mesh.pp_size
+        plan = schedule if isinstance(schedule, schedules.Schedule) else self.schedule(schedule, m)
+        if (plan.pp, plan.micro_batches, plan.virtual_stages) != (p, m, len(self.chunks)):
+            raise ValueError(f"schedule {plan.name!r} is for pp={plan.pp}, {plan.micro_batches} micro-batches, "
+                             f"{plan.virtual_stages} chunks; this run has pp={p}, {m}, {len(self.chunks)}")
+        stats = ScheduleStats(times=dict.fromkeys(schedules.KINDS, 0.0))
+        self._start_data_parallel()
         start = time.perf_counter()
-        first, last = mesh.is_first_stage, mesh.is_last_stage
-
-        def forward(k, received):
-            alive.append((k, received, self._forward(k, batches[k], received, stats, m)))
-            stats.max_alive = max(stats.max_alive, len(alive))
-
-        def backward(grad):
-            k, received, output = alive.pop(0)
-            return self._backward(k, received, output, grad, stats, last=k == m - 1)
-
-        # warm-up forwards (GPipe: all of them)
-        for k in range(warmup):
-            received, _ = self._communicate(recv_prev=not first)
-            forward(k, received)
-            self._communicate(send_next=None if last else alive[-1][2])
-        # steady state: one forward, one backward
-        received = self._communicate(recv_prev=not first)[0] if warmup < m else None
-        for k in range(warmup, m):
-            forward(k, received)
-            _, grad = self._communicate(send_next=None if last else alive[-1][2], recv_next=not last)
-            input_grad = backward(grad)
-            more = k + 1 < m
-            received, _ = self._communicate(send_prev=None if first else input_grad, recv_prev=more and not first)
-        # cool-down backwards
-        while alive:
-            _, grad = self._communicate(recv_next=not last)
-            input_grad = backward(grad)
-            self._communicate(send_prev=None if first else input_grad)
+        self._execute(plan, batches, stats)
+        self._finish_data_parallel()
         stats.total_s = time.perf_counter() - start
-        # The loss lives on the last stage; the bubble is the theory's (p-1)/(m+p-1) quantity: idle time over p x the
-        # span, which a stage's own clock would understate (the stages that finish first miss the drain).
+        stats.busy_s = sum(stats.times.values())
+        # The loss lives on the last stage; the bubble is the theory's quantity: idle time over p x the span, which a
+        # stage's own clock would understate (the stages that finish first miss the drain).
         sums = torch.tensor([float(stats.loss), stats.busy_s], dtype=torch.float64)
         span = torch.tensor([stats.total_s], dtype=torch.float64)
         if p > 1:
-            dist.all_reduce(sums, group=mesh.pp_group)
-            dist.all_reduce(span, op=dist.ReduceOp.MAX, group=mesh.pp_group)
+            dist.all_reduce(sums, group=self.mesh.pp_group)
+            dist.all_reduce(span, op=dist.ReduceOp.MAX, group=self.mesh.pp_group)
         stats.loss = sums[0].item()
         stats.bubble = max(0.0, 1.0 - sums[1].item() / (p * span.item())) if span.item() else 0.0
         return stats
+
+    def _execute(self, plan, batches, stats):
+        rank, last_stage, m = self.mesh.pp_rank, plan.num_stages - 1, plan.micro_batches
+        links = _Transfers(plan, self.mesh, self.shape, self.dtype, self._device())
+        alive, deferred = {}, {}
+        backwards, weights = [0] * len(self.chunks), [0] * len(self.chunks)
+        split = plan.split_backward
+        for action in plan.actions[rank]:
+            started = time.perf_counter()
+            c, k = action.chunk, action.micro
+            chunk, s = self.chunks[c], plan.stage(rank, c)
+            if action.kind == "F":
+                tokens, targets = batches[k]
+                x = None if s == 0 else links.recv(*plan.receives(rank, action)[0]).requires_grad_()
+                sync = chunk.no_sync() if isinstance(chunk, DistributedDataParallel) else contextlib.nullcontext()
+                with sync, defer_wgrad() if split else contextlib.nullcontext():
+                    out = chunk(tokens if s == 0 else None, targets if s == last_stage else None, hidden=x)
+                if s == last_stage:
+                    out = out / m  # the mean over micro-batches, as the un-pipelined batch mean
+                    stats.loss = stats.loss + out.detach()  # (on the device: no host sync per micro-batch)
+                alive[c, k] = x, out
+                stats.max_alive = max(stats.max_alive, len(alive))
+            elif action.kind in ("B", "BW"):
+                x, out = alive.pop((c, k))
+                grad = None if s == last_stage else links.recv(*plan.receives(rank, action)[0])
+                backwards[c] += 1
+                if isinstance(chunk, DistributedDataParallel) and action.kind == "BW" and backwards[c] == m:
+                    chunk.reducer.prepare_for_backward(list(torch.nn.parallel.distributed._find_tensors(out)))
+                with defer_wgrad() if action.kind == "B" else contextlib.nullcontext() as queue:
+                    torch.autograd.backward(out, grad_tensors=grad)
+                if queue is not None:
+                    deferred[c, k] = queue
+                del out
+            else:  # W
+                weights[c] += 1
+                touch = ()
+                if isinstance(chunk, DistributedDataParallel) and weights[c] == m:  # all-reduce during this one
+                    chunk.reducer.prepare_for_backward([])
+                    touch = [p for n, p in chunk.module.named_parameters()
+                             if p.requires_grad and n not in chunk.parameters_to_ignore]
+                deferred.pop((c, k)).run(touch=touch)
+            for message, dst in plan.sends(rank, action):
+                links.send(message, dst, out if action.kind == "F" else x.grad)
+            stats.times[action.kind] += time.perf_counter() - started
+            stats.order.append(action)
+        links.finish()
+        assert not (alive or deferred or links.posted or links.local), "the schedule left work undone"
+        stats.peak_activations = stats.max_alive / plan.virtual_stages
+
+    # ---- data parallelism ----------------------------------------------------------------------------------------
+
+    def _fsdp(self):
+        return [c for c in self.chunks if hasattr(c, "set_requires_gradient_sync")]
+
+    def _start_data_parallel(self):
+        for module in self._fsdp():  # as torch.distributed.pipelining: no reduce-scatter until every W is done
+            module.set_is_last_backward(False)
+            module.set_reshard_after_backward(False)
+            module.set_requires_gradient_sync(False)
+
+    def _finish_data_parallel(self):
+        for module in self._fsdp():  # each parameter group's post-backward once: reduce-scatter, reshard
+            from torch.distributed.fsdp import fully_shard
+
+            module.set_is_last_backward(True)
+            module.set_reshard_after_backward(True)
+            module.set_requires_gradient_sync(True)
+            state = fully_shard.state(module)
+            for sub in state._state_ctx.all_states:
+                for group in sub._fsdp_param_groups:
+                    group.post_backward()
+            state._root_post_backward_final_callback()
+
+    # ---- evaluation ----------------------------------------------------------------------------------------------
 
     def forward_only(self, batches):
         """Evaluation: every micro-batch forward through the stages in eval mode, no graph, no backward (no DDP
         sync); returns the mean loss over the micro-batches, on every rank of the pipeline."""
         self._check_batches(batches)
-        first, last = self.mesh.is_first_stage, self.mesh.is_last_stage
+        plan = schedules.forward_only(self.mesh.pp_size, len(batches), len(self.chunks))
+        rank, last_stage = self.mesh.pp_rank, plan.num_stages - 1
+        links = _Transfers(plan, self.mesh, self.shape, self.dtype, self._device())
         total = torch.zeros((), dtype=torch.float64, device=self._device())
-        was_training = self.stage.training
-        self.stage.eval()
+        was_training = [s.training for s in self.stages]
         try:
             with torch.no_grad():
-                for tokens, targets in batches:
-                    received, _ = self._communicate(recv_prev=not first)
-                    output = self.stage(tokens if first else None, targets if last else None, hidden=received)
-                    if last:
-                        total += output.double()
-                    else:
-                        self._communicate(send_next=output)
+                for action in plan.actions[rank]:
+                    stage, s = self.stages[action.chunk], plan.stage(rank, action.chunk)
+                    stage.eval()
+                    tokens, targets = batches[action.micro]
+                    x = None if s == 0 else links.recv(*plan.receives(rank, action)[0])
+                    out = stage(tokens if s == 0 else None, targets if s == last_stage else None, hidden=x)
+                    if s == last_stage:
+                        total += out.double()
+                    for message, dst in plan.sends(rank, action):
+                        links.send(message, dst, out)
+            links.finish()
         finally:
-            self.stage.train(was_training)
+            for stage, training in zip(self.stages, was_training):
+                stage.train(training)
         if self.mesh.pp_size > 1:  # the loss lives on the last stage
             dist.all_reduce(total, group=self.mesh.pp_group)
         return total.item() / len(batches)
 
 
 def allreduce_tied_embedding_grads(stage, mesh):
-    """Sum the first stage's embedding grad and the last stage's tied output grad (their two copies of one weight)."""
-    if not stage.config.tie_embeddings or mesh.pp_size == 1 or not mesh.in_embedding_group:
+    """Sum the first stage's embedding grad and the last stage's tied output grad (their two copies of one weight).
+    `stage`: this rank's GPT stage, or its list of model chunks."""
+    chunks = [unwrap(c) for c in stage] if isinstance(stage, (list, tuple, nn.ModuleList)) else [unwrap(stage)]
+    if not chunks[0].config.tie_embeddings or mesh.pp_size == 1 or not mesh.in_embedding_group:
         return
-    weight = stage.embedding.weight if mesh.is_first_stage else stage.output.weight
+    weight = chunks[0].embedding.weight if mesh.is_first_stage else chunks[-1].output.weight
     grad = weight.grad
     local = grad.to_local() if hasattr(grad, "to_local") else grad  # FSDP2: same dp shard on both stages
     dist.all_reduce(local, group=mesh.embedding_group)

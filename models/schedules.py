@@ -56,6 +56,11 @@ class Schedule:
         return self.pp * self.virtual_stages
 
     @property
+    def backward(self):
+        """False for a forward-only (evaluation) schedule."""
+        return any(a.kind != "F" for rank in self.actions for a in rank)
+
+    @property
     def split_backward(self):
         """True when backward runs as B and W (the layers must defer their weight gradients)."""
         return any(a.kind == "B" for rank in self.actions for a in rank)
@@ -179,6 +184,15 @@ def zero_bubble(pp, micro_batches, virtual_stages=1):
     return _schedule("zb", pp, m, 1, ranks)
 
 
+def forward_only(pp, micro_batches, virtual_stages=1):
+    """Evaluation: only forwards, each rank through its chunks in Megatron's interleaved order (micro-batches in
+    groups of p per chunk; with one chunk, in order). Any m."""
+    p, v = pp, virtual_stages
+    table = [(k, c) for start in range(0, micro_batches, p) for c in range(v)
+             for k in range(start, min(start + p, micro_batches))]
+    return _schedule("forward", p, micro_batches, v, [[Action("F", c, k) for k, c in table] for _ in range(p)])
+
+
 SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved, "zb": zero_bubble}
 
 
@@ -234,7 +248,8 @@ def check_actions(schedule):
                 raise ScheduleError(f"{where}: follows {seen or 'nothing'} of its micro-batch and chunk, expected "
                                     f"{before or 'nothing'}")
             seen.append(a.kind)
-        missing = sorted(key for key in expected if done.get(key) not in (["F", "BW"], ["F", "B", "W"]))
+        complete = (["F"],) if not schedule.backward else (["F", "BW"], ["F", "B", "W"])
+        missing = sorted(key for key in expected if done.get(key) not in complete)
         if missing:
             c, k = missing[0]
             raise ScheduleError(f"{schedule.name}: rank {r} does not complete micro-batch {k} of chunk {c} "

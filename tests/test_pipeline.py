@@ -1,67 +1,136 @@
-"""Pipeline schedules against the un-pipelined model: loss and every gradient, GPipe and 1F1B, at pp = 2 and 4
-(with tp and SP inside the stages, uneven layer splits, tied embeddings across stages), and 1F1B's memory bound."""
+"""The pipeline runner against the un-pipelined model: every schedule (GPipe, 1F1B, interleaved, ZB-H1) at pp = 2
+and 4 with dp = 2 (DDP and FSDP2; tp and SP inside the stages, uneven layer splits, tied embeddings across stages)
+gives the serial loss and every gradient; the layers' B/W split gives the fused backward's gradients."""
 import pytest
 import torch
 import torch.distributed as dist
 
 import models
 import tp
+from kernels.linear import defer_wgrad
 from models.hf import hf_state_dict
-from models.pipeline import PipelineRunner, allreduce_tied_embedding_grads, build_stage, stage_layers
+from models.loop import wrap_data_parallel
+from models.pipeline import PipelineRunner, allreduce_tied_embedding_grads, build_chunks, stage_layers
+from tests.helpers import assert_close, randn
 from tp.testing import distributed
 
 VOCAB, SEQ, MICRO, NUM_MICRO = 50, 8, 2, 4
 
 
-def micro_batches(seed=0):
+def micro_batches(seed=0, count=NUM_MICRO):
     g = torch.Generator().manual_seed(seed)
     return [(torch.randint(0, VOCAB, (MICRO, SEQ), generator=g), torch.randint(0, VOCAB, (MICRO, SEQ), generator=g))
-            for _ in range(NUM_MICRO)]
+            for _ in range(count)]
 
 
 def test_stage_layers_split_evenly_first_stages_take_the_rest():
     assert [stage_layers(5, 2, s) for s in range(2)] == [(0, 3), (3, 5)]
     assert [stage_layers(6, 4, s) for s in range(4)] == [(0, 2), (2, 4), (4, 5), (5, 6)]
+    assert [stage_layers(8, 2, s, 2) for s in range(4)] == [(0, 2), (2, 4), (4, 6), (6, 8)]  # virtual stages
     with pytest.raises(ValueError, match=r"pp=4 pipeline stages need at least 4 layers, the model has num_layers=3"):
         stage_layers(3, 4, 0)
+    with pytest.raises(ValueError, match=r"num_layers=6 is not divisible by pp\*virtual_stages = 2\*4"):
+        stage_layers(6, 2, 0, 4)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
-@pytest.mark.parametrize("tp_size,pp_size,sequence_parallel", [(1, 2, False), (1, 4, False), (2, 2, True)])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zb"])
+@distributed(world_size=8, timeout=300)
+def test_schedule_with_data_parallelism_equals_the_unpipelined_model(schedule):
+    """pp=4 x dp=2 under DDP, and tp=2 (SP) x pp=2 x dp=2 under FSDP2: loss and every gradient of the serial model
+    on all 2 x 4 micro-batches; every rank runs exactly its action list and its transfers."""
+    from models.schedules import build
+
+    chunks_per_rank = 2 if schedule == "interleaved" else 1
+    solo = [dist.new_group([r]) for r in range(dist.get_world_size())][dist.get_rank()]  # the serial reference's
+    for tp_size, pp_size, sp, mode in ((1, 4, False, "ddp"), (2, 2, True, "fsdp")):
+        mesh = tp.init_mesh(tp=tp_size, pp=pp_size, dp=2)
+        config = models.GPTConfig(vocab_size=VOCAB, hidden_size=16, num_layers=8 if chunks_per_rank > 1 else 5,
+                                  num_heads=4, num_kv_heads=2, ffn_hidden_size=24, tie_embeddings=True,
+                                  sequence_parallel=sp)
+        torch.manual_seed(0)
+        chunks = build_chunks(config, mesh, chunks_per_rank)
+        wrapped = [_data_parallel(chunk, mesh, mode, schedule) for chunk in chunks]
+        runner = PipelineRunner(wrapped if chunks_per_rank > 1 else wrapped[0], mesh, micro_batch_size=MICRO,
+                                seq_len=SEQ)
+        batches = micro_batches(seed=mesh.dp_rank)
+        stats = runner.run(batches, schedule)
+        allreduce_tied_embedding_grads(chunks, mesh)
+        plan = build(schedule, pp_size, NUM_MICRO, chunks_per_rank)
+        assert stats.order == list(plan.actions[mesh.pp_rank])
+        assert stats.peak_activations == _peak(plan, mesh.pp_rank)
+        assert 0.0 <= stats.bubble < 1.0 and (stats.times["W"] > 0) == (schedule == "zb")
+
+        torch.manual_seed(0)
+        reference = models.GPT(config.replace(sequence_parallel=False), group=solo)
+        every = [b for rank in range(2) for b in micro_batches(seed=rank)]
+        loss = sum(reference(x, y) for x, y in every) / len(every)
+        loss.backward()
+        mean = torch.tensor([stats.loss], dtype=torch.float64)
+        dist.all_reduce(mean, group=mesh.dp_group)
+        assert abs(mean.item() / 2 - loss.item()) <= 1e-5 * loss.item(), (mean.item() / 2, loss.item())
+        expected = hf_state_dict(reference, solo, grads=True)
+        ours = {k: v for chunk in chunks for k, v in hf_state_dict(chunk, grads=True).items()}
+        assert ours and set(ours) <= set(expected)
+        for name, grad in ours.items():
+            err = (grad - expected[name]).abs().max().item()
+            assert err <= 1e-5, f"{schedule} {mode}: {name}: grad err {err}"
+        names = [None] * pp_size
+        dist.all_gather_object(names, sorted(ours), group=mesh.pp_group)
+        assert set().union(*map(set, names)) == set(expected)  # the stages hold every parameter between them
+        assert runner.forward_only(batches) == pytest.approx(stats.loss, rel=1e-6)  # evaluation: the same loss
+        tp.destroy_mesh()
+
+
+def _data_parallel(chunk, mesh, mode, name):
+    if mode == "ddp":
+        return wrap_data_parallel(chunk, mesh, mode)
+    from torch.distributed.fsdp import fully_shard
+
+    from torch.distributed.device_mesh import DeviceMesh
+
+    # models.loop's wrapping, on a DeviceMesh named after the call: torch caches DTensor sharding plans by mesh
+    # equality (ranks and names, not groups), so the next test call's equal mesh would reuse this call's groups,
+    # destroyed by then, in the pool's long-lived processes.
+    dp_mesh = DeviceMesh.from_group(mesh.dp_group, "cpu", mesh=torch.tensor(mesh.ranks("dp")),
+                                    mesh_dim_names=(f"dp_{name}",))
+    for block in chunk.layers:
+        fully_shard(block, mesh=dp_mesh)
+    return fully_shard(chunk, mesh=dp_mesh)
+
+
+def _peak(plan, rank):
+    alive = peak = 0
+    for a in plan.actions[rank]:
+        alive += {"F": 1, "B": -1, "BW": -1}.get(a.kind, 0)
+        peak = max(peak, alive)
+    return peak / plan.virtual_stages
+
+
 @distributed(world_size=4)
-def test_schedule_equals_the_unpipelined_model(schedule, tp_size, pp_size, sequence_parallel):
-    mesh = tp.init_mesh(tp=tp_size, pp=pp_size)
-    config = models.GPTConfig(vocab_size=VOCAB, hidden_size=16, num_layers=5, num_heads=4, num_kv_heads=2,
-                              ffn_hidden_size=24, tie_embeddings=True, sequence_parallel=sequence_parallel)
-    batches = micro_batches()
+def test_transfers_are_those_the_schedule_derives():
+    """p2p counted on the wire: each rank sends one activation per micro-batch and chunk except from the last
+    virtual stage, and one gradient except from the first; receives mirror them; nothing is sent twice."""
+    mesh = tp.init_mesh(pp=4)
+    config = models.GPTConfig(vocab_size=VOCAB, hidden_size=16, num_layers=8, num_heads=4, ffn_hidden_size=24)
     torch.manual_seed(0)
-    stage = build_stage(config, mesh)
-    stats = PipelineRunner(stage, mesh, micro_batch_size=MICRO, seq_len=SEQ).run(batches, schedule)
-    allreduce_tied_embedding_grads(stage, mesh)
+    runner = PipelineRunner(build_chunks(config, mesh, 2), mesh, micro_batch_size=MICRO, seq_len=SEQ)
+    counted = {"isend": 0, "irecv": 0}
+    isend, irecv = dist.isend, dist.irecv
 
-    solo = dist.new_group([dist.get_rank()], use_local_synchronization=True)
-    torch.manual_seed(0)
-    reference = models.GPT(config.replace(sequence_parallel=False), group=solo)
-    loss = sum(reference(x, y) for x, y in batches) / NUM_MICRO
-    loss.backward()
-    assert abs(stats.loss - loss.item()) <= 1e-5 * loss.item(), (stats.loss, loss.item())
-    ours, expected = hf_state_dict(stage, grads=True), hf_state_dict(reference, solo, grads=True)
-    assert ours and set(ours) <= set(expected)
-    for name, grad in ours.items():
-        err = (grad - expected[name]).abs().max().item()
-        assert err <= 1e-5, f"{name}: grad err {err}"
-    names = [None] * pp_size
-    dist.all_gather_object(names, sorted(ours), group=mesh.pp_group)
-    assert set().union(*map(set, names)) == set(expected)  # the stages hold every parameter between them
-    forwards = [k for kind, k in stats.order if kind == "F"]
-    assert forwards == list(range(NUM_MICRO)) and len(stats.order) == 2 * NUM_MICRO
-    if schedule == "gpipe":
-        assert stats.max_alive == NUM_MICRO and stats.order[NUM_MICRO - 1] == ("F", NUM_MICRO - 1)
-    else:  # warm-up p-i-1 forwards, then one forward one backward: at most p-i micro-batches alive
-        warmup = min(pp_size - mesh.pp_rank - 1, NUM_MICRO)
-        assert stats.max_alive == min(pp_size - mesh.pp_rank, NUM_MICRO) <= pp_size
-        assert [kind for kind, _ in stats.order[:warmup + 2]] == ["F"] * (warmup + 1) + ["B"]
-    assert 0.0 <= stats.bubble < 1.0
+    def count(name, fn):
+        def wrapper(*args, **kwargs):
+            counted[name] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    dist.isend, dist.irecv = count("isend", isend), count("irecv", irecv)
+    try:
+        runner.run(micro_batches(), "interleaved")
+    finally:
+        dist.isend, dist.irecv = isend, irecv
+    r, m, v = mesh.pp_rank, NUM_MICRO, 2
+    sends = m * v - m * (r == 3) + m * v - m * (r == 0)
+    assert counted == {"isend": sends, "irecv": m * v - m * (r == 0) + m * v - m * (r == 3)}, counted
 
 
 @distributed(world_size=2)
@@ -71,7 +140,7 @@ def test_micro_batches_of_another_shape_or_count_raise_on_every_stage():
     mesh = tp.init_mesh(tp=1, pp=2)
     config = models.GPTConfig(vocab_size=VOCAB, hidden_size=16, num_layers=2, num_heads=4, ffn_hidden_size=24)
     torch.manual_seed(0)
-    runner = PipelineRunner(build_stage(config, mesh), mesh, micro_batch_size=MICRO, seq_len=SEQ)
+    runner = PipelineRunner(build_chunks(config, mesh, 1)[0], mesh, micro_batch_size=MICRO, seq_len=SEQ)
     smaller = [(x[:1], y[:1]) for x, y in micro_batches()]
     with pytest.raises(ValueError, match=r"micro-batch 0: tokens shape \(1, 8\) != \[micro_batch_size, seq_len\] "
                                          r"\(2, 8\)"):
@@ -79,4 +148,49 @@ def test_micro_batches_of_another_shape_or_count_raise_on_every_stage():
     fewer = micro_batches()[:NUM_MICRO - mesh.pp_rank]
     with pytest.raises(ValueError, match=r"stages were given different numbers of micro-batches: 3 to 4"):
         runner.run(fewer)
-    assert runner.run(micro_batches()).loss > 0  # and the runner still works
+    with pytest.raises(ValueError, match=r"schedule 'interleaved' needs virtual_stages >= 2"):
+        runner.run(micro_batches(), "interleaved")  # one chunk per rank: refused on every rank alike
+    assert runner.run(micro_batches(), "zb").loss > 0  # and the runner still works
+
+
+@pytest.mark.parametrize("kind,sp,main_grad,replicas", [
+    ("column", False, False, False), ("column", True, False, False), ("column", False, True, False),
+    ("column", False, False, True), ("row", False, False, False), ("row", True, False, False),
+    ("row", True, True, False)])
+@distributed(world_size=2)
+def test_split_backward_gives_the_fused_gradients(kind, sp, main_grad, replicas):
+    """Under kernels.linear.defer_wgrad() backward computes the input gradient (B) and queues the weight gradient; run()
+    (W) then gives .grad / main_grad exactly as the fused backward does (fp64), at tp=2 with SP, main_grad and kv
+    parts held by several ranks (their replica sum runs at W)."""
+    mesh = tp.init_mesh(tp=2)
+    torch.manual_seed(0)
+    if kind == "column":
+        options = dict(parts=(4, 2, 2), part_replicas=(1, 2, 2)) if replicas else {}
+        layer = tp.ColumnParallelLinear(6, 8, sequence_parallel=sp, dtype=torch.float64, **options)
+        x = randn(4, 3, 6, seed=1)
+        x = x.chunk(2)[mesh.tp_rank] if sp else x
+    else:
+        layer = tp.RowParallelLinear(8, 6, sequence_parallel=sp, dtype=torch.float64)
+        x = randn(4, 3, 4, seed=1 + mesh.tp_rank)
+    if main_grad:
+        layer.weight.main_grad = torch.zeros_like(layer.weight)
+
+    def gradients(split):
+        layer.zero_grad(set_to_none=True)
+        if main_grad:
+            layer.weight.main_grad.zero_()
+        x_ = x.clone().requires_grad_()
+        with defer_wgrad() if split else torch.enable_grad():
+            y = layer(x_)
+        with defer_wgrad() if split else torch.enable_grad() as queue:
+            y.backward(randn(*y.shape, seed=7 + mesh.tp_rank))
+        if split:
+            assert len(queue) == 1 and layer.weight.grad is None
+            assert not main_grad or not layer.weight.main_grad.any()  # B left the weight alone
+            queue.run()
+            assert len(queue) == 0
+        weight = layer.weight.main_grad if main_grad else layer.weight.grad
+        return x_.grad, weight, None if layer.bias is None else layer.bias.grad
+
+    for fused, split, what in zip(gradients(False), gradients(True), ("input", "weight", "bias")):
+        assert_close(split, fused, 1e-12, what)

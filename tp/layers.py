@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 import kernels
+from kernels.linear import defer_weight_grad
 
 from .mappings import (
     _ReduceFromTPInPlace,
@@ -34,7 +35,7 @@ class _ParallelLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, activation, group, comm):
         ctx.main_grad = kernels.ops.main_grad_of(weight)  # on the parameter, not on an autocast copy of it
-        ctx.has_bias = bias is not None
+        ctx.has_bias, ctx.weight_dtype = bias is not None, weight.dtype
         x, weight, bias = kernels.ops.autocast_operands(x, weight, bias)  # cast before gathering: half the bytes
         x_total = gather_first(x, group) if comm == "sequence" else x  # [s, b, in]
         y, preact = kernels.linear_forward(x_total.reshape(-1, x.shape[-1]), weight, bias, activation)
@@ -64,8 +65,9 @@ class _ParallelLinearFn(torch.autograd.Function):
             elif comm == "sequence":
                 dx, pending = reduce_scatter_first(dx, group, async_op=True)  # [s/tp, b, in]
         dw = None
-        if ctx.needs_input_grad[1]:
-            dw = kernels.linear_wgrad(dz, x_total.reshape(-1, x_total.shape[-1]), main_grad=ctx.main_grad)
+        x_2d = x_total.reshape(-1, x_total.shape[-1])
+        if ctx.needs_input_grad[1] and not defer_weight_grad(ctx, 1, dz, x_2d):  # (W later, under defer_wgrad)
+            dw = kernels.linear_wgrad(dz, x_2d, main_grad=ctx.main_grad)
         db = kernels.ops.bias_grad(dz, dz.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
         if pending is not None:
             pending.wait()
@@ -120,9 +122,12 @@ class _SumReplicaGrads(torch.autograd.Function):
     over the group then sums every chunk over exactly its replicas.
     """
 
+    repeatable_backward = True  # saves no tensors: a deferred weight gradient (kernels.defer_wgrad) runs it again
+
     @staticmethod
     def forward(ctx, layout, group, *tensors):
         ctx.layout, ctx.group = layout, group
+        ctx.set_materialize_grads(False)  # under the B/W split the weight's grad comes later, alone
         return tuple(None if t is None else t.view_as(t) for t in tensors)
 
     @staticmethod
@@ -137,6 +142,8 @@ class _SumReplicaGrads(torch.autograd.Function):
                 if g is not None and replicated:
                     slots.append((g, offset, rows, chunks, rank * chunks // dist.get_world_size(ctx.group)))
                 offset += rows
+        if not slots:
+            return (None, None, *grads)
         buffers = [g.new_zeros(chunks, rows, *g.shape[1:]) for g, _, rows, chunks, _ in slots]
         for buf, (g, offset, rows, _, mine) in zip(buffers, slots):
             buf[mine] = g[offset:offset + rows]
