@@ -26,7 +26,6 @@ the optimizer step (memory-bound over its local state).
 MFU = model FLOPs (6·N + attention 12·L·h·s + logits 6·h·V per token, REFERENCE §12, full attention as the papers
 count it) / (step time × peak × GPUs); HFU adds the recomputed FLOPs.
 """
-import math
 from dataclasses import dataclass, replace
 
 from models import memory
@@ -115,7 +114,7 @@ def _collective_time(kind, size, ranks, bandwidth, cluster):
 
 def _layer_gemms(config, plan, tokens):
     h, d, tp = config.hidden_size, config.head_dim, plan.tp
-    kv = memory._local_kv_heads(config, tp)
+    kv = memory.local_kv_heads(config, tp)
     fc1 = (2 if config.activation == "swiglu" else 1) * config.ffn_hidden_size // tp
     return (rl.linear_gemms("qkv", tokens, h, (config.num_heads // tp + 2 * kv) * d)
             + rl.linear_gemms("proj", tokens, config.num_heads * d // tp, h)
@@ -146,7 +145,7 @@ def _elementwise_bytes(config, plan, tokens, software, e):
         return rows * h * (2 * 2 * e + 2 * (3 * e + 1)) + 2 * e * tokens * config.ffn_hidden_size // plan.tp
     # RMSNorm ×2: upcast (e in, 4 out), statistics (two fp32 passes), downcast (4 in, e out), weight (e in, e out);
     # residual adds ×2 (2 in, 1 out); RoPE on q and k: ~10 passes of e (mul, rotate-half chunks and cat, mul, add)
-    qk = tokens * (config.num_heads // plan.tp + memory._local_kv_heads(config, plan.tp)) * config.head_dim
+    qk = tokens * (config.num_heads // plan.tp + memory.local_kv_heads(config, plan.tp)) * config.head_dim
     rope = 10 * e * qk if config.position == "rope" else 0
     return rows * h * (2 * (4 * e + 20) + 2 * 3 * e) + rope
 
@@ -165,7 +164,7 @@ def _tp_comm(config, plan, tokens, cluster, e):
 def cp_kv_elements(config, plan, seq_len):
     """K and V elements of one rank's share per layer and micro-batch: 2·b·s/cp·kv·d (kv: this tp rank's heads).
     Ring mode sends cp − 1 of them forward, as many again backward plus as many dK/dV (fp32)."""
-    return 2 * plan.mbs * seq_len // plan.cp * memory._local_kv_heads(config, plan.tp) * config.head_dim
+    return 2 * plan.mbs * seq_len // plan.cp * memory.local_kv_heads(config, plan.tp) * config.head_dim
 
 
 def _cp_comm(config, plan, seq_len, cluster, e, attention):
@@ -255,13 +254,7 @@ def stage_times(config, plan, seq_len, cluster, software, stage):
 
 
 def _stage_params(config, plan, stage):
-    chunks = memory.stage_chunks(config.num_layers, plan.pp, stage, plan.vp)
-    layers = sum(stop - start for start, stop, _, _ in chunks)
-    per_layer = sum(math.prod(s) for _, s in memory.layer_parameter_shapes(config, plan.tp))
-    edges = sum(math.prod(s) for _, _, first, last in chunks for _, s in
-                memory._edge_shapes(config, plan.tp, first, last) + (
-                    memory._head_shapes(config, plan.tp, first) if last else []))
-    return layers * per_layer + edges
+    return memory.stage_numel(config, plan.tp, plan.pp, stage, plan.vp)
 
 
 def _dp_time(config, plan, cluster, software, stage, times, micro_batches):

@@ -5,8 +5,10 @@ activations of the largest pipeline stage, counted as this package's code alloca
              recompute="selective", dp_mode="zero1", precision="bf16")  -> MemoryEstimate (bytes)
 
 Parameters: the exact shapes models.GPT builds on a stage (tests compare them with a real stage): fused QKV with
-kv heads replicated when fewer than tp, SwiGLU's fused gate/up, the vocabulary padded to tp·128, norms and row biases
-whole on every tp rank, a tied output weight counted once where both ends share a stage. Stages split the layers as
+kv heads replicated when fewer than tp, SwiGLU's fused gate/up, the vocabulary padded to a multiple of
+tp·make_vocab_size_divisible_by, norms and row biases
+whole on every tp rank, a tied output weight counted once where both ends share a stage. Under cp every rank
+holds them all. Stages split the layers as
 models.pipeline.stage_layers does; with V virtual stages rank r holds chunks c·pp + r (Megatron's interleaving).
 
 Bytes per parameter (REFERENCE §11, Megatron's distributed-optimizer table; d = dp·cp ranks share the optimizer,
@@ -14,7 +16,7 @@ as Megatron's distributed optimizer shards over the dp-cp group):
   fp32: params 4, grads 4, Adam moments 8;  bf16: params 2, fp32 main_grad 4, fp32 master 4 + moments 8;
   and AdamW's step counter, 4 bytes per parameter tensor (per piece of one under the distributed optimizer).
   ddp: all of it on every rank (18 B bf16, 16 B fp32; fp32 runs torch DDP, whose bucket copy of the gradients is
-  counted as transient); zero1: the optimizer state / d (6 + 12/d, 8 + 8/d), exactly as tp.optim.DataParallel and
+  counted as transient, bf16 tp.optim.DataParallel unsharded); zero1: the optimizer state / d (6 + 12/d, 8 + 8/d), exactly as tp.optim.DataParallel and
   DistributedOptimizer lay it out (buckets padded to a multiple of d); fsdp: everything / d, each parameter sharded
   on dim 0 as FSDP2 does (ceil(rows / d) rows per rank), its master kept as the sharded fp32 parameter (16/d), plus
   the unsharded compute copy and grads of the largest block while it runs (transient).
@@ -30,12 +32,15 @@ bytes, h hidden, a heads, k kv heads (local k' = max(k/tp, 1)), d head dim, f ff
   mlp        pre-activation e·T·(2)f/tp, output e·T·f/tp; at tp = 1 on the torch backend without main_grad,
              autograd's own SwiGLU keeps an fp32 pre-activation and silu(gate) instead (4·3T·f + e·T·f)
   dropout    p > 0: a 1-byte mask per residual dropout (2·T'h)
+  cp > 1     the same tensors on s/cp tokens (ring and all-gather attention keep q, k, v, output and lse of this
+             rank's share), plus cos/sin gathered at its positions per layer (2·e·s/cp·d)
   full recompute: the block input only, e·T'h (plus one block recomputed at a time: `transient`)
 Per micro-batch and stage: token ids (8 B) and the embedding's mask; on the last stage the final norm, the loss's
 fp32 softmax over this rank's real vocabulary columns, targets and masks; on other stages the output kept for the
 backward send (e·T'h, not a saved tensor but held by the runner). RoPE's cos/sin tables once per stage.
 In flight (micro-batches whose activations are alive at once, stage i of p): 1F1B and ZB-H1 min(p − i, m), GPipe m,
-interleaved (p − i − 1)·2 + (V − 1)·p + 1 chunks of 1/V stage each (Megatron's warm-up; rank 0: p + (p − 1)/V).
+interleaved (p − i − 1)·2 + (V − 1)·p + 1 chunks of 1/V stage each (Megatron's warm-up; rank 0: p + (p − 1)/V);
+each equal to models.schedules' simulated peak (tests).
 """
 import math
 from dataclasses import dataclass
@@ -51,6 +56,7 @@ BACKENDS = ("triton", "torch")
 MAIN_GRAD = {"bf16": True, "fp32": False}  # the training job keeps an fp32 main_grad under bf16 (REFERENCE §11)
 STEP_BYTES = 4  # torch.optim.AdamW's per-tensor step counter (a float32 scalar tensor)
 GB = 1e9
+_CACHE = {}  # memoized stage parameter counts and bytes (the planner asks for the same stages often)
 
 
 @dataclass(frozen=True)
@@ -60,7 +66,7 @@ class MemoryEstimate:
     grads: int
     optimizer: int
     activations: int  # saved for backward × in-flight micro-batches, plus embedding/loss
-    transient: int  # live only while one block runs: full recompute's recomputed block, FSDP's unsharded block
+    transient: int  # full recompute's recomputed block, FSDP's unsharded block, torch DDP's gradient buckets
     total: int
     stage: int
     in_flight: float  # micro-batches of whole-stage activations alive at once on that stage
@@ -73,14 +79,15 @@ class MemoryEstimate:
 # ---- parameters ----------------------------------------------------------------------------------------------------
 
 
-def _local_kv_heads(config, tp):
+def local_kv_heads(config, tp):
+    """kv heads on one tp rank: k/tp, or 1 when fewer than tp (each held by tp/k ranks)."""
     return config.num_kv_heads * (tp // config.num_kv_heads if config.num_kv_heads < tp else 1) // tp
 
 
 def layer_parameter_shapes(config, tp):
     """[(name, shape)] of one TransformerBlock on a tp rank, as models.block builds it."""
     h, d, ffn = config.hidden_size, config.head_dim, config.ffn_hidden_size
-    qkv_rows = (config.num_heads // tp + 2 * _local_kv_heads(config, tp)) * d
+    qkv_rows = (config.num_heads // tp + 2 * local_kv_heads(config, tp)) * d
     fc1_rows = (2 if config.activation == "swiglu" else 1) * ffn // tp
     def norm(name):
         return [(f"{name}.weight", (h,))] + ([(f"{name}.bias", (h,))] if config.norm == "layernorm" else [])
@@ -171,6 +178,15 @@ def _registration(config, tp, chunks):
     return items
 
 
+def stage_numel(config, tp, pp=1, stage=0, virtual_stages=1):
+    """Parameters pipeline rank `stage` holds on one tp rank (a tied weight once). Memoized."""
+    key = ("numel", repr(config), tp, pp, stage, virtual_stages)
+    if key not in _CACHE:
+        chunks = stage_chunks(config.num_layers, pp, stage, virtual_stages)
+        _CACHE[key] = sum(n for n, _ in _registration(config, tp, chunks))
+    return _CACHE[key]
+
+
 def _bucket_bytes(items, shards, *, shard, precision):
     """(params, grads, optimizer) bytes of the most loaded rank under tp.optim.DataParallel (+ DistributedOptimizer
     when `shard`): buckets of max(4e7, 1e6·dp) parameters in reverse registration order, each padded to a multiple
@@ -203,8 +219,6 @@ def _bucket_bytes(items, shards, *, shard, precision):
             per_rank[r] += masters + 8 * real + STEP_BYTES * pieces
     return PRECISIONS[precision] * padded_total, 4 * padded_total, max(per_rank)
 
-
-_CACHE = {}
 
 
 def parameter_memory(config, *, tp, pp, stage, virtual_stages, dp_mode, precision, shards):
@@ -249,7 +263,7 @@ def layer_activation_bytes(config, *, tp, cp=1, micro_batch_size, seq_len, seque
     rows = tokens // tp if sequence_parallel else tokens  # the residual stream's tokens
     if recompute == "full":
         return e * rows * h
-    heads, kv = config.num_heads // tp, _local_kv_heads(config, tp)
+    heads, kv = config.num_heads // tp, local_kv_heads(config, tp)
     if config.norm == "rmsnorm":  # fp32 input copy, rstd, normed, weighted (the next linear's input)
         norm = (4 + 2 * e) * rows * h + 4 * rows
     else:  # F.layer_norm: input, mean and rstd, and the output the next linear keeps
