@@ -180,10 +180,16 @@ def _registration(config, tp, chunks):
 
 def stage_numel(config, tp, pp=1, stage=0, virtual_stages=1):
     """Parameters pipeline rank `stage` holds on one tp rank (a tied weight once). Memoized."""
-    key = ("numel", repr(config), tp, pp, stage, virtual_stages)
+    chunks = stage_chunks(config.num_layers, pp, stage, virtual_stages)
+    return _memoized(("numel", repr(config), tp, pp, stage, virtual_stages),
+                     lambda: sum(n for n, _ in _registration(config, tp, chunks)))
+
+
+def _memoized(key, compute):
     if key not in _CACHE:
-        chunks = stage_chunks(config.num_layers, pp, stage, virtual_stages)
-        _CACHE[key] = sum(n for n, _ in _registration(config, tp, chunks))
+        if len(_CACHE) > 100_000:  # bounded: a long-lived process sweeping many models
+            _CACHE.clear()
+        _CACHE[key] = compute()
     return _CACHE[key]
 
 
@@ -226,10 +232,8 @@ def parameter_memory(config, *, tp, pp, stage, virtual_stages, dp_mode, precisio
     parallelism: fp32 "ddp" is torch DDP (+ its bucket copy of the gradients, transient) and AdamW; bf16, and "zero1",
     tp.optim.DataParallel (+ DistributedOptimizer); "fsdp" FSDP2 (each parameter's dim 0 split over the ranks) and
     AdamW. Memoized: the planner asks for the same stages many times."""
-    key = (repr(config), tp, pp, stage, virtual_stages, dp_mode, precision, shards)
-    if key not in _CACHE:
-        _CACHE[key] = _parameter_memory(config, tp, pp, stage, virtual_stages, dp_mode, precision, shards)
-    return _CACHE[key]
+    return _memoized((repr(config), tp, pp, stage, virtual_stages, dp_mode, precision, shards),
+                     lambda: _parameter_memory(config, tp, pp, stage, virtual_stages, dp_mode, precision, shards))
 
 
 def _parameter_memory(config, tp, pp, stage, virtual_stages, dp_mode, precision, shards):
