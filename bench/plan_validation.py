@@ -77,8 +77,9 @@ PUBLISHED = [
     _narayanan(310.1, 128, 16384, 96, 8, 16, 1920, 2160, 1, 50),
     _narayanan(529.6, 128, 20480, 105, 8, 35, 2520, 2520, 1, 52),
     _narayanan(1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 1, 52),
-    # size, heads, hidden, layers, p, GPUs, batch, micro-batch, vp (interleaving 3 for 175B and 530B), MFU, HFU,
-    # iteration seconds with full recompute and with SP + selective (Table 5)
+    # size, heads, hidden, layers, p, GPUs, batch, micro-batch (Table 3), vp (3 for 175B and 530B: the paper's
+    # interleaving, as Isaev et al.'s Calculon validation configs also set it), MFU, HFU, iteration seconds with full
+    # recompute and with SP + selective (Table 5); sequence 2048, vocabulary 51200, A100 80GB, no data parallelism
     *_korthikanti("22B", 64, 6144, 48, 1, 8, 4, 4, 1, 41.5, 43.7, 1.42, 1.10),
     *_korthikanti("175B", 96, 12288, 96, 8, 64, 64, 1, 3, 51.4, 52.8, 18.13, 13.75),
     *_korthikanti("530B", 128, 20480, 105, 35, 280, 280, 1, 3, 56.0, 57.0, 49.05, 37.83),
