@@ -296,17 +296,32 @@ def test_data_parallel_bytes_are_what_tp_optim_and_fsdp2_allocate(tp_size):
             assert got == want, (variant, dp_mode, precision, got, want)
 
 
+def _first_log_record(flags):
+    """models.train on these ranks for the flags; rank 0 returns its first log record."""
+    import json
+    import os
+    import tempfile
+
+    from models.train import parser, train
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "log.jsonl")
+        train(parser().parse_args([*flags, "--log-jsonl", path]))
+        if dist.get_rank() == 0:
+            with open(path) as f:
+                return json.loads(f.readline())
+
+
 @pytest.mark.parametrize("split,dp_mode", [((2, 2, 1), "ddp"), ((1, 2, 2), "fsdp")])
 def test_the_training_jobs_logged_bytes_equal_the_estimate(split, dp_mode):
     """models.train's log (param_bytes, grad_bytes, optimizer_bytes: each the largest over the ranks) after its first
     step equals the estimate's largest stage per category, exactly."""
-    from bench.train import train_rank
     from tp import testing
 
     t, p, d = split
     flags = ["--tp", str(t), "--pp", str(p), "--dp", str(d), "--dp-mode", dp_mode, "--model", "tiny", "--steps", "1",
              "--global-batch-size", "4", "--micro-batch-size", "2", "--seq-len", "32"]
-    log = testing.run(train_rank, world_size=4, timeout=300, flags=flags)[0][0]
+    log = testing.run(_first_log_record, world_size=4, timeout=300, flags=flags)[0]
     cfg = models.GPTConfig(**(models.config.PRESETS["tiny"] | {"max_seq_len": 256}))
     stages = [memory.parameter_memory(cfg, tp=t, pp=p, stage=s, virtual_stages=1, dp_mode=dp_mode, precision="fp32",
                                       shards=d) for s in range(p)]
