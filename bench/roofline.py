@@ -288,15 +288,12 @@ CLUSTERS = {
 }
 
 
-CPU_OP_OVERHEAD = 19e-6  # s per eager op and rank: fitted to bench.train's 1x1x1 run (bench/plan_validation.py)
-
-
-def cpu_cluster(path="bench/results/intensity/intensity.json", *, op_overhead=CPU_OP_OVERHEAD, comm_efficiency=1.0):
+def cpu_cluster(path="bench/results/intensity/intensity.json", *, op_overhead=0.0, comm_efficiency=1.0):
     """The "cpu-measured" node: bench.intensity's measurements on this machine (its JSON), one rank per process with
     one thread, ranks beyond the cores sharing them. The square-GEMM peak was timed with every core (torch's default
     threads), so one rank's compute is peak / cores; gemm efficiency 1 (the peak is a measured GEMM); no flash
     kernel on CPU, so attention runs at the GEMM rate; device memory: this machine's RAM; eager dispatch costs
-    `op_overhead` per op (CPU_OP_OVERHEAD, calibrated)."""
+    `op_overhead` per op (bench.plan fits it to bench.train's 1x1x1 run: bench/plan_validation.py)."""
     import json
     import os
     import re
