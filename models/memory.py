@@ -344,6 +344,9 @@ def _check(config, tp, cp, pp, dp, micro_batch_size, seq_len, sequence_parallel,
                          f"model has num_layers={config.num_layers}")
     if (virtual_stages > 1) != (schedule == "interleaved"):
         raise ValueError(f"virtual_stages={virtual_stages} goes with schedule='interleaved' (got {schedule!r})")
+    if virtual_stages > 1 and config.num_layers % (pp * virtual_stages):
+        raise ValueError(f"num_layers={config.num_layers} is not divisible by pp*virtual_stages = {pp}*"
+                         f"{virtual_stages} (interleaved chunks hold equal numbers of layers)")
     split = 2 * cp * (tp if sequence_parallel else 1) if cp > 1 else (tp if sequence_parallel else 1)
     if seq_len % split:
         raise ValueError(f"seq_len={seq_len} is not divisible by {split} (" + (

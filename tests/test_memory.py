@@ -71,11 +71,12 @@ def test_in_flight_equals_the_schedule_simulators_peaks():
 
 
 def test_stage_chunks_follow_the_pipeline_split():
-    # 7 layers on 3 stages: 3, 2, 2 (models.pipeline.stage_layers); interleaved 2 x 3 virtual stages of 7 layers
+    # 7 layers on 3 stages: 3, 2, 2 (models.pipeline.stage_layers); interleaved 2 x 3 virtual stages of 12 layers:
+    # rank r holds virtual stages r and 3 + r, two layers each
     assert memory.stage_chunks(7, 3, 0) == [(0, 3, True, False)]
     assert memory.stage_chunks(7, 3, 2) == [(5, 7, False, True)]
-    assert memory.stage_chunks(7, 3, 0, 2) == [(0, 2, True, False), (4, 5, False, False)]
-    assert memory.stage_chunks(7, 3, 2, 2) == [(3, 4, False, False), (6, 7, False, True)]
+    assert memory.stage_chunks(12, 3, 0, 2) == [(0, 2, True, False), (6, 8, False, False)]
+    assert memory.stage_chunks(12, 3, 2, 2) == [(4, 6, False, False), (10, 12, False, True)]
 
 
 def test_dense_model_counts_by_hand():
@@ -96,6 +97,7 @@ def test_bad_requests_name_the_value():
                              (dict(tp=3), "num_heads=8 is not divisible by tp=3"),
                              (dict(recompute="some"), "recompute='some'"), (dict(dp_mode="zero3"), "dp_mode='zero3'"),
                              (dict(virtual_stages=2), "virtual_stages=2 goes with schedule='interleaved'"),
+                             (dict(pp=2, virtual_stages=2, schedule="interleaved"), "num_layers=3 is not divisible"),
                              (dict(pp=4), "num_layers=3"), (dict(dp=0), "dp=0")):
         with pytest.raises(ValueError, match=message.replace("(", r"\(")):
             memory.estimate(c, **(args | changes))
