@@ -97,10 +97,11 @@ def test_bad_requests_name_the_value():
                              (dict(tp=3), "num_heads=8 is not divisible by tp=3"),
                              (dict(recompute="some"), "recompute='some'"), (dict(dp_mode="zero3"), "dp_mode='zero3'"),
                              (dict(virtual_stages=2), "virtual_stages=2 goes with schedule='interleaved'"),
-                             (dict(pp=2, virtual_stages=2, schedule="interleaved"), "num_layers=3 is not divisible"),
                              (dict(pp=4), "num_layers=3"), (dict(dp=0), "dp=0")):
         with pytest.raises(ValueError, match=message.replace("(", r"\(")):
             memory.estimate(c, **(args | changes))
+    with pytest.raises(ValueError, match=r"num_layers=6 is not divisible by pp\*virtual_stages = 2\*2"):
+        memory.estimate(config(num_layers=6), **(args | dict(pp=2, virtual_stages=2, schedule="interleaved")))
 
 
 # ---- against real stages --------------------------------------------------------------------------------------------
