@@ -11,6 +11,7 @@ and the facts our launcher picks the first failing rank from. Three kinds of fai
 - "timeout": a collective timed out (--distributed-timeout-minutes): the ranks that timed out register in torchrun's
   store, and those that never do are named as hung.
 """
+import faulthandler
 import json
 import os
 import re
@@ -151,8 +152,6 @@ def refuse(message):
 def run_rank(fn, args, log_dir, timeout_s):
     """Run `fn(args)` as one of torchrun's ranks: output of ranks other than 0 to DIR/rank-N.log, a failure
     recorded there and in torchrun's error file. Returns the exit code."""
-    import torch.distributed as dist
-
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     os.makedirs(log_dir, exist_ok=True)
@@ -161,6 +160,7 @@ def run_rank(fn, args, log_dir, timeout_s):
     node, local, host = place()
     log.write(f"== models.train rank {rank} of {world} (node {node}, local rank {local}, {host}, pid {os.getpid()}), "
               f"attempt {attempt}, {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(sys.argv[1:])}\n")
+    faulthandler.register(signal.SIGUSR1, file=log, all_threads=True)  # `kill -USR1 PID`: its stacks, in its log
     if rank != 0:  # everything this rank prints (Python and C++) goes to its file, not the terminal
         sys.stdout.flush()
         sys.stderr.flush()
@@ -189,9 +189,7 @@ def run_rank(fn, args, log_dir, timeout_s):
         log.flush()
         _write_error_file(line, record)
         return 1
-    if dist.is_initialized():  # tp.destroy_mesh keeps torchrun's default group (for a next mesh); the job is over
-        dist.destroy_process_group()
-    return code
+    return code  # (no destroy_process_group: the process ends in os._exit, see models/train.py)
 
 
 def summary(process_failures, world, logs):

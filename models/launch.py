@@ -27,11 +27,7 @@ def check_writable_dir(flag, path):
         if not os.access(path, os.W_OK | os.X_OK):
             raise ValueError(f"{flag} {path}: the directory is not writable")
         return
-    parent = _nearest_existing(path)
-    if not os.path.isdir(parent):
-        raise ValueError(f"{flag} {path}: {parent} is not a directory, so {path} cannot be created")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(f"{flag} {path}: cannot be created, {parent} is not writable")
+    _check_creatable(flag, path)
 
 
 def check_writable_file(flag, path):
@@ -42,7 +38,15 @@ def check_writable_file(flag, path):
         if not os.access(path, os.W_OK):
             raise ValueError(f"{flag} {path}: the file is not writable")
         return
-    check_writable_dir(flag, os.path.dirname(os.path.abspath(path)))
+    _check_creatable(flag, path)
+
+
+def _check_creatable(flag, path):
+    parent = _nearest_existing(path)
+    if not os.path.isdir(parent):
+        raise ValueError(f"{flag} {path}: {parent} is not a directory, so {path} cannot be created")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {path}: cannot be created, {parent} is not writable")
 
 
 def check_readable(flag, path, kind="any"):
@@ -163,15 +167,12 @@ def print_layout_under_torchrun(args, timeout):
     import torch.distributed as dist
 
     dist.init_process_group("gloo", timeout=timeout)
-    try:
-        places = gather_places()
-        if dist.get_rank() == 0:
-            from tp.mesh import DEFAULT_ORDER
+    places = gather_places()
+    if dist.get_rank() == 0:
+        from tp.mesh import DEFAULT_ORDER
 
-            print("\n".join(layout_lines(sizes_of(args), DEFAULT_ORDER, places)), flush=True)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+        print("\n".join(layout_lines(sizes_of(args), DEFAULT_ORDER, places)), flush=True)
+    dist.barrier()
     return 0
 
 

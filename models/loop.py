@@ -150,12 +150,12 @@ def train(args):
             if args.log_jsonl:
                 with open(args.log_jsonl, "a") as f:
                     f.write(json.dumps({"step": start_step, "val_loss": val_loss}) + "\n")
-        tp.destroy_mesh()
+        tp.destroy_mesh(keep_groups=True)
         return 0
     if start_step >= args.steps:
         if rank0:
             print(f"nothing to train: the checkpoint is at step {start_step}, --steps={args.steps}", flush=True)
-        tp.destroy_mesh()
+        tp.destroy_mesh(keep_groups=True)
         return 0
     log = progress.open_log(args.log_jsonl, start_step) if rank0 and args.log_jsonl else None
     bar = progress.progress(rank0, start_step, args.steps, interval=args.log_interval)
@@ -218,7 +218,10 @@ def train(args):
               + (f"; log: {args.log_jsonl}" if args.log_jsonl else "")
               + (f"; checkpoint: {args.save}" if args.save else "")
               + (f"; Hugging Face export: {args.export_hf}" if args.export_hf else ""), flush=True)
-    tp.destroy_mesh()
+    # The groups are kept (a next mesh of the same layout reuses them): destroyed here, the last reference would be
+    # DDP's reducer's, dropped with the GIL held as this frame ends, and gloo's destructor joins a worker thread that
+    # may need the GIL to free its last work's tensors: a deadlock at exit, seen under load.
+    tp.destroy_mesh(keep_groups=True)
     return 0
 
 

@@ -200,4 +200,11 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if "RANK" in os.environ:
+        # One of torchrun's ranks, done: exit without tearing the process groups down (a gloo group destroyed from
+        # Python joins its worker thread with the GIL held, and that thread may need the GIL: a deadlock at exit).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

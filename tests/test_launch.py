@@ -1,0 +1,230 @@
+"""Launching `python -m models.train` as the seeds describe it: two torchrun agents form one job (static and c10d
+rendezvous) with the single-agent curve, the layout printed once, tp groups inside a node; --dp inferred under
+torchrun; path flags refused before any process; errors printed once; the lone-process tp.init_mesh error; progress
+lines a file can hold. The issue's examples first."""
+import io
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from models import launch, progress
+from models.train import main, parser, validate
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+JOB = ["--model", "tiny", "--seq-len", "32", "--global-batch-size", "8", "--micro-batch-size", "2", "--seed", "7",
+       "--steps", "3", "--log-interval", "1"]
+
+
+def env():
+    clean = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                               "MASTER_PORT", "TORCHELASTIC_RUN_ID")}
+    return clean | {"OMP_NUM_THREADS": "1"}
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def losses(path):
+    with open(path) as f:
+        return [json.loads(line)["loss"] for line in f]
+
+
+def two_agents(rendezvous, *flags, nproc=2):
+    """Two torchrun agents on 127.0.0.1 forming one job of 2·nproc ranks; their (stdout, stderr) pairs."""
+    agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node",
+                                str(nproc), *rendezvous(node), "-m", "models.train", *flags],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env())
+              for node in (0, 1)]
+    try:
+        outputs = [a.communicate(timeout=300) for a in agents]
+    finally:
+        for a in agents:
+            a.kill()
+    for a, (out, err) in zip(agents, outputs):
+        assert a.returncode == 0, err[-3000:]
+    return outputs
+
+
+def test_the_issues_save_to_dev_null_is_one_line_before_any_process():
+    """`python -m models.train --save /dev/null/x --steps 2` used to train, then print 1,371 lines."""
+    result = subprocess.run([sys.executable, "-m", "models.train", "--save", "/dev/null/x", "--steps", "2"],
+                            capture_output=True, text=True, timeout=120, env=env())
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.splitlines() == ["error: --save /dev/null/x: /dev/null is not a directory, so /dev/null/x "
+                                          "cannot be created"]
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--export-hf", "/dev/null/hf"], r"^--export-hf /dev/null/hf: /dev/null is not a directory"),
+    (["--save", "{file}"], r"^--save .*afile exists and is not a directory$"),
+    (["--log-jsonl", "{dir}"], r"^--log-jsonl .*adir is a directory, not a file$"),
+    (["--log-jsonl", "{file}/run.jsonl"], r"^--log-jsonl .*afile/run.jsonl: .*afile is not a directory"),
+    (["--log-dir", "/dev/null/logs"], r"^--log-dir /dev/null/logs: /dev/null is not a directory"),
+    (["--load", "{dir}/nothing"], r"^--load .*adir/nothing: no such directory$"),
+    (["--load", "{file}"], r"^--load .*afile is not a directory$"),
+    (["--log-interval", "0"], r"^--log-interval=0 must be >= 1$"),
+    (["--distributed-timeout-minutes", "0"], r"^--distributed-timeout-minutes=0.0 must be > 0$"),
+    (["--max-restarts", "-1"], r"^--max-restarts=-1 must be >= 0$"),
+])
+def test_path_flags_are_checked_before_any_process(flags, message, tmp_path):
+    (tmp_path / "afile").write_text("")
+    (tmp_path / "adir").mkdir()
+    args = parser().parse_args([f.format(file=tmp_path / "afile", dir=tmp_path / "adir") for f in flags])
+    with pytest.raises(ValueError, match=message):
+        validate(args)
+
+
+def test_writable_paths_that_do_not_exist_yet_are_fine(tmp_path):
+    run = str(tmp_path / "new" / "run")
+    args = parser().parse_args(["--save", run, "--load", run, "--log-jsonl", str(tmp_path / "logs" / "a.jsonl"),
+                                "--export-hf", str(tmp_path / "hf"), "--log-dir", str(tmp_path / "ranks")])
+    validate(args)  # --save and --load the same directory, not there yet: a fresh start
+    assert not os.path.exists(tmp_path / "new")  # checked, not created
+
+
+@pytest.mark.parametrize("flags,world,dp", [
+    (["--tp", "2", "--pp", "2"], 4, 1),
+    (["--tp", "2", "--pp", "1"], 8, 4),
+    (["--tp", "2", "--cp", "2", "--pp", "1"], 8, 2),
+    (["--tp", "1", "--pp", "2", "--dp", "4"], 8, 4),
+    (["--tp", "2", "--pp", "2"], None, 2),  # our own launcher: 2 unless given
+])
+def test_dp_defaults_to_the_world_over_tp_cp_pp_under_torchrun(flags, world, dp):
+    args = parser().parse_args([*flags, "--global-batch-size", "16"])
+    validate(args, world)
+    assert args.dp == dp
+
+
+@pytest.mark.parametrize("flags,world,message", [
+    (["--tp", "4", "--pp", "1"], 6, r"WORLD_SIZE=6 is not divisible by --tp\*--cp\*--pp = 4\*1\*1 = 4"),
+    (["--tp", "2", "--pp", "2", "--dp", "2"], 4, r"WORLD_SIZE=4 but --tp\*--cp\*--pp\*--dp = 2\*1\*2\*2 = 8"),
+])
+def test_a_dp_that_does_not_fit_is_an_error(flags, world, message):
+    with pytest.raises(ValueError, match=message):
+        validate(parser().parse_args(flags), world)
+
+
+def test_validation_errors_are_printed_once_under_torchrun():
+    """`torchrun --nproc-per-node 2 -m models.train --tp 2 --pp 1 --dp 2`: rank 0 alone prints the error."""
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             "-m", "models.train", "--tp", "2", "--pp", "1", "--dp", "2"],
+                            capture_output=True, text=True, timeout=120, env=env())
+    assert result.returncode != 0
+    ours = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert ours == ["error: WORLD_SIZE=2 but --tp*--cp*--pp*--dp = 2*1*1*2 = 4"], result.stderr[-3000:]
+    root_cause = result.stderr.split("Root Cause")[1]
+    assert "rank      : 0" in root_cause and "traceback : error: WORLD_SIZE=2" in root_cause  # torchrun's report
+
+
+def test_init_mesh_in_a_lone_process_names_the_torchrun_command(tmp_path):
+    """The README's tp=2 snippet run as `python mlp.py`: a short traceback ending in the command to run."""
+    text = open(os.path.join(ROOT, "README.md")).read()
+    snippet = re.search(r"```python\n(.*?)```", text[text.index("## Using the layers"):], re.S).group(1)
+    (tmp_path / "mlp.py").write_text(snippet)
+    result = subprocess.run([sys.executable, "mlp.py"], capture_output=True, text=True, timeout=120, env=env(),
+                            cwd=tmp_path)
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1] == ("RuntimeError: tp.init_mesh(tp=2) needs 2 processes, but this is one process started "
+                         "without torchrun (RANK and WORLD_SIZE are not set): launch it with `torchrun "
+                         "--nproc-per-node 2 mlp.py`, or use tp=1 in one process")
+    assert len(lines) <= 8, result.stderr  # (was 14 lines ending in "world_size=1 is not divisible by tp*pp=2*1=2")
+
+
+def test_print_layout_without_processes(capsys):
+    assert main(["--print-layout", "--tp", "2", "--cp", "2", "--pp", "2", "--dp", "1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "layout: 8 ranks on 1 node, tp=2 cp=2 pp=2 dp=1 (order tp-cp-dp-pp)"
+    assert out[1] == f"  node 0 ({socket.gethostname()}): ranks 0-7"
+    assert out[2:] == [f"    rank {r}  local_rank {r}  tp {r % 2} cp {r // 2 % 2} pp {r // 4} dp 0" for r in range(8)]
+
+
+def test_layout_over_nodes_warns_when_a_tp_group_spans_nodes():
+    nodes = [(r // 2, r % 2, f"host{r // 2}") for r in range(8)]  # 4 nodes of 2 ranks
+    lines = launch.layout_lines(dict(tp=2, cp=1, pp=2, dp=2), "tp-cp-dp-pp", nodes)
+    assert lines[1] == "  node 0 (host0): ranks 0-1" and lines[-1] == "    rank 7  local_rank 1  tp 1 cp 0 pp 1 dp 1"
+    assert not any(line.startswith("warning") for line in lines)
+    lines = launch.layout_lines(dict(tp=4, cp=1, pp=2, dp=1), "tp-cp-dp-pp", nodes)
+    assert [line for line in lines if line.startswith("warning")] == [
+        f"warning: tp group {g} spans nodes {n}: its all-reduces cross the node boundary (InfiniBand, not NVLink); "
+        "use a --nproc-per-node that --tp divides" for g, n in (([0, 1, 2, 3], [0, 1]), ([4, 5, 6, 7], [2, 3]))]
+    interleaved = [(r % 2, r // 2, "h") for r in range(4)]  # a node order other than torchrun's
+    assert launch.split_groups([[0, 1], [2, 3]], interleaved) == [[0, 1], [2, 3]]
+
+
+def test_two_torchrun_agents_train_the_single_agent_curve(tmp_path):
+    """`torchrun --nnodes 2 --node-rank {0,1} --nproc-per-node 2 --master-addr 127.0.0.1 --master-port P`, tp=2
+    (dp inferred: 2): the loss curve of the same split from one agent; the layout, the log and the checkpoint written
+    once; tp groups inside a node. Output to a pipe: plain progress lines, no carriage returns."""
+    single = subprocess.run([sys.executable, "-m", "models.train", *JOB, "--tp", "2", "--pp", "1", "--dp", "2",
+                             "--log-jsonl", str(tmp_path / "single.jsonl")],
+                            capture_output=True, text=True, timeout=300, env=env())
+    assert single.returncode == 0, single.stderr[-3000:]
+    port = free_port()
+    (out0, err0), (out1, err1) = two_agents(
+        lambda node: ["--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port)],
+        *JOB, "--tp", "2", "--pp", "1", "--log-jsonl", str(tmp_path / "two.jsonl"), "--save", str(tmp_path / "ckpt"))
+    assert losses(tmp_path / "two.jsonl") == losses(tmp_path / "single.jsonl")  # bit for bit, 3 rows: written once
+    assert out1 == ""  # every line comes from global rank 0, on node 0
+    layout = out0.split("\n4 ranks:")[0].splitlines()
+    assert layout == ["layout: 4 ranks on 2 nodes, tp=2 cp=1 pp=1 dp=2 (order tp-cp-dp-pp)",
+                      f"  node 0 ({socket.gethostname()}): ranks 0-1",
+                      "    rank 0  local_rank 0  tp 0 cp 0 pp 0 dp 0", "    rank 1  local_rank 1  tp 1 cp 0 pp 0 dp 0",
+                      f"  node 1 ({socket.gethostname()}): ranks 2-3",
+                      "    rank 2  local_rank 0  tp 0 cp 0 pp 0 dp 1", "    rank 3  local_rank 1  tp 1 cp 0 pp 0 dp 1"]
+    assert out0.count("layout:") == 1 and out0.count("done:") == 1
+    for out in (out0, single.stdout):
+        assert "\r" not in out
+        assert re.search(r"^step 3/3 \| loss \d\.\d{4} \| (.* \| )?tok_s \d+ \| [\d.]+ s/step$", out, re.M), out
+        assert "bubble" not in out  # pp = 1
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["latest", "logs", "step-000003"]
+    assert sorted(os.listdir(tmp_path / "ckpt" / "logs")) == [f"rank-{r}.log" for r in range(4)]
+
+
+def test_two_agents_through_c10d_rendezvous_print_the_layout_and_warn_of_a_tp_group_across_nodes():
+    port = free_port()
+    outputs = two_agents(lambda node: ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                                       "--rdzv-id", "launch-test"], "--tp", "4", "--pp", "1", "--print-layout")
+    out = "".join(out for out, _ in outputs)  # (either agent may become node 0)
+    assert out.startswith("layout: 4 ranks on 2 nodes, tp=4 cp=1 pp=1 dp=1") and out.count("layout:") == 1
+    assert "  node 1 (" in out and "    rank 3  local_rank 1  tp 3 cp 0 pp 0 dp 0" in out
+    assert "warning: tp group [0, 1, 2, 3] spans nodes [0, 1]" in out
+    assert "4 ranks: " not in out  # nothing trained
+
+
+class _Stream(io.StringIO):
+    def __init__(self, tty):
+        super().__init__()
+        self.tty = tty
+
+    def isatty(self):
+        return self.tty
+
+
+def test_progress_is_tqdm_on_a_terminal_and_plain_lines_otherwise():
+    stream = _Stream(tty=False)
+    bar = progress.progress(True, 2, 25, interval=10, stream=stream)
+    for step in range(3, 26):
+        bar.update(1)
+        bar.set_postfix(loss=f"{1 / step:.4f}")
+    bar.close()
+    lines = stream.getvalue().splitlines()
+    assert [line.split(" | ")[:2] for line in lines] == [["step 10/25", "loss 0.1000"], ["step 20/25", "loss 0.0500"],
+                                                         ["step 25/25", "loss 0.0400"]]
+    assert "\r" not in stream.getvalue()
+    terminal = _Stream(tty=True)
+    bar = progress.progress(True, 0, 5, interval=10, stream=terminal)
+    assert type(bar).__name__ == "tqdm"
+    bar.update(1)
+    bar.set_postfix(loss="1.0")
+    bar.close()
+    assert "\r" in terminal.getvalue() and "loss=1.0" in terminal.getvalue()
+    assert progress.progress(False, 0, 5, interval=1, stream=terminal).set_postfix(loss=1) is None  # other ranks
