@@ -16,7 +16,7 @@ as Megatron's distributed optimizer shards over the dp-cp group):
   fp32: params 4, grads 4, Adam moments 8;  bf16: params 2, fp32 main_grad 4, fp32 master 4 + moments 8;
   and AdamW's step counter, 4 bytes per parameter tensor (per piece of one under the distributed optimizer).
   ddp: all of it on every rank (18 B bf16, 16 B fp32; fp32 runs torch DDP, whose bucket copy of the gradients is
-  counted as transient, bf16 tp.optim.DataParallel unsharded); zero1: the optimizer state / d (6 + 12/d, 8 + 8/d), exactly as tp.optim.DataParallel and
+  counted as transient, bf16 tp.optim.DataParallel unsharded, one per model chunk); zero1: the optimizer state / d (6 + 12/d, 8 + 8/d), exactly as tp.optim.DataParallel and
   DistributedOptimizer lay it out (buckets padded to a multiple of d); fsdp: everything / d, each parameter sharded
   on dim 0 as FSDP2 does (ceil(rows / d) rows per rank), its master kept as the sharded fp32 parameter (16/d), plus
   the unsharded compute copy and grads of the largest block while it runs (transient).
@@ -194,10 +194,10 @@ def _memoized(key, compute):
 
 
 def _bucket_bytes(items, shards, *, shard, precision):
-    """(params, grads, optimizer) bytes of the most loaded rank under tp.optim.DataParallel (+ DistributedOptimizer
-    when `shard`): buckets of max(4e7, 1e6·dp) parameters in reverse registration order, each padded to a multiple
-    of the dp size when sharded; fp32 gradients; fp32 masters (a copy under bf16) and AdamW's moments over this
-    rank's shard, one step counter per parameter piece in it."""
+    """(params, grads, [optimizer bytes per dp rank]) under tp.optim.DataParallel (+ DistributedOptimizer when
+    `shard`): buckets of max(4e7, 1e6·dp) parameters in reverse registration order, each padded to a multiple of the
+    dp size when sharded; fp32 gradients; fp32 masters (a copy under bf16) and AdamW's moments over this rank's
+    shard, one step counter per parameter piece in it."""
     bucket_numel = max(40_000_000, 1_000_000 * shards)
     groups, current = [], []
     for numel, alone in reversed(items):
@@ -223,7 +223,7 @@ def _bucket_bytes(items, shards, *, shard, precision):
             pieces = sum(1 for i in range(len(group)) if offsets[i] < hi and offsets[i + 1] > lo)
             masters = 4 * n if precision == "bf16" else 0  # a copy of the shard (padding included) under bf16
             per_rank[r] += masters + 8 * real + STEP_BYTES * pieces
-    return PRECISIONS[precision] * padded_total, 4 * padded_total, max(per_rank)
+    return PRECISIONS[precision] * padded_total, 4 * padded_total, per_rank
 
 
 
@@ -247,9 +247,14 @@ def _parameter_memory(config, tp, pp, stage, virtual_stages, dp_mode, precision,
         local = layers * sum(_sharded_numel(s, shards) for s in layer) + sum(_sharded_numel(s, shards) for s in edges)
         transient = (PRECISIONS[precision] + 4) * sum(math.prod(s) for s in layer)  # a block's unsharded copy, grads
         return 4 * local, 4 * local, 8 * local + STEP_BYTES * tensors, transient
-    if dp_mode == "zero1" or precision == "bf16":
-        return (*_bucket_bytes(_registration(config, tp, chunks), shards, shard=dp_mode == "zero1",
-                               precision=precision), 0)
+    if dp_mode == "zero1" or precision == "bf16":  # one DataParallel per model chunk (models.loop)
+        params = grads = 0
+        optimizer = [0] * (shards if dp_mode == "zero1" else 1)
+        for chunk in chunks:
+            p, g, o = _bucket_bytes(_registration(config, tp, [chunk]), shards, shard=dp_mode == "zero1",
+                                    precision=precision)
+            params, grads, optimizer = params + p, grads + g, [a + b for a, b in zip(optimizer, o)]
+        return params, grads, max(optimizer), 0
     n = layers * sum(math.prod(s) for s in layer) + sum(math.prod(s) for s in edges)
     ddp_buckets = 4 * n if shards > 1 else 0  # torch DDP reduces through its own copy of the gradients
     return 4 * n, 4 * n, 8 * n + STEP_BYTES * tensors, ddp_buckets
