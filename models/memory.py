@@ -16,8 +16,9 @@ as Megatron's distributed optimizer shards over the dp-cp group):
   fp32: params 4, grads 4, Adam moments 8;  bf16: params 2, fp32 main_grad 4, fp32 master 4 + moments 8;
   and AdamW's step counter, 4 bytes per parameter tensor (per piece of one under the distributed optimizer).
   ddp: all of it on every rank (18 B bf16, 16 B fp32; fp32 runs torch DDP, whose bucket copy of the gradients is
-  counted as transient, bf16 tp.optim.DataParallel unsharded, one per model chunk); zero1: the optimizer state / d (6 + 12/d, 8 + 8/d), exactly as tp.optim.DataParallel and
-  DistributedOptimizer lay it out (buckets padded to a multiple of d); fsdp: everything / d, each parameter sharded
+  counted as transient; bf16 an unsharded tp.optim.DataParallel per model chunk); zero1: the optimizer state / d
+  (6 + 12/d, 8 + 8/d), exactly as tp.optim.DataParallel and DistributedOptimizer lay it out (buckets padded to a
+  multiple of d, one DataParallel per model chunk); fsdp: everything / d, each parameter sharded
   on dim 0 as FSDP2 does (ceil(rows / d) rows per rank), its master kept as the sharded fp32 parameter (16/d), plus
   the unsharded compute copy and grads of the largest block while it runs (transient).
 
