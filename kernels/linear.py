@@ -96,12 +96,13 @@ class DeferredWgrads:
         that every one of them fires its grad hooks exactly once there (DDP's reducer, armed just before)."""
         jobs, self._jobs = self._jobs, []
         edges, grads = {}, {}
-        for dz, x, main_grad, dtype, node, slot in jobs:
-            grad = ops.linear_wgrad(dz, x, main_grad=main_grad)
-            if grad is not None:
-                key = (id(node), slot)
-                edges[key] = GradientEdge(node, slot)
-                grads[key] = grad.to(dtype) if key not in grads else grads[key] + grad.to(dtype)
+        with torch.no_grad():  # as inside backward
+            for dz, x, main_grad, dtype, node, slot in jobs:
+                grad = ops.linear_wgrad(dz, x, main_grad=main_grad)
+                if grad is not None:
+                    key = (id(node), slot)
+                    edges[key] = GradientEdge(node, slot)
+                    grads[key] = grad.to(dtype) if key not in grads else grads[key] + grad.to(dtype)
         for param in touch:
             edge = get_gradient_edge(param)
             key = (id(edge.node), edge.output_nr)

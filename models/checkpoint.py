@@ -26,8 +26,10 @@ row biases, learned positions) is a plain tensor, which DCP treats as replicated
 each rank asks for the blocks of its own layout and DCP reads the overlapping parts of whatever was written; stages
 hold disjoint layers, so one save/load over the world covers the pipeline. FSDP2 (`fully_shard` over dp) parameters
 and states are gathered over dp with `full_tensor()` on save and re-sharded on load; a DDP-wrapped model is
-unwrapped. A tied embedding split across stages is assumed kept equal on both (its grads summed over the embedding
-group): both copies write the same chunks and both are loaded from them.
+unwrapped. A rank's model chunks (interleaved pipelines: a list of stages) are stages like any other: the keys hold
+global layer indices, so a checkpoint moves between any pp x virtual-stages layouts. A tied embedding split across
+stages is assumed kept equal on both (its grads summed over the embedding group): both copies write the same chunks
+and both are loaded from them.
 
 The distributed optimizer (`tp.optim.DistributedOptimizer`, zero1, and its all-reduce form for ddp under bf16)
 keeps each rank's 1/dp of the fp32 masters and AdamW state: they are all-gathered over dp on save and written as
@@ -160,23 +162,33 @@ def _split(mesh):
 
 
 def _check(model, optimizer, mesh):
-    """The unwrapped GPT stage; raises, the same on every rank, before any collective."""
-    model = getattr(model, "module", model)  # DDP
-    if not isinstance(model, GPT):
-        raise TypeError(f"model must be a models.GPT stage (or a DDP / FSDP2 wrapping of one), got "
-                        f"{type(model).__name__}")
-    if model.tp_size != mesh.tp_size:
-        raise ValueError(f"the model is split over tp={model.tp_size} ranks but mesh has tp={mesh.tp_size}")
+    """The unwrapped GPT stages (one, or a rank's model chunks: a list or nn.ModuleList of them, for interleaved
+    pipelines); raises, the same on every rank, before any collective."""
+    chunks = list(model) if isinstance(model, (list, tuple, torch.nn.ModuleList)) else [model]
+    stages = [getattr(chunk, "module", chunk) for chunk in chunks]  # DDP
+    for model in stages:
+        if not isinstance(model, GPT):
+            raise TypeError(f"model must be a models.GPT stage (or a DDP / FSDP2 wrapping of one), or a list of "
+                            f"them, got {type(model).__name__}")
+        if model.tp_size != mesh.tp_size:
+            raise ValueError(f"the model is split over tp={model.tp_size} ranks but mesh has tp={mesh.tp_size}")
     if _distributed(optimizer):
-        if optimizer.module.module is not model:
+        if len(stages) > 1 or optimizer.module.module is not model:
             raise ValueError("the DistributedOptimizer steps another module's parameters than the model's")
     elif optimizer is not None:
-        ours = {id(p) for *_, p in _parameters(model)}
+        ours = {id(p) for stage in stages for *_, p in _parameters(stage)}
         foreign = [i for i, g in enumerate(optimizer.param_groups) for p in g["params"] if id(p) not in ours]
         if foreign:
             raise ValueError(f"optimizer param_groups {sorted(set(foreign))} hold parameters that are not the "
                              f"model's (build the optimizer over model.parameters())")
-    return model
+    return stages
+
+
+def _stage_parameters(stages):
+    """(stage, name, module, attribute, parameter) of every distinct parameter of the stages."""
+    for stage in stages:
+        for name, module, attr, param in _parameters(stage):
+            yield stage, name, module, attr, param
 
 
 def save(path, model, optimizer, *, mesh, step, extra=None):
@@ -186,12 +198,12 @@ def save(path, model, optimizer, *, mesh, step, extra=None):
         raise ValueError(f"step={step!r} must be an integer >= 0")
     if hasattr(model, "finish_param_sync"):  # tp.optim.DataParallel: its parameters' all-gathers complete
         model.finish_param_sync()
-    model = _check(model, optimizer, mesh)
+    stages = _check(model, optimizer, mesh)
     device_mesh = mesh.device_mesh["tp"]
     state = {}
     whole = optimizer.full_state() if _distributed(optimizer) else None  # fp32 masters and state, dp-gathered
-    for name, module, attr, param in _parameters(model):
-        parts = [part for part in _parts(model, name, module, attr, param.shape) if part.held()]
+    for stage, name, module, attr, param in _stage_parameters(stages):
+        parts = [part for part in _parts(stage, name, module, attr, param.shape) if part.held()]
         value = _tp_local(param.detach()) if whole is None else whole[param].pop("param")
         for part in parts:
             state[f"model.{part.key}"] = part.stored(part.views(value), device_mesh)
@@ -208,7 +220,7 @@ def save(path, model, optimizer, *, mesh, step, extra=None):
     if mesh.rank == 0:
         groups = None if optimizer is None else [{k: v for k, v in g.items() if k != "params"}
                                                  for g in optimizer.param_groups]
-        meta = dict(step=step, split=_split(mesh), config=dataclasses.asdict(model.config), extra=extra,
+        meta = dict(step=step, split=_split(mesh), config=dataclasses.asdict(stages[0].config), extra=extra,
                     optimizer=None if optimizer is None else _optimizer_name(optimizer), param_groups=groups)
         state["meta"] = pickle.dumps(meta)
     state[f"rng.{mesh.rank}"] = pickle.dumps(tp.get_rng_state())
@@ -252,8 +264,8 @@ def _read_meta(path, model, optimizer):
 def load(path, model, optimizer, *, mesh):
     """Fill this GPT stage and its optimizer from the checkpoint in `path`, written at any split (collective over
     every rank). Returns (step, extra). Optimizer state is created as torch would have it after `step` steps."""
-    model = _check(model, optimizer, mesh)
-    meta = _read_meta(path, model, optimizer)
+    stages = _check(model, optimizer, mesh)
+    meta = _read_meta(path, stages[0], optimizer)
     stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     device_mesh = mesh.device_mesh["tp"]
     distributed = _distributed(optimizer)
@@ -272,8 +284,8 @@ def load(path, model, optimizer, *, mesh):
                 fill.append((part, buffers))
         fills.append((target, fill))
 
-    for name, module, attr, param in _parameters(model):
-        parts = _parts(model, name, module, attr, param.shape)
+    for stage, name, module, attr, param in _stage_parameters(stages):
+        parts = _parts(stage, name, module, attr, param.shape)
         target = param
         if distributed:  # the fp32 master (and, through it, a bf16 parameter) from the stored fp32 values
             target = masters[param] = torch.zeros(param.shape, dtype=optimizer.masters_dtype, device=param.device)
@@ -317,7 +329,7 @@ def load(path, model, optimizer, *, mesh):
         group.update(saved)
     if same_split:
         tp.set_rng_state(pickle.loads(state[rng_key]))
-    elif model.config.dropout or model.config.attention_dropout:
+    elif stages[0].config.dropout or stages[0].config.attention_dropout:
         warnings.warn(f"checkpoint {path!r} was saved at split {meta['split']}, this is {_split(mesh)}: the RNG "
                       "state is not restored, so dropout masks differ from the uninterrupted run")
     return meta["step"], meta["extra"]

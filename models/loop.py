@@ -104,13 +104,19 @@ def train(args):
     config = model_config(args)
     rank0 = dist.get_rank() == 0
     torch.manual_seed(args.seed)  # the same on every rank: the weights do not depend on the split
-    if args.from_hf:
-        stage = GPT.from_hf(args.from_hf, group=mesh.tp_group, stage=stage_options(config, mesh),
-                            **{f: getattr(config, f) for f in RUNTIME_FIELDS})
-    else:
-        stage = GPT(config, group=mesh.tp_group, **stage_options(config, mesh))
+    rng, chunks = torch.get_rng_state(), []
+    for chunk in range(args.virtual_stages):  # this rank's model chunks (one, unless the schedule interleaves)
+        torch.set_rng_state(rng)  # each chunk draws the model's one seed, as the whole model does
+        options = stage_options(config, mesh, chunk, args.virtual_stages)
+        if args.from_hf:
+            chunks.append(GPT.from_hf(args.from_hf, group=mesh.tp_group, stage=options,
+                                      **{f: getattr(config, f) for f in RUNTIME_FIELDS}))
+        else:
+            chunks.append(GPT(config, group=mesh.tp_group, **options))
+    stage = chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)
     tp.model_parallel_seed(args.seed)  # dropout streams (per pipeline stage and tp rank)
-    module = wrap_data_parallel(stage, mesh, args.dp_mode)
+    module = wrap_data_parallel(stage, mesh, args.dp_mode) if len(chunks) == 1 else \
+        torch.nn.ModuleList([wrap_data_parallel(chunk, mesh, args.dp_mode) for chunk in chunks])
     # No weight decay on 1-D parameters (norms, biases), as Megatron does.
     decay = [p for p in module.parameters() if p.dim() > 1]
     no_decay = [p for p in module.parameters() if p.dim() <= 1]

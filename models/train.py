@@ -22,6 +22,7 @@ from .checkpoint_dirs import latest as _latest  # noqa: F401  (the tests' name f
 from .checkpoint_dirs import resume_path
 from .config import PRESETS
 from .loop import SIZE_FIELDS, model_config, train  # noqa: F401  (`models.train.train`: the per-rank job)
+from . import schedules
 from .pipeline import stage_layers
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -39,7 +40,11 @@ def parser():
     a("--cp", type=int, default=1, help="context-parallel size: each sequence split over cp ranks (ring attention)")
     a("--cp-mode", choices=("ring", "allgather"), default="ring",
       help="context-parallel attention: K/V ringed with p2p (overlapped), or all-gathered once (Llama 3's)")
-    a("--schedule", choices=("1f1b", "gpipe"), default="1f1b", help="pipeline schedule")
+    a("--schedule", choices=("1f1b", "gpipe", "interleaved", "zb"), default="1f1b",
+      help="pipeline schedule (models/schedules.py): interleaved is Megatron's, with --virtual-stages model chunks "
+           "per rank; zb is ZB-H1, the backward split into input and weight gradients")
+    a("--virtual-stages", type=int, default=1, metavar="V",
+      help="model chunks per pipeline rank (--schedule interleaved; Megatron's virtual pipeline size)")
     a("--global-batch-size", type=int, default=16, help="sequences per optimizer step, over all dp ranks")
     a("--micro-batch-size", type=int, default=2, help="sequences per micro-batch")
     a("--seq-len", type=int, default=64, help="tokens per sequence")
@@ -144,7 +149,18 @@ def validate(args, world_size=None):
         raise ValueError(f"--seq-len={args.seq_len} exceeds the model's max_seq_len={config.max_seq_len}"
                          + (f" / sliding_window={config.sliding_window}" if config.sliding_window else ""))
     config.check_tp(args.tp)
-    stage_layers(config.num_layers, args.pp, 0)
+    if args.virtual_stages < 1:
+        raise ValueError(f"--virtual-stages={args.virtual_stages} must be >= 1")
+    micro_batches = args.global_batch_size // (args.dp * args.micro_batch_size)
+    try:
+        schedules.check_arguments(args.schedule, args.pp, micro_batches, args.virtual_stages)
+    except schedules.ScheduleError as e:
+        raise ValueError(f"--schedule {args.schedule}: {e} (micro_batches = --global-batch-size / (--dp * "
+                         f"--micro-batch-size) = {micro_batches}; virtual_stages = --virtual-stages)") from None
+    stage_layers(config.num_layers, args.pp, 0, args.virtual_stages)
+    if args.virtual_stages > 1 and args.export_hf:  # (save_hf takes one stage per rank)
+        raise ValueError(f"--virtual-stages={args.virtual_stages} with --export-hf is not supported (one model chunk "
+                         "per rank there)")
     if args.sequence_parallel and args.seq_len % args.tp:
         raise ValueError(f"--seq-len={args.seq_len} is not divisible by --tp={args.tp} (sequence parallelism)")
     if args.cp > 1:

@@ -194,3 +194,43 @@ def test_split_backward_gives_the_fused_gradients(kind, sp, main_grad, replicas)
 
     for fused, split, what in zip(gradients(False), gradients(True), ("input", "weight", "bias")):
         assert_close(split, fused, 1e-12, what)
+
+
+TRAIN = ["--model", "tiny", "--seq-len", "32", "--global-batch-size", "8", "--micro-batch-size", "2", "--steps", "3",
+         "--seed", "7"]
+
+
+def _train(flags, log):
+    from models.train import parser, train
+
+    train(parser().parse_args([*TRAIN, *flags, "--log-jsonl", log]))
+
+
+def _losses(tmp_path, name, world_size, *flags):
+    import json
+
+    from tp.testing import run
+
+    log = str(tmp_path / f"{name}.jsonl")
+    run(_train, world_size, flags=list(flags), log=log, timeout=300)
+    with open(log) as f:
+        return [json.loads(line)["loss"] for line in f]
+
+
+def test_models_train_schedules_train_the_serial_curve(tmp_path):
+    """models.train --schedule zb (DDP) and interleaved --virtual-stages 2 (FSDP2) train the 1x1x1 loss curve; the
+    checkpoint the interleaved run wrote at step 2 (two chunks per rank) resumes at pp=4 with one chunk per rank."""
+    serial = _losses(tmp_path, "serial", 1, "--tp", "1", "--pp", "1", "--dp", "1")
+    ckpt = str(tmp_path / "ckpt")
+    runs = {
+        "zb 1x2x2 ddp": ["--tp", "1", "--pp", "2", "--dp", "2", "--schedule", "zb"],
+        "interleaved 1x2x2 fsdp": ["--tp", "1", "--pp", "2", "--dp", "2", "--schedule", "interleaved",
+                                   "--virtual-stages", "2", "--dp-mode", "fsdp", "--save", ckpt, "--save-every", "2"],
+    }
+    for name, flags in runs.items():
+        curve = _losses(tmp_path, name.replace(" ", "_"), 4, *flags)
+        for step, (ours, reference) in enumerate(zip(curve, serial, strict=True)):
+            assert abs(ours - reference) <= 1e-5 * reference, f"{name}, step {step + 1}: {ours} vs {reference}"
+    resumed = _losses(tmp_path, "resumed", 4, "--tp", "1", "--pp", "4", "--dp", "1", "--load",
+                      f"{ckpt}/step-000002")
+    assert len(resumed) == 1 and abs(resumed[0] - serial[2]) <= 1e-5 * serial[2], (resumed, serial)
