@@ -36,6 +36,8 @@ from . import roofline as rl
 
 @dataclass(frozen=True)
 class Plan:
+    """One way to run: tp × cp × pp (vp model chunks per pipeline rank) × dp ranks, micro-batch size, recompute
+    ("none" | "selective" | "full"), sequence parallelism, dp mode ("ddp" | "zero1" | "fsdp")."""
     tp: int
     cp: int
     pp: int
