@@ -139,9 +139,11 @@ def test_communication_and_bf16(cp):
         if mode == "ring":
             kv_call = [("isend", 2 * kv_bytes, nxt), ("irecv", 2 * kv_bytes, prev)]  # bf16 on the wire
             dkv_call = [("isend", 4 * kv_bytes, nxt), ("irecv", 4 * kv_bytes, prev)]  # fp32 accumulators
-            # the next KV is on its way before this block is computed; dK/dV move on once it is added
-            assert fwd_p2p == [kv_call, "block"] * (cp - 1) + ["block"]
-            assert bwd_p2p == [kv_call, "block", dkv_call] * (cp - 1) + ["block", dkv_call]  # the last one: home
+            # the next KV is on its way before this step's blocks (2 at step 0, then 1) are computed; dK/dV move on
+            # once they are added, the last time home
+            blocks = [["block"] * (2 if step == 0 else 1) for step in range(cp)]
+            assert fwd_p2p == [x for step in range(cp) for x in [kv_call][:cp - 1 - step] + blocks[step]]
+            assert bwd_p2p == [x for step in range(cp) for x in [kv_call][:cp - 1 - step] + blocks[step] + [dkv_call]]
             assert fwd["total"] == bwd["total"] == 0
         else:
             assert fwd_p2p == ["block"] * 2 and bwd_p2p == ["block"] * 2  # one per local chunk, no p2p
@@ -219,12 +221,9 @@ def test_every_rank_does_the_same_work(causal):
         per_rank = [None] * 4
         dist.all_gather_object(per_rank, products, group=mesh.cp_group)
         assert all(p == products for p in per_rank), (mode, per_rank)
-        if not causal:
-            expected = 4 * n * n  # every local query vs all s keys
-        elif mode == "ring":
-            expected = n * n + 3 * n * n // 2  # the (masked) diagonal, then half blocks
-        else:
-            expected = C * C * (2 * 4 + 1)  # chunk r vs (r+1)·c keys, chunk 2cp−1−r vs (2cp−r)·c
+        # causal: (2cp + 1)·c² on every rank. ring: c² + 2c² at step 0, then c·n = 2c² per step;
+        # allgather: chunk r vs (r+1)·c keys, chunk 2cp−1−r vs (2cp−r)·c
+        expected = C * C * (2 * 4 + 1) if causal else 4 * n * n
         assert products == {"forward": b * heads * expected, "backward": b * heads * expected}, (mode, products)
 
 

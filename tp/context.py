@@ -5,10 +5,10 @@ is cut into 2·cp equal chunks of c = s/(2·cp) tokens and rank r holds chunks r
 tokens are in increasing position order, and under a causal mask every rank does the same work.
 
 `context_parallel_attention` (REFERENCE.md §9) in two modes:
-  ring       K and V travel once around the group (batch_isend_irecv), the next block's transfer started before this
-             block's attention; block outputs merged by their log-sum-exp; causal blocks are whole (step 0, masked),
-             half (KV from an earlier rank: every local query vs that rank's first chunk; from a later rank: the
-             local second chunk vs all of it) or skipped. Backward rings K and V again, recomputes each block's
+  ring       K and V travel once around the group (batch_isend_irecv), the next step's transfer started before this
+             step's attention; block outputs merged by their log-sum-exp; causal blocks are halved (KV from an
+             earlier rank: every local query vs that rank's first chunk; from a later rank: the local second chunk
+             vs all of it; step 0: each local chunk causal on the local keys up to its end). Backward rings K and V again, recomputes each block's
              probabilities from the saved lse (flash-style), and dK/dV ride along in the accumulation dtype,
              collecting every rank's contribution, then take one last hop home: forward cp−1 messages of [2, b,
              kv_heads, n, d] per rank, backward cp−1 of them plus cp of dK/dV. Saved: local q, K, V, output, lse.
@@ -177,18 +177,19 @@ def _attend_backward(dq, dkv, q, kv, dout, lse, delta, rows, cols, causal, scale
 
 
 def _ring_steps(rank, cp, n, causal):
-    """(q rows, kv rows, masked) at each ring step of `rank`, which then holds the KV of rank (rank − step) mod cp."""
+    """The blocks (q rows, kv rows, masked) of each ring step of `rank`, which then holds the KV of rank
+    (rank − step) mod cp. Causal: every step computes the same c·n query x key products (c = n/2)."""
     whole, first, second = slice(None), slice(0, n // 2), slice(n // 2, None)
     for step in range(cp):
         source = (rank - step) % cp
         if not causal:
-            yield whole, whole, False
-        elif step == 0:  # the diagonal: local order is position order
-            yield whole, whole, True
+            yield [(whole, whole, False)]
+        elif step == 0:  # our own chunks: each causal on itself, the second sees all of the first
+            yield [(first, first, True), (second, whole, True)]
         elif source < rank:  # its chunks: one before both of ours, one after both
-            yield whole, first, False
+            yield [(whole, first, False)]
         else:  # both of its chunks lie between our two
-            yield second, whole, False
+            yield [(second, whole, False)]
 
 
 def _ring_send(tensor, group):
@@ -226,9 +227,10 @@ class _RingAttention(torch.autograd.Function):
         qg = _grouped(q, k.shape[1])
         kv = torch.stack([k, v])  # [2, b, kv_heads, n, d]: one message per step
         out, lse = torch.zeros_like(qg), qg.new_full(qg.shape[:-1], -math.inf)
-        for step, (rows, cols, masked) in enumerate(_ring_steps(rank, cp, n, causal)):
-            incoming = _ring_send(kv, group) if step < cp - 1 else None  # overlaps this block's attention
-            _attend(out, lse, qg, kv, rows, cols, masked, scale)
+        for step, blocks in enumerate(_ring_steps(rank, cp, n, causal)):
+            incoming = _ring_send(kv, group) if step < cp - 1 else None  # overlaps this step's attention
+            for rows, cols, masked in blocks:
+                _attend(out, lse, qg, kv, rows, cols, masked, scale)
             kv = _wait(incoming) if incoming else kv
         out = out.flatten(1, 2).to(q.dtype)
         ctx.causal, ctx.scale, ctx.group = causal, scale, group
@@ -244,11 +246,12 @@ class _RingAttention(torch.autograd.Function):
         qg, dout = _grouped(q, kv_heads), _grouped(dout, kv_heads)
         delta = (dout * _grouped(out, kv_heads)).sum(-1)
         kv, dq, dkv_transfer = torch.stack([k, v]), torch.zeros_like(qg), None
-        for step, (rows, cols, masked) in enumerate(_ring_steps(rank, cp, n, ctx.causal)):
+        for step, blocks in enumerate(_ring_steps(rank, cp, n, ctx.causal)):
             incoming = _ring_send(kv, group) if step < cp - 1 else None
             # dK/dV of the KV we hold, carrying the contributions of the ranks it visited before us
             dkv = _wait(dkv_transfer) if dkv_transfer else kv.new_zeros(kv.shape, dtype=qg.dtype)
-            _attend_backward(dq, dkv, qg, kv, dout, lse, delta, rows, cols, masked, ctx.scale)
+            for rows, cols, masked in blocks:
+                _attend_backward(dq, dkv, qg, kv, dout, lse, delta, rows, cols, masked, ctx.scale)
             dkv_transfer = _ring_send(dkv, group)  # to its next holder; after the last step, to its owner
             kv = _wait(incoming) if incoming else kv
         dkv = _wait(dkv_transfer)
