@@ -104,6 +104,7 @@ def collective_rows(measured):
 
 TABLE = [
     ("hidden", "D", "{}"), ("ffn", "F", "{}"), ("mlp", "mlp", "{}"), ("tokens", "T", "{}"), ("tp", "TP", "{}"),
+    ("link", "link", "{}"),
     ("ffn_shard", "F/TP", "{}"), ("mlp_min_intensity", "FLOP/B", "{:.0f}"), ("ridge", "ridge", "{:.0f}"),
     ("mlp_fwd_compute_us", "compute us", "{:.1f}"), ("mlp_fwd_comm_us", "comm us", "{:.1f}"),
     ("comm_over_compute", "comm/comp", "{:.2f}"), ("efficiency_serial", "eff serial", "{:.2f}"),
@@ -252,7 +253,9 @@ def _run(args):
     shown = tps if len(shapes) == 1 else [r for r in tps if r["tokens"] == max(args.tokens)]  # one layer: every T
     print(f"\nModel: {hw.name} ({hw.dtype}; C = {hw.flops:.3g} FLOP/s, HBM = {hw.hbm:.3g} B/s, W = {hw.link:.3g} B/s "
           f"per direction; ridge {hw.ridge:.0f} FLOP/B, C/W = {hw.flops_per_link_byte:.0f}). MLP forward per rank; "
-          f"comm = all-gather + reduce-scatter of e*T*D bytes each at W (scaling book).")
+          f"comm = all-gather + reduce-scatter of e*T*D bytes each at W (scaling book)"
+          + (f"; TP > {hw.gpus_per_node} crosses the node boundary: IB at {hw.inter_node:.3g} B/s per device."
+             if hw.gpus_per_node else "."))
     if measured:
         print(f"Measured on {measured['device']} ({measured['dtype']}): peak {measured['peak_flops'] / 1e9:.1f} "
               f"GFLOP/s, copy {measured['bandwidth'] / 1e9:.1f} GB/s, kernels.linear {measured['kernels']}, "

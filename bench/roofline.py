@@ -17,6 +17,9 @@ tp.RowParallelLinear run it (tests/test_intensity.py counts their messages):
 A transformer layer is two pairs. Not modelled: the attention core (per-head, local), head counts (a real model also
 needs TP to divide its heads) and GQA, SP's all-reduce of sequence-parallel parameter grads (norms, row biases: O(D)
 bytes), and latency on the GPU profiles (bandwidth only).
+The node boundary: a TP group of Y adjacent ranks stays inside a node while Y <= gpus_per_node (8 on the GPU
+profiles) and its collectives run at W, NVLink; a larger group crosses nodes and runs at each device's NIC (IB,
+inter_node), as bench.plan models every group (h100-ib instead takes a whole-node group's aggregate egress).
 
 The recommendation is the scaling book's TP model ("How to Scale Your Model", "How to Think About GPUs", Tensor
 Parallelism), MLP forward on Y ranks: T_math = roofline time of the local forward GEMMs (= 4·T·D·F/(Y·C) for a
@@ -47,6 +50,8 @@ class Hardware:
     dtype: str = "bf16"
     element_size: int = 2
     latency: float = 0.0  # seconds per collective
+    gpus_per_node: int = 0  # the node boundary: groups of more ranks cross it (0: not modelled, one link)
+    inter_node: float = 0.0  # bandwidth per device and direction across nodes (its NIC), bytes/s
 
     @property
     def ridge(self):
@@ -61,20 +66,23 @@ class Hardware:
 
 HARDWARE = {
     "h100-nvlink": Hardware(
-        "h100-nvlink", flops=989e12, hbm=3.35e12, link=450e9,
+        "h100-nvlink", flops=989e12, hbm=3.35e12, link=450e9, gpus_per_node=8, inter_node=50e9,
         source="NVIDIA H100 Tensor Core GPU datasheet, H100 SXM: BF16 Tensor Core 1,979 TFLOPS with sparsity = 989 "
                "dense; GPU memory bandwidth 3.35 TB/s; NVLink 900 GB/s counts both directions (18 NVLink-4 links), "
-               "450 GB/s per direction = the scaling book's H100 'GPU egress bandwidth' 450e9"),
+               "450 GB/s per direction = the scaling book's H100 'GPU egress bandwidth' 450e9; across nodes (a TP "
+               "group beyond the 8 GPUs of a DGX H100) each GPU's ConnectX-7 NDR 400 Gb/s = 50 GB/s, as bench.plan's "
+               "h100-sxm"),
     "h100-ib": Hardware(
         "h100-ib", flops=989e12, hbm=3.35e12, link=400e9,
         source="H100 SXM as h100-nvlink; a TP group spanning whole 8-GPU nodes over InfiniBand: 8 ConnectX-7 NDR "
                "NICs per node at 400 Gb/s = 50 GB/s each, 400 GB/s node egress = the scaling book's H100 'node egress "
                "bandwidth' 400e9 (C/W ≈ 2475 'beyond a node'; REFERENCE.md §6). One GPU per node would get 50 GB/s"),
     "a100-nvlink": Hardware(
-        "a100-nvlink", flops=312e12, hbm=2.039e12, link=300e9,
+        "a100-nvlink", flops=312e12, hbm=2.039e12, link=300e9, gpus_per_node=8, inter_node=25e9,
         source="NVIDIA A100 Tensor Core GPU datasheet, A100 80GB SXM: BF16 Tensor Core 312 TFLOPS (624 with sparsity); "
                "GPU memory bandwidth 2,039 GB/s; NVLink 600 GB/s counts both directions (12 NVLink-3 links), 300 GB/s "
-               "per direction"),
+               "per direction; across nodes (beyond the 8 GPUs of a DGX A100) each GPU's HDR 200 Gb/s = 25 GB/s, as "
+               "bench.plan's a100-80g"),
 }
 
 
@@ -174,14 +182,24 @@ def pair_collectives(tokens, hidden, tp, element_size, *, sequence_parallel):
             Collective(ALL_GATHER, "bwd", n), Collective(ALL_GATHER, "bwd", n), Collective(REDUCE_SCATTER, "bwd", n)]
 
 
+def group_link(hw, ranks):
+    """(bytes/s, name) of a collective over `ranks` adjacent ranks (a TP group, the rank order keeping it inside a
+    node while it fits): the node's link (NVLink) inside a node, each device's NIC (IB) once the group crosses the
+    node boundary; bench.plan decides the same way (bench/plan_model.py, its Cluster's gpus_per_node)."""
+    if hw.gpus_per_node and ranks > hw.gpus_per_node:
+        return hw.inter_node, "IB"
+    return hw.link, "NVLink" if hw.gpus_per_node else "link"
+
+
 def comm_time(collectives, tp, hw):
-    return sum(c.wire_bytes(tp) / hw.link + hw.latency for c in collectives)
+    return sum(c.wire_bytes(tp) / group_link(hw, tp)[0] + hw.latency for c in collectives)
 
 
 def mlp_forward_times(shape, tp, hw):
     """(T_math, T_comm) of one MLP forward under the scaling book's model (module docstring)."""
     t_math = sum(g.time(hw) for g in mlp_gemms(shape, tp) if g.phase == "fwd")
-    t_comm = 0.0 if tp == 1 else 2 * (hw.element_size * shape.tokens * shape.hidden / hw.link + hw.latency)
+    t_comm = 0.0 if tp == 1 else 2 * (hw.element_size * shape.tokens * shape.hidden / group_link(hw, tp)[0]
+                                      + hw.latency)
     return t_math, t_comm
 
 
@@ -223,7 +241,7 @@ def tp_model(shape, tp, hw):
     t_math, t_comm = mlp_forward_times(shape, tp, hw)
     return {
         "hidden": shape.hidden, "ffn": shape.ffn, "mlp": shape.mlp, "tokens": shape.tokens, "tp": tp,
-        "ffn_shard": shape.ffn // tp,
+        "link": "-" if tp == 1 else group_link(hw, tp)[1], "ffn_shard": shape.ffn // tp,
         "mlp_min_intensity": min(g.intensity(e) for g in mlp),
         "attn_min_intensity": min(g.intensity(e) for g in attn),
         "ridge": hw.ridge,

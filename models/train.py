@@ -2,11 +2,14 @@
 
     python -m models.train                                   # 8 CPU processes: tp=2 x pp=2 x dp=2, gloo
     python -m models.train --tp 4 --pp 1 --dp 2 --sequence-parallel --dp-mode fsdp
-    torchrun --nproc-per-node 8 -m models.train --tp 2 --pp 2 --dp 2     # under torchrun: its environment (NCCL)
+    torchrun --nproc-per-node 8 -m models.train --tp 2 --pp 2            # under torchrun: dp = WORLD_SIZE / (tp*cp*pp)
+    torchrun --nnodes 2 --node-rank N --nproc-per-node 4 --master-addr HOST0 --master-port 29500 -m models.train
+    torchrun --standalone --nproc-per-node 8 --max-restarts 3 -m models.train --save ckpt --load ckpt --save-every 50
 
-Not under torchrun, the whole configuration is validated in this process first (one line and exit 2 on error),
-then tp*pp*dp processes are started through torchrun's launcher on this machine; a rank that fails stops the others
-and is named. The data are byte tokens of Python's standard-library sources (models/data.py): no downloads;
+Not under torchrun, the whole configuration (paths included) is validated in this process first (one line and exit
+2 on error), then tp*cp*pp*dp processes are started through torchrun's launcher on this machine (models/launch.py);
+a failure inside the ranks ends the job in one line naming the first failing rank, each rank's traceback in its log
+file (models/failures.py). The data are byte tokens of Python's standard-library sources (models/data.py): no downloads;
 `--data PATH --tokenizer DIR` trains on your text, tokenized once by the launcher (models/tokens.py).
 """
 import argparse

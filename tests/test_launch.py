@@ -228,3 +228,22 @@ def test_progress_is_tqdm_on_a_terminal_and_plain_lines_otherwise():
     bar.close()
     assert "\r" in terminal.getvalue() and "loss=1.0" in terminal.getvalue()
     assert progress.progress(False, 0, 5, interval=1, stream=terminal).set_postfix(loss=1) is None  # other ranks
+
+
+def test_intensity_and_plan_name_the_node_boundary_the_same_way():
+    """A TP group inside a node (<= 8 GPUs) runs over NVLink, a larger one over each GPU's NIC, in bench.intensity's
+    model (roofline.group_link) as in bench.plan's (its clusters' gpus_per_node and inter_node)."""
+    from bench import plan_model
+    from bench import roofline as rl
+
+    for profile, cluster in (("h100-nvlink", "h100-sxm"), ("a100-nvlink", "a100-80g")):
+        hw, node = rl.HARDWARE[profile], rl.CLUSTERS[cluster]
+        for ranks in (2, 8, 16, 64):
+            bandwidth, name = rl.group_link(hw, ranks)
+            assert name == ("NVLink" if ranks <= 8 else "IB")
+            assert bandwidth * node.comm_efficiency == plan_model._bandwidth(node, ranks)
+    shape = rl.Shape(hidden=4096, ffn=14336, tokens=16384, mlp="gelu")
+    rows = {tp: rl.tp_model(shape, tp, rl.HARDWARE["h100-nvlink"]) for tp in (8, 16)}
+    assert (rows[8]["link"], rows[16]["link"]) == ("NVLink", "IB")
+    assert rows[16]["mlp_fwd_comm_s"] == pytest.approx(9 * rows[8]["mlp_fwd_comm_s"])  # 450 vs 50 GB/s
+    assert rl.group_link(rl.HARDWARE["h100-ib"], 64) == (400e9, "link")  # no boundary modelled: one link
