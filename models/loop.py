@@ -26,10 +26,12 @@ SIZE_FIELDS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_hi
 def model_config(args):
     """The GPTConfig the flags describe (a preset, or a Hugging Face config, with the overrides)."""
     overrides = {f: getattr(args, f) for f in SIZE_FIELDS if getattr(args, f) is not None}
-    # DDP (or no dp): SP grads summed in one all-reduce after the schedule; FSDP2 drops the tags that needs.
+    # torch DDP (or no dp) in fp32: SP grads summed in one all-reduce after the schedule; FSDP2 drops the tags that
+    # needs, and tp.optim.DataParallel (zero1, bf16) reduces buckets during backward: summed inside backward there.
     attention_dropout = args.dropout if args.attention_dropout is None else args.attention_dropout
     flags = dict(sequence_parallel=args.sequence_parallel, recompute=args.recompute, dropout=args.dropout,
-                 attention_dropout=attention_dropout, sequence_parallel_grad_sync=args.dp_mode == "fsdp",
+                 attention_dropout=attention_dropout,
+                 sequence_parallel_grad_sync=args.dp_mode != "ddp" or args.precision != "fp32",
                  cp_mode=args.cp_mode)
     if args.from_hf:
         import transformers
@@ -45,18 +47,33 @@ def model_config(args):
     return GPTConfig(**fields)
 
 
-def wrap_data_parallel(stage, mesh, mode):
-    """DDP on the dp×cp group, or FSDP2 over it (each block, then the stage). Gradients are summed over cp (each cp
-    rank holds its tokens' share of the gradient of the global loss) and averaged over dp: divided by dp, not dp·cp."""
+def wrap_data_parallel(stage, mesh, mode, precision="fp32"):
+    """DDP on the dp×cp group, or FSDP2 over it (each block, then the stage), or zero1: tp.optim.DataParallel (the
+    DistributedOptimizer's buckets). Gradients are summed over cp (each cp rank holds its tokens' share of the
+    gradient of the global loss) and averaged over dp: divided by dp, not dp·cp.
+
+    bf16: zero1 and ddp use tp.optim.DataParallel (bf16 parameters, fp32 main_grad buckets and masters; with ddp its
+    all-reduce form, Megatron's DDP: torch DDP would reduce the bf16 .grad); fsdp uses FSDP2's own mixed precision
+    (its fp32 shards are the masters, gathered in bf16, gradients reduced in fp32)."""
+    bf16 = precision == "bf16"
+    if mode == "zero1" or (bf16 and (mode == "ddp" or mesh.size("dp-cp") == 1)):
+        tied = tied_embedding(stage, mesh)
+        return tp.optim.DataParallel(stage, group=mesh.group("dp-cp"), average_over=mesh.dp_size,
+                                     shard=mode == "zero1", param_dtype=torch.bfloat16 if bf16 else None,
+                                     tied=[(tied, mesh.embedding_group)] if tied is not None else ())
     if mesh.size("dp-cp") == 1:
         return stage
     if mode == "fsdp":
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         dp_mesh = mesh.device_mesh["dp"] if mesh.cp_size == 1 else mesh.flat_device_mesh("dp-cp")
-        for block in stage.layers:
-            fully_shard(block, mesh=dp_mesh)
-        module = fully_shard(stage, mesh=dp_mesh)
+        policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else MixedPrecisionPolicy()
+        # (the stage's output, the activation the next stage receives, leaves in fp32: the pipeline's buffers)
+        outer = MixedPrecisionPolicy(torch.bfloat16, torch.float32, torch.float32) if bf16 else policy
+        with tp.optim.keep_param_tags(stage):  # fully_shard drops the attributes clip_grad_norm_ reads
+            for block in stage.layers:
+                fully_shard(block, mesh=dp_mesh, mp_policy=policy)
+            module = fully_shard(stage, mesh=dp_mesh, mp_policy=outer)
         if mesh.cp_size > 1:
             for m in module.modules():
                 if hasattr(m, "set_gradient_divide_factor"):
@@ -68,6 +85,16 @@ def wrap_data_parallel(stage, mesh, mode):
     if mesh.cp_size > 1:
         module.register_comm_hook(mesh.group("dp-cp"), _sum_then_divide_by(mesh.dp_size))
     return module
+
+
+def tied_embedding(stage, mesh):
+    """This stage's copy of a tied embedding held by the first and last pipeline stages, else None (also for a
+    model chunk of theirs without the embedding or the head)."""
+    if not stage.config.tie_embeddings or mesh.pp_size == 1 or not mesh.in_embedding_group:
+        return None
+    if mesh.is_first_stage and stage.pre_process:
+        return stage.embedding.weight
+    return stage.output.weight if mesh.is_last_stage and stage.post_process else None
 
 
 def _sum_then_divide_by(divisor):
@@ -115,13 +142,21 @@ def train(args):
             chunks.append(GPT(config, group=mesh.tp_group, **options))
     stage = chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)
     tp.model_parallel_seed(args.seed)  # dropout streams (per pipeline stage and tp rank)
-    module = wrap_data_parallel(stage, mesh, args.dp_mode) if len(chunks) == 1 else \
-        torch.nn.ModuleList([wrap_data_parallel(chunk, mesh, args.dp_mode) for chunk in chunks])
+    for chunk in chunks:  # the first stage's embedding, held again: its grad norm counted there
+        if tied_embedding(chunk, mesh) is not None and not mesh.is_first_stage:
+            tied_embedding(chunk, mesh).shared = True
+    module = wrap_data_parallel(stage, mesh, args.dp_mode, args.precision) if len(chunks) == 1 else \
+        torch.nn.ModuleList([wrap_data_parallel(chunk, mesh, args.dp_mode, args.precision) for chunk in chunks])
     # No weight decay on 1-D parameters (norms, biases), as Megatron does.
-    decay = [p for p in module.parameters() if p.dim() > 1]
-    no_decay = [p for p in module.parameters() if p.dim() <= 1]
-    optimizer = torch.optim.AdamW([{"params": decay}, {"params": no_decay, "weight_decay": 0.0}], lr=args.lr,
-                                  betas=(0.9, 0.95), weight_decay=args.weight_decay)
+    groups = [{"params": [p for p in module.parameters() if p.dim() > 1]},
+              {"params": [p for p in module.parameters() if p.dim() <= 1], "weight_decay": 0.0}]
+    hyperparameters = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
+    if isinstance(module, tp.optim.DataParallel):  # AdamW on this rank's shard of the fp32 masters
+        optimizer = tp.optim.DistributedOptimizer(module, groups, **hyperparameters)
+        # a bucket reduces once each of its gradients has arrived from every micro-batch, whatever the schedule
+        module.set_micro_batches(args.global_batch_size // (mesh.dp_size * args.micro_batch_size))
+    else:
+        optimizer = torch.optim.AdamW(groups, **hyperparameters)
     start_step = 0
     resume = resume_path(args.load, args.save)  # None: a fresh start (--save and --load the same, still empty)
     if resume:
@@ -144,7 +179,7 @@ def train(args):
     params = sum(p.numel() for p in stage.parameters())
     if rank0:
         print(f"{mesh.world_size} ranks: tp={mesh.tp_size} cp={mesh.cp_size} pp={mesh.pp_size} dp={mesh.dp_size} "
-              f"({args.dp_mode}), "
+              f"({args.dp_mode}, {args.precision}), "
               f"schedule={args.schedule}, micro-batches/step={args.global_batch_size // (mesh.dp_size * args.micro_batch_size)}, "
               f"sequence_parallel={args.sequence_parallel}; model {args.from_hf or args.model or 'tiny'}"
               f" ({config.num_layers} layers, hidden {config.hidden_size}, {params:,} params on rank 0)", flush=True)
@@ -185,8 +220,16 @@ def train(args):
             stats = runner.run(micro_batches, args.schedule)
             if not config.sequence_parallel_grad_sync:
                 tp.allreduce_sequence_parallel_grads(stage, mesh.tp_group)  # one all-reduce for every SP param
-            allreduce_tied_embedding_grads(stage, mesh)
-            optimizer.step()
+            if not isinstance(module, tp.optim.DataParallel):  # (which sums the tied copies itself)
+                allreduce_tied_embedding_grads(stage, mesh)
+            if args.nan_grad_at_step == step + 1 and dist.get_rank() == args.fail_rank:
+                _inject_nan_grad(module)
+            # the global norm over tp, pp and dp (each parameter once); clipped when --clip-grad > 0
+            grad_norm = tp.clip_grad_norm_(module.parameters(), args.clip_grad, mesh=mesh).item()
+            if math.isfinite(grad_norm):
+                optimizer.step()
+            elif rank0:  # Megatron's behaviour: no update from a non-finite gradient, the model stays as it was
+                print(f"skipped step {step + 1}: grad norm {grad_norm}", file=sys.stderr, flush=True)
             memory = max_memory_bytes(module, optimizer) if step == start_step else {}  # grads and state exist now
             optimizer.zero_grad(set_to_none=True)
             loss = _mean_over(stats.loss, mesh.dp_group)
@@ -211,6 +254,8 @@ def train(args):
         if args.save:
             _save(args.save, module, optimizer, mesh, args.steps, args)
         if args.export_hf:
+            if hasattr(module, "finish_param_sync"):  # zero1: the last step's all-gathers
+                module.finish_param_sync()
             stage.save_hf(args.export_hf, pp_group=mesh.pp_group if mesh.pp_size > 1 else None,
                           dp_group=mesh.group("dp-cp"))
     finally:
@@ -249,6 +294,14 @@ def max_memory_bytes(module, optimizer):
     totals = torch.tensor(list(sizes.values()), dtype=torch.int64)
     dist.all_reduce(totals, op=dist.ReduceOp.MAX)
     return dict(zip(sizes, totals.tolist()))
+
+
+def _inject_nan_grad(module):
+    """(tests) a NaN in this rank's part of a reduced gradient, as an overflow would leave it."""
+    if hasattr(module, "finish_grad_sync"):
+        module.finish_grad_sync()
+    grad = next(g for p in module.parameters() if (g := tp.optim.reduced_grad(p)[0]) is not None and g.numel())
+    grad.view(-1)[0] = math.nan
 
 
 def _mean_over(value, group):

@@ -2,6 +2,7 @@
 
     python -m models.train                                   # 8 CPU processes: tp=2 x pp=2 x dp=2, gloo
     python -m models.train --tp 4 --pp 1 --dp 2 --sequence-parallel --dp-mode fsdp
+    python -m models.train --dp-mode zero1 --precision bf16 --clip-grad 1.0  # Megatron's distributed optimizer
     torchrun --nproc-per-node 8 -m models.train --tp 2 --pp 2            # under torchrun: dp = WORLD_SIZE / (tp*cp*pp)
     torchrun --nnodes 2 --node-rank N --nproc-per-node 4 --master-addr HOST0 --master-port 29500 -m models.train
     torchrun --standalone --nproc-per-node 8 --max-restarts 3 -m models.train --save ckpt --load ckpt --save-every 50
@@ -58,8 +59,16 @@ def parser():
     a("--seed", type=int, default=1234, help="seed of the weights, the data order and dropout")
     a("--sequence-parallel", action="store_true", help="Megatron sequence parallelism inside each tp group")
     a("--recompute", choices=("none", "selective", "full"), default="none", help="activation recomputation")
-    a("--dp-mode", choices=("ddp", "fsdp"), default="ddp",
-      help="data parallelism: torch DDP on the dp group, or FSDP2 (fully_shard) on the dp mesh dim")
+    a("--dp-mode", choices=("ddp", "fsdp", "zero1"), default="ddp",
+      help="data parallelism: torch DDP on the dp group, FSDP2 (fully_shard) on the dp mesh dim, or zero1: the "
+           "distributed optimizer (fp32 grads reduce-scattered in buckets during backward, each rank stepping 1/dp "
+           "of the fp32 masters and AdamW state, parameters all-gathered)")
+    a("--precision", default="fp32", metavar="{fp32,bf16}",
+      help="bf16: bf16 parameters and activations, fp32 master weights, fp32 gradient accumulation and reduction "
+           "(the GPU default; fp32 on CPU, where bf16 matmuls are slow)")
+    a("--clip-grad", type=float, default=1.0, metavar="C",
+      help="clip the global gradient norm (over tp, pp and dp) to C (0: no clipping); a non-finite norm skips the "
+           "step")
     a("--model", choices=sorted(PRESETS), default=None, help="model size, default tiny (the overrides below win)")
     for field in SIZE_FIELDS:
         a(f"--{field.replace('_', '-')}", type=int, default=None, help=f"override the preset's {field}")
@@ -103,6 +112,7 @@ def parser():
     a("--fail-at-step", type=int, default=None, help=argparse.SUPPRESS)  # fault injection for the tests
     a("--hang-at-step", type=int, default=None, help=argparse.SUPPRESS)  # --fail-rank sleeps there
     a("--slow-save-at-step", type=int, default=None, help=argparse.SUPPRESS)  # a first attempt's save pauses
+    a("--nan-grad-at-step", type=int, default=None, help=argparse.SUPPRESS)  # --fail-rank's gradient gets a NaN
     a("--fail-rank", type=int, default=0, help=argparse.SUPPRESS)
     return p
 
@@ -126,6 +136,11 @@ def validate(args, world_size=None):
         if not math.isfinite(value) or value < 0 or (name == "lr" and value == 0):
             raise ValueError(f"--{name.replace('_', '-')}={value} must be a finite number "
                              f"{'> 0' if name == 'lr' else '>= 0'}")
+    if not math.isfinite(args.clip_grad) or args.clip_grad < 0:
+        raise ValueError(f"--clip-grad={args.clip_grad} must be a finite number >= 0 (0: no clipping)")
+    if args.precision not in ("fp32", "bf16"):
+        raise ValueError(f"--precision={args.precision} is not supported: fp32 or bf16 (fp16 would need loss "
+                         "scaling)")
     for name in ("warmup_steps", "save_every", "eval_every"):
         if getattr(args, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 0")

@@ -4,6 +4,7 @@ collectives are one reduce-scatter and one all-gather per bucket; bf16 parameter
 optimizer updates; bytes per parameter follow REFERENCE §11's table; clip_grad_norm_ gives the serial model's norm
 across tp (replicated kv rows, duplicated norms and biases), pp (a tied embedding on two stages) and dp (replicated,
 zero1 shards, FSDP2 shards)."""
+import contextlib
 import math
 
 import pytest
@@ -80,9 +81,9 @@ def reference(steps):
     return model, states
 
 
-@pytest.mark.parametrize("shard", [True, False])
+@pytest.mark.parametrize("shard,accumulate", [(True, "count"), (True, "no_sync"), (False, "count")])
 @distributed(world_size=4)
-def test_distributed_optimizer_steps_as_serial_adamw(shard):
+def test_distributed_optimizer_steps_as_serial_adamw(shard, accumulate):
     mesh = tp.init_mesh(tp=2)
     _, ref_states = reference(STEPS)
     model = DataParallel(net(mesh.tp_group), group=mesh.dp_group, shard=shard, bucket_numel=10)
@@ -94,8 +95,11 @@ def test_distributed_optimizer_steps_as_serial_adamw(shard):
     _, tp_counts = comm_counts(lambda: plain[2](hidden).sum().backward())
     for step in range(STEPS):
         micro = batch(step, mesh.dp_rank, mesh.dp_size).chunk(MICRO)
-        with model.no_sync():
-            (model(micro[0]).square().mean() / MICRO).backward()
+        if accumulate == "count":  # each parameter's gradient is complete after MICRO arrivals
+            model.set_micro_batches(MICRO)
+        with model.no_sync() if accumulate == "no_sync" else contextlib.nullcontext():
+            _, counts = comm_counts(lambda: (model(micro[0]).square().mean() / MICRO).backward())
+        assert counts["reduce_scatter"] == 0 and counts["all_reduce"] == tp_counts["all_reduce"]
         fired = []
         hidden = model.module[1](model.module[0](micro[1]))
         hidden.register_hook(lambda g: fired.append([b.handle is not None for b in model.buckets]))
@@ -138,7 +142,7 @@ def test_a_gradient_arriving_twice_is_refused():
     model = DataParallel(net(None), bucket_numel=1000)  # one bucket: the column layer twice would complete it early
     column = model.module[1]
     x = torch.ones(2, 5, dtype=torch.float64)
-    with pytest.raises(RuntimeError, match=r"the gradient of 1.weight arrived twice in one synchronised backward"):
+    with pytest.raises(RuntimeError, match=r"the gradient of 1.weight arrived 2 times in a step of 1 micro-batches"):
         (column(x) + column(2 * x)).sum().backward()
 
 
@@ -265,3 +269,63 @@ def test_bad_values_are_refused_before_any_collective():
         DistributedOptimizer(net(None))
     with pytest.raises(ValueError, match=r"max_norm=-1 must be a number >= 0"):
         clip_grad_norm_(model.parameters(), -1)
+
+
+# ---- the training job (models.train): zero1, bf16 and clipping end to end ------------------------------------------
+
+JOB = ["--model", "tiny", "--seq-len", "32", "--global-batch-size", "8", "--micro-batch-size", "2", "--steps", "3",
+       "--seed", "7"]  # --clip-grad 1.0: Megatron's default
+
+
+def _train_records(flags, log):
+    from models.train import parser, train
+
+    train(parser().parse_args([*JOB, *flags, "--log-jsonl", log]))
+    return None
+
+
+def _records(tmp_path, name, world_size, *flags):
+    import json
+
+    from tp.testing import run
+
+    log = str(tmp_path / f"{name}.jsonl")
+    run(_train_records, world_size, flags=list(flags), log=log, timeout=300)
+    with open(log) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_zero1_bf16_and_clipping_follow_the_serial_run(tmp_path):
+    serial = _records(tmp_path, "serial", 1, "--tp", "1", "--pp", "1", "--dp", "1", "--steps", "20")
+    assert all(r["grad_norm"] > 1.0 for r in serial[:3])  # clipping is active in the steps compared exactly
+    zero1 = _records(tmp_path, "zero1", 8, "--tp", "2", "--pp", "2", "--dp", "2", "--dp-mode", "zero1")
+    for ours, reference in zip(zero1, serial[:3], strict=True):
+        for key in ("loss", "grad_norm"):  # the same loss as one process (and DDP), the same global norm
+            assert abs(ours[key] - reference[key]) <= 1e-5 * reference[key], (key, ours[key], reference[key])
+    bf16 = _records(tmp_path, "bf16", 8, "--tp", "2", "--pp", "2", "--dp", "2", "--dp-mode", "zero1",
+                    "--precision", "bf16", "--steps", "20")
+    gap = [abs(b["loss"] - f["loss"]) / f["loss"] for b, f in zip(bf16, serial, strict=True)]
+    assert 0 < max(gap) < 0.03, gap  # bf16 compute (not the fp32 curve itself), within a few percent of it
+    assert bf16[-1]["loss"] < serial[0]["loss"] - 1.5
+    # per rank: bf16 parameters, fp32 gradients, masters + AdamW's moments over dp = 2 (REFERENCE §11: 6 + 12/d)
+    assert 2 * bf16[0]["param_bytes"] == zero1[0]["param_bytes"] and bf16[0]["grad_bytes"] == zero1[0]["grad_bytes"]
+    assert abs(bf16[0]["optimizer_bytes"] / zero1[0]["optimizer_bytes"] - 12 / 8) < 0.01
+
+
+def test_a_non_finite_gradient_skips_the_step(tmp_path):
+    records = _records(tmp_path, "nan", 8, "--tp", "2", "--pp", "2", "--dp", "2", "--dp-mode", "zero1",
+                       "--nan-grad-at-step", "2", "--fail-rank", "5")  # one rank's NaN: every rank skips
+    assert [math.isfinite(r["grad_norm"]) for r in records] == [True, False, True]
+    assert all(math.isfinite(r["loss"]) for r in records) and records[2]["loss"] < records[0]["loss"]
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--clip-grad", "-1"], r"--clip-grad=-1.0 must be a finite number >= 0 \(0: no clipping\)"),
+    (["--clip-grad", "nan"], r"--clip-grad=nan must be a finite number >= 0"),
+    (["--precision", "fp16"], r"--precision=fp16 is not supported: fp32 or bf16 \(fp16 would need loss scaling\)"),
+])
+def test_bad_training_flags_are_refused_naming_them(flags, message):
+    from models.train import parser, validate
+
+    with pytest.raises(ValueError, match=message):
+        validate(parser().parse_args(flags))

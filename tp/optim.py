@@ -8,10 +8,11 @@ data-parallel group.
   micro-batches accumulate in fp32 and the dp reduction runs in fp32: a bf16 sum would round every partial gradient
   to 8 mantissa bits and make the result depend on the dp size; fp32 costs twice the bytes of a bf16 reduction
   (Megatron's `grad_reduce_in_fp32`). A bucket's reduce-scatter (`shard=False`: all-reduce, Megatron's DDP) starts
-  asynchronously once each of its parameters has reported its gradient in a synchronised backward (arrivals are
-  counted, whatever order they come in: a deferred weight-gradient pass is waited for); `no_sync()` /
-  `set_requires_gradient_sync(False)` accumulate without reducing. Gradients are summed over the group and divided by
-  `average_over` (default the group size: pass the dp size when the group is dp x cp).
+  asynchronously once each of its parameters has reported its gradient of every micro-batch of the step
+  (`set_micro_batches(m)`, default 1): arrivals are counted per parameter, in whatever order a schedule produces
+  them (a deferred weight-gradient pass is waited for), so no pipeline runner needs to switch anything; `no_sync()`
+  accumulates without counting (DDP's way). Gradients are summed over the group and divided by `average_over`
+  (default the group size: pass the dp size when the group is dp x cp).
 - `DistributedOptimizer(dp_module, param_groups, optimizer=torch.optim.AdamW, **hyperparameters)`: a torch optimizer
   over this rank's 1/dp shard of every bucket: the fp32 masters (the parameters' own storage when they are fp32, a
   copy made before the cast when they are bf16) with the reduced fp32 gradient shard. `step()` updates them, copies
@@ -142,7 +143,7 @@ class DataParallel(nn.Module):
                 for name, buf in m._buffers.items():
                     if buf is not None and buf.is_floating_point():
                         m._buffers[name] = buf.to(self.param_dtype)
-        self._sync, self._reduced = True, False
+        self._sync, self._reduced, self._micro_batches, self._arrivals = True, False, 1, Counter()
         # the first forward records the modules whose pre-hook ran; buckets holding parameters of the others (read
         # outside their own module's forward, e.g. a position table added by the parent) are waited for at entry
         self._seen, self._eager, self._calibrated = None, [], False
@@ -171,14 +172,16 @@ class DataParallel(nn.Module):
 
     # ---- gradients -------------------------------------------------------------------------------------------------
 
-    def set_requires_gradient_sync(self, requires_gradient_sync):
-        """Whether the next backward's gradients are the last of this step (FSDP2's name; the pipeline runner sets
-        it): only then do arrivals count and buckets reduce."""
-        self._sync = bool(requires_gradient_sync)
+    def set_micro_batches(self, micro_batches):
+        """The number of backward passes whose gradients make up each step: a parameter's gradient is complete once
+        it has arrived that many times (outside `no_sync`), and its bucket reduces when all of its are."""
+        if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
+            raise ValueError(f"micro_batches={micro_batches!r} must be an integer >= 1")
+        self._micro_batches = micro_batches
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Accumulate into main_grad without reducing (DDP's name)."""
+        """Accumulate into main_grad without counting towards the reduction (DDP's name)."""
         previous, self._sync = self._sync, False
         try:
             yield
@@ -197,13 +200,16 @@ class DataParallel(nn.Module):
         b = self._bucket_of[p]
         if not self._sync or b.deferred:
             return
-        if b.handle is not None or p not in b.waiting:
-            raise RuntimeError(f"the gradient of {self._names[p]} arrived twice in one synchronised backward (or "
-                               "after its bucket's reduction started): a parameter used more than once per backward "
-                               "must be registered under each name or passed in tied=")
-        b.waiting.discard(p)
-        if not b.waiting:
-            self._reduce(b)
+        self._arrivals[p] += 1
+        if b.handle is not None or self._arrivals[p] > self._micro_batches:
+            raise RuntimeError(f"the gradient of {self._names[p]} arrived {self._arrivals[p]} times in a step of "
+                               f"{self._micro_batches} micro-batches (set_micro_batches), after its bucket's "
+                               "reduction started: a parameter used more than once per backward must be registered "
+                               "under each name or passed in tied=")
+        if self._arrivals[p] == self._micro_batches:
+            b.waiting.discard(p)
+            if not b.waiting:
+                self._reduce(b)
 
     def _reduce(self, b):
         if b.tied_group is not None and dist.get_world_size(b.tied_group) > 1:
@@ -230,6 +236,7 @@ class DataParallel(nn.Module):
                 b.grad_shard.div_(self.average_over)
             b.handle, b.waiting = None, set(b.params)
         self._reduced = True
+        self._arrivals.clear()
 
     def zero_grad_buffer(self):
         """Zero every main_grad (and drop .grad) for the next step."""
@@ -241,6 +248,7 @@ class DataParallel(nn.Module):
             for p in b.params:
                 p.grad = None
         self._reduced = False
+        self._arrivals.clear()
 
     # ---- parameters ------------------------------------------------------------------------------------------------
 
