@@ -315,18 +315,21 @@ def _first_log_record(flags):
                 return json.loads(f.readline())
 
 
-@pytest.mark.parametrize("split,dp_mode", [((2, 2, 1), "ddp"), ((1, 2, 2), "fsdp")])
-def test_the_training_jobs_logged_bytes_equal_the_estimate(split, dp_mode):
+@pytest.mark.parametrize("split,dp_mode,precision", [((2, 2, 1), "ddp", "fp32"), ((1, 2, 2), "fsdp", "fp32"),
+                                                     ((1, 2, 2), "zero1", "bf16"), ((2, 1, 2), "ddp", "bf16"),
+                                                     ((1, 1, 4), "fsdp", "bf16")])
+def test_the_training_jobs_logged_bytes_equal_the_estimate(split, dp_mode, precision):
     """models.train's log (param_bytes, grad_bytes, optimizer_bytes: each the largest over the ranks) after its first
-    step equals the estimate's largest stage per category, exactly."""
+    step equals the estimate's largest stage per category, exactly: torch DDP and FSDP2 in fp32, and in bf16
+    tp.optim.DataParallel (zero1: with the DistributedOptimizer) and FSDP2 with its mixed precision."""
     from tp import testing
 
     t, p, d = split
-    flags = ["--tp", str(t), "--pp", str(p), "--dp", str(d), "--dp-mode", dp_mode, "--model", "tiny", "--steps", "1",
-             "--global-batch-size", "4", "--micro-batch-size", "2", "--seq-len", "32"]
+    flags = ["--tp", str(t), "--pp", str(p), "--dp", str(d), "--dp-mode", dp_mode, "--precision", precision,
+             "--model", "tiny", "--steps", "1", "--global-batch-size", "4", "--micro-batch-size", "1", "--seq-len", "32"]
     log = testing.run(_first_log_record, world_size=4, timeout=300, flags=flags)[0]
     cfg = models.GPTConfig(**(models.config.PRESETS["tiny"] | {"max_seq_len": 256}))
-    stages = [memory.parameter_memory(cfg, tp=t, pp=p, stage=s, virtual_stages=1, dp_mode=dp_mode, precision="fp32",
-                                      shards=d) for s in range(p)]
+    stages = [memory.parameter_memory(cfg, tp=t, pp=p, stage=s, virtual_stages=1, dp_mode=dp_mode,
+                                      precision=precision, shards=d) for s in range(p)]
     want = tuple(max(stage[i] for stage in stages) for i in range(3))
     assert (log["param_bytes"], log["grad_bytes"], log["optimizer_bytes"]) == want
