@@ -3,8 +3,12 @@
     python -m bench.train [--steps 8] [--out PATH] [--plot PNG]   (default: a temporary folder)
 
 Throughput: models.train.train() on tp*pp*dp gloo CPU ranks (one thread each) for 1x1x1, 2x1x1, 1x2x1, 1x1x2, 2x2x2,
-the same model, global batch and micro-batch size in every split; tokens/s is the median over the steps after the
-first of rank 0's per-step figure (global tokens / step wall time).
+the same model, global batch and micro-batch size in every split, for each --dp-mode (ddp; zero1: the distributed
+optimizer, left out at dp = 1 beside ddp) and --precision (fp32; bf16); tokens/s is the median over the steps after
+the first of rank 0's per-step figure (global tokens / step wall time). Memory per rank: the first log row's
+param/grad/optimizer bytes (tp.optim.memory_bytes, the largest over ranks), and their sum per parameter of the
+largest pipeline stage beside REFERENCE §11's table (models.memory.bytes_per_parameter). CPU bf16 matmuls are slower
+than fp32 ones: the bf16 rows show memory and the loss curve, not a GPU's speed-up.
 
 Bubble: models.pipeline.PipelineRunner alone on pp = 2 and 4 ranks (tp = dp = 1), m = 1, 2, 4, 8 micro-batches,
 GPipe and 1F1B: idle time over p x the schedule's span (bubble_rank), the median of --reps runs after one warm-up,
@@ -100,19 +104,31 @@ def _train_flags(a, t, p, d):
 
 
 def bench_throughput(a):
+    from models.memory import bytes_per_parameter, stage_numel
+
     rows = []
     for t, p, d in a.splits:
-        flags = _train_flags(a, t, p, d)
-        log = testing.run(train_rank, world_size=t * p * d, timeout=3600, flags=flags)[0]
-        after_first = log[1:] or log
-        rows.append({"split": f"{t}x{p}x{d}", "ranks": t * p * d,
-                     "micro_batches": a.global_batch_size // (d * a.micro_batch_size),
-                     "tokens_per_s": median([r["tokens_per_s"] for r in after_first]),
-                     "step_ms": 1e3 * median([r["step_s"] for r in after_first]),
-                     "bubble": median([r["bubble"] for r in after_first]) if p > 1 else None,
-                     "loss": log[-1]["loss"]})
-    base = next((row for row in rows if row["split"] == "1x1x1"), rows[0])
-    for row in rows:
+        config = validate(train_parser().parse_args(_train_flags(a, t, p, d)))
+        numel = max(stage_numel(config, t, p, stage) for stage in range(p))  # the largest stage's parameters
+        for dp_mode in a.dp_mode:
+            if dp_mode != "ddp" and d == 1 and "ddp" in a.dp_mode:  # (the same job)
+                continue
+            for precision in a.precision:
+                flags = _train_flags(a, t, p, d) + ["--dp-mode", dp_mode, "--precision", precision]
+                log = testing.run(train_rank, world_size=t * p * d, timeout=3600, flags=flags)[0]
+                after_first = log[1:] or log
+                memory = {k: log[0][k] for k in ("param_bytes", "grad_bytes", "optimizer_bytes")}
+                rows.append({"split": f"{t}x{p}x{d}", "dp_mode": dp_mode, "precision": precision, "ranks": t * p * d,
+                             "micro_batches": a.global_batch_size // (d * a.micro_batch_size),
+                             "tokens_per_s": median([r["tokens_per_s"] for r in after_first]),
+                             "step_ms": 1e3 * median([r["step_s"] for r in after_first]),
+                             "bubble": median([r["bubble"] for r in after_first]) if p > 1 else None,
+                             "loss": log[-1]["loss"], **memory, "params_per_rank": numel,
+                             **{k.replace("_bytes", "_kb"): v / 1e3 for k, v in memory.items()},
+                             "bytes_per_param": sum(memory.values()) / numel,
+                             "table_bytes_per_param": sum(bytes_per_parameter(precision, dp_mode, d))})
+    for row in rows:  # vs 1x1x1 at the same precision (ddp), when run
+        base = next((r for r in rows if r["split"] == "1x1x1" and r["precision"] == row["precision"]), rows[0])
         row["speedup"], row["baseline"] = row["tokens_per_s"] / base["tokens_per_s"], base["split"]
     return rows
 
@@ -166,6 +182,10 @@ def main(argv=None):
     p.add_argument("--global-batch-size", type=int, default=16)
     p.add_argument("--micro-batch-size", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--dp-mode", nargs="+", choices=("ddp", "fsdp", "zero1"), default=["ddp"],
+                   help="data-parallel modes of the throughput part (RESULTS.md: ddp zero1)")
+    p.add_argument("--precision", nargs="+", choices=("fp32", "bf16"), default=["fp32"],
+                   help="precisions of the throughput part (RESULTS.md: fp32 bf16)")
     p.add_argument("--pp", type=int, nargs="+", default=[2, 4], help="pipeline sizes of the bubble part")
     p.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2, 4, 8], help="m of the bubble part")
     p.add_argument("--bubble-hidden", type=int, default=256, help="hidden size of the bubble's 4-layer model")
@@ -187,10 +207,13 @@ def main(argv=None):
         print(f"\nmodels.train, model {a.model}, global batch {a.global_batch_size} x {a.seq_len} tokens, micro-batch "
               f"{a.micro_batch_size}, median of steps 2..{a.steps}, on {machine()}, gloo, one thread per rank")
         payload["throughput_table"] = print_table(rows, [
-            ("split", "tp x pp x dp", "{}"), ("ranks", "ranks", "{}"), ("micro_batches", "micro-batches", "{}"),
-            ("tokens_per_s", "tokens/s", "{:.0f}"), ("speedup", f"vs {rows[0]['baseline']}", "{:.2f}"),
-            ("step_ms", "step ms", "{:.1f}"), ("bubble", "bubble (idle / (p x span))", "{:.2f}"),
-            ("loss", "last loss", "{:.3f}")])
+            ("split", "tp x pp x dp", "{}"), ("dp_mode", "dp", "{}"), ("precision", "precision", "{}"),
+            ("ranks", "ranks", "{}"), ("micro_batches", "micro-batches", "{}"), ("tokens_per_s", "tokens/s", "{:.0f}"),
+            ("speedup", f"vs {rows[0]['baseline']}", "{:.2f}"), ("step_ms", "step ms", "{:.1f}"),
+            ("bubble", "bubble (idle / (p x span))", "{:.2f}"), ("loss", "last loss", "{:.3f}"),
+            ("param_kb", "param KB/rank", "{:.0f}"), ("grad_kb", "grad KB/rank", "{:.0f}"),
+            ("optimizer_kb", "optimizer KB/rank", "{:.0f}"),
+            ("bytes_per_param", "bytes/param", "{:.2f}"), ("table_bytes_per_param", "§11 table", "{:.2f}")])
     if a.skip != "bubble":
         rows = payload["bubble"] = bench_bubble(a)
         print(f"\nPipeline bubble (idle / (p x span); stages' own: the mean of each stage's 1 - busy / its own span), "

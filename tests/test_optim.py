@@ -329,3 +329,20 @@ def test_bad_training_flags_are_refused_naming_them(flags, message):
 
     with pytest.raises(ValueError, match=message):
         validate(parser().parse_args(flags))
+
+
+def test_bench_train_reports_bytes_per_parameter_as_the_table(tmp_path):
+    import json
+
+    from bench import train as bench_train
+
+    out = tmp_path / "train.json"
+    bench_train.main(["--skip", "bubble", "--splits", "1x1x2", "--dp-mode", "ddp", "zero1", "--precision", "fp32",
+                      "bf16", "--steps", "2", "--global-batch-size", "4", "--seq-len", "16", "--out", str(out)])
+    rows = json.loads(out.read_text())["throughput"]
+    assert [(r["dp_mode"], r["precision"]) for r in rows] == [("ddp", "fp32"), ("ddp", "bf16"), ("zero1", "fp32"),
+                                                              ("zero1", "bf16")]
+    for row in rows:  # 16, 18, 8 + 8/2, 6 + 12/2 (+ AdamW's step counters; no bucket padding at this size)
+        assert row["table_bytes_per_param"] == {"ddp": {"fp32": 16, "bf16": 18},
+                                                "zero1": {"fp32": 12, "bf16": 12}}[row["dp_mode"]][row["precision"]]
+        assert 0 <= row["bytes_per_param"] - row["table_bytes_per_param"] < 0.01, row
