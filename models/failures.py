@@ -46,12 +46,15 @@ def note_step(step):
     _step = step
 
 
-def where(rank, local_rank=None):
+def where(rank):
+    """`node N, local rank L` of global `rank` (from the gathered places, or this process's environment)."""
     if _places and rank < len(_places):
         node, local_rank, _ = _places[rank]
         return f"node {node}, local rank {local_rank}"
-    node = os.environ.get("GROUP_RANK", "0") if str(rank) == os.environ.get("RANK") else "0"
-    return f"node {node}, local rank {rank if local_rank is None else local_rank}"
+    if str(rank) == os.environ.get("RANK"):
+        node, local_rank, _ = place()
+        return f"node {node}, local rank {local_rank}"
+    return "node ?, local rank ?"  # (failed before the places were gathered)
 
 
 def _one_line(exc):
@@ -173,7 +176,7 @@ def run_rank(fn, args, log_dir, timeout_s):
     except BaseException as e:  # noqa: B036 (torch's CheckpointException is a BaseException)
         log.write(f"== failed at {time.strftime('%H:%M:%S')}, step {_step}:\n{''.join(traceback.format_exception(e))}")
         first = origin(e, rank)  # (a CheckpointException: the same on every rank, naming its first failing rank)
-        record = dict(rank=first, world=world, where=where(first, local if first == rank else None),
+        record = dict(rank=first, world=world, where=where(first),
                       time=time.time(), kind=kind(e), error=describe(e), step=_step, attempt=attempt,
                       log=os.path.join(log_dir, f"rank-{first}.log"))
         if record["kind"] == "timeout":

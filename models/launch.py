@@ -52,7 +52,8 @@ def _check_creatable(flag, path):
 def check_readable(flag, path, kind="any"):
     """A file ("file"), directory ("dir") or either ("any") the job will read."""
     if not os.path.exists(path):
-        raise ValueError(f"{flag} {path}: no such {'file or directory' if kind == 'any' else kind.replace('dir', 'directory')}")
+        what = {"any": "file or directory", "dir": "directory"}.get(kind, kind)
+        raise ValueError(f"{flag} {path}: no such {what}")
     if kind == "file" and not os.path.isfile(path):
         raise ValueError(f"{flag} {path} is not a file")
     if kind == "dir" and not os.path.isdir(path):
@@ -62,7 +63,8 @@ def check_readable(flag, path, kind="any"):
 
 
 def check_paths(args):
-    """Every path flag of models.train (--data and --tokenizer: models/data.py's check_source)."""
+    """Every path flag of models.train (--from-hf: validate; --data and --tokenizer: models/data.py's
+    check_source, which may call these helpers too)."""
     for flag in ("save", "export_hf", "log_dir"):
         if getattr(args, flag, None):
             check_writable_dir(f"--{flag.replace('_', '-')}", getattr(args, flag))
@@ -70,8 +72,6 @@ def check_paths(args):
         check_writable_file("--log-jsonl", args.log_jsonl)
     if args.load and not (args.save and os.path.realpath(args.save) == os.path.realpath(args.load)):
         check_readable("--load", args.load, "dir")  # (the same directory as --save may not exist yet)
-    if args.from_hf:
-        check_readable("--from-hf", args.from_hf, "dir")
 
 
 # ---- sizes -------------------------------------------------------------------------------------------------------
