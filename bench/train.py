@@ -1,4 +1,5 @@
-"""The training job's throughput per tp x pp x dp split, and the pipeline bubble measured against (p-1)/(m+p-1).
+"""The training job's throughput per tp x pp x dp split, and the pipeline bubble of every schedule, measured beside
+the simulator's prediction.
 
     python -m bench.train [--steps 8] [--out PATH] [--plot PNG]   (default: a temporary folder)
 
@@ -11,13 +12,14 @@ largest pipeline stage beside REFERENCE §11's table (models.memory.bytes_per_pa
 than fp32 ones: the bf16 rows show memory and the loss curve, not a GPU's speed-up.
 
 Bubble: models.pipeline.PipelineRunner alone on pp = 2 and 4 ranks (tp = dp = 1), m = 1, 2, 4, 8 micro-batches,
-GPipe and 1F1B: idle time over p x the schedule's span (bubble_rank), the median of --reps runs after one warm-up,
-plotted against (p-1)/(m+p-1); the mean of the stages' own idle fractions (1 - busy / own span) is listed beside
-it. Every layer does the same work and the micro-batches are large, so the stages are nearly balanced and compute
-outweighs the point-to-point transfers. The theory assumes each forward/backward takes the same time throughout;
-with more processes than cores (p = 4 on a 2-core CPU), or other load, stages that compute at once share the cores,
-so a micro-batch's F+B time (listed) depends on how many stages are busy, and the measured bubble drifts from the
-theory.
+GPipe, 1F1B, interleaved (V = 2 chunks per rank, where m is a multiple of p) and ZB-H1: idle time over p x the
+schedule's span (bubble_rank), the median of --reps runs after one warm-up, beside models.schedules' simulation of
+the same action lists with the F, B, W (or fused BW) times measured in those runs (per micro-batch through a whole
+stage, the mean over stages), and (p-1)/(m+p-1). Every layer does the same work and the micro-batches are large, so
+the stages are nearly balanced and compute outweighs the point-to-point transfers. The simulator assumes each action
+takes the same time throughout; with more processes than cores (p = 4 on a 2-core CPU), or other load, stages that
+compute at once share the cores, so an action's time depends on how many stages are busy, and the measured bubble
+drifts from the prediction.
 """
 import argparse
 import json
@@ -29,7 +31,8 @@ import torch.distributed as dist
 
 import models
 import tp
-from models.pipeline import PipelineRunner, build_stage
+from models.pipeline import PipelineRunner, build_chunks
+from models.schedules import build, simulate
 from models.train import parser as train_parser
 from models.train import train, validate
 from tp import testing
@@ -48,8 +51,19 @@ def split(text):
     return t, p, d
 
 
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
+NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "interleaved V=2", "zb": "ZB-H1"}
+
+
 def theory(p, m):
     return (p - 1) / (m + p - 1)
+
+
+def runnable(schedule, p, m, layers, virtual_stages=2):
+    """Whether the schedule can run these sizes (interleaved: m a multiple of p, layers a multiple of p*V)."""
+    if schedule != "interleaved":
+        return True
+    return m >= p and m % p == 0 and layers % (p * virtual_stages) == 0
 
 
 def train_rank(flags):
@@ -64,36 +78,47 @@ def train_rank(flags):
 
 
 def bubble_rank(config, micro_batches, micro_batch_size, seq_len, reps):
-    """On pp ranks: {(schedule, m): (pipeline bubble, a stage's own idle fraction (mean), F+B seconds per
-    micro-batch)}, medians of `reps` runs.
+    """On pp ranks: {(schedule, m): (pipeline bubble, a stage's own idle fraction (mean), (F, B, W) seconds per
+    micro-batch through a whole stage)}, medians of `reps` runs (the times: means over the stages of each run's
+    per-kind compute time / m; a fused backward counts as B, W = 0).
 
     The pipeline bubble (ScheduleStats.bubble) is the theory's quantity: idle time over p x the schedule's span (the
-    stages start together after a barrier; the span is the longest stage's wall time). A stage's own clock stops at
-    its last operation, so the later stages, which finish first, miss the drain (p = 2, m = 1, backward = 2 x
-    forward: 0.375, not 0.5): listed beside it to show the difference.
+    stages start together; the span is the longest stage's wall time; waiting for an input counts as idle). A
+    stage's own clock stops at its last operation, so the later stages, which finish first, miss the drain (kept in
+    the JSON as `<schedule>_stages`, to show the difference).
     """
     torch.set_num_threads(1)
     mesh = tp.init_mesh(pp=dist.get_world_size())
     torch.manual_seed(0)
-    runner = PipelineRunner(build_stage(config, mesh), mesh, micro_batch_size=micro_batch_size, seq_len=seq_len)
+    runners = {1: PipelineRunner(build_chunks(config, mesh, 1)[0], mesh, micro_batch_size=micro_batch_size,
+                                 seq_len=seq_len)}
+    if runnable("interleaved", mesh.pp_size, mesh.pp_size, config.num_layers):
+        runners[2] = PipelineRunner(build_chunks(config, mesh, 2), mesh, micro_batch_size=micro_batch_size,
+                                    seq_len=seq_len)
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, config.vocab_size, (2, max(micro_batches), micro_batch_size, seq_len), generator=g)
     result = {}
-    for schedule in ("gpipe", "1f1b"):
+    for schedule in SCHEDULES:
         for m in micro_batches:
+            if not runnable(schedule, mesh.pp_size, m, config.num_layers):
+                continue
+            runner = runners[2 if schedule == "interleaved" else 1]
             batches = list(zip(tokens[0, :m], tokens[1, :m]))
-            pipeline, stages, work = [], [], []  # work: a stage's F+B seconds per micro-batch
+            bubbles, stages, costs = [], [], []
             for rep in range(reps + 1):  # the first is a warm-up
                 dist.barrier()
                 stats = runner.run(batches, schedule)
-                own = torch.tensor([stats.busy_s, 1 - stats.busy_s / stats.total_s], dtype=torch.float64)
+                t = stats.times
+                own = torch.tensor([t["F"] / m, (t["B"] + t["BW"]) / m, t["W"] / m, 1 - stats.busy_s / stats.total_s],
+                                   dtype=torch.float64)
                 dist.all_reduce(own)  # summed over the stages
                 if rep:
-                    pipeline.append(stats.bubble)
-                    stages.append(own[1].item() / mesh.pp_size)
-                    work.append(own[0].item() / (mesh.pp_size * m))
-            runner.stage.zero_grad(set_to_none=True)
-            result[schedule, m] = median(pipeline), median(stages), median(work)
+                    bubbles.append(stats.bubble)
+                    stages.append(own[3].item() / mesh.pp_size)
+                    costs.append((own[:3] / mesh.pp_size).tolist())
+            for stage in runner.stages:
+                stage.zero_grad(set_to_none=True)
+            result[schedule, m] = median(bubbles), median(stages), [median(c[i] for c in costs) for i in range(3)]
     return result
 
 
@@ -134,7 +159,7 @@ def bench_throughput(a):
 
 
 def bench_bubble(a):
-    config = models.GPTConfig(vocab_size=256, hidden_size=a.bubble_hidden, num_layers=4, num_heads=4,
+    config = models.GPTConfig(vocab_size=256, hidden_size=a.bubble_hidden, num_layers=a.bubble_layers, num_heads=4,
                               max_seq_len=a.bubble_seq)
     rows = []
     for p in a.pp:
@@ -142,9 +167,13 @@ def bench_bubble(a):
                                micro_batch_size=a.bubble_micro_batch, seq_len=a.bubble_seq, reps=a.reps)[0]
         for m in a.micro_batches:
             row = {"p": p, "m": m, "theory": theory(p, m)}
-            for schedule in ("gpipe", "1f1b"):
-                row[schedule], row[f"{schedule}_stages"], work = measured[schedule, m]
-                row[f"{schedule}_work_ms"] = 1e3 * work
+            for schedule in SCHEDULES:
+                if (schedule, m) not in measured:
+                    continue
+                bubble, row[f"{schedule}_stages"], (f, b, w) = measured[schedule, m]
+                plan = build(schedule, p, m, 2 if schedule == "interleaved" else 1)
+                row[schedule], row[f"{schedule}_sim"] = bubble, simulate(plan, (f, b, w)).bubble_fraction
+                row[f"{schedule}_ms"] = [1e3 * f, 1e3 * b, 1e3 * w]
             rows.append(row)
     return rows
 
@@ -155,18 +184,25 @@ def plot(rows, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for p, color in zip(sorted({r["p"] for r in rows}), ("tab:blue", "tab:red", "tab:green", "tab:purple")):
+    ps = sorted({r["p"] for r in rows})
+    fig, axes = plt.subplots(1, len(ps), figsize=(5.5 * len(ps), 4), squeeze=False)
+    colors = dict(zip(SCHEDULES, ("tab:blue", "tab:red", "tab:green", "tab:purple")))
+    for ax, p in zip(axes[0], ps):
         mine = [r for r in rows if r["p"] == p]
         ms = [r["m"] for r in mine]
-        ax.plot(ms, [r["theory"] for r in mine], color=color, label=f"p={p}: (p-1)/(m+p-1)")
-        ax.plot(ms, [r["gpipe"] for r in mine], "o--", color=color, label=f"p={p}: GPipe, measured")
-        ax.plot(ms, [r["1f1b"] for r in mine], "s:", color=color, mfc="none", label=f"p={p}: 1F1B, measured")
-    ms = sorted({r["m"] for r in rows})
-    ax.set(xscale="log", xticks=ms, xticklabels=ms, xlabel="micro-batches m", ylabel="bubble fraction", ylim=(0, 1),
-           title=f"Pipeline bubble: idle / (p x span) ({machine().split(' (')[0]})")
-    ax.minorticks_off()
-    ax.legend(fontsize=8)
+        ax.plot(ms, [r["theory"] for r in mine], color="grey", lw=3, alpha=0.4, label="(p-1)/(m+p-1)")
+        for schedule in SCHEDULES:
+            points = [r for r in mine if schedule in r]
+            if points:
+                ax.plot([r["m"] for r in points], [r[schedule] for r in points], "o-", color=colors[schedule],
+                        label=f"{NAMES[schedule]}, measured")
+                ax.plot([r["m"] for r in points], [r[f"{schedule}_sim"] for r in points], "x:", color=colors[schedule],
+                        label=f"{NAMES[schedule]}, simulated (measured F/B/W)")
+        ax.set(xscale="log", xticks=ms, xticklabels=ms, xlabel="micro-batches m", ylabel="bubble fraction",
+               ylim=(0, 1), title=f"p = {p}: idle / (p x span)")
+        ax.minorticks_off()
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"Pipeline bubble per schedule ({machine().split(' (')[0]})", fontsize=10)
     fig.tight_layout()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=120)
@@ -188,7 +224,9 @@ def main(argv=None):
                    help="precisions of the throughput part (RESULTS.md: fp32 bf16)")
     p.add_argument("--pp", type=int, nargs="+", default=[2, 4], help="pipeline sizes of the bubble part")
     p.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2, 4, 8], help="m of the bubble part")
-    p.add_argument("--bubble-hidden", type=int, default=256, help="hidden size of the bubble's 4-layer model")
+    p.add_argument("--bubble-hidden", type=int, default=256, help="hidden size of the bubble's model")
+    p.add_argument("--bubble-layers", type=int, default=8, help="layers of the bubble's model (interleaved runs "
+                                                                "where they divide by 2p)")
     p.add_argument("--bubble-micro-batch", type=int, default=8)
     p.add_argument("--bubble-seq", type=int, default=128)
     p.add_argument("--reps", type=at_least(1), default=3, help="schedule runs per bubble point (after one warm-up)")
@@ -216,13 +254,15 @@ def main(argv=None):
             ("bytes_per_param", "bytes/param", "{:.2f}"), ("table_bytes_per_param", "§11 table", "{:.2f}")])
     if a.skip != "bubble":
         rows = payload["bubble"] = bench_bubble(a)
-        print(f"\nPipeline bubble (idle / (p x span); stages' own: the mean of each stage's 1 - busy / its own span), "
-              f"4 layers hidden {a.bubble_hidden}, micro-batch {a.bubble_micro_batch} x {a.bubble_seq} tokens, "
-              f"median of {a.reps} runs")
-        payload["bubble_table"] = print_table(rows, [
-            ("p", "p", "{}"), ("m", "m", "{}"), ("theory", "(p-1)/(m+p-1)", "{:.3f}"), ("gpipe", "GPipe", "{:.3f}"),
-            ("1f1b", "1F1B", "{:.3f}"), ("gpipe_stages", "GPipe stages' own", "{:.3f}"),
-            ("1f1b_stages", "1F1B stages' own", "{:.3f}"), ("1f1b_work_ms", "1F1B F+B ms/micro-batch", "{:.1f}")])
+        print(f"\nPipeline bubble, idle / (p x span): measured | simulated with the measured F, B, W; "
+              f"{a.bubble_layers} layers hidden {a.bubble_hidden}, micro-batch {a.bubble_micro_batch} x "
+              f"{a.bubble_seq} tokens, median of {a.reps} runs")
+        columns = [("p", "p", "{}"), ("m", "m", "{}"), ("theory", "(p-1)/(m+p-1)", "{:.3f}")]
+        for schedule in SCHEDULES:
+            columns += [(schedule, NAMES[schedule], "{:.3f}"), (f"{schedule}_sim", "sim", "{:.3f}")]
+        for row in rows:
+            row["zb_fbw"] = "/".join(f"{t:.0f}" for t in row["zb_ms"]) if "zb_ms" in row else None
+        payload["bubble_table"] = print_table(rows, columns + [("zb_fbw", "ZB F/B/W ms", "{}")])
         plot(rows, a.plot or os.path.splitext(a.out)[0] + ".png")
     write_json(a.out, payload)
 

@@ -239,12 +239,13 @@ class PipelineRunner:
         backwards, weights = [0] * len(self.chunks), [0] * len(self.chunks)
         split = plan.split_backward
         for action in plan.actions[rank]:
-            started = time.perf_counter()
             c, k = action.chunk, action.micro
             chunk, s = self.chunks[c], plan.stage(rank, c)
+            received = [links.recv(message, src) for message, src in plan.receives(rank, action)]
+            started = time.perf_counter()  # compute only: waiting for the input is the bubble
             if action.kind == "F":
                 tokens, targets = batches[k]
-                x = None if s == 0 else links.recv(*plan.receives(rank, action)[0]).requires_grad_()
+                x = received[0].requires_grad_() if received else None
                 sync = chunk.no_sync() if isinstance(chunk, DistributedDataParallel) else contextlib.nullcontext()
                 with sync, defer_wgrad() if split else contextlib.nullcontext():
                     out = chunk(tokens if s == 0 else None, targets if s == last_stage else None, hidden=x)
@@ -255,7 +256,7 @@ class PipelineRunner:
                 stats.max_alive = max(stats.max_alive, len(alive))
             elif action.kind in ("B", "BW"):
                 x, out = alive.pop((c, k))
-                grad = None if s == last_stage else links.recv(*plan.receives(rank, action)[0])
+                grad = received[0] if received else None
                 backwards[c] += 1
                 if isinstance(chunk, DistributedDataParallel) and action.kind == "BW" and backwards[c] == m:
                     chunk.reducer.prepare_for_backward(list(torch.nn.parallel.distributed._find_tensors(out)))
@@ -272,9 +273,9 @@ class PipelineRunner:
                     touch = [p for n, p in chunk.module.named_parameters()
                              if p.requires_grad and n not in chunk.parameters_to_ignore]
                 deferred.pop((c, k)).run(touch=touch)
+            stats.times[action.kind] += time.perf_counter() - started
             for message, dst in plan.sends(rank, action):
                 links.send(message, dst, out if action.kind == "F" else x.grad)
-            stats.times[action.kind] += time.perf_counter() - started
             stats.order.append(action)
         links.finish()
         assert not (alive or deferred or links.posted or links.local), "the schedule left work undone"

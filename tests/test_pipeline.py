@@ -234,3 +234,22 @@ def test_models_train_schedules_train_the_serial_curve(tmp_path):
     resumed = _losses(tmp_path, "resumed", 4, "--tp", "1", "--pp", "4", "--dp", "1", "--load",
                       f"{ckpt}/step-000002")
     assert len(resumed) == 1 and abs(resumed[0] - serial[2]) <= 1e-5 * serial[2], (resumed, serial)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--schedule", "interleaved", "--virtual-stages", "2", "--global-batch-size", "12"],
+     r"--schedule interleaved: schedule 'interleaved' needs micro_batches divisible by pp: micro_batches=3 is not a "
+     r"multiple of pp=2 \(micro_batches = --global-batch-size / \(--dp \* --micro-batch-size\) = 3"),
+    (["--schedule", "interleaved", "--virtual-stages", "3"],
+     r"num_layers=4 is not divisible by pp\*virtual_stages = 2\*3"),
+    (["--schedule", "interleaved"], r"needs virtual_stages >= 2 model chunks per rank, got virtual_stages=1"),
+    (["--schedule", "zb", "--virtual-stages", "2"], r"virtual_stages=2: schedule 'zb' runs one model chunk per rank"),
+    (["--virtual-stages", "0"], r"--virtual-stages=0 must be >= 1"),
+])
+def test_models_train_refuses_impossible_schedules_in_one_line(flags, message):
+    """validate(), which the launcher runs before any process: Megatron's constraints, each in one line."""
+    from models.train import parser, validate
+
+    with pytest.raises(ValueError, match=message) as info:
+        validate(parser().parse_args(flags))
+    assert "\n" not in str(info.value)
