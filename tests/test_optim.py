@@ -146,6 +146,29 @@ def test_a_gradient_arriving_twice_is_refused():
         (column(x) + column(2 * x)).sum().backward()
 
 
+@distributed(world_size=2)
+def test_parameter_all_gathers_are_waited_for_bucket_by_bucket():
+    """After a step every bucket's all-gather is in flight; a module's forward waits for its own bucket only, and a
+    parameter read outside its module's forward (a learned position table) is waited for when the model starts."""
+    mesh = tp.init_mesh()
+    model = DataParallel(net(None), bucket_numel=10)
+    opt = DistributedOptimizer(model, lr=1e-2)
+    x = batch(0, mesh.dp_rank, mesh.dp_size)
+    model(x).square().mean().backward()
+    opt.step()
+    assert [b.gather is not None for b in model.buckets] == [True, True, True]
+    model.module[0](x)  # the norm (first in forward order, last bucket)
+    assert [b.gather is not None for b in model.buckets] == [True, True, False]
+    model(x)
+    assert [b.gather is not None for b in model.buckets] == [False, False, False]
+    torch.manual_seed(0)
+    gpt = DataParallel(models.GPT(GPT), bucket_numel=300)
+    x, y, _, _ = gpt_batch(mesh)
+    gpt(x, y)  # the first forward finds the modules whose own forward reads their parameters
+    position_bucket = gpt._bucket_of[gpt.module.position_embedding.weight]
+    assert gpt._eager == [position_bucket]
+
+
 @distributed(world_size=4)
 def test_masters_not_bf16_copies_are_updated_and_bytes_per_parameter():
     mesh = tp.init_mesh()
