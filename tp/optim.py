@@ -203,9 +203,9 @@ class DataParallel(nn.Module):
         self._arrivals[p] += 1
         if b.handle is not None or self._arrivals[p] > self._micro_batches:
             raise RuntimeError(f"the gradient of {self._names[p]} arrived {self._arrivals[p]} times in a step of "
-                               f"{self._micro_batches} micro-batches (set_micro_batches), after its bucket's "
-                               "reduction started: a parameter used more than once per backward must be registered "
-                               "under each name or passed in tied=")
+                               f"{self._micro_batches} micro-batches (set_micro_batches), or after its bucket's "
+                               "reduction had started: a parameter used more than once per backward must be "
+                               "registered under each name or passed in tied=")
         if self._arrivals[p] == self._micro_batches:
             b.waiting.discard(p)
             if not b.waiting:
