@@ -233,8 +233,8 @@ def forward_backward(module, mesh, x, y):
     dist.send(hidden.grad, mesh.prev_stage_rank)
 
 
-@pytest.mark.parametrize("split,wrap", [(dict(tp=2, pp=2), None), (dict(tp=2), "zero1"), (dict(tp=2), "fsdp2"),
-                                        (dict(pp=2), "zero1"), (dict(cp=2), "zero1")])
+@pytest.mark.parametrize("split,wrap", [(dict(tp=2, pp=2), None), (dict(tp=2), "ddp"), (dict(tp=2), "zero1"),
+                                        (dict(tp=2), "fsdp2"), (dict(pp=2), "zero1"), (dict(cp=2), "zero1")])
 @distributed(world_size=4)
 def test_clip_grad_norm_is_the_serial_models_norm(split, wrap):
     mesh = tp.init_mesh(**split)
@@ -257,6 +257,8 @@ def test_clip_grad_norm_is_the_serial_models_norm(split, wrap):
         # gradients summed over cp (each cp rank holds its tokens' share), averaged over dp
         module = DataParallel(stage, group=mesh.group("dp-cp"), average_over=mesh.dp_size, bucket_numel=300,
                               tied=[(tied, mesh.embedding_group)] if tied is not None else ())
+    elif wrap == "ddp":  # gradients replicated over dp: counted on one dp rank
+        module = torch.nn.parallel.DistributedDataParallel(stage, process_group=mesh.dp_group)
     elif wrap == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
