@@ -96,16 +96,15 @@ class _Transfers:
     agree on; sends asynchronous (waited at the end), receives posted in that order and waited when needed; two
     chunks on this rank hand over locally."""
 
-    def __init__(self, schedule, mesh, shape, dtype, device):
+    def __init__(self, schedule, mesh, shape, dtype, device, pairs=None):
         self.rank, self.group, self.ranks = mesh.pp_rank, mesh.pp_group, mesh.ranks("pp")
         self.shape, self.dtype, self.device, self.m = shape, dtype, device, schedule.micro_batches
         self.links = {}  # peer -> [(message, outgoing)]
-        for (a, b), transfers in schedules.pair_order(schedule).items():
+        for (a, b), transfers in (pairs or schedules.pair_order(schedule)).items():
             if self.rank in (a, b):
                 self.links[b if a == self.rank else a] = [(msg, src == self.rank) for msg, src, _ in transfers]
         self.cursor = dict.fromkeys(self.links, 0)
         self.ready, self.posted, self.local, self.sending = {}, {}, {}, []
-        self.sent = self.received = 0
 
     def _tag(self, message):
         return (2 * message.stage + (message.kind == "grad")) * self.m + message.micro
@@ -123,11 +122,9 @@ class _Transfers:
                 tensor = self.ready.pop(msg)
                 self.sending.append((dist.isend(tensor, self.ranks[peer], group=self.group, tag=self._tag(msg)),
                                      tensor))
-                self.sent += 1
             else:
                 buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
                 self.posted[msg] = buffer, dist.irecv(buffer, self.ranks[peer], group=self.group, tag=self._tag(msg))
-                self.received += 1
             if msg == message:
                 return
 
@@ -171,7 +168,7 @@ class PipelineRunner:
         self.shape = (seq, micro_batch_size, config.hidden_size)  # [s(/cp)(/tp), b, h]: p2p carries this rank's share
         self.batch_shape = (micro_batch_size, seq_len)
         self.dtype = next(self.stage.parameters()).dtype
-        self._plans = {}  # (schedule, m) -> (Schedule, link order): built once, reused every step
+        self._plans, self._pairs = {}, {}  # (name, m) -> Schedule; Schedule -> its link order (pair_order)
 
     def _device(self):
         return next(self.stage.parameters()).device
@@ -234,7 +231,9 @@ class PipelineRunner:
 
     def _execute(self, plan, batches, stats):
         rank, last_stage, m = self.mesh.pp_rank, plan.num_stages - 1, plan.micro_batches
-        links = _Transfers(plan, self.mesh, self.shape, self.dtype, self._device())
+        if plan not in self._pairs:  # (simulated once per schedule, not every step)
+            self._pairs[plan] = schedules.pair_order(plan)
+        links = _Transfers(plan, self.mesh, self.shape, self.dtype, self._device(), self._pairs[plan])
         alive, deferred = {}, {}
         backwards, weights = [0] * len(self.chunks), [0] * len(self.chunks)
         split = plan.split_backward
