@@ -157,7 +157,10 @@ def test_cp_splits_train_the_serial_curve_and_reshard_across_cp(tmp_path):
     assert serial.returncode == 0, serial.stderr[-3000:]
     serial = _losses(tmp_path / "serial.jsonl")
     splits = {  # tp x cp x pp x dp
-        "1x2x2x2 ring": ["--tp", "1", "--cp", "2", "--pp", "2", "--dp", "2"],
+        "1x2x2x2 ring interleaved": ["--tp", "1", "--cp", "2", "--pp", "2", "--dp", "2", "--schedule", "interleaved",
+                                     "--virtual-stages", "2"],
+        "2x2x2x1 sp zb zero1": ["--tp", "2", "--cp", "2", "--pp", "2", "--dp", "1", "--sequence-parallel",
+                                "--schedule", "zb", "--dp-mode", "zero1"],
         "2x2x1x2 sp": ["--tp", "2", "--cp", "2", "--pp", "1", "--dp", "2", "--sequence-parallel"],
         "1x4x1x2 allgather fsdp selective": ["--tp", "1", "--cp", "4", "--pp", "1", "--dp", "2", "--cp-mode",
                                              "allgather", "--dp-mode", "fsdp", "--recompute", "selective"],
@@ -167,9 +170,10 @@ def test_cp_splits_train_the_serial_curve_and_reshard_across_cp(tmp_path):
         _close(_curve(str(tmp_path), name.replace(" ", "_"), *flags, *export), serial, name)
     exported = _hf_loss(tmp_path / "exported")  # written once by the dp x cp replicas, loadable by transformers
     assert abs(exported - serial[-1]) < 0.5 and exported < serial[0]
-    # Save at cp = 2 (with pp) after 2 steps, resume at cp = 4: step 3 as if never interrupted.
+    # Save at cp = 2 (with pp = 2 x 2 virtual stages) after 2 steps, resume at cp = 4: step 3 as if never
+    # interrupted.
     ckpt = str(tmp_path / "ckpt")
-    _curve(str(tmp_path), "first_two", *splits["1x2x2x2 ring"], "--steps", "2", "--save", ckpt)
+    _curve(str(tmp_path), "first_two", *splits["1x2x2x2 ring interleaved"], "--steps", "2", "--save", ckpt)
     resumed = _curve(str(tmp_path), "resumed", "--tp", "2", "--cp", "4", "--pp", "1", "--dp", "1", "--load", ckpt)
     _close(resumed, serial[2:], "resumed at cp=4")
 
