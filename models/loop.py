@@ -76,8 +76,9 @@ def wrap_data_parallel(stage, mesh, mode, precision="fp32"):
             module = fully_shard(stage, mesh=dp_mesh, mp_policy=outer)
         if mesh.cp_size > 1:
             for m in module.modules():
-                if hasattr(m, "set_gradient_divide_factor"):
+                if hasattr(m, "set_gradient_divide_factor"):  # summed, then divided (gloo has no PREMUL_SUM)
                     m.set_gradient_divide_factor(float(mesh.dp_size))
+                    m.set_force_sum_reduction_for_comms(True)
         return module
     from torch.nn.parallel import DistributedDataParallel
 

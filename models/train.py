@@ -193,7 +193,7 @@ def validate(args, world_size=None):
         except ValueError as e:
             raise ValueError(f"--seq-len={args.seq_len} with --cp={args.cp}"
                              + (f" --tp={args.tp} --sequence-parallel" if args.sequence_parallel else "")
-                             + f": {str(e).split(': ', 1)[1]}") from None
+                             + f": {e}") from None
     data.check_vocab(args, config.vocab_size)
     path = resume_path(args.load, args.save)  # None: nothing to load (--save and --load the same, still empty)
     if path:
