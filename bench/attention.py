@@ -157,7 +157,6 @@ def measure(a):
                 saved, largest, err = (max(r[mode][i] for r in per_rank) for i in (1, 2, 3))
                 rows.append(_row(seq, cp, mode, per_rank[0][mode][0], saved, largest, err,
                                  max(r["ring_vs_allgather"] for r in per_rank), dense_s))
-    testing.shutdown()
     return rows
 
 
