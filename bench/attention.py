@@ -225,7 +225,8 @@ def parser():
     p.add_argument("--head-dim-model", type=at_least(1), default=128)
     p.add_argument("--latency-us", type=float, default=10.0,
                    help="α per p2p message or collective, µs (an assumption; the profiles list bandwidth only)")
-    p.add_argument("--out", default=scratch_path("attention.json"), help="JSON (bench/results/attention.json: committed)")
+    p.add_argument("--out", default=scratch_path("attention.json"),
+                   help="JSON (bench/results/attention.json: committed)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
     return p
 

@@ -184,7 +184,8 @@ def test_ring_never_holds_the_full_sequence():
     s = 4 * n  # 24: larger than every other size here
     recorded = {}
     for mode in context.MODES:
-        q, k, v, dout = (t.requires_grad_(i < 3) for i, t in enumerate(qkv_full(b, heads, kv_heads, n, torch.float32, 1)))
+        local = qkv_full(b, heads, kv_heads, n, torch.float32, seed=1)
+        q, k, v, dout = (t.requires_grad_(i < 3) for i, t in enumerate(local))
         saved = []
         with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t), \
                 ShapeRecorder() as ops:

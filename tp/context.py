@@ -8,10 +8,11 @@ tokens are in increasing position order, and under a causal mask every rank does
   ring       K and V travel once around the group (batch_isend_irecv), the next step's transfer started before this
              step's attention; block outputs merged by their log-sum-exp; causal blocks are halved (KV from an
              earlier rank: every local query vs that rank's first chunk; from a later rank: the local second chunk
-             vs all of it; step 0: each local chunk causal on the local keys up to its end). Backward rings K and V again, recomputes each block's
-             probabilities from the saved lse (flash-style), and dK/dV ride along in the accumulation dtype,
-             collecting every rank's contribution, then take one last hop home: forward cp−1 messages of [2, b,
-             kv_heads, n, d] per rank, backward cp−1 of them plus cp of dK/dV. Saved: local q, K, V, output, lse.
+             vs all of it; step 0: each local chunk causal on the local keys up to its end). Backward rings K and V
+             again, recomputes each block's probabilities from the saved lse (flash-style), and dK/dV ride along in
+             the accumulation dtype, collecting every rank's contribution, then take one last hop home: forward
+             cp−1 messages of [2, b, kv_heads, n, d] per rank, backward cp−1 of them plus cp of dK/dV. Saved: the
+             local q, K, V, output, lse.
   allgather  Llama 3's: one all-gather of K and V (packed) forward; each local chunk attends to the keys up to its own
              end ([c, ≤ s] scores); one reduce-scatter of dK/dV (accumulation dtype) backward. Saves the gathered KV.
 Blocks are matmul-softmax in the accumulation dtype (fp64 for fp64 inputs, else fp32), so the same code runs on any
@@ -43,7 +44,6 @@ def _check_chunks(size, cp, what):
 
 def _sequence_order(parts, dim):
     """[cp, ..., n, ...] every rank's share (n at `dim` of a share) -> [..., cp·n, ...] in sequence order."""
-    cp = parts.shape[0]
     halves = parts.unflatten(dim + 1, (2, -1))  # [cp, ..., 2, c, ...]
     chunks = torch.cat([halves.select(dim + 1, 0), halves.select(dim + 1, 1).flip(0)])  # chunk t at index t
     return chunks.movedim(0, dim).flatten(dim, dim + 1)
