@@ -141,8 +141,9 @@ def cpu_rows(path=TRAIN_JSON, op_overhead=None):
     cluster = rl.cpu_cluster(op_overhead=cpu_op_overhead(path) if op_overhead is None else op_overhead)
     out = []
     for r in measured["throughput"]:
-        t, p, d = map(int, r["split"].split("x"))
-        plan = pm.Plan(t, 1, p, 1, d, a["micro_batch_size"], "none", False, "ddp")
+        sizes = tuple(map(int, r["split"].split("x")))  # TxPxD, or TxCxPxD with context parallelism
+        t, c, p, d = sizes if len(sizes) == 4 else (sizes[0], 1, *sizes[1:])
+        plan = pm.Plan(t, c, p, 1, d, a["micro_batch_size"], "none", False, "ddp")
         got = pm.step_time(config, plan, seq_len=a["seq_len"], global_batch_size=a["global_batch_size"],
                            cluster=cluster, software=pm.OURS_CPU)
         out.append({"row": f"models.train {r['split']}", "source": f"{path} (bench.train, {measured['machine']})",

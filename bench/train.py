@@ -1,10 +1,10 @@
-"""The training job's throughput per tp x pp x dp split, and the pipeline bubble of every schedule, measured beside
+"""The training job's throughput per tp x (cp x) pp x dp split, and the pipeline bubble of every schedule, measured beside
 the simulator's prediction.
 
     python -m bench.train [--steps 8] [--out PATH] [--plot PNG]   (default: a temporary folder)
 
-Throughput: models.train.train() on tp*pp*dp gloo CPU ranks (one thread each) for 1x1x1, 2x1x1, 1x2x1, 1x1x2, 2x2x2,
-the same model, global batch and micro-batch size in every split, for each --dp-mode (ddp; zero1: the distributed
+Throughput: models.train.train() on tp*cp*pp*dp gloo CPU ranks (one thread each) for 1x1x1, 2x1x1, 1x2x1, 1x1x2,
+2x2x2 (tp x pp x dp) and, with context parallelism, 1x2x1x1 and 1x2x2x2 (tp x cp x pp x dp), the same model, global batch and micro-batch size in every split, for each --dp-mode (ddp; zero1: the distributed
 optimizer, left out at dp = 1 beside ddp) and --precision (fp32; bf16); tokens/s is the median over the steps after
 the first of rank 0's per-step figure (global tokens / step wall time). Memory per rank: the first log row's
 param/grad/optimizer bytes (tp.optim.memory_bytes, the largest over ranks), and their sum per parameter of the
@@ -39,16 +39,25 @@ from tp import testing
 
 from .common import at_least, machine, median, print_table, scratch_path, write_json
 
-SPLITS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2)]  # tp, pp, dp
+SPLITS = [(1, 1, 1, 1), (2, 1, 1, 1), (1, 1, 2, 1), (1, 1, 1, 2), (1, 2, 1, 1), (2, 1, 2, 2),
+          (1, 2, 2, 2)]  # tp, cp, pp, dp
 
 
 def split(text):
-    """'TxPxD' -> (tp, pp, dp)."""
+    """'TxPxD' (cp = 1) or 'TxCxPxD' -> (tp, cp, pp, dp)."""
     try:
-        t, p, d = map(int, text.split("x"))
+        sizes = tuple(map(int, text.split("x")))
+        if len(sizes) not in (3, 4):
+            raise ValueError
     except ValueError:
-        raise argparse.ArgumentTypeError(f"split {text!r} must be TxPxD, e.g. 2x1x2") from None
-    return t, p, d
+        raise argparse.ArgumentTypeError(f"split {text!r} must be TxPxD or TxCxPxD (tp x cp x pp x dp), e.g. 2x1x2 "
+                                         "or 1x2x1x2") from None
+    return sizes if len(sizes) == 4 else (sizes[0], 1, *sizes[1:])
+
+
+def label(t, c, p, d):
+    """A split's name: TxPxD without context parallelism (as earlier results name them), else TxCxPxD."""
+    return f"{t}x{p}x{d}" if c == 1 else f"{t}x{c}x{p}x{d}"
 
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
@@ -122,8 +131,8 @@ def bubble_rank(config, micro_batches, micro_batch_size, seq_len, reps):
     return result
 
 
-def _train_flags(a, t, p, d):
-    return ["--tp", str(t), "--pp", str(p), "--dp", str(d), "--model", a.model, "--steps", str(a.steps),
+def _train_flags(a, t, c, p, d):
+    return ["--tp", str(t), "--cp", str(c), "--pp", str(p), "--dp", str(d), "--model", a.model, "--steps", str(a.steps),
             "--global-batch-size", str(a.global_batch_size), "--micro-batch-size", str(a.micro_batch_size),
             "--seq-len", str(a.seq_len)]
 
@@ -132,18 +141,19 @@ def bench_throughput(a):
     from models.memory import bytes_per_parameter, stage_numel
 
     rows = []
-    for t, p, d in a.splits:
-        config = validate(train_parser().parse_args(_train_flags(a, t, p, d)))
+    for t, c, p, d in a.splits:
+        config = validate(train_parser().parse_args(_train_flags(a, t, c, p, d)))
         numel = max(stage_numel(config, t, p, stage) for stage in range(p))  # the largest stage's parameters
         for dp_mode in a.dp_mode:
             if dp_mode != "ddp" and d == 1 and "ddp" in a.dp_mode:  # (the same job)
                 continue
             for precision in a.precision:
-                flags = _train_flags(a, t, p, d) + ["--dp-mode", dp_mode, "--precision", precision]
-                log = testing.run(train_rank, world_size=t * p * d, timeout=3600, flags=flags)[0]
+                flags = _train_flags(a, t, c, p, d) + ["--dp-mode", dp_mode, "--precision", precision]
+                log = testing.run(train_rank, world_size=t * c * p * d, timeout=3600, flags=flags)[0]
                 after_first = log[1:] or log
                 memory = {k: log[0][k] for k in ("param_bytes", "grad_bytes", "optimizer_bytes")}
-                rows.append({"split": f"{t}x{p}x{d}", "dp_mode": dp_mode, "precision": precision, "ranks": t * p * d,
+                rows.append({"split": label(t, c, p, d), "dp_mode": dp_mode, "precision": precision,
+                             "ranks": t * c * p * d,
                              "micro_batches": a.global_batch_size // (d * a.micro_batch_size),
                              "tokens_per_s": median([r["tokens_per_s"] for r in after_first]),
                              "step_ms": 1e3 * median([r["step_s"] for r in after_first]),
@@ -212,8 +222,8 @@ def plot(rows, path):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny", help="models.train preset (the demo's default: tiny)")
-    p.add_argument("--splits", nargs="+", type=split, default=SPLITS, metavar="TxPxD",
-                   help="tp x pp x dp splits to train")
+    p.add_argument("--splits", nargs="+", type=split, default=SPLITS, metavar="TxPxD|TxCxPxD",
+                   help="tp x pp x dp (or tp x cp x pp x dp) splits to train")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--global-batch-size", type=int, default=16)
     p.add_argument("--micro-batch-size", type=int, default=2)
@@ -234,18 +244,18 @@ def main(argv=None):
     p.add_argument("--out", default=scratch_path("train.json"), help="JSON (bench/results/train.json: committed)")
     p.add_argument("--plot", default=None, help="bubble plot PNG (default: --out with .png)")
     a = p.parse_args(argv)
-    for t, pp, d in a.splits if a.skip != "throughput" else []:  # a bad split: one usage error before any rank
+    for t, c, pp, d in a.splits if a.skip != "throughput" else []:  # a bad split: one usage error before any rank
         try:
-            validate(train_parser().parse_args(_train_flags(a, t, pp, d)))
+            validate(train_parser().parse_args(_train_flags(a, t, c, pp, d)))
         except ValueError as e:
-            p.error(f"split {t}x{pp}x{d}: {e}")
+            p.error(f"split {label(t, c, pp, d)}: {e}")
     payload = {"machine": machine(), "load_average": os.getloadavg(), "args": vars(a)}
     if a.skip != "throughput":
         rows = payload["throughput"] = bench_throughput(a)
         print(f"\nmodels.train, model {a.model}, global batch {a.global_batch_size} x {a.seq_len} tokens, micro-batch "
               f"{a.micro_batch_size}, median of steps 2..{a.steps}, on {machine()}, gloo, one thread per rank")
         payload["throughput_table"] = print_table(rows, [
-            ("split", "tp x pp x dp", "{}"), ("dp_mode", "dp", "{}"), ("precision", "precision", "{}"),
+            ("split", "tp x (cp x) pp x dp", "{}"), ("dp_mode", "dp", "{}"), ("precision", "precision", "{}"),
             ("ranks", "ranks", "{}"), ("micro_batches", "micro-batches", "{}"), ("tokens_per_s", "tokens/s", "{:.0f}"),
             ("speedup", f"vs {rows[0]['baseline']}", "{:.2f}"), ("step_ms", "step ms", "{:.1f}"),
             ("bubble", "bubble (idle / (p x span))", "{:.2f}"), ("loss", "last loss", "{:.3f}"),
