@@ -271,3 +271,17 @@ def test_numpy_integers_are_sizes():
     assert tp.layout(8, tp=np.int64(2), pp=np.int32(2)) == tp.layout(8, tp=2, pp=2)
     with pytest.raises(ValueError, match=r"tp=.*2\.0\)? must be an integer >= 1"):
         tp.layout(8, tp=np.float64(2))
+
+
+@distributed(world_size=4)
+def test_a_new_mesh_gets_no_dtensor_of_a_destroyed_one():
+    """DTensor caches sharding decisions by mesh equality (ranks and dim names, not groups): after destroy_mesh and a
+    new mesh of the same shape, an op on the new mesh's DTensors must not return DTensors on the destroyed mesh (its
+    groups gone: "Could not resolve the process group"; FSDP2 gradients accumulated after a re-initialisation)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    for _ in range(2):
+        mesh = tp.init_mesh(tp=2, dp=2)
+        x = distribute_tensor(torch.arange(4.0), mesh.device_mesh["dp"], [Shard(0)])
+        assert (x + x).device_mesh.get_group() is mesh.dp_group
+        tp.destroy_mesh()
