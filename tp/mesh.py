@@ -12,6 +12,7 @@ import datetime
 import itertools
 import numbers
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -209,8 +210,19 @@ class Mesh:
             for group in self._created.values():
                 dist.destroy_process_group(group)
         self._created, self._groups, self._destroyed = {}, {}, True
+        _forget_dtensor_sharding()
         if self._owns_default_group:
             dist.destroy_process_group()
+
+
+def _forget_dtensor_sharding():
+    """Empty DTensor's cache of sharding decisions: it matches meshes by ranks and dim names, so a later mesh of the
+    same shape would get output DTensors on this mesh's device meshes, whose groups are gone ("Could not resolve the
+    process group"), e.g. FSDP2 gradients accumulated after a re-initialisation in one process."""
+    if "torch.distributed.tensor" in sys.modules:
+        propagator = sys.modules["torch.distributed.tensor"].DTensor._op_dispatcher.sharding_propagator
+        getattr(propagator.propagate_op_sharding, "cache_clear", lambda: None)()  # the Python cache
+        getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", lambda: None)()  # and its C++ fast path
 
 
 def _under_torchrun():
