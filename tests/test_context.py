@@ -153,6 +153,25 @@ def test_communication_and_bf16(cp):
             assert_close(got, want, 2e-2, f"{mode} bf16 {name}")
 
 
+@distributed(world_size=2)
+def test_bf16_blocks_are_fp32_under_autocast():
+    """Under torch.autocast (bf16 q/k/v from autocast linears) the blocks still run in fp32: the same output and
+    grads as without autocast, forward and backward (autocast would round the scores to bf16 before the softmax)."""
+    mesh = tp.init_mesh(cp=2)
+    full = [3 * t for t in qkv_full(1, 4, 2, 4 * 8, torch.float32, seed=9)]  # large logits, as in trained models
+    local = [own_slots(t, 2, mesh.cp_rank, 2).bfloat16() for t in full]
+    for mode in context.MODES:
+        results = []
+        for autocast in (False, True):
+            q, k, v = (t.clone().requires_grad_() for t in local[:3])
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                out = tp.context_parallel_attention(q, k, v, mode=mode)
+                out.backward(local[3])
+            results.append((out, q.grad, k.grad, v.grad))
+        for plain, autocast, name in zip(*results, ("out", "dq", "dk", "dv")):
+            assert torch.equal(plain, autocast), f"{mode} {name}: {(plain - autocast).abs().max().item():.3g}"
+
+
 @contextlib.contextmanager
 def blocks_logged_in(log):
     """Append "block" to `log` at every block attention, forward or backward."""
