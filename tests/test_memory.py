@@ -333,3 +333,41 @@ def test_the_training_jobs_logged_bytes_equal_the_estimate(split, dp_mode, preci
                                       precision=precision, shards=d) for s in range(p)]
     want = tuple(max(stage[i] for stage in stages) for i in range(3))
     assert (log["param_bytes"], log["grad_bytes"], log["optimizer_bytes"]) == want
+
+
+@distributed(world_size=2)
+def test_fsdp_holds_the_stages_unsharded_parameters_and_grads_during_the_schedule():
+    """FSDP2 under the runner keeps gradient sync and resharding off until the schedule's last backward (as
+    torch.distributed.pipelining does): just before the reduce-scatter every rank holds the whole stage's unsharded
+    parameters (bf16 under bf16) and fp32 gradients, which the estimate's transient counts exactly."""
+    from torch.distributed.fsdp import fully_shard
+
+    from models.loop import wrap_data_parallel
+    from models.pipeline import PipelineRunner
+
+    mesh = tp.init_mesh(dp=2)
+    cfg = config("gpt2")  # a tied embedding: one parameter
+    for precision in ("fp32", "bf16"):
+        torch.manual_seed(0)
+        module = wrap_data_parallel(_stage(cfg, 1, 0, mesh), mesh, "fsdp", precision)
+        runner = PipelineRunner(module, mesh, micro_batch_size=1, seq_len=16)
+        held, finish = [], runner._finish_data_parallel
+
+        def measure():
+            total = 0
+            for state in fully_shard.state(module)._state_ctx.all_states:
+                for group in state._fsdp_param_groups:
+                    for p in group.fsdp_params:
+                        grad = p.unsharded_accumulated_grad
+                        grad = p._unsharded_param.grad if grad is None else grad
+                        total += p._unsharded_param.numel() * p._unsharded_param.element_size()
+                        total += grad.numel() * grad.element_size() if grad is not None else 0
+            held.append(total)
+            finish()
+
+        runner._finish_data_parallel = measure
+        batches = [(torch.randint(0, cfg.vocab_size, (1, 16)),) * 2 for _ in range(2)]
+        runner.run(batches, "1f1b")
+        want = memory.parameter_memory(cfg, tp=1, pp=1, stage=0, virtual_stages=1, dp_mode="fsdp",
+                                       precision=precision, shards=2)[3]
+        assert held == [want], (precision, held, want)
