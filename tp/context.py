@@ -15,8 +15,8 @@ tokens are in increasing position order, and under a causal mask every rank does
              local q, K, V, output, lse.
   allgather  Llama 3's: one all-gather of K and V (packed) forward; each local chunk attends to the keys up to its own
              end ([c, ≤ s] scores); one reduce-scatter of dK/dV (accumulation dtype) backward. Saves the gathered KV.
-Blocks are matmul-softmax in the accumulation dtype (fp64 for fp64 inputs, else fp32), so the same code runs on any
-device and dtype; outputs and gradients come back in the inputs' dtype. No attention dropout under cp > 1.
+Blocks are matmul-softmax in the accumulation dtype (fp64 for fp64 inputs, else fp32; autocast off), so the same code
+runs on any device and dtype; outputs and gradients come back in the inputs' dtype. No attention dropout under cp > 1.
 """
 import math
 
@@ -158,17 +158,24 @@ def _merge(out, lse, block_out, block_lse):
     lse.copy_(new)
 
 
+def _no_autocast(x):
+    """The blocks run in the accumulation dtype even inside torch.autocast (which would round scores to 16 bits)."""
+    return torch.autocast(x.device.type, enabled=False)
+
+
 def _attend(out, lse, q, kv, rows, cols, causal, scale):
     """Attention of q's `rows` over kv's `cols` ([2, b, kv, n, d]), merged into out and lse."""
     k, v = kv[:, :, :, cols].to(q.dtype)
-    _merge(out[..., rows, :], lse[..., rows], *_block_forward(q[..., rows, :], k, v, scale, causal))
+    with _no_autocast(q):
+        _merge(out[..., rows, :], lse[..., rows], *_block_forward(q[..., rows, :], k, v, scale, causal))
 
 
 def _attend_backward(dq, dkv, q, kv, dout, lse, delta, rows, cols, causal, scale):
     """One block's gradients, accumulated into dq ([b, kv, g, n, d]) and dkv ([2, b, kv, n', d])."""
     k, v = kv[:, :, :, cols].to(q.dtype)
-    dq_block, dk, dv = _block_backward(q[..., rows, :], k, v, dout[..., rows, :], lse[..., rows],
-                                       delta[..., rows], scale, causal)
+    with _no_autocast(q):
+        dq_block, dk, dv = _block_backward(q[..., rows, :], k, v, dout[..., rows, :], lse[..., rows],
+                                           delta[..., rows], scale, causal)
     dq[..., rows, :] += dq_block
     dkv[:, :, :, cols] += torch.stack([dk, dv])
 
