@@ -1,0 +1,31 @@
+"""tp.clip_grad_norm_ as a drop-in for torch.nn.utils.clip_grad_norm_ on a dense model in one process: the same norm
+and the same clipped gradients (fp64 to ~1e-12), for an iterable of parameters and for a single tensor."""
+import torch
+from torch import nn
+
+import tp
+from tp.testing import distributed
+
+
+def _dense_pair():
+    """Two copies of one fp64 MLP with the same gradients."""
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Linear(7, 9, dtype=torch.float64), nn.Tanh(), nn.Linear(9, 3, dtype=torch.float64))
+    b = nn.Sequential(nn.Linear(7, 9, dtype=torch.float64), nn.Tanh(), nn.Linear(9, 3, dtype=torch.float64))
+    b.load_state_dict(a.state_dict())
+    x = torch.randn(5, 7, dtype=torch.float64)
+    for model in (a, b):
+        model(x).square().sum().backward()
+    return a, b
+
+
+@distributed(world_size=1)
+def test_clipped_gradients_are_torchs_in_fp64():
+    tp.init_mesh()
+    a, b = _dense_pair()
+    expected = torch.nn.utils.clip_grad_norm_(a.parameters(), 0.1)
+    norm = tp.clip_grad_norm_(b.parameters(), 0.1)
+    assert abs(norm.item() - expected.item()) <= 1e-6 * expected.item()
+    for p, q in zip(a.parameters(), b.parameters()):
+        err = (p.grad - q.grad).abs().max().item() / p.grad.abs().max().item()
+        assert err <= 1e-12, f"clipped gradients differ by {err:.2g} (relative): the coefficient lost precision"
