@@ -20,7 +20,9 @@ as Megatron's distributed optimizer shards over the dp-cp group):
   (6 + 12/d, 8 + 8/d), exactly as tp.optim.DataParallel and DistributedOptimizer lay it out (buckets padded to a
   multiple of d, one DataParallel per model chunk); fsdp: everything / d, each parameter sharded
   on dim 0 as FSDP2 does (ceil(rows / d) rows per rank), its master kept as the sharded fp32 parameter (16/d), plus
-  the unsharded compute copy and grads of the largest block while it runs (transient).
+  (transient) the whole stage's unsharded compute copy and fp32 gradients: the pipeline runner keeps resharding and
+  gradient sync off until the schedule's last backward, as torch.distributed.pipelining does (e + 4 bytes per
+  parameter at the end of the backward, whatever the micro-batch count).
 
 Activations per layer and micro-batch (T = b·s/cp tokens on this rank, T' = T/tp under SP, e = 2 bf16 / 4 fp32
 bytes, h hidden, a heads, k kv heads (local k' = max(k/tp, 1)), d head dim, f ffn). Korthikanti et al. 2022 count
@@ -67,7 +69,7 @@ class MemoryEstimate:
     grads: int
     optimizer: int
     activations: int  # saved for backward × in-flight micro-batches, plus embedding/loss
-    transient: int  # full recompute's recomputed block, FSDP's unsharded block, torch DDP's gradient buckets
+    transient: int  # full recompute's recomputed block, FSDP's unsharded stage and grads, torch DDP's buckets
     total: int
     stage: int
     in_flight: float  # micro-batches of whole-stage activations alive at once on that stage
@@ -246,7 +248,9 @@ def _parameter_memory(config, tp, pp, stage, virtual_stages, dp_mode, precision,
     tensors = layers * len(layer) + len(edges)
     if dp_mode == "fsdp":
         local = layers * sum(_sharded_numel(s, shards) for s in layer) + sum(_sharded_numel(s, shards) for s in edges)
-        transient = (PRECISIONS[precision] + 4) * sum(math.prod(s) for s in layer)  # a block's unsharded copy, grads
+        # the runner keeps resharding and gradient sync off until the schedule's last backward (as torch's
+        # pipelining does): the whole stage's unsharded compute copy and fp32 gradients are alive at its end
+        transient = (PRECISIONS[precision] + 4) * stage_numel(config, tp, pp, stage, virtual_stages)
         return 4 * local, 4 * local, 8 * local + STEP_BYTES * tensors, transient
     if dp_mode == "zero1" or precision == "bf16":  # one DataParallel per model chunk (models.loop)
         params = grads = 0
