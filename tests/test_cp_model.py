@@ -123,6 +123,33 @@ def test_token_positions_follow_the_load_balanced_layout():
     assert token_positions(6, sequence_parallel=False, tp_group=mesh.tp_group, cp_group=None, device="cpu") is None
 
 
+@distributed(world_size=4)
+def test_from_hf_takes_an_explicit_cp_group_and_save_hf_writes_once_per_cp_group():
+    """from_hf(cp_group=...) as GPT(cp_group=...); the ranks of a cp group hold the same weights, so save_hf writes
+    from one of them (several writers of one file race on a shared filesystem), with or without dp_group."""
+    import tempfile
+    from unittest import mock
+
+    import safetensors.torch
+
+    mesh = tp.init_mesh(cp=2, dp=2)
+    hf = hf_model("llama", 2)
+    model = models.GPT.from_hf(hf, cp_group=mesh.cp_group, dtype=torch.float64)
+    assert model.cp_group is mesh.cp_group and model.cp_size == 2
+    x, y = batch(3)
+    expected = F.cross_entropy(hf(x).logits.reshape(-1, VOCAB), y.reshape(-1))
+    assert abs(model(x, y).item() - expected.item()) <= 1e-12
+    path = [tempfile.mkdtemp()]
+    dist.broadcast_object_list(path, src=0)
+    for dp_group, writers in ((None, {0, 1}), (mesh.dp_group, {0})):  # (dp rank, cp rank 0) writes
+        with mock.patch.object(safetensors.torch, "save_file", wraps=safetensors.torch.save_file) as save:
+            model.save_hf(path[0], dp_group=dp_group)
+        wrote = [None] * 4
+        dist.all_gather_object(wrote, (mesh.dp_rank, mesh.cp_rank, save.call_count))
+        assert sorted((dp, n) for dp, cp, n in wrote if n) == [(dp, 1) for dp in sorted(writers)], wrote
+        assert all(cp == 0 for _, cp, n in wrote if n), wrote
+
+
 @distributed(world_size=2)
 def test_bad_sequence_lengths_and_attention_dropout_are_refused_on_every_rank():
     tp.init_mesh(cp=2)
