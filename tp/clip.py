@@ -85,9 +85,10 @@ def clip_grad_norm_(params, max_norm, *, mesh=None):
             total += _sum_of_squares(p, grad, offset, mesh.tp_rank).to(total.device)
     if mesh.world_size > 1:
         dist.all_reduce(total)
-    norm = total.sqrt().float().cpu()  # (one host sync)
-    if max_norm > 0 and math.isfinite(norm.item()):
-        coefficient = max_norm / (norm.item() + 1e-6)
+    exact = total.sqrt().item()  # (one host sync; fp64: an fp64 model's coefficient is torch's to the last bits)
+    norm = torch.tensor(exact, dtype=torch.float32)
+    if max_norm > 0 and math.isfinite(exact):
+        coefficient = max_norm / (exact + 1e-6)
         if coefficient < 1:
             for grad in grads:
                 grad.mul_(coefficient)
