@@ -29,3 +29,14 @@ def test_clipped_gradients_are_torchs_in_fp64():
     for p, q in zip(a.parameters(), b.parameters()):
         err = (p.grad - q.grad).abs().max().item() / p.grad.abs().max().item()
         assert err <= 1e-12, f"clipped gradients differ by {err:.2g} (relative): the coefficient lost precision"
+
+
+@distributed(world_size=1)
+def test_a_single_tensor_is_clipped_as_torch_clips_it():
+    """torch.nn.utils.clip_grad_norm_ takes one tensor as well as an iterable (not the tensor's rows)."""
+    tp.init_mesh()
+    a, b = _dense_pair()
+    expected = torch.nn.utils.clip_grad_norm_(a[0].weight, 0.01)
+    norm = tp.clip_grad_norm_(b[0].weight, 0.01)
+    assert abs(norm.item() - expected.item()) <= 1e-6 * expected.item(), (norm.item(), expected.item())
+    assert torch.allclose(b[0].weight.grad, a[0].weight.grad, rtol=1e-12, atol=0)
