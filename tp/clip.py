@@ -70,7 +70,7 @@ def clip_grad_norm_(params, max_norm, *, mesh=None):
     if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm >= 0:
         raise ValueError(f"max_norm={max_norm!r} must be a number >= 0 (0: measure only)")
     mesh = get_mesh() if mesh is None else mesh
-    params = list(dict.fromkeys(params))
+    params = list(dict.fromkeys([params] if isinstance(params, torch.Tensor) else params))  # (torch takes either)
     for finish in dict.fromkeys(p.finish_grad_sync for p in params if hasattr(p, "finish_grad_sync")):
         finish()
     nccl = dist.get_backend() == "nccl"
