@@ -106,6 +106,21 @@ def _peak(plan, rank):
     return peak / plan.virtual_stages
 
 
+@distributed(world_size=2)
+def test_evaluation_leaves_fsdp2_parameters_sharded():
+    """forward_only under FSDP2 (no backward to reshard the root's parameters after its forward) leaves the stage
+    holding its sharded parameters, the ones the optimizer steps and checkpoints save (models.train --eval-every with
+    --dp-mode fsdp, then --save)."""
+    mesh = tp.init_mesh(dp=2)
+    config = models.GPTConfig(vocab_size=VOCAB, hidden_size=16, num_layers=2, num_heads=4, ffn_hidden_size=24)
+    torch.manual_seed(0)
+    module = _data_parallel(build_chunks(config, mesh, 1)[0], mesh, "fsdp", "evaluation")
+    runner = PipelineRunner(module, mesh, micro_batch_size=MICRO, seq_len=SEQ)
+    before = [id(p) for p in module.parameters()]
+    runner.forward_only(micro_batches())
+    assert [id(p) for p in module.parameters()] == before, "evaluation left unsharded parameters registered"
+
+
 @distributed(world_size=4)
 def test_transfers_are_those_the_schedule_derives():
     """p2p counted on the wire: each rank sends one activation per micro-batch and chunk except from the last
