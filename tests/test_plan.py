@@ -138,7 +138,7 @@ def test_cli_small_model(capsys, tmp_path):
                           "--global-batch-size", "16", "--json", "--top", "0", "--out", str(tmp_path))
     assert code == 0 and not err
     plans = json.loads(out)["plans"]
-    assert [p["tokens_per_s"] for p in plans] == sorted((p["tokens_per_s"] for p in plans), reverse=True)
+    assert all(a["tokens_per_s"] >= b["tokens_per_s"] * (1 - 1e-9) for a, b in zip(plans, plans[1:]))  # best first
     for key in ("tp", "cp", "pp", "vp", "dp", "mbs", "recompute", "sp", "dp_mode", "memory_per_gpu_gb", "fits",
                 "step_s", "tokens_per_s", "mfu", "hfu"):
         assert key in plans[0]
