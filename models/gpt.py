@@ -174,17 +174,21 @@ class GPT(nn.Module):
         return self.head(x, targets) if self.post_process else x
 
     @classmethod
-    def from_hf(cls, hf_model_or_path, *, group=None, dtype=None, stage=None, **overrides):
+    def from_hf(cls, hf_model_or_path, *, group=None, cp_group=None, dtype=None, stage=None, **overrides):
         """Build from a Hugging Face Llama/Mistral/Qwen2/GPT-2 model or a directory saved with save_pretrained,
         each rank reading only its shards. `overrides` replace GPTConfig fields (e.g. sequence_parallel=True);
         `stage` (dict of layers, pre_process, post_process) builds one pipeline stage."""
         from .hf import load_hf
 
+        stage = stage if cp_group is None else {**(stage or {}), "cp_group": cp_group}
         return load_hf(cls, hf_model_or_path, group=group, dtype=dtype, stage=stage, **overrides)
 
     def save_hf(self, path, *, pp_group=None, dp_group=None):
         """Write a directory `transformers.AutoModelForCausalLM.from_pretrained` loads (gathered on tp rank 0; with
-        `pp_group`, one safetensors file per pipeline stage and an index; with `dp_group`, replica 0 writes)."""
+        `pp_group`, one safetensors file per pipeline stage and an index; with `dp_group`, replica 0 writes; under
+        cp, cp rank 0: the others hold the same weights)."""
         from .hf import save_hf
 
+        if self.cp_size > 1 and dist.get_rank(self.cp_group) != 0:
+            dp_group = self.cp_group  # (a group in which this rank is not 0: it gathers with the others, never writes)
         save_hf(self, path, group=self.group, pp_group=pp_group, dp_group=dp_group)
