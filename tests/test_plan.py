@@ -89,6 +89,17 @@ def test_step_time_adds_up():
     assert fast["breakdown"]["gemm"] == pytest.approx(slow["breakdown"]["gemm"] / 2, rel=0.01)
 
 
+def test_cpu_mfu_is_against_the_cores_the_ranks_share():
+    """On the CPU profile 4 ranks on 2 cores have 2 cores' peak: MFU is model FLOPs / (step × 2 cores), as for 2
+    ranks (the sharing slows each rank's compute once, it does not also halve the peak)."""
+    cpu = replace(UNIT, name="cpu", cores=2)
+    for dp in (1, 2, 4):
+        r = pm.step_time(TINY, pm.Plan(1, 1, 1, 1, dp, 4 // dp), seq_len=64, global_batch_size=4, cluster=cpu,
+                         software=pm.OURS_CPU)
+        flops = pm.model_flops_per_token(TINY, 64) * 4 * 64
+        assert r["mfu"] == pytest.approx(flops / (r["step_s"] * min(dp, 2) * UNIT.device.flops)), dp
+
+
 # ---- validation ---------------------------------------------------------------------------------------------------
 
 
