@@ -310,6 +310,7 @@ def _with_cpu_sharing(cluster, plan):
 
 def step_time(config, plan, *, seq_len, global_batch_size, cluster, software=OURS):
     """{"step_s", "tokens_per_s", "mfu", "hfu", "breakdown": {part: seconds per step}} of one training step."""
+    peak = min(plan.gpus, cluster.cores or plan.gpus) * cluster.device.flops  # ranks beyond the cores share them
     cluster = _with_cpu_sharing(cluster, plan)
     m = global_batch_size // (plan.dp * plan.mbs)
     # Only the ends can be the slowest (or hold the most parameters): rank 0 has at least any middle rank's layers
@@ -326,8 +327,6 @@ def step_time(config, plan, *, seq_len, global_batch_size, cluster, software=OUR
     tokens = global_batch_size * seq_len
     flops = model_flops_per_token(config, seq_len) * tokens
     recomputed = recompute_flops_per_token(config, seq_len, plan.recompute) * tokens
-    peak = plan.gpus * cluster.device.flops * (cluster.cores / plan.gpus if cluster.cores and
-                                               plan.gpus > cluster.cores else 1)
     breakdown = {name: m * value for name, value in t.parts.items()}
     breakdown.update(pp_p2p=m * 2 * p2p * plan.vp if plan.pp > 1 else 0.0, bubble=bubble, dp_comm=dp,
                      optimizer=optimizer)
