@@ -172,8 +172,8 @@ def _check(model, optimizer, mesh):
                             f"them, got {type(model).__name__}")
         if model.tp_size != mesh.tp_size:
             raise ValueError(f"the model is split over tp={model.tp_size} ranks but mesh has tp={mesh.tp_size}")
-    if _distributed(optimizer):
-        if len(stages) > 1 or optimizer.module.module is not model:
+    if _distributed(optimizer):  # (over the chunks' DataParallel modules, in the chunks' order)
+        if [m.module for m in optimizer.modules] != stages:
             raise ValueError("the DistributedOptimizer steps another module's parameters than the model's")
     elif optimizer is not None:
         ours = {id(p) for stage in stages for *_, p in _parameters(stage)}
@@ -196,9 +196,10 @@ def save(path, model, optimizer, *, mesh, step, extra=None):
     every rank). `extra`: anything picklable to hand back on load (rank 0's is kept)."""
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step={step!r} must be an integer >= 0")
-    if hasattr(model, "finish_param_sync"):  # tp.optim.DataParallel: its parameters' all-gathers complete
-        model.finish_param_sync()
     stages = _check(model, optimizer, mesh)
+    for chunk in list(model) if isinstance(model, (list, tuple, torch.nn.ModuleList)) else [model]:
+        if hasattr(chunk, "finish_param_sync"):  # tp.optim.DataParallel: its parameters' all-gathers complete
+            chunk.finish_param_sync()
     device_mesh = mesh.device_mesh["tp"]
     state = {}
     whole = optimizer.full_state() if _distributed(optimizer) else None  # fp32 masters and state, dp-gathered

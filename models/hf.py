@@ -384,35 +384,40 @@ def fused_part_size(config, hf_name):
 def save_hf(model, path, *, group=None, pp_group=None, dp_group=None):
     """Write `path` (config.json + safetensors) for transformers.AutoModelForCausalLM.from_pretrained.
 
-    Called on every rank; tp rank 0 of each pipeline stage writes that stage's tensors (`pp_group`: the mesh's
-    pipeline group, when the model is one stage of several), global pipeline stage 0 the config and index; with
-    `dp_group`, only data-parallel replica 0 writes (the others hold the same weights).
+    Called on every rank with its stage, or its list of model chunks (interleaved pipelines: chunk c of pipeline
+    rank r is virtual stage c·p + r); tp rank 0 of each pipeline rank writes one file per stage it holds (`pp_group`:
+    the mesh's pipeline group, when the model is split over several ranks), numbered in virtual-stage (layer) order;
+    global pipeline stage 0 writes the config and the index; with `dp_group`, only data-parallel replica 0 writes
+    (the others hold the same weights).
     """
     from safetensors.torch import save_file
 
-    hf_config = config_to_hf(model.config)  # every rank, before any collective or write: the same ValueError on all
+    chunks = list(model) if isinstance(model, (list, tuple, torch.nn.ModuleList)) else [model]
+    hf_config = config_to_hf(chunks[0].config)  # every rank, before any collective or write: the same error on all
     group = tp.mesh.resolve_group(group)
-    tensors = hf_state_dict(model, group)
-    stages = dist.get_world_size(pp_group) if pp_group is not None else 1
-    stage = dist.get_rank(pp_group) if pp_group is not None else 0
-    names = [None] * stages
+    tensors = [hf_state_dict(chunk, group) for chunk in chunks]
+    ranks = dist.get_world_size(pp_group) if pp_group is not None else 1
+    rank = dist.get_rank(pp_group) if pp_group is not None else 0
+    names = [[sorted(t) for t in tensors]]  # per pipeline rank, per chunk
     if pp_group is not None:
-        dist.all_gather_object(names, sorted(tensors), group=pp_group)
-    else:
-        names = [sorted(tensors)]
+        names = [None] * ranks
+        dist.all_gather_object(names, [sorted(t) for t in tensors], group=pp_group)
     if dist.get_rank(group) != 0 or (dp_group is not None and dist.get_rank(dp_group) != 0):
         return
-    os.makedirs(path, exist_ok=True)
+    stages = ranks * len(chunks)
     files = ["model.safetensors"] if stages == 1 else \
         [f"model-{s + 1:05d}-of-{stages:05d}.safetensors" for s in range(stages)] + ["model.safetensors.index.json"]
-    if stage == 0:  # an earlier export's weight files that this one does not write: transformers could load them
+    os.makedirs(path, exist_ok=True)
+    if rank == 0:  # an earlier export's weight files that this one does not write: transformers could load them
         for stale in set(os.listdir(path)) - set(files):
             if re.fullmatch(r"model(-\d+-of-\d+)?\.safetensors(\.index\.json)?", stale):
                 os.remove(os.path.join(path, stale))
-    save_file(tensors, os.path.join(path, files[stage]), metadata={"format": "pt"})
-    if stage == 0:
+    for c, chunk_tensors in enumerate(tensors):
+        save_file(chunk_tensors, os.path.join(path, files[c * ranks + rank]), metadata={"format": "pt"})
+    if rank == 0:
         hf_config.save_pretrained(path)
         if stages > 1:
-            weight_map = {n: files[s] for s, ns in enumerate(names) for n in ns}
+            weight_map = {n: files[c * ranks + r] for r, per_chunk in enumerate(names)
+                          for c, ns in enumerate(per_chunk) for n in ns}
             with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
                 json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=1)

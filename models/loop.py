@@ -152,10 +152,11 @@ def train(args):
     groups = [{"params": [p for p in module.parameters() if p.dim() > 1]},
               {"params": [p for p in module.parameters() if p.dim() <= 1], "weight_decay": 0.0}]
     hyperparameters = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
-    if isinstance(module, tp.optim.DataParallel):  # AdamW on this rank's shard of the fp32 masters
+    buffered = data_parallel_chunks(module)  # zero1 / bf16: tp.optim.DataParallel, one per model chunk
+    if buffered:  # one AdamW over this rank's shards of every chunk's fp32 masters
         optimizer = tp.optim.DistributedOptimizer(module, groups, **hyperparameters)
-        # a bucket reduces once each of its gradients has arrived from every micro-batch, whatever the schedule
-        module.set_micro_batches(args.global_batch_size // (mesh.dp_size * args.micro_batch_size))
+        for chunk in buffered:  # a bucket reduces once its gradients have arrived from every micro-batch, any schedule
+            chunk.set_micro_batches(args.global_batch_size // (mesh.dp_size * args.micro_batch_size))
     else:
         optimizer = torch.optim.AdamW(groups, **hyperparameters)
     start_step = 0
@@ -221,7 +222,7 @@ def train(args):
             stats = runner.run(micro_batches, args.schedule)
             if not config.sequence_parallel_grad_sync:
                 tp.allreduce_sequence_parallel_grads(stage, mesh.tp_group)  # one all-reduce for every SP param
-            if not isinstance(module, tp.optim.DataParallel):  # (which sums the tied copies itself)
+            if not buffered:  # (tp.optim.DataParallel sums the tied copies itself)
                 allreduce_tied_embedding_grads(stage, mesh)
             if args.nan_grad_at_step == step + 1 and dist.get_rank() == args.fail_rank:
                 _inject_nan_grad(module)
@@ -255,10 +256,12 @@ def train(args):
         if args.save:
             _save(args.save, module, optimizer, mesh, args.steps, args)
         if args.export_hf:
-            if hasattr(module, "finish_param_sync"):  # zero1: the last step's all-gathers
-                module.finish_param_sync()
-            stage.save_hf(args.export_hf, pp_group=mesh.pp_group if mesh.pp_size > 1 else None,
-                          dp_group=mesh.group("dp-cp"))
+            from .hf import save_hf
+
+            for chunk in buffered:  # zero1: the last step's all-gathers
+                chunk.finish_param_sync()
+            save_hf(chunks, args.export_hf, group=mesh.tp_group, pp_group=mesh.pp_group if mesh.pp_size > 1 else None,
+                    dp_group=mesh.group("dp-cp"))  # (a rank's model chunks: one file per virtual stage)
     finally:
         bar.close()
         if log:
@@ -297,10 +300,16 @@ def max_memory_bytes(module, optimizer):
     return dict(zip(sizes, totals.tolist()))
 
 
+def data_parallel_chunks(module):
+    """The tp.optim.DataParallel modules among this rank's wrapped stage or model chunks (zero1, bf16), else []."""
+    chunks = list(module) if isinstance(module, torch.nn.ModuleList) else [module]
+    return [chunk for chunk in chunks if isinstance(chunk, tp.optim.DataParallel)]
+
+
 def _inject_nan_grad(module):
     """(tests) a NaN in this rank's part of a reduced gradient, as an overflow would leave it."""
-    if hasattr(module, "finish_grad_sync"):
-        module.finish_grad_sync()
+    for chunk in data_parallel_chunks(module):
+        chunk.finish_grad_sync()
     grad = next(g for p in module.parameters() if (g := tp.optim.reduced_grad(p)[0]) is not None and g.numel())
     grad.view(-1)[0] = math.nan
 

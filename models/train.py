@@ -176,12 +176,6 @@ def validate(args, world_size=None):
         raise ValueError(f"--schedule {args.schedule}: {e} (micro_batches = --global-batch-size / (--dp * "
                          f"--micro-batch-size) = {micro_batches}; virtual_stages = --virtual-stages)") from None
     stage_layers(config.num_layers, args.pp, 0, args.virtual_stages)
-    if args.virtual_stages > 1 and args.export_hf:  # (save_hf takes one stage per rank)
-        raise ValueError(f"--virtual-stages={args.virtual_stages} with --export-hf is not supported (one model chunk "
-                         "per rank there)")
-    if args.virtual_stages > 1 and (args.dp_mode == "zero1" or args.precision == "bf16"):  # (one DataParallel)
-        raise ValueError(f"--virtual-stages={args.virtual_stages} with --dp-mode {args.dp_mode} --precision "
-                         f"{args.precision} is not supported: tp.optim.DataParallel wraps one module per rank")
     if args.sequence_parallel and args.seq_len % args.tp:
         raise ValueError(f"--seq-len={args.seq_len} is not divisible by --tp={args.tp} (sequence parallelism)")
     if args.cp > 1:

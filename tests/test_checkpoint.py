@@ -16,6 +16,7 @@ import tp
 import tp.testing
 from models import checkpoint
 from models.hf import hf_state_dict
+from models.pipeline import PipelineRunner, build_chunks
 from tp.optim import DataParallel, DistributedOptimizer
 from tp.testing import distributed
 
@@ -31,9 +32,18 @@ STATES = ("exp_avg", "exp_avg_sq")
 
 def build(config, mesh, wrap, seed):
     """This rank's pipeline stage (equal layer counts), wrapped for dp, and its AdamW (zero1 / bf16: tp.optim's
-    DataParallel and DistributedOptimizer; "ddp-bf16": the all-reduce form)."""
+    DataParallel and DistributedOptimizer; "ddp-bf16": the all-reduce form). A wrap ending in "-v2": two model chunks
+    per rank (interleaved), a list of DataParallel modules under one DistributedOptimizer."""
     per_stage = config.num_layers // mesh.pp_size
     torch.manual_seed(seed)
+    if str(wrap).endswith("-v2"):
+        chunks = [DataParallel(chunk, group=mesh.dp_group, shard=not wrap.startswith("ddp"), bucket_numel=500,
+                               param_dtype=torch.bfloat16 if "bf16" in wrap else None,
+                               tied=[(t, mesh.embedding_group)] if (t := _tied_copy(chunk, mesh)) is not None else ())
+                  for chunk in build_chunks(config, mesh, 2)]
+        for chunk in chunks:
+            chunk.set_micro_batches(BATCH // mesh.dp_size)  # one row per micro-batch
+        return chunks, DistributedOptimizer(chunks, lr=1e-2, weight_decay=0.1)
     model = models.GPT(config, layers=(mesh.pp_rank * per_stage, (mesh.pp_rank + 1) * per_stage),
                        pre_process=mesh.is_first_stage, post_process=mesh.is_last_stage)
     if wrap in ("zero1", "zero1-bf16", "ddp-bf16"):
@@ -54,7 +64,9 @@ def build(config, mesh, wrap, seed):
 def _tied_copy(stage, mesh):
     if not stage.config.tie_embeddings or mesh.pp_size == 1 or not mesh.in_embedding_group:
         return None
-    return stage.embedding.weight if mesh.is_first_stage else stage.output.weight
+    if mesh.is_first_stage and stage.pre_process:
+        return stage.embedding.weight
+    return stage.output.weight if mesh.is_last_stage and stage.post_process else None  # (a chunk without it: None)
 
 
 def train_step(model, opt, mesh, step):
@@ -63,7 +75,10 @@ def train_step(model, opt, mesh, step):
     x, y = (torch.randint(0, LLAMA.vocab_size, (BATCH, SEQ), generator=g).chunk(mesh.dp_size)[mesh.dp_rank]
             for _ in range(2))
     stage = getattr(model, "module", model)
-    if mesh.pp_size == 1:
+    if isinstance(model, list):  # model chunks: the interleaved schedule, one row per micro-batch
+        PipelineRunner(model, mesh, micro_batch_size=1, seq_len=SEQ).run(list(zip(x.split(1), y.split(1))),
+                                                                          "interleaved")
+    elif mesh.pp_size == 1:
         model(x, y).backward()
     elif mesh.is_first_stage:
         hidden = model(x)  # [s, b/dp, h]
@@ -79,7 +94,7 @@ def train_step(model, opt, mesh, step):
         hidden.requires_grad_()
         model(hidden=hidden, targets=y).backward()
         dist.send(hidden.grad, mesh.prev_stage_rank)
-    if mesh.pp_size > 1 and stage.config.tie_embeddings and not isinstance(model, DataParallel):  # (it sums them)
+    if mesh.pp_size > 1 and not isinstance(model, (list, DataParallel)) and stage.config.tie_embeddings:  # (DP sums)
         # the two copies of the tied embedding stay equal
         tied = stage.embedding.weight if mesh.is_first_stage else stage.output.weight
         dist.all_reduce(tied.grad, group=mesh.embedding_group)
@@ -89,21 +104,23 @@ def train_step(model, opt, mesh, step):
 
 def snapshot(model, opt, mesh):
     """{"<what> <hf name>": dense tensor} of every parameter and AdamW state of the whole model, on every rank."""
-    stage = getattr(model, "module", model)
     full = lambda t: t.full_tensor() if isinstance(t, DTensor) else t  # noqa: E731
-    plain = models.GPT(stage.config, layers=stage.layer_range, pre_process=stage.pre_process,
-                       post_process=stage.post_process, _init=False)  # holds FSDP2's gathered tensors
-    pairs = list(zip(plain.parameters(), stage.parameters()))
     # the distributed optimizer's fp32 masters and state, dp-gathered (what its checkpoints hold)
     whole = opt.full_state() if isinstance(opt, DistributedOptimizer) else None
-    with torch.no_grad():
-        for mine, theirs in pairs:
-            mine.copy_(full(theirs) if whole is None else whole[theirs]["param"])
-    out = {f"param {k}": v for k, v in hf_state_dict(plain, mesh.tp_group).items()}
-    for state in STATES:
-        for mine, theirs in pairs:
-            mine.grad = full(opt.state[theirs][state]) if whole is None else whole[theirs][state]
-        out |= {f"{state} {k}": v for k, v in hf_state_dict(plain, mesh.tp_group, grads=True).items()}
+    out = {}
+    for chunk in model if isinstance(model, list) else [model]:
+        stage = getattr(chunk, "module", chunk)
+        plain = models.GPT(stage.config, layers=stage.layer_range, pre_process=stage.pre_process,
+                           post_process=stage.post_process, _init=False)  # holds FSDP2's gathered tensors
+        pairs = list(zip(plain.parameters(), stage.parameters()))
+        with torch.no_grad():
+            for mine, theirs in pairs:
+                mine.copy_(full(theirs) if whole is None else whole[theirs]["param"])
+        out |= {f"param {k}": v for k, v in hf_state_dict(plain, mesh.tp_group).items()}
+        for state in STATES:
+            for mine, theirs in pairs:
+                mine.grad = full(opt.state[theirs][state]) if whole is None else whole[theirs][state]
+            out |= {f"{state} {k}": v for k, v in hf_state_dict(plain, mesh.tp_group, grads=True).items()}
     every = [None] * mesh.world_size
     dist.all_gather_object(every, out)
     return {k: v for part in every for k, v in part.items()}
@@ -194,6 +211,9 @@ CASES = {  # name: (config, split saved, wrap, split loaded, wrap)
     "ddp-fp32-to-zero1-bf16-pp2dp2": (LLAMA, dict(tp=2), "ddp", dict(pp=2), "zero1-bf16"),
     "gpt2-tied-zero1-bf16-pp2dp2-to-fsdp2-fp32": (GPT2, dict(pp=2), "zero1-bf16", dict(tp=2), "fsdp2"),
     "ddp-bf16-tp2dp2-to-zero1-fp32-tp4": (LLAMA, dict(tp=2), "ddp-bf16", dict(tp=4), "zero1"),
+    # two model chunks per rank (interleaved), one DistributedOptimizer over their DataParallel modules
+    "zero1-bf16-chunks-pp2dp2-to-fsdp2-fp32-tp2": (LLAMA, dict(pp=2), "zero1-bf16-v2", dict(tp=2), "fsdp2"),
+    "gpt2-tied-ddp-tp2dp2-to-zero1-chunks-pp2dp2": (GPT2, dict(tp=2), "ddp", dict(pp=2), "zero1-v2"),
 }
 
 
@@ -207,7 +227,7 @@ def test_resume_at_another_split_continues_the_run(case, tmp_path):
     same_split = split_a == split_b and wrap_a == wrap_b
     mesh = tp.init_mesh(**split_b)
     # sequence parallelism may differ between save and load; at the same split it changes the numerics, so not there
-    same_precision = str(wrap_a).endswith("bf16") == str(wrap_b).endswith("bf16")  # (else one more step differs)
+    same_precision = ("bf16" in str(wrap_a)) == ("bf16" in str(wrap_b))  # (else one more step differs)
     before, after = load_and_continue(config.replace(sequence_parallel=not same_split), mesh, wrap_b, path, saved,
                                       uninterrupted if same_precision else None, exact=same_split)
     assert torch.equal(after, rng_at_save if same_split else before)  # restored at the same split only

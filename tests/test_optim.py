@@ -120,6 +120,52 @@ def test_distributed_optimizer_steps_as_serial_adamw(shard, accumulate):
 
 
 @distributed(world_size=4)
+def test_one_distributed_optimizer_over_several_modules():
+    """A pipeline rank's model chunks: a DataParallel each (the net split after its column layer), one optimizer
+    over both steps as serial AdamW, clips their global norm, and its full_state loads into other chunks."""
+    mesh = tp.init_mesh(tp=2)
+    _, ref_states = reference(STEPS)
+    reference_net = net(solo_group())
+    reference_net(batch(0, 0, 1)).square().mean().backward()
+    first_norm = torch.nn.utils.get_total_norm([p.grad for p in reference_net.parameters()]).item()
+
+    def chunked(seed):
+        torch.manual_seed(seed)
+        whole = net(mesh.tp_group)
+        chunks = [DataParallel(whole[:2], group=mesh.dp_group, bucket_numel=10),
+                  DataParallel(whole[2:], group=mesh.dp_group, bucket_numel=10)]
+        return whole, chunks, DistributedOptimizer(chunks, lr=1e-2, weight_decay=0.1)
+
+    whole, chunks, opt = chunked(0)
+    inner = opt.param_groups[0]["params"]  # one AdamW over this rank's master pieces of both chunks' buckets
+    assert len(opt.param_groups) == 1 and {id(m) for m in inner} == {id(m) for m in opt.masters.values()}
+    assert all(any(p in chunk._bucket_of for p in opt.masters) for chunk in chunks)
+    column, row = whole[1], whole[2]
+    for step in range(STEPS):
+        chunks[1](chunks[0](batch(step, mesh.dp_rank, mesh.dp_size))).square().mean().backward()
+        norm = clip_grad_norm_([p for chunk in chunks for p in chunk.parameters()], 0, mesh=mesh)
+        if step == 0:
+            assert abs(norm.item() - first_norm) <= 1e-6 * first_norm  # (the norm comes back in fp32)
+        opt.step()
+        opt.zero_grad()
+        for chunk in chunks:
+            chunk.finish_param_sync()
+        for got, want, layer in zip(whole.parameters(), ref_states[step], (None, column, column, row, row)):
+            want = want if layer is None or (layer is row and want.dim() == 1) else layer.shard_dense(want)
+            assert (got - want).abs().max().item() < 1e-12
+    state = opt.full_state()  # every parameter of both chunks, with AdamW's state
+    other, other_chunks, other_opt = chunked(1)
+    for mine, theirs in zip(whole.parameters(), other.parameters()):
+        other_opt.load_full_state(theirs, state[mine])
+    for model, parts, optimizer in ((whole, chunks, opt), (other, other_chunks, other_opt)):
+        parts[1](parts[0](batch(STEPS, mesh.dp_rank, mesh.dp_size))).square().mean().backward()
+        optimizer.step()
+        for part in parts:
+            part.finish_param_sync()
+    assert all(torch.equal(a, b) for a, b in zip(whole.parameters(), other.parameters()))
+
+
+@distributed(world_size=4)
 def test_a_deferred_weight_gradient_is_waited_for():
     """The row weight's gradient arrives after backward (a B/W split): its bucket reduces only then."""
     mesh = tp.init_mesh(tp=2)
@@ -294,6 +340,8 @@ def test_bad_values_are_refused_before_any_collective():
         DistributedOptimizer(model, list(model.parameters())[:2])
     with pytest.raises(TypeError, match=r"needs a tp.optim.DataParallel module, got Sequential"):
         DistributedOptimizer(net(None))
+    with pytest.raises(TypeError, match=r"needs a tp.optim.DataParallel module, got Sequential \(or a list of them"):
+        DistributedOptimizer([model, net(None)])  # model chunks: each one wrapped
     with pytest.raises(ValueError, match=r"max_norm=-1 must be a number >= 0"):
         clip_grad_norm_(model.parameters(), -1)
 
@@ -375,3 +423,44 @@ def test_bench_train_reports_bytes_per_parameter_as_the_table(tmp_path):
         assert row["table_bytes_per_param"] == {"ddp": {"fp32": 16, "bf16": 18},
                                                 "zero1": {"fp32": 12, "bf16": 12}}[row["dp_mode"]][row["precision"]]
         assert 0 <= row["bytes_per_param"] - row["table_bytes_per_param"] < 0.01, row
+
+
+def test_interleaved_chunks_compose_with_zero1_bf16_and_export(tmp_path):
+    """--schedule interleaved --virtual-stages 2 at 2x2x2 (a DataParallel per model chunk, one DistributedOptimizer
+    over them): zero1 trains the 1x1x1 curve with its grad_norm, logs models.memory's bytes, and its --export-hf
+    (a file per virtual stage) gives its val_loss in transformers; bf16 (ddp: the all-reduce form) follows the curve
+    and its checkpoint (the chunks' fp32 masters) resumes at pp=2 with one chunk per rank, FSDP2, fp32."""
+    import transformers
+
+    from models import config as model_config, data, memory
+
+    interleaved = ["--tp", "2", "--pp", "2", "--dp", "2", "--schedule", "interleaved", "--virtual-stages", "2"]
+    serial = _records(tmp_path, "serial", 1, "--tp", "1", "--pp", "1", "--dp", "1")
+    exported = tmp_path / "hf"
+    zero1 = _records(tmp_path, "zero1", 8, *interleaved, "--dp-mode", "zero1", "--export-hf", str(exported),
+                     "--eval-every", "3", "--eval-iters", "1")
+    for ours, reference in zip(zero1, serial, strict=True):
+        for key in ("loss", "grad_norm"):
+            assert abs(ours[key] - reference[key]) <= 1e-5 * reference[key], (key, ours[key], reference[key])
+    cfg = models.GPTConfig(**(model_config.PRESETS["tiny"] | {"max_seq_len": 256}))
+    stages = [memory.parameter_memory(cfg, tp=2, pp=2, stage=s, virtual_stages=2, dp_mode="zero1", precision="fp32",
+                                      shards=2) for s in range(2)]
+    assert [zero1[0][k] for k in ("param_bytes", "grad_bytes", "optimizer_bytes")] == \
+        [max(stage[i] for stage in stages) for i in range(3)]
+
+    assert len(list(exported.glob("model-*-of-00004.safetensors"))) == 4  # pp x V files, with an index
+    hf = transformers.AutoModelForCausalLM.from_pretrained(exported).eval()
+    _, held_out = data.split(data.corpus(), 32)
+    (x, y), = data.eval_batches(held_out, dp=1, dp_rank=0, global_batch_size=8, micro_batch_size=8, iters=1)[0]
+    with torch.no_grad():
+        loss = torch.nn.functional.cross_entropy(hf(x).logits.flatten(0, 1), y.flatten()).item()
+    assert abs(loss - zero1[-1]["val_loss"]) <= 1e-5 * loss, (loss, zero1[-1]["val_loss"])
+
+    ckpt = tmp_path / "ckpt"
+    bf16 = _records(tmp_path, "bf16", 8, *interleaved, "--precision", "bf16", "--save", str(ckpt), "--save-every", "2")
+    gap = [abs(b["loss"] - f["loss"]) / f["loss"] for b, f in zip(bf16, serial, strict=True)]
+    assert 0 < max(gap) < 0.01, gap
+    resumed = _records(tmp_path, "resumed", 8, "--tp", "2", "--pp", "2", "--dp", "2", "--dp-mode", "fsdp",
+                       "--load", str(ckpt / "step-000002"))
+    assert [r["step"] for r in resumed] == [3]
+    assert abs(resumed[0]["loss"] - serial[2]["loss"]) <= 1e-3 * serial[2]["loss"], (resumed, serial[2])

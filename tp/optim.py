@@ -14,10 +14,11 @@ data-parallel group.
   accumulates without counting (DDP's way). Gradients are summed over the group and divided by `average_over`
   (default the group size: pass the dp size when the group is dp x cp).
 - `DistributedOptimizer(dp_module, param_groups, optimizer=torch.optim.AdamW, **hyperparameters)`: a torch optimizer
-  over this rank's 1/dp shard of every bucket: the fp32 masters (the parameters' own storage when they are fp32, a
-  copy made before the cast when they are bf16) with the reduced fp32 gradient shard. `step()` updates them, copies
-  them into the bf16 parameters and starts the buckets' all-gathers, which the next forward waits for bucket by
-  bucket (forward pre-hooks), so they overlap with it where the order allows.
+  (one, also over a list of DataParallel modules: a pipeline rank's model chunks) over this rank's 1/dp shard of
+  every bucket: the fp32 masters (the parameters' own storage when they are fp32, a copy made before the cast when
+  they are bf16) with the reduced fp32 gradient shard. `step()` updates them, copies them into the bf16 parameters
+  and starts the buckets' all-gathers, which the next forward waits for bucket by bucket (forward pre-hooks), so
+  they overlap with it where the order allows.
 - `clip_grad_norm_(params, max_norm, *, mesh=None)` (tp/clip.py): the global L2 norm of the gradients, each parameter
   counted once across tp, pp and dp (x cp), clipped in place; `memory_bytes(model, optimizer)`: what a rank holds
   per category.
@@ -287,26 +288,35 @@ class DataParallel(nn.Module):
 
 
 class DistributedOptimizer:
-    """`optimizer` (a torch optimizer class, AdamW by default) over this rank's shard of a `DataParallel` module's
-    fp32 masters, with their reduced fp32 gradients; `params` as torch optimizers take them (groups of the module's
-    parameters, each once). `param_groups` are the inner optimizer's: set lr / weight_decay there."""
+    """`optimizer` (a torch optimizer class, AdamW by default) over this rank's shard of the fp32 masters of one
+    `DataParallel` module, or of several (a list: a pipeline rank's model chunks, each wrapped on its own), with
+    their reduced fp32 gradients; `params` as torch optimizers take them (groups of the modules' parameters, each
+    once). `param_groups` are the inner optimizer's: set lr / weight_decay there."""
 
     def __init__(self, module, params=None, *, optimizer=torch.optim.AdamW, **hyperparameters):
-        if not isinstance(module, DataParallel):
-            raise TypeError(f"DistributedOptimizer needs a tp.optim.DataParallel module, got {type(module).__name__}")
-        groups = list(module.parameters() if params is None else params)
+        modules = list(module) if isinstance(module, (list, tuple, nn.ModuleList)) else [module]
+        for m in modules or [module]:
+            if not isinstance(m, DataParallel):
+                raise TypeError(f"DistributedOptimizer needs a tp.optim.DataParallel module, got {type(m).__name__} "
+                                "(or a list of them)")
+        masters_dtypes = sorted({str(b.master_shard.dtype) for m in modules for b in m.buckets})
+        if len(masters_dtypes) > 1:
+            raise ValueError(f"DistributedOptimizer: the modules' masters have several dtypes {masters_dtypes}")
+        bucket_of = {p: b for m in modules for p, b in m._bucket_of.items()}
+        groups = list((p for m in modules for p in m.parameters()) if params is None else params)
         groups = [{"params": groups}] if groups and isinstance(groups[0], torch.Tensor) else \
             [dict(g, params=list(g["params"])) for g in groups]
         given = [p for g in groups for p in g["params"]]
-        if len(given) != len(set(given)) or set(given) != set(module._bucket_of):
+        if len(given) != len(set(given)) or set(given) != set(bucket_of):
             raise ValueError("DistributedOptimizer params must hold each of the module's trainable parameters once")
-        self.module, self.masters, self.group_of = module, {}, {}
-        self.masters_dtype = module.buckets[0].master_shard.dtype
+        self.module, self.modules, self.masters, self.group_of = module, modules, {}, {}
+        self._bucket_of = bucket_of
+        self.masters_dtype = modules[0].buckets[0].master_shard.dtype
         inner = []
         for g in groups:
             pieces = []
             for p in g["params"]:
-                b = module._bucket_of[p]
+                b = bucket_of[p]
                 if (piece := b.piece(p)) is not None:
                     master = b.master_shard[piece[1]]
                     master.grad = b.grad_shard[piece[1]]  # a view: the reduced gradient, every step
@@ -323,34 +333,38 @@ class DistributedOptimizer:
     defaults = property(lambda self: self.optimizer.defaults)
 
     def __repr__(self):
-        return f"DistributedOptimizer({type(self.optimizer).__name__}, {self.module.extra_repr()})"
+        return f"DistributedOptimizer({type(self.optimizer).__name__}, " + \
+            "; ".join(m.extra_repr() for m in self.modules) + ")"
 
     @torch.no_grad()
     def step(self):
         """Reduce (what is left of) the gradients, step the masters, copy them into the parameters, all-gather."""
-        self.module.finish_grad_sync()
-        self.module.finish_param_sync()  # (fp32: the masters are the shards the last gather wrote)
+        for m in self.modules:
+            m.finish_grad_sync()
+            m.finish_param_sync()  # (fp32: the masters are the shards the last gather wrote)
         self.optimizer.step()
-        for b in self.module.buckets:
-            if b.master_shard is not b.param_shard:
-                b.param_shard.copy_(b.master_shard)
-        self.module.start_param_sync()
+        for m in self.modules:
+            for b in m.buckets:
+                if b.master_shard is not b.param_shard:
+                    b.param_shard.copy_(b.master_shard)
+            m.start_param_sync()
 
     def zero_grad(self, set_to_none=True):
-        self.module.zero_grad_buffer()
+        for m in self.modules:
+            m.zero_grad_buffer()
 
     @torch.no_grad()
     def full_state(self):
         """{param: {"param": fp32 master, <state>: ...}} for every parameter, whole (its tp-local shape): the dp shards
-        all-gathered (a collective over the dp group). What checkpoints store."""
-        m = self.module
+        all-gathered (collectives over each module's dp group, module by module). What checkpoints store."""
         kinds = {k: v.dim() > 0 for s in self.state.values() for k, v in s.items()}  # name: shaped like the piece?
-        if m.shard and m.size > 1:  # a rank may hold no piece at all: every rank learns every entry
-            every = [None] * m.size
-            dist.all_gather_object(every, kinds, group=m.group)
-            kinds = {k: v for d in every for k, v in d.items()}
+        for m in self.modules:  # a rank may hold no piece at all: every rank learns every entry
+            if m.shard and m.size > 1:
+                every = [None] * m.size
+                dist.all_gather_object(every, kinds, group=m.group)
+                kinds = {k: v for d in every for k, v in d.items()}
         out = {}
-        for b in m.buckets:
+        for m, b in ((m, b) for m in self.modules for b in m.buckets):
             flats = {"param": b.master_shard}
             for name in (k for k, flat in kinds.items() if flat):
                 flats[name] = torch.zeros_like(b.master_shard)
@@ -381,7 +395,7 @@ class DistributedOptimizer:
     def load_full_state(self, param, values):
         """Set one parameter from whole (tp-local) tensors: "param" the fp32 master (also copied into the parameter),
         the others optimizer state (shaped like the parameter: this rank's shard kept; else whole). No collective."""
-        b = self.module._bucket_of[param]
+        b = self._bucket_of[param]
         if "param" in values:
             param.copy_(values["param"])
         master = self.masters.get(param)
@@ -407,17 +421,15 @@ def memory_bytes(model, optimizer=None):
     shards), gradients (main_grad buffers, or the .grad backward allocates in the parameters' dtype) and optimizer
     state (its tensors, and fp32 masters kept apart from the parameters). Optimizer state exists after the first
     step. Per parameter this gives REFERENCE §11's table: bf16 18 (DataParallel) vs 6 + 12/d (sharded), fp32 16 vs
-    8 + 8/d."""
-    if isinstance(model, DataParallel):
-        buckets = model.buckets
-        param = sum(_bytes(b.param_data) for b in buckets)
-        grad = sum(_bytes(b.grad_data) for b in buckets)
-        masters = sum(_bytes(b.master_shard) for b in buckets if b.master_shard is not b.param_shard)
-    else:
-        params = list(dict.fromkeys(model.parameters()))
-        param = grad = sum(_bytes(p) for p in params if p.requires_grad)
-        param += sum(_bytes(p) for p in params if not p.requires_grad)
-        masters = 0
+    8 + 8/d. `model`: a module, or a list of them (a pipeline rank's model chunks)."""
+    modules = list(model) if isinstance(model, (list, tuple, nn.ModuleList)) else [model]
+    buckets = [b for m in modules if isinstance(m, DataParallel) for b in m.buckets]
+    param = sum(_bytes(b.param_data) for b in buckets)
+    grad = sum(_bytes(b.grad_data) for b in buckets)
+    masters = sum(_bytes(b.master_shard) for b in buckets if b.master_shard is not b.param_shard)
+    params = list(dict.fromkeys(p for m in modules if not isinstance(m, DataParallel) for p in m.parameters()))
+    param += sum(_bytes(p) for p in params)
+    grad += sum(_bytes(p) for p in params if p.requires_grad)
     state = 0 if optimizer is None else sum(_bytes(v) for s in optimizer.state.values() for v in s.values()
                                             if torch.is_tensor(v))
     return dict(param_bytes=param, grad_bytes=grad, optimizer_bytes=masters + state)
