@@ -201,6 +201,22 @@ def test_equally_fast_plans_rank_the_simpler_first():
     assert not inversions, inversions[:2]
 
 
+def test_cli_from_another_directory_top_zero_and_a_repeated_fix(capsys, tmp_path, monkeypatch):
+    """The measured profile and --validate find their JSON from any working directory; --top 0 shows every plan in
+    the table as in --json; a key given twice to --fix is refused, not silently overridden."""
+    monkeypatch.chdir(tmp_path)
+    small = ["--gpus", "2", "--model", "tiny", "--seq-len", "64", "--global-batch-size", "4"]
+    code, out, err = _run(capsys, "--hardware", "cpu-measured", *small, "--top", "0")
+    assert code == 0 and not err, err
+    rows = [line for line in out.splitlines() if line.count("|") > 10][1:]  # the table's rows below its header
+    code, out, _ = _run(capsys, "--hardware", "cpu-measured", *small, "--top", "0", "--json")
+    assert len(rows) == len(json.loads(out)["plans"]) > 1
+    code, out, err = _run(capsys, "--validate", "--json")
+    assert code == 0 and json.loads(out)["cpu"], err
+    code, out, err = _run(capsys, *small, "--fix", "tp=2,tp=1")
+    assert code == 1 and not out and err.strip() == "error: --fix 'tp=1': tp is given twice"
+
+
 def test_infeasible_requests_end_in_one_line(capsys):
     code, out, err = _run(capsys, "--hardware", "h100-sxm", "--gpus", "8", "--model", "llama3-405b", "--seq-len",
                           "8192", "--global-batch-size", "64")
