@@ -331,6 +331,10 @@ class PipelineRunner:
         finally:
             for stage, training in zip(self.stages, was_training):
                 stage.train(training)
+            for module in self._fsdp():  # no backward reshards the root after its forward: the sharded parameters
+                for sub in module.modules():  # registered again, those the optimizer steps and checkpoints save
+                    if hasattr(sub, "reshard"):
+                        sub.reshard()
         if self.mesh.pp_size > 1:  # the loss lives on the last stage
             dist.all_reduce(total, group=self.mesh.pp_group)
         return total.item() / len(batches)
