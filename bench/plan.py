@@ -170,6 +170,8 @@ def parse_fix(text):
         key, _, value = item.partition("=")
         if key not in FIXABLE or not value:
             raise ValueError(f"--fix {item!r}: expected KEY=VALUE with KEY one of {', '.join(FIXABLE)}")
+        if key in fixed:
+            raise ValueError(f"--fix {item!r}: {key} is given twice")
         try:
             fixed[key] = FIXABLE[key](value)
         except ValueError:
@@ -222,7 +224,7 @@ def parser():
     p.add_argument("--seq-len", type=int)
     p.add_argument("--global-batch-size", type=int, help="sequences per optimizer step")
     p.add_argument("--fix", help="pin plan fields: tp=8,pp=16,recompute=selective,sp=on,dp_mode=zero1,...")
-    p.add_argument("--top", type=int, default=10, help="plans shown (and in --json)")
+    p.add_argument("--top", type=int, default=10, help="plans shown (and in --json); 0: all")
     p.add_argument("--json", action="store_true", help="print {'plans': [...]} best first instead of the table")
     p.add_argument("--out", metavar="DIR", help="write plans.json and plan.png (time breakdown of the top plans)")
     p.add_argument("--validate", action="store_true", help="predicted vs published runs and bench.train's CPU runs")
@@ -269,7 +271,7 @@ def print_plans(rows, config, args, cluster, count):
           f"{config.num_heads}/{config.num_kv_heads} heads, ffn {config.ffn_hidden_size} ({config.activation}), "
           f"vocab {config.vocab_size}; seq {args.seq_len}, global batch {args.global_batch_size}; {args.gpus} x "
           f"{cluster.name} ({cluster.gpus_per_node} per node); {len(rows)} of {count} plans fit")
-    print_table(rows[:args.top], COLUMNS)
+    print_table(rows[:args.top] if args.top else rows, COLUMNS)
     best = rows[0]
     parts = ", ".join(f"{k} {v:.3g}" for k, v in best["breakdown"].items() if v > 0)
     print(f"best: {best['step_s']:.3g} s per step = {parts} (seconds per step; HFU {best['hfu']:.1%}, "

@@ -13,6 +13,7 @@ efficiency, minimising the mean |error| over the 22 A100 figures; the CPU's per-
 run alone (cpu_op_overhead(), fitted whenever the cpu-measured profile is used: the other splits are predictions).
 """
 import json
+import os
 from dataclasses import dataclass, replace
 
 import models
@@ -88,7 +89,7 @@ PUBLISHED = [
 
 # What calibrate() fitted, rounded, lives in the profiles (bench.roofline.CLUSTERS).
 A100_GEMM, A100_COMM = rl.CLUSTERS["a100-80g"].gemm_efficiency, rl.CLUSTERS["a100-80g"].comm_efficiency
-TRAIN_JSON = "bench/results/train.json"
+TRAIN_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "train.json")
 
 
 def clusters(a100_gemm=None, a100_comm=None):

@@ -34,6 +34,7 @@ max_tp_serial: the largest Y with T_comm <= T_math for the serialised step T_mat
 at most half of it. It is the same inequality, so the same degree: overlap does not move the limit, it removes the
 price paid at it (efficiency T_math / step: 1 overlapped, >= 1/2 serialised; tp_model reports both per degree).
 """
+import os
 from dataclasses import dataclass
 
 TP_DEGREES = (1, 2, 4, 8, 16, 32, 64)
@@ -306,7 +307,10 @@ CLUSTERS = {
 }
 
 
-def cpu_cluster(path="bench/results/intensity/intensity.json", *, op_overhead=0.0, comm_efficiency=1.0):
+INTENSITY_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "intensity", "intensity.json")
+
+
+def cpu_cluster(path=INTENSITY_JSON, *, op_overhead=0.0, comm_efficiency=1.0):
     """The "cpu-measured" node: bench.intensity's measurements on this machine (its JSON), one rank per process with
     one thread, ranks beyond the cores sharing them. The square-GEMM peak was timed with every core (torch's default
     threads), so one rank's compute is peak / cores; gemm efficiency 1 (the peak is a measured GEMM); no flash
