@@ -273,6 +273,14 @@ def test_a_jsonl_row_without_text_is_named_and_nothing_is_cached(tmp_path):
     assert not any(name.endswith((".bin", ".json")) for name in os.listdir(tmp_path / ".tokens"))
 
 
+def test_a_json_file_is_json_lines_as_megatron_reads_it(tmp_path):
+    """Megatron's preprocess_data reads --input corpus.json as one JSON object per line (field "text"): the documents,
+    not the JSON syntax around them."""
+    (tmp_path / "corpus.json").write_text('{"text": "first doc", "id": 0}\n{"text": "second", "id": 1}\n')
+    stream, header = tokens.read(data.token_path(_args("--data", str(tmp_path / "corpus.json")), progress=False))
+    assert bytes(stream) == b"first doc\n\nsecond" and header["documents"] == 2
+
+
 def test_from_hf_reads_its_own_tokenizer_and_the_cli_refuses_in_one_line(hf_with_tokenizer, tmp_path, corpus):
     args = _args("--from-hf", hf_with_tokenizer)
     assert data.tokenizer_dir(args) == hf_with_tokenizer and data.vocab_size(args) == 400
