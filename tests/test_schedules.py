@@ -140,3 +140,12 @@ def test_schedule_cli_prints_json_and_draws_the_timeline(tmp_path, capsys):
         cli.main(["--pp", "4", "--micro-batches", "6", "--schedule", "interleaved", "--virtual-stages", "2"])
     assert exit_info.value.code == 2
     assert "micro_batches=6 is not a multiple of pp=4" in capsys.readouterr().err
+
+
+def test_schedule_cli_refuses_an_unwritable_out_in_one_line(tmp_path, capsys):
+    from bench import schedule as cli
+
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--pp", "2", "--micro-batches", "2", "--schedule", "1f1b", "--out", str(tmp_path / "file" / "x")])
+    assert exit_info.value.code == 2 and f"--out {tmp_path / 'file' / 'x'}:" in capsys.readouterr().err
