@@ -116,10 +116,11 @@ def text_files(path):
 
 
 def documents(files):
-    """Yield (document text, bytes of the source read so far): a .txt file is one document, a .jsonl line one."""
+    """Yield (document text, bytes of the source read so far): a .txt file is one document, a .jsonl line one (and
+    a line of a .json file given as --data: Megatron's loose JSON, one object per line)."""
     done = 0
     for path in files:
-        if path.endswith(".jsonl"):
+        if path.endswith((".jsonl", ".json")):
             with open(path, "rb") as f:
                 for number, line in enumerate(f, 1):
                     done += len(line)
