@@ -102,7 +102,10 @@ def main(argv=None):
               if unit else None}
     if a.out:
         suffix = f"_v{a.virtual_stages}" if a.virtual_stages > 1 else ""
-        result["png"] = draw(timeline, os.path.join(a.out, f"{a.schedule}_p{a.pp}_m{a.micro_batches}{suffix}.png"))
+        try:
+            result["png"] = draw(timeline, os.path.join(a.out, f"{a.schedule}_p{a.pp}_m{a.micro_batches}{suffix}.png"))
+        except OSError as e:
+            p.error(f"--out {a.out}: {e.strerror or e}")
     if a.json:
         print(json.dumps(result))
         return 0
