@@ -131,6 +131,16 @@ def test_token_file_roundtrip_and_cli(corpus, tmp_path, capsys):
         "uint32"
 
 
+def test_the_token_file_cli_refuses_an_out_path_that_is_not_a_bin(tmp_path, capsys):
+    """--data reads PREFIX.bin as a token file and anything else as text: a token file written as PREFIX (or
+    PREFIX.txt) would be trained on as text, its binary bytes decoded."""
+    (tmp_path / "a.txt").write_text("some text")
+    assert tokens.main(["--data", str(tmp_path / "a.txt"), "--out", str(tmp_path / "out" / "mine")]) == 2
+    assert capsys.readouterr().err == f"error: --out {tmp_path / 'out' / 'mine'}: a token file is PREFIX.bin " \
+                                      "(its sidecar PREFIX.json beside it)\n"
+    assert not (tmp_path / "out").exists()
+
+
 # ---- the held-out split -------------------------------------------------------------------------------------------
 
 
