@@ -292,6 +292,8 @@ def main(argv=None):
     try:
         if not os.path.exists(args.data):
             raise ValueError(f"--data {args.data}: no such file or directory")
+        if args.out is not None and not args.out.endswith(".bin"):  # (--data reads anything else as text)
+            raise ValueError(f"--out {args.out}: a token file is PREFIX.bin (its sidecar PREFIX.json beside it)")
         out = args.out or cached_path(args.data, args.tokenizer)
         meta = build(args.data, args.tokenizer, out)
     except (ValueError, OSError) as e:
