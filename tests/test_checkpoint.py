@@ -1,8 +1,8 @@
 """Checkpoints that reshard: train AdamW at one tp/pp/dp split, save, load at another (tp 2->4 and 4->1, pp 2<->1, dp
 1->4, DDP, FSDP2, the distributed optimizer (zero1, also over two model chunks per rank), bf16 with fp32 masters, tied
 embeddings across stages) and check that (a) the loaded parameters (fp32 masters) and AdamW states, gathered dense,
-equal the saved ones bit for bit, and (b) one more step gives what the uninterrupted run gives (bit for bit at the same split; not compared when the
-precision changes)."""
+equal the saved ones bit for bit, and (b) one more step gives what the uninterrupted run gives (bit for bit at the
+same split; not compared when the precision changes)."""
 import pytest
 import torch
 import torch.distributed as dist
