@@ -250,6 +250,19 @@ def test_masters_not_bf16_copies_are_updated_and_bytes_per_parameter():
     assert sum(memory_bytes(ddp, adam).values()) - 2 * 4 == 16 * 272  # torch DDP + AdamW: 16 bytes per parameter
 
 
+@distributed(world_size=2)
+def test_module_zero_grad_empties_the_gradient_buffers():
+    """torch's idiom model.zero_grad() between steps: main_grad is the gradient here, so it is what gets zeroed (else
+    the next step adds this step's reduced gradient to its own)."""
+    mesh = tp.init_mesh()
+    model = DataParallel(net(None), bucket_numel=10)
+    opt = DistributedOptimizer(model, lr=1e-2)
+    model(batch(0, mesh.dp_rank, mesh.dp_size)).square().mean().backward()
+    opt.step()
+    model.zero_grad()
+    assert not any(p.main_grad.any() for p in model.parameters()) and all(p.grad is None for p in model.parameters())
+
+
 # ---- clip_grad_norm_ -----------------------------------------------------------------------------------------------
 
 # kv heads 1 < tp 2 (replicated rows), row biases, learned positions (read outside their module), tied embeddings
