@@ -251,6 +251,11 @@ class DataParallel(nn.Module):
         self._reduced = False
         self._arrivals.clear()
 
+    def zero_grad(self, set_to_none=True):
+        """nn.Module's zero_grad (torch's idiom between steps): the gradients live in main_grad, so zero_grad_buffer."""
+        super().zero_grad(set_to_none)
+        self.zero_grad_buffer()
+
     # ---- parameters ------------------------------------------------------------------------------------------------
 
     def start_param_sync(self):
