@@ -263,6 +263,24 @@ def test_module_zero_grad_empties_the_gradient_buffers():
     assert not any(p.main_grad.any() for p in model.parameters()) and all(p.grad is None for p in model.parameters())
 
 
+@pytest.mark.parametrize("shard", [True, False])
+@distributed(world_size=2)
+def test_replicas_start_from_the_first_ranks_parameters(shard):
+    """As torch DDP does at construction: ranks that built different weights (no common seed) train one model, the
+    first rank's, masters included (bf16 parameters), instead of dp models drifting apart or mixed shard by shard."""
+    mesh = tp.init_mesh()
+    torch.manual_seed(mesh.rank)
+    dense = nn.Linear(5, 3)
+    first = [p.detach().clone() for p in dense.parameters()]
+    for t in first:
+        dist.broadcast(t, src=0)
+    model = DataParallel(dense, shard=shard, param_dtype=torch.bfloat16)
+    opt = DistributedOptimizer(model, lr=0.0)
+    masters = opt.full_state()
+    for p, want in zip(dense.parameters(), first):
+        assert torch.equal(masters[p]["param"], want) and torch.equal(p, want.bfloat16())
+
+
 # ---- clip_grad_norm_ -----------------------------------------------------------------------------------------------
 
 # kv heads 1 < tp 2 (replicated rows), row biases, learned positions (read outside their module), tied embeddings
