@@ -151,6 +151,21 @@ def test_from_hf_takes_an_explicit_cp_group_and_save_hf_writes_once_per_cp_group
 
 
 @distributed(world_size=2)
+def test_debug_mode_catches_cp_ranks_passing_different_tokens():
+    """Each cp rank passing its own data (a sampler over the global rank) or its own share (Megatron's
+    get_batch_on_this_cp_rank) trains on garbage silently; TP_DEBUG names it on every rank."""
+    mesh = tp.init_mesh(cp=2)
+    model = models.GPT.from_hf(hf_model("llama", 2), dtype=torch.float64)
+    x, y = batch(4)
+    with tp.set_debug(True):
+        model(x, y)  # the same full sequence on both: fine
+        for tokens in (batch(5 + mesh.cp_rank)[0], tp.cp_shard(torch.cat([x, x], 1), 1)):
+            with pytest.raises(ValueError, match=r"tokens of GPT .* differs across the cp group: ranks \[0\] vs "
+                                                 r"ranks \[1\]"):
+                model(tokens)
+
+
+@distributed(world_size=2)
 def test_bad_sequence_lengths_and_attention_dropout_are_refused_on_every_rank():
     tp.init_mesh(cp=2)
     config = models.GPTConfig(vocab_size=VOCAB, hidden_size=16, num_heads=4, num_layers=1, max_seq_len=32)
