@@ -112,6 +112,9 @@ class GPT(nn.Module):
         if low < 0 or high >= c.vocab_size:  # the padded embedding rows exist, but are not tokens
             raise ValueError(f"token id {low if low < 0 else high} is outside the vocabulary [0, {c.vocab_size})")
         if self.cp_size > 1:
+            if tp.is_debug():  # (a sampler over the global rank, or tokens already sharded, would pass silently)
+                tp.debug.check(tokens, self.cp_group, "the tokens of GPT (every cp rank passes the full [b, s])",
+                               replicated=True, group_name="cp")
             tokens = tp.cp_shard(tokens, 1, group=self.cp_group)  # [b, s/cp]: this rank's load-balanced share
         x = self.embedding(tokens.t())  # [s(/cp)(/tp), b, h]
         positions = self._positions(x.shape[0], x.device)

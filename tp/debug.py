@@ -64,8 +64,9 @@ def _groups_of(values, same):
     return classes
 
 
-def check(x, group, what, *, replicated):
-    """Raise on every rank unless x has the same shape (and, if `replicated`, the same values) on all ranks."""
+def check(x, group, what, *, replicated, group_name="tp"):
+    """Raise on every rank unless x has the same shape (and, if `replicated`, the same values) on all ranks;
+    `group_name` names the group in the message."""
     size = dist.get_world_size(group)
     if size == 1:
         return
@@ -76,7 +77,7 @@ def check(x, group, what, *, replicated):
     classes = _groups_of(shapes, lambda a, b: a == b)
     if len(classes) > 1:
         detail = "; ".join(f"ranks {c} have shape {shapes[c[0]]}" for c in classes)
-        raise ValueError(f"tp debug: {what} has different shapes across the tp group: {detail}")
+        raise ValueError(f"tp debug: {what} has different shapes across the {group_name} group: {detail}")
     if replicated:
         sums = every[:, -4:]
         scale = sums[:, 3].max().item() + 1e-30
@@ -87,4 +88,5 @@ def check(x, group, what, *, replicated):
         classes = _groups_of(list(sums), same)
         if len(classes) > 1:
             detail = " vs ".join(f"ranks {c}" for c in classes)
-            raise ValueError(f"tp debug: {what} should be replicated but differs across the tp group: {detail}")
+            raise ValueError(f"tp debug: {what} should be replicated but differs across the {group_name} group: "
+                             f"{detail}")
