@@ -49,7 +49,7 @@ class _Bucket:
     """Contiguous parameters: values in the parameters' dtype, gradients in fp32 (fp64 for fp64 parameters), padded
     to a multiple of the group size; this rank's shard of both and the fp32 masters of that shard."""
 
-    def __init__(self, params, *, rank, size, shard, param_dtype, tied_group):
+    def __init__(self, params, *, group, rank, size, shard, param_dtype, tied_group):
         self.params, self.tied_group = params, tied_group
         self.offsets = list(itertools.accumulate([0] + [p.numel() for p in params]))[:-1]
         self.offset = dict(zip(params, self.offsets))
@@ -60,6 +60,8 @@ class _Bucket:
         values = torch.zeros(padded, dtype=grad_dtype, device=device)  # the (fp32) values as they are now
         for p, offset in zip(params, self.offsets):
             values[offset:offset + p.numel()] = p.detach().reshape(-1)
+        if size > 1:  # torch DDP's start: every replica (and its masters) from the group's first rank
+            dist.broadcast(values, group_src=0, group=group)
         self.param_data = values if param_dtype == grad_dtype else values.to(param_dtype)
         self.grad_data = torch.zeros(padded, dtype=grad_dtype, device=device)
         n = padded // size if shard else padded
@@ -125,8 +127,8 @@ class DataParallel(nn.Module):
             if sum(q.numel() for q in current) >= bucket_numel:
                 groups, current = groups + [current], []
         groups += [current] if current else []
-        self.buckets = [_Bucket(ps, rank=self.rank, size=self.size, shard=shard, param_dtype=self.param_dtype,
-                                tied_group=tied.get(ps[0])) for ps in groups]
+        self.buckets = [_Bucket(ps, group=self.group, rank=self.rank, size=self.size, shard=shard,
+                                param_dtype=self.param_dtype, tied_group=tied.get(ps[0])) for ps in groups]
         self._bucket_of = {p: b for b in self.buckets for p in b.params}
         for b in self.buckets:
             b.deferred = b.params[0] in alone
