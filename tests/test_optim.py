@@ -281,6 +281,27 @@ def test_replicas_start_from_the_first_ranks_parameters(shard):
         assert torch.equal(masters[p]["param"], want) and torch.equal(p, want.bfloat16())
 
 
+@pytest.mark.parametrize("shard", [True, False])
+@distributed(world_size=2)
+def test_load_state_dict_sets_the_masters(shard):
+    """bf16 parameters with fp32 masters: weights loaded after wrapping (model.load_state_dict, or the wrapped
+    module's) are what the optimizer steps from, in fp32, not lost at the next step's copy from the old masters."""
+    tp.init_mesh()
+    torch.manual_seed(0)
+    model = DataParallel(nn.Linear(5, 3), shard=shard, param_dtype=torch.bfloat16)
+    opt = DistributedOptimizer(model, lr=0.0)
+    for load, prefix in ((model.load_state_dict, "module."), (model.module.load_state_dict, "")):
+        loaded = {name: torch.randn(p.shape) for name, p in model.module.named_parameters()}
+        load({prefix + name: t for name, t in loaded.items()})
+        model(torch.randn(2, 5).bfloat16()).float().sum().backward()
+        opt.step()
+        opt.zero_grad()
+        model.finish_param_sync()
+        masters = opt.full_state()
+        for name, p in model.module.named_parameters():
+            assert torch.equal(masters[p]["param"], loaded[name]) and torch.equal(p, loaded[name].bfloat16()), name
+
+
 # ---- clip_grad_norm_ -----------------------------------------------------------------------------------------------
 
 # kv heads 1 < tp 2 (replicated rows), row biases, learned positions (read outside their module), tied embeddings
