@@ -157,6 +157,7 @@ class DataParallel(nn.Module):
                 m.register_forward_pre_hook(functools.partial(self._before, m, [self.buckets[i] for i in mine]))
         module.register_forward_pre_hook(self._before_root, prepend=True)
         module.register_forward_hook(self._after_root)
+        module.register_load_state_dict_pre_hook(self._load_masters)  # (load_state_dict of self or of module)
 
     def __getattr__(self, name):  # the wrapped module's attributes (config, ...), as FSDP2's in-place wrapping keeps
         try:
@@ -168,6 +169,18 @@ class DataParallel(nn.Module):
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
+
+    @torch.no_grad()
+    def _load_masters(self, module, state_dict, prefix, *_):
+        """Weights loaded after wrapping: the fp32 masters kept apart from bf16 parameters take the loaded values
+        (unrounded), or the next step would copy the old masters back over them."""
+        for name, p in module.named_parameters():
+            b, value = self._bucket_of.get(p), state_dict.get(prefix + name)
+            if b is None or b.master_shard is b.param_shard or not torch.is_tensor(value) or value.shape != p.shape:
+                continue
+            if (piece := b.piece(p)) is not None:
+                start, where = piece
+                b.master_shard[where] = value.reshape(-1)[start:start + where.stop - where.start]
 
     def extra_repr(self):
         return (f"dp={self.size}, shard={self.shard}, average_over={self.average_over}, param_dtype={self.param_dtype}"
