@@ -302,6 +302,21 @@ def test_load_state_dict_sets_the_masters(shard):
             assert torch.equal(masters[p]["param"], loaded[name]) and torch.equal(p, loaded[name].bfloat16()), name
 
 
+@distributed(world_size=2)
+def test_floating_inputs_are_cast_to_param_dtype():
+    """README's recipe, a model built in fp32 wrapped with param_dtype=bf16 and called on its usual fp32 inputs: they
+    are cast to bf16 as Megatron's Float16Module and FSDP2's MixedPrecisionPolicy cast them; integer ids are not."""
+    mesh = tp.init_mesh()
+    model = DataParallel(net(None, dtype=torch.float32), param_dtype=torch.bfloat16)
+    x = batch(0, mesh.dp_rank, mesh.dp_size).float().requires_grad_()
+    y = model(x)
+    assert y.dtype == torch.bfloat16 and torch.equal(y, model(x.detach().bfloat16()))
+    y.float().sum().backward()
+    assert x.grad is not None and x.grad.dtype == torch.float32
+    embedding = DataParallel(nn.Embedding(10, 4), param_dtype=torch.bfloat16)
+    assert embedding(torch.tensor([1, 2])).dtype == torch.bfloat16
+
+
 # ---- clip_grad_norm_ -----------------------------------------------------------------------------------------------
 
 # kv heads 1 < tp 2 (replicated rows), row biases, learned positions (read outside their module), tied embeddings
