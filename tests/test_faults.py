@@ -171,6 +171,15 @@ def test_checkpoint_exception_is_described_by_its_first_failing_rank():
     assert failures.kind(RuntimeError("[unbound_buffer.cc:78] Timed out waiting 6000ms for recv")) == "timeout"
 
 
+
+def test_a_store_wait_that_times_out_behind_a_hung_rank_is_a_timeout():
+    """Under load a rank waiting behind a hung one can time out in gloo's store (connecting a pair lazily) rather
+    than in the collective: that too is a timeout, so the hung rank is named, not this one as failed."""
+    import torch.distributed as dist
+
+    error = dist.DistStoreError("wait timeout after 6000ms, keys: /attempt-0//0//cpu//0/2")
+    assert failures.kind(error) == "timeout"
+
 def _checkpoint(path, step):
     os.makedirs(path / checkpoint_dirs.step_name(step))
     (path / checkpoint_dirs.step_name(step) / ".metadata").write_text("")
