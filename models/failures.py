@@ -24,7 +24,7 @@ import traceback
 PEER_GRACE_S = 2.0  # a "peer" failure waits this long before exiting: the first failure is reported, not its echo
 _PEER = re.compile(r"Connection (closed|reset) by peer|Broken pipe|ECONNRESET|EPIPE|Socket closed|"
                    r"Connection refused|NCCL communicator was aborted")
-_TIMEOUT = re.compile(r"[Tt]imed out|Timeout waiting|timeout of \d+")
+_TIMEOUT = re.compile(r"[Tt]imed out|Timeout waiting|timeout of \d+|wait timeout after")  # (the last: the store)
 
 _places = None  # (node, local rank, host) of every global rank, once gathered
 _step = None  # the step this rank is running (for messages)

@@ -203,6 +203,7 @@ def launch(args, argv):
 
     world = world_of(args)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # c10d's socket warnings: rank 0 keeps the terminal
     logs = args.log_dir or (os.path.join(args.save, "logs") if args.save else tempfile.mkdtemp(prefix="models.train-"))
     ranks = list(argv) if args.log_dir else [*argv, "--log-dir", logs]  # (the ranks infer the same --dp)
     launcher = get_args_parser().parse_args([f"--nproc-per-node={world}", "--standalone",
