@@ -32,6 +32,7 @@ from collections import Counter
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_map_only
 
 from .clip import CLIP_TAGS, clip_grad_norm_, keep_param_tags, reduced_grad  # noqa: F401  (tp.optim's API)
 from .mappings import _all_gather, _reduce_scatter
@@ -111,7 +112,7 @@ class DataParallel(nn.Module):
             raise ValueError(f"param_dtype={param_dtype} must be a floating dtype")
         self.module, self.average_over, self.shard = module, average_over, shard
         self.overlap_param_gather = overlap_param_gather
-        self.param_dtype = param_dtype or named[0][1].dtype
+        self.param_dtype, self._built_dtype = param_dtype or named[0][1].dtype, named[0][1].dtype
         self._names = {p: n for n, p in named}
         tied = dict(tied)
         if any(p not in self._names for p in tied):
@@ -168,6 +169,9 @@ class DataParallel(nn.Module):
             return getattr(self.module, name)
 
     def forward(self, *args, **kwargs):
+        if self.param_dtype != self._built_dtype:  # floating inputs in param_dtype (Megatron's Float16Module)
+            args, kwargs = tree_map_only(torch.Tensor, lambda t: t.to(self.param_dtype) if t.is_floating_point() else t,
+                                         (args, kwargs))
         return self.module(*args, **kwargs)
 
     @torch.no_grad()
