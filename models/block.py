@@ -93,10 +93,10 @@ def _rope_tables(seq, head_dim, theta, scaling, device, dtype):
 
 def rope(x, theta, scaling=None, positions=None):
     """Rotary embeddings, rotate-half convention (HF and Megatron), on [b, n, s, d] heads at positions 0..s-1, or at
-    `positions` [s] (a context-parallel shard's global positions); `scaling`: HF's rope parameters for "linear" or
-    "llama3" scaling (None: plain)."""
+    `positions` = (global positions [s/cp], sequence length s) of a context-parallel shard (no host sync); `scaling`:
+    HF's rope parameters for "linear" or "llama3" scaling (None: plain)."""
     key = tuple(sorted(scaling.items())) if scaling else None
-    length = x.shape[-2] if positions is None else int(positions.max()) + 1
+    positions, length = (None, x.shape[-2]) if positions is None else positions
     cos, sin = _rope_tables(length, x.shape[-1], theta, key, x.device, x.dtype)
     if positions is not None:
         cos, sin = cos[positions], sin[positions]
@@ -162,8 +162,7 @@ class Attention(nn.Module):
         if self.config.position == "rope":
             positions = token_positions(qkv.shape[0], sequence_parallel=False, tp_group=self.group,
                                         cp_group=self.cp_group, device=qkv.device)
-            qk = rope(qk, self.config.rope_theta, self.config.rope_scaling,
-                      None if positions is None else positions[0])  # q and k in one pass
+            qk = rope(qk, self.config.rope_theta, self.config.rope_scaling, positions)  # q and k in one pass
         q, k = qk.split([self.local_heads, self.local_kv_heads], dim=1)
         if self.config.recompute == "selective" and torch.is_grad_enabled():
             context = checkpoint(self.core, q, k, v, use_reentrant=False)  # keep q, k, v; recompute the rest
