@@ -212,7 +212,7 @@ def train(args):
             if args.check_inputs:
                 for tokens, targets in micro_batches:
                     tp.debug.check(torch.stack([tokens, targets]), mesh.group("tp-cp"), "the training tokens",
-                                   replicated=True)
+                                   replicated=True, group_name="tp-cp")
             if args.fail_at_step == step + 1 and dist.get_rank() == args.fail_rank:
                 raise RuntimeError(f"injected failure at step {step + 1} on rank {args.fail_rank}")
             failures.note_step(step + 1)
