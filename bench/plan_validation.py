@@ -147,7 +147,8 @@ def cpu_rows(path=TRAIN_JSON, op_overhead=None):
         plan = pm.Plan(t, c, p, 1, d, a["micro_batch_size"], "none", False, "ddp")
         got = pm.step_time(config, plan, seq_len=a["seq_len"], global_batch_size=a["global_batch_size"],
                            cluster=cluster, software=pm.OURS_CPU)
-        out.append({"row": f"models.train {r['split']}", "source": f"{path} (bench.train, {measured['machine']})",
+        source = os.path.relpath(path, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        out.append({"row": f"models.train {r['split']}", "source": f"{source} (bench.train, {measured['machine']})",
                     "measured_tokens_per_s": r["tokens_per_s"], "predicted_tokens_per_s": got["tokens_per_s"],
                     "error_tokens_per_s": got["tokens_per_s"] / r["tokens_per_s"] - 1, "step_s": got["step_s"]})
     return out
