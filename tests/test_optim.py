@@ -317,6 +317,24 @@ def test_floating_inputs_are_cast_to_param_dtype():
     assert embedding(torch.tensor([1, 2])).dtype == torch.bfloat16
 
 
+
+@distributed(world_size=2)
+def test_frozen_parameters_stay_out_and_follow_param_dtype():
+    """A frozen parameter (requires_grad=False) is not the optimizer's: DistributedOptimizer(model) takes the trainable
+    ones, and under param_dtype=bf16 the frozen one is cast too (the forward runs in one dtype), never stepped."""
+    tp.init_mesh()
+    module = net(None, dtype=torch.float32)
+    module[0].weight.requires_grad_(False)
+    frozen = module[0].weight.detach().clone()
+    model = DataParallel(module, param_dtype=torch.bfloat16)
+    opt = DistributedOptimizer(model, lr=0.1)
+    model(batch(0, 0, 1).float()).float().sum().backward()
+    opt.step()
+    assert module[0].weight.dtype == torch.bfloat16 and torch.equal(module[0].weight, frozen.bfloat16())
+    with pytest.raises(ValueError, match=r"param_dtype=torch.float16 .*loss scaling"):
+        DataParallel(net(None, dtype=torch.float32), param_dtype=torch.float16)
+
+
 # ---- clip_grad_norm_ -----------------------------------------------------------------------------------------------
 
 # kv heads 1 < tp 2 (replicated rows), row biases, learned positions (read outside their module), tied embeddings
