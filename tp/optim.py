@@ -110,6 +110,9 @@ class DataParallel(nn.Module):
             raise ValueError(f"DataParallel needs trainable parameters of one floating dtype, got {dtypes}")
         if param_dtype is not None and not param_dtype.is_floating_point:
             raise ValueError(f"param_dtype={param_dtype} must be a floating dtype")
+        if param_dtype == torch.float16:
+            raise ValueError("param_dtype=torch.float16 needs loss scaling, which DataParallel does not do: use "
+                             "torch.bfloat16")
         self.module, self.average_over, self.shard = module, average_over, shard
         self.overlap_param_gather = overlap_param_gather
         self.param_dtype, self._built_dtype = param_dtype or named[0][1].dtype, named[0][1].dtype
@@ -142,11 +145,14 @@ class DataParallel(nn.Module):
                     start, where = b.piece(p) or (0, slice(0, 0))
                     p.main_grad_shard, p.main_grad_shard_offset = b.grad_shard[where], start
                     p.main_grad_shard_group = self.group
-        if self.param_dtype != named[0][1].dtype:
-            for m in module.modules():  # floating buffers follow the parameters (activations in param_dtype)
+        if self.param_dtype != self._built_dtype:
+            for m in module.modules():  # floating buffers and frozen parameters follow (activations in param_dtype)
                 for name, buf in m._buffers.items():
                     if buf is not None and buf.is_floating_point():
                         m._buffers[name] = buf.to(self.param_dtype)
+                for p in m.parameters(recurse=False):
+                    if not p.requires_grad and p.is_floating_point():
+                        p.data = p.data.to(self.param_dtype)
         self._sync, self._reduced, self._micro_batches, self._arrivals = True, False, 1, Counter()
         # the first forward records the modules whose pre-hook ran; buckets holding parameters of the others (read
         # outside their own module's forward, e.g. a position table added by the parent) are waited for at entry
@@ -327,7 +333,7 @@ class DistributedOptimizer:
         if len(masters_dtypes) > 1:
             raise ValueError(f"DistributedOptimizer: the modules' masters have several dtypes {masters_dtypes}")
         bucket_of = {p: b for m in modules for p, b in m._bucket_of.items()}
-        groups = list((p for m in modules for p in m.parameters()) if params is None else params)
+        groups = list((p for m in modules for p in m.parameters() if p.requires_grad) if params is None else params)
         groups = [{"params": groups}] if groups and isinstance(groups[0], torch.Tensor) else \
             [dict(g, params=list(g["params"])) for g in groups]
         given = [p for g in groups for p in g["params"]]
