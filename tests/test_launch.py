@@ -185,6 +185,8 @@ def test_two_torchrun_agents_train_the_single_agent_curve(tmp_path):
         assert "\r" not in out
         assert re.search(r"^step 3/3 \| loss \d\.\d{4} \| (.* \| )?tok_s \d+ \| [\d.]+ s/step$", out, re.M), out
         assert "bubble" not in out  # pp = 1
+    with open(tmp_path / "single.jsonl") as f:
+        assert [json.loads(line)["bubble"] for line in f] == [None] * 3  # no pipeline: no bubble in the log either
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["latest", "logs", "step-000003"]
     assert sorted(os.listdir(tmp_path / "ckpt" / "logs")) == [f"rank-{r}.log" for r in range(4)]
 

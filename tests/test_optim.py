@@ -475,10 +475,15 @@ def test_zero1_bf16_and_clipping_follow_the_serial_run(tmp_path):
 
 
 def test_a_non_finite_gradient_skips_the_step(tmp_path):
+    import json
+
     records = _records(tmp_path, "nan", 8, "--tp", "2", "--pp", "2", "--dp", "2", "--dp-mode", "zero1",
                        "--nan-grad-at-step", "2", "--fail-rank", "5")  # one rank's NaN: every rank skips
-    assert [math.isfinite(r["grad_norm"]) for r in records] == [True, False, True]
+    assert [r["grad_norm"] is None for r in records] == [False, True, False]  # strict JSON: null, not NaN
+    assert [r.get("skipped", False) for r in records] == [False, True, False]
     assert all(math.isfinite(r["loss"]) for r in records) and records[2]["loss"] < records[0]["loss"]
+    with open(tmp_path / "nan.jsonl") as f:  # readers that reject NaN/Infinity (JSON has none) read every row
+        [json.loads(line, parse_constant=lambda name: pytest.fail(f"non-JSON constant {name}")) for line in f]
 
 
 @pytest.mark.parametrize("flags,message", [
