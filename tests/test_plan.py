@@ -217,6 +217,19 @@ def test_cli_from_another_directory_top_zero_and_a_repeated_fix(capsys, tmp_path
     assert code == 1 and not out and err.strip() == "error: --fix 'tp=1': tp is given twice"
 
 
+def test_a_sequence_longer_than_a_learned_position_table_is_refused(capsys, tmp_path):
+    """A Hugging Face GPT-2 config holds n_positions learned positions: a longer --seq-len cannot run (models.train
+    refuses it too), so the planner says so in one line rather than plan it."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "gpt2", "vocab_size": 1000, "n_embd": 64, "n_layer": 2, "n_head": 4,
+                                "n_positions": 128}))
+    flags = ["--gpus", "2", "--hf-config", str(path), "--global-batch-size", "4"]
+    assert _run(capsys, *flags, "--seq-len", "128")[0] == 0
+    code, out, err = _run(capsys, *flags, "--seq-len", "256")
+    assert code == 1 and not out and err.strip() == ("error: --seq-len 256 exceeds the model's 128 learned positions "
+                                                     "(max_seq_len)")
+
+
 def test_infeasible_requests_end_in_one_line(capsys):
     code, out, err = _run(capsys, "--hardware", "h100-sxm", "--gpus", "8", "--model", "llama3-405b", "--seq-len",
                           "8192", "--global-batch-size", "64")
