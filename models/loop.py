@@ -238,10 +238,13 @@ def train(args):
             bubble = stats.bubble
             elapsed = time.perf_counter() - started
             first_loss = loss if first_loss is None else first_loss
-            record = {"step": step + 1, "loss": loss, "grad_norm": grad_norm, "lr": learning_rate(args, step),
-                      "tokens_per_s": tokens_per_step / elapsed,
-                      "tflops_per_rank": step_flops / mesh.world_size / elapsed / 1e12, "bubble": bubble,
-                      "step_s": elapsed} | memory
+            skipped = not math.isfinite(grad_norm)
+            record = {"step": step + 1, "loss": loss, "grad_norm": None if skipped else grad_norm,  # JSON: no NaN
+                      "lr": learning_rate(args, step), "tokens_per_s": tokens_per_step / elapsed,
+                      "tflops_per_rank": step_flops / mesh.world_size / elapsed / 1e12,
+                      "bubble": bubble if mesh.pp_size > 1 else None, "step_s": elapsed} | memory
+            if skipped:
+                record["skipped"] = True
             if args.eval_every and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps):
                 record["val_loss"] = val_loss = evaluate(runner, held_out, args, mesh)
             if log:
