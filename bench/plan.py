@@ -197,7 +197,11 @@ def model_config(args):
             with open(path) as f:
                 fields = json.load(f)
             hf = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
-        return config_from_hf(hf)
+        config = config_from_hf(hf)
+        if config.position == "learned" and args.seq_len > config.max_seq_len:  # (RoPE may plan a longer context)
+            raise ValueError(f"--seq-len {args.seq_len} exceeds the model's {config.max_seq_len} learned positions "
+                             "(max_seq_len)")
+        return config.replace(max_seq_len=max(args.seq_len, config.max_seq_len))
     if args.model:
         return models.GPTConfig(**(MODELS[args.model] | {"max_seq_len": max(args.seq_len,
                                                                           MODELS[args.model].get("max_seq_len", 0))}))
