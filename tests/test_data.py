@@ -234,6 +234,7 @@ def hf_with_tokenizer(tmp_path_factory, corpus):
 
 @pytest.mark.parametrize("flags,message", [
     (["--data", "{missing}"], r"^--data .*missing: no such file or directory$"),
+    (["--data", "{big_prefix}"], r"^--data .*big: no such file or directory \(a token file\? .*big.bin\)$"),
     (["--data", "{empty_file}"], r"^--data .*empty.txt is empty$"),
     (["--data", "{no_text}"], r"^--data .*no_text holds no .txt or .jsonl files$"),
     (["--data", "{blank_dir}"], r"^--data .*blank: its 2 .txt/.jsonl file\(s\) are all empty$"),
@@ -268,7 +269,8 @@ def test_bad_data_values_are_one_line_naming_them(flags, message, corpus, hf_wit
     paths = {"missing": str(tmp_path / "missing"), "empty_file": str(tmp_path / "empty.txt"),
              "no_text": str(tmp_path / "no_text"), "blank_dir": str(tmp_path / "blank"),
              "bin_alone": str(tmp_path / "alone.bin"), "text": corpus["text"], "hf": hf_with_tokenizer,
-             "tokenizer": corpus["tokenizer"], "tiny": str(tmp_path / "tiny.txt"), "big_bin": str(tmp_path / "big.bin")}
+             "tokenizer": corpus["tokenizer"], "tiny": str(tmp_path / "tiny.txt"), "big_bin": str(tmp_path / "big.bin"),
+             "big_prefix": str(tmp_path / "big")}  # Megatron's habit: a token file named without its .bin
     args = _args(*[flag.format(**paths) for flag in flags])
     with pytest.raises(ValueError) as error:
         validate(args)
