@@ -55,7 +55,8 @@ def check_source(args):
     path = args.data
     if path is not None:
         if not os.path.exists(path):
-            raise ValueError(f"--data {path}: no such file or directory")
+            hint = f" (a token file? {path}.bin)" if os.path.isfile(path + ".bin") else ""
+            raise ValueError(f"--data {path}: no such file or directory{hint}")
         if os.path.isfile(path) and os.path.getsize(path) == 0:
             raise ValueError(f"--data {path} is empty")
         if os.path.isdir(path):

@@ -79,7 +79,8 @@ def parser():
       help="start from a Hugging Face Llama/Mistral/Qwen2/GPT-2 directory (save_pretrained); its own tokenizer "
            "is used when the directory holds one (else bytes: the vocabulary must cover 256)")
     a("--data", metavar="PATH", default=None,
-      help="training text: a .txt/.jsonl (field \"text\") file, a directory of them, or a token file PREFIX.bin "
+      help="training text: a .txt, .jsonl or .json (JSON lines, field \"text\") file, a directory of .txt/.jsonl "
+           "files, or a token file PREFIX.bin "
            "with its PREFIX.json sidecar (python -m models.tokens); default: the bundled corpus")
     a("--tokenizer", metavar="DIR", default=None,
       help="a local Hugging Face tokenizer directory (AutoTokenizer): text is tokenized once into a cache beside "
