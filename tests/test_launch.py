@@ -249,3 +249,26 @@ def test_intensity_and_plan_name_the_node_boundary_the_same_way():
     assert (rows[8]["link"], rows[16]["link"]) == ("NVLink", "IB")
     assert rows[16]["mlp_fwd_comm_s"] == pytest.approx(9 * rows[8]["mlp_fwd_comm_s"])  # 450 vs 50 GB/s
     assert rl.group_link(rl.HARDWARE["h100-ib"], 64) == (400e9, "link")  # no boundary modelled: one link
+
+
+def test_ctrl_c_ends_the_job_in_one_line():
+    """Ctrl-C at a terminal interrupts the launcher and every rank (one process group): no rank's KeyboardInterrupt
+    traceback nor torchrun's SignalException one, a line saying so, exit code 130 (128 + SIGINT)."""
+    import signal
+    import time
+
+    job = subprocess.Popen([sys.executable, "-m", "models.train", *JOB, "--steps", "100000", "--tp", "1", "--pp",
+                            "1", "--dp", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(),
+                           start_new_session=True)
+    try:
+        assert job.stdout.readline().startswith("layout:")
+        while not job.stdout.readline().startswith("step "):  # training
+            pass
+        os.killpg(job.pid, signal.SIGINT)
+        out, err = job.communicate(timeout=60)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+        time.sleep(0.5)
+    assert job.returncode == 130 and "Traceback" not in out + err, (out + err)[-3000:]
+    assert err.strip().splitlines()[-1].startswith("interrupted"), err[-3000:]
