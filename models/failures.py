@@ -171,7 +171,10 @@ def run_rank(fn, args, log_dir, timeout_s):
         os.dup2(log.fileno(), 2)
     try:
         code = fn(args)
-    except (KeyboardInterrupt, SystemExit):
+    except KeyboardInterrupt:  # Ctrl-C reaches every rank (one process group): the launcher says so, once
+        log.write(f"== interrupted at {time.strftime('%H:%M:%S')}, step {_step}\n")
+        return 128 + signal.SIGINT
+    except SystemExit:
         raise
     except BaseException as e:  # noqa: B036 (torch's CheckpointException is a BaseException)
         log.write(f"== failed at {time.strftime('%H:%M:%S')}, step {_step}:\n{''.join(traceback.format_exception(e))}")

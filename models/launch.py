@@ -3,6 +3,7 @@ dp inferred from torchrun's WORLD_SIZE, the rank layout over nodes, the launcher
 failure summary. (The ranks' side of failures is models/failures.py.)"""
 import logging
 import os
+import signal
 import socket
 import sys
 import tempfile
@@ -198,6 +199,7 @@ def _quiet_torchelastic():
 def launch(args, argv):
     """Start tp·cp·pp·dp CPU processes on this machine through torchrun's launcher; on failure print one line naming
     the first failing rank (see models/failures.py) and return 1."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
@@ -214,4 +216,9 @@ def launch(args, argv):
     except ChildFailedError as e:
         print(f"error: {failures.summary(e.failures, world, logs)}", file=sys.stderr, flush=True)
         return 1
+    except (KeyboardInterrupt, SignalException) as e:  # Ctrl-C (every rank got it too), or a signal to this process
+        number = getattr(e, "sigval", signal.SIGINT)
+        print(f"interrupted by {signal.Signals(number).name}: every rank stopped (their logs: {logs})",
+              file=sys.stderr, flush=True)
+        return 128 + number
     return 0
