@@ -371,3 +371,40 @@ def test_fsdp_holds_the_stages_unsharded_parameters_and_grads_during_the_schedul
         want = memory.parameter_memory(cfg, tp=1, pp=1, stage=0, virtual_stages=1, dp_mode="fsdp",
                                        precision=precision, shards=2)[3]
         assert held == [want], (precision, held, want)
+
+
+@distributed(world_size=2)
+def test_a_deferred_w_holds_what_the_estimate_counts():
+    """Under kernels.linear.defer_wgrad (ZB-H1's B) every linear keeps its input (re-gathered under SP) and output
+    gradient until W: at tp = 2 with SP and GQA, one last stage's queue holds layer_wgrad_bytes per layer plus the
+    output layer's input and vocabulary gradient, byte for byte."""
+    from kernels.linear import defer_wgrad
+
+    mesh = tp.init_mesh(tp=2)
+    for sp, precision in ((True, "fp32"), (False, "fp32")):
+        cfg = config(sequence_parallel=sp)
+        torch.manual_seed(0)
+        stage = _stage(cfg, 1, 0, mesh)
+        tokens = torch.randint(0, cfg.vocab_size, (2, 16))
+        with defer_wgrad() as queue:
+            stage(tokens, tokens).backward()
+        held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for job in queue._jobs for t in job[:2]}
+        per_layer = memory.layer_wgrad_bytes(cfg, tp=2, micro_batch_size=2, seq_len=16, precision=precision)
+        edge = 4 * 2 * 16 * (cfg.hidden_size + cfg.padded_vocab_size(2) // 2)  # the output layer's input, dlogits
+        assert sum(held.values()) == cfg.num_layers * per_layer + edge, (sp, sum(held.values()))
+
+
+def test_zb_counts_the_deferred_ws_of_the_last_stage():
+    """ZB-H1's last rank runs F, B, F, B, ... and holds its W's back: at p = 4 up to 4 micro-batches' W state (or 1
+    whole micro-batch and 3 W's) against 1F1B's 1 micro-batch; with a large vocabulary (its gradient kept for the
+    output layer's W) that stage is the largest."""
+    cfg = config(vocab_size=32000, num_layers=4)
+    args = dict(tp=1, pp=4, dp=1, micro_batch_size=1, seq_len=64, sequence_parallel=False, recompute="none",
+                dp_mode="ddp", precision="bf16", micro_batches=8)
+    zb, one = memory.estimate(cfg, **args, schedule="zb"), memory.estimate(cfg, **args)
+    shape = dict(tp=1, micro_batch_size=1, seq_len=64, precision="bf16")
+    full = memory.layer_activation_bytes(cfg, sequence_parallel=False, recompute="none", **shape) + \
+        memory.edge_activation_bytes(cfg, sequence_parallel=False, first=False, last=True, **shape)
+    held = memory.layer_wgrad_bytes(cfg, **shape) + 2 * 64 * (cfg.hidden_size + cfg.padded_vocab_size(1))
+    assert one.stage == zb.stage == 3 and one.activations == full + 2 * 64 * cfg.head_dim * 2  # + RoPE's cos/sin
+    assert zb.activations == max(4 * held, full + 3 * held) + 2 * 64 * cfg.head_dim * 2
