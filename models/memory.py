@@ -43,7 +43,10 @@ fp32 softmax over this rank's real vocabulary columns, targets and masks; on oth
 backward send (e·T'h, not a saved tensor but held by the runner). RoPE's cos/sin tables once per stage.
 In flight (micro-batches whose activations are alive at once, stage i of p): 1F1B and ZB-H1 min(p − i, m), GPipe m,
 interleaved (p − i − 1)·2 + (V − 1)·p + 1 chunks of 1/V stage each (Megatron's warm-up; rank 0: p + (p − 1)/V);
-each equal to models.schedules' simulated peak (tests).
+each equal to models.schedules' simulated peak (tests). ZB-H1 also keeps, from a micro-batch's B to its W, every
+linear's input and output gradient (layer_wgrad_bytes; the last stage's output layer its vocabulary gradient too),
+and its ranks hold W's back: the peak over the schedule's actions of awaiting-B micro-batches × their activations +
+awaiting-W ones × that (the last of p ranks: up to p W's, against 1F1B's one micro-batch there).
 """
 import math
 from dataclasses import dataclass
@@ -296,6 +299,31 @@ def layer_activation_bytes(config, *, tp, cp=1, micro_batch_size, seq_len, seque
     return 2 * norm + attention + mlp + masks
 
 
+def layer_wgrad_bytes(config, *, tp, cp=1, micro_batch_size, seq_len, precision):
+    """Bytes a deferred W (ZB-H1) holds per layer and micro-batch from its B on: each linear's input (the column
+    layers' whole, re-gathered under SP) and output gradient, as kernels.linear.DeferredWgrads queues them."""
+    e = PRECISIONS[precision]
+    h, d, f = config.hidden_size, config.head_dim, config.ffn_hidden_size
+    heads, kv = config.num_heads // tp, local_kv_heads(config, tp)
+    fc1 = (2 if config.activation == "swiglu" else 1) * f // tp
+    #                                 qkv: x, dz           proj: x, dz     fc1: x, dz   fc2: x, dz
+    return e * micro_batch_size * seq_len // cp * (h + (heads + 2 * kv) * d + heads * d + h + h + fc1 + f // tp + h)
+
+
+def _zb_states(pp, stage, micro_batches):
+    """[(micro-batches awaiting B, awaiting W)] after each action of pipeline rank `stage` under ZB-H1."""
+    def count():
+        from .schedules import build
+
+        states, alive, deferred = [], 0, 0
+        for action in build("zb", pp, micro_batches, 1).actions[stage]:
+            alive += {"F": 1, "B": -1}.get(action.kind, 0)
+            deferred += {"B": 1, "W": -1}.get(action.kind, 0)
+            states.append((alive, deferred))
+        return states
+    return _memoized(("zb", pp, stage, micro_batches), count)
+
+
 def edge_activation_bytes(config, *, tp, cp=1, micro_batch_size, seq_len, sequence_parallel, precision,
                           first, last):
     """Per micro-batch bytes outside the blocks: embedding (first stage), final norm and loss (last stage), or the
@@ -388,6 +416,14 @@ def estimate(config, *, tp, cp=1, pp, dp, micro_batch_size, seq_len, sequence_pa
         alive = in_flight(schedule, pp, stage, virtual_stages, micro_batches)
         edges = sum(edge_activation_bytes(config, first=first, last=last, **shape) for _, _, first, last in chunks)
         activations = int(alive * (layers * per_layer + edges)) + rope_tables
+        if schedule == "zb":  # a micro-batch past its B keeps what its W needs until the W (ZB-H1 defers them)
+            held = layers * layer_wgrad_bytes(config, **{k: shape[k] for k in ("tp", "cp", "micro_batch_size",
+                                                                           "seq_len", "precision")})
+            held += sum(e * shape["micro_batch_size"] * seq_len // cp * (config.hidden_size +
+                                                                         config.padded_vocab_size(tp) // tp)
+                        for _, _, _, last in chunks if last)  # the output layer's input and vocabulary gradient
+            activations = max(int(a * (layers * per_layer + edges)) + w * held
+                              for a, w in _zb_states(pp, stage, micro_batches or pp)) + rope_tables
         params, grads, optimizer, transient = parameter_memory(
             config, tp=tp, pp=pp, stage=stage, virtual_stages=virtual_stages, dp_mode=dp_mode,
             precision=precision, shards=dp * cp)
