@@ -69,6 +69,11 @@ def test_kernels_benchmark_creates_its_output_folder(tmp_path):
     ("parallelize", ["--shapes", "128:344"], r"hidden:ffn:heads:kv_heads:layers:batch:seq, got '128:344'"),
     ("train", ["--splits", "3x1x1"], r"num_heads=4 is not divisible by tp=3"),
     ("train", ["--reps", "0"], r"argument --reps: 0 is not >= 1"),
+    ("train", ["--out", "/dev/null/x.json"], r"--out /dev/null/x.json: /dev/null is not a directory"),
+    ("train", ["--plot", "/dev/null/x.png"], r"--plot /dev/null/x.png: /dev/null is not a directory"),
+    ("attention", ["--out", "/dev/null/x.json"], r"--out /dev/null/x.json: /dev/null is not a directory"),
+    ("plan", ["--gpus", "2", "--model", "tiny", "--seq-len", "64", "--global-batch-size", "4", "--out", "/dev/null/x"],
+     r"--out /dev/null/x: /dev/null is not a directory"),
 ])
 def test_impossible_arguments_are_one_usage_error_before_any_rank(module, flags, message, capsys):
     import importlib
