@@ -43,7 +43,7 @@ from torch.utils._pytree import tree_leaves
 import tp
 from tp import testing
 
-from .common import at_least, machine, print_table, round_robin_times, scratch_path, write_json
+from .common import at_least, check_out, machine, print_table, round_robin_times, scratch_path, write_json
 from .roofline import HARDWARE
 
 MODES = ("ring", "allgather")
@@ -234,6 +234,7 @@ def parser():
 def main(argv=None):
     p = parser()
     a = p.parse_args(argv)
+    check_out(p, "--out", a.out)
     bad = [(s, cp) for s in a.seq for cp in a.cp if s % (2 * cp)]
     if bad:
         p.error(f"--seq {bad[0][0]} is not divisible by 2·cp = {2 * bad[0][1]}")

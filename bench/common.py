@@ -63,6 +63,17 @@ def parser(doc, name, *, iters, warmup):
     return p
 
 
+def check_out(p, flag, path, *, directory=False):
+    """An output path the benchmark will write (a file, or a directory): refused before it runs, argparse's one-line
+    usage error naming the flag (models.launch's checks, as models.train's path flags)."""
+    from models.launch import check_writable_dir, check_writable_file
+
+    try:
+        (check_writable_dir if directory else check_writable_file)(flag, path)
+    except ValueError as e:
+        p.error(str(e))
+
+
 def write_json(path, payload):
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:

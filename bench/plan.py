@@ -311,6 +311,10 @@ def main(argv=None):
     p = parser()
     args = p.parse_args(argv)
     check_args(p, args)
+    if args.out:
+        from .common import check_out
+
+        check_out(p, "--out", args.out, directory=True)
     try:
         if args.validate:
             from .plan_validation import main as validate

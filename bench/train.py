@@ -37,7 +37,7 @@ from models.train import parser as train_parser
 from models.train import train, validate
 from tp import testing
 
-from .common import at_least, machine, median, print_table, scratch_path, write_json
+from .common import at_least, check_out, machine, median, print_table, scratch_path, write_json
 
 SPLITS = [(1, 1, 1, 1), (2, 1, 1, 1), (1, 1, 2, 1), (1, 1, 1, 2), (1, 2, 1, 1), (2, 1, 2, 2),
           (1, 2, 2, 2)]  # tp, cp, pp, dp
@@ -244,6 +244,9 @@ def main(argv=None):
     p.add_argument("--out", default=scratch_path("train.json"), help="JSON (bench/results/train.json: committed)")
     p.add_argument("--plot", default=None, help="bubble plot PNG (default: --out with .png)")
     a = p.parse_args(argv)
+    check_out(p, "--out", a.out)
+    if a.plot:
+        check_out(p, "--plot", a.plot)
     for t, c, pp, d in a.splits if a.skip != "throughput" else []:  # a bad split: one usage error before any rank
         try:
             validate(train_parser().parse_args(_train_flags(a, t, c, pp, d)))
