@@ -230,6 +230,16 @@ def test_a_sequence_longer_than_a_learned_position_table_is_refused(capsys, tmp_
                                                      "(max_seq_len)")
 
 
+def test_fix_pins_a_micro_batch_size_or_virtual_stages_outside_the_default_sweep(capsys):
+    """The sweep tries micro-batches 1..16 by powers of two and 2, 3, 4, 6, 8 virtual stages; --fix mbs=3 or vp=5
+    (Llama 3 70B's 80 layers at pp 8: 2 layers a chunk) plans that value rather than finding no split."""
+    small = ["--gpus", "2", "--hidden", "64", "--layers", "10", "--heads", "4", "--seq-len", "64", "--json"]
+    code, out, err = _run(capsys, *small, "--global-batch-size", "12", "--fix", "mbs=3")
+    assert code == 0 and {p["mbs"] for p in json.loads(out)["plans"]} == {3}, err
+    code, out, err = _run(capsys, *small, "--global-batch-size", "4", "--fix", "pp=2,vp=5")
+    assert code == 0 and {(p["pp"], p["vp"]) for p in json.loads(out)["plans"]} == {(2, 5)}, err
+
+
 def test_infeasible_requests_end_in_one_line(capsys):
     code, out, err = _run(capsys, "--hardware", "h100-sxm", "--gpus", "8", "--model", "llama3-405b", "--seq-len",
                           "8192", "--global-batch-size", "64")
