@@ -94,12 +94,12 @@ def candidate_plans(config, *, gpus, seq_len, global_batch_size, cluster, fixed)
 
 
 def _inner_plans(config, tp, cp, pp, dp, seq_len, global_batch_size, fixed):
-    for mbs in (1, 2, 4, 8, 16):
-        if fixed.get("mbs", mbs) != mbs or (global_batch_size // dp) % mbs:
+    for mbs in (fixed["mbs"],) if "mbs" in fixed else (1, 2, 4, 8, 16):  # (--fix may pin any value)
+        if (global_batch_size // dp) % mbs:
             continue
         m = global_batch_size // (dp * mbs)
-        vps = [1] + ([v for v in (2, 3, 4, 6, 8) if config.num_layers % (pp * v) == 0 and m % pp == 0]
-                     if pp > 1 else [])
+        vps = [1] + ([v for v in ((fixed["vp"],) if fixed.get("vp", 1) > 1 else (2, 3, 4, 6, 8))
+                      if config.num_layers % (pp * v) == 0 and m % pp == 0] if pp > 1 else [])
         for vp in vps:
             if fixed.get("vp", vp) != vp:
                 continue
