@@ -128,7 +128,9 @@ def test_cpu_runs_are_compared_with_bench_train():
     overhead = validation.cpu_op_overhead()
     assert 1e-6 < overhead < 1e-4  # eager torch dispatch: microseconds to tens of microseconds per op
     rows = validation.cpu_rows(op_overhead=overhead)
-    assert [r["row"] for r in rows] == [f"models.train {s}" for s in ("1x1x1", "2x1x1", "1x2x1", "1x1x2", "2x2x2")]
+    from bench.train import SPLITS, label
+
+    assert [r["row"] for r in rows] == [f"models.train {label(*split)}" for split in SPLITS]  # bench.train's defaults
     assert abs(rows[0]["error_tokens_per_s"]) < 1e-3  # the one run the overhead is fitted to
     # more ranks than work to share: tp on gloo (collectives per layer) is predicted slower than dp (one per step)
     by = {r["row"].split()[-1]: r["predicted_tokens_per_s"] for r in rows}
