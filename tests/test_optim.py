@@ -335,6 +335,36 @@ def test_frozen_parameters_stay_out_and_follow_param_dtype():
         DataParallel(net(None, dtype=torch.float32), param_dtype=torch.float16)
 
 
+
+@distributed(world_size=2)
+def test_torch_lr_schedulers_and_state_dicts_drive_it_as_any_torch_optimizer():
+    """A torch.optim.Optimizer to torch: LR schedulers step its param_groups' lr; state_dict() / load_state_dict()
+    (this rank's shard, for the same layout; full_state() reshards) resume it bit for bit."""
+    mesh = tp.init_mesh()
+
+    def run(steps, state=None):
+        model = DataParallel(net(None), bucket_numel=10)
+        opt = DistributedOptimizer(model, lr=1e-2)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5 ** step)
+        if state is not None:
+            opt.load_state_dict(state["opt"])
+            scheduler.load_state_dict(state["scheduler"])
+            model.load_state_dict(state["model"])
+        for step in steps:
+            model(batch(step, mesh.dp_rank, mesh.dp_size)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            scheduler.step()
+        return model, opt, scheduler
+
+    model, opt, scheduler = run(range(2))
+    assert isinstance(opt, torch.optim.Optimizer) and opt.param_groups[0]["lr"] == pytest.approx(1e-2 * 0.25)
+    state = {"opt": opt.state_dict(), "scheduler": scheduler.state_dict(), "model": model.state_dict()}
+    straight = run(range(3))[0]
+    resumed = run(range(2, 3), state)[0]
+    assert all(torch.equal(a, b) for a, b in zip(straight.parameters(), resumed.parameters()))
+
+
 # ---- clip_grad_norm_ -----------------------------------------------------------------------------------------------
 
 # kv heads 1 < tp 2 (replicated rows), row biases, learned positions (read outside their module), tied embeddings
