@@ -339,7 +339,8 @@ def test_frozen_parameters_stay_out_and_follow_param_dtype():
 @distributed(world_size=2)
 def test_torch_lr_schedulers_and_state_dicts_drive_it_as_any_torch_optimizer():
     """A torch.optim.Optimizer to torch: LR schedulers step its param_groups' lr; state_dict() / load_state_dict()
-    (this rank's shard, for the same layout; full_state() reshards) resume it bit for bit."""
+    (this rank's shard, for the same layout; full_state() reshards) resume it bit for bit, with the module's
+    state_dict() taken right after a step (its parameters' all-gathers still in flight: waited for first)."""
     mesh = tp.init_mesh()
 
     def run(steps, state=None):
@@ -359,9 +360,13 @@ def test_torch_lr_schedulers_and_state_dicts_drive_it_as_any_torch_optimizer():
 
     model, opt, scheduler = run(range(2))
     assert isinstance(opt, torch.optim.Optimizer) and opt.param_groups[0]["lr"] == pytest.approx(1e-2 * 0.25)
+    assert any(b.gather is not None for b in model.buckets)  # the last step's all-gathers in flight
     state = {"opt": opt.state_dict(), "scheduler": scheduler.state_dict(), "model": model.state_dict()}
+    assert all(b.gather is None for b in model.buckets)  # waited for: the state dict holds the updated values
     straight = run(range(3))[0]
     resumed = run(range(2, 3), state)[0]
+    for m in (straight, resumed):  # a step's all-gathers are waited for by the next forward (or a state_dict)
+        m.finish_param_sync()
     assert all(torch.equal(a, b) for a, b in zip(straight.parameters(), resumed.parameters()))
 
 
