@@ -154,6 +154,8 @@ class DataParallel(nn.Module):
         module.register_forward_pre_hook(self._before_root, prepend=True)
         module.register_forward_hook(self._after_root)
         module.register_load_state_dict_pre_hook(self._load_masters)  # (load_state_dict of self or of module)
+        # a state dict taken right after a step holds views of parameters whose all-gathers may still be running
+        module.register_state_dict_pre_hook(lambda *_: self.finish_param_sync())
 
     def __getattr__(self, name):  # the wrapped module's attributes (config, ...), as FSDP2's in-place wrapping keeps
         try:

@@ -25,11 +25,13 @@ from .data_parallel import DataParallel, default_bucket_numel  # noqa: F401  (tp
 from .mappings import _all_gather
 
 
-class DistributedOptimizer:
+class DistributedOptimizer(torch.optim.Optimizer):
     """`optimizer` (a torch optimizer class, AdamW by default) over this rank's shard of the fp32 masters of one
     `DataParallel` module, or of several (a list: a pipeline rank's model chunks, each wrapped on its own), with
     their reduced fp32 gradients; `params` as torch optimizers take them (groups of the modules' parameters, each
-    once). `param_groups` are the inner optimizer's: set lr / weight_decay there."""
+    once). `param_groups` are the inner optimizer's: set lr / weight_decay there, or drive them with a torch LR
+    scheduler. `state_dict()` / `load_state_dict()` are this rank's shard (resume at the same layout);
+    `full_state()` / `load_full_state()` give whole tensors (checkpoints that reshard)."""
 
     def __init__(self, module, params=None, *, optimizer=torch.optim.AdamW, **hyperparameters):
         modules = list(module) if isinstance(module, (list, tuple, nn.ModuleList)) else [module]
@@ -62,6 +64,11 @@ class DistributedOptimizer:
                     pieces.append(master)
             inner.append(dict(g, params=pieces))
         self.optimizer = optimizer(inner, **hyperparameters)
+        # A torch.optim.Optimizer to LR schedulers and hooks, its groups and state the inner optimizer's (whose
+        # parameters are the master shards, not the model's): so Optimizer.__init__ is not called.
+        self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks = {}, {}
+        self._optimizer_state_dict_pre_hooks, self._optimizer_state_dict_post_hooks = {}, {}
+        self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks = {}, {}
         for g, group in zip(groups, self.optimizer.param_groups):  # (a model parameter's group: its hyperparameters)
             for p in g["params"]:
                 self.group_of[p] = group
@@ -69,6 +76,17 @@ class DistributedOptimizer:
     param_groups = property(lambda self: self.optimizer.param_groups)
     state = property(lambda self: self.optimizer.state)
     defaults = property(lambda self: self.optimizer.defaults)
+
+    def state_dict(self):
+        """The inner optimizer's state dict: this rank's master shards' state (reload at the same layout)."""
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict):
+        self.optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group):
+        raise NotImplementedError("DistributedOptimizer's parameters are fixed by its DataParallel buckets: build a "
+                                  "new one over the module")
 
     def __repr__(self):
         return f"DistributedOptimizer({type(self.optimizer).__name__}, " + \
