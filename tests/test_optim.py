@@ -370,6 +370,23 @@ def test_torch_lr_schedulers_and_state_dicts_drive_it_as_any_torch_optimizer():
     assert all(torch.equal(a, b) for a, b in zip(straight.parameters(), resumed.parameters()))
 
 
+
+@distributed(world_size=2)
+def test_debug_mode_names_buckets_reduced_in_different_orders():
+    """A parameter used on some dp ranks only starts its bucket at finish_grad_sync there, after the others: the
+    reductions pair up wrongly across ranks. Debug mode compares the order and raises, naming the ranks."""
+    mesh = tp.init_mesh()
+    model = DataParallel(nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3)), bucket_numel=1)  # a bucket per tensor
+    first, second = model.module
+    x = torch.ones(2, 3)
+    with tp.set_debug(True):
+        out = second(first(x)) if mesh.dp_rank == 0 else second(x)  # rank 1 never uses the first layer
+        out.sum().backward()
+        with pytest.raises(ValueError, match=r"tp debug: the order DataParallel reduced its buckets in .* differs "
+                                             r"across the dp group: ranks \[0\] vs ranks \[1\]"):
+            model.finish_grad_sync()
+
+
 # ---- clip_grad_norm_ -----------------------------------------------------------------------------------------------
 
 # kv heads 1 < tp 2 (replicated rows), row biases, learned positions (read outside their module), tied embeddings
