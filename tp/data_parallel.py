@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
+from . import debug
 from .mappings import _all_gather, _reduce_scatter
 from .mesh import get_mesh
 
@@ -143,6 +144,7 @@ class DataParallel(nn.Module):
                     if not p.requires_grad and p.is_floating_point():
                         p.data = p.data.to(self.param_dtype)
         self._sync, self._reduced, self._micro_batches, self._arrivals = True, False, 1, Counter()
+        self._order = []  # bucket indices in the order their reductions started this step (checked in debug mode)
         # the first forward records the modules whose pre-hook ran; buckets holding parameters of the others (read
         # outside their own module's forward, e.g. a position table added by the parent) are waited for at entry
         self._seen, self._eager, self._calibrated = None, [], False
@@ -229,6 +231,7 @@ class DataParallel(nn.Module):
                 self._reduce(b)
 
     def _reduce(self, b):
+        self._order.append(self.buckets.index(b))
         if b.tied_group is not None and dist.get_world_size(b.tied_group) > 1:
             dist.all_reduce(b.grad_data, group=b.tied_group)  # the copies' sum first, then dp
         if self.size == 1:
@@ -246,6 +249,11 @@ class DataParallel(nn.Module):
         for b in self.buckets:
             if b.handle is None:
                 self._reduce(b)
+        if debug.is_debug():  # the collectives pair up in launch order: a parameter unused on some ranks reorders it
+            debug.check(torch.tensor(self._order, dtype=torch.float64, device=self.buckets[0].grad_data.device),
+                        self.group, "the order DataParallel reduced its buckets in (a parameter used on some dp "
+                        "ranks only?)", replicated=True, group_name="dp")
+        self._order = []
         for b in self.buckets:
             if b.handle is not _DONE:
                 b.handle.wait()
