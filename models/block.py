@@ -3,9 +3,9 @@
 Activations are Megatron's [s, b, h]; with sequence parallelism the residual stream (norms, dropout, residual adds)
 holds [s/tp, b, h] and the column layers all-gather the sequence. With context parallelism (a cp group) every
 activation holds this rank's s/cp tokens in the load-balanced layout (tp.cp_shard); attention runs over the whole
-sequence through tp.context_parallel_attention, RoPE and dropout follow each token's global position. Per block and step, without SP: forward 2
-all-reduces, backward 2 (+1 when kv heads are replicated); with SP: forward 2 all-gathers + 2 reduce-scatters,
-backward 4 all-gathers + 2 reduce-scatters + the norms' (and row biases') grad all-reduces.
+sequence through tp.context_parallel_attention, RoPE and dropout follow each token's global position. Per block and
+step, without SP: forward 2 all-reduces, backward 2 (+1 when kv heads are replicated); with SP: forward 2 all-gathers
++ 2 reduce-scatters, backward 4 all-gathers + 2 reduce-scatters + the norms' (and row biases') grad all-reduces.
 """
 import contextlib
 import functools
@@ -210,14 +210,13 @@ class TransformerBlock(nn.Module):
     def __init__(self, config, *, group=None, cp_group=None, _init=True):
         super().__init__()
         self.config = config
-        group, self.cp_group = resolve_group(group), resolve_cp_group(cp_group)
-        self.group = group
+        self.group, self.cp_group = resolve_group(group), resolve_cp_group(cp_group)
         norm = dict(sequence_parallel=config.sequence_parallel, grad_sync=config.sequence_parallel_grad_sync,
-                    group=group)
+                    group=self.group)
         self.norm1 = Norm(config.norm, config.hidden_size, config.norm_eps, **norm)
-        self.attention = Attention(config, group=group, cp_group=self.cp_group, _init=_init)
+        self.attention = Attention(config, group=self.group, cp_group=self.cp_group, _init=_init)
         self.norm2 = Norm(config.norm, config.hidden_size, config.norm_eps, **norm)
-        self.mlp = MLP(config, group=group, _init=_init)
+        self.mlp = MLP(config, group=self.group, _init=_init)
 
     def _forward(self, x):
         c = self.config

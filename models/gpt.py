@@ -92,11 +92,6 @@ class GPT(nn.Module):
         master = normal_init(c.init_std)(torch.empty(c.vocab_size, c.hidden_size))
         return torch.cat([master, master.new_zeros(self.padded_vocab_size - c.vocab_size, c.hidden_size)])
 
-    def _positions(self, rows, device):
-        """(global positions, s) of this rank's rows of the residual stream under context parallelism, else None."""
-        return token_positions(rows, sequence_parallel=self.config.sequence_parallel, tp_group=self.group,
-                               cp_group=self.cp_group, device=device)
-
     def embed(self, tokens):  # [b, s] -> [s(/cp)(/tp), b, h]
         c = self.config
         if tokens.dim() != 2:
@@ -117,7 +112,8 @@ class GPT(nn.Module):
                                replicated=True, group_name="cp")
             tokens = tp.cp_shard(tokens, 1, group=self.cp_group)  # [b, s/cp]: this rank's load-balanced share
         x = self.embedding(tokens.t())  # [s(/cp)(/tp), b, h]
-        positions = self._positions(x.shape[0], x.device)
+        positions = token_positions(x.shape[0], sequence_parallel=c.sequence_parallel, tp_group=self.group,
+                                    cp_group=self.cp_group, device=x.device)  # None without cp
         if self.position_embedding is not None:
             weight = self.position_embedding.weight
             if c.sequence_parallel and c.sequence_parallel_grad_sync:  # the others' rows get their grads elsewhere

@@ -337,7 +337,6 @@ def resolve_group(group):
     return get_mesh().tp_group if group is None else group
 
 
-
 def resolve_cp_group(group):
     """`group` itself, else the current mesh's context-parallel group, else None (no mesh: no context parallelism)."""
     if group is not None:
