@@ -53,6 +53,7 @@ from dataclasses import dataclass
 
 from .config import GPTConfig
 from .pipeline import stage_layers
+from .schedules import build
 
 PRECISIONS = {"fp32": 4, "bf16": 2}  # activation / parameter bytes
 DP_MODES = ("ddp", "zero1", "fsdp")
@@ -61,7 +62,6 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
 BACKENDS = ("triton", "torch")
 MAIN_GRAD = {"bf16": True, "fp32": False}  # the training job keeps an fp32 main_grad under bf16 (REFERENCE §11)
 STEP_BYTES = 4  # torch.optim.AdamW's per-tensor step counter (a float32 scalar tensor)
-GB = 1e9
 _CACHE = {}  # memoized stage parameter counts and bytes (the planner asks for the same stages often)
 
 
@@ -122,8 +122,8 @@ def stage_chunks(num_layers, pp, stage, virtual_stages=1):
     return chunks
 
 
-def _edge_shapes(config, tp, first, last):
-    """[(name, shape)] outside the blocks of a chunk: embedding (first), final norm and output layer (last)."""
+def _edge_shapes(config, tp, first):
+    """[(name, shape)] of a chunk's embeddings (none unless it is the first)."""
     h, padded = config.hidden_size, config.padded_vocab_size(tp)
     shapes = []
     if first:
@@ -146,7 +146,7 @@ def stage_parameter_shapes(config, tp, pp=1, stage=0, virtual_stages=1):
     shapes = []
     for c, (start, stop, first, last) in enumerate(stage_chunks(config.num_layers, pp, stage, virtual_stages)):
         prefix = f"chunk{c}." if virtual_stages > 1 else ""
-        shapes += [(prefix + name, shape) for name, shape in _edge_shapes(config, tp, first, last)]
+        shapes += [(prefix + name, shape) for name, shape in _edge_shapes(config, tp, first)]
         for i in range(start, stop):
             shapes += [(f"{prefix}layers.{i - start}.{name}", shape)
                        for name, shape in layer_parameter_shapes(config, tp)]
@@ -176,7 +176,7 @@ def _registration(config, tp, chunks):
     items = []
     for start, stop, first, last in chunks:
         items += [(math.prod(s), config.tie_embeddings and name == "embedding.weight")
-                  for name, s in _edge_shapes(config, tp, first, last)]
+                  for name, s in _edge_shapes(config, tp, first)]
         items += layer * (stop - start)
         if last:
             items += [(math.prod(s), config.tie_embeddings and name == "output.weight")
@@ -246,7 +246,7 @@ def _parameter_memory(config, tp, pp, stage, virtual_stages, dp_mode, precision,
     chunks = stage_chunks(config.num_layers, pp, stage, virtual_stages)
     layers = sum(stop - start for start, stop, _, _ in chunks)
     edges = [shape for _, _, first, last in chunks for _, shape in
-             _edge_shapes(config, tp, first, last) + (_head_shapes(config, tp, first) if last else [])]
+             _edge_shapes(config, tp, first) + (_head_shapes(config, tp, first) if last else [])]
     layer = [shape for _, shape in layer_parameter_shapes(config, tp)]
     tensors = layers * len(layer) + len(edges)
     if dp_mode == "fsdp":
@@ -313,8 +313,6 @@ def layer_wgrad_bytes(config, *, tp, cp=1, micro_batch_size, seq_len, precision)
 def _zb_states(pp, stage, micro_batches):
     """[(micro-batches awaiting B, awaiting W)] after each action of pipeline rank `stage` under ZB-H1."""
     def count():
-        from .schedules import build
-
         states, alive, deferred = [], 0, 0
         for action in build("zb", pp, micro_batches, 1).actions[stage]:
             alive += {"F": 1, "B": -1}.get(action.kind, 0)
