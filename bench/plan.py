@@ -79,7 +79,7 @@ def candidate_plans(config, *, gpus, seq_len, global_batch_size, cluster, fixed)
     """Every plan whose sizes divide (module docstring), before memory."""
     fixed = dict(fixed)
     for tp in _divisors(gpus):
-        if fixed.get("tp", tp) != tp or (tp > cluster.gpus_per_node and "tp" not in fixed) or \
+        if fixed.get("tp", tp) != tp or (tp > cluster.device.gpus_per_node and "tp" not in fixed) or \
                 not _fits_config(config, tp):
             continue
         for cp in _divisors(gpus // tp):
@@ -274,7 +274,7 @@ def print_plans(rows, config, args, cluster, count):
     print(f"{args.model or args.hf_config or 'model'}: {config.num_layers} layers, hidden {config.hidden_size}, "
           f"{config.num_heads}/{config.num_kv_heads} heads, ffn {config.ffn_hidden_size} ({config.activation}), "
           f"vocab {config.vocab_size}; seq {args.seq_len}, global batch {args.global_batch_size}; {args.gpus} x "
-          f"{cluster.name} ({cluster.gpus_per_node} per node); {len(rows)} of {count} plans fit")
+          f"{cluster.name} ({cluster.device.gpus_per_node} per node); {len(rows)} of {count} plans fit")
     print_table(rows[:args.top] if args.top else rows, COLUMNS)
     best = rows[0]
     parts = ", ".join(f"{k} {v:.3g}" for k, v in best["breakdown"].items() if v > 0)
@@ -325,7 +325,7 @@ def main(argv=None):
         if args.gpus_per_node:
             from dataclasses import replace
 
-            cluster = replace(cluster, gpus_per_node=args.gpus_per_node)
+            cluster = replace(cluster, device=replace(cluster.device, gpus_per_node=args.gpus_per_node))
         config = model_config(args)
     except (ValueError, OSError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)

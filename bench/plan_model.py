@@ -104,8 +104,7 @@ def _gemm_time(gemm, cluster, e):
 
 def _bandwidth(cluster, group_span):
     """Per-device bandwidth of a group spanning `group_span` consecutive ranks: NVLink inside a node, else the NIC."""
-    inside = group_span <= cluster.gpus_per_node
-    return (cluster.device.link if inside else cluster.inter_node) * cluster.comm_efficiency
+    return rl.group_link(cluster.device, group_span)[0] * cluster.comm_efficiency
 
 
 def _collective_time(kind, size, ranks, bandwidth, cluster):

@@ -186,7 +186,7 @@ def pair_collectives(tokens, hidden, tp, element_size, *, sequence_parallel):
 def group_link(hw, ranks):
     """(bytes/s, name) of a collective over `ranks` adjacent ranks (a TP group, the rank order keeping it inside a
     node while it fits): the node's link (NVLink) inside a node, each device's NIC (IB) once the group crosses the
-    node boundary; bench.plan decides the same way (bench/plan_model.py, its Cluster's gpus_per_node)."""
+    node boundary; bench.plan prices its groups with it too (bench/plan_model.py, on its Cluster's device)."""
     if hw.gpus_per_node and ranks > hw.gpus_per_node:
         return hw.inter_node, "IB"
     return hw.link, "NVLink" if hw.gpus_per_node else "link"
@@ -271,11 +271,9 @@ class Cluster:
     """A node type for bench.plan: the device's roofline profile (above) plus what a training plan also needs.
     Bandwidths per device and direction; efficiencies are fractions of the datasheet figure actually achieved."""
     name: str
-    device: Hardware  # flops, hbm, link (inside a node), element_size, latency per collective
+    device: Hardware  # flops, hbm, link (inside a node), inter_node, gpus_per_node, element_size, latency
     memory: float  # bytes of device memory
     reserved: float  # bytes the model cannot use (CUDA context, NCCL buffers, allocator fragmentation)
-    inter_node: float  # bytes/s per device between nodes
-    gpus_per_node: int
     gemm_efficiency: float  # of device.flops, by large GEMMs
     comm_efficiency: float  # of link / inter_node, by ring collectives
     attention_efficiency: float  # of device.flops, by flash attention (forward + backward)
@@ -286,7 +284,7 @@ class Cluster:
 
 CLUSTERS = {
     "h100-sxm": Cluster(
-        "h100-sxm", HARDWARE["h100-nvlink"], memory=80e9, reserved=3e9, inter_node=50e9, gpus_per_node=8,
+        "h100-sxm", HARDWARE["h100-nvlink"], memory=80e9, reserved=3e9,
         gemm_efficiency=0.76, comm_efficiency=0.5, attention_efficiency=0.35, op_overhead=0.0,
         source="device: h100-nvlink above (NVIDIA H100 SXM datasheet: 989 TFLOP/s bf16 dense, 3.35 TB/s, NVLink 450 "
                "GB/s per direction, 80 GB HBM3); between nodes one ConnectX-7 NDR 400 Gb/s = 50 GB/s per GPU (DGX "
@@ -296,7 +294,7 @@ CLUSTERS = {
                "validated); reserved 3 GB: an allowance, not measured; launch overhead hidden (asynchronous "
                "launches, kernels >> 5 us here)"),
     "a100-80g": Cluster(
-        "a100-80g", HARDWARE["a100-nvlink"], memory=80e9, reserved=3e9, inter_node=25e9, gpus_per_node=8,
+        "a100-80g", HARDWARE["a100-nvlink"], memory=80e9, reserved=3e9,
         gemm_efficiency=0.76, comm_efficiency=0.5, attention_efficiency=0.5, op_overhead=0.0,
         source="device: a100-nvlink above (NVIDIA A100 80GB SXM datasheet: 312 TFLOP/s bf16/fp16 dense, 2.039 TB/s, "
                "NVLink 300 GB/s per direction, 80 GB HBM2e); between nodes one HDR 200 Gb/s = 25 GB/s per GPU (DGX "
@@ -325,11 +323,10 @@ def cpu_cluster(path=INTENSITY_JSON, *, op_overhead=0.0, comm_efficiency=1.0):
     cores = int(re.search(r"(\d+) cores", measured["device"]).group(1)) if "cores" in measured["device"] else 1
     device = Hardware("cpu-measured", flops=measured["peak_flops"] / cores, hbm=measured["bandwidth"],
                       link=measured["link"], latency=measured["latency"], dtype=measured["dtype"],
-                      element_size=measured["element_size"],
+                      element_size=measured["element_size"], gpus_per_node=cores, inter_node=measured["link"],
                       source=f"bench.intensity on {measured['device']} ({path}): square-GEMM peak / cores, copy "
                              "bandwidth, link bandwidth and per-collective latency fitted to the timed gloo "
                              "collectives")
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return Cluster("cpu-measured", device, memory=ram, reserved=0.0, inter_node=measured["link"], gpus_per_node=cores,
-                   gemm_efficiency=1.0, comm_efficiency=comm_efficiency, attention_efficiency=1.0,
-                   op_overhead=op_overhead, source=device.source, cores=cores)
+    return Cluster("cpu-measured", device, memory=ram, reserved=0.0, gemm_efficiency=1.0,
+                   comm_efficiency=comm_efficiency, attention_efficiency=1.0, op_overhead=op_overhead, source=device.source, cores=cores)

@@ -239,12 +239,14 @@ def batches(dataset, *, dp, dp_rank, global_batch_size, micro_batch_size, seed, 
     steps_per_epoch = len(dataset) // global_batch_size
     if steps_per_epoch < 1:
         raise ValueError(f"global batch {global_batch_size} exceeds the {len(dataset)} sequences of the corpus")
+    sampler = DistributedSampler(dataset, num_replicas=dp, rank=dp_rank, shuffle=True, seed=seed, drop_last=True)
+    order_epoch, order = None, None
     for step in itertools.count(start_step):
         epoch, position = divmod(step, steps_per_epoch)
-        sampler = DistributedSampler(dataset, num_replicas=dp, rank=dp_rank, shuffle=True, seed=seed, drop_last=True)
-        sampler.set_epoch(epoch)
-        indices = list(sampler)[position * per_rank:(position + 1) * per_rank]
-        yield _micro_batches(dataset, indices, micro_batch_size)
+        if epoch != order_epoch:  # one permutation per epoch (O(windows)), not per step
+            sampler.set_epoch(epoch)
+            order_epoch, order = epoch, list(sampler)
+        yield _micro_batches(dataset, order[position * per_rank:(position + 1) * per_rank], micro_batch_size)
 
 
 def eval_batches(held_out, *, dp, dp_rank, global_batch_size, micro_batch_size, iters):

@@ -12,8 +12,9 @@ from models import memory
 
 TINY = models.GPTConfig(**models.config.PRESETS["tiny"])
 # a made-up node where times are bytes or FLOPs: 1 FLOP/s, 1 B/s everywhere, no latency, full efficiency
-UNIT = rl.Cluster("unit", rl.Hardware("unit", flops=1.0, hbm=1.0, link=1.0, source="test"), memory=1e30,
-                  reserved=0.0, inter_node=1.0, gpus_per_node=8, gemm_efficiency=1.0, comm_efficiency=1.0,
+UNIT = rl.Cluster("unit", rl.Hardware("unit", flops=1.0, hbm=1.0, link=1.0, source="test", gpus_per_node=8,
+                                     inter_node=1.0),
+                  memory=1e30, reserved=0.0, gemm_efficiency=1.0, comm_efficiency=1.0,
                   attention_efficiency=1.0, op_overhead=0.0, source="test")
 
 

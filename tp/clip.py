@@ -53,9 +53,13 @@ def _sum_of_squares(p, grad, offset, tp_rank):
     replicas = getattr(p, "replica_rows", None)
     if replicas is None:
         return flat.dot(flat)
-    keep = torch.cat([torch.full((rows,), r == 1 or tp_rank % r == 0) for rows, r in replicas])  # [local rows]
-    row = (offset + torch.arange(flat.numel(), device=flat.device)) // math.prod(p.shape[1:])
-    return (flat.square() * keep.to(flat.device)[row]).sum()
+    total, first, cols = flat.new_zeros(()), 0, math.prod(p.shape[1:])
+    for rows, r in replicas:  # the elements of each part's rows that fall in this part of the gradient
+        if r == 1 or tp_rank % r == 0:
+            kept = flat[max(first * cols - offset, 0):max((first + rows) * cols - offset, 0)]
+            total += kept.dot(kept)
+        first += rows
+    return total
 
 
 @torch.no_grad()
