@@ -1,10 +1,10 @@
-from setuptools import setup
+from setuptools import find_packages, setup
 
 setup(
     name="tp-layers",
     version="0.1.0",
     description="Megatron-style tensor-parallel layers for PyTorch: mesh, mappings, parallel linears, Triton kernels",
-    packages=["tp", "kernels", "models", "bench"],
+    packages=find_packages(include=["tp", "tp.*", "kernels", "kernels.*", "models", "models.*", "bench", "bench.*"]),
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.4",
@@ -17,6 +17,6 @@ setup(
     extras_require={
         "hf": ["transformers>=4.48"],  # optional: GPT.from_hf / save_hf, tp.parallelize on HF models
         "bench": ["matplotlib"],
-        "test": ["pytest>=7", "pytest-timeout", "transformers>=4.48", "matplotlib"],
+        "test": ["pytest>=7", "pytest-timeout", "transformers>=4.48", "matplotlib", "ruff>=0.6"],
     },
 )

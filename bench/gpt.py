@@ -106,8 +106,13 @@ def _llama(a):
 def _dtensor(model, mesh, sequence_parallel):
     """HF's own plan through parallelize_module; with SP, the sequence (dim 1) sharded between the tp regions."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel, parallelize_module)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
 
     base = model.base_model_prefix + "."
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}

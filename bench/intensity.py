@@ -274,4 +274,4 @@ if __name__ == "__main__":
     try:
         main()
     except ValueError as e:  # a bad argument: one line, not a traceback
-        raise SystemExit(f"error: {e}")
+        raise SystemExit(f"error: {e}") from None

@@ -126,8 +126,8 @@ def bench_case(layer, hidden, tokens, tp, dtype, device, candidate_backend, time
 
 def print_table(rows, candidate_label):
     cand = candidate_label
-    header = (f"{'layer':<11}{'h':>6}{'T':>7}{'tp':>4}{'N':>7}{'K':>7}  {'phase':<16}{'torch ms':>10} {cand + ' ms':>17}"
-              f" {'torch TF/s':>11} {cand + ' TF/s':>19} {'speedup':>8}")
+    header = (f"{'layer':<11}{'h':>6}{'T':>7}{'tp':>4}{'N':>7}{'K':>7}  {'phase':<16}{'torch ms':>10} "
+              f"{cand + ' ms':>17} {'torch TF/s':>11} {cand + ' TF/s':>19} {'speedup':>8}")
     print(header)
     print("-" * len(header))
     for r in rows:
@@ -162,7 +162,8 @@ def main(argv=None):
         # bf16 matmuls on CPU are slow and unrepresentative; fp32 keeps the CPU smoke run short.
         device, dtype, backend, label = "cpu", torch.float32, "torch", "kernels[torch]"
         note = ("NO CUDA GPU: Triton kernels SKIPPED (the interpreter is not a performance proxy). "
-                f"Timing only torch on CPU, fp32, shapes shrunk {shrink}x: 'torch' = unfused F.linear + bias + activation, "
+                f"Timing only torch on CPU, fp32, shapes shrunk {shrink}x: "
+                "'torch' = unfused F.linear + bias + activation, "
                 "'kernels[torch]' = kernels.linear on its torch fallback. These are not GPU figures.")
     if args.candidate_backend and args.candidate_backend != backend:
         backend, label = args.candidate_backend, f"kernels[{args.candidate_backend}]"

@@ -83,7 +83,8 @@ def main(argv=None):
                             iters=args.iters, warmup=args.warmup)[0]
             rows.append({
                 "hidden": hidden, "ffn": ffn, "tokens": tokens, "tp": tp_size,
-                "ours_ms": 1e3 * t["ours"], "dtensor_ms": 1e3 * t["dtensor"], "plain_ms": 1e3 * t.get("plain", 0) or None,
+                "ours_ms": 1e3 * t["ours"], "dtensor_ms": 1e3 * t["dtensor"],
+                "plain_ms": 1e3 * t.get("plain", 0) or None,
                 "ours_vs_dtensor": t["ours"] / t["dtensor"],
                 "ours_vs_plain": t["ours"] / t["plain"] if "plain" in t else None,
             })
@@ -91,7 +92,8 @@ def main(argv=None):
     print(f"\nColumn->GELU->Row MLP fwd+bwd, median of {args.iters} steps, on {machine()}, gloo")
     table = print_table(rows, [
         ("hidden", "hidden", "{}"), ("ffn", "ffn", "{}"), ("tokens", "tokens", "{}"), ("tp", "TP", "{}"),
-        ("ours_ms", "ours ms", "{:.3f}"), ("dtensor_ms", "DTensor ms", "{:.3f}"), ("plain_ms", "nn.Linear ms", "{:.3f}"),
+        ("ours_ms", "ours ms", "{:.3f}"), ("dtensor_ms", "DTensor ms", "{:.3f}"),
+        ("plain_ms", "nn.Linear ms", "{:.3f}"),
         ("ours_vs_dtensor", "ours/DTensor", "{:.2f}"), ("ours_vs_plain", "ours/nn.Linear", "{:.3f}"),
     ])
     write_json(args.out, {"machine": machine(), "iters": args.iters, "rows": rows, "table": table})

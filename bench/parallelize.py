@@ -111,7 +111,7 @@ def main(argv=None):
                    default=SHAPES, help="hidden:ffn:heads:kv_heads:layers:batch:seq each (default: "
                    + " ".join(":".join(map(str, shape)) for shape in SHAPES) + ")")
     args = p.parse_args(argv)
-    for hidden, ffn, heads, kv_heads, *_ in args.shapes:
+    for hidden, _ffn, heads, kv_heads, *_ in args.shapes:
         for tp_size in args.tp:
             if heads % tp_size or kv_heads % tp_size or hidden % heads or kv_heads > heads:
                 p.error(f"shape hidden {hidden}, heads {heads}/{kv_heads} cannot be split over --tp {tp_size} (heads "

@@ -186,7 +186,7 @@ def pair_collectives(tokens, hidden, tp, element_size, *, sequence_parallel):
 def group_link(hw, ranks):
     """(bytes/s, name) of a collective over `ranks` adjacent ranks (a TP group, the rank order keeping it inside a
     node while it fits): the node's link (NVLink) inside a node, each device's NIC (IB) once the group crosses the
-    node boundary; bench.plan prices its groups with it too (bench/plan_model.py, on its Cluster's device)."""
+    node boundary; bench.plan prices its groups with it too (bench/plan/step_time.py, on its Cluster's device)."""
     if hw.gpus_per_node and ranks > hw.gpus_per_node:
         return hw.inter_node, "IB"
     return hw.link, "NVLink" if hw.gpus_per_node else "link"
@@ -300,7 +300,7 @@ CLUSTERS = {
                "NVLink 300 GB/s per direction, 80 GB HBM2e); between nodes one HDR 200 Gb/s = 25 GB/s per GPU (DGX "
                "A100 / Selene: 8 compute HDR NICs per node, REFERENCE §12); attention 0.5: FlashAttention-2 paper "
                "(Dao 2023): 50-73 % of A100 peak; gemm 0.76 and comm 0.5: calibrated on the 18 published A100 figures "
-               "(Narayanan et al. 2021 Table 1, Korthikanti et al. 2022 Table 5; bench/plan_validation.py "
+               "(Narayanan et al. 2021 Table 1, Korthikanti et al. 2022 Table 5; bench/plan/validation.py "
                "calibrate(), mean |error| 2.6 %); reserved 3 GB: an allowance, not measured"),
 }
 
@@ -313,7 +313,7 @@ def cpu_cluster(path=INTENSITY_JSON, *, op_overhead=0.0, comm_efficiency=1.0):
     one thread, ranks beyond the cores sharing them. The square-GEMM peak was timed with every core (torch's default
     threads), so one rank's compute is peak / cores; gemm efficiency 1 (the peak is a measured GEMM); no flash
     kernel on CPU, so attention runs at the GEMM rate; device memory: this machine's RAM; eager dispatch costs
-    `op_overhead` per op (bench.plan fits it to bench.train's 1x1x1 run: bench/plan_validation.py)."""
+    `op_overhead` per op (bench.plan fits it to bench.train's 1x1x1 run: bench/plan/validation.py)."""
     import json
     import os
     import re
@@ -329,4 +329,5 @@ def cpu_cluster(path=INTENSITY_JSON, *, op_overhead=0.0, comm_efficiency=1.0):
                              "collectives")
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return Cluster("cpu-measured", device, memory=ram, reserved=0.0, gemm_efficiency=1.0,
-                   comm_efficiency=comm_efficiency, attention_efficiency=1.0, op_overhead=op_overhead, source=device.source, cores=cores)
+                   comm_efficiency=comm_efficiency, attention_efficiency=1.0, op_overhead=op_overhead,
+                   source=device.source, cores=cores)

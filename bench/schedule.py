@@ -3,7 +3,7 @@
     python -m bench.schedule --pp 4 --micro-batches 8 --schedule zb [--virtual-stages V] [--costs F,B,W] [--json]
                              [--out DIR]
 
-Runs models.schedules' action lists for p ranks and m micro-batches (V model chunks per rank for 'interleaved')
+Runs tp.pipeline.schedules' action lists for p ranks and m micro-batches (V model chunks per rank for 'interleaved')
 against unit costs or the given F,B,W (of one micro-batch through a whole rank's layers; a fused backward costs B+W,
 a chunk 1/V), every action starting as soon as its rank is free and its input has arrived. Prints the bubble
 fraction (idle / (stages x span)), the peak activations (the most forward chunks awaiting their B on any rank, in
@@ -16,7 +16,7 @@ import json
 import os
 import sys
 
-from models.schedules import SCHEDULES, ScheduleError, build, simulate
+from tp.pipeline.schedules import SCHEDULES, ScheduleError, build, simulate
 
 COLOURS = {"F": "#4c72b0", "B": "#55a868", "W": "#dd8452", "BW": "#2e7d4f"}
 
@@ -59,7 +59,7 @@ def draw(timeline, path):
                     edgecolor="black", linewidth=0.5)
             ax.text((start + end) / 2, rank, str(action.micro), ha="center", va="center", fontsize=7 if v == 1 else 6,
                     color="black" if light or action.kind == "W" else "white")
-    kinds = sorted({a.kind for order in schedule.actions for a in order}, key="F B BW W".split().index)
+    kinds = sorted({a.kind for order in schedule.actions for a in order}, key=["F", "B", "BW", "W"].index)
     names = {"F": "F (forward)", "B": "B (input grad)", "W": "W (weight grad)", "BW": "BW (fused backward)"}
     ax.legend(handles=[Patch(facecolor=COLOURS[k], label=names[k]) for k in kinds],
               loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=len(kinds), fontsize=8, frameon=False)

@@ -1,19 +1,20 @@
-"""The training job's throughput per tp x (cp x) pp x dp split, and the pipeline bubble of every schedule, measured beside
-the simulator's prediction.
+"""The training job's throughput per tp x (cp x) pp x dp split, and the pipeline bubble of every schedule, measured
+beside the simulator's prediction.
 
     python -m bench.train [--steps 8] [--out PATH] [--plot PNG]   (default: a temporary folder)
 
-Throughput: models.train.train() on tp*cp*pp*dp gloo CPU ranks (one thread each) for 1x1x1, 2x1x1, 1x2x1, 1x1x2,
-2x2x2 (tp x pp x dp) and, with context parallelism, 1x2x1x1 and 1x2x2x2 (tp x cp x pp x dp), the same model, global batch and micro-batch size in every split, for each --dp-mode (ddp; zero1: the distributed
-optimizer, left out at dp = 1 beside ddp) and --precision (fp32; bf16); tokens/s is the median over the steps after
+Throughput: the training job on tp*cp*pp*dp gloo CPU ranks (one thread each) for 1x1x1, 2x1x1, 1x2x1, 1x1x2,
+2x2x2 (tp x pp x dp) and, with context parallelism, 1x2x1x1 and 1x2x2x2 (tp x cp x pp x dp), the same model, global
+batch and micro-batch size in every split, for each --dp-mode (ddp; zero1: the distributed optimizer, left out at
+dp = 1 beside ddp) and --precision (fp32; bf16); tokens/s is the median over the steps after
 the first of rank 0's per-step figure (global tokens / step wall time). Memory per rank: the first log row's
 param/grad/optimizer bytes (tp.optim.memory_bytes, the largest over ranks), and their sum per parameter of the
-largest pipeline stage beside REFERENCE §11's table (models.memory.bytes_per_parameter). CPU bf16 matmuls are slower
-than fp32 ones: the bf16 rows show memory and the loss curve, not a GPU's speed-up.
+largest pipeline stage beside the mixed-precision table of the ZeRO paper (bench.plan.memory.bytes_per_parameter).
+CPU bf16 matmuls are slower than fp32 ones: the bf16 rows show memory and the loss curve, not a GPU's speed-up.
 
 Bubble: models.pipeline.PipelineRunner alone on pp = 2 and 4 ranks (tp = dp = 1), m = 1, 2, 4, 8 micro-batches,
 GPipe, 1F1B, interleaved (V = 2 chunks per rank, where m is a multiple of p) and ZB-H1: idle time over p x the
-schedule's span (bubble_rank), the median of --reps runs after one warm-up, beside models.schedules' simulation of
+schedule's span (bubble_rank), the median of --reps runs after one warm-up, beside tp.pipeline.schedules' simulation of
 the same action lists with the F, B, W (or fused BW) times measured in those runs (per micro-batch through a whole
 stage, the mean over stages), and (p-1)/(m+p-1). Every layer does the same work and the micro-batches are large, so
 the stages are nearly balanced and compute outweighs the point-to-point transfers. The simulator assumes each action
@@ -31,11 +32,12 @@ import torch.distributed as dist
 
 import models
 import tp
-from models.pipeline import PipelineRunner, build_chunks
-from models.schedules import build, simulate
-from models.train import parser as train_parser
-from models.train import train, validate
+from models.stages import build_chunks
+from models.training.cli import parser as train_parser
+from models.training.cli import train, validate
 from tp import testing
+from tp.pipeline import PipelineRunner
+from tp.pipeline.schedules import build, simulate
 
 from .common import at_least, check_out, machine, median, print_table, scratch_path, write_json
 
@@ -138,7 +140,7 @@ def _train_flags(a, t, c, p, d):
 
 
 def bench_throughput(a):
-    from models.memory import bytes_per_parameter, stage_numel
+    from bench.plan.memory import bytes_per_parameter, stage_numel
 
     rows = []
     for t, c, p, d in a.splits:

@@ -66,14 +66,14 @@ _SHARED_BY_CAPABILITY = {(9, 0): 232448, (10, 0): 232448, (8, 0): 166912, (8, 7)
 _SHARED_DEFAULT = 101376
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _family(device_index):
     import torch
 
     return HOPPER_CONFIGS if torch.cuda.get_device_capability(device_index)[0] >= 9 else AMPERE_CONFIGS
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _max_shared(device_index):
     import torch
 
@@ -90,7 +90,8 @@ def shared_bytes(config, elem_bytes, a_tiles=1, b_tiles=1):
     compiled plain GEMM exactly (e.g. bf16 128x256x64, 3 stages: 147456 B).
     """
     k = config.kwargs
-    return config.num_stages * elem_bytes * (a_tiles * k["BLOCK_M"] * k["BLOCK_K"] + b_tiles * k["BLOCK_K"] * k["BLOCK_N"])
+    tile_elements = a_tiles * k["BLOCK_M"] * k["BLOCK_K"] + b_tiles * k["BLOCK_K"] * k["BLOCK_N"]
+    return config.num_stages * elem_bytes * tile_elements
 
 
 def pruner(operand_tiles=lambda constexprs: (1, 1)):

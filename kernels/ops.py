@@ -8,6 +8,7 @@ import os
 import torch
 
 from . import torch_ops
+from .dtypes import TRITON_DTYPES
 from .torch_ops import ACTIVATIONS, check_activation  # noqa: F401
 
 _BACKENDS = ("auto", "torch", "triton")
@@ -63,27 +64,8 @@ def check_main_grad(main_grad, weight_shape, device):
                          f"got {tuple(main_grad.shape)} {main_grad.dtype} on {main_grad.device}")
 
 
-def main_grad_of(weight):
-    """weight.main_grad (gradient-accumulation fusion) or None; refused under torch DDP, which reduces only .grad.
-
-    Called in forward, where DDP marks itself active; parameters DDP was told to ignore are the caller's to reduce.
-    """
-    main_grad = getattr(weight, "main_grad", None)
-    if main_grad is not None and not hasattr(weight, "_ddp_ignored"):
-        from torch.nn.parallel import DistributedDataParallel
-
-        if DistributedDataParallel._get_active_ddp_module() is not None:
-            raise ValueError(
-                f"weight.main_grad (shape {tuple(weight.shape)}) inside torch DistributedDataParallel: DDP averages "
-                "only .grad, so main_grad would never be reduced over data parallelism. Exclude main_grad "
-                "parameters from DDP (tp.ddp_ignore_main_grads(model) before wrapping) and call "
-                "tp.allreduce_main_grads(model, dp_group) after backward")
-    return main_grad
-
-
 _triton_ops = None
 _triton_import_error = None
-TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # what the kernels cover
 
 
 def _load_triton_ops():

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from .activations import act_bwd, act_fwd, swiglu_bwd, swiglu_fwd
 from .configs import INTERPRET, matmul_configs, pruner
-from .ops import TRITON_DTYPES
+from .dtypes import TRITON_DTYPES
 from .torch_ops import check_activation
 
 # Launches per kernel name; the tests assert it grows to prove the Triton path ran.

@@ -1,5 +1,5 @@
 """Models built from the tensor-parallel layers: GPTConfig, TransformerBlock, GPT (and the training job)."""
-from .block import Attention, MLP, Norm, TransformerBlock
+from .block import MLP, Attention, Norm, TransformerBlock
 from .config import GPTConfig
 from .gpt import GPT
 

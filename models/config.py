@@ -2,7 +2,6 @@
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Optional
 
 ACTIVATIONS = ("swiglu", "gelu", "gelu_tanh")
 NORMS = ("rmsnorm", "layernorm")
@@ -42,9 +41,9 @@ class GPTConfig:
     hidden_size: int = 64
     num_layers: int = 2
     num_heads: int = 4
-    num_kv_heads: Optional[int] = None  # GQA/MQA; default num_heads
-    head_dim: Optional[int] = None  # default hidden_size // num_heads
-    ffn_hidden_size: Optional[int] = None  # default 4·hidden (gelu) or 8/3·hidden rounded up to 64 (swiglu)
+    num_kv_heads: int | None = None  # GQA/MQA; default num_heads
+    head_dim: int | None = None  # default hidden_size // num_heads
+    ffn_hidden_size: int | None = None  # default 4·hidden (gelu) or 8/3·hidden rounded up to 64 (swiglu)
     max_seq_len: int = 256
     activation: str = "swiglu"
     norm: str = "rmsnorm"
@@ -53,7 +52,7 @@ class GPTConfig:
     rope_theta: float = 10000.0
     # HF's rope parameters for scaled RoPE: {"rope_type": "linear", "factor": f} or "llama3" (Llama 3.1+: factor,
     # low_freq_factor, high_freq_factor, original_max_position_embeddings); None: plain RoPE
-    rope_scaling: Optional[dict] = None
+    rope_scaling: dict | None = None
     bias: bool = False  # every linear
     qkv_bias: bool = False  # the QKV projection only (Qwen2)
     tie_embeddings: bool = False
@@ -71,9 +70,9 @@ class GPTConfig:
     cp_mode: str = "ring"
     make_vocab_size_divisible_by: int = 128
     init_std: float = 0.02
-    sliding_window: Optional[int] = None  # not implemented: sequences longer than this are refused
+    sliding_window: int | None = None  # not implemented: sequences longer than this are refused
     # "llama" | "mistral" | "qwen2" | "gpt2": the family save_hf writes; None: GPT-2 for learned positions, else Llama
-    hf_model_type: Optional[str] = None
+    hf_model_type: str | None = None
 
     def __post_init__(self):
         self.num_kv_heads = self.num_kv_heads or self.num_heads

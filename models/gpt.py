@@ -9,7 +9,7 @@ targets); the model keeps its load-balanced share (tp.cp_shard: s/cp tokens), po
 position, attention covers the whole sequence, `model(tokens)` returns the full logits (tp.cp_unshard) and
 `model(tokens, targets)` the global mean over the non-ignored tokens of the whole sequence, equal on every rank of
 tp×cp. Each cp rank's backward then yields its share of the gradient: the sum over the cp group (not the mean) is the
-gradient of that loss, so data parallelism reduces over dp×cp summing over cp (models.loop does).
+gradient of that loss, so data parallelism reduces over dp×cp summing over cp (models.training.trainer does).
 
 Initialisation is TP- and PP-invariant: the embedding, every block and the output layer draw their full master
 weights from their own seed, derived from one draw of the default generator, so `torch.manual_seed(s); GPT(cfg)`

@@ -246,7 +246,7 @@ class _SafetensorsReader:
             if not os.path.exists(single):
                 raise ValueError(f"{path} holds no model.safetensors (or index): save it with safetensors")
             with safe_open(single, "pt") as f:
-                files = {k: "model.safetensors" for k in f.keys()}
+                files = dict.fromkeys(f.keys(), "model.safetensors")
         self.files = {k: safe_open(os.path.join(path, v), "pt") for k, v in files.items()}
 
     def shape(self, name):
@@ -281,7 +281,7 @@ def _read_dense_slice(reader, sources, dim, indices):
         offset_of.append((name, transposed, offset, size, shape))
         offset += size
     for start, stop in index_runs(indices):
-        for name, transposed, base, size, shape in offset_of:
+        for name, transposed, base, size, _shape in offset_of:
             a, b = max(start, base), min(stop, base + size)
             if a < b:
                 src_dim = (1 - dim) if transposed else dim
@@ -290,7 +290,8 @@ def _read_dense_slice(reader, sources, dim, indices):
         if stop > offset:  # padding rows
             ref = pieces[-1] if pieces else reader.read(sources[0][0])
             width = ref.shape[1 - dim]
-            zeros = ref.new_zeros((stop - max(start, offset), width) if dim == 0 else (width, stop - max(start, offset)))
+            missing = stop - max(start, offset)
+            zeros = ref.new_zeros((missing, width) if dim == 0 else (width, missing))
             pieces.append(zeros)
     return torch.cat(pieces, dim)
 

@@ -14,10 +14,11 @@ from torch.nn.parallel import DistributedDataParallel
 import models
 import tp
 import tp.testing
-from models import checkpoint
 from models.hf import hf_state_dict
-from models.pipeline import PipelineRunner, build_chunks
+from models.stages import build_chunks
+from models.training import checkpoint
 from tp.optim import DataParallel, DistributedOptimizer
+from tp.pipeline import PipelineRunner
 from tp.testing import distributed
 
 # kv heads 2 < tp 4: replicated k/v chunks; no tp divides the vocabulary.

@@ -183,7 +183,7 @@ from .test_train import SMALL, _curve, _hf_loss, _losses, _run  # noqa: E402  (t
 
 @distributed(world_size=4, timeout=300)
 def _train_on_4_ranks(flags, log):
-    from models.train import parser, train
+    from models.training.cli import parser, train
 
     train(parser().parse_args([*SMALL, *flags, "--log-jsonl", log]))
 

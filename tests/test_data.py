@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from models import data, tokens
-from models.train import parser, train, validate
+from models.training import data, tokens
+from models.training.cli import parser, train, validate
 from tp.testing import distributed, run
 
 EOS = "<|endoftext|>"
@@ -72,7 +72,8 @@ def test_text_is_tokenized_once_into_a_cache_keyed_by_tokenizer_and_data(corpus,
     assert os.path.dirname(path) == os.path.join(corpus["text"], ".tokens")
     stream, header = tokens.read(path)
     tok = AutoTokenizer.from_pretrained(corpus["tokenizer"])
-    expected = [i for doc in corpus["docs"] for i in tok(doc, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]]
+    expected = [i for doc in corpus["docs"]
+                for i in tok(doc, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]]
     assert stream.dtype == np.uint16 and stream.tolist() == expected  # documents in order, each ended by EOS
     assert (header["documents"], header["vocab_size"], header["eos_id"]) == (len(corpus["docs"]), 400, 0)
     assert data.vocab_size(args) == 400 and data.token_count(args) is None

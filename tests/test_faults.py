@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from models import checkpoint_dirs, failures, progress
+from models.training import checkpoint_dirs, failures, progress
 
 JOB = ["--model", "tiny", "--seq-len", "32", "--global-batch-size", "8", "--micro-batch-size", "2", "--seed", "7",
        "--tp", "2", "--pp", "1", "--dp", "1", "--steps", "8", "--log-interval", "1"]
@@ -159,9 +159,8 @@ def test_checkpoint_exception_is_described_by_its_first_failing_rank():
     import torch
     import torch.distributed.checkpoint as dcp
 
-    with pytest.warns(UserWarning):
-        with pytest.raises(BaseException) as caught:
-            dcp.save({"a": torch.ones(2)}, checkpoint_id="/dev/null/x/step-000002", no_dist=True)
+    with pytest.warns(UserWarning), pytest.raises(BaseException) as caught:
+        dcp.save({"a": torch.ones(2)}, checkpoint_id="/dev/null/x/step-000002", no_dist=True)
     assert type(caught.value).__name__ == "CheckpointException"
     assert failures.describe(caught.value) == ("NotADirectoryError: [Errno 20] Not a directory: '/dev/null/x/"
                                                "step-000002' (torch.distributed.checkpoint failed on rank 0; rank "

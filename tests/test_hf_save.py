@@ -150,7 +150,7 @@ def test_save_hf_replaces_an_earlier_export_in_the_same_directory():
     import shutil
     import tempfile
 
-    from models.pipeline import build_stage
+    from models.stages import build_stage
 
     mesh = tp.init_mesh(tp=1, pp=2)
     root = [tempfile.mkdtemp(prefix="tp-hf-reexport-") if torch.distributed.get_rank() == 0 else None]

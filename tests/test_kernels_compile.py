@@ -430,7 +430,7 @@ def test_summary_table(compiled):
             spilling.append(f"sm{r['arch']} {r['spec']} {_cfg_str(r)} ({spills} B)")
     print("\n".join(lines))
     if spilling:
-        warnings.warn("register spills in tensor-core GEMM configs: " + "; ".join(spilling))
+        warnings.warn("register spills in tensor-core GEMM configs: " + "; ".join(spilling), stacklevel=2)
     assert all(r["ok"] for r in rows)
 
 

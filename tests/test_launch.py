@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
-from models import launch, progress
-from models.train import main, parser, validate
+from models.training import launch, progress
+from models.training.cli import main, parser, validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOB = ["--model", "tiny", "--seq-len", "32", "--global-batch-size", "8", "--micro-batch-size", "2", "--seed", "7",
@@ -48,7 +48,7 @@ def two_agents(rendezvous, *flags, nproc=2):
     finally:
         for a in agents:
             a.kill()
-    for a, (out, err) in zip(agents, outputs):
+    for a, (_out, err) in zip(agents, outputs):
         assert a.returncode == 0, err[-3000:]
     return outputs
 
@@ -235,8 +235,8 @@ def test_progress_is_tqdm_on_a_terminal_and_plain_lines_otherwise():
 def test_intensity_and_plan_name_the_node_boundary_the_same_way():
     """A TP group inside a node (<= 8 GPUs) runs over NVLink, a larger one over each GPU's NIC, in bench.intensity's
     model (roofline.group_link) as in bench.plan's (its clusters' gpus_per_node and inter_node)."""
-    from bench import plan_model
     from bench import roofline as rl
+    from bench.plan import step_time as plan_model
 
     for profile, cluster in (("h100-nvlink", "h100-sxm"), ("a100-nvlink", "a100-80g")):
         hw, node = rl.HARDWARE[profile], rl.CLUSTERS[cluster]

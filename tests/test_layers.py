@@ -231,7 +231,8 @@ def test_from_linear_keeps_dtype_and_repr_shows_sharding():
     x = torch.randn(3, 6, dtype=torch.float64)
     assert_close(col(x), dense(x), 1e-12, "float64 column output")  # drops into nn.Linear code: [..., h] works
     as_fp32 = tp.ColumnParallelLinear.from_linear(dense, dtype=torch.float32)  # options override the linear's
-    assert as_fp32.weight.dtype == torch.float32 and torch.equal(as_fp32.weight, dense.weight.float().chunk(2)[tp.get_mesh().tp_rank])
+    assert as_fp32.weight.dtype == torch.float32
+    assert torch.equal(as_fp32.weight, dense.weight.float().chunk(2)[tp.get_mesh().tp_rank])
 
 
 @distributed(world_size=2)
@@ -424,7 +425,7 @@ def test_swiglu_with_gather_output_gives_the_dense_activation(tp_size):
 @distributed(world_size=2)
 def test_fp64_layers_stay_fp64_under_autocast(tp_size):
     """autocast leaves fp64 alone (F.linear does): fp64 layers compute in fp64 at any tp, main_grad or not."""
-    mesh = tp.init_mesh(tp=tp_size)
+    tp.init_mesh(tp=tp_size)
     torch.manual_seed(0)
     d1, d2 = nn.Linear(6, 8, dtype=torch.float64), nn.Linear(8, 6, dtype=torch.float64)
     col, row = tp.ColumnParallelLinear.from_linear(d1), tp.RowParallelLinear.from_linear(d2)

@@ -1,4 +1,4 @@
-"""models.memory against this package's own allocations: the parameter shapes of real GPT stages, the bytes of
+"""bench.plan.memory against this package's own allocations: the parameter shapes of real GPT stages, the bytes of
 parameters, gradients and AdamW state after a training step, and the activations autograd saves in a GPT stage
 (saved_tensors_hooks, as bench.gpt counts them) within 5 % at tiny sizes for tp / SP / recompute / precision / pipeline
 edges; the closed forms (bytes per parameter, in-flight micro-batches) against hand-computed cases."""
@@ -11,7 +11,7 @@ import torch.distributed as dist
 import models
 import tp
 import tp.optim
-from models import memory
+from bench.plan import memory
 from models.block import TransformerBlock
 from tp.testing import distributed
 
@@ -55,9 +55,9 @@ def test_in_flight_micro_batches_by_hand():
 
 
 def test_in_flight_equals_the_schedule_simulators_peaks():
-    """The closed forms against models.schedules (the runner's action lists): every rank's peak of forward chunks
+    """The closed forms against tp.pipeline.schedules (the runner's action lists): every rank's peak of forward chunks
     awaiting their backward, for GPipe, 1F1B, ZB-H1 and interleaved over a grid of (p, m, V)."""
-    from models import schedules
+    from tp.pipeline import schedules
 
     for p in (2, 3, 4):
         for m in (1, p, 2 * p, 3 * p + 1):
@@ -71,7 +71,7 @@ def test_in_flight_equals_the_schedule_simulators_peaks():
 
 
 def test_stage_chunks_follow_the_pipeline_split():
-    # 7 layers on 3 stages: 3, 2, 2 (models.pipeline.stage_layers); interleaved 2 x 3 virtual stages of 12 layers:
+    # 7 layers on 3 stages: 3, 2, 2 (models.stages.stage_layers); interleaved 2 x 3 virtual stages of 12 layers:
     # rank r holds virtual stages r and 3 + r, two layers each
     assert memory.stage_chunks(7, 3, 0) == [(0, 3, True, False)]
     assert memory.stage_chunks(7, 3, 2) == [(5, 7, False, True)]
@@ -108,7 +108,7 @@ def test_bad_requests_name_the_value():
 
 
 def _stage(cfg, pp, stage, mesh):
-    start, stop = models.pipeline.stage_layers(cfg.num_layers, pp, stage)
+    start, stop = models.stages.stage_layers(cfg.num_layers, pp, stage)
     return models.GPT(cfg, group=mesh.tp_group, layers=(start, stop), pre_process=stage == 0,
                       post_process=stage == pp - 1)
 
@@ -117,7 +117,7 @@ def _stage(cfg, pp, stage, mesh):
 @distributed(world_size=4)
 def test_parameters_grads_and_adamw_state_are_what_a_stage_allocates(tp_size):
     """Every stage's parameter shapes equal the estimate's list; after a step of the training job's AdamW (two
-    groups, as models.loop builds it) params, grads and optimizer state are the estimate's bytes exactly."""
+    groups, as models.training.trainer builds it) params, grads and optimizer state are the estimate's bytes exactly."""
     mesh = tp.init_mesh(tp=tp_size)
     for variant in VARIANTS:
         cfg = config(variant)
@@ -145,7 +145,7 @@ def _saved_bytes(model, step):
     while step() runs (parameters excluded): bench.gpt's count, attributed to blocks."""
     seen = {p.untyped_storage().data_ptr() for p in model.parameters()}
     blocks = {id(m): i for i, m in enumerate(m for m in model.modules() if isinstance(m, TransformerBlock))}
-    where, totals = ["edges"], {"edges": 0, **{i: 0 for i in blocks.values()}}
+    where, totals = ["edges"], {"edges": 0, **dict.fromkeys(blocks.values(), 0)}
 
     def enter(module, args):
         where.append(blocks.get(id(module), where[-1]))
@@ -305,7 +305,7 @@ def _first_log_record(flags):
     import os
     import tempfile
 
-    from models.train import parser, train
+    from models.training.cli import parser, train
 
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "log.jsonl")
@@ -326,7 +326,8 @@ def test_the_training_jobs_logged_bytes_equal_the_estimate(split, dp_mode, preci
 
     t, p, d = split
     flags = ["--tp", str(t), "--pp", str(p), "--dp", str(d), "--dp-mode", dp_mode, "--precision", precision,
-             "--model", "tiny", "--steps", "1", "--global-batch-size", "4", "--micro-batch-size", "1", "--seq-len", "32"]
+             "--model", "tiny", "--steps", "1", "--global-batch-size", "4", "--micro-batch-size", "1",
+             "--seq-len", "32"]
     log = testing.run(_first_log_record, world_size=4, timeout=300, flags=flags)[0]
     cfg = models.GPTConfig(**(models.config.PRESETS["tiny"] | {"max_seq_len": 256}))
     stages = [memory.parameter_memory(cfg, tp=t, pp=p, stage=s, virtual_stages=1, dp_mode=dp_mode,
@@ -342,8 +343,8 @@ def test_fsdp_holds_the_stages_unsharded_parameters_and_grads_during_the_schedul
     parameters (bf16 under bf16) and fp32 gradients, which the estimate's transient counts exactly."""
     from torch.distributed.fsdp import fully_shard
 
-    from models.loop import wrap_data_parallel
-    from models.pipeline import PipelineRunner
+    from models.training.trainer import wrap_data_parallel
+    from tp.pipeline import PipelineRunner
 
     mesh = tp.init_mesh(dp=2)
     cfg = config("gpt2")  # a tied embedding: one parameter
@@ -375,10 +376,10 @@ def test_fsdp_holds_the_stages_unsharded_parameters_and_grads_during_the_schedul
 
 @distributed(world_size=2)
 def test_a_deferred_w_holds_what_the_estimate_counts():
-    """Under kernels.linear.defer_wgrad (ZB-H1's B) every linear keeps its input (re-gathered under SP) and output
+    """Under tp.pipeline.defer_wgrad (ZB-H1's B) every linear keeps its input (re-gathered under SP) and output
     gradient until W: at tp = 2 with SP and GQA, one last stage's queue holds layer_wgrad_bytes per layer plus the
     output layer's input and vocabulary gradient, byte for byte."""
-    from kernels.linear import defer_wgrad
+    from tp.pipeline import defer_wgrad
 
     mesh = tp.init_mesh(tp=2)
     for sp, precision in ((True, "fp32"), (False, "fp32")):

@@ -7,11 +7,11 @@ import torch.distributed as dist
 
 import models
 import tp
-from kernels.linear import defer_wgrad
 from models.hf import hf_state_dict
-from models.loop import wrap_data_parallel
-from models.pipeline import PipelineRunner, allreduce_tied_embedding_grads, build_chunks, stage_layers
+from models.stages import allreduce_tied_embedding_grads, build_chunks, stage_layers
+from models.training.trainer import wrap_data_parallel
 from tests.helpers import assert_close, randn
+from tp.pipeline import PipelineRunner, defer_wgrad
 from tp.testing import distributed
 
 VOCAB, SEQ, MICRO, NUM_MICRO = 50, 8, 2, 4
@@ -38,7 +38,7 @@ def test_stage_layers_split_evenly_first_stages_take_the_rest():
 def test_schedule_with_data_parallelism_equals_the_unpipelined_model(schedule):
     """pp=4 x dp=2 under DDP, and tp=2 (SP) x pp=2 x dp=2 under FSDP2: loss and every gradient of the serial model
     on all 2 x 4 micro-batches; every rank runs exactly its action list and its transfers."""
-    from models.schedules import build
+    from tp.pipeline.schedules import build
 
     chunks_per_rank = 2 if schedule == "interleaved" else 1
     solo = [dist.new_group([r]) for r in range(dist.get_world_size())][dist.get_rank()]  # the serial reference's
@@ -84,12 +84,11 @@ def test_schedule_with_data_parallelism_equals_the_unpipelined_model(schedule):
 def _data_parallel(chunk, mesh, mode, name):
     if mode == "ddp":
         return wrap_data_parallel(chunk, mesh, mode)
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
-    from torch.distributed.device_mesh import DeviceMesh
-
-    # models.loop's wrapping, on a DeviceMesh named after the call: torch caches DTensor sharding plans by mesh
-    # equality (ranks and names, not groups), so the next test call's equal mesh would reuse this call's groups,
+    # models.training.trainer's wrapping, on a DeviceMesh named after the call: torch caches DTensor sharding plans
+    # by mesh equality (ranks and names, not groups), so the next test call's equal mesh would reuse this call's groups,
     # destroyed by then, in the pool's long-lived processes.
     dp_mesh = DeviceMesh.from_group(mesh.dp_group, "cpu", mesh=torch.tensor(mesh.ranks("dp")),
                                     mesh_dim_names=(f"dp_{name}",))
@@ -174,7 +173,7 @@ def test_micro_batches_of_another_shape_or_count_raise_on_every_stage():
     ("row", True, True, False)])
 @distributed(world_size=2)
 def test_split_backward_gives_the_fused_gradients(kind, sp, main_grad, replicas):
-    """Under kernels.linear.defer_wgrad() backward computes the input gradient (B) and queues the weight gradient; run()
+    """Under tp.pipeline.defer_wgrad() backward computes the input gradient (B) and queues the weight gradient; run()
     (W) then gives .grad / main_grad exactly as the fused backward does (fp64), at tp=2 with SP, main_grad and kv
     parts held by several ranks (their replica sum runs at W)."""
     mesh = tp.init_mesh(tp=2)
@@ -216,7 +215,7 @@ TRAIN = ["--model", "tiny", "--seq-len", "32", "--global-batch-size", "8", "--mi
 
 
 def _train(flags, log):
-    from models.train import parser, train
+    from models.training.cli import parser, train
 
     train(parser().parse_args([*TRAIN, *flags, "--log-jsonl", log]))
 
@@ -263,7 +262,7 @@ def test_models_train_schedules_train_the_serial_curve(tmp_path):
 ])
 def test_models_train_refuses_impossible_schedules_in_one_line(flags, message):
     """validate(), which the launcher runs before any process: Megatron's constraints, each in one line."""
-    from models.train import parser, validate
+    from models.training.cli import parser, validate
 
     with pytest.raises(ValueError, match=message) as info:
         validate(parser().parse_args(flags))

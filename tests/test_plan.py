@@ -7,8 +7,10 @@ from dataclasses import replace
 import pytest
 
 import models
-from bench import plan, plan_model as pm, plan_validation as validation, roofline as rl
-from models import memory
+from bench import roofline as rl
+from bench.plan import cli as plan
+from bench.plan import memory, validation
+from bench.plan import step_time as pm
 
 TINY = models.GPTConfig(**models.config.PRESETS["tiny"])
 # a made-up node where times are bytes or FLOPs: 1 FLOP/s, 1 B/s everywhere, no latency, full efficiency
@@ -22,7 +24,7 @@ UNIT = rl.Cluster("unit", rl.Hardware("unit", flops=1.0, hbm=1.0, link=1.0, sour
 
 
 def test_bubble_closed_forms_equal_the_schedule_simulator():
-    from models import schedules
+    from tp.pipeline import schedules
 
     for p in (2, 3, 4, 8):
         for m in (p, 2 * p, 4 * p):
@@ -157,7 +159,7 @@ def test_cli_small_model(capsys, tmp_path):
                 "step_s", "tokens_per_s", "mfu", "hfu"):
         assert key in plans[0]
     assert all(p["tp"] * p["cp"] * p["pp"] * p["dp"] == 8 and p["fits"] for p in plans)
-    best = plans[0]  # its memory is models.memory's estimate of that plan
+    best = plans[0]  # its memory is bench.plan.memory's estimate of that plan
     est = memory.estimate(TINY.replace(max_seq_len=64), tp=best["tp"], cp=best["cp"], pp=best["pp"], dp=best["dp"],
                           micro_batch_size=best["mbs"], seq_len=64, sequence_parallel=best["sp"] == "on",
                           recompute=best["recompute"], dp_mode=best["dp_mode"], precision="bf16",

@@ -34,9 +34,8 @@ def test_fork_rng_differs_per_tp_rank_and_default_is_shared():
 
 def test_fork_without_seed_raises():
     tp.get_rng_tracker().reset()
-    with pytest.raises(RuntimeError, match="is not tracked"):
-        with tp.fork_rng():
-            pass
+    with pytest.raises(RuntimeError, match="is not tracked"), tp.fork_rng():
+        pass
 
 
 @distributed(world_size=4)
@@ -64,7 +63,8 @@ def test_checkpoint_recomputes_the_same_tp_dropout_mask(use_reentrant):
     """Plain torch.utils.checkpoint restores the default generators only; the tp stream must survive it too."""
     mesh = tp.init_mesh(tp=2)
     g = torch.Generator().manual_seed(0)
-    x0, w0 = torch.randn(16, 16, generator=g, dtype=torch.float64), torch.randn(16, 16, generator=g, dtype=torch.float64)
+    x0 = torch.randn(16, 16, generator=g, dtype=torch.float64)
+    w0 = torch.randn(16, 16, generator=g, dtype=torch.float64)
 
     def grads(recompute):
         tp.model_parallel_seed(3)

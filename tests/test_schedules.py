@@ -1,11 +1,11 @@
-"""Pipeline schedules as data (models.schedules) and their simulator (bench.schedule), no processes: every generator is
-deadlock-free and dependency-ordered over a grid of (p, m, V), reproduces the closed forms for unit costs, and bad
-sizes are refused in one line; the simulator finds hand-made deadlocks and out-of-order actions."""
+"""Pipeline schedules as data (tp.pipeline.schedules) and their simulator (bench.schedule), no processes: every
+generator is deadlock-free and dependency-ordered over a grid of (p, m, V), reproduces the closed forms for unit
+costs, and bad sizes are refused in one line; the simulator finds hand-made deadlocks and out-of-order actions."""
 import json
 
 import pytest
 
-from models.schedules import Action, Schedule, ScheduleError, build, check_actions, pair_order, simulate
+from tp.pipeline.schedules import Action, Schedule, ScheduleError, build, check_actions, pair_order, simulate
 
 GRID = [(name, p, m, 1) for name in ("gpipe", "1f1b", "zb") for p in range(1, 6) for m in range(1, 10)]
 GRID += [("interleaved", p, m, v) for p in range(2, 5) for m in range(p, 3 * p + 1, p) for v in range(2, 5)]

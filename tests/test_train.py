@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from models.train import parser, train
+from models.training.cli import parser, train
 from tp.testing import distributed
 
 SMALL = ["--model", "tiny", "--seq-len", "32", "--global-batch-size", "8", "--micro-batch-size", "2",
@@ -119,7 +119,7 @@ def test_bad_configuration_is_one_line_before_any_process(flags, message):
 
 
 def test_world_size_mismatch_under_torchrun_is_refused(monkeypatch):
-    from models.train import main
+    from models.training.cli import main
 
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "4")
@@ -162,7 +162,7 @@ def tiny_hf_dir(tmp_path_factory):
 def test_bad_values_are_refused_up_front_naming_them(flags, message, tmp_path, tiny_hf_dir):
     """validate() (what the launcher runs before any process): the values that used to fail in every rank, after
     training, or not at all."""
-    from models.train import validate
+    from models.training.cli import validate
 
     (tmp_path / "afile").write_text("")
     (tmp_path / "empty").mkdir()
@@ -173,7 +173,7 @@ def test_bad_values_are_refused_up_front_naming_them(flags, message, tmp_path, t
 
 
 def test_from_hf_without_overrides_validates(tiny_hf_dir):
-    from models.train import validate
+    from models.training.cli import validate
 
     config = validate(parser().parse_args(["--from-hf", tiny_hf_dir, "--seq-len", "64", "--tp", "2"]))
     assert (config.num_layers, config.hidden_size, config.max_seq_len) == (2, 32, 64)
@@ -183,7 +183,7 @@ def test_flags_win_over_the_checkpoints_hyperparameters():
     """A resumed run's optimizer takes --weight-decay (and the schedule's lr) from the flags, not the checkpoint."""
     import torch
 
-    from models.loop import set_hyperparameters
+    from models.training.trainer import set_hyperparameters
 
     args = parser().parse_args(["--weight-decay", "0.5", "--lr", "1e-3", "--warmup-steps", "0"])
     weight, norm = torch.nn.Parameter(torch.ones(2, 2)), torch.nn.Parameter(torch.ones(2))
@@ -195,7 +195,7 @@ def test_flags_win_over_the_checkpoints_hyperparameters():
 
 
 def test_load_without_latest_takes_the_newest_step_directory(tmp_path):
-    from models.train import _latest
+    from models.training.checkpoint_dirs import latest as _latest
 
     for step in (2, 10, 9):
         (tmp_path / f"step-{step:06d}").mkdir()

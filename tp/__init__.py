@@ -1,8 +1,9 @@
 """Megatron-style tensor parallelism: hybrid mesh, conjugate mappings, parallel layers."""
-from .debug import is_debug, set_debug
-from .context import context_parallel_attention, cp_positions, cp_shard, cp_unshard
+from . import optim  # tp.optim: DataParallel, DistributedOptimizer, memory_bytes
 from .clip import clip_grad_norm_
+from .context import context_parallel_attention, cp_positions, cp_shard, cp_unshard
 from .cross_entropy import vocab_parallel_cross_entropy
+from .debug import is_debug, set_debug
 from .embedding import VocabParallelEmbedding
 from .grads import allreduce_main_grads, allreduce_sequence_parallel_grads, ddp_ignore_main_grads, sync_grads_over_tp
 from .layers import ColumnParallelLinear, RowParallelLinear
@@ -19,7 +20,6 @@ from .mesh import Mesh, destroy_mesh, get_mesh, init_mesh, layout
 from .parallelize import describe, full_state_dict, parallelize
 from .plans import default_plan
 from .random import fork_rng, get_rng_state, get_rng_tracker, model_parallel_seed, set_rng_state
-from . import optim  # tp.optim: DataParallel, DistributedOptimizer, memory_bytes
 
 __all__ = [
     "layout", "init_mesh", "get_mesh", "destroy_mesh", "Mesh",

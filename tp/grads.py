@@ -93,3 +93,21 @@ def allreduce_main_grads(module, group, *, average=True):
     grads = [p.main_grad for p in module.parameters() if getattr(p, "main_grad", None) is not None]
     if grads and dist.get_world_size(group) > 1:
         _all_reduce_coalesced(grads, group, average=average)
+
+
+def main_grad_of(weight):
+    """weight.main_grad (gradient-accumulation fusion) or None; refused under torch DDP, which reduces only .grad.
+
+    Called in forward, where DDP marks itself active; parameters DDP was told to ignore are the caller's to reduce.
+    """
+    main_grad = getattr(weight, "main_grad", None)
+    if main_grad is not None and not hasattr(weight, "_ddp_ignored"):
+        from torch.nn.parallel import DistributedDataParallel
+
+        if DistributedDataParallel._get_active_ddp_module() is not None:
+            raise ValueError(
+                f"weight.main_grad (shape {tuple(weight.shape)}) inside torch DistributedDataParallel: DDP averages "
+                "only .grad, so main_grad would never be reduced over data parallelism. Exclude main_grad "
+                "parameters from DDP (tp.ddp_ignore_main_grads(model) before wrapping) and call "
+                "tp.allreduce_main_grads(model, dp_group) after backward")
+    return main_grad

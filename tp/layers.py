@@ -9,8 +9,9 @@ import torch.distributed as dist
 from torch import nn
 
 import kernels
-from kernels.linear import defer_weight_grad
 
+from . import debug
+from .grads import main_grad_of, sync_grads_over_tp
 from .mappings import (
     _ReduceFromTPInPlace,
     _ReduceScatterToSP,
@@ -19,9 +20,8 @@ from .mappings import (
     reduce_scatter_first,
     scatter_to_tp_region,
 )
-from . import debug
-from .grads import sync_grads_over_tp
 from .mesh import resolve_group
+from .pipeline.wgrad import defer_weight_grad, deferring
 
 
 class _ParallelLinearFn(torch.autograd.Function):
@@ -34,7 +34,7 @@ class _ParallelLinearFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, activation, group, comm):
-        ctx.main_grad = kernels.ops.main_grad_of(weight)  # on the parameter, not on an autocast copy of it
+        ctx.main_grad = main_grad_of(weight)  # on the parameter, not on an autocast copy of it
         ctx.has_bias, ctx.weight_dtype = bias is not None, weight.dtype
         x, weight, bias = kernels.ops.autocast_operands(x, weight, bias)  # cast before gathering: half the bytes
         x_total = gather_first(x, group) if comm == "sequence" else x  # [s, b, in]
@@ -75,8 +75,9 @@ class _ParallelLinearFn(torch.autograd.Function):
 
 
 def _local_linear(x, weight, bias, activation, group, comm):
-    """The layers' one entry to the local matmul: kernels.linear, or _ParallelLinearFn when a collective rides along."""
-    if comm is None:
+    """The layers' one entry to the local matmul: kernels.linear, or _ParallelLinearFn when a collective rides along,
+    the weight accumulates into main_grad (checked against DDP) or the weight gradient may be deferred."""
+    if comm is None and not deferring() and not hasattr(weight, "main_grad"):
         return kernels.linear(x, weight, bias, activation=activation)
     return _ParallelLinearFn.apply(x, weight, bias, activation, group, comm)
 
@@ -122,7 +123,7 @@ class _SumReplicaGrads(torch.autograd.Function):
     over the group then sums every chunk over exactly its replicas.
     """
 
-    repeatable_backward = True  # saves no tensors: a deferred weight gradient (kernels.defer_wgrad) runs it again
+    repeatable_backward = True  # saves no tensors: a deferred weight gradient (tp.pipeline.defer_wgrad) runs it again
 
     @staticmethod
     def forward(ctx, layout, group, *tensors):
@@ -179,7 +180,8 @@ class _ParallelLinear(nn.Module):
         self.stride = len(self.parts)
         local_parts = [p * r // self.tp_size for p, r in zip(self.parts, self.part_replicas)]
         # Rows of this rank's weight per part: (rows, chunks of the part, replicated?), for the replica grad sum.
-        self._replica_layout = tuple((rows, self.tp_size // r, r > 1) for rows, r in zip(local_parts, self.part_replicas))
+        self._replica_layout = tuple((rows, self.tp_size // r, r > 1)
+                                     for rows, r in zip(local_parts, self.part_replicas))
         self.replicated = any(r > 1 for r in self.part_replicas)
         # Collectives inside the layer (gather_output, a full input) move shards in rank-major order; with fused
         # parts that order differs from the dense one. rank_major[i] = the dense index at rank-major position i.

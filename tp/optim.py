@@ -120,7 +120,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 dist.all_gather_object(every, kinds, group=m.group)
                 kinds = {k: v for d in every for k, v in d.items()}
         out = {}
-        for m, b in ((m, b) for m in self.modules for b in m.buckets):
+        for m, b in ((module, b) for module in self.modules for b in module.buckets):
             flats = {"param": b.master_shard}
             for name in (k for k, flat in kinds.items() if flat):
                 flats[name] = torch.zeros_like(b.master_shard)

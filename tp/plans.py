@@ -73,7 +73,7 @@ class Family:
 
 
 _LLAMA_LIKE = Family()
-FAMILIES = {name: _LLAMA_LIKE for name in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2")}
+FAMILIES = dict.fromkeys(("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2"), _LLAMA_LIKE)
 FAMILIES["phi3"] = Family(plan=PHI3_PLAN, heads={"qkv_proj": "qkv"}, fused_mlp={"gate_up_proj": 2},
                           localize=_phi3_heads)
 FAMILIES["gpt2"] = Family(plan=GPT2_PLAN, heads={"c_attn": "qkv"}, out="c_proj", localize=_gpt2_heads,

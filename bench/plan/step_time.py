@@ -18,7 +18,7 @@ Per micro-batch and stage (T = b·s/cp tokens per rank, T' = T/tp under SP, e by
   and a reduce-scatter backward, exposed.
 - Recompute: full adds every block's forward again; selective the attention core's (materialized: with its softmax).
 Per step: m micro-batches through the slowest stage plus the schedule's bubble ((p−1)/V micro-batch times for
-1F1B and interleaved: bubble_fraction, equal to models.schedules' simulation; plans use 1F1B, or interleaved when
+1F1B and interleaved: bubble_fraction, equal to tp.pipeline.schedules' simulation; plans use 1F1B, or interleaved when
 vp > 1), pp p2p of each micro-batch's activation (×V interleaved), the dp
 gradient reduce (ddp all-reduce; zero1 reduce-scatter + parameter all-gather; fsdp per-micro-batch parameter
 all-gathers and one gradient reduce-scatter), overlapped with the last backward where the implementation does, and
@@ -28,10 +28,10 @@ count it) / (step time × peak × GPUs); HFU adds the recomputed FLOPs.
 """
 from dataclasses import dataclass, replace
 
-from models import memory
 from models.flops import flops_per_token
 
-from . import roofline as rl
+from .. import roofline as rl
+from . import memory
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ class Software:
     grad_bytes: int = 4  # per gradient element reduced over dp (fp32 main_grad; Megatron's fp16 runs: 2)
     dp_overlap: bool = True  # the gradient reduce overlaps the last micro-batch's backward (bucketed)
     p2p_scatter_gather: bool = False  # Megatron: each tp rank sends 1/tp of the activation between stages
-    backend: str = "triton"  # models.memory's: "torch" on CPU (autograd's own ops at tp = 1)
+    backend: str = "triton"  # bench.plan.memory's: "torch" on CPU (autograd's own ops at tp = 1)
 
 
 OURS = Software("tp-layers")
@@ -313,7 +313,7 @@ def step_time(config, plan, *, seq_len, global_batch_size, cluster, software=OUR
     cluster = _with_cpu_sharing(cluster, plan)
     m = global_batch_size // (plan.dp * plan.mbs)
     # Only the ends can be the slowest (or hold the most parameters): rank 0 has at least any middle rank's layers
-    # and the embedding, the last rank the output layer and the loss (models.memory.estimate says why).
+    # and the embedding, the last rank the output layer and the loss (bench.plan.memory.estimate says why).
     distinct = [(s, stage_times(config, plan, seq_len, cluster, software, s)) for s in sorted({0, plan.pp - 1})]
     slowest, t = max(distinct, key=lambda item: item[1].total)
     p2p = _p2p_time(config, plan, seq_len, cluster, software)

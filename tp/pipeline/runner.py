@@ -1,16 +1,15 @@
-"""Pipeline parallelism for the GPT: the stage split, and the runner that executes any schedule of models.schedules.
+"""The runner that executes any schedule of `tp.pipeline.schedules` on this rank's pipeline stage(s).
 
-A stage is `GPT(config, layers=(start, stop), pre_process=first, post_process=last)`: the embedding lives on the
-first stage, the final norm, output layer and loss on the last. With V virtual stages (interleaved schedules) each
-rank holds V such chunks: chunk c of rank r is virtual stage c·p + r of p·V equal ones (Megatron's layout), the first
-chunk of rank 0 holding the embedding, the last chunk of the last rank the head. Each micro-batch's loss is divided by
-the number of micro-batches, so the summed gradients are those of the mean loss over the batch.
+A stage is any module called as `stage(input, targets)`: the first stage takes the micro-batch's tokens, the others
+the previous stage's activation; the last returns the micro-batch's loss, the others their output activation.
+Each micro-batch's loss is divided by the number of micro-batches, so the summed gradients are those of the mean loss
+over the batch.
 
-The runner executes a schedule's action list for this rank (F, B, W, fused BW; `models.schedules`): activations
+The runner executes a schedule's action list for this rank (F, B, W, fused BW; `tp.pipeline.schedules`): activations
 [s(/cp)(/tp), b, h] and their gradients move between the ranks of neighbouring virtual stages with isend/irecv on the
 pipeline group (shapes are fixed by the micro-batch, so both sides know them), each link's transfers issued on both
 ends in one agreed order (`schedules.pair_order`): sends never block, a receive waits only when its action needs
-it. B runs backward under `kernels.linear.defer_wgrad()` (the layers queue their weight-gradient GEMMs) and W runs
+it. B runs backward under `tp.pipeline.defer_wgrad()` (the layers queue their weight-gradient GEMMs) and W runs
 what it queued.
 
 Data parallelism rides along; every forward runs without gradient sync, and the gradients are complete before `run`
@@ -32,46 +31,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from kernels.linear import defer_wgrad
-
 from . import schedules
-from .gpt import GPT
-
-
-def stage_layers(num_layers, pp, stage, virtual_stages=1):
-    """(start, stop) of virtual stage `stage`'s layers, of pp·V stages: an even split, the first `num_layers % pp`
-    stages taking one more (V = 1); with V > 1 the layers must divide evenly (Megatron's interleaving)."""
-    stages = pp * virtual_stages
-    if virtual_stages > 1 and num_layers % stages:
-        raise ValueError(f"num_layers={num_layers} is not divisible by pp*virtual_stages = {pp}*{virtual_stages} "
-                         "(interleaved chunks hold equal numbers of layers)")
-    if stages > num_layers:
-        raise ValueError(f"pp={pp} pipeline stages need at least {pp} layers, the model has num_layers={num_layers}")
-    base, extra = divmod(num_layers, stages)
-    start = stage * base + min(stage, extra)
-    return start, start + base + (stage < extra)
-
-
-def stage_options(config, mesh, chunk=0, virtual_stages=1):
-    """GPT keyword arguments of this rank's pipeline stage (its model chunk `chunk` of V)."""
-    stage, stages = chunk * mesh.pp_size + mesh.pp_rank, mesh.pp_size * virtual_stages
-    return dict(layers=stage_layers(config.num_layers, mesh.pp_size, stage, virtual_stages),
-                pre_process=stage == 0, post_process=stage == stages - 1)
-
-
-def build_stage(config, mesh):
-    """This rank's pipeline stage of the GPT (the whole model when pp = 1), on the mesh's tp and cp groups."""
-    return GPT(config, group=mesh.tp_group, cp_group=mesh.cp_group, **stage_options(config, mesh))
-
-
-def build_chunks(config, mesh, virtual_stages):
-    """This rank's V model chunks (a list of GPT stages), each with the weights of the one-stage model's layers."""
-    state, chunks = torch.get_rng_state(), []
-    for c in range(virtual_stages):
-        torch.set_rng_state(state)  # every chunk draws the model's one seed, as the whole model does
-        chunks.append(GPT(config, group=mesh.tp_group, cp_group=mesh.cp_group,
-                          **stage_options(config, mesh, c, virtual_stages)))
-    return chunks
+from .wgrad import defer_wgrad
 
 
 def unwrap(module):
@@ -203,7 +164,7 @@ class PipelineRunner:
         return self._plans[key]
 
     def run(self, batches, schedule="1f1b"):
-        """Forward and backward every micro-batch with `schedule` (a name of models.schedules.SCHEDULES, or a
+        """Forward and backward every micro-batch with `schedule` (a name of tp.pipeline.schedules.SCHEDULES, or a
         Schedule); returns ScheduleStats (loss: the mean over micro-batches)."""
         self._check_batches(batches)
         m, p = len(batches), self.mesh.pp_size
@@ -338,15 +299,3 @@ class PipelineRunner:
         if self.mesh.pp_size > 1:  # the loss lives on the last stage
             dist.all_reduce(total, group=self.mesh.pp_group)
         return total.item() / len(batches)
-
-
-def allreduce_tied_embedding_grads(stage, mesh):
-    """Sum the first stage's embedding grad and the last stage's tied output grad (their two copies of one weight).
-    `stage`: this rank's GPT stage, or its list of model chunks."""
-    chunks = [unwrap(c) for c in stage] if isinstance(stage, (list, tuple, nn.ModuleList)) else [unwrap(stage)]
-    if not chunks[0].config.tie_embeddings or mesh.pp_size == 1 or not mesh.in_embedding_group:
-        return
-    weight = chunks[0].embedding.weight if mesh.is_first_stage else chunks[-1].output.weight
-    grad = weight.grad
-    local = grad.to_local() if hasattr(grad, "to_local") else grad  # FSDP2: same dp shard on both stages
-    dist.all_reduce(local, group=mesh.embedding_group)

@@ -46,7 +46,6 @@ import dataclasses
 import os
 import pickle
 import warnings
-from typing import Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -55,9 +54,9 @@ from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 
 import tp
 
-from .config import RUNTIME_FIELDS
-from .gpt import GPT
-from .hf import fused_part_size, hf_sources, index_runs, parameter_owners, tp_sharding
+from ..config import RUNTIME_FIELDS
+from ..gpt import GPT
+from ..hf import fused_part_size, hf_sources, index_runs, parameter_owners, tp_sharding
 
 _VOCAB_PARAMS = ("embedding.weight", "output.weight")
 
@@ -71,7 +70,7 @@ class _Part:
     key: str  # the HF name
     shape: tuple  # the dense HF tensor's shape
     transposed: bool  # HF stores it [in, out] (GPT-2's Conv1D)
-    dim: Optional[int] = None
+    dim: int | None = None
     runs: tuple = ()
 
     def held(self):
@@ -114,7 +113,8 @@ def _parts(model, name, module, attr, local_shape):
     parts, base = [], 0
     for (key, transposed), size in zip(sources, sizes):
         runs, position = [], 0
-        for start, stop in index_runs(indices):  # consecutive dense indices, at local [position, position + stop - start)
+        # consecutive dense indices, at local [position, position + stop - start)
+        for start, stop in index_runs(indices):
             a, b = max(start, base), min(stop, base + size)
             if a < b:
                 runs.append((position + a - start, b - a, a - base))
@@ -332,5 +332,5 @@ def load(path, model, optimizer, *, mesh):
         tp.set_rng_state(pickle.loads(state[rng_key]))
     elif stages[0].config.dropout or stages[0].config.attention_dropout:
         warnings.warn(f"checkpoint {path!r} was saved at split {meta['split']}, this is {_split(mesh)}: the RNG "
-                      "state is not restored, so dropout masks differ from the uninterrupted run")
+                      "state is not restored, so dropout masks differ from the uninterrupted run", stacklevel=2)
     return meta["step"], meta["extra"]

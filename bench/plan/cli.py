@@ -1,6 +1,6 @@
 """A parallelism planner: every feasible tp × cp × pp (× virtual stages) × dp split, micro-batch, recompute, SP and dp
-mode for a model on N GPUs, ranked by modelled tokens/s, with per-GPU memory from models.memory and step time from
-bench/plan_model.py (the same hardware profiles as bench.intensity, bench/roofline.py).
+mode for a model on N GPUs, ranked by modelled tokens/s, with per-GPU memory from bench.plan.memory and step time from
+bench/plan/step_time.py (the same hardware profiles as bench.intensity, bench/roofline.py).
 
     python -m bench.plan --hardware h100-sxm --gpus 1024 --model llama3-70b --seq-len 8192 --global-batch-size 1024
     python -m bench.plan --hardware a100-80g --gpus 64 --hidden 12288 --layers 96 --heads 96 --activation gelu \\
@@ -20,16 +20,16 @@ import os
 import sys
 
 import models
-from models import memory
 from models.config import PRESETS
 
-from . import plan_model as pm
-from . import roofline as rl
+from .. import roofline as rl
+from . import memory
+from . import step_time as pm
 
 HARDWARE = ("h100-sxm", "a100-80g", "cpu-measured")
 # Named shapes: the package's presets and published models (Llama 3 paper, Table 3; GPT-3 paper, Table 2.1).
 MODELS = {
-    **{name: fields for name, fields in PRESETS.items()},
+    **dict(PRESETS.items()),
     "llama3-8b": dict(vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
                       ffn_hidden_size=14336, max_seq_len=131072, rope_theta=500000.0),
     "llama3-70b": dict(vocab_size=128256, hidden_size=8192, num_layers=80, num_heads=64, num_kv_heads=8,
@@ -50,7 +50,7 @@ COLUMNS = [("tp", "tp", "{}"), ("cp", "cp", "{}"), ("pp", "pp", "{}"), ("vp", "v
 
 def cluster_of(name):
     if name == "cpu-measured":  # bench.intensity's measurements, the per-op overhead fitted to bench.train's 1x1x1
-        from .plan_validation import cpu_op_overhead
+        from .validation import cpu_op_overhead
 
         return rl.cpu_cluster(op_overhead=cpu_op_overhead())
     return rl.CLUSTERS[name]
@@ -269,7 +269,7 @@ def no_plan_line(config, args, count, smallest, cluster):
 
 
 def print_plans(rows, config, args, cluster, count):
-    from .common import print_table
+    from ..common import print_table
 
     print(f"{args.model or args.hf_config or 'model'}: {config.num_layers} layers, hidden {config.hidden_size}, "
           f"{config.num_heads}/{config.num_kv_heads} heads, ffn {config.ffn_hidden_size} ({config.activation}), "
@@ -312,7 +312,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     check_args(p, args)
     if args.out:
-        from .common import check_out
+        from ..common import check_out
 
         check_out(p, "--out", args.out, directory=True)
     try:
@@ -347,6 +347,3 @@ def main(argv=None):
         plot(top[:PLOTTED], os.path.join(args.out, "plan.png"))
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,5 +1,5 @@
 """The training loop run on every rank: the mesh, the GPT stage under DDP or FSDP2, the pipeline schedule, AdamW with
-warm-up and cosine decay, logging, checkpoints. `models/train.py` is its command line and launcher."""
+warm-up and cosine decay, logging, checkpoints. `models/training/cli.py` is its command line."""
 import datetime
 import json
 import math
@@ -11,14 +11,14 @@ import torch
 import torch.distributed as dist
 
 import tp
+from tp.pipeline import PipelineRunner
 
-from . import data
-from .flops import flops_per_token
-from . import checkpoint_dirs, failures, launch, progress
+from ..config import PRESETS, RUNTIME_FIELDS, GPTConfig
+from ..flops import flops_per_token
+from ..gpt import GPT
+from ..stages import allreduce_tied_embedding_grads, stage_options, tied_embedding
+from . import checkpoint_dirs, data, failures, launch, progress
 from .checkpoint_dirs import resume_path
-from .config import PRESETS, RUNTIME_FIELDS, GPTConfig
-from .gpt import GPT
-from .pipeline import PipelineRunner, allreduce_tied_embedding_grads, stage_options
 
 SIZE_FIELDS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_hidden_size")
 
@@ -36,7 +36,7 @@ def model_config(args):
     if args.from_hf:
         import transformers
 
-        from .hf import config_from_hf
+        from ..hf import config_from_hf
 
         return config_from_hf(transformers.AutoConfig.from_pretrained(args.from_hf), **flags)
     fields = PRESETS[args.model or "tiny"] | overrides | flags
@@ -86,16 +86,6 @@ def wrap_data_parallel(stage, mesh, mode, precision="fp32"):
     if mesh.cp_size > 1:
         module.register_comm_hook(mesh.group("dp-cp"), _sum_then_divide_by(mesh.dp_size))
     return module
-
-
-def tied_embedding(stage, mesh):
-    """This stage's copy of a tied embedding held by the first and last pipeline stages, else None (also for a
-    model chunk of theirs without the embedding or the head)."""
-    if not stage.config.tie_embeddings or mesh.pp_size == 1 or not mesh.in_embedding_group:
-        return None
-    if mesh.is_first_stage and stage.pre_process:
-        return stage.embedding.weight
-    return stage.output.weight if mesh.is_last_stage and stage.post_process else None
 
 
 def _sum_then_divide_by(divisor):
@@ -182,7 +172,8 @@ def train(args):
     if rank0:
         print(f"{mesh.world_size} ranks: tp={mesh.tp_size} cp={mesh.cp_size} pp={mesh.pp_size} dp={mesh.dp_size} "
               f"({args.dp_mode}, {args.precision}), "
-              f"schedule={args.schedule}, micro-batches/step={args.global_batch_size // (mesh.dp_size * args.micro_batch_size)}, "
+              f"schedule={args.schedule}, "
+              f"micro-batches/step={args.global_batch_size // (mesh.dp_size * args.micro_batch_size)}, "
               f"sequence_parallel={args.sequence_parallel}; model {args.from_hf or args.model or 'tiny'}"
               f" ({config.num_layers} layers, hidden {config.hidden_size}, {params:,} params on rank 0)", flush=True)
     if args.eval_only:
@@ -259,7 +250,7 @@ def train(args):
         if args.save:
             _save(args.save, module, optimizer, mesh, args.steps, args)
         if args.export_hf:
-            from .hf import save_hf
+            from ..hf import save_hf
 
             for chunk in buffered:  # zero1: the last step's all-gathers
                 chunk.finish_param_sync()
@@ -271,8 +262,8 @@ def train(args):
             log.close()
     if rank0:
         ran = f"{args.steps - start_step} steps ({start_step + 1}..{args.steps})"
-        print(f"done: {ran} at tp={mesh.tp_size} cp={mesh.cp_size} pp={mesh.pp_size} dp={mesh.dp_size}; loss {first_loss:.4f} -> "
-              f"{loss:.4f}" + (f", val_loss {val_loss:.4f}" if val_loss is not None else "")
+        print(f"done: {ran} at tp={mesh.tp_size} cp={mesh.cp_size} pp={mesh.pp_size} dp={mesh.dp_size}; "
+              f"loss {first_loss:.4f} -> {loss:.4f}" + (f", val_loss {val_loss:.4f}" if val_loss is not None else "")
               + (f"; log: {args.log_jsonl}" if args.log_jsonl else "")
               + (f"; checkpoint: {args.save}" if args.save else "")
               + (f"; Hugging Face export: {args.export_hf}" if args.export_hf else ""), flush=True)
@@ -327,7 +318,7 @@ _DATA_ORDER = ("global_batch_size", "seed", "seq_len")  # the data stream's posi
 
 
 def _save(root, module, optimizer, mesh, step, args):
-    """Write ROOT/step-N, then point ROOT/latest at it (models/checkpoint_dirs.py): a kill mid-save never spoils the
+    """Write ROOT/step-N, then point ROOT/latest at it (checkpoint_dirs.py): a kill mid-save never spoils the
     previous checkpoint, and what it half wrote is removed here, at the next save."""
     from . import checkpoint
 

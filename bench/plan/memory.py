@@ -9,7 +9,7 @@ kv heads replicated when fewer than tp, SwiGLU's fused gate/up, the vocabulary p
 tp·make_vocab_size_divisible_by, norms and row biases
 whole on every tp rank, a tied output weight counted once where both ends share a stage. Under cp every rank
 holds them all. Stages split the layers as
-models.pipeline.stage_layers does; with V virtual stages rank r holds chunks c·pp + r (Megatron's interleaving).
+models.stages.stage_layers does; with V virtual stages rank r holds chunks c·pp + r (Megatron's interleaving).
 
 Bytes per parameter (REFERENCE §11, Megatron's distributed-optimizer table; d = dp·cp ranks share the optimizer,
 as Megatron's distributed optimizer shards over the dp-cp group):
@@ -43,7 +43,7 @@ fp32 softmax over this rank's real vocabulary columns, targets and masks; on oth
 backward send (e·T'h, not a saved tensor but held by the runner). RoPE's cos/sin tables once per stage.
 In flight (micro-batches whose activations are alive at once, stage i of p): 1F1B and ZB-H1 min(p − i, m), GPipe m,
 interleaved (p − i − 1)·2 + (V − 1)·p + 1 chunks of 1/V stage each (Megatron's warm-up; rank 0: p + (p − 1)/V);
-each equal to models.schedules' simulated peak (tests). ZB-H1 also keeps, from a micro-batch's B to its W, every
+each equal to tp.pipeline.schedules' simulated peak (tests). ZB-H1 also keeps, from a micro-batch's B to its W, every
 linear's input and output gradient (layer_wgrad_bytes; the last stage's output layer its vocabulary gradient too),
 and its ranks hold W's back: the peak over the schedule's actions of awaiting-B micro-batches × their activations +
 awaiting-W ones × that (the last of p ranks: up to p W's, against 1F1B's one micro-batch there).
@@ -51,9 +51,9 @@ awaiting-W ones × that (the last of p ranks: up to p W's, against 1F1B's one mi
 import math
 from dataclasses import dataclass
 
-from .config import GPTConfig
-from .pipeline import stage_layers
-from .schedules import build
+from models.config import GPTConfig
+from models.stages import stage_layers
+from tp.pipeline.schedules import build
 
 PRECISIONS = {"fp32": 4, "bf16": 2}  # activation / parameter bytes
 DP_MODES = ("ddp", "zero1", "fsdp")
@@ -112,7 +112,7 @@ def layer_parameter_shapes(config, tp):
 
 def stage_chunks(num_layers, pp, stage, virtual_stages=1):
     """[(first layer, stop, pre_process, post_process)] of the model chunks pipeline rank `stage` holds: chunk c is
-    virtual stage c·pp + stage of pp·V, split as models.pipeline.stage_layers splits stages."""
+    virtual stage c·pp + stage of pp·V, split as models.stages.stage_layers splits stages."""
     total = pp * virtual_stages
     chunks = []
     for c in range(virtual_stages):
@@ -255,7 +255,7 @@ def _parameter_memory(config, tp, pp, stage, virtual_stages, dp_mode, precision,
         # pipelining does): the whole stage's unsharded compute copy and fp32 gradients are alive at its end
         transient = (PRECISIONS[precision] + 4) * stage_numel(config, tp, pp, stage, virtual_stages)
         return 4 * local, 4 * local, 8 * local + STEP_BYTES * tensors, transient
-    if dp_mode == "zero1" or precision == "bf16":  # one DataParallel per model chunk (models.loop)
+    if dp_mode == "zero1" or precision == "bf16":  # one DataParallel per model chunk (models.training.trainer)
         params = grads = 0
         optimizer = [0] * (shards if dp_mode == "zero1" else 1)
         for chunk in chunks:
@@ -301,7 +301,7 @@ def layer_activation_bytes(config, *, tp, cp=1, micro_batch_size, seq_len, seque
 
 def layer_wgrad_bytes(config, *, tp, cp=1, micro_batch_size, seq_len, precision):
     """Bytes a deferred W (ZB-H1) holds per layer and micro-batch from its B on: each linear's input (the column
-    layers' whole, re-gathered under SP) and output gradient, as kernels.linear.DeferredWgrads queues them."""
+    layers' whole, re-gathered under SP) and output gradient, as tp.pipeline.DeferredWgrads queues them."""
     e = PRECISIONS[precision]
     h, d, f = config.hidden_size, config.head_dim, config.ffn_hidden_size
     heads, kv = config.num_heads // tp, local_kv_heads(config, tp)

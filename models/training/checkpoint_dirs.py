@@ -57,9 +57,9 @@ def resume_path(load, save=None):
     checkpoint yet means a fresh start; --load alone must name a checkpoint. Raises ValueError (one line) else."""
     if load is None:
         return None
-    if save is not None and os.path.realpath(save) == os.path.realpath(load):
-        if not os.path.isdir(load) or (_pointer(load) is None and not is_complete(latest(load))):
-            return None  # nothing saved yet
+    same = save is not None and os.path.realpath(save) == os.path.realpath(load)
+    if same and (not os.path.isdir(load) or (_pointer(load) is None and not is_complete(latest(load)))):
+        return None  # nothing saved yet
     if not os.path.isdir(load):
         raise ValueError(f"--load {load}: no such directory")
     path = latest(load)

@@ -1,6 +1,6 @@
 """How `python -m models.train` starts a job and what a user reads when it cannot: path checks before any process,
 dp inferred from torchrun's WORLD_SIZE, the rank layout over nodes, the launcher on this machine and its one-line
-failure summary. (The ranks' side of failures is models/failures.py.)"""
+failure summary. (The ranks' side of failures is models/training/failures.py.)"""
 import logging
 import os
 import signal
@@ -9,7 +9,6 @@ import sys
 import tempfile
 
 from . import failures
-
 
 # ---- path flags, checked before any process ---------------------------------------------------------------------
 
@@ -64,7 +63,7 @@ def check_readable(flag, path, kind="any"):
 
 
 def check_paths(args):
-    """Every path flag of models.train (--from-hf: validate; --data and --tokenizer: models/data.py's
+    """Every path flag of models.train (--from-hf: validate; --data and --tokenizer: models/training/data.py's
     check_source, which may call these helpers too)."""
     for flag in ("save", "export_hf", "log_dir"):
         if getattr(args, flag, None):
@@ -198,7 +197,7 @@ def _quiet_torchelastic():
 
 def launch(args, argv):
     """Start tp·cp·pp·dp CPU processes on this machine through torchrun's launcher; on failure print one line naming
-    the first failing rank (see models/failures.py) and return 1."""
+    the first failing rank (see models/training/failures.py) and return 1."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run

@@ -1,5 +1,5 @@
 """Training data: the bundled corpus (byte tokens of Python's own standard-library sources, no downloads) or a
-user's `--data` (text, a directory of .txt/.jsonl, or a token file; models/tokens.py), tokenized with `--tokenizer`.
+user's `--data` (text, a directory of .txt/.jsonl, or a token file; tokens.py), tokenized with `--tokenizer`.
 
 Every rank reads the same token stream. The last ~1% of its windows are held out for validation, never trained on.
 `batches` hands each data-parallel rank its slice of every global batch with DistributedSampler's semantics (a

@@ -18,8 +18,8 @@ from dataclasses import dataclass, replace
 
 import models
 
-from . import plan_model as pm
-from . import roofline as rl
+from .. import roofline as rl
+from . import step_time as pm
 
 GPT3_SHAPE = dict(vocab_size=51200, activation="gelu", norm="layernorm", bias=True, position="learned",
                   max_seq_len=2048)
@@ -100,7 +100,7 @@ def clusters(a100_gemm=None, a100_comm=None):
 
 def predict(row, cluster):
     """The model's row for a published run (its pinned plan)."""
-    from .plan import evaluate
+    from .cli import evaluate
 
     return evaluate(models.GPTConfig(**row.model), row.plan, seq_len=row.seq_len,
                     global_batch_size=row.global_batch_size, cluster=cluster, software=row.software)
@@ -184,7 +184,7 @@ CPU_TABLE = [("row", "run", "{}"), ("measured_tokens_per_s", "measured tokens/s"
 
 
 def main(json_out=False, out=None):
-    from .common import print_table
+    from ..common import print_table
 
     overhead = cpu_op_overhead()
     published, cpu = published_rows(), cpu_rows(op_overhead=overhead)
