@@ -16,6 +16,7 @@ import torch.distributed as dist
 import tp
 from tp.embedding import VocabParallelEmbedding
 from tp.layers import ColumnParallelLinear, RowParallelLinear
+from tp.pipeline import model_chunks
 
 from .config import HF_FAMILIES, ROPE_SCALING_FIELDS, GPTConfig
 
@@ -393,7 +394,7 @@ def save_hf(model, path, *, group=None, pp_group=None, dp_group=None):
     """
     from safetensors.torch import save_file
 
-    chunks = list(model) if isinstance(model, (list, tuple, torch.nn.ModuleList)) else [model]
+    chunks = model_chunks(model)
     hf_config = config_to_hf(chunks[0].config)  # every rank, before any collective or write: the same error on all
     group = tp.mesh.resolve_group(group)
     tensors = [hf_state_dict(chunk, group) for chunk in chunks]

@@ -8,9 +8,8 @@ chunk of rank 0 holding the embedding, the last chunk of the last rank the head.
 """
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from tp.pipeline.runner import unwrap
+from tp.pipeline import model_chunks, unwrap
 
 from .gpt import GPT
 
@@ -64,7 +63,7 @@ def tied_embedding(stage, mesh):
 def allreduce_tied_embedding_grads(stage, mesh):
     """Sum the first stage's embedding grad and the last stage's tied output grad (their two copies of one weight).
     `stage`: this rank's GPT stage, or its list of model chunks."""
-    chunks = [unwrap(c) for c in stage] if isinstance(stage, (list, tuple, nn.ModuleList)) else [unwrap(stage)]
+    chunks = [unwrap(c) for c in model_chunks(stage)]
     if not chunks[0].config.tie_embeddings or mesh.pp_size == 1 or not mesh.in_embedding_group:
         return
     weight = chunks[0].embedding.weight if mesh.is_first_stage else chunks[-1].output.weight

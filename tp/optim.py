@@ -18,11 +18,11 @@ import math
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from .clip import CLIP_TAGS, clip_grad_norm_, keep_param_tags, reduced_grad  # noqa: F401  (tp.optim's API)
 from .data_parallel import DataParallel, default_bucket_numel  # noqa: F401  (tp.optim's API)
 from .mappings import _all_gather
+from .pipeline import model_chunks
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -34,7 +34,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     `full_state()` / `load_full_state()` give whole tensors (checkpoints that reshard)."""
 
     def __init__(self, module, params=None, *, optimizer=torch.optim.AdamW, **hyperparameters):
-        modules = list(module) if isinstance(module, (list, tuple, nn.ModuleList)) else [module]
+        modules = model_chunks(module)
         for m in modules or [module]:
             if not isinstance(m, DataParallel):
                 raise TypeError(f"DistributedOptimizer needs a tp.optim.DataParallel module, got {type(m).__name__} "
@@ -178,7 +178,7 @@ def memory_bytes(model, optimizer=None):
     state (its tensors, and fp32 masters kept apart from the parameters). Optimizer state exists after the first
     step. Per parameter this gives REFERENCE §11's table: bf16 18 (DataParallel) vs 6 + 12/d (sharded), fp32 16 vs
     8 + 8/d. `model`: a module, or a list of them (a pipeline rank's model chunks)."""
-    modules = list(model) if isinstance(model, (list, tuple, nn.ModuleList)) else [model]
+    modules = model_chunks(model)
     buckets = [b for m in modules if isinstance(m, DataParallel) for b in m.buckets]
     param = sum(_bytes(b.param_data) for b in buckets)
     grad = sum(_bytes(b.grad_data) for b in buckets)

@@ -53,6 +53,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 
 import tp
+from tp.pipeline import model_chunks
 
 from ..config import RUNTIME_FIELDS
 from ..gpt import GPT
@@ -164,7 +165,7 @@ def _split(mesh):
 def _check(model, optimizer, mesh):
     """The unwrapped GPT stages (one, or a rank's model chunks: a list or nn.ModuleList of them, for interleaved
     pipelines); raises, the same on every rank, before any collective."""
-    chunks = list(model) if isinstance(model, (list, tuple, torch.nn.ModuleList)) else [model]
+    chunks = model_chunks(model)
     stages = [getattr(chunk, "module", chunk) for chunk in chunks]  # DDP
     for model in stages:
         if not isinstance(model, GPT):
@@ -197,7 +198,7 @@ def save(path, model, optimizer, *, mesh, step, extra=None):
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step={step!r} must be an integer >= 0")
     stages = _check(model, optimizer, mesh)
-    for chunk in list(model) if isinstance(model, (list, tuple, torch.nn.ModuleList)) else [model]:
+    for chunk in model_chunks(model):
         if hasattr(chunk, "finish_param_sync"):  # tp.optim.DataParallel: its parameters' all-gathers complete
             chunk.finish_param_sync()
     device_mesh = mesh.device_mesh["tp"]

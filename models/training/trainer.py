@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import tp
-from tp.pipeline import PipelineRunner
+from tp.pipeline import PipelineRunner, model_chunks
 
 from ..config import PRESETS, RUNTIME_FIELDS, GPTConfig
 from ..flops import flops_per_token
@@ -296,8 +296,7 @@ def max_memory_bytes(module, optimizer):
 
 def data_parallel_chunks(module):
     """The tp.optim.DataParallel modules among this rank's wrapped stage or model chunks (zero1, bf16), else []."""
-    chunks = list(module) if isinstance(module, torch.nn.ModuleList) else [module]
-    return [chunk for chunk in chunks if isinstance(chunk, tp.optim.DataParallel)]
+    return [chunk for chunk in model_chunks(module) if isinstance(chunk, tp.optim.DataParallel)]
 
 
 def _inject_nan_grad(module):

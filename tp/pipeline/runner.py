@@ -35,6 +35,11 @@ from . import schedules
 from .wgrad import defer_wgrad
 
 
+def model_chunks(module):
+    """This rank's model chunks: a list, tuple or ModuleList of chunks (interleaved schedules), or [module]."""
+    return list(module) if isinstance(module, (list, tuple, nn.ModuleList)) else [module]
+
+
 def unwrap(module):
     """The GPT stage inside DDP (FSDP2 modules are the stage itself)."""
     return module.module if isinstance(module, DistributedDataParallel) else module
@@ -121,7 +126,7 @@ class PipelineRunner:
 
     def __init__(self, module, mesh, *, micro_batch_size, seq_len):
         self.module, self.mesh = module, mesh
-        self.chunks = list(module) if isinstance(module, (list, tuple, nn.ModuleList)) else [module]
+        self.chunks = model_chunks(module)
         self.stages = [unwrap(c) for c in self.chunks]
         self.stage = self.stages[0]
         config = self.stage.config
