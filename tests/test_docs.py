@@ -54,10 +54,11 @@ def _python_blocks():
 
 
 def _env():
-    """The environment a user has: no torchrun variables, none of the suite's settings (tests/conftest.py)."""
+    """A user's environment on a CPU machine (the examples' setting, on a GPU machine too): no torchrun variables,
+    none of the suite's settings (tests/conftest.py), no GPU."""
     drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TRITON_INTERPRET", "TP_KERNELS_BACKEND")
     env = {k: v for k, v in os.environ.items() if k not in drop}
-    return env | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    return env | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
 
 
 def _run(args, cwd):
