@@ -7,6 +7,8 @@ import time
 
 import torch
 
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")  # the committed results
+
 
 def machine():
     """A one-line description of where the numbers were taken."""

@@ -139,7 +139,7 @@ class GPTConfig:
         return dataclasses.replace(self, **changes)
 
 
-# Named sizes for the training job (`--model`).
+# Named sizes small enough to train here: models.train's `--model`.
 PRESETS = {
     "tiny": dict(vocab_size=256, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, ffn_hidden_size=192,
                  max_seq_len=256),
@@ -148,3 +148,16 @@ PRESETS = {
     "medium": dict(vocab_size=256, hidden_size=256, num_layers=8, num_heads=8, num_kv_heads=8, ffn_hidden_size=768,
                    max_seq_len=1024),
 }
+# Published models' shapes (Llama 3 paper, Dubey et al. 2024, Table 3; GPT-3 paper, Brown et al. 2020, Table 2.1): too
+# large to train here, planned by bench.plan.
+PUBLISHED_MODELS = {
+    "llama3-8b": dict(vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+                      ffn_hidden_size=14336, max_seq_len=131072, rope_theta=500000.0),
+    "llama3-70b": dict(vocab_size=128256, hidden_size=8192, num_layers=80, num_heads=64, num_kv_heads=8,
+                       ffn_hidden_size=28672, max_seq_len=131072, rope_theta=500000.0),
+    "llama3-405b": dict(vocab_size=128256, hidden_size=16384, num_layers=126, num_heads=128, num_kv_heads=8,
+                        ffn_hidden_size=53248, max_seq_len=131072, rope_theta=500000.0),
+    "gpt3-175b": dict(vocab_size=50257, hidden_size=12288, num_layers=96, num_heads=96, activation="gelu",
+                      norm="layernorm", bias=True, position="learned", max_seq_len=2048),
+}
+MODELS = PRESETS | PUBLISHED_MODELS  # every named shape: bench.plan's `--model`
