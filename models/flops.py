@@ -1,4 +1,5 @@
-"""Model FLOPs of a GPTConfig (REFERENCE §12): what the training log's tflops_per_rank and the planner count.
+"""Model FLOPs of a GPTConfig (Narayanan et al. 2021, arXiv:2104.04473, §5.1): what the training log's tflops_per_rank
+and the planner count.
 
 Per token of a training step (forward 1x, backward 2x the matmuls):
     6 · N                       N: the blocks' matmul weights (q, k, v, output projection, MLP; GQA's smaller k/v)
