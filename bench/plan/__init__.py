@@ -8,3 +8,6 @@ time, ranked; validated on published runs.
     hardware.py   the node profiles (Cluster: a bench.roofline device plus memory and achieved efficiencies)
     validation.py published runs and bench.train's CPU runs against the model, and its calibration
 """
+from .cli import main
+
+__all__ = ["main"]
