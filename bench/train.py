@@ -40,6 +40,7 @@ from tp.pipeline import PipelineRunner
 from tp.pipeline.schedules import build, simulate
 
 from .common import at_least, check_out, machine, median, print_table, scratch_path, write_json
+from .plan.memory import bytes_per_parameter, stage_numel
 
 SPLITS = [(1, 1, 1, 1), (2, 1, 1, 1), (1, 1, 2, 1), (1, 1, 1, 2), (1, 2, 1, 1), (2, 1, 2, 2),
           (1, 2, 2, 2)]  # tp, cp, pp, dp
@@ -140,8 +141,6 @@ def _train_flags(a, t, c, p, d):
 
 
 def bench_throughput(a):
-    from bench.plan.memory import bytes_per_parameter, stage_numel
-
     rows = []
     for t, c, p, d in a.splits:
         config = validate(train_parser().parse_args(_train_flags(a, t, c, p, d)))

@@ -30,6 +30,7 @@ from .search import search
 from .validation import cpu_op_overhead, validate
 
 PLOTTED = 12  # bars in plan.png at most
+# --fix's keys (the table's and the JSON's names) and their types
 FIXABLE = {"tp": int, "cp": int, "pp": int, "vp": int, "dp": int, "mbs": int, "recompute": str, "sp": str,
            "dp_mode": str}
 COLUMNS = [("tp", "tp", "{}"), ("cp", "cp", "{}"), ("pp", "pp", "{}"), ("vp", "vp", "{}"), ("dp", "dp", "{}"),
@@ -48,6 +49,8 @@ def cluster_of(name, gpus_per_node=None):
 
 
 def parse_fix(text):
+    """--fix KEY=VALUE,... as {key: value}; a ValueError naming the item for an unknown key, a repeated one or a value
+    out of range."""
     fixed = {}
     for item in filter(None, (text or "").split(",")):
         key, _, value = item.partition("=")
@@ -124,6 +127,7 @@ def parser():
 
 
 def check_args(p, args):
+    """One usage error (exit 2) for a missing or contradictory model, size or count."""
     if args.validate:
         return
     shape = [f for f in ("hidden", "layers", "heads") if getattr(args, f) is not None]
@@ -143,6 +147,7 @@ def check_args(p, args):
 
 
 def no_plan_line(config, args, count, smallest, cluster):
+    """The one error line when no plan fits: nothing divides, or the least memory any split needs, and the excess."""
     where = f"{args.gpus} GPUs of {cluster.name}"
     if count == 0:
         return (f"error: no split of {where} divides the model (heads {config.num_heads}, kv heads "
@@ -157,6 +162,7 @@ def no_plan_line(config, args, count, smallest, cluster):
 
 
 def print_plans(rows, config, args, cluster, count):
+    """The model and cluster line, the table of plans, and the best plan's time and memory breakdown."""
     print(f"{args.model or args.hf_config or 'model'}: {config.num_layers} layers, hidden {config.hidden_size}, "
           f"{config.num_heads}/{config.num_kv_heads} heads, ffn {config.ffn_hidden_size} ({config.activation}), "
           f"vocab {config.vocab_size}; seq {args.seq_len}, global batch {args.global_batch_size}; {args.gpus} x "
@@ -171,6 +177,7 @@ def print_plans(rows, config, args, cluster, count):
 
 
 def plot(rows, path):
+    """plan.png: each plan's modelled step as stacked bars of its time breakdown."""
     import matplotlib
 
     matplotlib.use("Agg")

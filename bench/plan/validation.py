@@ -106,6 +106,7 @@ ROOT = os.path.dirname(os.path.dirname(RESULTS))  # the repository, which the CP
 
 
 def clusters(a100_gemm=None, a100_comm=None):
+    """{hardware: Cluster} of the published rows, the A100's efficiencies replaced where given (calibration)."""
     a100 = replace(CLUSTERS["a100-80g"], gemm_efficiency=a100_gemm or A100_GEMM,
                    comm_efficiency=a100_comm or A100_COMM)
     return {"a100-80g": a100}
@@ -118,6 +119,7 @@ def predict(row, cluster):
 
 
 def published_rows(cluster_map=None):
+    """Each published run: its plan as published, the estimated memory, and published vs predicted MFU/HFU."""
     cluster_map = cluster_map or clusters()
     out = []
     for row in PUBLISHED:
