@@ -7,6 +7,8 @@ import time
 
 import torch
 
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")  # the committed results
+
 
 def machine():
     """A one-line description of where the numbers were taken."""
@@ -65,7 +67,7 @@ def parser(doc, name, *, iters, warmup):
 
 def check_out(p, flag, path, *, directory=False):
     """An output path the benchmark will write (a file, or a directory): refused before it runs, argparse's one-line
-    usage error naming the flag (models.launch's checks, as models.train's path flags)."""
+    usage error naming the flag (models.training.launch's checks, as models.train's path flags)."""
     from models.training.launch import check_writable_dir, check_writable_file
 
     try:

@@ -1,11 +1,11 @@
 """The model behind `python -m bench.intensity`: per-rank GEMMs of a tensor-parallel transformer layer (FLOPs, bytes,
 arithmetic intensity), the bytes its collectives move, hardware profiles, roofline times, and the TP recommendation.
 
-GEMMs (REFERENCE.md §6). [M, K] x [K, N] does 2·M·K·N FLOPs and touches at least e·(MK + KN + MN) bytes (e bytes per
-element: 2 for bf16), so its arithmetic intensity is 2MKN / (e·(MK + KN + MN)) FLOP/byte. Roofline time:
-max(FLOPs / C, bytes / HBM); the GEMM is compute-bound above the ridge C / HBM. A linear layer y[T, N] = x[T, K]·Wᵀ
-runs forward [T, K] x [K, N], dgrad [T, N] x [N, K] and wgrad [N, T] x [T, K]; column-parallel divides N by TP,
-row-parallel divides K.
+GEMMs (the scaling book, "How to Scale Your Model", "All About Rooflines"). [M, K] x [K, N] does 2·M·K·N FLOPs and
+touches at least e·(MK + KN + MN) bytes (e bytes per element: 2 for bf16), so its arithmetic intensity is
+2MKN / (e·(MK + KN + MN)) FLOP/byte. Roofline time: max(FLOPs / C, bytes / HBM); the GEMM is compute-bound above the
+ridge C / HBM. A linear layer y[T, N] = x[T, K]·Wᵀ runs forward [T, K] x [K, N], dgrad [T, N] x [N, K] and wgrad
+[N, T] x [T, K]; column-parallel divides N by TP, row-parallel divides K.
 
 Collectives (ring algorithms; n = bytes of the full, unsharded tensor; p ranks): all-reduce moves 2(p-1)/p·n per
 rank, all-gather (n = its output) and reduce-scatter (n = its input) (p-1)/p·n each. One column->row pair (the MLP,
@@ -34,7 +34,6 @@ max_tp_serial: the largest Y with T_comm <= T_math for the serialised step T_mat
 at most half of it. It is the same inequality, so the same degree: overlap does not move the limit, it removes the
 price paid at it (efficiency T_math / step: 1 overlapped, >= 1/2 serialised; tp_model reports both per degree).
 """
-import os
 from dataclasses import dataclass
 
 TP_DEGREES = (1, 2, 4, 8, 16, 32, 64)
@@ -77,7 +76,8 @@ HARDWARE = {
         "h100-ib", flops=989e12, hbm=3.35e12, link=400e9,
         source="H100 SXM as h100-nvlink; a TP group spanning whole 8-GPU nodes over InfiniBand: 8 ConnectX-7 NDR "
                "NICs per node at 400 Gb/s = 50 GB/s each, 400 GB/s node egress = the scaling book's H100 'node egress "
-               "bandwidth' 400e9 (C/W ≈ 2475 'beyond a node'; REFERENCE.md §6). One GPU per node would get 50 GB/s"),
+               "bandwidth' 400e9 (C/W ≈ 2475 'beyond a node', its chapter 'How to Think About GPUs'). One GPU per node "
+               "would get 50 GB/s"),
     "a100-nvlink": Hardware(
         "a100-nvlink", flops=312e12, hbm=2.039e12, link=300e9, gpus_per_node=8, inter_node=25e9,
         source="NVIDIA A100 Tensor Core GPU datasheet, A100 80GB SXM: BF16 Tensor Core 312 TFLOPS (624 with sparsity); "
@@ -261,73 +261,3 @@ def tp_model(shape, tp, hw):
         "efficiency_overlapped": t_math / max(t_math, t_comm),
         "efficiency_serial": t_math / (t_math + t_comm),
     }
-
-
-# ---- node profiles for bench.plan ----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Cluster:
-    """A node type for bench.plan: the device's roofline profile (above) plus what a training plan also needs.
-    Bandwidths per device and direction; efficiencies are fractions of the datasheet figure actually achieved."""
-    name: str
-    device: Hardware  # flops, hbm, link (inside a node), inter_node, gpus_per_node, element_size, latency
-    memory: float  # bytes of device memory
-    reserved: float  # bytes the model cannot use (CUDA context, NCCL buffers, allocator fragmentation)
-    gemm_efficiency: float  # of device.flops, by large GEMMs
-    comm_efficiency: float  # of link / inter_node, by ring collectives
-    attention_efficiency: float  # of device.flops, by flash attention (forward + backward)
-    op_overhead: float  # seconds per eager op and kernel launch not hidden behind the device queue
-    source: str
-    cores: int = 0  # CPU: ranks share this many cores (0: one device per rank)
-
-
-CLUSTERS = {
-    "h100-sxm": Cluster(
-        "h100-sxm", HARDWARE["h100-nvlink"], memory=80e9, reserved=3e9,
-        gemm_efficiency=0.76, comm_efficiency=0.5, attention_efficiency=0.35, op_overhead=0.0,
-        source="device: h100-nvlink above (NVIDIA H100 SXM datasheet: 989 TFLOP/s bf16 dense, 3.35 TB/s, NVLink 450 "
-               "GB/s per direction, 80 GB HBM3); between nodes one ConnectX-7 NDR 400 Gb/s = 50 GB/s per GPU (DGX "
-               "H100: 8 per node); attention 0.35: FlashAttention-3 paper (Shah et al. 2024, abstract) — "
-               "FlashAttention-2, torch SDPA's flash kernel, reaches 35 % of the H100's peak; gemm 0.76 and comm 0.5: "
-               "the a100-80g fractions (no H100 run with a full published configuration to calibrate on: not "
-               "validated); reserved 3 GB: an allowance, not measured; launch overhead hidden (asynchronous "
-               "launches, kernels >> 5 us here)"),
-    "a100-80g": Cluster(
-        "a100-80g", HARDWARE["a100-nvlink"], memory=80e9, reserved=3e9,
-        gemm_efficiency=0.76, comm_efficiency=0.5, attention_efficiency=0.5, op_overhead=0.0,
-        source="device: a100-nvlink above (NVIDIA A100 80GB SXM datasheet: 312 TFLOP/s bf16/fp16 dense, 2.039 TB/s, "
-               "NVLink 300 GB/s per direction, 80 GB HBM2e); between nodes one HDR 200 Gb/s = 25 GB/s per GPU (DGX "
-               "A100 / Selene: 8 compute HDR NICs per node, REFERENCE §12); attention 0.5: FlashAttention-2 paper "
-               "(Dao 2023): 50-73 % of A100 peak; gemm 0.76 and comm 0.5: calibrated on the 18 published A100 figures "
-               "(Narayanan et al. 2021 Table 1, Korthikanti et al. 2022 Table 5; bench/plan/validation.py "
-               "calibrate(), mean |error| 2.6 %); reserved 3 GB: an allowance, not measured"),
-}
-
-
-INTENSITY_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "intensity", "intensity.json")
-
-
-def cpu_cluster(path=INTENSITY_JSON, *, op_overhead=0.0, comm_efficiency=1.0):
-    """The "cpu-measured" node: bench.intensity's measurements on this machine (its JSON), one rank per process with
-    one thread, ranks beyond the cores sharing them. The square-GEMM peak was timed with every core (torch's default
-    threads), so one rank's compute is peak / cores; gemm efficiency 1 (the peak is a measured GEMM); no flash
-    kernel on CPU, so attention runs at the GEMM rate; device memory: this machine's RAM; eager dispatch costs
-    `op_overhead` per op (bench.plan fits it to bench.train's 1x1x1 run: bench/plan/validation.py)."""
-    import json
-    import os
-    import re
-
-    with open(path) as f:
-        measured = json.load(f)["measured"]
-    cores = int(re.search(r"(\d+) cores", measured["device"]).group(1)) if "cores" in measured["device"] else 1
-    device = Hardware("cpu-measured", flops=measured["peak_flops"] / cores, hbm=measured["bandwidth"],
-                      link=measured["link"], latency=measured["latency"], dtype=measured["dtype"],
-                      element_size=measured["element_size"], gpus_per_node=cores, inter_node=measured["link"],
-                      source=f"bench.intensity on {measured['device']} ({path}): square-GEMM peak / cores, copy "
-                             "bandwidth, link bandwidth and per-collective latency fitted to the timed gloo "
-                             "collectives")
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return Cluster("cpu-measured", device, memory=ram, reserved=0.0, gemm_efficiency=1.0,
-                   comm_efficiency=comm_efficiency, attention_efficiency=1.0, op_overhead=op_overhead,
-                   source=device.source, cores=cores)

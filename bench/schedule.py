@@ -21,10 +21,10 @@ from tp.pipeline.schedules import SCHEDULES, ScheduleError, build, simulate
 COLOURS = {"F": "#4c72b0", "B": "#55a868", "W": "#dd8452", "BW": "#2e7d4f"}
 
 
-def closed_form(name, p, m, v):
+def closed_form(name, p, m, virtual_stages):
     """The unit-cost bubble fraction the literature gives (zb: an upper bound, for m >= p)."""
     if name == "interleaved":
-        return (p - 1) / (v * m + p - 1)
+        return (p - 1) / (virtual_stages * m + p - 1)
     if name == "zb":
         return (p - 1) / (3 * m + p - 1) if m >= p else None
     return (p - 1) / (m + p - 1)
@@ -49,16 +49,16 @@ def draw(timeline, path):
     from matplotlib.patches import Patch
 
     schedule = timeline.schedule
-    p, v = schedule.pp, schedule.virtual_stages
+    p, virtual_stages = schedule.pp, schedule.virtual_stages
     boxes = sum(len(order) for order in schedule.actions) / p  # actions per row
     fig, ax = plt.subplots(figsize=(min(16.0, 3 + 0.3 * boxes), 0.5 * p + 1.3))
     for rank, intervals in enumerate(timeline.intervals):
         for start, end, action in intervals:
-            light = v > 1 and action.chunk % 2 == 1  # odd chunks lighter, to tell the chunks apart
+            light = virtual_stages > 1 and action.chunk % 2 == 1  # odd chunks lighter, to tell the chunks apart
             ax.barh(rank, end - start, left=start, height=0.8, color=COLOURS[action.kind], alpha=0.5 if light else 1,
                     edgecolor="black", linewidth=0.5)
-            ax.text((start + end) / 2, rank, str(action.micro), ha="center", va="center", fontsize=7 if v == 1 else 6,
-                    color="black" if light or action.kind == "W" else "white")
+            ax.text((start + end) / 2, rank, str(action.micro), ha="center", va="center",
+                    fontsize=7 if virtual_stages == 1 else 6, color="black" if light or action.kind == "W" else "white")
     kinds = sorted({a.kind for order in schedule.actions for a in order}, key=["F", "B", "BW", "W"].index)
     names = {"F": "F (forward)", "B": "B (input grad)", "W": "W (weight grad)", "BW": "BW (fused backward)"}
     ax.legend(handles=[Patch(facecolor=COLOURS[k], label=names[k]) for k in kinds],
@@ -66,7 +66,7 @@ def draw(timeline, path):
     ax.set(yticks=range(p), yticklabels=[f"stage {r}" for r in range(p)], xlim=(0, timeline.span),
            xlabel="time (F = {:g}, B = {:g}, W = {:g} per micro-batch and stage)".format(*timeline.costs))
     ax.invert_yaxis()
-    chunks = f", V={v} (odd chunks lighter)" if v > 1 else ""
+    chunks = f", V={virtual_stages} (odd chunks lighter)" if virtual_stages > 1 else ""
     ax.set_title(f"{schedule.name}: p={p}, m={schedule.micro_batches}{chunks}; bubble "
                  f"{timeline.bubble_fraction:.3f}, peak activations {timeline.peak_activations:.2f}", fontsize=9)
     fig.tight_layout()

@@ -12,7 +12,7 @@ param/grad/optimizer bytes (tp.optim.memory_bytes, the largest over ranks), and 
 largest pipeline stage beside the mixed-precision table of the ZeRO paper (bench.plan.memory.bytes_per_parameter).
 CPU bf16 matmuls are slower than fp32 ones: the bf16 rows show memory and the loss curve, not a GPU's speed-up.
 
-Bubble: models.pipeline.PipelineRunner alone on pp = 2 and 4 ranks (tp = dp = 1), m = 1, 2, 4, 8 micro-batches,
+Bubble: tp.pipeline.PipelineRunner alone on pp = 2 and 4 ranks (tp = dp = 1), m = 1, 2, 4, 8 micro-batches,
 GPipe, 1F1B, interleaved (V = 2 chunks per rank, where m is a multiple of p) and ZB-H1: idle time over p x the
 schedule's span (bubble_rank), the median of --reps runs after one warm-up, beside tp.pipeline.schedules' simulation of
 the same action lists with the F, B, W (or fused BW) times measured in those runs (per micro-batch through a whole
@@ -40,6 +40,7 @@ from tp.pipeline import PipelineRunner
 from tp.pipeline.schedules import build, simulate
 
 from .common import at_least, check_out, machine, median, print_table, scratch_path, write_json
+from .plan.memory import bytes_per_parameter, stage_numel
 
 SPLITS = [(1, 1, 1, 1), (2, 1, 1, 1), (1, 1, 2, 1), (1, 1, 1, 2), (1, 2, 1, 1), (2, 1, 2, 2),
           (1, 2, 2, 2)]  # tp, cp, pp, dp
@@ -140,8 +141,6 @@ def _train_flags(a, t, c, p, d):
 
 
 def bench_throughput(a):
-    from bench.plan.memory import bytes_per_parameter, stage_numel
-
     rows = []
     for t, c, p, d in a.splits:
         config = validate(train_parser().parse_args(_train_flags(a, t, c, p, d)))
@@ -266,7 +265,7 @@ def main(argv=None):
             ("bubble", "bubble (idle / (p x span))", "{:.2f}"), ("loss", "last loss", "{:.3f}"),
             ("param_kb", "param KB/rank", "{:.0f}"), ("grad_kb", "grad KB/rank", "{:.0f}"),
             ("optimizer_kb", "optimizer KB/rank", "{:.0f}"),
-            ("bytes_per_param", "bytes/param", "{:.2f}"), ("table_bytes_per_param", "§11 table", "{:.2f}")])
+            ("bytes_per_param", "bytes/param", "{:.2f}"), ("table_bytes_per_param", "ZeRO table", "{:.2f}")])
     if a.skip != "bubble":
         rows = payload["bubble"] = bench_bubble(a)
         print(f"\nPipeline bubble, idle / (p x span): measured | simulated with the measured F, B, W; "

@@ -10,8 +10,10 @@ step, without SP: forward 2 all-reduces, backward 2 (+1 when kv heads are replic
 import contextlib
 import functools
 import math
+from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
@@ -20,8 +22,10 @@ from torch.utils.checkpoint import checkpoint
 import tp
 from tp.mesh import resolve_cp_group, resolve_group
 
+from .config import GPTConfig
 
-def normal_init(std):
+
+def normal_init(std: float) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda w: nn.init.normal_(w, mean=0.0, std=std)
 
 
@@ -33,8 +37,9 @@ class Norm(nn.Module):
     `sequence_parallel` for one coalesced `tp.allreduce_sequence_parallel_grads` after backward.
     """
 
-    def __init__(self, kind, hidden, eps, *, sequence_parallel=False, grad_sync=True, group=None, dtype=None,
-                 device=None):
+    def __init__(self, kind: str, hidden: int, eps: float, *, sequence_parallel: bool = False, grad_sync: bool = True,
+                 group: dist.ProcessGroup | None = None, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> None:
         super().__init__()
         self.kind, self.eps, self.sequence_parallel = kind, eps, sequence_parallel
         self.sync = sequence_parallel and grad_sync  # else (SP) tagged for tp.allreduce_sequence_parallel_grads
@@ -44,7 +49,7 @@ class Norm(nn.Module):
         for p in self.parameters():
             p.sequence_parallel = sequence_parallel and not grad_sync
 
-    def forward(self, x):  # [s(/tp), b, h]
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [s(/tp), b, h]
         params = (self.weight,) if self.bias is None else (self.weight, self.bias)
         if self.sync:
             params = tp.sync_grads_over_tp(*params, group=self.group)
@@ -52,16 +57,17 @@ class Norm(nn.Module):
             return F.layer_norm(x, x.shape[-1:], *params, self.eps)
         return params[0] * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)  # HF's: weight in x's dtype
 
-    def extra_repr(self):
+    def extra_repr(self) -> str:
         return f"{self.kind}, {self.weight.shape[0]}, eps={self.eps}, sequence_parallel={self.sequence_parallel}"
 
 
-def rotate_half(x):
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
 
 
-def rope_frequencies(head_dim, theta, scaling=None, device=None):
+def rope_frequencies(head_dim: int, theta: float, scaling: dict | None = None,
+                     device: torch.device | str | None = None) -> torch.Tensor:
     """inv_freq [d/2] in fp32, HF's: θ^(−2i/d), divided by `factor` ("linear") or, "llama3" (Llama 3.1+), by `factor`
     for wavelengths beyond original_max_position_embeddings / low_freq_factor, kept below
     original / high_freq_factor, and interpolated smoothly between."""
@@ -91,7 +97,8 @@ def _rope_tables(seq, head_dim, theta, scaling, device, dtype):
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def rope(x, theta, scaling=None, positions=None):
+def rope(x: torch.Tensor, theta: float, scaling: dict | None = None,
+         positions: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
     """Rotary embeddings, rotate-half convention (HF and Megatron), on [b, n, s, d] heads at positions 0..s-1, or at
     `positions` = (global positions [s/cp], sequence length s) of a context-parallel shard (no host sync); `scaling`:
     HF's rope parameters for "linear" or "llama3" scaling (None: plain)."""
@@ -105,18 +112,20 @@ def rope(x, theta, scaling=None, positions=None):
 
 @functools.lru_cache(maxsize=64)
 def _positions(rows, tp_size, tp_rank, cp_group, device):
-    seq = rows * tp_size * torch.distributed.get_world_size(cp_group)
+    seq = rows * tp_size * dist.get_world_size(cp_group)
     return tp.cp_positions(seq, group=cp_group, device=device).chunk(tp_size)[tp_rank], seq
 
 
-def token_positions(rows, *, sequence_parallel, tp_group, cp_group, device):
+def token_positions(rows: int, *, sequence_parallel: bool, tp_group: dist.ProcessGroup | None,
+                    cp_group: dist.ProcessGroup | None,
+                    device: torch.device | str | None) -> tuple[torch.Tensor, int] | None:
     """(global positions [rows], sequence length) of the rows of an activation [rows, b, h] (rows = s/cp, or s/cp/tp
     under SP): this cp rank's load-balanced share, under SP this tp rank's slice of it; None without context
     parallelism."""
-    if cp_group is None or torch.distributed.get_world_size(cp_group) == 1:
+    if cp_group is None or dist.get_world_size(cp_group) == 1:
         return None
-    tp_size = torch.distributed.get_world_size(tp_group) if sequence_parallel else 1
-    tp_rank = torch.distributed.get_rank(tp_group) if sequence_parallel else 0
+    tp_size = dist.get_world_size(tp_group) if sequence_parallel else 1
+    tp_rank = dist.get_rank(tp_group) if sequence_parallel else 0
     return _positions(rows, tp_size, tp_rank, cp_group, device)
 
 
@@ -124,12 +133,13 @@ class Attention(nn.Module):
     """Causal self-attention: one fused QKV ColumnParallelLinear (each rank its own q, k and v heads; kv heads
     replicated when fewer than tp), RoPE, scaled_dot_product_attention, RowParallelLinear out."""
 
-    def __init__(self, config, *, group=None, cp_group=None, _init=True):
+    def __init__(self, config: GPTConfig, *, group: dist.ProcessGroup | None = None,
+                 cp_group: dist.ProcessGroup | None = None, _init: bool = True) -> None:
         super().__init__()
         self.group, self.cp_group = resolve_group(group), resolve_cp_group(cp_group)
-        size = torch.distributed.get_world_size(self.group)
+        size = dist.get_world_size(self.group)
         config.check_tp(size)
-        config.check_cp(1 if self.cp_group is None else torch.distributed.get_world_size(self.cp_group))
+        config.check_cp(1 if self.cp_group is None else dist.get_world_size(self.cp_group))
         heads, kv_heads, d = config.num_heads, config.num_kv_heads, config.head_dim
         kv_replicas = size // kv_heads if kv_heads < size else 1
         self.local_heads, self.local_kv_heads = heads // size, kv_heads * kv_replicas // size
@@ -144,17 +154,17 @@ class Attention(nn.Module):
             sequence_parallel_grad_sync=config.sequence_parallel_grad_sync,
             init_method=normal_init(config.init_std / math.sqrt(2 * config.num_layers)), _init=_init)
 
-    def core(self, q, k, v):  # [b, n, s(/cp), d]
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:  # [b, n, s(/cp), d]
         """Softmax(qkᵀ/√d)v, causal; heads are tp-sharded, so attention dropout draws per-rank masks. Under context
         parallelism the queries of this rank's tokens attend to the whole sequence (K/V ringed or gathered)."""
-        if self.cp_group is not None and torch.distributed.get_world_size(self.cp_group) > 1:
+        if self.cp_group is not None and dist.get_world_size(self.cp_group) > 1:
             return tp.context_parallel_attention(q, k, v, causal=True, mode=self.config.cp_mode, group=self.cp_group)
         p = self.config.attention_dropout if self.training else 0.0
         with tp.fork_rng() if p else contextlib.nullcontext():  # GQA: query head i reads kv head i // (n / n_kv)
             return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
                                                   enable_gqa=self.local_heads != self.local_kv_heads)
 
-    def forward(self, x):  # [s(/cp)(/tp), b, h]
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [s(/cp)(/tp), b, h]
         qkv = self.qkv(x)  # [s(/cp), b, (heads + 2 kv_heads)·d / tp]
         q_and_k = (self.local_heads + self.local_kv_heads) * self.head_dim
         qk, v = (rearrange(t, "s b (n d) -> b n s d", d=self.head_dim) for t in qkv.split(
@@ -174,7 +184,7 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """ColumnParallelLinear with the activation fused in its epilogue (SwiGLU: fused gate/up) -> RowParallelLinear."""
 
-    def __init__(self, config, *, group=None, _init=True):
+    def __init__(self, config: GPTConfig, *, group: dist.ProcessGroup | None = None, _init: bool = True) -> None:
         super().__init__()
         swiglu, ffn, sp = config.activation == "swiglu", config.ffn_hidden_size, config.sequence_parallel
         self.fc1 = tp.ColumnParallelLinear(
@@ -185,11 +195,12 @@ class MLP(nn.Module):
             sequence_parallel_grad_sync=config.sequence_parallel_grad_sync,
             init_method=normal_init(config.init_std / math.sqrt(2 * config.num_layers)), _init=_init)
 
-    def forward(self, x):  # [s(/tp), b, h]
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [s(/tp), b, h]
         return self.fc2(self.fc1(x))  # fc1: [s, b, ffn/tp]
 
 
-def dropout(x, p, training, sequence_parallel, positions=None):
+def dropout(x: torch.Tensor, p: float, training: bool, sequence_parallel: bool,
+            positions: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
     """Dropout on the residual stream [rows, b, h]: one mask on every tp rank, or, under SP (each rank its own
     tokens), the rank's own. Under context parallelism (`positions`: (the rows' global positions, the sequence
     length)) every rank draws the mask of the whole sequence on the shared stream and keeps its rows': the masks of
@@ -207,7 +218,8 @@ def dropout(x, p, training, sequence_parallel, positions=None):
 class TransformerBlock(nn.Module):
     """Pre-norm block: x + attention(norm(x)), then x + mlp(norm(x)). [s(/tp), b, h] -> same."""
 
-    def __init__(self, config, *, group=None, cp_group=None, _init=True):
+    def __init__(self, config: GPTConfig, *, group: dist.ProcessGroup | None = None,
+                 cp_group: dist.ProcessGroup | None = None, _init: bool = True) -> None:
         super().__init__()
         self.config = config
         self.group, self.cp_group = resolve_group(group), resolve_cp_group(cp_group)
@@ -225,7 +237,7 @@ class TransformerBlock(nn.Module):
         x = x + dropout(self.attention(self.norm1(x)), c.dropout, self.training, c.sequence_parallel, positions)
         return x + dropout(self.mlp(self.norm2(x)), c.dropout, self.training, c.sequence_parallel, positions)
 
-    def forward(self, x):  # [s(/tp), b, h]
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [s(/tp), b, h]
         if self.config.recompute == "full" and torch.is_grad_enabled():
             return checkpoint(self._forward, x, use_reentrant=False)  # keep the block's input only
         return self._forward(x)

@@ -2,6 +2,7 @@
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Any
 
 ACTIVATIONS = ("swiglu", "gelu", "gelu_tanh")
 NORMS = ("rmsnorm", "layernorm")
@@ -18,7 +19,7 @@ ROPE_SCALING_FIELDS = {"linear": ("factor",),
                        "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
 
 
-def _check_rope_scaling(scaling, position):
+def _check_rope_scaling(scaling: Any, position: str) -> None:
     kind = scaling.get("rope_type") if isinstance(scaling, dict) else None
     if kind not in ROPE_SCALING_FIELDS:
         raise ValueError(f"rope_scaling={scaling!r}: rope_type must be one of {tuple(ROPE_SCALING_FIELDS)}")
@@ -74,7 +75,7 @@ class GPTConfig:
     # "llama" | "mistral" | "qwen2" | "gpt2": the family save_hf writes; None: GPT-2 for learned positions, else Llama
     hf_model_type: str | None = None
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         self.num_kv_heads = self.num_kv_heads or self.num_heads
         self.head_dim = self.head_dim or self.hidden_size // max(self.num_heads, 1)
         if self.ffn_hidden_size is None:
@@ -103,7 +104,7 @@ class GPTConfig:
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{name}={getattr(self, name)} must be in [0, 1)")
 
-    def check_tp(self, tp):
+    def check_tp(self, tp: int) -> None:
         """Raise a ValueError naming the value if this model cannot be split across `tp` ranks."""
         if self.num_heads % tp:
             raise ValueError(f"num_heads={self.num_heads} is not divisible by tp={tp}")
@@ -115,13 +116,13 @@ class GPTConfig:
         if self.ffn_hidden_size % tp:
             raise ValueError(f"ffn_hidden_size={self.ffn_hidden_size} is not divisible by tp={tp}")
 
-    def check_cp(self, cp):
+    def check_cp(self, cp: int) -> None:
         """Raise a ValueError naming the value if this model cannot run on a context-parallel group of `cp` ranks."""
         if cp > 1 and self.attention_dropout:
             raise ValueError(f"attention_dropout={self.attention_dropout} with cp={cp}: attention dropout is not "
                              "supported under context parallelism (residual dropout is)")
 
-    def check_seq_len(self, seq_len, *, tp=1, cp=1):
+    def check_seq_len(self, seq_len: int, *, tp: int = 1, cp: int = 1) -> None:
         """Raise a ValueError naming both numbers unless `seq_len` splits into 2·cp load-balanced chunks (and each
         cp rank's tokens over tp under sequence parallelism)."""
         factors = ([f"2*cp = 2*{cp} (context parallelism's load-balanced chunks)"] if cp > 1 else []) + \
@@ -130,16 +131,17 @@ class GPTConfig:
         if seq_len % multiple:
             raise ValueError(f"sequence length {seq_len} is not divisible by {multiple}: {' times '.join(factors)}")
 
-    def padded_vocab_size(self, tp):
+    def padded_vocab_size(self, tp: int) -> int:
         """The vocabulary rounded up to a multiple of tp·make_vocab_size_divisible_by (Megatron's padding)."""
         multiple = tp * self.make_vocab_size_divisible_by
         return -(-self.vocab_size // multiple) * multiple
 
-    def replace(self, **changes):
+    def replace(self, **changes: Any) -> "GPTConfig":
+        """A copy with `changes` to its fields (validated again)."""
         return dataclasses.replace(self, **changes)
 
 
-# Named sizes for the training job (`--model`).
+# Named sizes small enough to train here: models.train's `--model`.
 PRESETS = {
     "tiny": dict(vocab_size=256, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, ffn_hidden_size=192,
                  max_seq_len=256),
@@ -148,3 +150,16 @@ PRESETS = {
     "medium": dict(vocab_size=256, hidden_size=256, num_layers=8, num_heads=8, num_kv_heads=8, ffn_hidden_size=768,
                    max_seq_len=1024),
 }
+# Published models' shapes (Llama 3 paper, Dubey et al. 2024, Table 3; GPT-3 paper, Brown et al. 2020, Table 2.1): too
+# large to train here, planned by bench.plan.
+PUBLISHED_MODELS = {
+    "llama3-8b": dict(vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+                      ffn_hidden_size=14336, max_seq_len=131072, rope_theta=500000.0),
+    "llama3-70b": dict(vocab_size=128256, hidden_size=8192, num_layers=80, num_heads=64, num_kv_heads=8,
+                       ffn_hidden_size=28672, max_seq_len=131072, rope_theta=500000.0),
+    "llama3-405b": dict(vocab_size=128256, hidden_size=16384, num_layers=126, num_heads=128, num_kv_heads=8,
+                        ffn_hidden_size=53248, max_seq_len=131072, rope_theta=500000.0),
+    "gpt3-175b": dict(vocab_size=50257, hidden_size=12288, num_layers=96, num_heads=96, activation="gelu",
+                      norm="layernorm", bias=True, position="learned", max_seq_len=2048),
+}
+MODELS = PRESETS | PUBLISHED_MODELS  # every named shape: bench.plan's `--model`

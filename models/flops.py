@@ -1,4 +1,5 @@
-"""Model FLOPs of a GPTConfig (REFERENCE §12): what the training log's tflops_per_rank and the planner count.
+"""Model FLOPs of a GPTConfig (Narayanan et al. 2021, arXiv:2104.04473, §5.1): what the training log's tflops_per_rank
+and the planner count.
 
 Per token of a training step (forward 1x, backward 2x the matmuls):
     6 · N                       N: the blocks' matmul weights (q, k, v, output projection, MLP; GQA's smaller k/v)
@@ -9,9 +10,10 @@ not hardware FLOPs). With ffn = 4h, MHA and GELU this is Narayanan et al. (2021)
 per token, their eq. 3 without the recomputed forward; full (not halved) causal attention is how they, PaLM and
 torchtitan count it.
 """
+from .config import GPTConfig
 
 
-def matmul_params(config):
+def matmul_params(config: GPTConfig) -> int:
     """Weights of the transformer blocks that multiply every token: N of the 6·N term."""
     h, d = config.hidden_size, config.head_dim
     attention = h * (config.num_heads + 2 * config.num_kv_heads) * d + config.num_heads * d * h
@@ -19,7 +21,7 @@ def matmul_params(config):
     return config.num_layers * (attention + mlp)
 
 
-def flops_per_token(config, seq_len, *, causal_halved=False):
+def flops_per_token(config: GPTConfig, seq_len: int, *, causal_halved: bool = False) -> int:
     """Training FLOPs (forward + backward) per token of `seq_len`-token sequences."""
     attention = 12 * config.num_layers * config.num_heads * config.head_dim * seq_len
     logits = 6 * config.hidden_size * config.vocab_size

@@ -17,6 +17,8 @@ holds at any tp the slices of the TP=1 weights, and a pipeline stage holding lay
 of the one-stage model.
 """
 import contextlib
+import os
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -27,6 +29,10 @@ from tp.mesh import resolve_cp_group, resolve_group
 from tp.random import derive_seed
 
 from .block import Norm, TransformerBlock, dropout, normal_init, token_positions
+from .config import GPTConfig
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 @contextlib.contextmanager
@@ -44,8 +50,9 @@ class GPT(nn.Module):
     a pipeline stage; the defaults build the whole model.
     """
 
-    def __init__(self, config, *, group=None, cp_group=None, layers=None, pre_process=True, post_process=True,
-                 _init=True):
+    def __init__(self, config: GPTConfig, *, group: dist.ProcessGroup | None = None,
+                 cp_group: dist.ProcessGroup | None = None, layers: tuple[int, int] | None = None,
+                 pre_process: bool = True, post_process: bool = True, _init: bool = True) -> None:
         super().__init__()
         self.config, self.group, self.cp_group = config, resolve_group(group), resolve_cp_group(cp_group)
         self.tp_size = dist.get_world_size(self.group)
@@ -92,7 +99,7 @@ class GPT(nn.Module):
         master = normal_init(c.init_std)(torch.empty(c.vocab_size, c.hidden_size))
         return torch.cat([master, master.new_zeros(self.padded_vocab_size - c.vocab_size, c.hidden_size)])
 
-    def embed(self, tokens):  # [b, s] -> [s(/cp)(/tp), b, h]
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:  # [b, s] -> [s(/cp)(/tp), b, h]
         c = self.config
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be [batch, seq], got shape {tuple(tokens.shape)}")
@@ -128,7 +135,8 @@ class GPT(nn.Module):
                 x = x + weight[:seq].unsqueeze(1)
         return dropout(x, c.dropout, self.training, c.sequence_parallel, positions)
 
-    def head(self, x, targets=None):  # [s(/cp)(/tp), b, h] -> loss, or logits [b, s, vocab_size]
+    def head(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        # [s(/cp)(/tp), b, h] -> loss, or logits [b, s, vocab_size]
         logits = self.output(self.final_norm(x))  # [s(/cp), b, V/tp] (SP: the sequence gathered)
         if targets is None:
             logits = tp.gather_from_tp_region(logits, self.group)[..., :self.config.vocab_size]  # [s(/cp), b, V]
@@ -162,7 +170,8 @@ class GPT(nn.Module):
             raise ValueError(f"targets shape {tuple(targets.shape)} != [batch, seq] {(hidden.shape[1], seq)} of this "
                              f"stage's input hidden {tuple(hidden.shape)} ([seq(/tp), batch, hidden])")
 
-    def forward(self, tokens=None, targets=None, *, hidden=None):
+    def forward(self, tokens: torch.Tensor | None = None, targets: torch.Tensor | None = None, *,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [b, s] (first stage) or hidden [s(/tp), b, h] (later stages) -> loss / logits (last stage) or
         hidden."""
         if targets is not None and self.post_process:
@@ -173,7 +182,9 @@ class GPT(nn.Module):
         return self.head(x, targets) if self.post_process else x
 
     @classmethod
-    def from_hf(cls, hf_model_or_path, *, group=None, cp_group=None, dtype=None, stage=None, **overrides):
+    def from_hf(cls, hf_model_or_path: "PreTrainedModel | str | os.PathLike", *, group: dist.ProcessGroup | None = None,
+                cp_group: dist.ProcessGroup | None = None, dtype: torch.dtype | None = None,
+                stage: dict[str, Any] | None = None, **overrides: Any) -> "GPT":
         """Build from a Hugging Face Llama/Mistral/Qwen2/GPT-2 model or a directory saved with save_pretrained,
         each rank reading only its shards. `overrides` replace GPTConfig fields (e.g. sequence_parallel=True);
         `stage` (dict of layers, pre_process, post_process) builds one pipeline stage."""
@@ -182,7 +193,8 @@ class GPT(nn.Module):
         stage = stage if cp_group is None else {**(stage or {}), "cp_group": cp_group}
         return load_hf(cls, hf_model_or_path, group=group, dtype=dtype, stage=stage, **overrides)
 
-    def save_hf(self, path, *, pp_group=None, dp_group=None):
+    def save_hf(self, path: str | os.PathLike, *, pp_group: dist.ProcessGroup | None = None,
+                dp_group: dist.ProcessGroup | None = None) -> None:
         """Write a directory `transformers.AutoModelForCausalLM.from_pretrained` loads (gathered on tp rank 0; with
         `pp_group`, one safetensors file per pipeline stage and an index; with `dp_group`, replica 0 writes; under
         cp, cp rank 0: the others hold the same weights)."""

@@ -9,9 +9,11 @@ transformers is imported only here, and only when these functions run.
 import json
 import os
 import re
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 import tp
 from tp.embedding import VocabParallelEmbedding
@@ -19,6 +21,9 @@ from tp.layers import ColumnParallelLinear, RowParallelLinear
 from tp.pipeline import model_chunks
 
 from .config import HF_FAMILIES, ROPE_SCALING_FIELDS, GPTConfig
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
 
 LLAMA_LIKE = ("llama", "mistral", "qwen2")
 FAMILIES = HF_FAMILIES
@@ -40,7 +45,7 @@ def _rope(hf):
     return theta, {"rope_type": kind} | {f: params[f] for f in ROPE_SCALING_FIELDS[kind] if f in params}
 
 
-def config_from_hf(hf, **overrides):
+def config_from_hf(hf: "PretrainedConfig", **overrides: Any) -> GPTConfig:
     """GPTConfig of a transformers config (LlamaConfig, MistralConfig, Qwen2Config, GPT2Config)."""
     family = hf.model_type
     if family not in FAMILIES:
@@ -73,7 +78,7 @@ def config_from_hf(hf, **overrides):
     return GPTConfig(**(fields | {"hf_model_type": family} | overrides))
 
 
-def hf_family(config):
+def hf_family(config: GPTConfig) -> str:
     """The Hugging Face family `config` is written as (config_to_hf, save_hf) and whose tensor names it uses
     (hf_sources: hf_state_dict, checkpoints): its hf_model_type, else GPT-2 for learned positions (the only family
     with them), else Llama. Whether the config fits that family is check_hf's question."""
@@ -83,7 +88,7 @@ def hf_family(config):
 _NAMES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "gpt2": "GPT-2"}
 
 
-def hf_problems(config, family=None):
+def hf_problems(config: GPTConfig, family: str | None = None) -> list[str]:
     """'field=value (what the family has)' for every field of `config` that `family` (default: hf_family) cannot
     represent; empty when a checkpoint of that family holds exactly this model."""
     c, family = config, family or hf_family(config)
@@ -120,7 +125,7 @@ def hf_problems(config, family=None):
     return problems
 
 
-def check_hf(config):
+def check_hf(config: GPTConfig) -> str:
     """Raise a ValueError naming every field the Hugging Face family of `config` (hf_family) cannot represent.
     Collective-free: save_hf calls it on every rank before it gathers or writes anything."""
     family = hf_family(config)
@@ -135,7 +140,7 @@ def check_hf(config):
     return family
 
 
-def config_to_hf(config):
+def config_to_hf(config: GPTConfig) -> "PretrainedConfig":
     """The transformers config a saved model is loaded with; a ValueError (check_hf) if there is none."""
     import transformers
 
@@ -171,7 +176,7 @@ def config_to_hf(config):
 # ---- names: our parameter -> the HF tensors it concatenates ------------------------------------------------------
 
 
-def hf_sources(config, name, layer_offset=0):
+def hf_sources(config: GPTConfig, name: str, layer_offset: int = 0) -> list[tuple[str, bool]]:
     """([(hf name, transposed)], ...) concatenated along our shard dim make our parameter `name` (dense)."""
     gpt2 = hf_family(config) == "gpt2"
     root = "transformer" if gpt2 else "model"
@@ -198,7 +203,7 @@ def hf_sources(config, name, layer_offset=0):
     return [(f"{block}.{part}.{kind}", False) for part in local]
 
 
-def parameter_owners(model):
+def parameter_owners(model: nn.Module) -> dict[str, tuple[nn.Module, str]]:
     """Our parameter name -> (module, attribute) for every parameter (tied ones under each name)."""
     owners = {}
     for module_name, module in model.named_modules():
@@ -207,7 +212,7 @@ def parameter_owners(model):
     return owners
 
 
-def tp_sharding(module, attr):
+def tp_sharding(module: nn.Module, attr: str) -> tuple[int, int, torch.Tensor] | None:
     """(dim, dense size along it, dense indices this rank holds) for a sharded parameter; None if replicated."""
     if isinstance(module, VocabParallelEmbedding):
         return 0, module.num_embeddings, torch.arange(module.vocab_start, module.vocab_end)
@@ -260,7 +265,7 @@ class _SafetensorsReader:
         return piece[start:stop] if dim == 0 else piece[:, start:stop]
 
 
-def index_runs(indices):
+def index_runs(indices: torch.Tensor) -> list[list[int]]:
     """Consecutive runs [(start, stop)] of a 1-D index tensor, in order."""
     runs = []
     for i in indices.tolist():
@@ -298,7 +303,7 @@ def _read_dense_slice(reader, sources, dim, indices):
 
 
 @torch.no_grad()
-def load_hf_weights(model, reader):
+def load_hf_weights(model: nn.Module, reader: Any) -> None:
     """Copy this rank's shard of every parameter (of this stage's layers) from the HF tensors behind `reader`."""
     for name, (module, attr) in parameter_owners(model).items():
         param = getattr(module, attr)
@@ -315,7 +320,9 @@ def load_hf_weights(model, reader):
         param.copy_(dense)
 
 
-def load_hf(cls, hf_model_or_path, *, group=None, dtype=None, stage=None, **overrides):
+def load_hf(cls: type[nn.Module], hf_model_or_path: "PreTrainedModel | str | os.PathLike", *,
+            group: dist.ProcessGroup | None = None, dtype: torch.dtype | None = None,
+            stage: dict[str, Any] | None = None, **overrides: Any) -> nn.Module:
     """`stage`: GPT options of one pipeline stage (layers, pre_process, post_process); `overrides`: GPTConfig fields."""
     if isinstance(hf_model_or_path, (str, os.PathLike)):
         import transformers
@@ -352,7 +359,8 @@ def _gather_dense(module, attr, group, grads=False):
     return dense.index_copy_(dim, torch.cat(every_index).to(param.device), torch.cat(shards, dim))
 
 
-def hf_state_dict(model, group=None, *, grads=False):
+def hf_state_dict(model: nn.Module, group: dist.ProcessGroup | None = None, *,
+                  grads: bool = False) -> dict[str, torch.Tensor]:
     """This model's (or stage's) parameters (or, `grads`, their gradients) as HF tensors, dense (gathered over
     tp): {hf name: tensor}."""
     group = tp.mesh.resolve_group(group)
@@ -374,7 +382,7 @@ def hf_state_dict(model, group=None, *, grads=False):
     return out
 
 
-def fused_part_size(config, hf_name):
+def fused_part_size(config: GPTConfig, hf_name: str) -> int:
     """Along our fused dim, the size of one HF tensor that is part of a fused parameter."""
     c = config
     part = hf_name.split(".")[-2]
@@ -383,7 +391,8 @@ def fused_part_size(config, hf_name):
             "up_proj": c.ffn_hidden_size}.get(part, 0)
 
 
-def save_hf(model, path, *, group=None, pp_group=None, dp_group=None):
+def save_hf(model: nn.Module | list[nn.Module], path: str | os.PathLike, *, group: dist.ProcessGroup | None = None,
+            pp_group: dist.ProcessGroup | None = None, dp_group: dist.ProcessGroup | None = None) -> None:
     """Write `path` (config.json + safetensors) for transformers.AutoModelForCausalLM.from_pretrained.
 
     Called on every rank with its stage, or its list of model chunks (interleaved pipelines: chunk c of pipeline

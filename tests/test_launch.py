@@ -237,9 +237,10 @@ def test_intensity_and_plan_name_the_node_boundary_the_same_way():
     model (roofline.group_link) as in bench.plan's (its clusters' gpus_per_node and inter_node)."""
     from bench import roofline as rl
     from bench.plan import step_time as plan_model
+    from bench.plan.hardware import CLUSTERS
 
     for profile, cluster in (("h100-nvlink", "h100-sxm"), ("a100-nvlink", "a100-80g")):
-        hw, node = rl.HARDWARE[profile], rl.CLUSTERS[cluster]
+        hw, node = rl.HARDWARE[profile], CLUSTERS[cluster]
         for ranks in (2, 8, 16, 64):
             bandwidth, name = rl.group_link(hw, ranks)
             assert name == ("NVLink" if ranks <= 8 else "IB")

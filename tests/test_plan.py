@@ -7,8 +7,8 @@ from dataclasses import replace
 import pytest
 
 import models
-from bench import roofline as rl
 from bench.plan import cli as plan
+from bench.plan import hardware as rl
 from bench.plan import memory, validation
 from bench.plan import step_time as pm
 

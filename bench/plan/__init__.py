@@ -1,2 +1,13 @@
-"""The parallelism planner (`python -m bench.plan`): per-GPU memory (memory.py) and step time (step_time.py) of
-every split of a model on a cluster, searched and ranked (cli.py), validated on published runs (validation.py)."""
+"""The parallelism planner (`python -m bench.plan`): every split of a model on a cluster, its per-GPU memory and step
+time, ranked; validated on published runs.
+
+    cli.py        the command line: flags, the model it names, the table, the JSON and the plot
+    search.py     candidate plans, evaluate (memory, then step time), search and ranking
+    step_time.py  the step-time model of one plan (Plan, Software)
+    memory.py     the per-rank memory model of a split
+    hardware.py   the node profiles (Cluster: a bench.roofline device plus memory and achieved efficiencies)
+    validation.py published runs and bench.train's CPU runs against the model, and its calibration
+"""
+from .cli import main
+
+__all__ = ["main"]

@@ -18,28 +18,19 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import replace
 
-import models
-from models.config import PRESETS
+from models.config import MODELS, GPTConfig
+from models.hf import config_from_hf
 
-from .. import roofline as rl
-from . import memory
-from . import step_time as pm
+from ..common import check_out, print_table
+from .hardware import CLUSTERS, CPU_MEASURED, PROFILES, cpu_cluster
+from .memory import DP_MODES, RECOMPUTE
+from .search import search
+from .validation import cpu_op_overhead, validate
 
-HARDWARE = ("h100-sxm", "a100-80g", "cpu-measured")
-# Named shapes: the package's presets and published models (Llama 3 paper, Table 3; GPT-3 paper, Table 2.1).
-MODELS = {
-    **dict(PRESETS.items()),
-    "llama3-8b": dict(vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
-                      ffn_hidden_size=14336, max_seq_len=131072, rope_theta=500000.0),
-    "llama3-70b": dict(vocab_size=128256, hidden_size=8192, num_layers=80, num_heads=64, num_kv_heads=8,
-                       ffn_hidden_size=28672, max_seq_len=131072, rope_theta=500000.0),
-    "llama3-405b": dict(vocab_size=128256, hidden_size=16384, num_layers=126, num_heads=128, num_kv_heads=8,
-                        ffn_hidden_size=53248, max_seq_len=131072, rope_theta=500000.0),
-    "gpt3-175b": dict(vocab_size=50257, hidden_size=12288, num_layers=96, num_heads=96, activation="gelu",
-                      norm="layernorm", bias=True, position="learned", max_seq_len=2048),
-}
 PLOTTED = 12  # bars in plan.png at most
+# --fix's keys (the table's and the JSON's names) and their types
 FIXABLE = {"tp": int, "cp": int, "pp": int, "vp": int, "dp": int, "mbs": int, "recompute": str, "sp": str,
            "dp_mode": str}
 COLUMNS = [("tp", "tp", "{}"), ("cp", "cp", "{}"), ("pp", "pp", "{}"), ("vp", "vp", "{}"), ("dp", "dp", "{}"),
@@ -48,123 +39,18 @@ COLUMNS = [("tp", "tp", "{}"), ("cp", "cp", "{}"), ("pp", "pp", "{}"), ("vp", "v
            ("tokens_per_s", "tokens/s", "{:,.0f}"), ("mfu", "MFU", "{:.1%}")]
 
 
-def cluster_of(name):
-    if name == "cpu-measured":  # bench.intensity's measurements, the per-op overhead fitted to bench.train's 1x1x1
-        from .validation import cpu_op_overhead
-
-        return rl.cpu_cluster(op_overhead=cpu_op_overhead())
-    return rl.CLUSTERS[name]
-
-
-def software_of(cluster):
-    return pm.OURS_CPU if cluster.cores else pm.OURS
-
-
-# ---- enumeration --------------------------------------------------------------------------------------------------
-
-
-def _divisors(n):
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _fits_config(config, tp):
-    try:
-        config.check_tp(tp)
-    except ValueError:
-        return False
-    return True
-
-
-def candidate_plans(config, *, gpus, seq_len, global_batch_size, cluster, fixed):
-    """Every plan whose sizes divide (module docstring), before memory."""
-    fixed = dict(fixed)
-    for tp in _divisors(gpus):
-        if fixed.get("tp", tp) != tp or (tp > cluster.device.gpus_per_node and "tp" not in fixed) or \
-                not _fits_config(config, tp):
-            continue
-        for cp in _divisors(gpus // tp):
-            if fixed.get("cp", cp) != cp or (cp > 1 and seq_len % (2 * cp)):
-                continue
-            for pp in _divisors(gpus // (tp * cp)):
-                dp = gpus // (tp * cp * pp)
-                if fixed.get("pp", pp) != pp or fixed.get("dp", dp) != dp or pp > config.num_layers or \
-                        global_batch_size % dp:
-                    continue
-                yield from _inner_plans(config, tp, cp, pp, dp, seq_len, global_batch_size, fixed)
-
-
-def _inner_plans(config, tp, cp, pp, dp, seq_len, global_batch_size, fixed):
-    for mbs in (fixed["mbs"],) if "mbs" in fixed else (1, 2, 4, 8, 16):  # (--fix may pin any value)
-        if (global_batch_size // dp) % mbs:
-            continue
-        m = global_batch_size // (dp * mbs)
-        vps = [1] + ([v for v in ((fixed["vp"],) if fixed.get("vp", 1) > 1 else (2, 3, 4, 6, 8))
-                      if config.num_layers % (pp * v) == 0 and m % pp == 0] if pp > 1 else [])
-        for vp in vps:
-            if fixed.get("vp", vp) != vp:
-                continue
-            for recompute in memory.RECOMPUTE:
-                if fixed.get("recompute", recompute) != recompute:
-                    continue
-                for sp in (False, True) if tp > 1 else (False,):
-                    split = 2 * cp * (tp if sp else 1) if cp > 1 else (tp if sp else 1)
-                    if fixed.get("sp", "on" if sp else "off") != ("on" if sp else "off") or seq_len % split:
-                        continue
-                    for dp_mode in memory.DP_MODES if dp * cp > 1 else ("ddp",):
-                        if fixed.get("dp_mode", dp_mode) == dp_mode:
-                            yield pm.Plan(tp, cp, pp, vp, dp, mbs, recompute, sp, dp_mode)
-
-
-def plan_memory(config, plan, *, seq_len, global_batch_size, software):
-    precision = "bf16" if software.precision in ("bf16", "fp16") else "fp32"
-    return memory.estimate(config, tp=plan.tp, cp=plan.cp, pp=plan.pp, dp=plan.dp, micro_batch_size=plan.mbs,
-                           seq_len=seq_len, sequence_parallel=plan.sp, recompute=plan.recompute,
-                           dp_mode=plan.dp_mode, precision=precision, virtual_stages=plan.vp,
-                           schedule=plan.schedule, micro_batches=global_batch_size // (plan.dp * plan.mbs),
-                           backend=software.backend)
-
-
-def evaluate(config, plan, *, seq_len, global_batch_size, cluster, software, with_time=True):
-    """One row: the plan, its memory, and (if it fits, or with_time) its modelled step."""
-    est = plan_memory(config, plan, seq_len=seq_len, global_batch_size=global_batch_size, software=software)
-    usable = cluster.memory - cluster.reserved
-    row = {"tp": plan.tp, "cp": plan.cp, "pp": plan.pp, "vp": plan.vp, "dp": plan.dp, "mbs": plan.mbs,
-           "recompute": plan.recompute, "sp": "on" if plan.sp else "off", "dp_mode": plan.dp_mode,
-           "memory_per_gpu_gb": est.total / 1e9, "fits": est.total <= usable, "memory": est.as_dict()}
-    if row["fits"] or with_time:
-        row.update(pm.step_time(config, plan, seq_len=seq_len, global_batch_size=global_batch_size,
-                                cluster=cluster, software=software))
-    return row
-
-
-def search(config, *, gpus, seq_len, global_batch_size, cluster, fixed=(), software=None):
-    """(feasible rows best first, the smallest-memory infeasible row or None, number of candidate plans)."""
-    software = software or software_of(cluster)
-    rows, smallest, count = [], None, 0
-    for plan in candidate_plans(config, gpus=gpus, seq_len=seq_len, global_batch_size=global_batch_size,
-                                cluster=cluster, fixed=dict(fixed)):
-        count += 1
-        row = evaluate(config, plan, seq_len=seq_len, global_batch_size=global_batch_size, cluster=cluster,
-                       software=software, with_time=False)
-        if row["fits"]:
-            rows.append(row)
-        elif smallest is None or row["memory_per_gpu_gb"] < smallest["memory_per_gpu_gb"]:
-            smallest = row
-    rows.sort(key=rank_key)
-    return rows, smallest, count
-
-
-def rank_key(row):
-    """Fastest first; plans the model times alike (to 9 digits: e.g. recompute hidden behind an exposed reduce, or
-    cp·mbs constant) rank the simpler first — without cp, with less recompute, without interleaving, less memory."""
-    return (-float(f"{row['tokens_per_s']:.9g}"), row["cp"], memory.RECOMPUTE.index(row["recompute"]), row["vp"],
-            row["memory_per_gpu_gb"])
-
-
-# ---- command line ---------------------------------------------------------------------------------------------------
+def cluster_of(name, gpus_per_node=None):
+    """The node profile `--hardware` names; cpu-measured: bench.intensity's measurements with the per-op overhead
+    fitted to bench.train's 1x1x1 run. `gpus_per_node` moves the node boundary."""
+    cluster = cpu_cluster(op_overhead=cpu_op_overhead()) if name == CPU_MEASURED else CLUSTERS[name]
+    if gpus_per_node:
+        cluster = replace(cluster, device=replace(cluster.device, gpus_per_node=gpus_per_node))
+    return cluster
 
 
 def parse_fix(text):
+    """--fix KEY=VALUE,... as {key: value}; a ValueError naming the item for an unknown key, a repeated one or a value
+    out of range."""
     fixed = {}
     for item in filter(None, (text or "").split(",")):
         key, _, value = item.partition("=")
@@ -176,7 +62,7 @@ def parse_fix(text):
             fixed[key] = FIXABLE[key](value)
         except ValueError:
             raise ValueError(f"--fix {item!r}: {key} must be an integer") from None
-        allowed = {"recompute": memory.RECOMPUTE, "sp": ("on", "off"), "dp_mode": memory.DP_MODES}.get(key)
+        allowed = {"recompute": RECOMPUTE, "sp": ("on", "off"), "dp_mode": DP_MODES}.get(key)
         if allowed and value not in allowed:
             raise ValueError(f"--fix {item!r}: {key} must be one of {', '.join(allowed)}")
         if FIXABLE[key] is int and fixed[key] < 1:
@@ -184,36 +70,41 @@ def parse_fix(text):
     return fixed
 
 
-def model_config(args):
+def read_hf_config(path, seq_len):
+    """The GPTConfig of a Hugging Face config.json (or the directory holding it), its positions covering `seq_len`:
+    RoPE may plan a longer context than the model was trained on, learned positions may not."""
+    import transformers  # (only here: it takes seconds to import)
+
+    if os.path.isdir(path):
+        hf = transformers.AutoConfig.from_pretrained(path)
+    else:
+        with open(path) as f:
+            fields = json.load(f)
+        hf = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
+    config = config_from_hf(hf)
+    if config.position == "learned" and seq_len > config.max_seq_len:
+        raise ValueError(f"--seq-len {seq_len} exceeds the model's {config.max_seq_len} learned positions "
+                         "(max_seq_len)")
+    return config.replace(max_seq_len=max(seq_len, config.max_seq_len))
+
+
+def config_to_plan(args):
+    """The GPTConfig the command line names: --hf-config, a --model shape, or --hidden, --layers, --heads and the
+    other size flags; its positions cover --seq-len."""
     if args.hf_config:
-        import transformers
-
-        from models.hf import config_from_hf
-
-        path = args.hf_config
-        if os.path.isdir(path):
-            hf = transformers.AutoConfig.from_pretrained(path)
-        else:
-            with open(path) as f:
-                fields = json.load(f)
-            hf = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
-        config = config_from_hf(hf)
-        if config.position == "learned" and args.seq_len > config.max_seq_len:  # (RoPE may plan a longer context)
-            raise ValueError(f"--seq-len {args.seq_len} exceeds the model's {config.max_seq_len} learned positions "
-                             "(max_seq_len)")
-        return config.replace(max_seq_len=max(args.seq_len, config.max_seq_len))
+        return read_hf_config(args.hf_config, args.seq_len)
     if args.model:
-        return models.GPTConfig(**(MODELS[args.model] | {"max_seq_len": max(args.seq_len,
-                                                                          MODELS[args.model].get("max_seq_len", 0))}))
-    return models.GPTConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers,
-                            num_heads=args.heads, num_kv_heads=args.kv_heads, ffn_hidden_size=args.ffn,
-                            activation=args.activation, max_seq_len=args.seq_len)
+        shape = MODELS[args.model]
+        return GPTConfig(**(shape | {"max_seq_len": max(args.seq_len, shape.get("max_seq_len", 0))}))
+    return GPTConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers, num_heads=args.heads,
+                     num_kv_heads=args.kv_heads, ffn_hidden_size=args.ffn, activation=args.activation,
+                     max_seq_len=args.seq_len)
 
 
 def parser():
     p = argparse.ArgumentParser(prog="python -m bench.plan", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--hardware", choices=HARDWARE, default="h100-sxm")
+    p.add_argument("--hardware", choices=PROFILES, default="h100-sxm")
     p.add_argument("--gpus", type=int, help="GPUs (CPU ranks on cpu-measured)")
     p.add_argument("--gpus-per-node", type=int, help="default: the profile's (8 for GPUs)")
     p.add_argument("--model", choices=sorted(MODELS), help="a named shape")
@@ -236,6 +127,7 @@ def parser():
 
 
 def check_args(p, args):
+    """One usage error (exit 2) for a missing or contradictory model, size or count."""
     if args.validate:
         return
     shape = [f for f in ("hidden", "layers", "heads") if getattr(args, f) is not None]
@@ -255,6 +147,7 @@ def check_args(p, args):
 
 
 def no_plan_line(config, args, count, smallest, cluster):
+    """The one error line when no plan fits: nothing divides, or the least memory any split needs, and the excess."""
     where = f"{args.gpus} GPUs of {cluster.name}"
     if count == 0:
         return (f"error: no split of {where} divides the model (heads {config.num_heads}, kv heads "
@@ -269,8 +162,7 @@ def no_plan_line(config, args, count, smallest, cluster):
 
 
 def print_plans(rows, config, args, cluster, count):
-    from ..common import print_table
-
+    """The model and cluster line, the table of plans, and the best plan's time and memory breakdown."""
     print(f"{args.model or args.hf_config or 'model'}: {config.num_layers} layers, hidden {config.hidden_size}, "
           f"{config.num_heads}/{config.num_kv_heads} heads, ffn {config.ffn_hidden_size} ({config.activation}), "
           f"vocab {config.vocab_size}; seq {args.seq_len}, global batch {args.global_batch_size}; {args.gpus} x "
@@ -285,6 +177,7 @@ def print_plans(rows, config, args, cluster, count):
 
 
 def plot(rows, path):
+    """plan.png: each plan's modelled step as stacked bars of its time breakdown."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -307,26 +200,26 @@ def plot(rows, path):
     plt.close(fig)
 
 
+def write_out(directory, top, cluster, args):
+    """--out: plans.json (the shown plans, the profile's name, the arguments) and plan.png (their time breakdown)."""
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "plans.json"), "w") as f:
+        json.dump({"plans": top, "hardware": cluster.name, "args": vars(args)}, f, indent=1)
+    plot(top[:PLOTTED], os.path.join(directory, "plan.png"))
+
+
 def main(argv=None):
     p = parser()
     args = p.parse_args(argv)
     check_args(p, args)
     if args.out:
-        from ..common import check_out
-
         check_out(p, "--out", args.out, directory=True)
     try:
         if args.validate:
-            from .plan_validation import main as validate
-
             return validate(json_out=args.json, out=args.out)
         fixed = parse_fix(args.fix)
-        cluster = cluster_of(args.hardware)
-        if args.gpus_per_node:
-            from dataclasses import replace
-
-            cluster = replace(cluster, device=replace(cluster.device, gpus_per_node=args.gpus_per_node))
-        config = model_config(args)
+        cluster = cluster_of(args.hardware, args.gpus_per_node)
+        config = config_to_plan(args)
     except (ValueError, OSError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -341,9 +234,5 @@ def main(argv=None):
     else:
         print_plans(rows, config, args, cluster, count)
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "plans.json"), "w") as f:
-            json.dump({"plans": top, "hardware": cluster.name, "args": vars(args)}, f, indent=1)
-        plot(top[:PLOTTED], os.path.join(args.out, "plan.png"))
+        write_out(args.out, top, cluster, args)
     return 0
-

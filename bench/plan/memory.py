@@ -6,13 +6,13 @@ activations of the largest pipeline stage, counted as this package's code alloca
 
 Parameters: the exact shapes models.GPT builds on a stage (tests compare them with a real stage): fused QKV with
 kv heads replicated when fewer than tp, SwiGLU's fused gate/up, the vocabulary padded to a multiple of
-tp·make_vocab_size_divisible_by, norms and row biases
-whole on every tp rank, a tied output weight counted once where both ends share a stage. Under cp every rank
-holds them all. Stages split the layers as
-models.stages.stage_layers does; with V virtual stages rank r holds chunks c·pp + r (Megatron's interleaving).
+tp·make_vocab_size_divisible_by, norms and row biases whole on every tp rank, a tied output weight counted once where
+both ends share a stage. Under cp every rank holds them all. Stages hold the layers and chunks models.stages places:
+with v virtual stages rank r holds chunks c·pp + r (Megatron's interleaving).
 
-Bytes per parameter (REFERENCE §11, Megatron's distributed-optimizer table; d = dp·cp ranks share the optimizer,
-as Megatron's distributed optimizer shards over the dp-cp group):
+Bytes per parameter (the mixed-precision table of the ZeRO paper, Rajbhandari et al. 2020 §3.1, as Megatron's
+distributed-optimizer doc gives it; d = dp·cp ranks share the optimizer, as Megatron's distributed optimizer shards
+over the dp-cp group):
   fp32: params 4, grads 4, Adam moments 8;  bf16: params 2, fp32 main_grad 4, fp32 master 4 + moments 8;
   and AdamW's step counter, 4 bytes per parameter tensor (per piece of one under the distributed optimizer).
   ddp: all of it on every rank (18 B bf16, 16 B fp32; fp32 runs torch DDP, whose bucket copy of the gradients is
@@ -25,8 +25,9 @@ as Megatron's distributed optimizer shards over the dp-cp group):
   parameter at the end of the backward, whatever the micro-batch count).
 
 Activations per layer and micro-batch (T = b·s/cp tokens on this rank, T' = T/tp under SP, e = 2 bf16 / 4 fp32
-bytes, h hidden, a heads, k kv heads (local k' = max(k/tp, 1)), d head dim, f ffn). Korthikanti et al. 2022 count
-(REFERENCE §12) redone for this code: SDPA keeps no s×s scores, SwiGLU, GQA, RMSNorm's fp32 statistics:
+bytes, h hidden, a heads, k kv heads (local k' = max(k/tp, 1)), d head dim, f ffn). Korthikanti et al. 2022's
+count (arXiv:2205.05198, activation memory per layer) redone for this code: SDPA keeps no s×s scores, SwiGLU, GQA,
+RMSNorm's fp32 statistics:
   norm (×2)  RMSNorm: input in fp32 (4·T'h: it upcasts), rstd 4·T', normed and weighted output e·2·T'h;
              LayerNorm: input and output e·2·T'h, mean and rstd 8·T'
   attention  fused qkv e·T(a/tp + 2k')d, roped q,k e·T(a/tp + k')d (RoPE only: else views of qkv), output
@@ -42,7 +43,7 @@ Per micro-batch and stage: token ids (8 B) and the embedding's mask; on the last
 fp32 softmax over this rank's real vocabulary columns, targets and masks; on other stages the output kept for the
 backward send (e·T'h, not a saved tensor but held by the runner). RoPE's cos/sin tables once per stage.
 In flight (micro-batches whose activations are alive at once, stage i of p): 1F1B and ZB-H1 min(p − i, m), GPipe m,
-interleaved (p − i − 1)·2 + (V − 1)·p + 1 chunks of 1/V stage each (Megatron's warm-up; rank 0: p + (p − 1)/V);
+interleaved (p − i − 1)·2 + (v − 1)·p + 1 chunks of 1/v stage each (Megatron's warm-up; rank 0: p + (p − 1)/v);
 each equal to tp.pipeline.schedules' simulated peak (tests). ZB-H1 also keeps, from a micro-batch's B to its W, every
 linear's input and output gradient (layer_wgrad_bytes; the last stage's output layer its vocabulary gradient too),
 and its ranks hold W's back: the peak over the schedule's actions of awaiting-B micro-batches × their activations +
@@ -50,9 +51,10 @@ awaiting-W ones × that (the last of p ranks: up to p W's, against 1F1B's one mi
 """
 import math
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 from models.config import GPTConfig
-from models.stages import stage_layers
+from models.stages import stage_options
 from tp.pipeline.schedules import build
 
 PRECISIONS = {"fp32": 4, "bf16": 2}  # activation / parameter bytes
@@ -60,7 +62,7 @@ DP_MODES = ("ddp", "zero1", "fsdp")
 RECOMPUTE = ("none", "selective", "full")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
 BACKENDS = ("triton", "torch")
-MAIN_GRAD = {"bf16": True, "fp32": False}  # the training job keeps an fp32 main_grad under bf16 (REFERENCE §11)
+MAIN_GRAD = {"bf16": True, "fp32": False}  # the training job keeps an fp32 main_grad under bf16 (as ZeRO's table)
 STEP_BYTES = 4  # torch.optim.AdamW's per-tensor step counter (a float32 scalar tensor)
 _CACHE = {}  # memoized stage parameter counts and bytes (the planner asks for the same stages often)
 
@@ -111,15 +113,12 @@ def layer_parameter_shapes(config, tp):
 
 
 def stage_chunks(num_layers, pp, stage, virtual_stages=1):
-    """[(first layer, stop, pre_process, post_process)] of the model chunks pipeline rank `stage` holds: chunk c is
-    virtual stage c·pp + stage of pp·V, split as models.stages.stage_layers splits stages."""
-    total = pp * virtual_stages
-    chunks = []
-    for c in range(virtual_stages):
-        v = c * pp + stage
-        start, stop = stage_layers(num_layers, total, v)
-        chunks.append((start, stop, v == 0, v == total - 1))
-    return chunks
+    """[(first layer, stop, pre_process, post_process)] of the model chunks pipeline rank `stage` holds, as
+    models.stages.stage_options places them on a mesh (it reads only the model's num_layers and the mesh's pp size and
+    rank)."""
+    model, mesh = SimpleNamespace(num_layers=num_layers), SimpleNamespace(pp_size=pp, pp_rank=stage)
+    chunks = (stage_options(model, mesh, c, virtual_stages) for c in range(virtual_stages))
+    return [(*options["layers"], options["pre_process"], options["post_process"]) for options in chunks]
 
 
 def _edge_shapes(config, tp, first):
@@ -405,7 +404,7 @@ def estimate(config, *, tp, cp=1, pp, dp, micro_batch_size, seq_len, sequence_pa
     rope_tables = 2 * e * seq_len * config.head_dim if config.position == "rope" and recompute != "full" and \
         cp == 1 else 0
     best = None
-    # Only the ends can be the largest: pipeline rank 0 holds at least any middle rank's layers (stage_layers gives the
+    # Only the ends can be the largest: pipeline rank 0 holds at least any middle rank's layers (models.stages gives the
     # extra ones to the first stages; with interleaving its chunks are the first of each round), at least as many
     # micro-batches in flight, and the embedding; the last holds the output layer and the loss.
     for stage in sorted({0, pp - 1}):

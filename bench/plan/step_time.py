@@ -1,5 +1,6 @@
-"""bench.plan's step-time model: one training step of a GPTConfig under a plan (tp, cp, pp, vp, dp, micro-batch,
-recompute, SP, dp mode) on a node profile (bench.roofline.Cluster), per rank of the slowest pipeline stage.
+"""bench.plan's step-time model: one training step of a GPTConfig under a plan (tp, cp, pp, virtual stages, dp,
+micro-batch, recompute, SP, dp mode) on a node profile (bench.plan.hardware.Cluster), per rank of the slowest pipeline
+stage.
 
 Per micro-batch and stage (T = b·s/cp tokens per rank, T' = T/tp under SP, e bytes per element):
 - GEMMs: every per-rank GEMM of the layers (fused QKV with GQA, output projection, fc1 (SwiGLU: 2F), fc2; forward,
@@ -17,14 +18,14 @@ Per micro-batch and stage (T = b·s/cp tokens per rank, T' = T/tp under SP, e by
   hidden behind the attention blocks it feeds (exposed: what exceeds them); all-gather mode: one all-gather forward
   and a reduce-scatter backward, exposed.
 - Recompute: full adds every block's forward again; selective the attention core's (materialized: with its softmax).
-Per step: m micro-batches through the slowest stage plus the schedule's bubble ((p−1)/V micro-batch times for
-1F1B and interleaved: bubble_fraction, equal to tp.pipeline.schedules' simulation; plans use 1F1B, or interleaved when
-vp > 1), pp p2p of each micro-batch's activation (×V interleaved), the dp
+Per step: m micro-batches through the slowest stage plus the schedule's bubble ((p−1)/v micro-batch times for
+1F1B and interleaved over v virtual stages: bubble_fraction, equal to tp.pipeline.schedules' simulation; plans use
+1F1B, or interleaved when v > 1), pp p2p of each micro-batch's activation (×v interleaved), the dp
 gradient reduce (ddp all-reduce; zero1 reduce-scatter + parameter all-gather; fsdp per-micro-batch parameter
 all-gathers and one gradient reduce-scatter), overlapped with the last backward where the implementation does, and
 the optimizer step (memory-bound over its local state).
-MFU = model FLOPs (6·N + attention 12·L·h·s + logits 6·h·V per token, REFERENCE §12, full attention as the papers
-count it) / (step time × peak × GPUs); HFU adds the recomputed FLOPs.
+MFU = model FLOPs (6·N + attention 12·L·h·s + logits 6·h·V per token, Narayanan et al. 2021 §5.1, full attention as
+the papers count it) / (step time × peak × GPUs); HFU adds the recomputed FLOPs.
 """
 from dataclasses import dataclass, replace
 
@@ -36,14 +37,15 @@ from . import memory
 
 @dataclass(frozen=True)
 class Plan:
-    """One way to run: tp × cp × pp (vp model chunks per pipeline rank) × dp ranks, micro-batch size, recompute
-    ("none" | "selective" | "full"), sequence parallelism, dp mode ("ddp" | "zero1" | "fsdp")."""
+    """One candidate way to run a model: tp × cp × pp (virtual_stages model chunks per pipeline rank) × dp ranks,
+    micro-batch size, recompute ("none" | "selective" | "full"), sequence parallelism (sp), dp mode ("ddp" | "zero1" |
+    "fsdp")."""
     tp: int
     cp: int
     pp: int
-    vp: int
+    virtual_stages: int
     dp: int
-    mbs: int
+    micro_batch_size: int
     recompute: str = "none"
     sp: bool = False
     dp_mode: str = "ddp"
@@ -54,7 +56,7 @@ class Plan:
 
     @property
     def schedule(self):
-        return "interleaved" if self.vp > 1 else "1f1b"
+        return "interleaved" if self.virtual_stages > 1 else "1f1b"
 
 
 @dataclass(frozen=True)
@@ -79,9 +81,9 @@ OPS_PER_LAYER = 24  # forward ops of one block (norms 2x4, qkv, rope 5, core, pr
 
 
 def model_flops_per_token(config, seq_len):
-    """Training FLOPs per token (REFERENCE §12), as the training log counts them (models.flops): 6·N (the blocks'
-    matmul weights) + 12·L·a·d·s (attention, full square) + 6·h·V (logits). For a GPT-3-shaped model: Narayanan et
-    al.'s 72·L·h²·(1 + s/(6h) + V/(12·L·h))."""
+    """Training FLOPs per token (Narayanan et al. 2021, arXiv:2104.04473, §5.1), as the training log counts them
+    (models.flops): 6·N (the blocks' matmul weights) + 12·L·a·d·s (attention, full square) + 6·h·V (logits). For a
+    GPT-3-shaped model: Narayanan et al.'s 72·L·h²·(1 + s/(6h) + V/(12·L·h))."""
     return flops_per_token(config, seq_len)
 
 
@@ -124,7 +126,7 @@ def _layer_gemms(config, plan, tokens):
 
 def _attention_times(config, plan, seq_len, cluster, software, e):
     """(forward, backward) seconds of one layer's attention core per micro-batch."""
-    heads = plan.mbs * config.num_heads // plan.tp  # (batch × local heads) independent problems
+    heads = plan.micro_batch_size * config.num_heads // plan.tp  # (batch × local heads) independent problems
     s_q, s_k, d = seq_len // plan.cp, seq_len, config.head_dim
     if software.attention == "flash":
         flops = 2 * heads * s_q * s_k * d  # QKᵀ and PV, causal: half of 4·s_q·s_k·d
@@ -165,7 +167,7 @@ def _tp_comm(config, plan, tokens, cluster, e):
 def cp_kv_elements(config, plan, seq_len):
     """K and V elements of one rank's share per layer and micro-batch: 2·b·s/cp·kv·d (kv: this tp rank's heads).
     Ring mode sends cp − 1 of them forward, as many again backward plus as many dK/dV (fp32)."""
-    return 2 * plan.mbs * seq_len // plan.cp * memory.local_kv_heads(config, plan.tp) * config.head_dim
+    return 2 * plan.micro_batch_size * seq_len // plan.cp * memory.local_kv_heads(config, plan.tp) * config.head_dim
 
 
 def _cp_comm(config, plan, seq_len, cluster, e, attention):
@@ -185,8 +187,9 @@ def _cp_comm(config, plan, seq_len, cluster, e, attention):
 
 
 def bubble_fraction(pp, micro_batches, virtual_stages=1):
-    """Idle fraction of the pipeline's span with equal micro-batch times (REFERENCE §8, §10): 1F1B and GPipe
-    (p−1)/(m+p−1); interleaved (p−1)/(V·m + p−1)."""
+    """Idle fraction of the pipeline's span with equal micro-batch times: 1F1B and GPipe (p−1)/(m+p−1) (Huang et al.
+    2019, GPipe §2.3); interleaved over v virtual stages (p−1)/(v·m + p−1) (Narayanan et al. 2021 §2.2.2: the bubble
+    divided by v)."""
     return (pp - 1) / (virtual_stages * micro_batches + pp - 1)
 
 
@@ -207,8 +210,8 @@ class StageTimes:
 def stage_times(config, plan, seq_len, cluster, software, stage):
     """StageTimes of pipeline rank `stage` (its layers, and the embedding / output layer where it holds them)."""
     e = ELEMENT_SIZE[software.precision]
-    tokens = plan.mbs * seq_len // plan.cp
-    chunks = memory.stage_chunks(config.num_layers, plan.pp, stage, plan.vp)
+    tokens = plan.micro_batch_size * seq_len // plan.cp
+    chunks = memory.stage_chunks(config.num_layers, plan.pp, stage, plan.virtual_stages)
     layers = sum(stop - start for start, stop, _, _ in chunks)
     gemms = _layer_gemms(config, plan, tokens)
     g = {phase: sum(_gemm_time(x, cluster, e) for x in gemms if x.phase == phase) for phase in ("fwd", "dgrad",
@@ -255,7 +258,7 @@ def stage_times(config, plan, seq_len, cluster, software, stage):
 
 
 def _stage_params(config, plan, stage):
-    return memory.stage_numel(config, plan.tp, plan.pp, stage, plan.vp)
+    return memory.stage_numel(config, plan.tp, plan.pp, stage, plan.virtual_stages)
 
 
 def _dp_time(config, plan, cluster, software, stage, times, micro_batches):
@@ -290,7 +293,7 @@ def _p2p_time(config, plan, seq_len, cluster, software):
     if plan.pp == 1:
         return 0.0
     e = ELEMENT_SIZE[software.precision]
-    rows = plan.mbs * seq_len // plan.cp // (plan.tp if plan.sp else 1)
+    rows = plan.micro_batch_size * seq_len // plan.cp // (plan.tp if plan.sp else 1)
     size = e * rows * config.hidden_size
     if software.p2p_scatter_gather and not plan.sp:
         size /= plan.tp
@@ -311,15 +314,16 @@ def step_time(config, plan, *, seq_len, global_batch_size, cluster, software=OUR
     """{"step_s", "tokens_per_s", "mfu", "hfu", "breakdown": {part: seconds per step}} of one training step."""
     peak = min(plan.gpus, cluster.cores or plan.gpus) * cluster.device.flops  # ranks beyond the cores share them
     cluster = _with_cpu_sharing(cluster, plan)
-    m = global_batch_size // (plan.dp * plan.mbs)
+    m = global_batch_size // (plan.dp * plan.micro_batch_size)
     # Only the ends can be the slowest (or hold the most parameters): rank 0 has at least any middle rank's layers
     # and the embedding, the last rank the output layer and the loss (bench.plan.memory.estimate says why).
     distinct = [(s, stage_times(config, plan, seq_len, cluster, software, s)) for s in sorted({0, plan.pp - 1})]
     slowest, t = max(distinct, key=lambda item: item[1].total)
     p2p = _p2p_time(config, plan, seq_len, cluster, software)
-    per_micro = t.total + 2 * p2p * plan.vp if plan.pp > 1 else t.total
-    busy = m * per_micro  # span = busy / (1 − bubble fraction): (p − 1)/V micro-batch times of idling
-    bubble = busy * bubble_fraction(plan.pp, m, plan.vp) / (1 - bubble_fraction(plan.pp, m, plan.vp))
+    per_micro = t.total + 2 * p2p * plan.virtual_stages if plan.pp > 1 else t.total
+    busy = m * per_micro  # span = busy / (1 − bubble fraction): (p − 1)/v micro-batch times of idling
+    idle = bubble_fraction(plan.pp, m, plan.virtual_stages)
+    bubble = busy * idle / (1 - idle)
     dp = max(_dp_time(config, plan, cluster, software, s, times, m) for s, times in distinct)
     optimizer = max(_optimizer_time(config, plan, cluster, software, s) for s, _ in distinct)
     step = m * per_micro + bubble + dp + optimizer
@@ -327,7 +331,7 @@ def step_time(config, plan, *, seq_len, global_batch_size, cluster, software=OUR
     flops = model_flops_per_token(config, seq_len) * tokens
     recomputed = recompute_flops_per_token(config, seq_len, plan.recompute) * tokens
     breakdown = {name: m * value for name, value in t.parts.items()}
-    breakdown.update(pp_p2p=m * 2 * p2p * plan.vp if plan.pp > 1 else 0.0, bubble=bubble, dp_comm=dp,
+    breakdown.update(pp_p2p=m * 2 * p2p * plan.virtual_stages if plan.pp > 1 else 0.0, bubble=bubble, dp_comm=dp,
                      optimizer=optimizer)
     return {"step_s": step, "tokens_per_s": tokens / step, "mfu": flops / (step * peak),
             "hfu": (flops + recomputed) / (step * peak), "micro_batches": m, "slowest_stage": slowest,

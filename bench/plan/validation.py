@@ -16,10 +16,20 @@ import json
 import os
 from dataclasses import dataclass, replace
 
-import models
+from models.config import PRESETS, GPTConfig
 
-from .. import roofline as rl
-from . import step_time as pm
+from ..common import RESULTS, print_table
+from .hardware import CLUSTERS, cpu_cluster
+from .search import evaluate
+from .step_time import (
+    MEGATRON_2021,
+    OURS_CPU,
+    Plan,
+    Software,
+    model_flops_per_token,
+    recompute_flops_per_token,
+    step_time,
+)
 
 GPT3_SHAPE = dict(vocab_size=51200, activation="gelu", norm="layernorm", bias=True, position="learned",
                   max_seq_len=2048)
@@ -37,31 +47,33 @@ class Row:
     model: dict
     seq_len: int
     global_batch_size: int
-    plan: pm.Plan
-    software: pm.Software
+    plan: Plan
+    software: Software
     published: dict  # {"mfu": .., "hfu": ..}: fractions of peak
     note: str = ""
 
 
-def _narayanan(params, heads, hidden, layers, t, p, gpus, batch, mbs, percent):
+def _narayanan(params, heads, hidden, layers, t, p, gpus, batch, micro_batch_size, percent):
     return Row(f"GPT {params}B", f"{NARAYANAN}, row {params}B", "a100-80g",
                dict(GPT3_SHAPE, hidden_size=hidden, num_layers=layers, num_heads=heads), 2048, batch,
-               pm.Plan(t, 1, p, 1, gpus // (t * p), mbs, "full", False, "ddp"), pm.MEGATRON_2021,
+               Plan(t, 1, p, 1, gpus // (t * p), micro_batch_size, "full", False, "ddp"), MEGATRON_2021,
                {"hfu": percent / 100}, MBS_NOTE)
 
 
-def _korthikanti(size, heads, hidden, layers, p, gpus, batch, mbs, vp, mfu, hfu, full_s, present_s):
+def _korthikanti(size, heads, hidden, layers, p, gpus, batch, micro_batch_size, virtual_stages, mfu, hfu, full_s,
+                 present_s):
     shape = dict(GPT3_SHAPE, hidden_size=hidden, num_layers=layers, num_heads=heads)
-    config = models.GPTConfig(**shape)
-    flops = pm.model_flops_per_token(config, 2048) * batch * 2048
-    full_hfu = (flops + pm.recompute_flops_per_token(config, 2048, "full") * batch * 2048) / (full_s * 312e12 * gpus)
-    common = dict(hardware="a100-80g", model=shape, seq_len=2048, global_batch_size=batch, software=pm.MEGATRON_2021)
+    config = GPTConfig(**shape)
+    flops = model_flops_per_token(config, 2048) * batch * 2048
+    full_hfu = (flops + recompute_flops_per_token(config, 2048, "full") * batch * 2048) / (full_s * 312e12 * gpus)
+    common = dict(hardware="a100-80g", model=shape, seq_len=2048, global_batch_size=batch, software=MEGATRON_2021)
+    split = dict(tp=8, cp=1, pp=p, virtual_stages=virtual_stages, dp=1, micro_batch_size=micro_batch_size)
     return [
-        Row(f"{size} SP+selective", f"{KORTHIKANTI}, row {size}, present work", plan=pm.Plan(
-            8, 1, p, vp, 1, mbs, "selective", True, "ddp"), published={"mfu": mfu / 100, "hfu": hfu / 100},
+        Row(f"{size} SP+selective", f"{KORTHIKANTI}, row {size}, present work",
+            plan=Plan(**split, recompute="selective", sp=True), published={"mfu": mfu / 100, "hfu": hfu / 100},
             note=f"iteration {present_s} s", **common),
         Row(f"{size} full recompute", f"{KORTHIKANTI}, row {size}, full recompute (iteration {full_s} s)",
-            plan=pm.Plan(8, 1, p, vp, 1, mbs, "full", False, "ddp"), published={"hfu": full_hfu},
+            plan=Plan(**split, recompute="full"), published={"hfu": full_hfu},
             note="HFU derived from the published iteration time with this module's FLOP count", **common),
     ]
 
@@ -78,35 +90,36 @@ PUBLISHED = [
     _narayanan(310.1, 128, 16384, 96, 8, 16, 1920, 2160, 1, 50),
     _narayanan(529.6, 128, 20480, 105, 8, 35, 2520, 2520, 1, 52),
     _narayanan(1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 1, 52),
-    # size, heads, hidden, layers, p, GPUs, batch, micro-batch (Table 3), vp (3 for 175B and 530B: the paper's
-    # interleaving, as Isaev et al.'s Calculon validation configs also set it), MFU, HFU, iteration seconds with full
-    # recompute and with SP + selective (Table 5); sequence 2048, vocabulary 51200, A100 80GB, no data parallelism
+    # size, heads, hidden, layers, p, GPUs, batch, micro-batch (Table 3), virtual stages (3 for 175B and 530B: the
+    # paper's interleaving, as Isaev et al.'s Calculon validation configs also set it), MFU, HFU, iteration seconds with
+    # full recompute and with SP + selective (Table 5); sequence 2048, vocabulary 51200, A100 80GB, no data parallelism
     *_korthikanti("22B", 64, 6144, 48, 1, 8, 4, 4, 1, 41.5, 43.7, 1.42, 1.10),
     *_korthikanti("175B", 96, 12288, 96, 8, 64, 64, 1, 3, 51.4, 52.8, 18.13, 13.75),
     *_korthikanti("530B", 128, 20480, 105, 35, 280, 280, 1, 3, 56.0, 57.0, 49.05, 37.83),
     *_korthikanti("1T", 160, 25600, 128, 64, 512, 512, 1, 1, 56.3, 57.0, 94.42, 71.49),
 ]
 
-# What calibrate() fitted, rounded, lives in the profiles (bench.roofline.CLUSTERS).
-A100_GEMM, A100_COMM = rl.CLUSTERS["a100-80g"].gemm_efficiency, rl.CLUSTERS["a100-80g"].comm_efficiency
-TRAIN_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "train.json")
+# What calibrate() fitted, rounded, lives in the profiles (bench.plan.hardware.CLUSTERS).
+A100_GEMM, A100_COMM = CLUSTERS["a100-80g"].gemm_efficiency, CLUSTERS["a100-80g"].comm_efficiency
+TRAIN_JSON = os.path.join(RESULTS, "train.json")
+ROOT = os.path.dirname(os.path.dirname(RESULTS))  # the repository, which the CPU rows' source is named from
 
 
 def clusters(a100_gemm=None, a100_comm=None):
-    a100 = replace(rl.CLUSTERS["a100-80g"], gemm_efficiency=a100_gemm or A100_GEMM,
+    """{hardware: Cluster} of the published rows, the A100's efficiencies replaced where given (calibration)."""
+    a100 = replace(CLUSTERS["a100-80g"], gemm_efficiency=a100_gemm or A100_GEMM,
                    comm_efficiency=a100_comm or A100_COMM)
     return {"a100-80g": a100}
 
 
 def predict(row, cluster):
     """The model's row for a published run (its pinned plan)."""
-    from .cli import evaluate
-
-    return evaluate(models.GPTConfig(**row.model), row.plan, seq_len=row.seq_len,
+    return evaluate(GPTConfig(**row.model), row.plan, seq_len=row.seq_len,
                     global_batch_size=row.global_batch_size, cluster=cluster, software=row.software)
 
 
 def published_rows(cluster_map=None):
+    """Each published run: its plan as published, the estimated memory, and published vs predicted MFU/HFU."""
     cluster_map = cluster_map or clusters()
     out = []
     for row in PUBLISHED:
@@ -138,16 +151,16 @@ def cpu_rows(path=TRAIN_JSON, op_overhead=None):
     with open(path) as f:
         measured = json.load(f)
     a = measured["args"]
-    config = models.GPTConfig(**(models.config.PRESETS[a["model"]] | {"max_seq_len": a["seq_len"]}))
-    cluster = rl.cpu_cluster(op_overhead=cpu_op_overhead(path) if op_overhead is None else op_overhead)
+    config = GPTConfig(**(PRESETS[a["model"]] | {"max_seq_len": a["seq_len"]}))
+    cluster = cpu_cluster(op_overhead=cpu_op_overhead(path) if op_overhead is None else op_overhead)
     out = []
     for r in measured["throughput"]:
         sizes = tuple(map(int, r["split"].split("x")))  # TxPxD, or TxCxPxD with context parallelism
         t, c, p, d = sizes if len(sizes) == 4 else (sizes[0], 1, *sizes[1:])
-        plan = pm.Plan(t, c, p, 1, d, a["micro_batch_size"], "none", False, "ddp")
-        got = pm.step_time(config, plan, seq_len=a["seq_len"], global_batch_size=a["global_batch_size"],
-                           cluster=cluster, software=pm.OURS_CPU)
-        source = os.path.relpath(path, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        plan = Plan(t, c, p, 1, d, a["micro_batch_size"], "none", False, "ddp")
+        got = step_time(config, plan, seq_len=a["seq_len"], global_batch_size=a["global_batch_size"],
+                        cluster=cluster, software=OURS_CPU)
+        source = os.path.relpath(path, ROOT)
         out.append({"row": f"models.train {r['split']}", "source": f"{source} (bench.train, {measured['machine']})",
                     "measured_tokens_per_s": r["tokens_per_s"], "predicted_tokens_per_s": got["tokens_per_s"],
                     "error_tokens_per_s": got["tokens_per_s"] / r["tokens_per_s"] - 1, "step_s": got["step_s"]})
@@ -183,9 +196,9 @@ CPU_TABLE = [("row", "run", "{}"), ("measured_tokens_per_s", "measured tokens/s"
              ("predicted_tokens_per_s", "predicted", "{:,.0f}"), ("error_tokens_per_s", "err", "{:+.1%}")]
 
 
-def main(json_out=False, out=None):
-    from ..common import print_table
-
+def validate(*, json_out=False, out=None):
+    """`--validate`: print the published and the CPU rows (as JSON with `json_out`); write validation.json into
+    `out`."""
     overhead = cpu_op_overhead()
     published, cpu = published_rows(), cpu_rows(op_overhead=overhead)
     payload = {"calibrated": {"a100_gemm": A100_GEMM, "a100_comm": A100_COMM, "cpu_op_overhead": overhead},
@@ -203,8 +216,6 @@ def main(json_out=False, out=None):
               "fitted to 1x1x1, the rest predicted)")
         print_table(cpu, CPU_TABLE)
     if out:
-        import os
-
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "validation.json"), "w") as f:
             json.dump(payload, f, indent=1)

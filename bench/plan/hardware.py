@@ -1,0 +1,73 @@
+"""The planner's node profiles: a device's roofline profile (bench.roofline.Hardware, shared with bench.intensity) plus
+what a training plan also needs (memory, achieved efficiencies, per-op overhead); the GPU nodes and the CPU node
+measured on this machine."""
+import json
+import os
+import re
+from dataclasses import dataclass
+
+from ..common import RESULTS
+from ..roofline import HARDWARE, Hardware
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """A node type for bench.plan: the device's roofline profile plus what a training plan also needs.
+    Bandwidths per device and direction; efficiencies are fractions of the datasheet figure actually achieved."""
+    name: str
+    device: Hardware  # flops, hbm, link (inside a node), inter_node, gpus_per_node, element_size, latency
+    memory: float  # bytes of device memory
+    reserved: float  # bytes the model cannot use (CUDA context, NCCL buffers, allocator fragmentation)
+    gemm_efficiency: float  # of device.flops, by large GEMMs
+    comm_efficiency: float  # of link / inter_node, by ring collectives
+    attention_efficiency: float  # of device.flops, by flash attention (forward + backward)
+    op_overhead: float  # seconds per eager op and kernel launch not hidden behind the device queue
+    source: str
+    cores: int = 0  # CPU: ranks share this many cores (0: one device per rank)
+
+
+CLUSTERS = {
+    "h100-sxm": Cluster(
+        "h100-sxm", HARDWARE["h100-nvlink"], memory=80e9, reserved=3e9,
+        gemm_efficiency=0.76, comm_efficiency=0.5, attention_efficiency=0.35, op_overhead=0.0,
+        source="device: bench.roofline's h100-nvlink (NVIDIA H100 SXM datasheet: 989 TFLOP/s bf16 dense, 3.35 "
+               "TB/s, NVLink 450 GB/s per direction, 80 GB HBM3); between nodes one ConnectX-7 NDR 400 Gb/s = 50 GB/s "
+               "per GPU (DGX H100: 8 per node); attention 0.35: FlashAttention-3 paper (Shah et al. 2024, abstract) — "
+               "FlashAttention-2, torch SDPA's flash kernel, reaches 35 % of the H100's peak; gemm 0.76 and comm 0.5: "
+               "the a100-80g fractions (no H100 run with a full published configuration to calibrate on: not "
+               "validated); reserved 3 GB: an allowance, not measured; launch overhead hidden (asynchronous "
+               "launches, kernels >> 5 us here)"),
+    "a100-80g": Cluster(
+        "a100-80g", HARDWARE["a100-nvlink"], memory=80e9, reserved=3e9,
+        gemm_efficiency=0.76, comm_efficiency=0.5, attention_efficiency=0.5, op_overhead=0.0,
+        source="device: bench.roofline's a100-nvlink (NVIDIA A100 80GB SXM datasheet: 312 TFLOP/s bf16/fp16 "
+               "dense, 2.039 TB/s, NVLink 300 GB/s per direction, 80 GB HBM2e); between nodes one HDR 200 Gb/s = 25 "
+               "GB/s per GPU (DGX A100 / Selene: 8 compute HDR NICs per node, Narayanan et al. 2021 §5); attention "
+               "0.5: FlashAttention-2 paper (Dao 2023): 50-73 % of A100 peak; gemm 0.76 and comm 0.5: calibrated on "
+               "the 18 published A100 figures (Narayanan et al. 2021 Table 1, Korthikanti et al. 2022 Table 5; "
+               "bench/plan/validation.py calibrate(), mean |error| 2.6 %); reserved 3 GB: an allowance, not measured"),
+}
+CPU_MEASURED = "cpu-measured"
+PROFILES = (*CLUSTERS, CPU_MEASURED)  # --hardware's choices
+INTENSITY_JSON = os.path.join(RESULTS, "intensity", "intensity.json")
+
+
+def cpu_cluster(path=INTENSITY_JSON, *, op_overhead=0.0, comm_efficiency=1.0):
+    """The "cpu-measured" node: bench.intensity's measurements on this machine (its JSON), one rank per process with
+    one thread, ranks beyond the cores sharing them. The square-GEMM peak was timed with every core (torch's default
+    threads), so one rank's compute is peak / cores; gemm efficiency 1 (the peak is a measured GEMM); no flash
+    kernel on CPU, so attention runs at the GEMM rate; device memory: this machine's RAM; eager dispatch costs
+    `op_overhead` per op (bench.plan fits it to bench.train's 1x1x1 run: bench/plan/validation.py)."""
+    with open(path) as f:
+        measured = json.load(f)["measured"]
+    cores = int(re.search(r"(\d+) cores", measured["device"]).group(1)) if "cores" in measured["device"] else 1
+    device = Hardware(CPU_MEASURED, flops=measured["peak_flops"] / cores, hbm=measured["bandwidth"],
+                      link=measured["link"], latency=measured["latency"], dtype=measured["dtype"],
+                      element_size=measured["element_size"], gpus_per_node=cores, inter_node=measured["link"],
+                      source=f"bench.intensity on {measured['device']} ({path}): square-GEMM peak / cores, copy "
+                             "bandwidth, link bandwidth and per-collective latency fitted to the timed gloo "
+                             "collectives")
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return Cluster(CPU_MEASURED, device, memory=ram, reserved=0.0, gemm_efficiency=1.0,
+                   comm_efficiency=comm_efficiency, attention_efficiency=1.0, op_overhead=op_overhead,
+                   source=device.source, cores=cores)

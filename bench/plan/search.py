@@ -1,0 +1,139 @@
+"""The planner's search: every candidate plan of a model on N devices whose sizes divide (bench.plan.cli's docstring
+says which), each evaluated (its memory, and its step time when it fits) and ranked fastest first.
+
+`fixed` pins plan fields by their --fix keys (tp, cp, pp, vp, dp, mbs, recompute, sp, dp_mode); an evaluated plan is a
+row keyed as the table and the JSON name them.
+"""
+from . import memory
+from .step_time import OURS, OURS_CPU, Plan, step_time
+
+MICRO_BATCH_SIZES = (1, 2, 4, 8, 16)  # the sweep; --fix mbs=N plans any other
+VIRTUAL_STAGES = (2, 3, 4, 6, 8)  # the interleaved sweep; --fix vp=N plans any other
+
+
+def software_of(cluster):
+    """The implementation that runs on the node: this package, in fp32 eager on the CPU profile."""
+    return OURS_CPU if cluster.cores else OURS
+
+
+def _divisors(n):
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _allowed(fixed, key, value):
+    """Whether --fix leaves `key` free or pins it to `value`."""
+    return fixed.get(key, value) == value
+
+
+def _splits_model(config, tp):
+    try:
+        config.check_tp(tp)
+    except ValueError:
+        return False
+    return True
+
+
+def _degrees(config, *, gpus, seq_len, global_batch_size, cluster, fixed):
+    """(tp, cp, pp, dp) of `gpus` devices that divide the model, the sequence and the global batch; tp within a node
+    unless pinned."""
+    for tp in _divisors(gpus):
+        within_node = tp <= cluster.device.gpus_per_node or "tp" in fixed
+        if not (_allowed(fixed, "tp", tp) and within_node and _splits_model(config, tp)):
+            continue
+        for cp in _divisors(gpus // tp):
+            if not _allowed(fixed, "cp", cp) or (cp > 1 and seq_len % (2 * cp)):
+                continue
+            for pp in _divisors(gpus // (tp * cp)):
+                dp = gpus // (tp * cp * pp)
+                if _allowed(fixed, "pp", pp) and _allowed(fixed, "dp", dp) and pp <= config.num_layers and \
+                        global_batch_size % dp == 0:
+                    yield tp, cp, pp, dp
+
+
+def _micro_batching(config, pp, dp, global_batch_size, fixed):
+    """(micro-batch size, virtual stages): the micro-batches split each dp rank's share of the batch; interleaving
+    needs layers divisible by pp·virtual_stages and micro-batches by pp (Megatron's schedule)."""
+    for micro_batch_size in (fixed["mbs"],) if "mbs" in fixed else MICRO_BATCH_SIZES:
+        if (global_batch_size // dp) % micro_batch_size:
+            continue
+        micro_batches = global_batch_size // (dp * micro_batch_size)
+        interleaved = (fixed["vp"],) if fixed.get("vp", 1) > 1 else VIRTUAL_STAGES
+        choices = [1] + ([v for v in interleaved if config.num_layers % (pp * v) == 0 and micro_batches % pp == 0]
+                         if pp > 1 else [])
+        for virtual_stages in choices:
+            if _allowed(fixed, "vp", virtual_stages):
+                yield micro_batch_size, virtual_stages
+
+
+def _options(tp, cp, dp, seq_len, fixed):
+    """(recompute, sequence parallel, dp mode): SP where tp > 1 and the sequence splits over 2·cp·tp; a dp mode
+    other than ddp where gradients are reduced over more than one rank (dp·cp)."""
+    for recompute in memory.RECOMPUTE:
+        if not _allowed(fixed, "recompute", recompute):
+            continue
+        for sp in (False, True) if tp > 1 else (False,):
+            split = (2 * cp if cp > 1 else 1) * (tp if sp else 1)
+            if not _allowed(fixed, "sp", "on" if sp else "off") or seq_len % split:
+                continue
+            for dp_mode in memory.DP_MODES if dp * cp > 1 else ("ddp",):
+                if _allowed(fixed, "dp_mode", dp_mode):
+                    yield recompute, sp, dp_mode
+
+
+def candidate_plans(config, *, gpus, seq_len, global_batch_size, cluster, fixed):
+    """Every plan whose sizes divide, before memory."""
+    fixed = dict(fixed)
+    for tp, cp, pp, dp in _degrees(config, gpus=gpus, seq_len=seq_len, global_batch_size=global_batch_size,
+                                   cluster=cluster, fixed=fixed):
+        for micro_batch_size, virtual_stages in _micro_batching(config, pp, dp, global_batch_size, fixed):
+            for recompute, sp, dp_mode in _options(tp, cp, dp, seq_len, fixed):
+                yield Plan(tp, cp, pp, virtual_stages, dp, micro_batch_size, recompute, sp, dp_mode)
+
+
+def plan_memory(config, plan, *, seq_len, global_batch_size, software):
+    """bench.plan.memory's estimate of the plan's largest stage."""
+    precision = "bf16" if software.precision in ("bf16", "fp16") else "fp32"
+    return memory.estimate(config, tp=plan.tp, cp=plan.cp, pp=plan.pp, dp=plan.dp,
+                           micro_batch_size=plan.micro_batch_size, seq_len=seq_len, sequence_parallel=plan.sp,
+                           recompute=plan.recompute, dp_mode=plan.dp_mode, precision=precision,
+                           virtual_stages=plan.virtual_stages, schedule=plan.schedule,
+                           micro_batches=global_batch_size // (plan.dp * plan.micro_batch_size),
+                           backend=software.backend)
+
+
+def evaluate(config, plan, *, seq_len, global_batch_size, cluster, software, with_time=True):
+    """One row: the plan, its memory, and (if it fits, or with_time) its modelled step."""
+    estimate = plan_memory(config, plan, seq_len=seq_len, global_batch_size=global_batch_size, software=software)
+    usable = cluster.memory - cluster.reserved
+    row = {"tp": plan.tp, "cp": plan.cp, "pp": plan.pp, "vp": plan.virtual_stages, "dp": plan.dp,
+           "mbs": plan.micro_batch_size, "recompute": plan.recompute, "sp": "on" if plan.sp else "off",
+           "dp_mode": plan.dp_mode, "memory_per_gpu_gb": estimate.total / 1e9, "fits": estimate.total <= usable,
+           "memory": estimate.as_dict()}
+    if row["fits"] or with_time:
+        row.update(step_time(config, plan, seq_len=seq_len, global_batch_size=global_batch_size, cluster=cluster,
+                             software=software))
+    return row
+
+
+def search(config, *, gpus, seq_len, global_batch_size, cluster, fixed=(), software=None):
+    """(feasible rows best first, the smallest-memory infeasible row or None, number of candidate plans)."""
+    software = software or software_of(cluster)
+    rows, smallest, count = [], None, 0
+    for plan in candidate_plans(config, gpus=gpus, seq_len=seq_len, global_batch_size=global_batch_size,
+                                cluster=cluster, fixed=fixed):
+        count += 1
+        row = evaluate(config, plan, seq_len=seq_len, global_batch_size=global_batch_size, cluster=cluster,
+                       software=software, with_time=False)
+        if row["fits"]:
+            rows.append(row)
+        elif smallest is None or row["memory_per_gpu_gb"] < smallest["memory_per_gpu_gb"]:
+            smallest = row
+    rows.sort(key=rank_key)
+    return rows, smallest, count
+
+
+def rank_key(row):
+    """Fastest first; plans the model times alike (to 9 digits: e.g. recompute hidden behind an exposed reduce, or
+    cp·mbs constant) rank the simpler first — without cp, with less recompute, without interleaving, less memory."""
+    return (-float(f"{row['tokens_per_s']:.9g}"), row["cp"], memory.RECOMPUTE.index(row["recompute"]), row["vp"],
+            row["memory_per_gpu_gb"])
