@@ -9,8 +9,10 @@ chunk of rank 0 holding the embedding, the last chunk of the last rank the head.
 import torch
 import torch.distributed as dist
 
+from tp.mesh import Mesh
 from tp.pipeline import model_chunks, unwrap
 
+from .config import RUNTIME_FIELDS, GPTConfig
 from .gpt import GPT
 
 
@@ -40,13 +42,19 @@ def build_stage(config, mesh):
     return GPT(config, group=mesh.tp_group, cp_group=mesh.cp_group, **stage_options(config, mesh))
 
 
-def build_chunks(config, mesh, virtual_stages):
-    """This rank's V model chunks (a list of GPT stages), each with the weights of the one-stage model's layers."""
+def build_chunks(config: GPTConfig, mesh: Mesh, virtual_stages: int, *, from_hf: str | None = None) -> list[GPT]:
+    """This rank's V model chunks (a list of GPT stages), each with the weights of the one-stage model's layers:
+    drawn from the current seed, or read from the Hugging Face directory `from_hf` (`config`'s runtime fields, such
+    as sequence_parallel or dropout, applied to its model)."""
     state, chunks = torch.get_rng_state(), []
     for c in range(virtual_stages):
         torch.set_rng_state(state)  # every chunk draws the model's one seed, as the whole model does
-        chunks.append(GPT(config, group=mesh.tp_group, cp_group=mesh.cp_group,
-                          **stage_options(config, mesh, c, virtual_stages)))
+        options = stage_options(config, mesh, c, virtual_stages)
+        if from_hf:
+            chunks.append(GPT.from_hf(from_hf, group=mesh.tp_group, cp_group=mesh.cp_group, stage=options,
+                                      **{f: getattr(config, f) for f in RUNTIME_FIELDS}))
+        else:
+            chunks.append(GPT(config, group=mesh.tp_group, cp_group=mesh.cp_group, **options))
     return chunks
 
 
