@@ -10,6 +10,7 @@ import inspect
 import itertools
 import math
 import os
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -24,13 +25,15 @@ _MODULES = ("argparse", "textwrap", "json.decoder", "json.encoder", "string", "d
             "fractions", "statistics", "shlex", "csv", "configparser", "heapq", "bisect", "functools")
 VOCAB_SIZE = 256  # bytes
 HOLDOUT = 0.01  # the fraction of token windows held out for validation
+Tokens = torch.Tensor | np.ndarray  # a token stream: the corpus in memory, or a token file's memmap
+MicroBatch = tuple[torch.Tensor, torch.Tensor]  # (tokens [mb, s], targets [mb, s])
 
 
-def corpus_text():
+def corpus_text() -> str:
     return "\n\n".join(inspect.getsource(__import__(name, fromlist=["_"])) for name in _MODULES)
 
 
-def corpus():
+def corpus() -> torch.Tensor:
     """uint8 tokens of the standard-library sources above, concatenated."""
     return torch.frombuffer(bytearray(corpus_text().encode("utf-8")), dtype=torch.uint8)
 
@@ -138,7 +141,7 @@ def token_path(job: JobConfig, *, build: bool = True, progress: bool = True) -> 
     return path
 
 
-def load(path):
+def load(path: str | None) -> Tokens:
     """The token stream: a memmap of token file `path`, or the bundled corpus (path None)."""
     return corpus() if path is None else token_files.read(path)[0]
 
@@ -171,7 +174,7 @@ def prepare(job: JobConfig) -> None:
     check_size(job, len(load(path)))
 
 
-def shared_tokens(job: JobConfig, group: dist.ProcessGroup | None = None) -> torch.Tensor | np.ndarray:
+def shared_tokens(job: JobConfig, group: dist.ProcessGroup | None = None) -> Tokens:
     """On every rank of a process group: rank 0 finds (or builds) the token file, the others read the file it names
     (one builder, never every rank racing)."""
     holder = [token_path(job) if dist.get_rank(group) == 0 else None]
@@ -186,7 +189,7 @@ class TokenWindows(Dataset):
     """Non-overlapping windows of seq_len + 1 tokens of `tokens[start:]` (a tensor or a numpy memmap): (input
     [seq_len], target [seq_len]) shifted by one; `count` windows (default: as many as fit)."""
 
-    def __init__(self, tokens, seq_len, *, start=0, count=None):
+    def __init__(self, tokens: Tokens, seq_len: int, *, start: int = 0, count: int | None = None):
         self.tokens = tokens.long() if isinstance(tokens, torch.Tensor) else tokens
         self.seq_len, self.start = seq_len, start
         fit = (len(tokens) - start - 1) // seq_len
@@ -197,7 +200,7 @@ class TokenWindows(Dataset):
     def __len__(self):
         return self.count
 
-    def span(self, i):
+    def span(self, i: int) -> tuple[int, int]:
         """The token positions [first, last + 1) window i reads."""
         first = self.start + i * self.seq_len
         return first, first + self.seq_len + 1
@@ -209,7 +212,7 @@ class TokenWindows(Dataset):
         return window[:-1], window[1:]
 
 
-def split_sizes(num_tokens, seq_len):
+def split_sizes(num_tokens: int, seq_len: int) -> tuple[int, int, int]:
     """(training windows, held-out windows, first held-out token): the last ~1% of the windows held out, starting
     one token after the last training window ends, so no held-out token is ever read in training (not even as a
     target)."""
@@ -221,7 +224,7 @@ def split_sizes(num_tokens, seq_len):
     return train, held, train * seq_len + 1
 
 
-def split(tokens, seq_len):
+def split(tokens: Tokens, seq_len: int) -> tuple[TokenWindows, TokenWindows]:
     """(training windows, held-out windows) of a token stream."""
     train, held, first = split_sizes(len(tokens), seq_len)
     if train < 1:
@@ -237,7 +240,8 @@ def _micro_batches(dataset, indices, micro_batch_size):
     return list(zip(tokens.split(micro_batch_size), targets.split(micro_batch_size)))
 
 
-def batches(dataset, *, dp, dp_rank, global_batch_size, micro_batch_size, seed, start_step=0):
+def batches(dataset: TokenWindows, *, dp: int, dp_rank: int, global_batch_size: int, micro_batch_size: int, seed: int,
+            start_step: int = 0) -> Iterator[list[MicroBatch]]:
     """Yield, per optimizer step, this dp rank's micro-batches [(tokens [mb, s], targets [mb, s]), ...], forever
     (a new permutation each epoch), starting at `start_step` (resuming)."""
     per_rank = global_batch_size // dp
@@ -254,7 +258,8 @@ def batches(dataset, *, dp, dp_rank, global_batch_size, micro_batch_size, seed, 
         yield _micro_batches(dataset, order[position * per_rank:(position + 1) * per_rank], micro_batch_size)
 
 
-def eval_batches(held_out, *, dp, dp_rank, global_batch_size, micro_batch_size, iters):
+def eval_batches(held_out: TokenWindows, *, dp: int, dp_rank: int, global_batch_size: int, micro_batch_size: int,
+                 iters: int) -> list[list[MicroBatch]]:
     """This dp rank's micro-batches of `iters` global validation batches: the held-out windows in order (wrapping
     round when they run out, as Megatron's validation iterator does), rank r taking positions r, r + dp, ..."""
     n = len(held_out)
