@@ -3,8 +3,9 @@ values, and `JobConfig.validate` for what spans sections.
 
 Every flag of `python -m models.train` is the field of the same name (dashes as underscores) in one section, except
 `--model` (`model.preset`) and `--data` (`data.path`). `--config job.toml` reads the same sections from TOML, keys
-being the field names; flags given on the command line win over the file. Each run writes its resolved
-configuration the same way (its log directory's config.toml), so a run repeats with `--config` alone:
+being the field names; flags given on the command line win over the file. `python -m models.train` writes the
+resolved configuration the same way into the ranks' log directory (config.toml), and starts the ranks from it; a run
+repeats with `--config` alone:
 
     [parallelism]
     tp = 2

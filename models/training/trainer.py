@@ -63,17 +63,17 @@ class Trainer:
 
     def __init__(self, job: JobConfig, *, config_file: str | None = None):
         torch.set_num_threads(1)
+        training = job.training
         self.job, self.mesh = job, build_mesh(job)
         self.rank0 = dist.get_rank() == 0
         self.config = gpt_config_from_job(job)
         self.chunks, self.module = build_model(job, self.config, self.mesh)
         # the unwrapped chunks, one module: their grads summed over sequence parallelism and the tied embedding
         self.stage = self.chunks[0] if len(self.chunks) == 1 else torch.nn.ModuleList(self.chunks)
-        micro_batches = job.training.global_batch_size // (self.mesh.dp_size * job.training.micro_batch_size)
+        micro_batches = training.global_batch_size // (self.mesh.dp_size * training.micro_batch_size)
         self.buffered = data_parallel_chunks(self.module)  # zero1 / bf16: tp.optim.DataParallel, one per chunk
         self.optimizer = build_optimizer(self.module, job, micro_batches)
         self.start_step = self.resume()
-        training = job.training
         self.runner = PipelineRunner(self.module, self.mesh, micro_batch_size=training.micro_batch_size,
                                      seq_len=training.seq_len)
         tokens = data.shared_tokens(job)  # rank 0 tokenizes a user's text if the launcher has not (own torchrun)
