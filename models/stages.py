@@ -9,12 +9,14 @@ chunk of rank 0 holding the embedding, the last chunk of the last rank the head.
 import torch
 import torch.distributed as dist
 
+from tp.mesh import Mesh
 from tp.pipeline import model_chunks, unwrap
 
+from .config import RUNTIME_FIELDS, GPTConfig
 from .gpt import GPT
 
 
-def stage_layers(num_layers, pp, stage, virtual_stages=1):
+def stage_layers(num_layers: int, pp: int, stage: int, virtual_stages: int = 1) -> tuple[int, int]:
     """(start, stop) of virtual stage `stage`'s layers, of pp·V stages: an even split, the first `num_layers % pp`
     stages taking one more (V = 1); with V > 1 the layers must divide evenly (Megatron's interleaving)."""
     stages = pp * virtual_stages
@@ -28,29 +30,35 @@ def stage_layers(num_layers, pp, stage, virtual_stages=1):
     return start, start + base + (stage < extra)
 
 
-def stage_options(config, mesh, chunk=0, virtual_stages=1):
+def stage_options(config: GPTConfig, mesh: Mesh, chunk: int = 0, virtual_stages: int = 1) -> dict:
     """GPT keyword arguments of this rank's pipeline stage (its model chunk `chunk` of V)."""
     stage, stages = chunk * mesh.pp_size + mesh.pp_rank, mesh.pp_size * virtual_stages
     return dict(layers=stage_layers(config.num_layers, mesh.pp_size, stage, virtual_stages),
                 pre_process=stage == 0, post_process=stage == stages - 1)
 
 
-def build_stage(config, mesh):
+def build_stage(config: GPTConfig, mesh: Mesh) -> GPT:
     """This rank's pipeline stage of the GPT (the whole model when pp = 1), on the mesh's tp and cp groups."""
     return GPT(config, group=mesh.tp_group, cp_group=mesh.cp_group, **stage_options(config, mesh))
 
 
-def build_chunks(config, mesh, virtual_stages):
-    """This rank's V model chunks (a list of GPT stages), each with the weights of the one-stage model's layers."""
+def build_chunks(config: GPTConfig, mesh: Mesh, virtual_stages: int, *, from_hf: str | None = None) -> list[GPT]:
+    """This rank's V model chunks (a list of GPT stages), each with the weights of the one-stage model's layers:
+    drawn from the current seed, or read from the Hugging Face directory `from_hf` (`config`'s runtime fields, such
+    as sequence_parallel or dropout, applied to its model)."""
     state, chunks = torch.get_rng_state(), []
     for c in range(virtual_stages):
         torch.set_rng_state(state)  # every chunk draws the model's one seed, as the whole model does
-        chunks.append(GPT(config, group=mesh.tp_group, cp_group=mesh.cp_group,
-                          **stage_options(config, mesh, c, virtual_stages)))
+        options = stage_options(config, mesh, c, virtual_stages)
+        if from_hf:
+            chunks.append(GPT.from_hf(from_hf, group=mesh.tp_group, cp_group=mesh.cp_group, stage=options,
+                                      **{f: getattr(config, f) for f in RUNTIME_FIELDS}))
+        else:
+            chunks.append(GPT(config, group=mesh.tp_group, cp_group=mesh.cp_group, **options))
     return chunks
 
 
-def tied_embedding(stage, mesh):
+def tied_embedding(stage: GPT, mesh: Mesh) -> torch.nn.Parameter | None:
     """This stage's copy of a tied embedding held by the first and last pipeline stages, else None (also for a
     model chunk of theirs without the embedding or the head)."""
     if not stage.config.tie_embeddings or mesh.pp_size == 1 or not mesh.in_embedding_group:
@@ -60,7 +68,7 @@ def tied_embedding(stage, mesh):
     return stage.output.weight if mesh.is_last_stage and stage.post_process else None
 
 
-def allreduce_tied_embedding_grads(stage, mesh):
+def allreduce_tied_embedding_grads(stage: torch.nn.Module | list[torch.nn.Module], mesh: Mesh) -> None:
     """Sum the first stage's embedding grad and the last stage's tied output grad (their two copies of one weight).
     `stage`: this rank's GPT stage, or its list of model chunks."""
     chunks = [unwrap(c) for c in model_chunks(stage)]

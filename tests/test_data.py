@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from models.training import data, tokens
-from models.training.cli import parser, train, validate
+from models.training.cli import job_config, parser, train, validate
 from tp.testing import distributed, run
 
 EOS = "<|endoftext|>"
@@ -57,7 +57,7 @@ def corpus(tmp_path_factory):
 
 
 def _args(*flags):
-    return parser().parse_args(list(flags))
+    return job_config(parser().parse_args(list(flags)))
 
 
 # ---- token files and the cache ---------------------------------------------------------------------------------------

@@ -343,7 +343,7 @@ def test_fsdp_holds_the_stages_unsharded_parameters_and_grads_during_the_schedul
     parameters (bf16 under bf16) and fp32 gradients, which the estimate's transient counts exactly."""
     from torch.distributed.fsdp import fully_shard
 
-    from models.training.trainer import wrap_data_parallel
+    from models.training.model import wrap_data_parallel
     from tp.pipeline import PipelineRunner
 
     mesh = tp.init_mesh(dp=2)

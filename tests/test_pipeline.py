@@ -9,7 +9,7 @@ import models
 import tp
 from models.hf import hf_state_dict
 from models.stages import allreduce_tied_embedding_grads, build_chunks, stage_layers
-from models.training.trainer import wrap_data_parallel
+from models.training.model import wrap_data_parallel
 from tests.helpers import assert_close, randn
 from tp.pipeline import PipelineRunner, defer_wgrad
 from tp.testing import distributed

@@ -1,1 +1,2 @@
-"""The training job behind `python -m models.train`: command line, launcher, per-rank trainer, data, checkpoints."""
+"""The training job behind `python -m models.train`: its typed configuration, command line, launcher, per-rank
+trainer, model build, data, checkpoints."""

@@ -46,6 +46,7 @@ import dataclasses
 import os
 import pickle
 import warnings
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -55,11 +56,12 @@ from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 import tp
 from tp.pipeline import model_chunks
 
-from ..config import RUNTIME_FIELDS
+from ..config import RUNTIME_FIELDS, GPTConfig
 from ..gpt import GPT
 from ..hf import fused_part_size, hf_sources, index_runs, parameter_owners, tp_sharding
 
 _VOCAB_PARAMS = ("embedding.weight", "output.weight")
+Model = torch.nn.Module | list[torch.nn.Module]  # a GPT stage (DDP / FSDP2-wrapped or not), or model chunks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,7 +194,8 @@ def _stage_parameters(stages):
             yield stage, name, module, attr, param
 
 
-def save(path, model, optimizer, *, mesh, step, extra=None):
+def save(path: str, model: Model, optimizer: torch.optim.Optimizer | None, *, mesh: tp.Mesh, step: int,
+         extra: Any = None) -> None:
     """Write a checkpoint of this GPT stage, its optimizer, the RNG and `step` to directory `path` (collective over
     every rank). `extra`: anything picklable to hand back on load (rank 0's is kept)."""
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
@@ -229,7 +232,7 @@ def save(path, model, optimizer, *, mesh, step, extra=None):
     dcp.save(state, checkpoint_id=path)
 
 
-def check_config(saved, config, path):
+def check_config(saved: dict, config: GPTConfig, path: str) -> None:
     """Raise unless GPTConfig `config` builds the same weights as the checkpoint's saved config (a dict): runtime
     fields may differ, and max_seq_len too unless positions are learned (RoPE holds no position weights)."""
     free = RUNTIME_FIELDS + (() if config.position == "learned" else ("max_seq_len",))
@@ -239,7 +242,7 @@ def check_config(saved, config, path):
         raise ValueError(f"checkpoint {path!r} was saved with another GPTConfig: {', '.join(differ)}")
 
 
-def read_meta(path):
+def read_meta(path: str) -> dict:
     """The checkpoint's meta (step, split, config, optimizer hyperparameters), read by this process alone."""
     if not os.path.isfile(os.path.join(path, ".metadata")):
         raise FileNotFoundError(f"{path!r} holds no checkpoint (no .metadata)")
@@ -263,7 +266,7 @@ def _read_meta(path, model, optimizer):
     return meta
 
 
-def load(path, model, optimizer, *, mesh):
+def load(path: str, model: Model, optimizer: torch.optim.Optimizer | None, *, mesh: tp.Mesh) -> tuple[int, Any]:
     """Fill this GPT stage and its optimizer from the checkpoint in `path`, written at any split (collective over
     every rank). Returns (step, extra). Optimizer state is created as torch would have it after `step` steps."""
     stages = _check(model, optimizer, mesh)

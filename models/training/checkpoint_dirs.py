@@ -9,17 +9,17 @@ import os
 import shutil
 
 
-def saved_step(path):
+def saved_step(path: str) -> int | None:
     """The step of a checkpoint directory named step-N (as --save writes them), else None."""
     name = os.path.basename(os.path.normpath(path))
     return int(name[5:]) if name.startswith("step-") and name[5:].isdigit() else None
 
 
-def step_name(step):
+def step_name(step: int) -> str:
     return f"step-{step:06d}"
 
 
-def is_complete(path):
+def is_complete(path: str) -> bool:
     """Whether `path` holds a whole DCP checkpoint (its `.metadata`, written last)."""
     return os.path.isfile(os.path.join(path, ".metadata"))
 
@@ -41,7 +41,7 @@ def _pointer(root):
         return os.path.join(root, f.read().strip())
 
 
-def latest(root):
+def latest(root: str) -> str:
     """The checkpoint --load reads: ROOT/latest's step directory, else ROOT's newest complete step-N, else ROOT
     itself (a step directory given directly)."""
     named = _pointer(root)
@@ -51,7 +51,7 @@ def latest(root):
     return os.path.join(root, complete[-1]) if complete else root
 
 
-def resume_path(load, save=None):
+def resume_path(load: str | None, save: str | None = None) -> str | None:
     """The checkpoint a job with --load LOAD (--save SAVE) starts from, or None to start fresh: with --save and
     --load the same directory (Megatron's convention for a job that restarts itself), a directory holding no
     checkpoint yet means a fresh start; --load alone must name a checkpoint. Raises ValueError (one line) else."""
@@ -71,7 +71,7 @@ def resume_path(load, save=None):
     return path
 
 
-def remove_unfinished(root, upto):
+def remove_unfinished(root: str, upto: int) -> list[str]:
     """Before saving step `upto`: remove ROOT's step directories a save did not finish — those without a
     `.metadata`, and those after `latest` up to `upto` (a kill between the shards and `latest`; the directory about
     to be written is one of them when an earlier attempt started it). Returns the removed names."""
@@ -89,7 +89,7 @@ def remove_unfinished(root, upto):
     return removed
 
 
-def commit(root, name):
+def commit(root: str, name: str) -> None:
     """Point ROOT/latest at ROOT/name (an atomic rename: a reader sees the old or the new name, never half)."""
     tmp = os.path.join(root, "latest.tmp")
     with open(tmp, "w") as f:

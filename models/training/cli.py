@@ -11,40 +11,62 @@ Not under torchrun, the whole configuration (paths included) is validated in thi
 2 on error), then tp*cp*pp*dp processes are started through torchrun's launcher on this machine (launch.py); a
 failure inside the ranks ends the job in one line naming the first failing rank, each rank's traceback in its log
 file (failures.py). The data are byte tokens of Python's standard-library sources (data.py): no downloads;
-`--data PATH --tokenizer DIR` trains on your text, tokenized once by the launcher (tokens.py).
+`--data PATH --tokenizer DIR` trains on your text, tokenized once by the launcher (tokens.py). `--config job.toml`
+reads the flags' values from a TOML file (config.py; flags given here win), as each run writes its own resolved
+configuration beside the ranks' logs.
 """
 import argparse
 import datetime
-import math
+import functools
 import os
 import sys
 
 from tp.mesh import DEFAULT_ORDER
-from tp.pipeline import schedules
 
-from ..config import PRESETS
-from ..stages import stage_layers
-from . import data, failures, launch
-from .checkpoint_dirs import resume_path
-from .trainer import SIZE_FIELDS, model_config, train  # noqa: F401  (the per-rank job)
+from ..config import CP_MODES, PRESETS, RECOMPUTE, GPTConfig
+from . import data, failures, launch, preflight, trainer
+from .config import DP_MODES, PIPELINE_SCHEDULES, SIZE_FIELDS, JobConfig
+
+_UNSET = object()
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     """Defaults shown, the description's example commands kept as written."""
 
 
-def parser():
-    p = argparse.ArgumentParser(prog="python -m models.train", description=__doc__,
-                                formatter_class=lambda prog: _HelpFormatter(prog, width=110))
-    a = p.add_argument
+class _Parser(argparse.ArgumentParser):
+    """Also records the flags the command line gave (`given_flags`, argparse dests): with --config, those alone win
+    over the file, not the defaults of the others."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        parsed, rest = super().parse_known_args(args, namespace)
+        marked, _ = super().parse_known_args(args, argparse.Namespace(**dict.fromkeys(vars(parsed), _UNSET)))
+        parsed.given_flags = tuple(k for k, v in vars(marked).items() if v is not _UNSET)
+        return parsed, rest
+
+
+def parser() -> argparse.ArgumentParser:
+    """models.train's command line: one flag per JobConfig field (config.py), and --config."""
+    p = _Parser(prog="python -m models.train", description=__doc__,
+                formatter_class=lambda prog: _HelpFormatter(prog, width=110))
+    p.add_argument("--config", metavar="TOML", default=None,
+                   help="read the job from a TOML file: the sections of models/training/config.py, as every run "
+                        "writes its resolved one (LOG_DIR/config.toml); flags given on the command line win")
+    _split_and_training_flags(p.add_argument)
+    _model_and_data_flags(p.add_argument)
+    _output_and_launch_flags(p.add_argument)
+    return p
+
+
+def _split_and_training_flags(a):
     a("--tp", type=int, default=2, help="tensor-parallel size")
     a("--pp", type=int, default=2, help="pipeline-parallel size (stages)")
     a("--dp", type=int, default=None,
       help="data-parallel size (default: WORLD_SIZE / (tp*cp*pp) under torchrun, as Megatron; else 2)")
     a("--cp", type=int, default=1, help="context-parallel size: each sequence split over cp ranks (ring attention)")
-    a("--cp-mode", choices=("ring", "allgather"), default="ring",
+    a("--cp-mode", choices=CP_MODES, default="ring",
       help="context-parallel attention: K/V ringed with p2p (overlapped), or all-gathered once (Llama 3's)")
-    a("--schedule", choices=("1f1b", "gpipe", "interleaved", "zb"), default="1f1b",
+    a("--schedule", choices=PIPELINE_SCHEDULES, default="1f1b",
       help="pipeline schedule (tp/pipeline/schedules.py): interleaved is Megatron's, with --virtual-stages model "
            "chunks per rank; zb is ZB-H1, the backward split into input and weight gradients")
     a("--virtual-stages", type=int, default=1, metavar="V",
@@ -58,8 +80,8 @@ def parser():
     a("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
     a("--seed", type=int, default=1234, help="seed of the weights, the data order and dropout")
     a("--sequence-parallel", action="store_true", help="Megatron sequence parallelism inside each tp group")
-    a("--recompute", choices=("none", "selective", "full"), default="none", help="activation recomputation")
-    a("--dp-mode", choices=("ddp", "fsdp", "zero1"), default="ddp",
+    a("--recompute", choices=RECOMPUTE, default="none", help="activation recomputation")
+    a("--dp-mode", choices=DP_MODES, default="ddp",
       help="data parallelism: torch DDP on the dp group, FSDP2 (fully_shard) on the dp mesh dim, or zero1: the "
            "distributed optimizer (fp32 grads reduce-scattered in buckets during backward, each rank stepping 1/dp "
            "of the fp32 masters and AdamW state, parameters all-gathered)")
@@ -69,6 +91,9 @@ def parser():
     a("--clip-grad", type=float, default=1.0, metavar="C",
       help="clip the global gradient norm (over tp, pp and dp) to C (0: no clipping); a non-finite norm skips the "
            "step")
+
+
+def _model_and_data_flags(a):
     a("--model", choices=sorted(PRESETS), default=None, help="model size, default tiny (the overrides below win)")
     for field in SIZE_FIELDS:
         a(f"--{field.replace('_', '-')}", type=int, default=None, help=f"override the preset's {field}")
@@ -89,6 +114,9 @@ def parser():
       help="validation loss (val_loss) on the held-out last ~1%% of the data every N steps and at the end (0: never)")
     a("--eval-iters", type=int, default=10, metavar="K", help="global batches per validation")
     a("--eval-only", action="store_true", help="evaluate the --load checkpoint (or the --from-hf model) and exit")
+
+
+def _output_and_launch_flags(a):
     a("--save", metavar="DIR", default=None, help="write resharding checkpoints DIR/step-N (at the end, and every "
                                                    "--save-every steps); DIR/latest names the newest")
     a("--save-every", type=int, default=0, metavar="N", help="checkpoint every N steps (0: only at the end)")
@@ -115,123 +143,64 @@ def parser():
     a("--slow-save-at-step", type=int, default=None, help=argparse.SUPPRESS)  # a first attempt's save pauses
     a("--nan-grad-at-step", type=int, default=None, help=argparse.SUPPRESS)  # --fail-rank's gradient gets a NaN
     a("--fail-rank", type=int, default=0, help=argparse.SUPPRESS)
-    return p
 
 
-def validate(args, world_size=None):
-    """Every check that needs no process: raises ValueError with one line naming the bad value. Sets args.dp when
-    it was not given (from `world_size`, torchrun's WORLD_SIZE)."""
-    args.dp = launch.resolve_dp(args, world_size)
-    for name in ("tp", "cp", "pp", "dp", "global_batch_size", "micro_batch_size", "seq_len", "steps"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
-    world = args.tp * args.cp * args.pp * args.dp
-    if world_size is not None and world_size != world:
-        raise ValueError(f"WORLD_SIZE={world_size} but --tp*--cp*--pp*--dp = {args.tp}*{args.cp}*{args.pp}*{args.dp}"
-                         f" = {world}")
-    if args.global_batch_size % (args.dp * args.micro_batch_size):
-        raise ValueError(f"--global-batch-size={args.global_batch_size} is not divisible by --dp * "
-                         f"--micro-batch-size = {args.dp}*{args.micro_batch_size}")
-    for name in ("lr", "weight_decay"):
-        value = getattr(args, name)
-        if not math.isfinite(value) or value < 0 or (name == "lr" and value == 0):
-            raise ValueError(f"--{name.replace('_', '-')}={value} must be a finite number "
-                             f"{'> 0' if name == 'lr' else '>= 0'}")
-    if not math.isfinite(args.clip_grad) or args.clip_grad < 0:
-        raise ValueError(f"--clip-grad={args.clip_grad} must be a finite number >= 0 (0: no clipping)")
-    if args.precision not in ("fp32", "bf16"):
-        raise ValueError(f"--precision={args.precision} is not supported: fp32 or bf16 (fp16 would need loss "
-                         "scaling)")
-    for name in ("warmup_steps", "save_every", "eval_every"):
-        if getattr(args, name) < 0:
-            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 0")
-    for name, low in (("log_interval", 1), ("max_restarts", 0)):
-        if getattr(args, name) < low:
-            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= {low}")
-    if not args.distributed_timeout_minutes > 0:
-        raise ValueError(f"--distributed-timeout-minutes={args.distributed_timeout_minutes} must be > 0")
-    launch.check_paths(args)  # --save, --load, --export-hf, --log-jsonl, --log-dir: before any process
-    if args.from_hf:
-        if not os.path.isdir(args.from_hf):
-            raise ValueError(f"--from-hf {args.from_hf}: no such directory (a save_pretrained directory)")
-        shape_flags = [f"--{f.replace('_', '-')}" for f in ("model", *SIZE_FIELDS) if getattr(args, f) is not None]
-        if shape_flags:
-            raise ValueError(f"--from-hf takes the model's shape from its config: drop {' '.join(shape_flags)}")
-    if args.eval_iters < 1:
-        raise ValueError(f"--eval-iters={args.eval_iters} must be >= 1")
-    if args.eval_only and not (args.load or args.from_hf):
-        raise ValueError("--eval-only evaluates a model: give --load DIR (a checkpoint) or --from-hf DIR")
-    data.check_source(args)  # --data / --tokenizer: paths, empty text, a loadable tokenizer
-    config = model_config(args)
-    limit = min(config.max_seq_len, config.sliding_window or config.max_seq_len)
-    if args.seq_len > limit:  # (presets grow max_seq_len to --seq-len; a Hugging Face model's is its own)
-        raise ValueError(f"--seq-len={args.seq_len} exceeds the model's max_seq_len={config.max_seq_len}"
-                         + (f" / sliding_window={config.sliding_window}" if config.sliding_window else ""))
-    config.check_tp(args.tp)
-    if args.virtual_stages < 1:
-        raise ValueError(f"--virtual-stages={args.virtual_stages} must be >= 1")
-    micro_batches = args.global_batch_size // (args.dp * args.micro_batch_size)
-    try:
-        schedules.check_arguments(args.schedule, args.pp, micro_batches, args.virtual_stages)
-    except schedules.ScheduleError as e:
-        raise ValueError(f"--schedule {args.schedule}: {e} (micro_batches = --global-batch-size / (--dp * "
-                         f"--micro-batch-size) = {micro_batches}; virtual_stages = --virtual-stages)") from None
-    stage_layers(config.num_layers, args.pp, 0, args.virtual_stages)
-    if args.sequence_parallel and args.seq_len % args.tp:
-        raise ValueError(f"--seq-len={args.seq_len} is not divisible by --tp={args.tp} (sequence parallelism)")
-    if args.cp > 1:
-        if config.attention_dropout:
-            raise ValueError(f"--attention-dropout={config.attention_dropout} with --cp={args.cp}: attention dropout "
-                             "is not supported under context parallelism (pass --attention-dropout 0)")
-        try:
-            config.check_seq_len(args.seq_len, tp=args.tp, cp=args.cp)
-        except ValueError as e:
-            raise ValueError(f"--seq-len={args.seq_len} with --cp={args.cp}"
-                             + (f" --tp={args.tp} --sequence-parallel" if args.sequence_parallel else "")
-                             + f": {e}") from None
-    data.check_vocab(args, config.vocab_size)
-    path = resume_path(args.load, args.save)  # None: nothing to load (--save and --load the same, still empty)
-    if path:
-        from . import checkpoint
+def job_config(args: argparse.Namespace) -> JobConfig:
+    """The JobConfig of parsed flags; with --config, the file's, the flags the command line gave replacing its
+    values."""
+    flags = {k: v for k, v in vars(args).items() if k not in ("config", "given_flags")}
+    if args.config is None:
+        return JobConfig().with_flags(flags)
+    given = set(getattr(args, "given_flags", flags)) - {"config"}
+    return JobConfig.from_toml(args.config).with_flags({k: flags[k] for k in given})
 
-        meta = checkpoint.read_meta(path)
-        checkpoint.check_config(meta["config"], config, path)
-        restarted = os.path.realpath(args.save or "") == os.path.realpath(args.load)  # (the loop says it is done)
-        if args.steps <= meta["step"] and not args.eval_only and not restarted:
-            raise ValueError(f"--steps={args.steps} does not go beyond the checkpoint's step {meta['step']}: "
-                             "nothing to train")
-    count = data.token_count(args)  # (None: text not yet tokenized; checked after the launcher tokenizes it)
-    if count is not None:
-        data.check_size(args, count)
+
+def validate(args: argparse.Namespace | JobConfig, world_size: int | None = None) -> GPTConfig:
+    """Every check that needs no process (preflight.py): raises ValueError with one line naming the bad value;
+    returns the GPTConfig. Resolves dp when not given (from `world_size`, torchrun's WORLD_SIZE), in the JobConfig,
+    or in the parsed flags `args`."""
+    job = args if isinstance(args, JobConfig) else job_config(args)
+    config = preflight.check(job, world_size)
+    if not isinstance(args, JobConfig):
+        args.dp = job.parallelism.dp
     return config
 
 
-def main(argv=None):
+def train(args: argparse.Namespace | JobConfig) -> int:
+    """The job on this rank (trainer.py), from parsed flags or a JobConfig."""
+    if isinstance(args, JobConfig):
+        return trainer.train(args)
+    return trainer.train(job_config(args), config_file=args.config)
+
+
+def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parser().parse_args(argv)
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     try:
-        validate(args, int(os.environ["WORLD_SIZE"]) if under_torchrun else None)
-        if args.print_layout and not under_torchrun:  # this machine, one node: no process needed
-            print("\n".join(launch.layout_lines(launch.sizes_of(args), DEFAULT_ORDER,
-                                                launch.this_machine(launch.world_of(args)))))
+        job = job_config(args)
+        validate(job, int(os.environ["WORLD_SIZE"]) if under_torchrun else None)
+        if job.launch.print_layout and not under_torchrun:  # this machine, one node: no process needed
+            sizes = job.parallelism.sizes
+            print("\n".join(launch.layout_lines(sizes, DEFAULT_ORDER, launch.this_machine(job.parallelism.world_size))))
             return 0
         if not under_torchrun:
-            data.prepare(args)  # a user's text tokenized once, here, before any rank starts
+            data.prepare(job)  # a user's text tokenized once, here, before any rank starts
     except (ValueError, ImportError, OSError) as e:
         if under_torchrun:  # every rank refuses; rank 0 alone says why
             return failures.refuse(str(e))
         print(f"error: {e}", file=sys.stderr)
         return 2
     if not under_torchrun:
-        return launch.launch(args, argv)
-    timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
-    if args.print_layout:
-        return launch.print_layout_under_torchrun(args, timeout)
-    return failures.run_rank(train, args, launch.log_dir(args), timeout.total_seconds())
+        return launch.launch(job)
+    timeout = datetime.timedelta(minutes=job.launch.distributed_timeout_minutes)
+    if job.launch.print_layout:
+        return launch.print_layout_under_torchrun(job.parallelism.sizes, timeout)
+    run = functools.partial(trainer.train, config_file=args.config)
+    return failures.run_rank(run, job, launch.log_dir(job), timeout.total_seconds())
 
 
-def entry():
+def entry() -> None:
     """`python -m models.train`: main(), then the process's exit."""
     code = main()
     if "RANK" in os.environ:

@@ -10,6 +10,7 @@ import inspect
 import itertools
 import math
 import os
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -17,19 +18,22 @@ import torch.distributed as dist
 from torch.utils.data import Dataset, DistributedSampler
 
 from . import tokens as token_files
+from .config import JobConfig
 
 # Plain-text modules present in every CPython install; ~1 MB of bytes.
 _MODULES = ("argparse", "textwrap", "json.decoder", "json.encoder", "string", "difflib", "pprint", "calendar",
             "fractions", "statistics", "shlex", "csv", "configparser", "heapq", "bisect", "functools")
 VOCAB_SIZE = 256  # bytes
 HOLDOUT = 0.01  # the fraction of token windows held out for validation
+Tokens = torch.Tensor | np.ndarray  # a token stream: the corpus in memory, or a token file's memmap
+MicroBatch = tuple[torch.Tensor, torch.Tensor]  # (tokens [mb, s], targets [mb, s])
 
 
-def corpus_text():
+def corpus_text() -> str:
     return "\n\n".join(inspect.getsource(__import__(name, fromlist=["_"])) for name in _MODULES)
 
 
-def corpus():
+def corpus() -> torch.Tensor:
     """uint8 tokens of the standard-library sources above, concatenated."""
     return torch.frombuffer(bytearray(corpus_text().encode("utf-8")), dtype=torch.uint8)
 
@@ -37,12 +41,13 @@ def corpus():
 # ---- where the tokens come from ------------------------------------------------------------------------------------
 
 
-def tokenizer_dir(args):
+def tokenizer_dir(job: JobConfig) -> str | None:
     """--tokenizer, else a --from-hf directory's own tokenizer when it has one, else None (bytes)."""
-    if args.tokenizer:
-        return args.tokenizer
-    if args.from_hf and os.path.isdir(args.from_hf) and token_files.has_tokenizer(args.from_hf):
-        return args.from_hf
+    from_hf = job.model.from_hf
+    if job.data.tokenizer:
+        return job.data.tokenizer
+    if from_hf and os.path.isdir(from_hf) and token_files.has_tokenizer(from_hf):
+        return from_hf
     return None
 
 
@@ -50,9 +55,9 @@ def _is_token_file(path):
     return path.endswith(".bin")
 
 
-def check_source(args):
+def check_source(job: JobConfig) -> None:
     """The --data/--tokenizer checks that read no data (one line naming the bad value)."""
-    path = args.data
+    path = job.data.path
     if path is not None:
         if not os.path.exists(path):
             hint = f" (a token file? {path}.bin)" if os.path.isfile(path + ".bin") else ""
@@ -67,32 +72,33 @@ def check_source(args):
                 raise ValueError(f"--data {path}: its {len(files)} .txt/.jsonl file(s) are all empty")
         elif _is_token_file(path):
             token_files.read_header(path)
-    if tokenizer_dir(args):
-        token_files.load_tokenizer(tokenizer_dir(args))
+    if tokenizer_dir(job):
+        token_files.load_tokenizer(tokenizer_dir(job))
 
 
-def vocab_size(args):
+def vocab_size(job: JobConfig) -> int | None:
     """The vocabulary the data's ids need: the tokenizer's (and a token file's, if larger), a token file's, 256
     for a user's text as bytes; None for the bundled corpus as bytes (the model keeps its own)."""
-    from_file = token_files.read_header(args.data)["vocab_size"] if args.data and _is_token_file(args.data) else 0
-    if tokenizer_dir(args):
-        return max(from_file, token_files.tokenizer_vocab_size(token_files.load_tokenizer(tokenizer_dir(args))))
-    if args.data is None:
+    path = job.data.path
+    from_file = token_files.read_header(path)["vocab_size"] if path and _is_token_file(path) else 0
+    if tokenizer_dir(job):
+        return max(from_file, token_files.tokenizer_vocab_size(token_files.load_tokenizer(tokenizer_dir(job))))
+    if path is None:
         return None
     return from_file or VOCAB_SIZE
 
 
-def check_vocab(args, model_vocab):
+def check_vocab(job: JobConfig, model_vocab: int) -> None:
     """One line if the data's ids do not fit a model of `model_vocab` tokens (a --from-hf model's is fixed)."""
-    needed = vocab_size(args) or VOCAB_SIZE
+    needed, path = vocab_size(job) or VOCAB_SIZE, job.data.path
     if needed <= model_vocab:
         return
-    if args.data is not None and _is_token_file(args.data) and token_files.read_header(args.data)["vocab_size"] \
-            == needed:
-        raise ValueError(f"--data {args.data} has vocab_size={needed} in its sidecar, more than the model's "
+    if path is not None and _is_token_file(path) and token_files.read_header(path)["vocab_size"] == needed:
+        raise ValueError(f"--data {path} has vocab_size={needed} in its sidecar, more than the model's "
                          f"vocab_size={model_vocab}")
-    if tokenizer_dir(args):
-        what = f"--tokenizer {args.tokenizer}" if args.tokenizer else f"the tokenizer of --from-hf {args.from_hf}"
+    if tokenizer_dir(job):
+        what = f"--tokenizer {job.data.tokenizer}" if job.data.tokenizer else \
+            f"the tokenizer of --from-hf {job.model.from_hf}"
         raise ValueError(f"{what} has {needed} tokens, more than the model's vocab_size={model_vocab}")
     raise ValueError(f"vocab_size={model_vocab} cannot hold the {VOCAB_SIZE} byte tokens")
 
@@ -118,15 +124,15 @@ def _read(path):
         return f.read()
 
 
-def token_path(args, *, build=True, progress=True):
+def token_path(job: JobConfig, *, build: bool = True, progress: bool = True) -> str | None:
     """The token file the run reads (None: the bundled corpus as bytes, in memory); a text source is tokenized into
     its cache file first if `build` and it is missing (else None is returned for it)."""
-    tokenizer = tokenizer_dir(args)
-    if args.data is not None and _is_token_file(args.data):
-        return os.path.abspath(args.data)
-    if args.data is None and tokenizer is None:
+    tokenizer, data = tokenizer_dir(job), job.data.path
+    if data is not None and _is_token_file(data):
+        return os.path.abspath(data)
+    if data is None and tokenizer is None:
         return None
-    text = args.data if args.data is not None else _bundled_text_file()
+    text = data if data is not None else _bundled_text_file()
     path = token_files.cached_path(text, tokenizer)
     if not os.path.isfile(token_files.sidecar(path)):
         if not build:
@@ -135,41 +141,43 @@ def token_path(args, *, build=True, progress=True):
     return path
 
 
-def load(path):
+def load(path: str | None) -> Tokens:
     """The token stream: a memmap of token file `path`, or the bundled corpus (path None)."""
     return corpus() if path is None else token_files.read(path)[0]
 
 
-def token_count(args):
+def token_count(job: JobConfig) -> int | None:
     """Tokens of the run's data if known without reading a user's text (the bundled corpus as bytes, a token
     file), else None: every rank validates, and hashing the text to find its cache is rank 0's job."""
-    if args.data is None and tokenizer_dir(args) is None:
+    path = job.data.path
+    if path is None and tokenizer_dir(job) is None:
         return len(corpus_text().encode("utf-8"))
-    if args.data is not None and _is_token_file(args.data):
-        return token_files.read_header(args.data)["count"]
+    if path is not None and _is_token_file(path):
+        return token_files.read_header(path)["count"]
     return None
 
 
-def check_size(args, num_tokens):
+def check_size(job: JobConfig, num_tokens: int) -> None:
     """One line if `num_tokens` tokens leave fewer training windows than one global batch."""
-    train, held, _ = split_sizes(num_tokens, args.seq_len)
-    if args.global_batch_size > train:
-        what = args.data or "the corpus"
-        raise ValueError(f"--global-batch-size={args.global_batch_size} exceeds the {max(train, 0)} sequences of "
-                         f"--seq-len={args.seq_len} in {what} left for training ({held} held out for validation)")
+    global_batch_size, seq_len = job.training.global_batch_size, job.training.seq_len
+    train, held, _ = split_sizes(num_tokens, seq_len)
+    if global_batch_size > train:
+        what = job.data.path or "the corpus"
+        raise ValueError(f"--global-batch-size={global_batch_size} exceeds the {max(train, 0)} sequences of "
+                         f"--seq-len={seq_len} in {what} left for training ({held} held out for validation)")
 
 
-def prepare(args):
+def prepare(job: JobConfig) -> None:
     """The launcher's part, before any rank starts: tokenize a user's text into its cache once (a progress bar on a
     terminal), then check it fills a global batch."""
-    path = token_path(args)
-    check_size(args, len(load(path)))
+    path = token_path(job)
+    check_size(job, len(load(path)))
 
 
-def shared_tokens(args, group=None):
+def shared_tokens(job: JobConfig, group: dist.ProcessGroup | None = None) -> Tokens:
     """On every rank of a process group: rank 0 finds (or builds) the token file, the others read the file it names
     (one builder, never every rank racing)."""
-    holder = [token_path(args) if dist.get_rank(group) == 0 else None]
+    holder = [token_path(job) if dist.get_rank(group) == 0 else None]
     dist.broadcast_object_list(holder, group_src=0, group=group)
     return load(holder[0])
 
@@ -181,7 +189,7 @@ class TokenWindows(Dataset):
     """Non-overlapping windows of seq_len + 1 tokens of `tokens[start:]` (a tensor or a numpy memmap): (input
     [seq_len], target [seq_len]) shifted by one; `count` windows (default: as many as fit)."""
 
-    def __init__(self, tokens, seq_len, *, start=0, count=None):
+    def __init__(self, tokens: Tokens, seq_len: int, *, start: int = 0, count: int | None = None):
         self.tokens = tokens.long() if isinstance(tokens, torch.Tensor) else tokens
         self.seq_len, self.start = seq_len, start
         fit = (len(tokens) - start - 1) // seq_len
@@ -192,7 +200,7 @@ class TokenWindows(Dataset):
     def __len__(self):
         return self.count
 
-    def span(self, i):
+    def span(self, i: int) -> tuple[int, int]:
         """The token positions [first, last + 1) window i reads."""
         first = self.start + i * self.seq_len
         return first, first + self.seq_len + 1
@@ -204,7 +212,7 @@ class TokenWindows(Dataset):
         return window[:-1], window[1:]
 
 
-def split_sizes(num_tokens, seq_len):
+def split_sizes(num_tokens: int, seq_len: int) -> tuple[int, int, int]:
     """(training windows, held-out windows, first held-out token): the last ~1% of the windows held out, starting
     one token after the last training window ends, so no held-out token is ever read in training (not even as a
     target)."""
@@ -216,7 +224,7 @@ def split_sizes(num_tokens, seq_len):
     return train, held, train * seq_len + 1
 
 
-def split(tokens, seq_len):
+def split(tokens: Tokens, seq_len: int) -> tuple[TokenWindows, TokenWindows]:
     """(training windows, held-out windows) of a token stream."""
     train, held, first = split_sizes(len(tokens), seq_len)
     if train < 1:
@@ -232,7 +240,8 @@ def _micro_batches(dataset, indices, micro_batch_size):
     return list(zip(tokens.split(micro_batch_size), targets.split(micro_batch_size)))
 
 
-def batches(dataset, *, dp, dp_rank, global_batch_size, micro_batch_size, seed, start_step=0):
+def batches(dataset: TokenWindows, *, dp: int, dp_rank: int, global_batch_size: int, micro_batch_size: int, seed: int,
+            start_step: int = 0) -> Iterator[list[MicroBatch]]:
     """Yield, per optimizer step, this dp rank's micro-batches [(tokens [mb, s], targets [mb, s]), ...], forever
     (a new permutation each epoch), starting at `start_step` (resuming)."""
     per_rank = global_batch_size // dp
@@ -249,7 +258,8 @@ def batches(dataset, *, dp, dp_rank, global_batch_size, micro_batch_size, seed, 
         yield _micro_batches(dataset, order[position * per_rank:(position + 1) * per_rank], micro_batch_size)
 
 
-def eval_batches(held_out, *, dp, dp_rank, global_batch_size, micro_batch_size, iters):
+def eval_batches(held_out: TokenWindows, *, dp: int, dp_rank: int, global_batch_size: int, micro_batch_size: int,
+                 iters: int) -> list[list[MicroBatch]]:
     """This dp rank's micro-batches of `iters` global validation batches: the held-out windows in order (wrapping
     round when they run out, as Megatron's validation iterator does), rank r taking positions r, r + dp, ..."""
     n = len(held_out)

@@ -20,7 +20,10 @@ import socket
 import sys
 import time
 import traceback
+from collections.abc import Callable
+from typing import TypeVar
 
+Job = TypeVar("Job")  # what run_rank hands its function (the JobConfig)
 PEER_GRACE_S = 2.0  # a "peer" failure waits this long before exiting: the first failure is reported, not its echo
 _PEER = re.compile(r"Connection (closed|reset) by peer|Broken pipe|ECONNRESET|EPIPE|Socket closed|"
                    r"Connection refused|NCCL communicator was aborted")
@@ -30,23 +33,23 @@ _places = None  # (node, local rank, host) of every global rank, once gathered
 _step = None  # the step this rank is running (for messages)
 
 
-def place():
+def place() -> tuple[int, int, str]:
     """This process's (node, local rank, host) from torchrun's environment."""
     return (int(os.environ.get("GROUP_RANK", 0)), int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", 0))),
             socket.gethostname())
 
 
-def set_places(places):
+def set_places(places: list[tuple[int, int, str]]) -> None:
     global _places
     _places = list(places)
 
 
-def note_step(step):
+def note_step(step: int) -> None:
     global _step
     _step = step
 
 
-def where(rank):
+def where(rank: int) -> str:
     """`node N, local rank L` of global `rank` (from the gathered places, or this process's environment)."""
     if _places and rank < len(_places):
         node, local_rank, _ = _places[rank]
@@ -75,13 +78,13 @@ def _unwrap(exc):
     return exc, ""
 
 
-def describe(exc):
+def describe(exc: BaseException) -> str:
     """`Type: message` on one line (for a CheckpointException, the underlying error of its first failing rank)."""
     inner, note = _unwrap(exc)
     return f"{type(inner).__name__}: {_one_line(inner)}{note}"
 
 
-def origin(exc, rank):
+def origin(exc: BaseException, rank: int) -> int:
     """The rank whose error `exc` is: this `rank`, or a CheckpointException's first failing rank."""
     failures = getattr(exc, "failures", None)
     if type(exc).__name__ == "CheckpointException" and isinstance(failures, dict) and failures:
@@ -89,7 +92,7 @@ def origin(exc, rank):
     return rank
 
 
-def kind(exc):
+def kind(exc: BaseException) -> str:
     """"timeout", "peer" (another rank is gone) or "error" (this rank's own failure)."""
     inner, _ = _unwrap(exc)
     import torch.distributed as dist
@@ -116,7 +119,7 @@ def _hung_ranks(rank, world, grace):
     return [r for r, key in enumerate(keys) if not store.check([key])]
 
 
-def summary_of(record):
+def summary_of(record: dict) -> str:
     """The one line a record says (printed by our launcher after "error: ", shown by torchrun's report)."""
     if record["kind"] == "timeout" and record.get("hung"):
         hung = record["hung"]
@@ -141,7 +144,7 @@ def _write_error_file(line, record=None):
         json.dump(data, f)
 
 
-def refuse(message):
+def refuse(message: str) -> int:
     """A configuration error under torchrun: rank 0 alone prints it and exits at once, so that torchrun's report
     names it as the root cause; the other ranks exit a moment later (usually stopped by the agent before)."""
     if os.environ.get("RANK", "0") == "0":
@@ -152,8 +155,8 @@ def refuse(message):
     return 2
 
 
-def run_rank(fn, args, log_dir, timeout_s):
-    """Run `fn(args)` as one of torchrun's ranks: output of ranks other than 0 to DIR/rank-N.log, a failure
+def run_rank(fn: Callable[[Job], int], job: Job, log_dir: str, timeout_s: float) -> int:
+    """Run `fn(job)` as one of torchrun's ranks: output of ranks other than 0 to DIR/rank-N.log, a failure
     recorded there and in torchrun's error file. Returns the exit code."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
@@ -170,7 +173,7 @@ def run_rank(fn, args, log_dir, timeout_s):
         os.dup2(log.fileno(), 1)
         os.dup2(log.fileno(), 2)
     try:
-        code = fn(args)
+        code = fn(job)
     except KeyboardInterrupt:  # Ctrl-C reaches every rank (one process group): the launcher says so, once
         log.write(f"== interrupted at {time.strftime('%H:%M:%S')}, step {_step}\n")
         return 128 + signal.SIGINT
@@ -198,7 +201,7 @@ def run_rank(fn, args, log_dir, timeout_s):
     return code  # (no destroy_process_group: the process ends in os._exit, see models/train.py)
 
 
-def summary(process_failures, world, logs):
+def summary(process_failures: dict, world: int, logs: str) -> str:
     """The line our launcher prints for torchrun's failures {global rank: ProcessFailure}: the first rank's own error
     (earliest), else the hung ranks a timeout found, else a rank killed by a signal, else the first echo."""
     records, killed = [], []

@@ -1,6 +1,8 @@
 """How `python -m models.train` starts a job and what a user reads when it cannot: path checks before any process,
-dp inferred from torchrun's WORLD_SIZE, the rank layout over nodes, the launcher on this machine and its one-line
-failure summary. (The ranks' side of failures is models/training/failures.py.)"""
+the rank layout over nodes, the ranks' log directory and the resolved configuration written there, the launcher on
+this machine and its one-line failure summary. (The ranks' side of failures is models/training/failures.py.)"""
+import dataclasses
+import datetime
 import logging
 import os
 import signal
@@ -8,7 +10,12 @@ import socket
 import sys
 import tempfile
 
+from tp.mesh import Mesh
+
 from . import failures
+from .config import JobConfig
+
+CONFIG_FILE = "config.toml"  # the resolved configuration, in the ranks' log directory
 
 # ---- path flags, checked before any process ---------------------------------------------------------------------
 
@@ -19,7 +26,7 @@ def _nearest_existing(path):
     return path
 
 
-def check_writable_dir(flag, path):
+def check_writable_dir(flag: str, path: str) -> None:
     """A directory the job will create or write into: one line (ValueError) naming the flag and why not."""
     if os.path.exists(path):
         if not os.path.isdir(path):
@@ -30,7 +37,7 @@ def check_writable_dir(flag, path):
     _check_creatable(flag, path)
 
 
-def check_writable_file(flag, path):
+def check_writable_file(flag: str, path: str) -> None:
     """A file the job will write (its missing parent directories are created)."""
     if os.path.isdir(path):
         raise ValueError(f"{flag} {path} is a directory, not a file")
@@ -49,7 +56,7 @@ def _check_creatable(flag, path):
         raise ValueError(f"{flag} {path}: cannot be created, {parent} is not writable")
 
 
-def check_readable(flag, path, kind="any"):
+def check_readable(flag: str, path: str, kind: str = "any") -> None:
     """A file ("file"), directory ("dir") or either ("any") the job will read."""
     if not os.path.exists(path):
         what = {"any": "file or directory", "dir": "directory"}.get(kind, kind)
@@ -62,45 +69,28 @@ def check_readable(flag, path, kind="any"):
         raise ValueError(f"{flag} {path} is not readable")
 
 
-def check_paths(args):
-    """Every path flag of models.train (--from-hf: validate; --data and --tokenizer: models/training/data.py's
+def check_paths(job: JobConfig) -> None:
+    """Every path flag of models.train (--from-hf, --data and --tokenizer: models/training/preflight.py and data.py's
     check_source, which may call these helpers too)."""
-    for flag in ("save", "export_hf", "log_dir"):
-        if getattr(args, flag, None):
-            check_writable_dir(f"--{flag.replace('_', '-')}", getattr(args, flag))
-    if args.log_jsonl:
-        check_writable_file("--log-jsonl", args.log_jsonl)
-    if args.load and not (args.save and os.path.realpath(args.save) == os.path.realpath(args.load)):
-        check_readable("--load", args.load, "dir")  # (the same directory as --save may not exist yet)
-
-
-# ---- sizes -------------------------------------------------------------------------------------------------------
-
-def resolve_dp(args, world_size):
-    """--dp when given; else WORLD_SIZE / (tp·cp·pp) under torchrun (as Megatron), 2 on our own launcher."""
-    if args.dp is not None:
-        return args.dp
-    if world_size is None:
-        return 2
-    model_parallel = args.tp * args.cp * args.pp
-    if model_parallel < 1 or world_size % model_parallel:
-        raise ValueError(f"WORLD_SIZE={world_size} is not divisible by --tp*--cp*--pp = {args.tp}*{args.cp}*{args.pp}"
-                         f" = {model_parallel}: no data-parallel size fits")
-    return world_size // model_parallel
-
-
-def world_of(args):
-    return args.tp * args.cp * args.pp * args.dp
+    for flag, path in (("--save", job.checkpoint.save), ("--export-hf", job.checkpoint.export_hf),
+                       ("--log-dir", job.logging.log_dir)):
+        if path:
+            check_writable_dir(flag, path)
+    if job.logging.log_jsonl:
+        check_writable_file("--log-jsonl", job.logging.log_jsonl)
+    save, load = job.checkpoint.save, job.checkpoint.load
+    if load and not (save and os.path.realpath(save) == os.path.realpath(load)):
+        check_readable("--load", load, "dir")  # (the same directory as --save may not exist yet)
 
 
 # ---- layout ------------------------------------------------------------------------------------------------------
 
-def this_machine(world_size):
+def this_machine(world_size: int) -> list[tuple[int, int, str]]:
     """(node, local rank, host) of every rank of a one-node job on this machine."""
     return [(0, r, socket.gethostname()) for r in range(world_size)]
 
 
-def gather_places():
+def gather_places() -> list[tuple[int, int, str]]:
     """(node, local rank, host) of every global rank, from torchrun's GROUP_RANK/LOCAL_RANK (one all_gather_object
     over the default group); remembered for the failure messages."""
     import torch.distributed as dist
@@ -111,12 +101,12 @@ def gather_places():
     return places
 
 
-def split_groups(groups, places):
+def split_groups(groups: list[list[int]], places: list[tuple[int, int, str]]) -> list[list[int]]:
     """The groups (lists of global ranks) whose members sit on more than one node."""
     return [g for g in groups if len({places[r][0] for r in g}) > 1]
 
 
-def layout_lines(sizes, order, places):
+def layout_lines(sizes: dict[str, int], order: str, places: list[tuple[int, int, str]]) -> list[str]:
     """The layout as printed: which global ranks sit on which node, each rank's local rank and coordinates."""
     import tp
 
@@ -151,18 +141,14 @@ def _spans(ranks):
     return ", ".join(spans)
 
 
-def sizes_of(args):
-    return dict(tp=args.tp, cp=args.cp, pp=args.pp, dp=args.dp)
-
-
-def announce_layout(mesh):
+def announce_layout(mesh: Mesh) -> None:
     """Rank 0 prints the layout of the running job (collective: gathers every rank's node)."""
     places = gather_places()
     if mesh.rank == 0:
         print("\n".join(layout_lines(dict(mesh.sizes), "-".join(mesh.order), places)), flush=True)
 
 
-def print_layout_under_torchrun(args, timeout):
+def print_layout_under_torchrun(sizes: dict[str, int], timeout: datetime.timedelta) -> int:
     """--print-layout on torchrun's ranks: the default group only, the layout printed by rank 0, no training."""
     import torch.distributed as dist
 
@@ -171,21 +157,34 @@ def print_layout_under_torchrun(args, timeout):
     if dist.get_rank() == 0:
         from tp.mesh import DEFAULT_ORDER
 
-        print("\n".join(layout_lines(sizes_of(args), DEFAULT_ORDER, places)), flush=True)
+        print("\n".join(layout_lines(sizes, DEFAULT_ORDER, places)), flush=True)
     dist.barrier()
     return 0
 
 
 # ---- our own launcher --------------------------------------------------------------------------------------------
 
-def log_dir(args):
-    """Where each rank's log goes: --log-dir, else DIR/logs of --save, else a directory per torchrun run id."""
-    if args.log_dir:
-        return args.log_dir
-    if args.save:
-        return os.path.join(args.save, "logs")
-    run = "-".join(os.environ.get(k, "") for k in ("TORCHELASTIC_RUN_ID", "MASTER_PORT")).strip("-") or "local"
-    return os.path.join(tempfile.gettempdir(), f"models.train-{run}")
+def log_dir(job: JobConfig) -> str:
+    """Where each rank's log goes: --log-dir, else DIR/logs of --save, else a directory per torchrun run (its run id
+    and port, the same on every rank); outside torchrun (our launcher, which hands it to the ranks as their
+    --log-dir), a new temporary directory."""
+    if job.logging.log_dir:
+        return job.logging.log_dir
+    if job.checkpoint.save:
+        return os.path.join(job.checkpoint.save, "logs")
+    run = "-".join(os.environ.get(k, "") for k in ("TORCHELASTIC_RUN_ID", "MASTER_PORT")).strip("-")
+    return os.path.join(tempfile.gettempdir(), f"models.train-{run}") if run else \
+        tempfile.mkdtemp(prefix="models.train-")
+
+
+def write_config(job: JobConfig, logs: str) -> str:
+    """LOGS/config.toml: the job as resolved (dp, the log directory), loadable with --config; returns its path."""
+    resolved = dataclasses.replace(job, logging=dataclasses.replace(job.logging, log_dir=logs))
+    os.makedirs(logs, exist_ok=True)
+    path = os.path.join(logs, CONFIG_FILE)
+    with open(path, "w") as f:
+        f.write(resolved.to_toml())
+    return path
 
 
 def _quiet_torchelastic():
@@ -195,20 +194,21 @@ def _quiet_torchelastic():
             logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
-def launch(args, argv):
-    """Start tp·cp·pp·dp CPU processes on this machine through torchrun's launcher; on failure print one line naming
-    the first failing rank (see models/training/failures.py) and return 1."""
+def launch(job: JobConfig) -> int:
+    """Start tp·cp·pp·dp CPU processes on this machine through torchrun's launcher, each reading the resolved
+    configuration this writes beside their logs (write_config); on failure print one line naming the first failing
+    rank (see models/training/failures.py) and return 1."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
-    world = world_of(args)
+    world = job.parallelism.world_size
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # c10d's socket warnings: rank 0 keeps the terminal
-    logs = args.log_dir or (os.path.join(args.save, "logs") if args.save else tempfile.mkdtemp(prefix="models.train-"))
-    ranks = list(argv) if args.log_dir else [*argv, "--log-dir", logs]  # (the ranks infer the same --dp)
+    logs = log_dir(job)
     launcher = get_args_parser().parse_args([f"--nproc-per-node={world}", "--standalone",
-                                             f"--max-restarts={args.max_restarts}", "-m", "models.train", *ranks])
+                                             f"--max-restarts={job.launch.max_restarts}", "-m", "models.train",
+                                             "--config", write_config(job, logs)])
     _quiet_torchelastic()
     try:
         run(launcher)

@@ -4,9 +4,10 @@ import json
 import os
 import sys
 import time
+from typing import Any, TextIO
 
 
-def progress(show, start, total, *, interval, stream=None):
+def progress(show: bool, start: int, total: int, *, interval: int, stream: TextIO | None = None) -> Any:
     """A tqdm-like object (`update(n)`, `set_postfix(**fields)`, `close()`): tqdm when `stream` (stdout) is a
     terminal, else plain lines every `interval` steps and at the last; nothing when not `show`."""
     stream = sys.stdout if stream is None else stream
@@ -34,15 +35,15 @@ class PlainLines:
     """`step 10/100 | loss 4.8123 | tok_s 1884 | 0.35 s/step`: printed when set_postfix follows an update that
     reached a multiple of `interval` (or the last step)."""
 
-    def __init__(self, start, total, *, interval, stream):
+    def __init__(self, start: int, total: int, *, interval: int, stream: TextIO):
         self.n, self.total, self.interval, self.stream = start, total, max(1, interval), stream
         self._since, self._steps, self._printed = time.perf_counter(), 0, start
 
-    def update(self, n=1):
+    def update(self, n: int = 1) -> None:
         self.n += n
         self._steps += n
 
-    def set_postfix(self, **fields):
+    def set_postfix(self, **fields: Any) -> None:
         if self._printed == self.n or (self.n % self.interval and self.n != self.total):
             return
         now = time.perf_counter()
@@ -53,11 +54,11 @@ class PlainLines:
         print(line, file=self.stream, flush=True)
         self._since, self._steps, self._printed = now, 0, self.n
 
-    def close(self):
+    def close(self) -> None:
         pass
 
 
-def open_log(path, start_step):
+def open_log(path: str, start_step: int) -> TextIO:
     """The JSONL log opened for appending by a run that starts after step `start_step`: rows of later steps (a run
     that died after its last checkpoint and redoes them) are dropped, so the file reads as one run; earlier rows are
     kept as written. A fresh run (start_step 0) starts an empty file."""

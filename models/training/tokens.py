@@ -18,6 +18,8 @@ import hashlib
 import json
 import os
 import sys
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 
@@ -32,12 +34,12 @@ _CHUNK_CHARS = 1 << 20  # a long document is tokenized in pieces of ~1M characte
 # ---- the format --------------------------------------------------------------------------------------------------
 
 
-def sidecar(path):
+def sidecar(path: str) -> str:
     """PREFIX.json of PREFIX.bin."""
     return os.path.splitext(path)[0] + ".json"
 
 
-def read_header(path):
+def read_header(path: str) -> dict:
     """The checked sidecar of token file `path` (a dict); one-line errors naming the file."""
     meta_path = sidecar(path)
     if not os.path.isfile(meta_path):
@@ -60,13 +62,13 @@ def read_header(path):
     return meta
 
 
-def read(path):
+def read(path: str) -> tuple[np.memmap, dict]:
     """(tokens: a read-only numpy memmap [count], header dict) of token file `path`."""
     meta = read_header(path)
     return np.memmap(path, dtype=np.dtype(meta["dtype"]).newbyteorder("<"), mode="r", shape=(meta["count"],)), meta
 
 
-def dtype_for(vocab_size):
+def dtype_for(vocab_size: int) -> str:
     """The smallest unsigned dtype holding ids [0, vocab_size)."""
     return next(d for d in DTYPES if vocab_size <= np.iinfo(d).max + 1)
 
@@ -102,7 +104,7 @@ class _Writer:
 # ---- text sources ------------------------------------------------------------------------------------------------
 
 
-def text_files(path):
+def text_files(path: str) -> list[str]:
     """The text files of --data PATH: the file itself, or a directory's .txt/.jsonl files (recursively, sorted,
     hidden entries skipped)."""
     if os.path.isfile(path):
@@ -115,7 +117,7 @@ def text_files(path):
     return found
 
 
-def documents(files):
+def documents(files: list[str]) -> Iterator[tuple[str, int]]:
     """Yield (document text, bytes of the source read so far): a .txt file is one document, a .jsonl line one (and
     a line of a .json file given as --data: Megatron's loose JSON, one object per line)."""
     done = 0
@@ -156,7 +158,7 @@ def _pieces(text):
 
 
 @functools.lru_cache(maxsize=8)
-def load_tokenizer(directory):
+def load_tokenizer(directory: str) -> Any:
     """transformers.AutoTokenizer of a local directory (no downloads); one-line errors."""
     if not os.path.isdir(directory):
         raise ValueError(f"--tokenizer {directory}: no such directory (a Hugging Face tokenizer directory)")
@@ -175,12 +177,12 @@ def load_tokenizer(directory):
     return tokenizer
 
 
-def tokenizer_vocab_size(tokenizer):
+def tokenizer_vocab_size(tokenizer: Any) -> int:
     """Ids the tokenizer can emit: its vocabulary with the added tokens."""
     return max(len(tokenizer), max(tokenizer.get_vocab().values(), default=-1) + 1)
 
 
-def has_tokenizer(directory):
+def has_tokenizer(directory: str) -> bool:
     """Whether a (Hugging Face model) directory holds tokenizer files."""
     return any(os.path.isfile(os.path.join(directory, name))
                for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json"))
@@ -194,7 +196,7 @@ def _hash_files(digest, paths, root):
                 digest.update(block)
 
 
-def cache_key(files, data_root, tokenizer_dir):
+def cache_key(files: list[str], data_root: str, tokenizer_dir: str | None) -> str:
     """sha256 over the tokenizer directory's files (not model weights or config) and the data files' bytes."""
     digest = hashlib.sha256(f"{FORMAT}-{VERSION}\0".encode())
     if tokenizer_dir is None:
@@ -208,7 +210,7 @@ def cache_key(files, data_root, tokenizer_dir):
     return digest.hexdigest()[:16]
 
 
-def cached_path(data, tokenizer_dir, cache_dir=None):
+def cached_path(data: str, tokenizer_dir: str | None, cache_dir: str | None = None) -> str:
     """Where the token file of text --data DATA under --tokenizer (None: bytes) lives: .tokens/ beside the data
     (inside a data directory), or `cache_dir`."""
     data = os.path.abspath(data)
@@ -223,7 +225,7 @@ def cached_path(data, tokenizer_dir, cache_dir=None):
 # ---- building ----------------------------------------------------------------------------------------------------
 
 
-def build(data, tokenizer_dir, out, *, progress=True):
+def build(data: str, tokenizer_dir: str | None, out: str, *, progress: bool = True) -> dict:
     """Tokenize text --data DATA (a file or directory) into token file `out` (.bin + .json); returns its header."""
     files = text_files(data)
     total = sum(os.path.getsize(p) for p in files)
@@ -282,7 +284,7 @@ def _bar(show, total, what):
                 file=sys.stderr, dynamic_ncols=True)
 
 
-def main(argv=None):
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m models.tokens", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", required=True, help="a .txt/.jsonl file or a directory of them")

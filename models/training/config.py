@@ -1,0 +1,383 @@
+"""The training job's configuration, typed (torchtitan's JobConfig): one dataclass per section, each checking its own
+values, and `JobConfig.validate` for what spans sections.
+
+Every flag of `python -m models.train` is the field of the same name (dashes as underscores) in one section, except
+`--model` (`model.preset`) and `--data` (`data.path`). `--config job.toml` reads the same sections from TOML, keys
+being the field names; flags given on the command line win over the file. `python -m models.train` writes the
+resolved configuration the same way into the ranks' log directory (config.toml), and starts the ranks from it; a run
+repeats with `--config` alone:
+
+    [parallelism]
+    tp = 2
+    pp = 2
+    schedule = "interleaved"
+    virtual_stages = 2
+
+    [training]
+    steps = 200
+    global_batch_size = 32
+
+Checks that read files or build the model (paths, the data, the model's fit to the split, a checkpoint to resume)
+are models/training/preflight.py's.
+"""
+import dataclasses
+import json
+import math
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any
+
+from tp.pipeline import schedules
+
+from ..config import CP_MODES, PRESETS, RECOMPUTE
+
+SIZE_FIELDS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_hidden_size")
+PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb")
+DP_MODES = ("ddp", "fsdp", "zero1")
+PRECISIONS = ("fp32", "bf16")
+
+
+def _field(default: Any, *, flag: str) -> Any:
+    """A field whose command-line flag is named otherwise (--FLAG)."""
+    return dataclasses.field(default=default, metadata={"flag": flag})
+
+
+def _dest(field: dataclasses.Field) -> str:
+    """The argparse dest of a section's field: its own name unless it says otherwise."""
+    return field.metadata.get("flag", field.name)
+
+
+def _flag(name: str) -> str:
+    return f"--{name.replace('_', '-')}"
+
+
+def _at_least(section: Any, names: tuple[str, ...], low: int) -> None:
+    for name in names:
+        value = getattr(section, name)
+        if value is not None and value < low:
+            raise ValueError(f"{_flag(name)}={value} must be >= {low}")
+
+
+def _one_of(flag: str, value: Any, allowed: tuple) -> None:
+    """(argparse checks the flags' choices; this, a TOML file's)"""
+    if value not in allowed:
+        raise ValueError(f"{flag}={value} must be one of {', '.join(map(str, allowed))}")
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    """[model]: a preset (tiny unless given) with size overrides, or a Hugging Face model to start from."""
+
+    preset: str | None = _field(None, flag="model")
+    from_hf: str | None = None
+    hidden_size: int | None = None
+    num_layers: int | None = None
+    num_heads: int | None = None
+    num_kv_heads: int | None = None
+    ffn_hidden_size: int | None = None
+    dropout: float = 0.0
+    attention_dropout: float | None = None  # None: --dropout
+
+    def validate(self) -> None:
+        if self.preset is not None:
+            _one_of("--model", self.preset, tuple(sorted(PRESETS)))
+        if self.from_hf:
+            given = [("--model", self.preset), *((_flag(f), getattr(self, f)) for f in SIZE_FIELDS)]
+            shape = [flag for flag, value in given if value is not None]
+            if shape:
+                raise ValueError(f"--from-hf takes the model's shape from its config: drop {' '.join(shape)}")
+
+
+@dataclasses.dataclass
+class ParallelismConfig:
+    """[parallelism]: the tp x cp x pp x dp split, the pipeline schedule, data parallelism's mode."""
+
+    tp: int = 2
+    cp: int = 1
+    cp_mode: str = "ring"
+    pp: int = 2
+    dp: int | None = None  # None: WORLD_SIZE / (tp*cp*pp) under torchrun, else 2 (see resolve_dp)
+    dp_mode: str = "ddp"
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    sequence_parallel: bool = False
+    recompute: str = "none"
+
+    def validate(self) -> None:
+        _at_least(self, ("tp", "cp", "pp", "dp", "virtual_stages"), 1)
+        for flag, value, allowed in (("--cp-mode", self.cp_mode, CP_MODES), ("--dp-mode", self.dp_mode, DP_MODES),
+                                     ("--schedule", self.schedule, PIPELINE_SCHEDULES),
+                                     ("--recompute", self.recompute, RECOMPUTE)):
+            _one_of(flag, value, allowed)
+
+    def resolve_dp(self, world_size: int | None) -> int:
+        """--dp when given; else WORLD_SIZE / (tp·cp·pp) under torchrun (as Megatron), 2 on our own launcher."""
+        if self.dp is not None:
+            return self.dp
+        if world_size is None:
+            return 2
+        model_parallel = self.tp * self.cp * self.pp
+        if model_parallel < 1 or world_size % model_parallel:
+            raise ValueError(f"WORLD_SIZE={world_size} is not divisible by --tp*--cp*--pp = {self.tp}*{self.cp}*"
+                             f"{self.pp} = {model_parallel}: no data-parallel size fits")
+        return world_size // model_parallel
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return dict(tp=self.tp, cp=self.cp, pp=self.pp, dp=self.dp)
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.cp * self.pp * self.dp
+
+
+@dataclasses.dataclass
+class TrainingConfig:
+    """[training]: steps, batch sizes, sequence length, seed, precision, gradient clipping."""
+
+    steps: int = 100
+    global_batch_size: int = 16
+    micro_batch_size: int = 2
+    seq_len: int = 64
+    seed: int = 1234
+    precision: str = "fp32"
+    clip_grad: float = 1.0
+    check_inputs: bool = False
+
+    def validate(self) -> None:
+        _at_least(self, ("global_batch_size", "micro_batch_size", "seq_len", "steps"), 1)
+        if not math.isfinite(self.clip_grad) or self.clip_grad < 0:
+            raise ValueError(f"--clip-grad={self.clip_grad} must be a finite number >= 0 (0: no clipping)")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"--precision={self.precision} is not supported: fp32 or bf16 (fp16 would need loss "
+                             "scaling)")
+
+
+@dataclasses.dataclass
+class OptimizerConfig:
+    """[optimizer]: AdamW's peak learning rate, its warm-up and weight decay."""
+
+    lr: float = 3e-3
+    warmup_steps: int = 5
+    weight_decay: float = 0.01
+
+    def validate(self) -> None:
+        for name, value in (("lr", self.lr), ("weight_decay", self.weight_decay)):
+            if not math.isfinite(value) or value < 0 or (name == "lr" and value == 0):
+                raise ValueError(f"{_flag(name)}={value} must be a finite number {'> 0' if name == 'lr' else '>= 0'}")
+        _at_least(self, ("warmup_steps",), 0)
+
+    def learning_rate(self, step: int, steps: int) -> float:
+        """The learning rate of step `step` (from 0) of `steps`: linear warm-up, then cosine decay to lr/10."""
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        progress = (step - self.warmup_steps) / max(1, steps - self.warmup_steps)
+        return self.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
+
+
+@dataclasses.dataclass
+class DataConfig:
+    """[data]: the training text or token file (None: the bundled corpus) and its tokenizer (None: bytes)."""
+
+    path: str | None = _field(None, flag="data")
+    tokenizer: str | None = None
+
+    def validate(self) -> None:
+        """(the paths are read by preflight.py)"""
+
+
+@dataclasses.dataclass
+class EvaluationConfig:
+    """[evaluation]: validation loss on the held-out data."""
+
+    eval_every: int = 0
+    eval_iters: int = 10
+    eval_only: bool = False
+
+    def validate(self) -> None:
+        _at_least(self, ("eval_every",), 0)
+        _at_least(self, ("eval_iters",), 1)
+
+
+@dataclasses.dataclass
+class CheckpointConfig:
+    """[checkpoint]: resharding checkpoints written, resumed from, and the Hugging Face export."""
+
+    save: str | None = None
+    save_every: int = 0
+    load: str | None = None
+    export_hf: str | None = None
+
+    def validate(self) -> None:
+        _at_least(self, ("save_every",), 0)
+
+
+@dataclasses.dataclass
+class LoggingConfig:
+    """[logging]: the JSONL log, the progress lines, the ranks' log directory."""
+
+    log_jsonl: str | None = None
+    log_interval: int = 10
+    log_dir: str | None = None
+
+    def validate(self) -> None:
+        _at_least(self, ("log_interval",), 1)
+
+
+@dataclasses.dataclass
+class LaunchConfig:
+    """[launch]: the collectives' timeout, restarts, the layout printed instead of training."""
+
+    distributed_timeout_minutes: float = 10.0
+    max_restarts: int = 0
+    print_layout: bool = False
+
+    def validate(self) -> None:
+        _at_least(self, ("max_restarts",), 0)
+        if not self.distributed_timeout_minutes > 0:
+            raise ValueError(f"--distributed-timeout-minutes={self.distributed_timeout_minutes} must be > 0")
+
+
+@dataclasses.dataclass
+class FaultsConfig:
+    """[faults]: failures the tests inject (hidden flags; models/training/faults.py), all on rank `fail_rank`."""
+
+    fail_at_step: int | None = None  # raises there
+    hang_at_step: int | None = None  # sleeps there
+    slow_save_at_step: int | None = None  # a first attempt's save pauses (every rank)
+    nan_grad_at_step: int | None = None  # a NaN in a reduced gradient
+    fail_rank: int = 0
+
+    def validate(self) -> None:
+        """(test-only: any value does what it says)"""
+
+
+@dataclasses.dataclass
+class JobConfig:
+    """The whole job: its sections, each a dataclass above."""
+
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    parallelism: ParallelismConfig = dataclasses.field(default_factory=ParallelismConfig)
+    training: TrainingConfig = dataclasses.field(default_factory=TrainingConfig)
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    evaluation: EvaluationConfig = dataclasses.field(default_factory=EvaluationConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+    launch: LaunchConfig = dataclasses.field(default_factory=LaunchConfig)
+    faults: FaultsConfig = dataclasses.field(default_factory=FaultsConfig)
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches per optimizer step on each dp rank."""
+        return self.training.global_batch_size // (self.parallelism.dp * self.training.micro_batch_size)
+
+    def sections(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def validate(self, world_size: int | None = None) -> None:
+        """Every check of the values alone, one ValueError line naming the flag: resolves parallelism.dp (from
+        `world_size`, torchrun's WORLD_SIZE, when not given), then each section's checks, then those across them."""
+        self.parallelism.dp = self.parallelism.resolve_dp(world_size)
+        for section in self.sections().values():
+            section.validate()
+        parallel, training = self.parallelism, self.training
+        world = parallel.world_size
+        if world_size is not None and world_size != world:
+            raise ValueError(f"WORLD_SIZE={world_size} but --tp*--cp*--pp*--dp = {parallel.tp}*{parallel.cp}*"
+                             f"{parallel.pp}*{parallel.dp} = {world}")
+        if training.global_batch_size % (parallel.dp * training.micro_batch_size):
+            raise ValueError(f"--global-batch-size={training.global_batch_size} is not divisible by --dp * "
+                             f"--micro-batch-size = {parallel.dp}*{training.micro_batch_size}")
+        if self.evaluation.eval_only and not (self.checkpoint.load or self.model.from_hf):
+            raise ValueError("--eval-only evaluates a model: give --load DIR (a checkpoint) or --from-hf DIR")
+        try:
+            schedules.check_arguments(parallel.schedule, parallel.pp, self.micro_batches, parallel.virtual_stages)
+        except schedules.ScheduleError as e:
+            raise ValueError(f"--schedule {parallel.schedule}: {e} (micro_batches = --global-batch-size / (--dp * "
+                             f"--micro-batch-size) = {self.micro_batches}; virtual_stages = --virtual-stages)"
+                             ) from None
+        if parallel.sequence_parallel and training.seq_len % parallel.tp:
+            raise ValueError(f"--seq-len={training.seq_len} is not divisible by --tp={parallel.tp} (sequence "
+                             "parallelism)")
+
+    # ---- flags and TOML ------------------------------------------------------------------------------------------
+
+    def with_flags(self, flags: Mapping[str, Any]) -> "JobConfig":
+        """A copy with the fields of these argparse dests ({"tp": 4, "model": "small", ...}) replaced."""
+        unknown = set(flags) - {_dest(f) for section in self.sections().values()
+                                for f in dataclasses.fields(section)}
+        if unknown:
+            raise ValueError(f"not flags of models.train: {', '.join(sorted(unknown))}")
+        return JobConfig(**{name: dataclasses.replace(section, **{
+            f.name: flags[_dest(f)] for f in dataclasses.fields(section) if _dest(f) in flags})
+            for name, section in self.sections().items()})
+
+    @classmethod
+    def from_dict(cls, tables: Mapping[str, Any], source: str = "the configuration") -> "JobConfig":
+        """The JobConfig of {section: {field: value}} (a TOML file's tables); missing fields keep their defaults, an
+        unknown section or key or a value of the wrong type is refused in one line naming `source`."""
+        job = cls()
+        sections = job.sections()
+        for name, table in tables.items():
+            if name not in sections or not isinstance(table, Mapping):
+                raise ValueError(f"{source}: unknown section [{name}] (sections: {', '.join(sections)})")
+            fields = {f.name: f for f in dataclasses.fields(sections[name])}
+            for key, value in table.items():
+                if key not in fields:
+                    raise ValueError(f"{source}: unknown key {key!r} in [{name}] (keys: {', '.join(fields)})")
+                setattr(sections[name], key, _typed(value, fields[key].type, f"{source}: [{name}] {key}"))
+        return job
+
+    @classmethod
+    def from_toml(cls, path: str) -> "JobConfig":
+        """The JobConfig of a TOML file (as `to_toml` writes it); one-line errors naming --config PATH."""
+        try:
+            import tomllib
+        except ModuleNotFoundError:  # Python 3.10
+            raise ValueError("--config needs Python >= 3.11 (tomllib)") from None
+        try:
+            with open(path, "rb") as f:
+                tables = tomllib.load(f)
+        except OSError as e:
+            raise ValueError(f"--config {path}: {e.strerror or e}") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"--config {path}: not TOML ({e})") from None
+        return cls.from_dict(tables, f"--config {path}")
+
+    def to_toml(self) -> str:
+        """TOML that `from_toml` reads back equal: every field, but those at None (TOML has no null: they are left
+        out, and read back as their default, None); [faults] only when a fault is set."""
+        lines = ["# models.train's configuration: python -m models.train --config THIS_FILE"]
+        for name, section in self.sections().items():
+            if name == "faults" and section == FaultsConfig():
+                continue
+            lines.append(f"\n[{name}]")
+            lines += [f"{f.name} = {_toml_value(getattr(section, f.name))}" for f in dataclasses.fields(section)
+                      if getattr(section, f.name) is not None]
+        return "\n".join(lines) + "\n"
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):  # repr reads back exactly; TOML spells them inf and nan too
+        return repr(value)
+    if isinstance(value, str):  # a TOML basic string is a JSON string, but for DEL, which TOML escapes
+        return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
+    return str(value)
+
+
+def _typed(value: Any, kind: Any, where: str) -> Any:
+    """`value` read from TOML, checked against the field's type (an int where a float goes becomes a float)."""
+    options = typing.get_args(kind) if isinstance(kind, types.UnionType) else (kind,)
+    for option in options:
+        if option is bool and isinstance(value, bool) or option is str and isinstance(value, str):
+            return value
+        if option in (int, float) and isinstance(value, int | float) and not isinstance(value, bool) \
+                and (option is float or isinstance(value, int)):
+            return option(value)
+    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+    wanted = " or ".join(names[o] for o in options if o in names)
+    raise ValueError(f"{where} = {value!r} must be {wanted}")

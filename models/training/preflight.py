@@ -1,0 +1,68 @@
+"""Every check of a job that needs no process, run by the launcher before it starts any (and by each rank again):
+the values (JobConfig.validate), then what reads files or builds the model's config: the path flags, the Hugging
+Face directory, the data and its tokenizer, the model's fit to the split, the checkpoint to resume, the data's size.
+Each refusal is one ValueError line naming the flag."""
+import os
+
+from ..config import GPTConfig
+from ..stages import stage_layers
+from . import data, launch
+from .checkpoint_dirs import resume_path
+from .config import JobConfig
+from .model import gpt_config_from_job
+
+
+def check(job: JobConfig, world_size: int | None = None) -> GPTConfig:
+    """The GPTConfig the job trains, once every check passed. Resolves job.parallelism.dp (from `world_size`,
+    torchrun's WORLD_SIZE, when not given)."""
+    job.validate(world_size)
+    launch.check_paths(job)  # --save, --load, --export-hf, --log-jsonl, --log-dir: before any process
+    if job.model.from_hf and not os.path.isdir(job.model.from_hf):
+        raise ValueError(f"--from-hf {job.model.from_hf}: no such directory (a save_pretrained directory)")
+    data.check_source(job)  # --data / --tokenizer: paths, empty text, a loadable tokenizer
+    config = gpt_config_from_job(job)
+    check_model_fits(job, config)
+    data.check_vocab(job, config.vocab_size)
+    check_resume(job, config)
+    count = data.token_count(job)  # (None: text not yet tokenized; checked after the launcher tokenizes it)
+    if count is not None:
+        data.check_size(job, count)
+    return config
+
+
+def check_model_fits(job: JobConfig, config: GPTConfig) -> None:
+    """The model split as the job asks: its positions cover --seq-len, its heads --tp, its layers the pipeline
+    stages, and context parallelism its sequence."""
+    parallel, seq_len = job.parallelism, job.training.seq_len
+    limit = min(config.max_seq_len, config.sliding_window or config.max_seq_len)
+    if seq_len > limit:  # (presets grow max_seq_len to --seq-len; a Hugging Face model's is its own)
+        raise ValueError(f"--seq-len={seq_len} exceeds the model's max_seq_len={config.max_seq_len}"
+                         + (f" / sliding_window={config.sliding_window}" if config.sliding_window else ""))
+    config.check_tp(parallel.tp)
+    stage_layers(config.num_layers, parallel.pp, 0, parallel.virtual_stages)
+    if parallel.cp > 1:
+        if config.attention_dropout:
+            raise ValueError(f"--attention-dropout={config.attention_dropout} with --cp={parallel.cp}: attention "
+                             "dropout is not supported under context parallelism (pass --attention-dropout 0)")
+        try:
+            config.check_seq_len(seq_len, tp=parallel.tp, cp=parallel.cp)
+        except ValueError as e:
+            raise ValueError(f"--seq-len={seq_len} with --cp={parallel.cp}"
+                             + (f" --tp={parallel.tp} --sequence-parallel" if parallel.sequence_parallel else "")
+                             + f": {e}") from None
+
+
+def check_resume(job: JobConfig, config: GPTConfig) -> None:
+    """The checkpoint --load resumes (if any) holds this model, and --steps goes beyond it."""
+    load, save = job.checkpoint.load, job.checkpoint.save
+    path = resume_path(load, save)  # None: nothing to load (--save and --load the same, still empty)
+    if not path:
+        return
+    from . import checkpoint
+
+    meta = checkpoint.read_meta(path)
+    checkpoint.check_config(meta["config"], config, path)
+    restarted = os.path.realpath(save or "") == os.path.realpath(load)  # (the trainer says it is done)
+    if job.training.steps <= meta["step"] and not job.evaluation.eval_only and not restarted:
+        raise ValueError(f"--steps={job.training.steps} does not go beyond the checkpoint's step {meta['step']}: "
+                         "nothing to train")
