@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .mappings import gather_first, reduce_scatter_first
+from .collectives import gather_first, reduce_scatter_first
 from .mesh import get_mesh
 
 MODES = ("ring", "allgather")

@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from . import debug
-from .mappings import gather_first
+from .collectives import gather_first
 from .mesh import resolve_group
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -115,7 +115,7 @@ def vocab_parallel_cross_entropy(
     group = resolve_group(group)
     padded = logits_shard.shape[-1] * dist.get_world_size(group) if logits_shard.dim() else 0
     vocab_size = padded if vocab_size is None else vocab_size
-    if debug._enabled:
+    if debug.is_debug():
         debug.check(targets, group, "the targets of vocab_parallel_cross_entropy", replicated=True)
         debug.check(logits_shard, group, "the logits_shard of vocab_parallel_cross_entropy", replicated=False)
     _check(logits_shard, targets, label_smoothing, ignore_index, reduction, vocab_size, padded)

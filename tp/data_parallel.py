@@ -25,7 +25,7 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from . import debug
-from .mappings import _all_gather, _reduce_scatter
+from .collectives import all_gather_into_tensor, reduce_scatter_tensor
 from .mesh import get_mesh
 
 _DONE = object()  # the handle of a reduction that needed no collective (a group of one rank)
@@ -237,7 +237,7 @@ class DataParallel(nn.Module):
         if self.size == 1:
             b.handle = _DONE
         elif self.shard:  # in place: this rank's shard of the buffer receives the sum
-            b.handle = _reduce_scatter(b.grad_shard, b.grad_data, group=self.group, async_op=True)
+            b.handle = reduce_scatter_tensor(b.grad_shard, b.grad_data, group=self.group, async_op=True)
         else:
             b.handle = dist.all_reduce(b.grad_data, group=self.group, async_op=True)
 
@@ -287,7 +287,7 @@ class DataParallel(nn.Module):
         if not self.shard or self.size == 1:
             return
         for b in reversed(self.buckets):
-            b.gather = _all_gather(b.param_data, b.param_shard, group=self.group, async_op=True)
+            b.gather = all_gather_into_tensor(b.param_data, b.param_shard, group=self.group, async_op=True)
         if not self.overlap_param_gather:
             self.finish_param_sync()
 

@@ -12,6 +12,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from .collectives import gather_first
+
 _MAX_DIMS = 8
 _enabled = os.environ.get("TP_DEBUG", "0") not in ("", "0")
 
@@ -70,8 +72,6 @@ def check(x, group, what, *, replicated, group_name="tp"):
     size = dist.get_world_size(group)
     if size == 1:
         return
-    from .mappings import gather_first  # (mappings calls these checks)
-
     every = gather_first(_summary(x), group).view(size, -1).cpu()
     shapes = [tuple(int(d) for d in row[1:1 + int(row[0])]) for row in every]
     classes = _groups_of(shapes, lambda a, b: a == b)

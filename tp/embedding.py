@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import debug
-from .mappings import _ReduceFromTPInPlace, _ReduceScatterToSP, gather_first
+from .collectives import gather_first
+from .mappings import reduce_from_tp_region, reduce_scatter_to_sp_region
 from .mesh import resolve_group
 
 
@@ -91,7 +92,7 @@ class VocabParallelEmbedding(nn.Module):
         return layer
 
     def _check_input(self, ids):
-        if debug._enabled:
+        if debug.is_debug():
             debug.check(ids, self.group, "the token ids of VocabParallelEmbedding", replicated=True)
         if ids.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"token ids must be int64 or int32, got {ids.dtype}")
@@ -113,8 +114,8 @@ class VocabParallelEmbedding(nn.Module):
         partial = F.embedding(local_ids, self.weight, self._local_padding_idx)  # [s, b, h], rows of this rank only
         partial.masked_fill_(outside.unsqueeze(-1), 0)  # in place: the lookup's backward needs only the ids
         if self.sequence_parallel:
-            return _ReduceScatterToSP.apply(partial, self.group)  # [s/tp, b, h]
-        return _ReduceFromTPInPlace.apply(partial, self.group)  # a fresh tensor: reduce in its own storage
+            return reduce_scatter_to_sp_region(partial, self.group, check=False)  # [s/tp, b, h] (ids were checked)
+        return reduce_from_tp_region(partial, self.group, in_place=True, check=False)  # a fresh tensor: its storage
 
     def extra_repr(self):
         padding = f", padding_idx={self.padding_idx}" if self.padding_idx is not None else ""

@@ -11,26 +11,8 @@
 import torch
 import torch.distributed as dist
 
+from .collectives import all_reduce_coalesced
 from .mesh import resolve_group
-
-
-@torch.no_grad()
-def _all_reduce_coalesced(tensors, group, *, average=False, inplace=True):
-    """Sum (or average) same-dtype tensors over the group, one all-reduce per dtype: in place, or (inplace=False)
-    returned as new tensors, the inputs untouched."""
-    size = dist.get_world_size(group)
-    by_dtype = {}
-    for i, t in enumerate(tensors):
-        by_dtype.setdefault(t.dtype, []).append(i)
-    out = list(tensors)
-    for same in by_dtype.values():
-        flat = torch.cat([tensors[i].reshape(-1) for i in same])
-        dist.all_reduce(flat, group=group)
-        if average:
-            flat /= size
-        for i, reduced in zip(same, flat.split([tensors[i].numel() for i in same])):
-            out[i] = tensors[i].copy_(reduced.view_as(tensors[i])) if inplace else reduced.view_as(tensors[i])
-    return out
 
 
 class _SumGradsOverTP(torch.autograd.Function):
@@ -43,7 +25,7 @@ class _SumGradsOverTP(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, *grads):
         # not in place: autograd may have handed the same grad tensor to another input (both sides of an add)
-        it = iter(_all_reduce_coalesced([g for g in grads if g is not None], ctx.group, inplace=False))
+        it = iter(all_reduce_coalesced([g for g in grads if g is not None], ctx.group, inplace=False))
         return (None, *(None if g is None else next(it) for g in grads))
 
 
@@ -73,7 +55,7 @@ def allreduce_sequence_parallel_grads(module, group=None):
     grads = [g for p in module.parameters() if getattr(p, "sequence_parallel", False)
              if (g := _grad_or_main_grad(p)) is not None]
     if grads and dist.get_world_size(group) > 1:
-        _all_reduce_coalesced(grads, group)
+        all_reduce_coalesced(grads, group)
 
 
 def ddp_ignore_main_grads(module):
@@ -92,7 +74,7 @@ def allreduce_main_grads(module, group, *, average=True):
     dtype, after backward and before the optimizer step. Megatron's DDP does this for its fp32 grad buffers."""
     grads = [p.main_grad for p in module.parameters() if getattr(p, "main_grad", None) is not None]
     if grads and dist.get_world_size(group) > 1:
-        _all_reduce_coalesced(grads, group, average=average)
+        all_reduce_coalesced(grads, group, average=average)
 
 
 def main_grad_of(weight):

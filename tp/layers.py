@@ -11,15 +11,9 @@ from torch import nn
 import kernels
 
 from . import debug
+from .collectives import gather_first, reduce_scatter_first
 from .grads import main_grad_of, sync_grads_over_tp
-from .mappings import (
-    _ReduceFromTPInPlace,
-    _ReduceScatterToSP,
-    gather_first,
-    gather_from_tp_region,
-    reduce_scatter_first,
-    scatter_to_tp_region,
-)
+from .mappings import gather_from_tp_region, reduce_from_tp_region, reduce_scatter_to_sp_region, scatter_to_tp_region
 from .mesh import resolve_group
 from .pipeline.wgrad import defer_weight_grad, deferring
 
@@ -279,7 +273,7 @@ class _ParallelLinear(nn.Module):
 
     def _check_input(self, x, features, what, *, replicated=False):
         name = type(self).__name__
-        if debug._enabled:  # before the local checks: a rank whose shape alone is wrong must not leave the others
+        if debug.is_debug():  # before the local checks: a rank whose shape alone is wrong must not leave the others
             debug.check(x, self.group, f"the input of {name}", replicated=replicated)
         if x.shape[-1] != features:
             raise ValueError(f"input's last dim is {x.shape[-1]}; {name} expects {features} ({what})")
@@ -411,9 +405,9 @@ class RowParallelLinear(_ParallelLinear):
             return _local_linear(x, self.weight, self.bias, None, self.group, None)
         y = _local_linear(x, self.weight, None, None, self.group, None)  # [s, b, out] partial sums
         if self.sequence_parallel:
-            y = _ReduceScatterToSP.apply(y, self.group)  # [s/tp, b, out] (input already checked in debug mode)
+            y = reduce_scatter_to_sp_region(y, self.group, check=False)  # [s/tp, b, out] (its input was checked)
         else:
-            y = _ReduceFromTPInPlace.apply(y, self.group)
+            y = reduce_from_tp_region(y, self.group, in_place=True, check=False)  # a fresh tensor: its own storage
         if self.bias is None:
             return y
         bias, = sync_grads_over_tp(self.bias, group=self.group) if self.sync_bias_grad else (self.bias,)

@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 from .clip import CLIP_TAGS, clip_grad_norm_, keep_param_tags, reduced_grad  # noqa: F401  (tp.optim's API)
+from .collectives import all_gather_into_tensor
 from .data_parallel import DataParallel, default_bucket_numel  # noqa: F401  (tp.optim's API)
-from .mappings import _all_gather
 from .pipeline import model_chunks
 
 
@@ -139,7 +139,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 full = flat
                 if m.shard and m.size > 1:
                     full = flat.new_empty(b.grad_data.numel())
-                    _all_gather(full, flat.contiguous(), group=m.group)
+                    all_gather_into_tensor(full, flat.contiguous(), group=m.group)
                 for p, offset in zip(b.params, b.offsets):
                     out.setdefault(p, {})[name] = full[offset:offset + p.numel()].view(p.shape).clone()
             for name, t in scalars.items():

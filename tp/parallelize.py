@@ -290,7 +290,7 @@ class _SharedInputCopy:
     def __call__(self, name, layer, args):
         x = args[0]
         if self.last[0] is not x:
-            if debug._enabled:  # name the layer (the mapping's own check would say "CopyToTP")
+            if debug.is_debug():  # name the layer (the mapping's own check would say "CopyToTP")
                 debug.check(x, self.group, f"the input of {name}", replicated=True)
             self.last = (x, copy_to_tp_region(x, self.group))
         return (self.last[1], *args[1:])
