@@ -12,7 +12,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from .mesh import get_mesh
+from .mesh import collective_device, get_mesh
 
 
 def reduced_grad(p):
@@ -77,8 +77,7 @@ def clip_grad_norm_(params, max_norm, *, mesh=None):
     params = list(dict.fromkeys([params] if isinstance(params, torch.Tensor) else params))  # (torch takes either)
     for finish in dict.fromkeys(p.finish_grad_sync for p in params if hasattr(p, "finish_grad_sync")):
         finish()
-    nccl = dist.get_backend() == "nccl"
-    total = torch.zeros((), dtype=torch.float64, device=torch.cuda.current_device() if nccl else "cpu")
+    total = torch.zeros((), dtype=torch.float64, device=collective_device())
     grads = []
     for p in params:
         grad, offset, group = reduced_grad(p)

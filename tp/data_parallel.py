@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_map_only
 
 from . import debug
 from .collectives import all_gather_into_tensor, reduce_scatter_tensor
-from .mesh import get_mesh
+from .mesh import SharedGroup, get_mesh
 
 _DONE = object()  # the handle of a reduction that needed no collective (a group of one rank)
 
@@ -39,6 +39,8 @@ def default_bucket_numel(dp_size):
 class _Bucket:
     """Contiguous parameters: values in the parameters' dtype, gradients in fp32 (fp64 for fp64 parameters), padded
     to a multiple of the group size; this rank's shard of both and the fp32 masters of that shard."""
+
+    tied_group = SharedGroup()
 
     def __init__(self, params, *, group, rank, size, shard, param_dtype, tied_group):
         self.params, self.tied_group = params, tied_group
@@ -82,6 +84,8 @@ class DataParallel(nn.Module):
     several names (a tied weight within one module) are also reduced there.
     `overlap_param_gather=False` waits for the all-gathers at the end of `step()`.
     """
+
+    group = SharedGroup()
 
     def __init__(self, module, *, group=None, average_over=None, shard=True, param_dtype=None, bucket_numel=None,
                  tied=(), overlap_param_gather=True):

@@ -12,7 +12,7 @@ from torch import nn
 from . import debug
 from .collectives import gather_first
 from .mappings import reduce_from_tp_region, reduce_scatter_to_sp_region
-from .mesh import resolve_group
+from .mesh import SharedGroup, resolve_group
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -23,6 +23,8 @@ class VocabParallelEmbedding(nn.Module):
     `num_embeddings` must be divisible by tp: the model pads its vocabulary, not the layer.
     `padding_idx` behaves as nn.Embedding's (row initialised to zero, never receives a gradient).
     """
+
+    group = SharedGroup()
 
     def __init__(
         self, num_embeddings, embedding_dim, *, padding_idx=None, sequence_parallel=False, group=None,

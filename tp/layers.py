@@ -14,7 +14,7 @@ from . import debug
 from .collectives import gather_first, reduce_scatter_first
 from .grads import main_grad_of, sync_grads_over_tp
 from .mappings import gather_from_tp_region, reduce_from_tp_region, reduce_scatter_to_sp_region, scatter_to_tp_region
-from .mesh import resolve_group
+from .mesh import SharedGroup, resolve_group
 from .pipeline.wgrad import defer_weight_grad, deferring
 
 
@@ -153,6 +153,7 @@ class _ParallelLinear(nn.Module):
     """Shared construction: master-weight init (TP-invariant), sharding of fused parts, and repr."""
 
     shard_dim = None  # 0: rows of the dense weight (column-parallel), 1: columns (row-parallel)
+    group = SharedGroup()
 
     def __init__(self, in_features, out_features, bias, *, group, init_method, dtype, device, stride, parts,
                  part_replicas=None, _init=True):

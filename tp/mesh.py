@@ -7,7 +7,6 @@ Tensor-parallel groups are thus adjacent ranks (one node's NVLink domain) under 
 may be left out of `order` (it is appended, as Megatron's RankGenerator does): "tp-dp-pp" is the same layout as
 "tp-cp-dp-pp" when cp = 1.
 """
-import copy
 import datetime
 import itertools
 import numbers
@@ -16,9 +15,6 @@ import sys
 
 import torch
 import torch.distributed as dist
-
-# A process group is a handle to a communicator: a deep copy of a module (an EMA or reference model) shares it.
-copy._deepcopy_dispatch[dist.ProcessGroup] = copy._deepcopy_atomic
 
 AXES = ("tp", "cp", "dp", "pp")
 # "tp-pp": model-parallel (a parameter's shards); "dp-cp": the group gradients are reduced over; "tp-cp": the ranks
@@ -184,9 +180,8 @@ class Mesh:
 
             names = tuple(reversed(self.order))  # DeviceMesh is row-major: last dim fastest
             mesh = torch.arange(self.world_size).reshape([self.sizes[a] for a in names])
-            device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
             self._device_mesh = DeviceMesh.from_group(
-                [self.group(a) for a in names], device_type, mesh=mesh, mesh_dim_names=names
+                [self.group(a) for a in names], collective_device().type, mesh=mesh, mesh_dim_names=names
             )
         return self._device_mesh
 
@@ -195,8 +190,7 @@ class Mesh:
         "dp-cp"), its dim named `axis` with "_" for "-"."""
         from torch.distributed.device_mesh import DeviceMesh
 
-        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-        return DeviceMesh.from_group(self.group(axis), device_type, mesh=torch.tensor(self.ranks(axis)),
+        return DeviceMesh.from_group(self.group(axis), collective_device().type, mesh=torch.tensor(self.ranks(axis)),
                                      mesh_dim_names=(axis.replace("-", "_"),))
 
     def __repr__(self):
@@ -225,15 +219,23 @@ def _forget_dtensor_sharding():
         getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", lambda: None)()  # and its C++ fast path
 
 
-def _under_torchrun():
+def launched_by_torchrun() -> bool:
+    """Whether torchrun (or a launcher that sets its RANK and WORLD_SIZE) started this process."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def collective_device() -> torch.device:
+    """Where the default group's collectives take their tensors: this rank's GPU under NCCL, else the CPU (also
+    before any process group exists)."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _default_group_timeout():
     """The default group's collective timeout (None where torch does not expose it: new_group's default then)."""
-    device = torch.device("cuda" if dist.get_backend() == "nccl" else "cpu")
     try:
-        return dist.group.WORLD._get_backend(device).options._timeout
+        return dist.group.WORLD._get_backend(collective_device()).options._timeout
     except (AttributeError, RuntimeError):
         return None
 
@@ -261,7 +263,7 @@ def _lone_process_error(tp, cp, pp, dp):
 
 def _init_default_group(backend, timeout):
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    if _under_torchrun():
+    if launched_by_torchrun():
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         # torchrun's agent keeps one TCPStore across restarts of the worker group (--max-restarts): keys under a
@@ -286,7 +288,7 @@ def init_mesh(*, tp=1, cp=1, pp=1, dp=None, order=DEFAULT_ORDER, backend=None,
     if _current is not None:
         raise RuntimeError(f"a mesh is already initialised ({_current!r}); call tp.destroy_mesh() first")
     _parse_order(order)
-    if not dist.is_initialized() and not _under_torchrun():  # one process: a mesh of several ranks cannot be made
+    if not dist.is_initialized() and not launched_by_torchrun():  # one process: a mesh of several ranks cannot be made
         try:
             needed = tp * cp * pp * (dp or 1)
         except TypeError:
@@ -294,7 +296,7 @@ def init_mesh(*, tp=1, cp=1, pp=1, dp=None, order=DEFAULT_ORDER, backend=None,
         if needed > 1:
             _sizes(needed, tp, pp, dp, cp)
             raise _lone_process_error(tp, cp, pp, dp)
-    if not dist.is_initialized() and _under_torchrun():
+    if not dist.is_initialized() and launched_by_torchrun():
         # kept when the mesh is destroyed: re-creating it from the same environment can hang inside torch (Megatron
         # keeps it too)
         _init_default_group(backend, timeout)
@@ -332,13 +334,50 @@ def destroy_mesh(*, keep_groups=False):
         _current = None
 
 
-def resolve_group(group):
+def current_mesh() -> Mesh | None:
+    """The current mesh, or None before `tp.init_mesh` (get_mesh raises instead)."""
+    return _current
+
+
+def resolve_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     """`group` itself, or the current mesh's tensor-parallel group when None."""
     return get_mesh().tp_group if group is None else group
 
 
-def resolve_cp_group(group):
+def resolve_cp_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
     """`group` itself, else the current mesh's context-parallel group, else None (no mesh: no context parallelism)."""
     if group is not None:
         return group
     return _current.cp_group if _current is not None else None
+
+
+class SharedGroup:
+    """A class attribute holding a process group (or None) that `copy.deepcopy` of its instance shares instead of
+    copying: a group is a handle to a communicator, so a deep copy of a module (an EMA or reference model) talks
+    over the same groups. `class Layer(nn.Module): group = SharedGroup()`, then `self.group = ...` as usual."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, instance: object, owner: type | None = None) -> dist.ProcessGroup | None:
+        if instance is None:
+            return self
+        try:
+            return instance.__dict__[self.name].group
+        except KeyError:
+            raise AttributeError(f"{type(instance).__name__!r} object has no attribute {self.name!r}") from None
+
+    def __set__(self, instance: object, group: dist.ProcessGroup | None) -> None:
+        instance.__dict__[self.name] = _GroupHandle(group)
+
+
+class _GroupHandle:
+    """An instance's value of a SharedGroup attribute: deep copies keep this very object, hence the group."""
+
+    __slots__ = ("group",)
+
+    def __init__(self, group):
+        self.group = group
+
+    def __deepcopy__(self, memo):
+        return self

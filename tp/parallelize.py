@@ -37,7 +37,7 @@ from .embedding import VocabParallelEmbedding
 from .grads import sync_grads_over_tp
 from .layers import ColumnParallelLinear, RowParallelLinear
 from .mappings import copy_to_tp_region
-from .mesh import resolve_group
+from .mesh import SharedGroup, resolve_group
 from .random import fork_rng
 
 GATHER_OUTPUT = {"colwise": False, "colwise_gather_output": True}
@@ -118,7 +118,8 @@ def parallelize(module, plan=None, *, group=None, sequence_parallel=False):
     module.register_forward_pre_hook(shared_input.clear)
     module.register_forward_hook(shared_input.clear, always_call=True)
     source = "plan=" if plan is not None else plans.plan_source(module)
-    setattr(module, _RECORD, {"tp": tp_size, "plan": source, "entries": sorted(record), "group": group})
+    setattr(module, _RECORD, {"tp": tp_size, "tp_rank": dist.get_rank(group), "plan": source,
+                               "entries": sorted(record)})
     return module
 
 
@@ -284,6 +285,8 @@ class _SharedInputCopy:
     outlives the next column layer call or the end of the model's forward.
     """
 
+    group = SharedGroup()
+
     def __init__(self, group):
         self.group, self.last = group, (None, None)
 
@@ -405,7 +408,7 @@ def _save_pretrained_gathered(module, save_directory, *args, **kwargs):
         raise ValueError("save_pretrained(state_dict=...) on a tp.parallelize'd model: the dense state dict is "
                          "gathered here (tp.full_state_dict); pass none")
     state = full_state_dict(module)
-    if dist.get_rank(getattr(module, _RECORD)["group"]) == 0:
+    if getattr(module, _RECORD)["tp_rank"] == 0:
         type(module).save_pretrained(module, save_directory, *args, **(kwargs | {"state_dict": state}))
 
 

@@ -17,8 +17,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from . import mesh as _mesh
-from .mesh import resolve_group
+from .mesh import current_mesh, resolve_group
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"
 _TP_OFFSET, _PP_STRIDE = 2718, 100  # Megatron's
@@ -99,7 +98,8 @@ def model_parallel_seed(seed, *, group=None, device=None):
     """Seed the default generators with seed + 100·pp_rank and the tracked model-parallel stream with that
     + 2718 + tp_rank. `device`: where the tracked stream lives (default: the current GPU, else the CPU)."""
     tp_rank = dist.get_rank(resolve_group(group))  # (raises without a mesh or group, before anything is reseeded)
-    pp_rank = _mesh._current.pp_rank if _mesh._current is not None else 0
+    mesh = current_mesh()
+    pp_rank = mesh.pp_rank if mesh is not None else 0
     seed = seed + _PP_STRIDE * pp_rank
     torch.manual_seed(seed)  # CPU and every GPU
     _tracker.reset()

@@ -43,6 +43,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from .mesh import collective_device
+
 DEFAULT_TIMEOUT = float(os.environ.get("TP_TEST_TIMEOUT", 60))
 _GRACE = 5.0  # seconds the other ranks get to report after one rank failed
 _STARTUP_TIMEOUT = 300.0  # spawning the ranks and importing torch, on a loaded machine
@@ -63,9 +65,7 @@ def _backend(world_size):
 
 def device():
     """The device tests on this rank should use: its own GPU under NCCL, else the CPU."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return collective_device()
 
 
 class _AssertRewriter(importlib.abc.MetaPathFinder, importlib.abc.Loader):
