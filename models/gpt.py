@@ -172,6 +172,12 @@ class GPT(nn.Module):
             x = layer(x)
         return self.head(x, targets) if self.post_process else x
 
+    def activation_shape(self, micro_batch_size, seq_len):
+        """[s(/cp)(/tp), b, h]: this rank's share of the activation between pipeline stages for a micro-batch of
+        [micro_batch_size, seq_len] tokens (tp.pipeline.PipelineStage)."""
+        share = self.cp_size * (self.tp_size if self.config.sequence_parallel else 1)
+        return (seq_len // share, micro_batch_size, self.config.hidden_size)
+
     @classmethod
     def from_hf(cls, hf_model_or_path, *, group=None, cp_group=None, dtype=None, stage=None, **overrides):
         """Build from a Hugging Face Llama/Mistral/Qwen2/GPT-2 model or a directory saved with save_pretrained,

@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from . import debug, plans
+from . import debug, hf_families
 from .cross_entropy import vocab_parallel_cross_entropy
 from .embedding import VocabParallelEmbedding
 from .grads import sync_grads_over_tp
@@ -64,16 +64,17 @@ def parallelize(module, plan=None, *, group=None, sequence_parallel=False):
     if hasattr(module, _RECORD):
         raise ValueError(f"{type(module).__name__} is already parallelized (tp.describe shows how)")
     group = resolve_group(group)
-    family = plans.family_of(module)
+    family = hf_families.family_of(module)
     if family is not None and not family.checked:
-        warnings.warn(f"tp.parallelize: model_type {plans.model_type(module)!r} is not among the families tp checked "
-                      f"({', '.join(plans.FAMILIES)}); its plan is applied with Hugging Face's semantics", stacklevel=2)
-    styles = _match(module, plans.default_plan(module) if plan is None else plan, strict=plan is not None)
+        warnings.warn(f"tp.parallelize: model_type {hf_families.model_type(module)!r} is not among the families tp "
+                      f"checked ({', '.join(hf_families.FAMILIES)}); its plan is applied with Hugging Face's semantics",
+                      stacklevel=2)
+    styles = _match(module, hf_families.default_plan(module) if plan is None else plan, strict=plan is not None)
     modules = dict(module.named_modules())
     for name, style in styles.items():
         _check_kind(name, modules[name], style)
     tp_size = dist.get_world_size(group)
-    options, local_heads = plans.shard_options(module, modules, styles, family, tp_size)
+    options, local_heads = hf_families.shard_options(module, modules, styles, family, tp_size)
     if family is not None:
         _check_local_outputs_consumed(module, modules, styles)
     ties = _ties(modules, styles, options)
@@ -117,7 +118,7 @@ def parallelize(module, plan=None, *, group=None, sequence_parallel=False):
         record.append(("save_pretrained", "gathered", "writes the dense model: shards gathered, tp rank 0 writes"))
     module.register_forward_pre_hook(shared_input.clear)
     module.register_forward_hook(shared_input.clear, always_call=True)
-    source = "plan=" if plan is not None else plans.plan_source(module)
+    source = "plan=" if plan is not None else hf_families.plan_source(module)
     setattr(module, _RECORD, {"tp": tp_size, "tp_rank": dist.get_rank(group), "plan": source,
                                "entries": sorted(record)})
     return module
