@@ -305,21 +305,20 @@ def _missing_hints(fn, *, method):
 
 
 def _callables(name, obj):
-    """(qualified name, function, is a method) to check for a public function or class."""
+    """(qualified name, function, is a method) to check for a public function or class: a class's __init__ and
+    public methods, its own and those it inherits from our classes."""
     if inspect.isfunction(obj):
         return [(name, obj, False)]
-    if getattr(obj, "_fields", None) is not None or "__dataclass_fields__" in vars(obj):
-        init = []  # a NamedTuple's or dataclass's generated __init__ is typed by its fields
-    else:
-        init = [(f"{name}.__init__", vars(obj)["__init__"], True)] if "__init__" in vars(obj) else []
-    methods = []
-    for attr, value in vars(obj).items():
-        if attr.startswith("_") and attr != "__call__":
-            continue
-        function = value.__func__ if isinstance(value, (staticmethod, classmethod)) else value
-        if inspect.isfunction(function):
-            methods.append((f"{name}.{attr}", function, not isinstance(value, staticmethod)))
-    return init + methods
+    found = {}
+    for klass in reversed([k for k in obj.__mro__ if _ours(k)]):  # (a subclass's own definition wins)
+        generated = getattr(klass, "_fields", None) is not None or "__dataclass_fields__" in vars(klass)
+        for attr, value in vars(klass).items():
+            if (attr.startswith("_") and attr not in ("__init__", "__call__")) or (attr == "__init__" and generated):
+                continue  # (a NamedTuple's or dataclass's generated __init__ is typed by its fields)
+            function = value.__func__ if isinstance(value, (staticmethod, classmethod)) else value
+            if inspect.isfunction(function) and _ours(function):
+                found[attr] = (f"{name}.{attr}", function, not isinstance(value, staticmethod))
+    return list(found.values())
 
 
 @pytest.mark.parametrize("module", API)

@@ -22,7 +22,7 @@ class set_debug:
     """Turn the cross-rank checks on or off (also `TP_DEBUG=1`); every rank of a group must agree.
     `tp.set_debug(True)` sets it from now on; `with tp.set_debug(True): ...` for a block, restoring it after."""
 
-    def __init__(self, enabled=True):
+    def __init__(self, enabled: bool = True) -> None:
         global _enabled
         self.previous, _enabled = _enabled, bool(enabled)
 
@@ -34,7 +34,8 @@ class set_debug:
         _enabled = self.previous
 
 
-def is_debug():
+def is_debug() -> bool:
+    """Whether the cross-rank checks are on."""
     return _enabled
 
 
@@ -66,7 +67,7 @@ def _groups_of(values, same):
     return classes
 
 
-def check(x, group, what, *, replicated, group_name="tp"):
+def check(x: torch.Tensor, group: dist.ProcessGroup, what: str, *, replicated: bool, group_name: str = "tp") -> None:
     """Raise on every rank unless x has the same shape (and, if `replicated`, the same values) on all ranks;
     `group_name` names the group in the message."""
     size = dist.get_world_size(group)

@@ -10,6 +10,7 @@
 """
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from .collectives import all_reduce_coalesced
 from .mesh import resolve_group
@@ -29,7 +30,7 @@ class _SumGradsOverTP(torch.autograd.Function):
         return (None, *(None if g is None else next(it) for g in grads))
 
 
-def sync_grads_over_tp(*tensors, group=None):
+def sync_grads_over_tp(*tensors: torch.Tensor, group: dist.ProcessGroup | None = None) -> tuple[torch.Tensor, ...]:
     """forward: identity · backward: one coalesced all-reduce of the tensors' grads (use on parameters in a forward)."""
     group = resolve_group(group)
     if dist.get_world_size(group) == 1 or not torch.is_grad_enabled():
@@ -42,7 +43,7 @@ def _grad_or_main_grad(p):
     return p.grad if main_grad is None else main_grad
 
 
-def allreduce_sequence_parallel_grads(module, group=None):
+def allreduce_sequence_parallel_grads(module: nn.Module, group: dist.ProcessGroup | None = None) -> None:
     """Sum, over the tp group, the grads of parameters tagged `sequence_parallel` (built with the grad sync off).
 
     One coalesced all-reduce; call after backward and before the optimizer step. Uses `main_grad` when present.
@@ -58,7 +59,7 @@ def allreduce_sequence_parallel_grads(module, group=None):
         all_reduce_coalesced(grads, group)
 
 
-def ddp_ignore_main_grads(module):
+def ddp_ignore_main_grads(module: nn.Module) -> list[str]:
     """Tell torch DDP (call before wrapping) to leave parameters with `main_grad` to `allreduce_main_grads`."""
     from torch.nn.parallel import DistributedDataParallel
 
@@ -69,7 +70,7 @@ def ddp_ignore_main_grads(module):
     return names
 
 
-def allreduce_main_grads(module, group, *, average=True):
+def allreduce_main_grads(module: nn.Module, group: dist.ProcessGroup, *, average: bool = True) -> None:
     """Average (or sum) every parameter's `main_grad` over `group` (the data-parallel group): one all-reduce per
     dtype, after backward and before the optimizer step. Megatron's DDP does this for its fp32 grad buffers."""
     grads = [p.main_grad for p in module.parameters() if getattr(p, "main_grad", None) is not None]
@@ -77,7 +78,7 @@ def allreduce_main_grads(module, group, *, average=True):
         all_reduce_coalesced(grads, group, average=average)
 
 
-def main_grad_of(weight):
+def main_grad_of(weight: torch.Tensor) -> torch.Tensor | None:
     """weight.main_grad (gradient-accumulation fusion) or None; refused under torch DDP, which reduces only .grad.
 
     Called in forward, where DDP marks itself active; parameters DDP was told to ignore are the caller's to reduce.

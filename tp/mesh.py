@@ -11,10 +11,12 @@ import datetime
 import itertools
 import numbers
 import os
+import shlex
 import sys
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 AXES = ("tp", "cp", "dp", "pp")
 # "tp-pp": model-parallel (a parameter's shards); "dp-cp": the group gradients are reduced over; "tp-cp": the ranks
@@ -81,7 +83,8 @@ def _groups(sizes, order, axes):
 DEFAULT_ORDER = "tp-cp-dp-pp"
 
 
-def layout(world_size, *, tp=1, cp=1, pp=1, dp=None, order=DEFAULT_ORDER):
+def layout(world_size: int, *, tp: int = 1, cp: int = 1, pp: int = 1, dp: int | None = None,
+           order: str = DEFAULT_ORDER) -> dict[str, list[list[int]]]:
     """Rank groups per axis ("tp", "cp", "dp", "pp") and composite ("tp-pp" model-parallel, "tp-dp", "tp-cp",
     "dp-cp"), each as megatron-core's RankGenerator lists them; no process group needed."""
     sizes = _sizes(world_size, tp, pp, dp, cp)
@@ -96,7 +99,8 @@ def _embedding_ranks(pp_ranks):
 class Mesh:
     """Process groups of one hybrid layout, seen from this rank. Build with `tp.init_mesh`."""
 
-    def __init__(self, *, tp, pp, dp, order, owns_default_group, cp=1):
+    def __init__(self, *, tp: int, pp: int, dp: int | None, order: str, owns_default_group: bool,
+                 cp: int = 1) -> None:
         self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
         self.sizes = _sizes(self.world_size, tp, pp, dp, cp)
         self.order = _parse_order(order, self.sizes)
@@ -132,19 +136,20 @@ class Mesh:
             raise ValueError(f"unknown axis {axis!r}; expected one of {sorted(self._ranks)}")
         return axis
 
-    def group(self, axis):
+    def group(self, axis: str) -> dist.ProcessGroup:
         """The process group of this rank along `axis` ("tp", "cp", "dp", "pp", "tp-pp", "tp-dp", "tp-cp", "dp-cp",
         "embedding")."""
         return self._groups[self._check(axis)]
 
-    def ranks(self, axis):
+    def ranks(self, axis: str) -> list[int]:
         """Global ranks of this rank's group along `axis`."""
         return list(self._ranks[self._check(axis)])
 
-    def size(self, axis):
+    def size(self, axis: str) -> int:
+        """The number of ranks of this rank's group along `axis`."""
         return len(self._ranks[self._check(axis)])
 
-    def local_rank(self, axis):
+    def local_rank(self, axis: str) -> int:
         """This rank's index within its group along `axis`."""
         return self._ranks[self._check(axis)].index(self.rank)
 
@@ -172,12 +177,10 @@ class Mesh:
     in_embedding_group = property(lambda self: self.is_first_stage or self.is_last_stage)
 
     @property
-    def device_mesh(self):
+    def device_mesh(self) -> DeviceMesh:
         """A torch DeviceMesh on this mesh's groups, dims slowest first (reversed `order`: ("pp", "dp", "cp", "tp") by
         default). `flat_device_mesh("dp-cp")` is the one-dimensional mesh of a composite group (FSDP2 over dp×cp)."""
         if self._device_mesh is None:
-            from torch.distributed.device_mesh import DeviceMesh
-
             names = tuple(reversed(self.order))  # DeviceMesh is row-major: last dim fastest
             mesh = torch.arange(self.world_size).reshape([self.sizes[a] for a in names])
             self._device_mesh = DeviceMesh.from_group(
@@ -185,19 +188,18 @@ class Mesh:
             )
         return self._device_mesh
 
-    def flat_device_mesh(self, axis):
+    def flat_device_mesh(self, axis: str) -> DeviceMesh:
         """A one-dimensional torch DeviceMesh over this rank's group along `axis` (an axis or a composite such as
         "dp-cp"), its dim named `axis` with "_" for "-"."""
-        from torch.distributed.device_mesh import DeviceMesh
-
         return DeviceMesh.from_group(self.group(axis), collective_device().type, mesh=torch.tensor(self.ranks(axis)),
                                      mesh_dim_names=(axis.replace("-", "_"),))
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         coords = ", ".join(f"{a}={self.local_rank(a)}/{self.sizes[a]}" for a in self.order)
         return f"Mesh(rank={self.rank}/{self.world_size}, order={'-'.join(self.order)!r}, {coords})"
 
-    def destroy(self, keep_groups=False):
+    def destroy(self, keep_groups: bool = False) -> None:
+        """Destroy (or, `keep_groups`, keep for the next mesh) this mesh's groups; tp.destroy_mesh calls it."""
         if keep_groups and not self._owns_default_group:
             _kept_groups[1].update(self._created)
         else:
@@ -242,9 +244,6 @@ def _default_group_timeout():
 
 def _lone_process_error(tp, cp, pp, dp):
     """The error of a mesh that needs several processes asked for in one process started without torchrun."""
-    import shlex
-    import sys
-
     world = tp * cp * pp * (dp or 1)
     given = {k: v for k, v in dict(tp=tp, cp=cp, pp=pp, dp=dp).items() if v not in (1, None)}
     call = ", ".join(f"{k}={v}" for k, v in given.items())
@@ -276,8 +275,8 @@ def _init_default_group(backend, timeout):
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
 
 
-def init_mesh(*, tp=1, cp=1, pp=1, dp=None, order=DEFAULT_ORDER, backend=None,
-              timeout=datetime.timedelta(minutes=10)):
+def init_mesh(*, tp: int = 1, cp: int = 1, pp: int = 1, dp: int | None = None, order: str = DEFAULT_ORDER,
+              backend: str | None = None, timeout: datetime.timedelta = datetime.timedelta(minutes=10)) -> Mesh:
     """Create every group of the layout once and make the mesh current (used by layers when no group is passed).
 
     Uses the default process group if one exists (then `backend` and `timeout` are those it was created with),
@@ -314,14 +313,14 @@ def init_mesh(*, tp=1, cp=1, pp=1, dp=None, order=DEFAULT_ORDER, backend=None,
     return _current
 
 
-def get_mesh():
+def get_mesh() -> Mesh:
     """The current mesh; raises if `tp.init_mesh` has not been called."""
     if _current is None:
         raise RuntimeError("no tensor-parallel mesh: call tp.init_mesh(...) first, or pass group= explicitly")
     return _current
 
 
-def destroy_mesh(*, keep_groups=False):
+def destroy_mesh(*, keep_groups: bool = False) -> None:
     """Destroy the current mesh's groups (and the default group if init_mesh created it for a lone process; one made
     from torchrun's environment is kept for the next init_mesh: `torch.distributed.destroy_process_group()` at exit).
 

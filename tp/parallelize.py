@@ -27,6 +27,7 @@ import functools
 import types
 import warnings
 
+import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
@@ -47,7 +48,8 @@ ALIASES = {"embedding_rowwise": "vocab", "colwise_rep": "colwise_gather_output",
 _RECORD = "_tp_parallelize_record"
 
 
-def parallelize(module, plan=None, *, group=None, sequence_parallel=False):
+def parallelize(module: nn.Module, plan: dict[str, str] | None = None, *, group: dist.ProcessGroup | None = None,
+                sequence_parallel: bool = False) -> nn.Module:
     """Replace `module`'s layers by tensor-parallel ones following `plan` (default: `tp.default_plan(module)`), in
     place, on the current mesh's tp group (or `group`); returns `module`.
 
@@ -124,7 +126,7 @@ def parallelize(module, plan=None, *, group=None, sequence_parallel=False):
     return module
 
 
-def full_state_dict(module):
+def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     """The module's state dict with every tensor-parallel parameter gathered to its dense shape, under the same
     names and layout as before `parallelize` (HF Conv1D weights back to [in, out]), for the module `parallelize`
     was given or any module containing it. A collective: every rank of the tp group calls it; every rank gets the
@@ -145,7 +147,7 @@ def full_state_dict(module):
     return state
 
 
-def describe(module):
+def describe(module: nn.Module) -> str:
     """What `tp.parallelize` did to `module`: one line per sharded or patched module, with its style."""
     record = getattr(module, _RECORD, None)
     if record is None:

@@ -75,8 +75,8 @@ class ScheduleStats:
     bubble: float = 0.0  # the pipeline's idle fraction: 1 - Σ busy / (p · the longest stage's wall time)
     max_alive: int = 0  # forward chunks whose activations were alive at once (awaiting their B)
     peak_activations: float = 0.0  # max_alive in micro-batches through a whole stage (a chunk counts 1/V)
-    times: dict = field(default_factory=dict)  # seconds per action kind ("F", "B", "W", "BW") on this stage
-    order: list = field(default_factory=list)  # the Actions in execution order
+    times: dict[str, float] = field(default_factory=dict)  # seconds per action kind ("F", "B", "W", "BW") here
+    order: list[schedules.Action] = field(default_factory=list)  # the Actions in execution order
 
 
 class _Transfers:
