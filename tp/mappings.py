@@ -3,7 +3,8 @@
 Activation layout: [s, b, h] (sequence first, Megatron's), so sequence-parallel gathers and scatters work on dim 0
 and move contiguous memory; tensor-parallel splits and gathers work on the last dim (the plain collectives are in
 tp.collectives). Every function takes an optional `group` (default: the current mesh's tp group) and does no
-communication when the group has one rank; in debug mode (tp.set_debug) it first checks its input across the group.
+communication when the group has one rank. In debug mode (tp.set_debug) each first checks its input across the group;
+`check=False`, where offered, skips that: the caller (a layer) has checked the input its x was computed from.
 """
 import torch
 import torch.distributed as dist
@@ -88,11 +89,7 @@ def copy_to_tp_region(x: torch.Tensor, group: dist.ProcessGroup | None = None) -
 
 def reduce_from_tp_region(x: torch.Tensor, group: dist.ProcessGroup | None = None, *, in_place: bool = False,
                           check: bool = True) -> torch.Tensor:
-    """forward: all-reduce · backward: identity.
-
-    `in_place`: the sum is written into x's own storage (for a fresh matmul output nobody else holds; autograd then
-    refuses a backward through anything that saved x). `check=False`: no debug-mode check of x (the caller checked
-    the input x was computed from)."""
+    """forward: all-reduce (`in_place`: into x's storage, for a fresh output nobody else holds) · backward: identity."""
     return _apply(_ReduceFromTPInPlace if in_place else _ReduceFromTP, x, group, replicated=False, check=check)
 
 
@@ -124,6 +121,5 @@ def gather_from_sp_region(x: torch.Tensor, group: dist.ProcessGroup | None = Non
 
 def reduce_scatter_to_sp_region(x: torch.Tensor, group: dist.ProcessGroup | None = None, *,
                                 check: bool = True) -> torch.Tensor:
-    """forward: reduce-scatter(sequence dim 0) · backward: all-gather(sequence dim 0). `check=False`: no debug-mode
-    check of x (the caller checked the input x was computed from)."""
+    """forward: reduce-scatter(sequence dim 0) · backward: all-gather(sequence dim 0)."""
     return _apply(_ReduceScatterToSP, x, group, replicated=False, check=check)

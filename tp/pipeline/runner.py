@@ -142,8 +142,8 @@ class PipelineRunner:
     """Runs one optimizer step's micro-batches through this rank's stage (or model chunks) with a schedule.
 
     `module`: the stage (a `PipelineStage`, or DDP / FSDP2 around it), or a list of V chunks for interleaved
-    schedules (e.g. models.stages.build_chunks, each wrapped alike). `batches`: per micro-batch (tokens [b, s],
-    targets [b, s]); only the first stage reads tokens and only the last reads targets.
+    schedules (each wrapped alike). `batches`: per micro-batch (tokens [b, s], targets [b, s]); only the first stage
+    reads tokens and only the last reads targets.
     """
 
     def __init__(self, module: nn.Module | Sequence[nn.Module], mesh: Mesh, *, micro_batch_size: int,
