@@ -60,16 +60,15 @@ def _base(importer, node):
 
 
 def _imports(importer):
-    """(node, module imported, name imported from it or None, local name) for every import in `importer`."""
+    """(node, module, name imported from it or None, the local name bound) for every import in `importer`."""
     for node in ast.walk(TREES[importer]):
         if isinstance(node, ast.Import):
             for alias in node.names:
-                local = alias.asname or alias.name.partition(".")[0]
-                yield node, alias.name, None, (alias.name if alias.asname is None else local), local
+                yield node, alias.name, None, alias.asname or alias.name.partition(".")[0]
         elif isinstance(node, ast.ImportFrom):
             base = _base(importer, node)
             for alias in node.names:
-                yield node, base, alias.name, None, alias.asname or alias.name
+                yield node, base, alias.name, alias.asname or alias.name
 
 
 def _targets(importer, module, name):
@@ -85,7 +84,7 @@ def _targets(importer, module, name):
 
 
 def _graph():
-    return {m: sorted({t for _, module, name, _, _ in _imports(m) for t in _targets(m, module, name)})
+    return {m: sorted({t for _, module, name, _ in _imports(m) for t in _targets(m, module, name)})
             for m in MODULES}
 
 
@@ -119,22 +118,24 @@ def test_no_import_cycle():
 def _private_uses(importer):
     """'importer:line: what' for every private name of another of our modules that `importer` imports or reads."""
     found, bound = [], {}  # local name -> our module it is bound to
-    for node, module, name, as_module, local in _imports(importer):
+    for node, module, name, local in _imports(importer):
         if name is not None and f"{module}.{name}" in MODULES:
             bound[local] = f"{module}.{name}"
-        elif name is None and module in MODULES:
-            bound[local] = as_module if as_module in MODULES else local
+        elif name is None and module in MODULES:  # `import a.b` binds a, `import a.b as c` binds a.b
+            bound[local] = module.partition(".")[0] if local == module.partition(".")[0] else module
         if module in MODULES and module != importer and name is not None and _is_private(name):
             found.append(f"{importer}:{node.lineno}: from {module} import {name}")
-    for node in ast.walk(TREES[importer]):
-        if not isinstance(node, ast.Attribute) or isinstance(getattr(node, "ctx", None), ast.Store):
-            continue
+    attributes = [n for n in ast.walk(TREES[importer]) if isinstance(n, ast.Attribute)]
+    inner = {id(n.value) for n in attributes}
+    for node in attributes:
+        if id(node) in inner:
+            continue  # (each chain a.b.c is read once, from its outermost attribute)
         chain, root = [], node
         while isinstance(root, ast.Attribute):
             chain.insert(0, root.attr)
             root = root.value
-        if not isinstance(root, ast.Name) or root.id not in bound or isinstance(node.value, ast.Attribute):
-            continue  # (each chain checked once, from its innermost attribute)
+        if not isinstance(root, ast.Name) or root.id not in bound:
+            continue
         module = bound[root.id]
         for attr in chain:
             if _is_private(attr) and module != importer:

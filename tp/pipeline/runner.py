@@ -7,9 +7,9 @@ shape of the activations it moves between ranks. Each micro-batch's loss is divi
 so the summed gradients are those of the mean loss over the batch.
 
 The runner executes a schedule's action list for this rank (F, B, W, fused BW; `tp.pipeline.schedules`): activations
-[s(/cp)(/tp), b, h] and their gradients move between the ranks of neighbouring virtual stages with isend/irecv on the
-pipeline group (shapes are fixed by the micro-batch, so both sides know them), each link's transfers issued on both
-ends in one agreed order (`schedules.pair_order`): sends never block, a receive waits only when its action needs
+(e.g. [s(/cp)(/tp), b, h]) and their gradients move between the ranks of neighbouring virtual stages with isend/irecv
+on the pipeline group (shapes are fixed by the micro-batch, so both sides know them), each link's transfers issued on
+both ends in one agreed order (`schedules.pair_order`): sends never block, a receive waits only when its action needs
 it. B runs backward under `tp.pipeline.defer_wgrad()` (the layers queue their weight-gradient GEMMs) and W runs
 what it queued.
 
