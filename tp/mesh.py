@@ -358,8 +358,8 @@ class SharedGroup:
     def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
 
-    def __get__(self, instance: object, owner: type | None = None) -> dist.ProcessGroup | None:
-        if instance is None:
+    def __get__(self, instance: object, owner: type | None = None) -> "dist.ProcessGroup | None | SharedGroup":
+        if instance is None:  # (on the class: the descriptor itself)
             return self
         try:
             return instance.__dict__[self.name].group
