@@ -25,9 +25,8 @@ import torch
 import torch.distributed as dist
 
 import tp
-from tp import testing
+from tp import default_plan, testing
 from tp.parallelize import parallelize
-from tp.plans import default_plan
 
 from .common import machine, median, parser, print_table, round_robin_times, write_json
 

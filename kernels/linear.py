@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from . import ops, torch_ops
 
 
-def linear(x, weight, bias=None, *, activation=None):
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+           activation: str | None = None) -> torch.Tensor:
     """act(x @ weight.T + bias) for x [..., K], weight [N, K] (any strides), bias [N] or None.
 
     activation: None, "gelu" (erf), "gelu_tanh", "silu", "relu" or "swiglu" (fused weight [2F, K], gate rows first,
@@ -30,7 +31,7 @@ def linear(x, weight, bias=None, *, activation=None):
     return _LinearFunction.apply(x, weight, bias, activation)
 
 
-def swiglu_linear(x, weight, bias=None):
+def swiglu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """linear(x, weight, bias, activation="swiglu"): weight is the fused [2F, K] gate/up matrix."""
     return linear(x, weight, bias, activation="swiglu")
 

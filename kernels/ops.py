@@ -19,7 +19,8 @@ def _interpreting():
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def get_backend():
+def get_backend() -> str:
+    """The forced backend: "auto" (the default), "torch" or "triton"."""
     return _backend
 
 
@@ -27,7 +28,7 @@ class use_backend:
     """Force the backend ("auto", "torch" or "triton"): `kernels.use_backend("torch")` sets it from now on;
     `with kernels.use_backend("triton"): ...` sets it for the block and restores the previous one after."""
 
-    def __init__(self, name):
+    def __init__(self, name: str) -> None:
         global _backend
         if name not in _BACKENDS:
             raise ValueError(f"unknown kernels backend {name!r}; expected one of {_BACKENDS}")
@@ -41,7 +42,8 @@ class use_backend:
         _backend = self.previous
 
 
-def autocast_operands(x, weight, bias=None):
+def autocast_operands(x: torch.Tensor, weight: torch.Tensor,
+                      bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Under torch.autocast, (x, weight, bias) cast to the autocast dtype, as F.linear would compute; else as given.
 
     The Functions call this inside forward: the weight's gradient is then computed in the autocast dtype and
@@ -56,7 +58,7 @@ def autocast_operands(x, weight, bias=None):
                  for t in (x, weight, bias))
 
 
-def check_main_grad(main_grad, weight_shape, device):
+def check_main_grad(main_grad: torch.Tensor, weight_shape: tuple[int, ...], device: torch.device) -> None:
     """main_grad must be an fp32 (or fp64) buffer shaped like the weight, on its device."""
     if tuple(main_grad.shape) != tuple(weight_shape) or main_grad.device != device or \
             main_grad.dtype not in (torch.float32, torch.float64):
@@ -97,7 +99,7 @@ def _impl(x):
     return module
 
 
-def bias_grad(dz, dtype):
+def bias_grad(dz: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Column sum of dz [M, N] accumulated in fp32 (fp64 for fp64), in `dtype`.
 
     Kept out of the kernels: it is memory-bound, and fusing it would need atomics (non-deterministic, and bf16
@@ -107,20 +109,26 @@ def bias_grad(dz, dtype):
     return dz.sum(0, dtype=acc_dtype).to(dtype)
 
 
-def backend_for(x):
+def backend_for(x: torch.Tensor) -> str:
     """"torch" or "triton": the backend the primitives would use for tensor x now."""
     return "torch" if _impl(x) is torch_ops else "triton"
 
 
-def linear_forward(x, weight, bias=None, activation=None):
+def linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                   activation: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """y = act(x @ weight.T + bias) for 2-D x [M, K] -> (y, the pre-activation saved for backward, or None)."""
     return _impl(x).linear_forward(x, weight, bias, activation)
 
 
-def linear_dgrad(grad_out, weight, preact=None, activation=None, *, need_input_grad=True):
+def linear_dgrad(grad_out: torch.Tensor, weight: torch.Tensor, preact: torch.Tensor | None = None,
+                 activation: str | None = None, *,
+                 need_input_grad: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(grad_input [M, K] = dz @ weight, or None; dz [M, N] = grad_out · act'(preact))."""
     return _impl(grad_out).linear_dgrad(grad_out, weight, preact, activation, need_input_grad=need_input_grad)
 
 
-def linear_wgrad(dz, x, *, main_grad=None):
+def linear_wgrad(dz: torch.Tensor, x: torch.Tensor, *, main_grad: torch.Tensor | None = None) -> torch.Tensor | None:
+    """dW [N, K] = dzᵀ @ x; with a main_grad (fp32 [N, K]), accumulated into it in place and None returned."""
     if main_grad is None:
         return _impl(dz).linear_wgrad(dz, x)
     check_main_grad(main_grad, (dz.shape[1], x.shape[1]), dz.device)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 ACTIVATIONS = (None, "gelu", "gelu_tanh", "silu", "relu", "swiglu")
 
 
-def check_activation(activation):
+def check_activation(activation: str | None) -> None:
     if activation not in ACTIVATIONS:
         raise ValueError(f"unknown activation {activation!r}; expected one of {ACTIVATIONS}")
 

@@ -181,6 +181,12 @@ class GPT(nn.Module):
             x = layer(x)
         return self.head(x, targets) if self.post_process else x
 
+    def activation_shape(self, micro_batch_size: int, seq_len: int) -> tuple[int, int, int]:
+        """[s(/cp)(/tp), b, h]: this rank's share of the activation between pipeline stages for a micro-batch of
+        [micro_batch_size, seq_len] tokens (tp.pipeline.PipelineStage)."""
+        share = self.cp_size * (self.tp_size if self.config.sequence_parallel else 1)
+        return (seq_len // share, micro_batch_size, self.config.hidden_size)
+
     @classmethod
     def from_hf(cls, hf_model_or_path: "PreTrainedModel | str | os.PathLike", *, group: dist.ProcessGroup | None = None,
                 cp_group: dist.ProcessGroup | None = None, dtype: torch.dtype | None = None,

@@ -15,8 +15,8 @@ import torch
 pytest.importorskip("transformers")
 
 import tp  # noqa: E402
+from tp import default_plan  # noqa: E402
 from tp.parallelize import describe, parallelize  # noqa: E402
-from tp.plans import default_plan  # noqa: E402
 from tp.testing import distributed  # noqa: E402
 
 from .helpers import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, assert_close, comm_counts  # noqa: E402

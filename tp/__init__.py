@@ -6,6 +6,7 @@ from .cross_entropy import vocab_parallel_cross_entropy
 from .debug import is_debug, set_debug
 from .embedding import VocabParallelEmbedding
 from .grads import allreduce_main_grads, allreduce_sequence_parallel_grads, ddp_ignore_main_grads, sync_grads_over_tp
+from .hf_families import default_plan
 from .layers import ColumnParallelLinear, RowParallelLinear
 from .mappings import (
     copy_to_tp_region,
@@ -18,7 +19,6 @@ from .mappings import (
 )
 from .mesh import Mesh, destroy_mesh, get_mesh, init_mesh, layout
 from .parallelize import describe, full_state_dict, parallelize
-from .plans import default_plan
 from .random import fork_rng, get_rng_state, get_rng_tracker, model_parallel_seed, set_rng_state
 
 __all__ = [

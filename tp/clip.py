@@ -8,14 +8,16 @@ over dp (x cp) once, those sharded over it (zero1's `main_grad_shard`, FSDP2's D
 """
 import contextlib
 import math
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
-from .mesh import get_mesh
+from .mesh import Mesh, collective_device, get_mesh
 
 
-def reduced_grad(p):
+def reduced_grad(p: torch.Tensor) -> tuple[torch.Tensor | None, int, dist.ProcessGroup | None]:
     """(this rank's part of p's reduced gradient, its flat offset in p, the group it is sharded over or None): zero1's
     shard of main_grad, FSDP2's local shard, else main_grad or .grad whole."""
     if getattr(p, "main_grad_shard", None) is not None:
@@ -63,7 +65,8 @@ def _sum_of_squares(p, grad, offset, tp_rank):
 
 
 @torch.no_grad()
-def clip_grad_norm_(params, max_norm, *, mesh=None):
+def clip_grad_norm_(params: torch.Tensor | Iterable[torch.Tensor], max_norm: float, *,
+                    mesh: Mesh | None = None) -> torch.Tensor:
     """Scale the gradients in place so that their global L2 norm is at most `max_norm` (0: measure only); returns
     the norm before clipping (a 0-d fp32 tensor, the same on every rank; inf/nan when a gradient is not finite:
     skip that step).
@@ -77,8 +80,7 @@ def clip_grad_norm_(params, max_norm, *, mesh=None):
     params = list(dict.fromkeys([params] if isinstance(params, torch.Tensor) else params))  # (torch takes either)
     for finish in dict.fromkeys(p.finish_grad_sync for p in params if hasattr(p, "finish_grad_sync")):
         finish()
-    nccl = dist.get_backend() == "nccl"
-    total = torch.zeros((), dtype=torch.float64, device=torch.cuda.current_device() if nccl else "cpu")
+    total = torch.zeros((), dtype=torch.float64, device=collective_device())
     grads = []
     for p in params:
         grad, offset, group = reduced_grad(p)
@@ -103,7 +105,7 @@ CLIP_TAGS = ("tensor_parallel", "partition_dim", "replica_rows", "shared")
 
 
 @contextlib.contextmanager
-def keep_param_tags(module):
+def keep_param_tags(module: nn.Module) -> Iterator[None]:
     """Restore the parameter attributes clip_grad_norm_ reads after a wrapper that replaces the parameters (FSDP2's
     fully_shard drops them): `with keep_param_tags(stage): fully_shard(...)`."""
     tags = {n: {t: getattr(p, t) for t in CLIP_TAGS if hasattr(p, t)} for n, p in module.named_parameters()}

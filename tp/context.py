@@ -4,7 +4,8 @@ Layout (load-balanced, "head-tail"; Megatron's get_batch_on_this_cp_rank, torch'
 is cut into 2·cp equal chunks of c = s/(2·cp) tokens and rank r holds chunks r and 2cp−1−r, concatenated: its n = s/cp
 tokens are in increasing position order, and under a causal mask every rank does the same work.
 
-`context_parallel_attention` (REFERENCE.md §9) in two modes:
+`context_parallel_attention` in two modes (ring attention, Liu et al. 2023; the all-gather of Llama 3's context
+parallelism, Dubey et al. 2024):
   ring       K and V travel once around the group (batch_isend_irecv), the next step's transfer started before this
              step's attention; block outputs merged by their log-sum-exp; causal blocks are halved (KV from an
              earlier rank: every local query vs that rank's first chunk; from a later rank: the local second chunk
@@ -24,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .mappings import gather_first, reduce_scatter_first
+from .collectives import gather_first, reduce_scatter_first
 from .mesh import get_mesh
 
 MODES = ("ring", "allgather")
@@ -60,7 +61,7 @@ def _own_share(x, dim, cp, rank):
     return torch.cat([chunks[rank], chunks[2 * cp - 1 - rank]], dim)
 
 
-def cp_shard(x, dim, *, group=None):
+def cp_shard(x: torch.Tensor, dim: int, *, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """This rank's share of the full x along `dim`: chunks r and 2cp−1−r (no communication).
 
     Autograd: the gradient lands in this rank's slots of x, zeros elsewhere, so a replicated x (the full tokens'
@@ -92,7 +93,7 @@ class _CPUnshard(torch.autograd.Function):
         return _own_share(grad, ctx.dim, dist.get_world_size(group), dist.get_rank(group)), None, None
 
 
-def cp_unshard(x, dim, *, group=None):
+def cp_unshard(x: torch.Tensor, dim: int, *, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """The full tensor from every rank's share along `dim` (one all-gather). Backward keeps this rank's slots of
     the gradient (no reduction): the consumer (the loss on full logits) is computed identically on every cp rank."""
     group = _cp_group(group)
@@ -104,7 +105,8 @@ def cp_unshard(x, dim, *, group=None):
     return _CPUnshard.apply(x, dim % x.dim(), group)
 
 
-def cp_positions(seq_len, *, group=None, device=None):
+def cp_positions(seq_len: int, *, group: dist.ProcessGroup | None = None,
+                 device: torch.device | str | None = None) -> torch.Tensor:
     """The global positions (LongTensor [seq_len/cp]) this rank holds, in its local order (for RoPE, learned
     position embeddings)."""
     group = _cp_group(group)
@@ -333,7 +335,9 @@ def _check_attention(q, k, v, mode, cp):
                          f"holds 2 chunks of s/(2·cp) tokens")
 
 
-def context_parallel_attention(q, k, v, *, causal=True, mode="ring", group=None, scale=None):
+def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
+                               mode: str = "ring", group: dist.ProcessGroup | None = None,
+                               scale: float | None = None) -> torch.Tensor:
     """Attention of this rank's queries over the whole sequence of the cp group, everything in the load-balanced
     layout: q [b, heads, s/cp, d], k and v [b, kv_heads, s/cp, d] (heads a multiple of kv_heads) -> [b, heads,
     s/cp, d], equal to F.scaled_dot_product_attention(is_causal=causal, enable_gqa=...) on the full tensors.

@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from . import debug
-from .mappings import gather_first
+from .collectives import gather_first
 from .mesh import resolve_group
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -97,8 +97,9 @@ def _check(logits_shard, targets, label_smoothing, ignore_index, reduction, voca
 
 
 def vocab_parallel_cross_entropy(
-    logits_shard, targets, *, label_smoothing=0.0, ignore_index=-100, reduction="mean", vocab_size=None, group=None,
-):
+    logits_shard: torch.Tensor, targets: torch.Tensor, *, label_smoothing: float = 0.0, ignore_index: int = -100,
+    reduction: str = "mean", vocab_size: int | None = None, group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
     """F.cross_entropy over vocab-parallel logits, without gathering them.
 
     logits_shard: [..., V/tp], this rank's contiguous block of the vocabulary (a ColumnParallelLinear output);
@@ -115,7 +116,7 @@ def vocab_parallel_cross_entropy(
     group = resolve_group(group)
     padded = logits_shard.shape[-1] * dist.get_world_size(group) if logits_shard.dim() else 0
     vocab_size = padded if vocab_size is None else vocab_size
-    if debug._enabled:
+    if debug.is_debug():
         debug.check(targets, group, "the targets of vocab_parallel_cross_entropy", replicated=True)
         debug.check(logits_shard, group, "the logits_shard of vocab_parallel_cross_entropy", replicated=False)
     _check(logits_shard, targets, label_smoothing, ignore_index, reduction, vocab_size, padded)

@@ -18,6 +18,8 @@ import contextlib
 import functools
 import itertools
 from collections import Counter
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,20 +27,22 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from . import debug
-from .mappings import _all_gather, _reduce_scatter
-from .mesh import get_mesh
+from .collectives import all_gather_into_tensor, reduce_scatter_tensor
+from .mesh import SharedGroup, get_mesh
 
 _DONE = object()  # the handle of a reduction that needed no collective (a group of one rank)
 
 
-def default_bucket_numel(dp_size):
+def default_bucket_numel(dp_size: int) -> int:
     """Megatron's bucket size: max(4e7, 1e6 x dp) parameters."""
     return max(40_000_000, 1_000_000 * dp_size)
 
 
-class _Bucket:
+class Bucket:
     """Contiguous parameters: values in the parameters' dtype, gradients in fp32 (fp64 for fp64 parameters), padded
     to a multiple of the group size; this rank's shard of both and the fp32 masters of that shard."""
+
+    tied_group = SharedGroup()
 
     def __init__(self, params, *, group, rank, size, shard, param_dtype, tied_group):
         self.params, self.tied_group = params, tied_group
@@ -66,7 +70,7 @@ class _Bucket:
             p.main_grad = self.grad_data[offset:offset + p.numel()].view_as(p)
         self.waiting, self.handle, self.gather, self.deferred = set(params), None, None, False
 
-    def piece(self, p):
+    def piece(self, p: nn.Parameter) -> tuple[int, slice] | None:
         """(offset of this rank's shard within p, the shard's range within the bucket's shard) or None if empty."""
         offset = self.offset[p]
         a, b = max(offset, self.start), min(offset + p.numel(), self.stop)
@@ -83,8 +87,12 @@ class DataParallel(nn.Module):
     `overlap_param_gather=False` waits for the all-gathers at the end of `step()`.
     """
 
-    def __init__(self, module, *, group=None, average_over=None, shard=True, param_dtype=None, bucket_numel=None,
-                 tied=(), overlap_param_gather=True):
+    group = SharedGroup()
+
+    def __init__(self, module: nn.Module, *, group: dist.ProcessGroup | None = None,
+                 average_over: float | None = None, shard: bool = True, param_dtype: torch.dtype | None = None,
+                 bucket_numel: int | None = None, tied: Iterable[tuple[nn.Parameter, dist.ProcessGroup]] = (),
+                 overlap_param_gather: bool = True) -> None:
         super().__init__()
         self.group = get_mesh().dp_group if group is None else group
         self.size, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
@@ -121,7 +129,7 @@ class DataParallel(nn.Module):
             if sum(q.numel() for q in current) >= bucket_numel:
                 groups, current = groups + [current], []
         groups += [current] if current else []
-        self.buckets = [_Bucket(ps, group=self.group, rank=self.rank, size=self.size, shard=shard,
+        self.buckets = [Bucket(ps, group=self.group, rank=self.rank, size=self.size, shard=shard,
                                 param_dtype=self.param_dtype, tied_group=tied.get(ps[0])) for ps in groups]
         self._bucket_of = {p: b for b in self.buckets for p in b.params}
         for b in self.buckets:
@@ -167,7 +175,7 @@ class DataParallel(nn.Module):
                 raise
             return getattr(self.module, name)
 
-    def forward(self, *args, **kwargs):
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.param_dtype != self._built_dtype:  # floating inputs in param_dtype (Megatron's Float16Module)
             args, kwargs = tree_map_only(torch.Tensor, lambda t: t.to(self.param_dtype) if t.is_floating_point() else t,
                                          (args, kwargs))
@@ -185,13 +193,13 @@ class DataParallel(nn.Module):
                 start, where = piece
                 b.master_shard[where] = value.reshape(-1)[start:start + where.stop - where.start]
 
-    def extra_repr(self):
+    def extra_repr(self) -> str:
         return (f"dp={self.size}, shard={self.shard}, average_over={self.average_over}, param_dtype={self.param_dtype}"
                 f", buckets={len(self.buckets)}, params={sum(p.numel() for b in self.buckets for p in b.params)}")
 
     # ---- gradients -------------------------------------------------------------------------------------------------
 
-    def set_micro_batches(self, micro_batches):
+    def set_micro_batches(self, micro_batches: int) -> None:
         """The number of backward passes whose gradients make up each step: a parameter's gradient is complete once
         it has arrived that many times (outside `no_sync`), and its bucket reduces when all of its are."""
         if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
@@ -199,7 +207,7 @@ class DataParallel(nn.Module):
         self._micro_batches = micro_batches
 
     @contextlib.contextmanager
-    def no_sync(self):
+    def no_sync(self) -> Iterator[None]:
         """Accumulate into main_grad without counting towards the reduction (DDP's name)."""
         previous, self._sync = self._sync, False
         try:
@@ -237,11 +245,11 @@ class DataParallel(nn.Module):
         if self.size == 1:
             b.handle = _DONE
         elif self.shard:  # in place: this rank's shard of the buffer receives the sum
-            b.handle = _reduce_scatter(b.grad_shard, b.grad_data, group=self.group, async_op=True)
+            b.handle = reduce_scatter_tensor(b.grad_shard, b.grad_data, group=self.group, async_op=True)
         else:
             b.handle = dist.all_reduce(b.grad_data, group=self.group, async_op=True)
 
-    def finish_grad_sync(self):
+    def finish_grad_sync(self) -> None:
         """Reduce every bucket that has not started (deferred, tied, unused parameters), wait for all, divide by
         `average_over`. Idempotent until new gradients arrive; the optimizer's step calls it."""
         if self._reduced:
@@ -263,7 +271,7 @@ class DataParallel(nn.Module):
         self._reduced = True
         self._arrivals.clear()
 
-    def zero_grad_buffer(self):
+    def zero_grad_buffer(self) -> None:
         """Zero every main_grad (and drop .grad) for the next step."""
         for b in self.buckets:
             if b.handle not in (None, _DONE):
@@ -275,23 +283,23 @@ class DataParallel(nn.Module):
         self._reduced = False
         self._arrivals.clear()
 
-    def zero_grad(self, set_to_none=True):
+    def zero_grad(self, set_to_none: bool = True) -> None:
         """nn.Module's zero_grad (torch's idiom between steps): the gradients live in main_grad, so zero_grad_buffer."""
         super().zero_grad(set_to_none)
         self.zero_grad_buffer()
 
     # ---- parameters ------------------------------------------------------------------------------------------------
 
-    def start_param_sync(self):
+    def start_param_sync(self) -> None:
         """All-gather every bucket's updated shard, asynchronously, in forward order (no-op when not sharded)."""
         if not self.shard or self.size == 1:
             return
         for b in reversed(self.buckets):
-            b.gather = _all_gather(b.param_data, b.param_shard, group=self.group, async_op=True)
+            b.gather = all_gather_into_tensor(b.param_data, b.param_shard, group=self.group, async_op=True)
         if not self.overlap_param_gather:
             self.finish_param_sync()
 
-    def finish_param_sync(self, buckets=None):
+    def finish_param_sync(self, buckets: Sequence[Bucket] | None = None) -> None:
         """Wait for the parameters' all-gathers (of `buckets`, default all): call before reading parameters outside
         a forward (checkpoints, exports)."""
         for b in self.buckets if buckets is None else buckets:

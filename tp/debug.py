@@ -12,6 +12,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from .collectives import gather_first
+
 _MAX_DIMS = 8
 _enabled = os.environ.get("TP_DEBUG", "0") not in ("", "0")
 
@@ -20,7 +22,7 @@ class set_debug:
     """Turn the cross-rank checks on or off (also `TP_DEBUG=1`); every rank of a group must agree.
     `tp.set_debug(True)` sets it from now on; `with tp.set_debug(True): ...` for a block, restoring it after."""
 
-    def __init__(self, enabled=True):
+    def __init__(self, enabled: bool = True) -> None:
         global _enabled
         self.previous, _enabled = _enabled, bool(enabled)
 
@@ -32,7 +34,8 @@ class set_debug:
         _enabled = self.previous
 
 
-def is_debug():
+def is_debug() -> bool:
+    """Whether the cross-rank checks are on."""
     return _enabled
 
 
@@ -64,14 +67,12 @@ def _groups_of(values, same):
     return classes
 
 
-def check(x, group, what, *, replicated, group_name="tp"):
+def check(x: torch.Tensor, group: dist.ProcessGroup, what: str, *, replicated: bool, group_name: str = "tp") -> None:
     """Raise on every rank unless x has the same shape (and, if `replicated`, the same values) on all ranks;
     `group_name` names the group in the message."""
     size = dist.get_world_size(group)
     if size == 1:
         return
-    from .mappings import gather_first  # (mappings calls these checks)
-
     every = gather_first(_summary(x), group).view(size, -1).cpu()
     shapes = [tuple(int(d) for d in row[1:1 + int(row[0])]) for row in every]
     classes = _groups_of(shapes, lambda a, b: a == b)

@@ -4,14 +4,18 @@ Each rank holds a contiguous block of V/tp rows. Token ids outside this rank's b
 so the sum over the group (an all-reduce; with sequence parallelism a reduce-scatter along the sequence) is the
 dense lookup.
 """
+from collections.abc import Callable
+from typing import Any, Self
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from . import debug
-from .mappings import _ReduceFromTPInPlace, _ReduceScatterToSP, gather_first
-from .mesh import resolve_group
+from .collectives import gather_first
+from .mappings import reduce_from_tp_region, reduce_scatter_to_sp_region
+from .mesh import SharedGroup, resolve_group
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -23,10 +27,14 @@ class VocabParallelEmbedding(nn.Module):
     `padding_idx` behaves as nn.Embedding's (row initialised to zero, never receives a gradient).
     """
 
+    group = SharedGroup()
+
     def __init__(
-        self, num_embeddings, embedding_dim, *, padding_idx=None, sequence_parallel=False, group=None,
-        init_method=None, dtype=None, device=None, _init=True,
-    ):
+        self, num_embeddings: int, embedding_dim: int, *, padding_idx: int | None = None,
+        sequence_parallel: bool = False, group: dist.ProcessGroup | None = None,
+        init_method: Callable[[torch.Tensor], object] | None = None, dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None, _init: bool = True,
+    ) -> None:
         super().__init__()
         self.group = resolve_group(group)
         self.tp_size, self.tp_rank = dist.get_world_size(self.group), dist.get_rank(self.group)
@@ -50,7 +58,7 @@ class VocabParallelEmbedding(nn.Module):
         if _init and self.weight.device.type != "meta":
             self.reset_parameters()
 
-    def reset_parameters(self):
+    def reset_parameters(self) -> None:
         """Draw the full [V, H] master on CPU with the serial init (nn.Embedding's normal(0, 1) by default), slice.
 
         With the same seed on every rank the shards are exact slices of `nn.Embedding(V, H, dtype=...)`'s weight.
@@ -62,14 +70,14 @@ class VocabParallelEmbedding(nn.Module):
         self.load_master(master)
 
     @torch.no_grad()
-    def gather_dense(self, tensor):
+    def gather_dense(self, tensor: torch.Tensor) -> torch.Tensor:
         """The dense [V, H] tensor from every rank's rows of it (a collective over the group)."""
         if self.tp_size == 1:
             return tensor
         return gather_first(tensor, self.group)
 
     @torch.no_grad()
-    def load_master(self, weight):
+    def load_master(self, weight: torch.Tensor) -> None:
         """Copy this rank's rows of the dense [V, H] weight into the local parameter."""
         expected = (self.num_embeddings, self.embedding_dim)
         if tuple(weight.shape) != expected:
@@ -77,7 +85,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.copy_(weight[self.vocab_start:self.vocab_end])
 
     @classmethod
-    def from_embedding(cls, embedding, **options):
+    def from_embedding(cls, embedding: nn.Embedding, **options: Any) -> Self:
         """Shard a dense nn.Embedding onto this rank (dtype and device follow the embedding unless given)."""
         unsupported = {"max_norm": None, "scale_grad_by_freq": False, "sparse": False}
         for name, default in unsupported.items():
@@ -91,7 +99,7 @@ class VocabParallelEmbedding(nn.Module):
         return layer
 
     def _check_input(self, ids):
-        if debug._enabled:
+        if debug.is_debug():
             debug.check(ids, self.group, "the token ids of VocabParallelEmbedding", replicated=True)
         if ids.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"token ids must be int64 or int32, got {ids.dtype}")
@@ -104,7 +112,7 @@ class VocabParallelEmbedding(nn.Module):
                 bad = low if low < 0 else high
                 raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.num_embeddings})")
 
-    def forward(self, ids):  # [s, b]
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [s, b]
         self._check_input(ids)
         if self.tp_size == 1:
             return F.embedding(ids, self.weight, self.padding_idx)  # [s, b, h]
@@ -113,10 +121,10 @@ class VocabParallelEmbedding(nn.Module):
         partial = F.embedding(local_ids, self.weight, self._local_padding_idx)  # [s, b, h], rows of this rank only
         partial.masked_fill_(outside.unsqueeze(-1), 0)  # in place: the lookup's backward needs only the ids
         if self.sequence_parallel:
-            return _ReduceScatterToSP.apply(partial, self.group)  # [s/tp, b, h]
-        return _ReduceFromTPInPlace.apply(partial, self.group)  # a fresh tensor: reduce in its own storage
+            return reduce_scatter_to_sp_region(partial, self.group, check=False)  # [s/tp, b, h] (ids were checked)
+        return reduce_from_tp_region(partial, self.group, in_place=True, check=False)  # a fresh tensor: its storage
 
-    def extra_repr(self):
+    def extra_repr(self) -> str:
         padding = f", padding_idx={self.padding_idx}" if self.padding_idx is not None else ""
         local = "x".join(map(str, self.weight.shape))
         return (

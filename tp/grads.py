@@ -10,27 +10,10 @@
 """
 import torch
 import torch.distributed as dist
+from torch import nn
 
+from .collectives import all_reduce_coalesced
 from .mesh import resolve_group
-
-
-@torch.no_grad()
-def _all_reduce_coalesced(tensors, group, *, average=False, inplace=True):
-    """Sum (or average) same-dtype tensors over the group, one all-reduce per dtype: in place, or (inplace=False)
-    returned as new tensors, the inputs untouched."""
-    size = dist.get_world_size(group)
-    by_dtype = {}
-    for i, t in enumerate(tensors):
-        by_dtype.setdefault(t.dtype, []).append(i)
-    out = list(tensors)
-    for same in by_dtype.values():
-        flat = torch.cat([tensors[i].reshape(-1) for i in same])
-        dist.all_reduce(flat, group=group)
-        if average:
-            flat /= size
-        for i, reduced in zip(same, flat.split([tensors[i].numel() for i in same])):
-            out[i] = tensors[i].copy_(reduced.view_as(tensors[i])) if inplace else reduced.view_as(tensors[i])
-    return out
 
 
 class _SumGradsOverTP(torch.autograd.Function):
@@ -43,11 +26,11 @@ class _SumGradsOverTP(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, *grads):
         # not in place: autograd may have handed the same grad tensor to another input (both sides of an add)
-        it = iter(_all_reduce_coalesced([g for g in grads if g is not None], ctx.group, inplace=False))
+        it = iter(all_reduce_coalesced([g for g in grads if g is not None], ctx.group, inplace=False))
         return (None, *(None if g is None else next(it) for g in grads))
 
 
-def sync_grads_over_tp(*tensors, group=None):
+def sync_grads_over_tp(*tensors: torch.Tensor, group: dist.ProcessGroup | None = None) -> tuple[torch.Tensor, ...]:
     """forward: identity · backward: one coalesced all-reduce of the tensors' grads (use on parameters in a forward)."""
     group = resolve_group(group)
     if dist.get_world_size(group) == 1 or not torch.is_grad_enabled():
@@ -60,7 +43,7 @@ def _grad_or_main_grad(p):
     return p.grad if main_grad is None else main_grad
 
 
-def allreduce_sequence_parallel_grads(module, group=None):
+def allreduce_sequence_parallel_grads(module: nn.Module, group: dist.ProcessGroup | None = None) -> None:
     """Sum, over the tp group, the grads of parameters tagged `sequence_parallel` (built with the grad sync off).
 
     One coalesced all-reduce; call after backward and before the optimizer step. Uses `main_grad` when present.
@@ -73,10 +56,10 @@ def allreduce_sequence_parallel_grads(module, group=None):
     grads = [g for p in module.parameters() if getattr(p, "sequence_parallel", False)
              if (g := _grad_or_main_grad(p)) is not None]
     if grads and dist.get_world_size(group) > 1:
-        _all_reduce_coalesced(grads, group)
+        all_reduce_coalesced(grads, group)
 
 
-def ddp_ignore_main_grads(module):
+def ddp_ignore_main_grads(module: nn.Module) -> list[str]:
     """Tell torch DDP (call before wrapping) to leave parameters with `main_grad` to `allreduce_main_grads`."""
     from torch.nn.parallel import DistributedDataParallel
 
@@ -87,15 +70,15 @@ def ddp_ignore_main_grads(module):
     return names
 
 
-def allreduce_main_grads(module, group, *, average=True):
+def allreduce_main_grads(module: nn.Module, group: dist.ProcessGroup, *, average: bool = True) -> None:
     """Average (or sum) every parameter's `main_grad` over `group` (the data-parallel group): one all-reduce per
     dtype, after backward and before the optimizer step. Megatron's DDP does this for its fp32 grad buffers."""
     grads = [p.main_grad for p in module.parameters() if getattr(p, "main_grad", None) is not None]
     if grads and dist.get_world_size(group) > 1:
-        _all_reduce_coalesced(grads, group, average=average)
+        all_reduce_coalesced(grads, group, average=average)
 
 
-def main_grad_of(weight):
+def main_grad_of(weight: torch.Tensor) -> torch.Tensor | None:
     """weight.main_grad (gradient-accumulation fusion) or None; refused under torch DDP, which reduces only .grad.
 
     Called in forward, where DDP marks itself active; parameters DDP was told to ignore are the caller's to reduce.

@@ -3,6 +3,8 @@
 Shapes use Megatron's [s, b, h] activations; any [..., h] works without sequence parallelism.
 """
 import math
+from collections.abc import Callable, Sequence
+from typing import Any, Self
 
 import torch
 import torch.distributed as dist
@@ -11,17 +13,13 @@ from torch import nn
 import kernels
 
 from . import debug
+from .collectives import gather_first, reduce_scatter_first
 from .grads import main_grad_of, sync_grads_over_tp
-from .mappings import (
-    _ReduceFromTPInPlace,
-    _ReduceScatterToSP,
-    gather_first,
-    gather_from_tp_region,
-    reduce_scatter_first,
-    scatter_to_tp_region,
-)
-from .mesh import resolve_group
+from .mappings import gather_from_tp_region, reduce_from_tp_region, reduce_scatter_to_sp_region, scatter_to_tp_region
+from .mesh import SharedGroup, resolve_group
 from .pipeline.wgrad import defer_weight_grad, deferring
+
+InitMethod = Callable[[torch.Tensor], object]  # fills a dense (master) weight in place, as torch.nn.init's functions
 
 
 class _ParallelLinearFn(torch.autograd.Function):
@@ -159,6 +157,7 @@ class _ParallelLinear(nn.Module):
     """Shared construction: master-weight init (TP-invariant), sharding of fused parts, and repr."""
 
     shard_dim = None  # 0: rows of the dense weight (column-parallel), 1: columns (row-parallel)
+    group = SharedGroup()
 
     def __init__(self, in_features, out_features, bias, *, group, init_method, dtype, device, stride, parts,
                  part_replicas=None, _init=True):
@@ -204,7 +203,7 @@ class _ParallelLinear(nn.Module):
         if _init and self.weight.device.type != "meta":
             self.reset_parameters()
 
-    def reset_parameters(self):
+    def reset_parameters(self) -> None:
         """Draw the full master weight (and bias) with the serial init on CPU in the layer's dtype, then keep this
         rank's slice.
 
@@ -221,18 +220,18 @@ class _ParallelLinear(nn.Module):
                 nn.init.uniform_(master_bias, -bound, bound)
         self.load_master(master, master_bias)
 
-    def shard_indices(self):
+    def shard_indices(self) -> torch.Tensor:
         """The dense indices, along the sharded dim (rows: column layer; columns: row layer), this rank holds."""
         n = (self.out_features, self.in_features)[self.shard_dim]
         return _shard(torch.arange(n), 0, self.tp_rank, self.tp_size, self.parts, self.part_replicas)
 
-    def shard_dense(self, tensor):
+    def shard_dense(self, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's slice of a dense weight-shaped tensor (or, for the column layer, a bias-shaped one)."""
         dim = self.shard_dim if tensor.dim() == 2 else 0
         return tensor.index_select(dim, self.shard_indices().to(tensor.device))
 
     @torch.no_grad()
-    def gather_dense(self, tensor):
+    def gather_dense(self, tensor: torch.Tensor) -> torch.Tensor:
         """The dense tensor from every rank's slice of it (a collective over the group): shard_dense's inverse.
         A row layer's bias is whole on every rank and comes back as it is."""
         dim = self.shard_dim if tensor.dim() == 2 else 0
@@ -254,7 +253,7 @@ class _ParallelLinear(nn.Module):
         return tensor.new_empty(shape).index_copy_(dim, index[first].to(tensor.device), source)
 
     @torch.no_grad()
-    def load_master(self, weight, bias=None):
+    def load_master(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         """Copy this rank's slice of the dense [out, in] weight (and bias) into the local parameters."""
         if tuple(weight.shape) != (self.out_features, self.in_features):
             raise ValueError(f"master weight shape {tuple(weight.shape)} != {(self.out_features, self.in_features)}")
@@ -265,7 +264,7 @@ class _ParallelLinear(nn.Module):
             self.bias.copy_(self.shard_dense(bias) if self.shard_dim == 0 else bias)
 
     @classmethod
-    def from_linear(cls, linear, **options):
+    def from_linear(cls, linear: nn.Linear, **options: Any) -> Self:
         """Shard a dense nn.Linear onto this rank (dtype and device follow the linear unless given in options)."""
         weight = getattr(linear, "weight", None)
         if not (hasattr(linear, "in_features") and hasattr(linear, "out_features") and weight is not None
@@ -279,7 +278,7 @@ class _ParallelLinear(nn.Module):
 
     def _check_input(self, x, features, what, *, replicated=False):
         name = type(self).__name__
-        if debug._enabled:  # before the local checks: a rank whose shape alone is wrong must not leave the others
+        if debug.is_debug():  # before the local checks: a rank whose shape alone is wrong must not leave the others
             debug.check(x, self.group, f"the input of {name}", replicated=replicated)
         if x.shape[-1] != features:
             raise ValueError(f"input's last dim is {x.shape[-1]}; {name} expects {features} ({what})")
@@ -288,7 +287,7 @@ class _ParallelLinear(nn.Module):
         if self.sequence_parallel and x.dim() < 2:
             raise ValueError(f"sequence_parallel {name} needs [s, b, h] (or [s, h]) input, got shape {tuple(x.shape)}")
 
-    def extra_repr(self):
+    def extra_repr(self) -> str:
         local = "x".join(map(str, self.weight.shape))
         equal = len(set(self.parts)) == 1
         fused = "" if self.stride == 1 else f", stride={self.stride}" if equal else f", parts={self.parts}"
@@ -320,10 +319,12 @@ class ColumnParallelLinear(_ParallelLinear):
     shard_dim = 0
 
     def __init__(
-        self, in_features, out_features, bias=True, *, gather_output=False, sequence_parallel=False, group=None,
-        init_method=None, dtype=None, device=None, stride=None, parts=None, part_replicas=None, activation=None,
-        disable_grad_reduce=False, _init=True,
-    ):
+        self, in_features: int, out_features: int, bias: bool = True, *, gather_output: bool = False,
+        sequence_parallel: bool = False, group: dist.ProcessGroup | None = None, init_method: InitMethod | None = None,
+        dtype: torch.dtype | None = None, device: torch.device | str | None = None, stride: int | None = None,
+        parts: Sequence[int] | None = None, part_replicas: Sequence[int] | None = None, activation: str | None = None,
+        disable_grad_reduce: bool = False, _init: bool = True,
+    ) -> None:
         if disable_grad_reduce and sequence_parallel:
             raise ValueError("disable_grad_reduce=True with sequence_parallel=True: the sequence-parallel input "
                              "needs the layer's own all-gather and reduce-scatter")
@@ -345,7 +346,7 @@ class ColumnParallelLinear(_ParallelLinear):
         if activation == "swiglu":  # the output is F wide, each rank's slice its chunk of F: already dense-ordered
             self._dense_from_rank_major = None
 
-    def forward(self, x):  # [s(/tp), b, in]
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [s(/tp), b, in]
         self._check_input(x, self.in_features, "in_features", replicated=not self.sequence_parallel)
         comm = None if self.tp_size == 1 or self.disable_grad_reduce else \
             "sequence" if self.sequence_parallel else "all-reduce"
@@ -365,7 +366,7 @@ class ColumnParallelLinear(_ParallelLinear):
             return y
         return y.index_select(-1, _on(self._dense_from_rank_major, y.device))
 
-    def extra_repr(self):
+    def extra_repr(self) -> str:
         act = f", activation={self.activation}" if self.activation else ""
         act += ", disable_grad_reduce=True" if self.disable_grad_reduce else ""
         return f"{super().extra_repr()}, gather_output={self.gather_output}, " \
@@ -384,10 +385,11 @@ class RowParallelLinear(_ParallelLinear):
     shard_dim = 1
 
     def __init__(
-        self, in_features, out_features, bias=True, *, input_is_parallel=True, sequence_parallel=False, group=None,
-        init_method=None, dtype=None, device=None, stride=None, parts=None, sequence_parallel_grad_sync=True,
-        _init=True,
-    ):
+        self, in_features: int, out_features: int, bias: bool = True, *, input_is_parallel: bool = True,
+        sequence_parallel: bool = False, group: dist.ProcessGroup | None = None, init_method: InitMethod | None = None,
+        dtype: torch.dtype | None = None, device: torch.device | str | None = None, stride: int | None = None,
+        parts: Sequence[int] | None = None, sequence_parallel_grad_sync: bool = True, _init: bool = True,
+    ) -> None:
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
         super().__init__(
             in_features, out_features, bias, group=group, init_method=init_method, dtype=dtype, device=device,
@@ -399,7 +401,7 @@ class RowParallelLinear(_ParallelLinear):
         if self.bias is not None:
             self.bias.sequence_parallel = sequence_parallel and not sequence_parallel_grad_sync
 
-    def forward(self, x):  # [s, b, in/tp] (or [s, b, in] when not input_is_parallel)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [s, b, in/tp] (or [s, b, in] when not input_is_parallel)
         if not self.input_is_parallel and self.tp_size > 1:
             self._check_input(x, self.in_features, "in_features", replicated=True)
             if self._rank_major is not None:  # rank-major, so the split hands out the fused parts
@@ -411,14 +413,14 @@ class RowParallelLinear(_ParallelLinear):
             return _local_linear(x, self.weight, self.bias, None, self.group, None)
         y = _local_linear(x, self.weight, None, None, self.group, None)  # [s, b, out] partial sums
         if self.sequence_parallel:
-            y = _ReduceScatterToSP.apply(y, self.group)  # [s/tp, b, out] (input already checked in debug mode)
+            y = reduce_scatter_to_sp_region(y, self.group, check=False)  # [s/tp, b, out] (its input was checked)
         else:
-            y = _ReduceFromTPInPlace.apply(y, self.group)
+            y = reduce_from_tp_region(y, self.group, in_place=True, check=False)  # a fresh tensor: its own storage
         if self.bias is None:
             return y
         bias, = sync_grads_over_tp(self.bias, group=self.group) if self.sync_bias_grad else (self.bias,)
         return y + bias.to(y.dtype)  # (autocast: y may be bf16)
 
-    def extra_repr(self):
+    def extra_repr(self) -> str:
         return f"{super().extra_repr()}, input_is_parallel={self.input_is_parallel}, " \
                f"sequence_parallel={self.sequence_parallel}"

@@ -7,18 +7,16 @@ Tensor-parallel groups are thus adjacent ranks (one node's NVLink domain) under 
 may be left out of `order` (it is appended, as Megatron's RankGenerator does): "tp-dp-pp" is the same layout as
 "tp-cp-dp-pp" when cp = 1.
 """
-import copy
 import datetime
 import itertools
 import numbers
 import os
+import shlex
 import sys
 
 import torch
 import torch.distributed as dist
-
-# A process group is a handle to a communicator: a deep copy of a module (an EMA or reference model) shares it.
-copy._deepcopy_dispatch[dist.ProcessGroup] = copy._deepcopy_atomic
+from torch.distributed.device_mesh import DeviceMesh
 
 AXES = ("tp", "cp", "dp", "pp")
 # "tp-pp": model-parallel (a parameter's shards); "dp-cp": the group gradients are reduced over; "tp-cp": the ranks
@@ -85,7 +83,8 @@ def _groups(sizes, order, axes):
 DEFAULT_ORDER = "tp-cp-dp-pp"
 
 
-def layout(world_size, *, tp=1, cp=1, pp=1, dp=None, order=DEFAULT_ORDER):
+def layout(world_size: int, *, tp: int = 1, cp: int = 1, pp: int = 1, dp: int | None = None,
+           order: str = DEFAULT_ORDER) -> dict[str, list[list[int]]]:
     """Rank groups per axis ("tp", "cp", "dp", "pp") and composite ("tp-pp" model-parallel, "tp-dp", "tp-cp",
     "dp-cp"), each as megatron-core's RankGenerator lists them; no process group needed."""
     sizes = _sizes(world_size, tp, pp, dp, cp)
@@ -100,7 +99,8 @@ def _embedding_ranks(pp_ranks):
 class Mesh:
     """Process groups of one hybrid layout, seen from this rank. Build with `tp.init_mesh`."""
 
-    def __init__(self, *, tp, pp, dp, order, owns_default_group, cp=1):
+    def __init__(self, *, tp: int, pp: int, dp: int | None, order: str, owns_default_group: bool,
+                 cp: int = 1) -> None:
         self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
         self.sizes = _sizes(self.world_size, tp, pp, dp, cp)
         self.order = _parse_order(order, self.sizes)
@@ -136,19 +136,20 @@ class Mesh:
             raise ValueError(f"unknown axis {axis!r}; expected one of {sorted(self._ranks)}")
         return axis
 
-    def group(self, axis):
+    def group(self, axis: str) -> dist.ProcessGroup:
         """The process group of this rank along `axis` ("tp", "cp", "dp", "pp", "tp-pp", "tp-dp", "tp-cp", "dp-cp",
         "embedding")."""
         return self._groups[self._check(axis)]
 
-    def ranks(self, axis):
+    def ranks(self, axis: str) -> list[int]:
         """Global ranks of this rank's group along `axis`."""
         return list(self._ranks[self._check(axis)])
 
-    def size(self, axis):
+    def size(self, axis: str) -> int:
+        """The number of ranks of this rank's group along `axis`."""
         return len(self._ranks[self._check(axis)])
 
-    def local_rank(self, axis):
+    def local_rank(self, axis: str) -> int:
         """This rank's index within its group along `axis`."""
         return self._ranks[self._check(axis)].index(self.rank)
 
@@ -176,34 +177,29 @@ class Mesh:
     in_embedding_group = property(lambda self: self.is_first_stage or self.is_last_stage)
 
     @property
-    def device_mesh(self):
+    def device_mesh(self) -> DeviceMesh:
         """A torch DeviceMesh on this mesh's groups, dims slowest first (reversed `order`: ("pp", "dp", "cp", "tp") by
         default). `flat_device_mesh("dp-cp")` is the one-dimensional mesh of a composite group (FSDP2 over dp×cp)."""
         if self._device_mesh is None:
-            from torch.distributed.device_mesh import DeviceMesh
-
             names = tuple(reversed(self.order))  # DeviceMesh is row-major: last dim fastest
             mesh = torch.arange(self.world_size).reshape([self.sizes[a] for a in names])
-            device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
             self._device_mesh = DeviceMesh.from_group(
-                [self.group(a) for a in names], device_type, mesh=mesh, mesh_dim_names=names
+                [self.group(a) for a in names], collective_device().type, mesh=mesh, mesh_dim_names=names
             )
         return self._device_mesh
 
-    def flat_device_mesh(self, axis):
+    def flat_device_mesh(self, axis: str) -> DeviceMesh:
         """A one-dimensional torch DeviceMesh over this rank's group along `axis` (an axis or a composite such as
         "dp-cp"), its dim named `axis` with "_" for "-"."""
-        from torch.distributed.device_mesh import DeviceMesh
-
-        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-        return DeviceMesh.from_group(self.group(axis), device_type, mesh=torch.tensor(self.ranks(axis)),
+        return DeviceMesh.from_group(self.group(axis), collective_device().type, mesh=torch.tensor(self.ranks(axis)),
                                      mesh_dim_names=(axis.replace("-", "_"),))
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         coords = ", ".join(f"{a}={self.local_rank(a)}/{self.sizes[a]}" for a in self.order)
         return f"Mesh(rank={self.rank}/{self.world_size}, order={'-'.join(self.order)!r}, {coords})"
 
-    def destroy(self, keep_groups=False):
+    def destroy(self, keep_groups: bool = False) -> None:
+        """Destroy (or, `keep_groups`, keep for the next mesh) this mesh's groups; tp.destroy_mesh calls it."""
         if keep_groups and not self._owns_default_group:
             _kept_groups[1].update(self._created)
         else:
@@ -225,24 +221,29 @@ def _forget_dtensor_sharding():
         getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", lambda: None)()  # and its C++ fast path
 
 
-def _under_torchrun():
+def launched_by_torchrun() -> bool:
+    """Whether torchrun (or a launcher that sets its RANK and WORLD_SIZE) started this process."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def collective_device() -> torch.device:
+    """Where the default group's collectives take their tensors: this rank's GPU under NCCL, else the CPU (also
+    before any process group exists)."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _default_group_timeout():
     """The default group's collective timeout (None where torch does not expose it: new_group's default then)."""
-    device = torch.device("cuda" if dist.get_backend() == "nccl" else "cpu")
     try:
-        return dist.group.WORLD._get_backend(device).options._timeout
+        return dist.group.WORLD._get_backend(collective_device()).options._timeout
     except (AttributeError, RuntimeError):
         return None
 
 
 def _lone_process_error(tp, cp, pp, dp):
     """The error of a mesh that needs several processes asked for in one process started without torchrun."""
-    import shlex
-    import sys
-
     world = tp * cp * pp * (dp or 1)
     given = {k: v for k, v in dict(tp=tp, cp=cp, pp=pp, dp=dp).items() if v not in (1, None)}
     call = ", ".join(f"{k}={v}" for k, v in given.items())
@@ -261,7 +262,7 @@ def _lone_process_error(tp, cp, pp, dp):
 
 def _init_default_group(backend, timeout):
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    if _under_torchrun():
+    if launched_by_torchrun():
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         # torchrun's agent keeps one TCPStore across restarts of the worker group (--max-restarts): keys under a
@@ -274,8 +275,8 @@ def _init_default_group(backend, timeout):
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
 
 
-def init_mesh(*, tp=1, cp=1, pp=1, dp=None, order=DEFAULT_ORDER, backend=None,
-              timeout=datetime.timedelta(minutes=10)):
+def init_mesh(*, tp: int = 1, cp: int = 1, pp: int = 1, dp: int | None = None, order: str = DEFAULT_ORDER,
+              backend: str | None = None, timeout: datetime.timedelta = datetime.timedelta(minutes=10)) -> Mesh:
     """Create every group of the layout once and make the mesh current (used by layers when no group is passed).
 
     Uses the default process group if one exists (then `backend` and `timeout` are those it was created with),
@@ -286,7 +287,7 @@ def init_mesh(*, tp=1, cp=1, pp=1, dp=None, order=DEFAULT_ORDER, backend=None,
     if _current is not None:
         raise RuntimeError(f"a mesh is already initialised ({_current!r}); call tp.destroy_mesh() first")
     _parse_order(order)
-    if not dist.is_initialized() and not _under_torchrun():  # one process: a mesh of several ranks cannot be made
+    if not dist.is_initialized() and not launched_by_torchrun():  # one process: a mesh of several ranks cannot be made
         try:
             needed = tp * cp * pp * (dp or 1)
         except TypeError:
@@ -294,7 +295,7 @@ def init_mesh(*, tp=1, cp=1, pp=1, dp=None, order=DEFAULT_ORDER, backend=None,
         if needed > 1:
             _sizes(needed, tp, pp, dp, cp)
             raise _lone_process_error(tp, cp, pp, dp)
-    if not dist.is_initialized() and _under_torchrun():
+    if not dist.is_initialized() and launched_by_torchrun():
         # kept when the mesh is destroyed: re-creating it from the same environment can hang inside torch (Megatron
         # keeps it too)
         _init_default_group(backend, timeout)
@@ -312,14 +313,14 @@ def init_mesh(*, tp=1, cp=1, pp=1, dp=None, order=DEFAULT_ORDER, backend=None,
     return _current
 
 
-def get_mesh():
+def get_mesh() -> Mesh:
     """The current mesh; raises if `tp.init_mesh` has not been called."""
     if _current is None:
         raise RuntimeError("no tensor-parallel mesh: call tp.init_mesh(...) first, or pass group= explicitly")
     return _current
 
 
-def destroy_mesh(*, keep_groups=False):
+def destroy_mesh(*, keep_groups: bool = False) -> None:
     """Destroy the current mesh's groups (and the default group if init_mesh created it for a lone process; one made
     from torchrun's environment is kept for the next init_mesh: `torch.distributed.destroy_process_group()` at exit).
 
@@ -332,13 +333,50 @@ def destroy_mesh(*, keep_groups=False):
         _current = None
 
 
-def resolve_group(group):
+def current_mesh() -> Mesh | None:
+    """The current mesh, or None before `tp.init_mesh` (get_mesh raises instead)."""
+    return _current
+
+
+def resolve_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     """`group` itself, or the current mesh's tensor-parallel group when None."""
     return get_mesh().tp_group if group is None else group
 
 
-def resolve_cp_group(group):
+def resolve_cp_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
     """`group` itself, else the current mesh's context-parallel group, else None (no mesh: no context parallelism)."""
     if group is not None:
         return group
     return _current.cp_group if _current is not None else None
+
+
+class SharedGroup:
+    """A class attribute holding a process group (or None) that `copy.deepcopy` of its instance shares instead of
+    copying: a group is a handle to a communicator, so a deep copy of a module (an EMA or reference model) talks
+    over the same groups. `class Layer(nn.Module): group = SharedGroup()`, then `self.group = ...` as usual."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, instance: object, owner: type | None = None) -> "dist.ProcessGroup | None | SharedGroup":
+        if instance is None:  # (on the class: the descriptor itself)
+            return self
+        try:
+            return instance.__dict__[self.name].group
+        except KeyError:
+            raise AttributeError(f"{type(instance).__name__!r} object has no attribute {self.name!r}") from None
+
+    def __set__(self, instance: object, group: dist.ProcessGroup | None) -> None:
+        instance.__dict__[self.name] = _GroupHandle(group)
+
+
+class _GroupHandle:
+    """An instance's value of a SharedGroup attribute: deep copies keep this very object, hence the group."""
+
+    __slots__ = ("group",)
+
+    def __init__(self, group):
+        self.group = group
+
+    def __deepcopy__(self, memo):
+        return self

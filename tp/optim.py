@@ -15,14 +15,20 @@ data-parallel group.
   per category.
 """
 import math
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
-from .clip import CLIP_TAGS, clip_grad_norm_, keep_param_tags, reduced_grad  # noqa: F401  (tp.optim's API)
-from .data_parallel import DataParallel, default_bucket_numel  # noqa: F401  (tp.optim's API)
-from .mappings import _all_gather
+from .clip import CLIP_TAGS, clip_grad_norm_, keep_param_tags, reduced_grad
+from .collectives import all_gather_into_tensor
+from .data_parallel import DataParallel, default_bucket_numel
 from .pipeline import model_chunks
+
+__all__ = ["DataParallel", "DistributedOptimizer", "memory_bytes", "clip_grad_norm_", "keep_param_tags", "reduced_grad",
+           "CLIP_TAGS", "default_bucket_numel"]
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -33,7 +39,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     scheduler. `state_dict()` / `load_state_dict()` are this rank's shard (resume at the same layout);
     `full_state()` / `load_full_state()` give whole tensors (checkpoints that reshard)."""
 
-    def __init__(self, module, params=None, *, optimizer=torch.optim.AdamW, **hyperparameters):
+    def __init__(self, module: DataParallel | Sequence[DataParallel], params: Iterable[Any] | None = None, *,
+                 optimizer: type[torch.optim.Optimizer] = torch.optim.AdamW, **hyperparameters: Any) -> None:
         modules = model_chunks(module)
         for m in modules or [module]:
             if not isinstance(m, DataParallel):
@@ -42,7 +49,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         masters_dtypes = sorted({str(b.master_shard.dtype) for m in modules for b in m.buckets})
         if len(masters_dtypes) > 1:
             raise ValueError(f"DistributedOptimizer: the modules' masters have several dtypes {masters_dtypes}")
-        bucket_of = {p: b for m in modules for p, b in m._bucket_of.items()}
+        bucket_of = {p: b for m in modules for b in m.buckets for p in b.params}
         groups = list((p for m in modules for p in m.parameters() if p.requires_grad) if params is None else params)
         groups = [{"params": groups}] if groups and isinstance(groups[0], torch.Tensor) else \
             [dict(g, params=list(g["params"])) for g in groups]
@@ -77,14 +84,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
     state = property(lambda self: self.optimizer.state)
     defaults = property(lambda self: self.optimizer.defaults)
 
-    def state_dict(self):
+    def state_dict(self) -> dict[str, Any]:
         """The inner optimizer's state dict: this rank's master shards' state (reload at the same layout)."""
         return self.optimizer.state_dict()
 
-    def load_state_dict(self, state_dict):
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load what state_dict returned (at the same layout)."""
         self.optimizer.load_state_dict(state_dict)
 
-    def add_param_group(self, param_group):
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Refused: the parameters are fixed by the DataParallel buckets."""
         raise NotImplementedError("DistributedOptimizer's parameters are fixed by its DataParallel buckets: build a "
                                   "new one over the module")
 
@@ -93,7 +102,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             "; ".join(m.extra_repr() for m in self.modules) + ")"
 
     @torch.no_grad()
-    def step(self):
+    def step(self) -> None:
         """Reduce (what is left of) the gradients, step the masters, copy them into the parameters, all-gather."""
         for m in self.modules:
             m.finish_grad_sync()
@@ -105,12 +114,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     b.param_shard.copy_(b.master_shard)
             m.start_param_sync()
 
-    def zero_grad(self, set_to_none=True):
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the modules' gradient buffers (set_to_none: torch's signature; the buffers stay)."""
         for m in self.modules:
             m.zero_grad_buffer()
 
     @torch.no_grad()
-    def full_state(self):
+    def full_state(self) -> dict[nn.Parameter, dict[str, torch.Tensor]]:
         """{param: {"param": fp32 master, <state>: ...}} for every parameter, whole (its tp-local shape): the dp shards
         all-gathered (collectives over each module's dp group, module by module). What checkpoints store."""
         kinds = {k: v.dim() > 0 for s in self.state.values() for k, v in s.items()}  # name: shaped like the piece?
@@ -139,7 +149,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 full = flat
                 if m.shard and m.size > 1:
                     full = flat.new_empty(b.grad_data.numel())
-                    _all_gather(full, flat.contiguous(), group=m.group)
+                    all_gather_into_tensor(full, flat.contiguous(), group=m.group)
                 for p, offset in zip(b.params, b.offsets):
                     out.setdefault(p, {})[name] = full[offset:offset + p.numel()].view(p.shape).clone()
             for name, t in scalars.items():
@@ -148,7 +158,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return out
 
     @torch.no_grad()
-    def load_full_state(self, param, values):
+    def load_full_state(self, param: nn.Parameter, values: dict[str, torch.Tensor]) -> None:
         """Set one parameter from whole (tp-local) tensors: "param" the fp32 master (also copied into the parameter),
         the others optimizer state (shaped like the parameter: this rank's shard kept; else whole). No collective."""
         b = self._bucket_of[param]
@@ -172,12 +182,14 @@ def _bytes(t):
     return t.numel() * t.element_size()
 
 
-def memory_bytes(model, optimizer=None):
+def memory_bytes(model: nn.Module | Sequence[nn.Module],
+                 optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
     """{param_bytes, grad_bytes, optimizer_bytes} this rank holds: parameters (buckets incl. padding, or the local
     shards), gradients (main_grad buffers, or the .grad backward allocates in the parameters' dtype) and optimizer
     state (its tensors, and fp32 masters kept apart from the parameters). Optimizer state exists after the first
-    step. Per parameter this gives REFERENCE §11's table: bf16 18 (DataParallel) vs 6 + 12/d (sharded), fp32 16 vs
-    8 + 8/d. `model`: a module, or a list of them (a pipeline rank's model chunks)."""
+    step. Per parameter this gives the table of Megatron's distributed optimizer (its docs' dist_optimizer.md; ZeRO
+    stage 1, Rajbhandari et al. 2020): bf16 18 (DataParallel) vs 6 + 12/d (sharded), fp32 16 vs 8 + 8/d.
+    `model`: a module, or a list of them (a pipeline rank's model chunks)."""
     modules = model_chunks(model)
     buckets = [b for m in modules if isinstance(m, DataParallel) for b in m.buckets]
     param = sum(_bytes(b.param_data) for b in buckets)

@@ -27,17 +27,18 @@ import functools
 import types
 import warnings
 
+import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from . import debug, plans
+from . import debug, hf_families
 from .cross_entropy import vocab_parallel_cross_entropy
 from .embedding import VocabParallelEmbedding
 from .grads import sync_grads_over_tp
 from .layers import ColumnParallelLinear, RowParallelLinear
 from .mappings import copy_to_tp_region
-from .mesh import resolve_group
+from .mesh import SharedGroup, resolve_group
 from .random import fork_rng
 
 GATHER_OUTPUT = {"colwise": False, "colwise_gather_output": True}
@@ -47,7 +48,8 @@ ALIASES = {"embedding_rowwise": "vocab", "colwise_rep": "colwise_gather_output",
 _RECORD = "_tp_parallelize_record"
 
 
-def parallelize(module, plan=None, *, group=None, sequence_parallel=False):
+def parallelize(module: nn.Module, plan: dict[str, str] | None = None, *, group: dist.ProcessGroup | None = None,
+                sequence_parallel: bool = False) -> nn.Module:
     """Replace `module`'s layers by tensor-parallel ones following `plan` (default: `tp.default_plan(module)`), in
     place, on the current mesh's tp group (or `group`); returns `module`.
 
@@ -64,16 +66,17 @@ def parallelize(module, plan=None, *, group=None, sequence_parallel=False):
     if hasattr(module, _RECORD):
         raise ValueError(f"{type(module).__name__} is already parallelized (tp.describe shows how)")
     group = resolve_group(group)
-    family = plans.family_of(module)
+    family = hf_families.family_of(module)
     if family is not None and not family.checked:
-        warnings.warn(f"tp.parallelize: model_type {plans.model_type(module)!r} is not among the families tp checked "
-                      f"({', '.join(plans.FAMILIES)}); its plan is applied with Hugging Face's semantics", stacklevel=2)
-    styles = _match(module, plans.default_plan(module) if plan is None else plan, strict=plan is not None)
+        warnings.warn(f"tp.parallelize: model_type {hf_families.model_type(module)!r} is not among the families tp "
+                      f"checked ({', '.join(hf_families.FAMILIES)}); its plan is applied with Hugging Face's semantics",
+                      stacklevel=2)
+    styles = _match(module, hf_families.default_plan(module) if plan is None else plan, strict=plan is not None)
     modules = dict(module.named_modules())
     for name, style in styles.items():
         _check_kind(name, modules[name], style)
     tp_size = dist.get_world_size(group)
-    options, local_heads = plans.shard_options(module, modules, styles, family, tp_size)
+    options, local_heads = hf_families.shard_options(module, modules, styles, family, tp_size)
     if family is not None:
         _check_local_outputs_consumed(module, modules, styles)
     ties = _ties(modules, styles, options)
@@ -117,12 +120,13 @@ def parallelize(module, plan=None, *, group=None, sequence_parallel=False):
         record.append(("save_pretrained", "gathered", "writes the dense model: shards gathered, tp rank 0 writes"))
     module.register_forward_pre_hook(shared_input.clear)
     module.register_forward_hook(shared_input.clear, always_call=True)
-    source = "plan=" if plan is not None else plans.plan_source(module)
-    setattr(module, _RECORD, {"tp": tp_size, "plan": source, "entries": sorted(record), "group": group})
+    source = "plan=" if plan is not None else hf_families.plan_source(module)
+    setattr(module, _RECORD, {"tp": tp_size, "tp_rank": dist.get_rank(group), "plan": source,
+                               "entries": sorted(record)})
     return module
 
 
-def full_state_dict(module):
+def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     """The module's state dict with every tensor-parallel parameter gathered to its dense shape, under the same
     names and layout as before `parallelize` (HF Conv1D weights back to [in, out]), for the module `parallelize`
     was given or any module containing it. A collective: every rank of the tp group calls it; every rank gets the
@@ -143,7 +147,7 @@ def full_state_dict(module):
     return state
 
 
-def describe(module):
+def describe(module: nn.Module) -> str:
     """What `tp.parallelize` did to `module`: one line per sharded or patched module, with its style."""
     record = getattr(module, _RECORD, None)
     if record is None:
@@ -284,13 +288,15 @@ class _SharedInputCopy:
     outlives the next column layer call or the end of the model's forward.
     """
 
+    group = SharedGroup()
+
     def __init__(self, group):
         self.group, self.last = group, (None, None)
 
     def __call__(self, name, layer, args):
         x = args[0]
         if self.last[0] is not x:
-            if debug._enabled:  # name the layer (the mapping's own check would say "CopyToTP")
+            if debug.is_debug():  # name the layer (the mapping's own check would say "CopyToTP")
                 debug.check(x, self.group, f"the input of {name}", replicated=True)
             self.last = (x, copy_to_tp_region(x, self.group))
         return (self.last[1], *args[1:])
@@ -405,7 +411,7 @@ def _save_pretrained_gathered(module, save_directory, *args, **kwargs):
         raise ValueError("save_pretrained(state_dict=...) on a tp.parallelize'd model: the dense state dict is "
                          "gathered here (tp.full_state_dict); pass none")
     state = full_state_dict(module)
-    if dist.get_rank(getattr(module, _RECORD)["group"]) == 0:
+    if getattr(module, _RECORD)["tp_rank"] == 0:
         type(module).save_pretrained(module, save_directory, *args, **(kwargs | {"state_dict": state}))
 
 

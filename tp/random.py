@@ -13,12 +13,13 @@ and advances the default generator past what it used. The recomputation replays 
 replays the same tp masks: plain `torch.utils.checkpoint` (either `use_reentrant`) gives identical gradients.
 """
 import contextlib
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from . import mesh as _mesh
-from .mesh import resolve_group
+from .mesh import current_mesh, resolve_group
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"
 _TP_OFFSET, _PP_STRIDE = 2718, 100  # Megatron's
@@ -29,7 +30,7 @@ def _default_device():
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def derive_seed(seed, position):
+def derive_seed(seed: int, position: int) -> int:
     """A 63-bit seed from two integers (splitmix64's finaliser): nearby inputs give unrelated streams."""
     z = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
@@ -38,7 +39,7 @@ def derive_seed(seed, position):
 
 
 @contextlib.contextmanager
-def _fork_cpu(seed):
+def _fork_cpu(seed: int) -> Iterator[None]:
     position = int(torch.randint(0, 2**62, (1,)).item())  # advances the default stream alike on every tp rank
     with torch.random.fork_rng(devices=[], device_type="cpu"):
         torch.default_generator.manual_seed(derive_seed(seed, position))
@@ -46,7 +47,7 @@ def _fork_cpu(seed):
 
 
 @contextlib.contextmanager
-def _fork_cuda(seed, device):
+def _fork_cuda(seed: int, device: torch.device) -> Iterator[None]:
     default = torch.cuda.default_generators[device.index if device.index is not None else 0]
     offset = default.get_offset()
     with torch.random.fork_rng(devices=[device], device_type="cuda"):
@@ -62,25 +63,28 @@ def _fork_cuda(seed, device):
 class RNGStatesTracker:
     """Named per-tp-rank streams, each a seed on one device; `fork(name)` runs a block on that stream."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.seeds = {}  # name -> (device, seed)
 
-    def reset(self):
+    def reset(self) -> None:
+        """Forget every stream."""
         self.seeds = {}
 
-    def add(self, name, seed, device=None):
+    def add(self, name: str, seed: int, device: torch.device | str | None = None) -> None:
+        """Track stream `name` with this seed, on `device` (default: the current GPU, else the CPU)."""
         if name in self.seeds:
             raise RuntimeError(f"RNG state {name!r} already exists")
         self.seeds[name] = (torch.device(device) if device is not None else _default_device(), seed)
 
-    def get_states(self):
+    def get_states(self) -> dict[str, tuple[torch.device, int]]:
         """The streams' seeds (all the tracker holds: a fork's state derives from the default generators)."""
         return dict(self.seeds)
 
-    def set_states(self, states):
+    def set_states(self, states: dict[str, tuple[torch.device, int]]) -> None:
+        """Restore what get_states returned."""
         self.seeds = dict(states)
 
-    def fork(self, name=MODEL_PARALLEL_RNG):
+    def fork(self, name: str = MODEL_PARALLEL_RNG) -> contextlib.AbstractContextManager[None]:
         """Context manager: the body draws from stream `name` (via the device's default generator)."""
         if name not in self.seeds:
             raise RuntimeError(f"RNG state {name!r} is not tracked: call tp.model_parallel_seed(seed) first")
@@ -91,34 +95,38 @@ class RNGStatesTracker:
 _tracker = RNGStatesTracker()
 
 
-def get_rng_tracker():
+def get_rng_tracker() -> RNGStatesTracker:
+    """The process's tracker of per-tp-rank RNG streams."""
     return _tracker
 
 
-def model_parallel_seed(seed, *, group=None, device=None):
+def model_parallel_seed(seed: int, *, group: dist.ProcessGroup | None = None,
+                        device: torch.device | str | None = None) -> None:
     """Seed the default generators with seed + 100·pp_rank and the tracked model-parallel stream with that
     + 2718 + tp_rank. `device`: where the tracked stream lives (default: the current GPU, else the CPU)."""
     tp_rank = dist.get_rank(resolve_group(group))  # (raises without a mesh or group, before anything is reseeded)
-    pp_rank = _mesh._current.pp_rank if _mesh._current is not None else 0
+    mesh = current_mesh()
+    pp_rank = mesh.pp_rank if mesh is not None else 0
     seed = seed + _PP_STRIDE * pp_rank
     torch.manual_seed(seed)  # CPU and every GPU
     _tracker.reset()
     _tracker.add(MODEL_PARALLEL_RNG, seed + _TP_OFFSET + tp_rank, device=device)
 
 
-def fork_rng(name=MODEL_PARALLEL_RNG):
+def fork_rng(name: str = MODEL_PARALLEL_RNG) -> contextlib.AbstractContextManager[None]:
     """Context manager: draw from the tracked per-tp-rank stream (dropout inside tensor-parallel regions)."""
     return _tracker.fork(name)
 
 
-def get_rng_state():
+def get_rng_state() -> dict[str, Any]:
     """Everything needed to resume the random streams exactly (training checkpoints): default CPU/CUDA states and
     the tracker's seeds."""
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
     return {"cpu": torch.get_rng_state(), "cuda": cuda, "tracker": _tracker.get_states()}
 
 
-def set_rng_state(state):
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore the random streams from get_rng_state's dict."""
     torch.set_rng_state(state["cpu"])
     if state["cuda"]:
         torch.cuda.set_rng_state_all(state["cuda"])

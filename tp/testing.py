@@ -37,11 +37,15 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from .mesh import collective_device
 
 DEFAULT_TIMEOUT = float(os.environ.get("TP_TEST_TIMEOUT", 60))
 _GRACE = 5.0  # seconds the other ranks get to report after one rank failed
@@ -61,11 +65,9 @@ def _backend(world_size):
     return "nccl" if torch.cuda.device_count() >= world_size else "gloo"
 
 
-def device():
+def device() -> torch.device:
     """The device tests on this rank should use: its own GPU under NCCL, else the CPU."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return collective_device()
 
 
 class _AssertRewriter(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -149,7 +151,7 @@ class WorkerPool:
     """`world_size` spawned ranks sharing one default process group, running submitted functions whose timeout is
     at most `timeout` (the process group's own timeout is twice that)."""
 
-    def __init__(self, world_size, *, timeout=DEFAULT_TIMEOUT):
+    def __init__(self, world_size: int, *, timeout: float = DEFAULT_TIMEOUT) -> None:
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size={world_size!r} must be >= 1")
         self.world_size, self.timeout = world_size, timeout
@@ -191,7 +193,8 @@ class WorkerPool:
             except queue.Empty:
                 pass
 
-    def run(self, fn, kwargs=None, *, timeout=DEFAULT_TIMEOUT):
+    def run(self, fn: Callable[..., Any], kwargs: dict[str, Any] | None = None, *,
+            timeout: float = DEFAULT_TIMEOUT) -> list[Any]:
         """Run fn(**kwargs) on every rank; returns the per-rank results in rank order."""
         __tracebackhide__ = True  # pytest shows the ranks' tracebacks, not this loop
         fn = getattr(fn, "__wrapped__", fn)
@@ -254,7 +257,8 @@ class WorkerPool:
         not_started = "(no stack: still starting up, or dead)\n"
         return {r: (paths[r].read_text() or "(no stack dumped)\n") if r in started else not_started for r in ranks}
 
-    def close(self):
+    def close(self) -> None:
+        """Stop the workers (the pool is then broken: `pool` spawns a new one)."""
         self.broken = True
         for q in self._tasks:
             try:
@@ -272,7 +276,7 @@ class WorkerPool:
 _pools = {}
 
 
-def pool(world_size, timeout=DEFAULT_TIMEOUT):
+def pool(world_size: int, timeout: float = DEFAULT_TIMEOUT) -> WorkerPool:
     """The shared pool of `world_size` ranks, (re)spawned when missing, broken or built for a shorter timeout."""
     current = _pools.get(world_size)
     if current is None or current.broken or current.timeout < timeout:
@@ -283,7 +287,7 @@ def pool(world_size, timeout=DEFAULT_TIMEOUT):
 
 
 @atexit.register
-def shutdown():
+def shutdown() -> None:
     """Stop every pool's workers."""
     for p in _pools.values():
         if not p.broken:
@@ -291,13 +295,14 @@ def shutdown():
     _pools.clear()
 
 
-def run(fn, world_size, *, timeout=DEFAULT_TIMEOUT, **kwargs):
+def run(fn: Callable[..., Any], world_size: int, *, timeout: float = DEFAULT_TIMEOUT, **kwargs: Any) -> list[Any]:
     """Run the module-level function fn(**kwargs) on `world_size` ranks; returns per-rank results."""
     __tracebackhide__ = True
     return pool(world_size, timeout).run(fn, kwargs, timeout=timeout)
 
 
-def distributed(world_size, *, timeout=DEFAULT_TIMEOUT):
+def distributed(world_size: int, *,
+                timeout: float = DEFAULT_TIMEOUT) -> Callable[[Callable[..., Any]], Callable[..., None]]:
     """Decorator: the (module-level) test body runs on `world_size` ranks, with pytest's arguments as kwargs."""
 
     def decorate(fn):

@@ -1,14 +1,15 @@
 """The runner that executes any schedule of `tp.pipeline.schedules` on this rank's pipeline stage(s).
 
-A stage is any module called as `stage(input, targets)`: the first stage takes the micro-batch's tokens, the others
-the previous stage's activation; the last returns the micro-batch's loss, the others their output activation.
-Each micro-batch's loss is divided by the number of micro-batches, so the summed gradients are those of the mean loss
-over the batch.
+A stage is any module that follows `PipelineStage`: called as `stage(tokens, targets, hidden=x)`, the first stage
+reads the micro-batch's tokens, the others the previous stage's activation x; the last returns the micro-batch's
+loss, the others their output activation; `stage.activation_shape(micro_batch_size, seq_len)` tells the runner the
+shape of the activations it moves between ranks. Each micro-batch's loss is divided by the number of micro-batches,
+so the summed gradients are those of the mean loss over the batch.
 
 The runner executes a schedule's action list for this rank (F, B, W, fused BW; `tp.pipeline.schedules`): activations
-[s(/cp)(/tp), b, h] and their gradients move between the ranks of neighbouring virtual stages with isend/irecv on the
-pipeline group (shapes are fixed by the micro-batch, so both sides know them), each link's transfers issued on both
-ends in one agreed order (`schedules.pair_order`): sends never block, a receive waits only when its action needs
+(e.g. [s(/cp)(/tp), b, h]) and their gradients move between the ranks of neighbouring virtual stages with isend/irecv
+on the pipeline group (shapes are fixed by the micro-batch, so both sides know them), each link's transfers issued on
+both ends in one agreed order (`schedules.pair_order`): sends never block, a receive waits only when its action needs
 it. B runs backward under `tp.pipeline.defer_wgrad()` (the layers queue their weight-gradient GEMMs) and W runs
 what it queued.
 
@@ -24,24 +25,45 @@ returns:
 """
 import contextlib
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ..mesh import Mesh
 from . import schedules
 from .wgrad import defer_wgrad
 
+Batch = tuple[torch.Tensor | None, torch.Tensor | None]  # one micro-batch: (tokens [b, s], targets [b, s])
 
-def model_chunks(module):
+
+class PipelineStage(Protocol):
+    """What the runner needs of a stage (an nn.Module; inside DDP, or itself an FSDP2 module). Its parameters give
+    the activations' dtype and device."""
+
+    def __call__(self, tokens: torch.Tensor | None, targets: torch.Tensor | None, *,
+                 hidden: torch.Tensor | None) -> torch.Tensor:
+        """tokens [b, s] on the first stage (else None), the previous stage's activation `hidden` on the others (else
+        None), targets [b, s] on the last stage (else None) -> the micro-batch's mean loss on the last stage, else
+        this stage's output activation (of `activation_shape`)."""
+
+    def activation_shape(self, micro_batch_size: int, seq_len: int) -> tuple[int, ...]:
+        """The shape of the activation this rank's stage receives and sends for one micro-batch of
+        [micro_batch_size, seq_len] tokens: this rank's share (e.g. [s/cp/tp, b, h] under context and sequence
+        parallelism), moved between ranks as it is."""
+
+
+def model_chunks(module: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
     """This rank's model chunks: a list, tuple or ModuleList of chunks (interleaved schedules), or [module]."""
     return list(module) if isinstance(module, (list, tuple, nn.ModuleList)) else [module]
 
 
-def unwrap(module):
-    """The GPT stage inside DDP (FSDP2 modules are the stage itself)."""
+def unwrap(module: nn.Module) -> nn.Module:
+    """The stage inside DDP (FSDP2 modules are the stage itself)."""
     return module.module if isinstance(module, DistributedDataParallel) else module
 
 
@@ -53,8 +75,8 @@ class ScheduleStats:
     bubble: float = 0.0  # the pipeline's idle fraction: 1 - Σ busy / (p · the longest stage's wall time)
     max_alive: int = 0  # forward chunks whose activations were alive at once (awaiting their B)
     peak_activations: float = 0.0  # max_alive in micro-batches through a whole stage (a chunk counts 1/V)
-    times: dict = field(default_factory=dict)  # seconds per action kind ("F", "B", "W", "BW") on this stage
-    order: list = field(default_factory=list)  # the Actions in execution order
+    times: dict[str, float] = field(default_factory=dict)  # seconds per action kind ("F", "B", "W", "BW") here
+    order: list[schedules.Action] = field(default_factory=list)  # the Actions in execution order
 
 
 class _Transfers:
@@ -119,19 +141,18 @@ class _Transfers:
 class PipelineRunner:
     """Runs one optimizer step's micro-batches through this rank's stage (or model chunks) with a schedule.
 
-    `module`: the stage (a GPT stage, or DDP / FSDP2 around it), or a list of V chunks for interleaved schedules
-    (`build_chunks`, each wrapped alike). `batches`: per micro-batch (tokens [b, s], targets [b, s]); only the first
-    stage reads tokens and only the last reads targets.
+    `module`: the stage (a `PipelineStage`, or DDP / FSDP2 around it), or a list of V chunks for interleaved
+    schedules (each wrapped alike). `batches`: per micro-batch (tokens [b, s], targets [b, s]); only the first stage
+    reads tokens and only the last reads targets.
     """
 
-    def __init__(self, module, mesh, *, micro_batch_size, seq_len):
+    def __init__(self, module: nn.Module | Sequence[nn.Module], mesh: Mesh, *, micro_batch_size: int,
+                 seq_len: int) -> None:
         self.module, self.mesh = module, mesh
         self.chunks = model_chunks(module)
         self.stages = [unwrap(c) for c in self.chunks]
         self.stage = self.stages[0]
-        config = self.stage.config
-        seq = seq_len // mesh.cp_size // (mesh.tp_size if config.sequence_parallel else 1)
-        self.shape = (seq, micro_batch_size, config.hidden_size)  # [s(/cp)(/tp), b, h]: p2p carries this rank's share
+        self.shape = tuple(self.stage.activation_shape(micro_batch_size, seq_len))  # what p2p carries
         self.batch_shape = (micro_batch_size, seq_len)
         self.dtype = next(self.stage.parameters()).dtype
         self._plans, self._pairs = {}, {}  # (name, m) -> Schedule; Schedule -> its link order (pair_order)
@@ -161,14 +182,14 @@ class PipelineRunner:
             raise ValueError(problem or "another pipeline stage's micro-batches do not have the shape "
                              f"[micro_batch_size, seq_len] {self.batch_shape} this runner was built for")
 
-    def schedule(self, name, micro_batches):
+    def schedule(self, name: str, micro_batches: int) -> schedules.Schedule:
         """The Schedule `name` for this pipeline, m micro-batches and this runner's chunks (cached)."""
         key = (name, micro_batches)
         if key not in self._plans:
             self._plans[key] = schedules.build(name, self.mesh.pp_size, micro_batches, len(self.chunks))
         return self._plans[key]
 
-    def run(self, batches, schedule="1f1b"):
+    def run(self, batches: Sequence[Batch], schedule: str | schedules.Schedule = "1f1b") -> ScheduleStats:
         """Forward and backward every micro-batch with `schedule` (a name of tp.pipeline.schedules.SCHEDULES, or a
         Schedule); returns ScheduleStats (loss: the mean over micro-batches)."""
         self._check_batches(batches)
@@ -272,7 +293,7 @@ class PipelineRunner:
 
     # ---- evaluation ----------------------------------------------------------------------------------------------
 
-    def forward_only(self, batches):
+    def forward_only(self, batches: Sequence[Batch]) -> float:
         """Evaluation: every micro-batch forward through the stages in eval mode, no graph, no backward (no DDP
         sync); returns the mean loss over the micro-batches, on every rank of the pipeline."""
         self._check_batches(batches)

@@ -18,6 +18,7 @@ Closed forms for unit costs (F = B = W = 1), which the simulator reproduces (tes
 - interleaved: (p-1)/(V·m+p-1); peak <= p + (p-1)/V.
 - zb (ZB-H1, Qi et al. 2024): <= (p-1)/(3m+p-1) for m >= p, i.e. an idle (p-1)(F+B-W) per rank; peak <= p.
 """
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -33,7 +34,7 @@ class Action(NamedTuple):
     chunk: int  # the model chunk on this rank (0 <= chunk < virtual_stages)
     micro: int  # the micro-batch
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"{self.kind}{self.micro}" + (f".{self.chunk}" if self.chunk else "")
 
 
@@ -49,31 +50,31 @@ class Schedule:
     pp: int
     micro_batches: int
     virtual_stages: int
-    actions: tuple  # per rank: a tuple of Actions
+    actions: tuple[tuple[Action, ...], ...]  # per rank: its Actions in order
 
     @property
-    def num_stages(self):
+    def num_stages(self) -> int:
         return self.pp * self.virtual_stages
 
     @property
-    def backward(self):
+    def backward(self) -> bool:
         """False for a forward-only (evaluation) schedule."""
         return any(a.kind != "F" for rank in self.actions for a in rank)
 
     @property
-    def split_backward(self):
+    def split_backward(self) -> bool:
         """True when backward runs as B and W (the layers must defer their weight gradients)."""
         return any(a.kind == "B" for rank in self.actions for a in rank)
 
-    def stage(self, rank, chunk):
+    def stage(self, rank: int, chunk: int) -> int:
         """The virtual stage chunk `chunk` of `rank` holds."""
         return chunk * self.pp + rank
 
-    def place(self, stage):
+    def place(self, stage: int) -> tuple[int, int]:
         """(rank, chunk) holding virtual stage `stage`."""
         return stage % self.pp, stage // self.pp
 
-    def sends(self, rank, action):
+    def sends(self, rank: int, action: Action) -> list[tuple[Message, int]]:
         """[(message, destination rank)] that `action` on `rank` produces."""
         s = self.stage(rank, action.chunk)
         if action.kind == "F" and s + 1 < self.num_stages:
@@ -82,7 +83,7 @@ class Schedule:
             return [(Message("grad", s - 1, action.micro), self.place(s - 1)[0])]
         return []
 
-    def receives(self, rank, action):
+    def receives(self, rank: int, action: Action) -> list[tuple[Message, int]]:
         """[(message, source rank)] that `action` on `rank` needs before it starts."""
         s = self.stage(rank, action.chunk)
         if action.kind == "F" and s > 0:
@@ -95,7 +96,7 @@ class Schedule:
 # ---- generators ------------------------------------------------------------------------------------------------
 
 
-def check_arguments(name, pp, micro_batches, virtual_stages=1):
+def check_arguments(name: str, pp: int, micro_batches: int, virtual_stages: int = 1) -> None:
     """Raise ScheduleError (one line naming the value) if schedule `name` cannot run these sizes."""
     if name not in SCHEDULES:
         raise ScheduleError(f"schedule={name!r} must be one of {tuple(SCHEDULES)}")
@@ -119,7 +120,7 @@ def check_arguments(name, pp, micro_batches, virtual_stages=1):
                                 f"{micro_batches} is not a multiple of pp={pp}")
 
 
-def gpipe(pp, micro_batches, virtual_stages=1):
+def gpipe(pp: int, micro_batches: int, virtual_stages: int = 1) -> Schedule:
     """Every forward, then every backward (fused), on every rank."""
     check_arguments("gpipe", pp, micro_batches, virtual_stages)
     m = micro_batches
@@ -127,7 +128,7 @@ def gpipe(pp, micro_batches, virtual_stages=1):
     return _schedule("gpipe", pp, m, 1, ranks)
 
 
-def one_f_one_b(pp, micro_batches, virtual_stages=1):
+def one_f_one_b(pp: int, micro_batches: int, virtual_stages: int = 1) -> Schedule:
     """PipeDream-Flush: rank r runs min(p-r-1, m) warm-up forwards, then one forward one backward, then the rest."""
     check_arguments("1f1b", pp, micro_batches, virtual_stages)
     ranks = []
@@ -141,7 +142,7 @@ def one_f_one_b(pp, micro_batches, virtual_stages=1):
     return _schedule("1f1b", pp, micro_batches, 1, ranks)
 
 
-def interleaved(pp, micro_batches, virtual_stages):
+def interleaved(pp: int, micro_batches: int, virtual_stages: int) -> Schedule:
     """Megatron's interleaved 1F1B: micro-batches in groups of p go through chunk 0, 1, ..., V-1 of each rank
     (backward through V-1, ..., 0); rank r warms up with 2(p-r-1) + (V-1)·p forwards, then alternates."""
     check_arguments("interleaved", pp, micro_batches, virtual_stages)
@@ -162,7 +163,7 @@ def interleaved(pp, micro_batches, virtual_stages):
     return _schedule("interleaved", p, m, v, ranks)
 
 
-def zero_bubble(pp, micro_batches, virtual_stages=1):
+def zero_bubble(pp: int, micro_batches: int, virtual_stages: int = 1) -> Schedule:
     """ZB-H1: 1F1B with the backward split into B and W; rank r holds back its first r W's and runs each later W
     after the next B (torch.pipelining's ordering), so the last ranks fill the drain with weight gradients. Same
     warm-up as 1F1B, hence 1F1B's peak activations."""
@@ -184,7 +185,7 @@ def zero_bubble(pp, micro_batches, virtual_stages=1):
     return _schedule("zb", pp, m, 1, ranks)
 
 
-def forward_only(pp, micro_batches, virtual_stages=1):
+def forward_only(pp: int, micro_batches: int, virtual_stages: int = 1) -> Schedule:
     """Evaluation: only forwards, each rank through its chunks in Megatron's interleaved order (micro-batches in
     groups of p per chunk; with one chunk, in order). Any m."""
     p, v = pp, virtual_stages
@@ -196,7 +197,7 @@ def forward_only(pp, micro_batches, virtual_stages=1):
 SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved, "zb": zero_bubble}
 
 
-def build(name, pp, micro_batches, virtual_stages=1):
+def build(name: str, pp: int, micro_batches: int, virtual_stages: int = 1) -> Schedule:
     """The schedule `name` ('gpipe' | '1f1b' | 'interleaved' | 'zb') for p ranks, m micro-batches, V chunks."""
     check_arguments(name, pp, micro_batches, virtual_stages)
     return SCHEDULES[name](pp, micro_batches, virtual_stages)
@@ -212,24 +213,24 @@ def _schedule(name, pp, m, v, ranks):
 @dataclass
 class Timeline:
     schedule: Schedule
-    costs: tuple  # (F, B, W) of a micro-batch through a whole rank's layers
-    intervals: list  # per rank: [(start, end, Action)] in execution order
+    costs: tuple[float, float, float]  # (F, B, W) of a micro-batch through a whole rank's layers
+    intervals: list[list[tuple[float, float, Action]]]  # per rank: [(start, end, Action)] in execution order
     span: float  # the last action's end (every rank starts at 0)
-    busy: list  # per rank: the time it computes
-    peaks: list  # per rank: the most forward chunks awaiting their B at once (a chunk counts 1/V)
-    sent: dict = field(default_factory=dict)  # Message -> the time it was sent
+    busy: list[float]  # per rank: the time it computes
+    peaks: list[float]  # per rank: the most forward chunks awaiting their B at once (a chunk counts 1/V)
+    sent: dict[Message, float] = field(default_factory=dict)  # Message -> the time it was sent
 
     @property
-    def bubble_fraction(self):
+    def bubble_fraction(self) -> float:
         """Idle over stages x span: the fraction of the pipeline's time nobody computes."""
         return 1.0 - sum(self.busy) / (len(self.busy) * self.span) if self.span else 0.0
 
     @property
-    def peak_activations(self):
+    def peak_activations(self) -> float:
         return max(self.peaks)
 
 
-def check_actions(schedule):
+def check_actions(schedule: Schedule) -> None:
     """Raise ScheduleError unless every rank runs, for each of its chunks and micro-batches, one F and then either
     one BW or one B followed by one W (the order within a rank; dependencies across ranks are simulate()'s)."""
     expected = {(c, k) for c in range(schedule.virtual_stages) for k in range(schedule.micro_batches)}
@@ -256,7 +257,7 @@ def check_actions(schedule):
                                 f"(has {done.get((c, k), [])})")
 
 
-def simulate(schedule, costs=(1.0, 1.0, 1.0)):
+def simulate(schedule: Schedule, costs: Sequence[float] = (1.0, 1.0, 1.0)) -> Timeline:
     """Run the action lists with these (F, B, W) costs, each action as soon as its rank is free and its inputs have
     arrived (transfers take no time). Raises ScheduleError on a deadlock; returns the Timeline."""
     check_actions(schedule)
@@ -308,7 +309,8 @@ def _peaks(schedule):
     return peaks
 
 
-def pair_order(schedule, timeline=None):
+def pair_order(schedule: Schedule,
+               timeline: Timeline | None = None) -> dict[tuple[int, int], list[tuple[Message, int, int]]]:
     """{(rank a, rank b) with a < b: [(Message, source, destination)]}: the transfers between two ranks in one order
     both agree on (by the unit-cost simulation's send time). Issuing each pair's sends and receives in this order
     never makes one rank's queue wait on an operation the other issues later (NCCL's stream order needs this)."""

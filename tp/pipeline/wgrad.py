@@ -5,6 +5,7 @@ gradient accumulation see it as if backward had produced it). The parallel linea
 `defer_weight_grad` (tp.layers); any autograd Function with a weight can do the same.
 """
 import contextlib
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
@@ -18,13 +19,13 @@ class DeferredWgrads:
     """Weight-gradient GEMMs that backward left under `defer_wgrad()`; `run()` computes them (the W of a
     zero-bubble schedule), each into `main_grad` or, through autograd, into `.grad`."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._jobs = []
 
-    def __len__(self):
+    def __len__(self) -> int:
         return len(self._jobs)
 
-    def run(self, *, touch=()):
+    def run(self, *, touch: Iterable[torch.Tensor] = ()) -> None:
         """Compute the queued weight gradients: `main_grad` ones in place, the rest summed per weight and handed to
         autograd in one call. `touch`: parameters whose accumulators run in that same call too (with zeros), so
         that every one of them fires its grad hooks exactly once there (DDP's reducer, armed just before)."""
@@ -47,7 +48,7 @@ class DeferredWgrads:
 
 
 @contextlib.contextmanager
-def defer_wgrad():
+def defer_wgrad() -> Iterator[DeferredWgrads]:
     """forward: every linear goes through the Functions (the torch backend's plain F.linear cannot split) ·
     backward: each weight-gradient GEMM is queued in the yielded DeferredWgrads instead of computed."""
     global _deferred
@@ -58,7 +59,7 @@ def defer_wgrad():
         _deferred = previous
 
 
-def deferring():
+def deferring() -> bool:
     """Whether backward is running under defer_wgrad() (its weight gradients queued, not computed)."""
     return _deferred is not None
 
@@ -70,7 +71,7 @@ def _repeatable(node):
                                                               "repeatable_backward", False)
 
 
-def defer_weight_grad(ctx, index, dz, x):
+def defer_weight_grad(ctx: torch.autograd.function.FunctionCtx, index: int, dz: torch.Tensor, x: torch.Tensor) -> bool:
     """In a linear Function's backward: under defer_wgrad(), queue the weight gradient dzᵀ·x of input `index` for
     later and return True (backward then returns None for it); otherwise False (compute it now)."""
     if _deferred is None:

@@ -12,6 +12,8 @@ their kv heads through HF's `repeat_kv(num_key_value_groups)` (or SDPA's GQA), w
 """
 import dataclasses
 
+from torch import nn
+
 COLUMN_STYLES = ("colwise", "colwise_gather_output")
 
 PHI3_PLAN = {  # relative to the base model; HF's own gathers qkv/gate_up ("colwise_gather_output")
@@ -82,11 +84,12 @@ FAMILIES["gpt2"] = Family(plan=GPT2_PLAN, heads={"c_attn": "qkv"}, out="c_proj",
 UNCHECKED = Family(localize=None, replicate_kv=False, checked=False)
 
 
-def model_type(module):
+def model_type(module: nn.Module) -> str | None:
+    """A Hugging Face model's config.model_type, else None."""
     return getattr(getattr(module, "config", None), "model_type", None)
 
 
-def family_of(module):
+def family_of(module: nn.Module) -> Family | None:
     """The family entry for a Hugging Face model, UNCHECKED for other HF families, None for a plain module."""
     if model_type(module) is None:
         return None
@@ -100,7 +103,7 @@ def _base_plan(module):
     return getattr(config, "base_model_tp_plan", None), f"{type(config).__name__}.base_model_tp_plan"
 
 
-def default_plan(module):
+def default_plan(module: nn.Module) -> dict[str, str]:
     """The plan `tp.parallelize(module)` applies (full module-name patterns -> styles), a dict to extend:
     `tp.parallelize(model, {**tp.default_plan(model), "model.embed_tokens": "vocab", "lm_head": "colwise"})`."""
     base, _ = _base_plan(module)
@@ -112,13 +115,14 @@ def default_plan(module):
     return {prefix + pattern: style for pattern, style in base.items()}
 
 
-def plan_source(module):
+def plan_source(module: nn.Module) -> str:
     """Where the default plan comes from, for `tp.describe`."""
     return _base_plan(module)[1]
 
 
-def out_features(module):
-    return module.nf if hasattr(module, "nf") else module.out_features  # HF's Conv1D: nf
+def out_features(module: nn.Module) -> int:
+    """A linear layer's output width (HF's Conv1D calls it nf)."""
+    return module.nf if hasattr(module, "nf") else module.out_features
 
 
 def _head_counts(config, attention, name):

@@ -1,0 +1,91 @@
+"""Collective helpers: plain functions on tensors over a process group, no autograd.
+
+tp.mappings wraps them into the conjugate autograd Functions; the layers' fused backward, context parallelism, the
+vocab-parallel loss, the data-parallel buckets and the debug checks call them directly. Activations are [s, b, h]
+(sequence first, Megatron's): the `*_first` helpers work on dim 0 (the sequence, contiguous memory), the `*_last`
+ones on the last dim (the tensor-parallel features).
+"""
+import torch
+import torch.distributed as dist
+from einops import rearrange
+
+# torch >= 2.13 renames the tensor collectives (*_single); older releases (e.g. 2.11) only have the old names.
+all_gather_into_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+Async = tuple[torch.Tensor, dist.Work]  # (the output, the collective's handle) of an async_op call
+
+
+def _check_divisible(size: int, parts: int, what: str) -> None:
+    if size % parts:
+        raise ValueError(f"cannot split {what} of size {size} evenly across {parts} tensor-parallel ranks")
+
+
+def all_reduce(x: torch.Tensor, group: dist.ProcessGroup, *, inplace: bool = False,
+               async_op: bool = False) -> torch.Tensor | Async:
+    """Sum over the group. Reduces (and returns) a contiguous copy unless `inplace` and x is already contiguous."""
+    out = x.contiguous()
+    if out is x and not inplace:
+        out = x.clone()
+    handle = dist.all_reduce(out, group=group, async_op=async_op)
+    return (out, handle) if async_op else out
+
+
+def split_last(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """This rank's chunk of the last dim."""
+    parts = dist.get_world_size(group)
+    _check_divisible(x.shape[-1], parts, "the last dim")
+    return x.chunk(parts, dim=-1)[dist.get_rank(group)].clone(memory_format=torch.contiguous_format)  # never a view
+
+
+def gather_last(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Concatenate every rank's x along the last dim."""
+    parts = dist.get_world_size(group)
+    out = x.new_empty((parts * x.shape[0], *x.shape[1:]))
+    all_gather_into_tensor(out, x.contiguous(), group=group)
+    return rearrange(out.view(parts, *x.shape), "p ... h -> ... (p h)").contiguous()
+
+
+def split_first(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """This rank's chunk of dim 0 (the sequence)."""
+    parts = dist.get_world_size(group)
+    _check_divisible(x.shape[0], parts, "the sequence dim (dim 0)")
+    return x.chunk(parts, dim=0)[dist.get_rank(group)].clone()
+
+
+def gather_first(x: torch.Tensor, group: dist.ProcessGroup, *,
+                 async_op: bool = False) -> torch.Tensor | Async:
+    """Concatenate every rank's x along dim 0."""
+    out = x.new_empty((dist.get_world_size(group) * x.shape[0], *x.shape[1:]))
+    handle = all_gather_into_tensor(out, x.contiguous(), group=group, async_op=async_op)
+    return (out, handle) if async_op else out
+
+
+def reduce_scatter_first(x: torch.Tensor, group: dist.ProcessGroup, *,
+                         async_op: bool = False) -> torch.Tensor | Async:
+    """Sum over the group, keep this rank's chunk of dim 0."""
+    parts = dist.get_world_size(group)
+    _check_divisible(x.shape[0], parts, "the sequence dim (dim 0)")
+    out = x.new_empty((x.shape[0] // parts, *x.shape[1:]))
+    handle = reduce_scatter_tensor(out, x.contiguous(), group=group, async_op=async_op)
+    return (out, handle) if async_op else out
+
+
+@torch.no_grad()
+def all_reduce_coalesced(tensors: list[torch.Tensor], group: dist.ProcessGroup, *,
+                         average: bool = False, inplace: bool = True) -> list[torch.Tensor]:
+    """Sum (or average) tensors over the group, one all-reduce per dtype: in place, or (inplace=False) returned as
+    new tensors, the inputs untouched."""
+    size = dist.get_world_size(group)
+    by_dtype = {}
+    for i, t in enumerate(tensors):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    out = list(tensors)
+    for same in by_dtype.values():
+        flat = torch.cat([tensors[i].reshape(-1) for i in same])
+        dist.all_reduce(flat, group=group)
+        if average:
+            flat /= size
+        for i, reduced in zip(same, flat.split([tensors[i].numel() for i in same])):
+            out[i] = tensors[i].copy_(reduced.view_as(tensors[i])) if inplace else reduced.view_as(tensors[i])
+    return out
