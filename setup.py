@@ -13,6 +13,7 @@ setup(
         "numpy",  # Triton's interpreter and torch's DTensor debug tools (CommDebugMode) import it
         "safetensors>=0.4",  # checkpoints and Hugging Face weights
         "tqdm",
+        "tomli>=1.1; python_version < '3.11'",  # --config job.toml (tomllib from Python 3.11)
     ],
     extras_require={
         "hf": ["transformers>=4.48"],  # optional: GPT.from_hf / save_hf, tp.parallelize on HF models

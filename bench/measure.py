@@ -1,6 +1,6 @@
 """What bench.intensity measures on this machine: achieved FLOP/s of the local GEMMs (torch, and kernels.linear's
 compiled Triton kernels on CUDA), a square-GEMM peak, copy bandwidth, and the collectives' times for the layers'
-message sizes (tp.mappings' all-reduce / all-gather / reduce-scatter) on spawned ranks or the torchrun ranks; and the
+message sizes (tp.collectives' all-reduce / all-gather / reduce-scatter) on spawned ranks or the torchrun ranks; and the
 "cpu-measured" hardware profile built from them. CPU runs fp32 (its bf16 matmul is not representative), CUDA bf16.
 """
 import os
@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import kernels
-from tp import mappings, testing
+from tp import collectives, testing
 
 from . import roofline as rl
 from .common import machine, median, time_call
@@ -74,16 +74,16 @@ def measure_bandwidth(nbytes, device, min_seconds):
 
 
 def time_collectives(sizes, group, dtype, min_seconds):
-    """This rank's median seconds of each tp.mappings collective on `group` per full-tensor size (elements)."""
+    """This rank's median seconds of each tp.collectives helper on `group` per full-tensor size (elements)."""
     p, device = dist.get_world_size(group), testing.device()
     cuda = device.type == "cuda"
     out = []
     for n in sizes:
         full = torch.zeros(n, device=device, dtype=dtype)  # zeros: repeated in-place sums stay finite
         shard = full[: n // p].clone()
-        calls = {rl.ALL_REDUCE: lambda: mappings.all_reduce(full, group, inplace=True),
-                 rl.ALL_GATHER: lambda: mappings.gather_first(shard, group),
-                 rl.REDUCE_SCATTER: lambda: mappings.reduce_scatter_first(full, group)}
+        calls = {rl.ALL_REDUCE: lambda: collectives.all_reduce(full, group, inplace=True),
+                 rl.ALL_GATHER: lambda: collectives.gather_first(shard, group),
+                 rl.REDUCE_SCATTER: lambda: collectives.reduce_scatter_first(full, group)}
         for kind, call in calls.items():
             first = _timed(call, group, cuda)  # warm-up; sets the repetitions, agreed by all ranks (else a hang)
             reps = torch.tensor([min_seconds / max(first, 1e-9)], device=device)

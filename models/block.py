@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import tp
-from tp.mesh import resolve_cp_group, resolve_group
+from tp.mesh import SharedGroup, resolve_cp_group, resolve_group
 
 from .config import GPTConfig
 
@@ -36,6 +36,8 @@ class Norm(nn.Module):
     summed over the tp group inside backward (one all-reduce per norm), or, with `grad_sync=False`, tagged
     `sequence_parallel` for one coalesced `tp.allreduce_sequence_parallel_grads` after backward.
     """
+
+    group = SharedGroup()  # deep copies (EMA, reference models) share the groups
 
     def __init__(self, kind: str, hidden: int, eps: float, *, sequence_parallel: bool = False, grad_sync: bool = True,
                  group: dist.ProcessGroup | None = None, dtype: torch.dtype | None = None,
@@ -133,6 +135,8 @@ class Attention(nn.Module):
     """Causal self-attention: one fused QKV ColumnParallelLinear (each rank its own q, k and v heads; kv heads
     replicated when fewer than tp), RoPE, scaled_dot_product_attention, RowParallelLinear out."""
 
+    group, cp_group = SharedGroup(), SharedGroup()  # deep copies (EMA, reference models) share the groups
+
     def __init__(self, config: GPTConfig, *, group: dist.ProcessGroup | None = None,
                  cp_group: dist.ProcessGroup | None = None, _init: bool = True) -> None:
         super().__init__()
@@ -217,6 +221,8 @@ def dropout(x: torch.Tensor, p: float, training: bool, sequence_parallel: bool,
 
 class TransformerBlock(nn.Module):
     """Pre-norm block: x + attention(norm(x)), then x + mlp(norm(x)). [s(/tp), b, h] -> same."""
+
+    group, cp_group = SharedGroup(), SharedGroup()  # deep copies (EMA, reference models) share the groups
 
     def __init__(self, config: GPTConfig, *, group: dist.ProcessGroup | None = None,
                  cp_group: dist.ProcessGroup | None = None, _init: bool = True) -> None:

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 import tp
-from tp.mesh import resolve_cp_group, resolve_group
+from tp.mesh import SharedGroup, resolve_cp_group, resolve_group
 from tp.random import derive_seed
 
 from .block import Norm, TransformerBlock, dropout, normal_init, token_positions
@@ -49,6 +49,8 @@ class GPT(nn.Module):
     `layers=(start, stop)`, `pre_process` (embedding) and `post_process` (final norm, output layer, loss) build
     a pipeline stage; the defaults build the whole model.
     """
+
+    group, cp_group = SharedGroup(), SharedGroup()  # deep copies (EMA, reference models) share the groups
 
     def __init__(self, config: GPTConfig, *, group: dist.ProcessGroup | None = None,
                  cp_group: dist.ProcessGroup | None = None, layers: tuple[int, int] | None = None,

@@ -265,3 +265,22 @@ def test_sequence_parallel_grads_can_wait_for_one_coalesced_all_reduce():
     assert counts[True][ALL_REDUCE] == 4 and counts[False][ALL_REDUCE] == 0, counts
     for name, grad in grads[True].items():
         assert torch.allclose(grad, grads[False][name], rtol=0, atol=1e-6), name
+
+
+@distributed(world_size=4)
+def test_deepcopy_of_a_parallel_gpt_shares_its_groups():
+    """copy.deepcopy of a GPT under tp x cp with SP (an EMA or reference copy) copies the weights, shares the process
+    groups, and computes the same loss."""
+    import copy
+
+    mesh = tp.init_mesh(tp=2, cp=2)
+    torch.manual_seed(0)
+    config = models.GPTConfig(vocab_size=VOCAB, hidden_size=16, num_layers=2, num_heads=4, num_kv_heads=2,
+                              ffn_hidden_size=24, max_seq_len=SEQ, sequence_parallel=True)
+    model = models.GPT(config, group=mesh.tp_group, cp_group=mesh.cp_group)
+    twin = copy.deepcopy(model)
+    assert twin.group is model.group and twin.cp_group is model.cp_group
+    assert twin.layers[0].attention.cp_group is mesh.cp_group and twin.final_norm.group is mesh.tp_group
+    assert twin.output.weight is not model.output.weight and torch.equal(twin.output.weight, model.output.weight)
+    x, y = tokens(0)
+    assert torch.equal(twin(x, y), model(x, y))

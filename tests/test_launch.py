@@ -188,7 +188,7 @@ def test_two_torchrun_agents_train_the_single_agent_curve(tmp_path):
     with open(tmp_path / "single.jsonl") as f:
         assert [json.loads(line)["bubble"] for line in f] == [None] * 3  # no pipeline: no bubble in the log either
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["latest", "logs", "step-000003"]
-    assert sorted(os.listdir(tmp_path / "ckpt" / "logs")) == [f"rank-{r}.log" for r in range(4)]
+    assert sorted(os.listdir(tmp_path / "ckpt" / "logs")) == ["config.toml", *(f"rank-{r}.log" for r in range(4))]
 
 
 def test_two_agents_through_c10d_rendezvous_print_the_layout_and_warn_of_a_tp_group_across_nodes():

@@ -21,7 +21,7 @@ import functools
 import os
 import sys
 
-from tp.mesh import DEFAULT_ORDER
+from tp.mesh import DEFAULT_ORDER, launched_by_torchrun
 
 from ..config import CP_MODES, PRESETS, RECOMPUTE, GPTConfig
 from . import data, failures, launch, preflight, trainer
@@ -176,7 +176,7 @@ def train(args: argparse.Namespace | JobConfig) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parser().parse_args(argv)
-    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    under_torchrun = launched_by_torchrun()
     try:
         job = job_config(args)
         validate(job, int(os.environ["WORLD_SIZE"]) if under_torchrun else None)
@@ -196,14 +196,18 @@ def main(argv: list[str] | None = None) -> int:
     timeout = datetime.timedelta(minutes=job.launch.distributed_timeout_minutes)
     if job.launch.print_layout:
         return launch.print_layout_under_torchrun(job.parallelism.sizes, timeout)
-    run = functools.partial(trainer.train, config_file=args.config)
-    return failures.run_rank(run, job, launch.log_dir(job), timeout.total_seconds())
+    logs, config_file = launch.log_dir(job), args.config
+    written = os.path.join(logs, launch.CONFIG_FILE)
+    if os.environ["RANK"] == "0" and not (config_file and os.path.realpath(config_file) == os.path.realpath(written)):
+        config_file = launch.write_config(job, logs)  # under your own torchrun (ours wrote it and passed --config)
+    run = functools.partial(trainer.train, config_file=config_file)
+    return failures.run_rank(run, job, logs, timeout.total_seconds())
 
 
 def entry() -> None:
     """`python -m models.train`: main(), then the process's exit."""
     code = main()
-    if "RANK" in os.environ:
+    if launched_by_torchrun():
         # One of torchrun's ranks, done: exit without tearing the process groups down (a gloo group destroyed from
         # Python joins its worker thread with the GIL held, and that thread may need the GIL: a deadlock at exit).
         sys.stdout.flush()

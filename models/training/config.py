@@ -335,8 +335,8 @@ class JobConfig:
         """The JobConfig of a TOML file (as `to_toml` writes it); one-line errors naming --config PATH."""
         try:
             import tomllib
-        except ModuleNotFoundError:  # Python 3.10
-            raise ValueError("--config needs Python >= 3.11 (tomllib)") from None
+        except ModuleNotFoundError:  # Python 3.10: its backport, the same API (a dependency there)
+            import tomli as tomllib
         try:
             with open(path, "rb") as f:
                 tables = tomllib.load(f)
