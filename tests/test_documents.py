@@ -173,3 +173,109 @@ def test_every_schedule_passes_the_documents_to_every_stage(schedule):
             assert err <= 1e-10, f"{schedule} tp={tp_size} cp={cp_size}: {name} grad err {err}"
         assert runner.forward_only([(x, y, {"document_ids": d}) for x, y, d in micro]) == pytest.approx(stats.loss)
         tp.destroy_mesh(keep_groups=True)
+
+
+# ---- the training job ---------------------------------------------------------------------------------------------
+
+from .test_cp_model import _close, _train_on_4_ranks  # noqa: E402  (the training job's test helpers)
+from .test_train import SMALL, _curve, _losses, _run  # noqa: E402
+
+EOD = 10  # "\n": the token file below makes every line of the bundled corpus a document
+
+
+def megatron_masks(tokens, eod):
+    """Megatron's _get_ltor_masks_and_position_ids (reset_position_ids, reset_attention_mask), as its loop: (may
+    attend [b, s, s], position ids [b, s])."""
+    b, s = tokens.shape
+    attend = torch.ones(s, s, dtype=torch.bool).tril().repeat(b, 1, 1)
+    positions = torch.arange(s).repeat(b, 1)
+    for i in range(b):
+        previous = 0
+        for j in (tokens[i] == eod).nonzero().flatten().tolist():
+            attend[i, j + 1:, :j + 1] = False
+            positions[i, j + 1:] -= j + 1 - previous
+            previous = j + 1
+    return attend, positions
+
+
+def test_documents_come_from_the_eod_token_as_megatron_finds_them():
+    from models.training.documents import window_inputs
+
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 6, (3, 16), generator=g)  # EOD (5) ~1 in 6: one-token documents, EOD first or last
+    tokens[2] = 1  # no EOD at all: the window inside one document longer than it
+    tokens[0, 0] = tokens[1, -1] = 5
+    targets = torch.randint(0, 6, (3, 16), generator=g)
+    attend, positions = megatron_masks(tokens, 5)
+    flags = dict(eod=5, reset_position_ids=True, reset_attention_mask=True, eod_mask_loss=True)
+    x, y, inputs = window_inputs(tokens, targets, **flags)
+    docs = inputs["document_ids"]
+    assert set(inputs) == {"document_ids"} and torch.equal(x, tokens)
+    assert torch.equal(tp.context.document_attention_mask(docs)[:, 0], attend)
+    assert torch.equal(document_positions(docs), positions)
+    assert torch.equal(y, targets.masked_fill(tokens == 5, -100))  # no loss on predicting from an EOD
+    _, y, inputs = window_inputs(tokens, targets, **flags | dict(reset_attention_mask=False, eod_mask_loss=False))
+    assert torch.equal(inputs["position_ids"], positions) and set(inputs) == {"position_ids"} and y is targets
+    _, _, inputs = window_inputs(tokens, targets, **flags | dict(reset_position_ids=False))
+    assert torch.equal(inputs["position_ids"], torch.arange(16).expand(3, 16))  # mask only: positions run on
+
+
+def token_file(tmp_path):
+    """The bundled corpus as a uint8 token file whose sidecar names "\\n" the end-of-document token."""
+    import json
+
+    import numpy as np
+
+    from models.training import data
+
+    path = tmp_path / "lines.bin"
+    tokens = data.corpus().numpy()
+    tokens.astype(np.uint8).tofile(path)
+    (tmp_path / "lines.json").write_text(json.dumps({"format": "tp-tokens", "version": 1, "dtype": "uint8",
+                                                     "count": len(tokens), "vocab_size": 256, "eos_id": EOD}))
+    return str(path)
+
+
+def test_document_flags_train_the_serial_curve(tmp_path):
+    """--reset-attention-mask --reset-position-ids train the curve of one process (fp32, 1e-5) at tp x cp x pp x dp
+    splits (a2a under tp and SP with pp and the zb schedule; ring with dp and recompute), a curve other than the one
+    without the flags; with --eod-mask-loss too at dp = 1. (Under dp > 1 --eod-mask-loss changes which
+    micro-batches' means are averaged: the job's loss is a mean of micro-batch means, as Megatron's without
+    calculate_per_token_loss, so it equals the serial curve only where every micro-batch counts its tokens alike.)"""
+    data = ["--data", token_file(tmp_path)]
+    documents = ["--reset-attention-mask", "--reset-position-ids"]
+    curves = {}
+    for name, flags in (("plain", []), ("documents", documents), ("eod", [*documents, "--eod-mask-loss"])):
+        log = str(tmp_path / f"serial_{name}.jsonl")
+        result = _run(*SMALL, "--tp", "1", "--pp", "1", "--dp", "1", *data, *flags, "--log-jsonl", log)
+        assert result.returncode == 0, result.stderr[-3000:]
+        curves[name] = _losses(log)
+    assert all(abs(a - b) > 1e-3 for a, b in zip(curves["documents"], curves["plain"]))
+    split = ["--tp", "2", "--cp", "2", "--pp", "2", "--dp", "1", "--cp-mode", "a2a", "--sequence-parallel",
+             "--schedule", "zb"]
+    _close(_curve(str(tmp_path), "tp2cp2pp2", *split, *data, *documents, "--eod-mask-loss"), curves["eod"],
+           "2x2x2x1 a2a sp zb")
+    from tp.testing import run
+
+    log = str(tmp_path / "ring_dp.jsonl")
+    split = ["--tp", "1", "--cp", "2", "--pp", "1", "--dp", "2", "--recompute", "full"]
+    run(_train_on_4_ranks, 4, flags=[*split, *data, *documents], log=log, timeout=300)
+    _close(_losses(log), curves["documents"], "1x2x1x2 ring recompute")
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--reset-attention-mask", "--eod-mask-loss"],
+     r"--reset-attention-mask --eod-mask-loss: documents are found by an end-of-document token, and the bundled "
+     r"corpus as bytes has none"),
+    (["--cp", "2", "--cp-mode", "a2a", "--tp", "2", "--num-heads", "2", "--num-kv-heads", "2"],
+     r"--cp-mode a2a with --cp=2 --tp=2: cp_mode='a2a' splits each tp rank's num_heads/tp=1 .* over 2 ranks"),
+    (["--cp", "4", "--cp-mode", "a2a+ring", "--cp-a2a-size", "3"],
+     r"--cp-mode a2a\+ring needs --cp-a2a-size, a divisor of --cp=4 .*; got 3"),
+    (["--cp", "2", "--cp-a2a-size", "2"], r"--cp-a2a-size=2 is for --cp-mode a2a\+ring, not ring"),
+])
+def test_bad_document_and_a2a_configuration_is_one_line_before_any_process(flags, message):
+    import re
+
+    result = _run(*flags)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and re.search(message, lines[0]), lines
