@@ -212,6 +212,11 @@ class GPT(nn.Module):
         if targets is not None and self.post_process:
             self._check_targets(tokens, targets, hidden)  # every rank, before any collective
         self._check_documents(tokens, hidden, document_ids, position_ids)
+        if self.cp_size > 1 and tp.is_debug():  # (ids differing across the cp group would mask silently wrong)
+            for name, ids in (("document_ids", document_ids), ("position_ids", position_ids)):
+                if ids is not None:
+                    tp.debug.check(ids, self.cp_group, f"the {name} of GPT (every cp rank passes the whole window's)",
+                                   replicated=True, group_name="cp")
         if position_ids is None and document_ids is not None:
             position_ids = document_positions(document_ids)
         x = self.embed(tokens, position_ids) if self.pre_process else hidden

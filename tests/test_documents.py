@@ -139,6 +139,10 @@ def test_positions_restart_or_follow_position_ids():
             with pytest.raises(ValueError, match=message):
                 model(tokens, targets, **kwargs)
     assert collectives.get_total_counts() == 0
+    with tp.set_debug(True):  # a rank passing its own ids is caught, not trained on
+        model(tokens, targets, document_ids=docs)
+        with pytest.raises(ValueError, match=r"document_ids of GPT .* differs across the cp group"):
+            model(tokens, targets, document_ids=docs + mesh.cp_rank)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zb"])
