@@ -3,8 +3,8 @@ a window of seq_len tokens packs the ends and starts of several documents, each 
 EOS, or a token file's `eos_id`); a token belongs to the document the EODs before it place it in, the EOD to the
 document it ends.
 
-    --reset-attention-mask  document_ids: attention stays inside each document (positions restart too, unless
-                            --reset-position-ids is off: then positions run on across the window)
+    --reset-attention-mask  attention stays inside each document (the model's document_ids); the positions run on
+                            across the window unless --reset-position-ids is given too
     --reset-position-ids    positions restart at each document's first token
     --eod-mask-loss         no loss on the token predicted from an EOD (its target set to ignore_index)
 
