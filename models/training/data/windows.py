@@ -1,10 +1,10 @@
 """Token windows, the held-out split and the batches of every step.
 
 Every rank reads the same token stream. The last ~1% of its windows are held out for validation, never trained on.
-`batches` hands each data-parallel rank its slice of every global batch with DistributedSampler's semantics (a
-seeded permutation of the training windows, rank r taking positions r, r + dp, ...; a blend's draws in order), so
-the global batch of a step is the same set of sequences for any tp x cp x pp x dp split; `eval_batches` walks the
-held-out windows in order.
+`batches` hands each data-parallel rank its micro-batches of every global batch (a seeded permutation of the
+training windows, as DistributedSampler's; a blend's draws in order), micro-batch k to dp rank k mod dp, so a step
+runs the same micro-batches of the same sequences for any tp x cp x pp x dp split; `eval_batches` walks the held-out
+windows in order.
 """
 import inspect
 import itertools
@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, DistributedSampler
+from torch.utils.data import Dataset
 
 from .blend import Blend
 
@@ -83,40 +83,45 @@ def split(tokens: Tokens, seq_len: int) -> tuple[TokenWindows, TokenWindows]:
     return TokenWindows(tokens, seq_len, count=train), TokenWindows(tokens, seq_len, start=first, count=held)
 
 
-def _micro_batches(dataset, indices, micro_batch_size):
-    samples = [dataset[i] for i in indices]
-    tokens = torch.stack([x for x, _ in samples])
-    targets = torch.stack([y for _, y in samples])
-    return list(zip(tokens.split(micro_batch_size), targets.split(micro_batch_size)))
+def _micro_batches(dataset, positions, *, dp, dp_rank, micro_batch_size):
+    """This dp rank's micro-batches of the global batch at `positions`: micro-batch k is positions [k·mb, (k+1)·mb)
+    and runs on dp rank k mod dp, so every split runs the same micro-batches (a loss averaged per micro-batch over
+    the tokens in it, as with ignored targets, is then the same at any dp)."""
+    out = []
+    for k in range(dp_rank * micro_batch_size, len(positions), dp * micro_batch_size):
+        samples = [dataset[i] for i in positions[k:k + micro_batch_size]]
+        out.append((torch.stack([x for x, _ in samples]), torch.stack([y for _, y in samples])))
+    return out
 
 
 def batches(dataset: Dataset, *, dp: int, dp_rank: int, global_batch_size: int, micro_batch_size: int, seed: int,
             start_step: int = 0) -> Iterator[list[MicroBatch]]:
-    """Yield, per optimizer step, this dp rank's micro-batches [(tokens [mb, s], targets [mb, s]), ...], forever
-    (a new permutation each epoch; a blend's draws in order, as it shuffles each dataset itself), starting at
-    `start_step` (resuming)."""
-    per_rank = global_batch_size // dp
+    """Yield, per optimizer step, this dp rank's micro-batches [(tokens [mb, s], targets [mb, s]), ...], forever,
+    starting at `start_step` (resuming): the global batch of step s is positions [s·B, (s+1)·B) of a seeded
+    permutation of the windows, a new one each epoch (DistributedSampler's), or a blend's draws in that range (it
+    shuffles each dataset itself)."""
+    split = dict(dp=dp, dp_rank=dp_rank, micro_batch_size=micro_batch_size)
     if isinstance(dataset, Blend):
         for step in itertools.count(start_step):
             first = step * global_batch_size
-            yield _micro_batches(dataset, range(first + dp_rank, first + global_batch_size, dp), micro_batch_size)
+            yield _micro_batches(dataset, range(first, first + global_batch_size), **split)
     steps_per_epoch = len(dataset) // global_batch_size
     if steps_per_epoch < 1:
         raise ValueError(f"global batch {global_batch_size} exceeds the {len(dataset)} sequences of the corpus")
-    sampler = DistributedSampler(dataset, num_replicas=dp, rank=dp_rank, shuffle=True, seed=seed, drop_last=True)
     order_epoch, order = None, None
     for step in itertools.count(start_step):
         epoch, position = divmod(step, steps_per_epoch)
         if epoch != order_epoch:  # one permutation per epoch (O(windows)), not per step
-            sampler.set_epoch(epoch)
-            order_epoch, order = epoch, list(sampler)
-        yield _micro_batches(dataset, order[position * per_rank:(position + 1) * per_rank], micro_batch_size)
+            generator = torch.Generator().manual_seed(seed + epoch)  # (DistributedSampler's, at any dp)
+            order_epoch, order = epoch, torch.randperm(len(dataset), generator=generator).tolist()
+        yield _micro_batches(dataset, order[position * global_batch_size:(position + 1) * global_batch_size], **split)
 
 
 def eval_batches(held_out: Dataset, *, dp: int, dp_rank: int, global_batch_size: int, micro_batch_size: int,
                  iters: int) -> list[list[MicroBatch]]:
     """This dp rank's micro-batches of `iters` global validation batches: the held-out windows in order (wrapping
-    round when they run out, as Megatron's validation iterator does), rank r taking positions r, r + dp, ..."""
+    round when they run out, as Megatron's validation iterator does), micro-batches dealt to the dp ranks as in
+    `batches`."""
     n = len(held_out)
-    return [_micro_batches(held_out, [(j * global_batch_size + i) % n for i in range(dp_rank, global_batch_size, dp)],
-                           micro_batch_size) for j in range(iters)]
+    return [_micro_batches(held_out, [(j * global_batch_size + i) % n for i in range(global_batch_size)], dp=dp,
+                           dp_rank=dp_rank, micro_batch_size=micro_batch_size) for j in range(iters)]
