@@ -159,8 +159,25 @@ def test_training_reads_a_megatron_dataset_in_place_with_its_tokenizers_vocabula
     x, y = train[0]
     assert x.tolist() == sum(docs, [])[:8] and y.tolist() == sum(docs, [])[1:9]
     data.prepare(job)  # ids checked against the vocabulary: fine
-    assert os.listdir(tmp_path) == ["corpus.bin", "corpus.idx"] or sorted(os.listdir(tmp_path)) == \
-        ["corpus.bin", "corpus.idx"]  # nothing written beside the data
+    assert sorted(os.listdir(tmp_path)) == ["corpus.bin", "corpus.idx"]  # nothing written beside the data
+
+
+def test_windows_carry_each_documents_eod_where_the_document_ends(tmp_path):
+    """The windows are the token stream cut every seq_len tokens: a document longer than a window spans several, a
+    window starts mid-document, a one-token document is its EOD alone; the EOD after each document is where the
+    index says it ends (what document ids are derived from)."""
+    eod, seq_len = 1, 8
+    docs = [[5] * 20 + [eod], [eod], [6, 7, eod], [8] * 3 + [eod], [9] * 30 + [eod]]  # lengths 21, 1, 3, 4, 31
+    _write(str(tmp_path / "docs"), docs, np.uint8)
+    index = indexed.read_index(str(tmp_path / "docs"))
+    windows = data.TokenWindows(indexed.read_tokens(index), seq_len)
+    ends = {index.document_span(d)[1] - 1 for d in range(index.documents)}  # each document's last token: its EOD
+    for i in range(len(windows)):
+        x, _ = windows[i]
+        first, _ = windows.span(i)
+        assert {first + p for p in (x == eod).nonzero().flatten().tolist()} == {e for e in ends
+                                                                                 if first <= e < first + seq_len}
+    assert windows.span(2)[0] == 16 and index.document_span(0)[1] > 16  # window 2 starts inside document 0
 
 
 def _write(prefix, docs, dtype=np.uint16):

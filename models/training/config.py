@@ -2,7 +2,8 @@
 values, and `JobConfig.validate` for what spans sections.
 
 Every flag of `python -m models.train` is the field of the same name (dashes as underscores) in one section, except
-`--model` (`model.preset`) and `--data` (`data.path`). `--config job.toml` reads the same sections from TOML, keys
+`--model` (`model.preset`), `--data` (`data.path`, a list), `--data-column` and `--data-cache-dir` (`data.column`,
+`data.cache_dir`). `--config job.toml` reads the same sections from TOML, keys
 being the field names; flags given on the command line win over the file. `python -m models.train` writes the
 resolved configuration the same way into the ranks' log directory (config.toml), and starts the ranks from it; a run
 repeats with `--config` alone:
