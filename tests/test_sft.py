@@ -150,6 +150,8 @@ def test_the_token_cli_writes_the_pair_that_sft_reads_in_place(tmp_path, tokeniz
     ("not_turns", r"^--data .*bad.jsonl line 2: a turn of \"messages\" is not \{\"role\": str, \"content\": str\}"),
     ("no_messages", r"^--data .*bad.jsonl line 2: no field \"messages\"$"),
     ("no_template", r"^--tokenizer .*notemplate has no chat template: --sft renders each row's messages with it$"),
+    ("template_refuses", r"^--data .*bad.jsonl line 2: the chat template refused the conversation: a conversation "
+                         r"starts with the user$"),
     ("no_tokenizer", r"^--sft renders chats with a tokenizer's chat template: give --tokenizer DIR$"),
     ("text", r"^--data .*notes.txt: --sft reads rows with \"messages\" \(.jsonl, parquet, save_to_disk\), not text$"),
     ("all_too_long", r"^--global-batch-size=4 exceeds the 0 windows of packed conversations \(120 of them\) of "
@@ -159,15 +161,18 @@ def test_bad_chat_input_is_one_line_before_any_process(tmp_path, tokenizers, cha
     bad = tmp_path / "bad.jsonl"
     second = {"no_assistant": {"messages": [{"role": "user", "content": "hi"}]},
               "not_turns": {"messages": [{"role": "user", "text": "hi"}]},
-              "no_messages": {"text": "plain"}}.get(case, {})
+              "no_messages": {"text": "plain"},
+              "template_refuses": {"messages": [{"role": "assistant", "content": "hi"}]}}.get(case, {})
     bad.write_text(json.dumps({"messages": CHATS[0]}) + "\n" + json.dumps(second) + "\n")
     (tmp_path / "notes.txt").write_text("plain text")
     tokenizer = tokenizers["plain"]
-    if case == "no_template":
+    if case in ("no_template", "template_refuses"):
         from transformers import AutoTokenizer
 
         plain = AutoTokenizer.from_pretrained(tokenizer)
-        plain.chat_template = None
+        plain.chat_template = None if case == "no_template" else \
+            "{% if messages[0]['role'] == 'assistant' %}{{ raise_exception('a conversation starts with the user') }}" \
+            "{% endif %}" + CHATML
         plain.save_pretrained(tmp_path / "notemplate")
         tokenizer = str(tmp_path / "notemplate")
     flags = {"no_tokenizer": ["--data", str(bad)], "text": ["--data", str(tmp_path / "notes.txt"), "--tokenizer",

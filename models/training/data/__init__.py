@@ -21,7 +21,7 @@ from ..config import JobConfig
 from ..launch import check_writable_dir
 from . import flat, indexed, sources
 from .blend import Blend
-from .build import build, cache_root, cached_prefix, default_cache_dir
+from .build import build, cached_prefix, default_cache_dir
 from .sft import MASK_SUFFIX, ChatWindows, check_template, pack
 from .tokenizer import has_tokenizer, load_tokenizer, tokenizer_vocab_size
 from .windows import (
@@ -38,10 +38,10 @@ from .windows import (
     split_sizes,
 )
 
-__all__ = ["Blend", "ChatWindows", "HOLDOUT", "MicroBatch", "Source", "TokenWindows", "Tokens", "VOCAB_SIZE",
-           "batches", "check_sizes", "check_source", "check_vocab", "corpus", "corpus_text", "eod_id",
-           "eval_batches", "load", "prepare", "resolve", "shared_datasets", "split", "split_sizes", "tokenizer_dir",
-           "vocab_size"]
+__all__ = ["Blend", "ChatWindows", "HOLDOUT", "MASK_SUFFIX", "MicroBatch", "Source", "TokenWindows", "Tokens",
+           "VOCAB_SIZE", "batches", "build", "cache_dir", "check_ids", "check_sizes", "check_source", "check_vocab",
+           "column", "corpus", "corpus_text", "data_sources", "datasets", "eod_id", "eval_batches", "load", "prepare",
+           "resolve", "shared_datasets", "split", "split_sizes", "tokenizer_dir", "vocab_size"]
 
 
 @dataclass(frozen=True)
@@ -104,8 +104,13 @@ def check_source(job: JobConfig) -> None:
         raise ValueError("--sft renders chats with a tokenizer's chat template: give --tokenizer DIR")
     for source in data_sources(job):
         _check_one(job, source, directory)
-    if any(s.kind in ("bundled", "files", "arrow") for s in data_sources(job)):
+    if any(_tokenized(s, directory) for s in data_sources(job)):
         check_writable_dir("--data-cache-dir", cache_dir(job))
+
+
+def _tokenized(source, directory):
+    """Whether the source is tokenized into the cache (text, or the bundled corpus under a tokenizer)."""
+    return source.kind in ("files", "arrow") or (source.kind == "bundled" and directory is not None)
 
 
 def _check_one(job, source, directory):
@@ -212,10 +217,10 @@ def resolve(job: JobConfig, *, build_missing: bool = True, progress: bool = True
     `build_missing` (else None for it)."""
     directory, found = tokenizer_dir(job), []
     for source in data_sources(job):
-        if source.kind in ("indexed", "flat") or (source.path is None and directory is None):
+        if not _tokenized(source, directory):
             found.append(_in_place(job, source))
             continue
-        text = source.path if source.path is not None else _bundled_text_file()
+        text = source.path if source.path is not None else _bundled_text_file(cache_dir(job))
         prefix = cached_prefix(text, directory, cache_dir(job), column=column(job), sft=job.data.sft)
         if not indexed.exists(prefix):
             if not build_missing:
@@ -226,10 +231,10 @@ def resolve(job: JobConfig, *, build_missing: bool = True, progress: bool = True
     return found
 
 
-def _bundled_text_file():
+def _bundled_text_file(directory):
     """The bundled corpus written as a text file (for a tokenizer to read), rewritten only when it changed."""
     text = corpus_text()
-    path = os.path.join(cache_root(), "corpus", "stdlib.txt")
+    path = os.path.join(directory, "corpus", "stdlib.txt")
     if not os.path.isfile(path) or _read(path) != text:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(f"{path}.tmp{os.getpid()}", "w", encoding="utf-8") as f:
@@ -273,8 +278,11 @@ def check_ids(job: JobConfig, token_file: str, vocab: int) -> None:
             where = start + int(np.flatnonzero(chunk == bad)[0])
             raise ValueError(f"--data {token_file}: token {where} is id {bad}, outside the vocabulary of "
                              f"{vocab} ids{f' of --tokenizer {tokenizer_dir(job)}' if tokenizer_dir(job) else ''}")
-    os.makedirs(os.path.dirname(marker), exist_ok=True)
-    open(marker, "w").close()
+    try:
+        os.makedirs(os.path.dirname(marker), exist_ok=True)
+        open(marker, "w").close()
+    except OSError:  # (a cache that cannot be written: scanned again next time)
+        pass
 
 
 def _open(job, source, token_file):
@@ -345,7 +353,7 @@ def shared_datasets(job: JobConfig, group: dist.ProcessGroup | None = None) -> t
     if dist.get_rank(group) == 0:
         try:
             holder = [("ok", _verified(job, progress=False))]
-        except ValueError as e:
+        except (ValueError, OSError) as e:  # every rank raises it, none left waiting
             holder = [("error", str(e))]
     dist.broadcast_object_list(holder, group_src=0, group=group)
     status, value = holder[0]

@@ -25,12 +25,9 @@ _NOT_TOKENIZER = ("config.json", "generation_config.json")  # model files that d
 _BATCH_CHARS = 1 << 20  # characters per tokenizer call (the fast tokenizers batch in Rust)
 
 
-def cache_root() -> str:
-    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tp-layers")
-
-
 def default_cache_dir() -> str:
-    return os.path.join(cache_root(), "tokens")
+    """$XDG_CACHE_HOME/tp-layers/tokens, else ~/.cache/tp-layers/tokens."""
+    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tp-layers", "tokens")
 
 
 def _hash_tokenizer(digest, directory):
@@ -96,18 +93,17 @@ def build(data: str, tokenizer_dir: str | None, prefix: str, *, column: str, sft
 def _write_text(files, tokenizer, column, writer, bar):
     pieces, chars = [], 0
 
-    def flush():
-        ids = [[]] * len(pieces) if tokenizer is None else \
-            tokenizer([p for p, _ in pieces], add_special_tokens=False)["input_ids"]
-        for (piece, last), piece_ids in zip(pieces, ids):
-            if tokenizer is None:  # bytes: documents joined by a blank line
+    def flush():  # one tokenizer call for many pieces (the fast tokenizers batch them in Rust)
+        ids = None if tokenizer is None else tokenizer([p for p, _ in pieces], add_special_tokens=False)["input_ids"]
+        for k, (piece, last) in enumerate(pieces):
+            if ids is None:  # bytes: documents joined by a blank line
                 raw = piece.encode("utf-8")
-                writer.append(np.frombuffer((b"\n\n" if raw and writer.lengths and not writer.current else b"") +
-                                            raw, dtype=np.uint8))
+                separator = b"\n\n" if raw and writer.lengths and not writer.current else b""
+                writer.append(np.frombuffer(separator + raw, dtype=np.uint8))
             else:
-                writer.append(piece_ids)
+                writer.append(ids[k])
             if last and writer.current:  # (an empty document is left out)
-                if tokenizer is not None:
+                if ids is not None:
                     writer.append([tokenizer.eos_token_id])
                 writer.end_document()
         pieces.clear()

@@ -44,6 +44,8 @@ def check_messages(messages: Any, where: str) -> None:
 
 def render(tokenizer: Any, messages: list[dict], where: str) -> tuple[list[int], list[int]]:
     """(token ids, loss mask: 1 on the assistant's tokens) of one conversation, ended by EOS (mask 0)."""
+    import jinja2  # (transformers' own dependency, for its chat templates)
+
     check_messages(messages, where)
     try:
         if _GENERATION.search(tokenizer.chat_template):
@@ -52,8 +54,8 @@ def render(tokenizer: Any, messages: list[dict], where: str) -> tuple[list[int],
             ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
         else:
             ids, mask = _render_by_prefixes(tokenizer, messages, where)
-    except Exception as e:  # a template's own refusal (jinja2's TemplateError, raise_exception): one line
-        if isinstance(e, ValueError) and str(e).startswith("--data "):
+    except (ValueError, TypeError, LookupError, jinja2.TemplateError) as e:  # e.g. a template's raise_exception
+        if str(e).startswith("--data "):
             raise
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ValueError(f"--data {where}: the chat template refused the conversation: {first}") from None
