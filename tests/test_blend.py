@@ -11,6 +11,7 @@ import torch
 
 from models.training import data
 from models.training.cli import job_config, parser, train, validate
+from models.training.config import JobConfig
 from models.training.data import blend, indexed
 from tp.testing import distributed, run
 
@@ -122,6 +123,10 @@ def test_a_blend_through_the_job_and_its_bad_values(two_sources, tmp_path):
     job = job_config(parser().parse_args([*FLAGS, "--tp", "1", "--pp", "1", "--dp", "1", "--data", "0.3", a, "0.7",
                                           b, "--data-cache-dir", str(tmp_path / "cache")]))
     assert [(s.weight, s.kind) for s in data.data_sources(job)] == [(0.3, "indexed"), (0.7, "files")]
+    (tmp_path / "job.toml").write_text(job.to_toml())  # the blend in TOML: [data] path = ["0.3", "A", "0.7", "B"]
+    assert JobConfig.from_toml(str(tmp_path / "job.toml")) == job and f'path = ["0.3", "{a}", "0.7",' in job.to_toml()
+    (tmp_path / "by_hand.toml").write_text(f'[data]\npath = [0.3, "{a}", 0.7, "{b}"]\n')
+    assert JobConfig.from_toml(str(tmp_path / "by_hand.toml")).data.blend() == [(0.3, a), (0.7, b)]
     assert validate(job).vocab_size == 256
     data.prepare(job)
     train_windows, held, notes = data.datasets(job, data.resolve(job))
