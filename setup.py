@@ -18,6 +18,7 @@ setup(
     extras_require={
         "hf": ["transformers>=4.48"],  # optional: GPT.from_hf / save_hf, tp.parallelize on HF models
         "bench": ["matplotlib"],
-        "test": ["pytest>=7", "pytest-timeout", "transformers>=4.48", "matplotlib", "ruff>=0.6"],
+        "data": ["pyarrow>=14"],  # optional: parquet files and save_to_disk directories as --data
+        "test": ["pytest>=7", "pytest-timeout", "transformers>=4.48", "matplotlib", "ruff>=0.6", "pyarrow>=14"],
     },
 )

@@ -38,3 +38,21 @@ def assert_close(actual, expected, atol=1e-5, what=""):
     assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
     err = (actual.double() - expected.double()).abs().max().item() if actual.numel() else 0.0
     assert err <= atol, f"{what}: max abs err {err:.3g} > {atol}"
+
+
+def build_tokenizer(path, text, vocab_size, *, eos="<|endoftext|>", special=(), chat_template=None):
+    """A byte-level BPE trained here on `text` (no downloads), saved as a Hugging Face tokenizer directory; `special`
+    tokens added whole, `chat_template` (Jinja) set when given."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator([text], trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[eos, *special],
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=eos, additional_special_tokens=list(special))
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    tokenizer.save_pretrained(path)
+    return str(path)

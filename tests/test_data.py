@@ -1,6 +1,7 @@
-"""A user's data and tokenizer, validation and the training log: token files and their cache, the held-out split,
-model FLOPs, bad --data/--tokenizer values, and a run on a user's text directory with a locally built tokenizer
-whose loss and val_loss curves are the same at tp2 x pp2 x dp2 as in one process."""
+"""A user's data and tokenizer, validation and the training log: token files and their cache (in the user's cache
+directory, never beside the data), the held-out split, model FLOPs, bad --data/--tokenizer values, and a run on a
+user's text directory with a locally built tokenizer whose loss and val_loss curves are the same at tp2 x pp2 x dp2 as
+in one process."""
 import inspect
 import json
 import os
@@ -13,27 +14,20 @@ import torch
 
 from models.training import data, tokens
 from models.training.cli import job_config, parser, train, validate
+from models.training.data import flat, indexed
 from tp.testing import distributed, run
 
-EOS = "<|endoftext|>"
+from .helpers import build_tokenizer as _build_tokenizer
 
 
 def _source(*modules):
     return "\n".join(inspect.getsource(__import__(name, fromlist=["_"])) for name in modules)
 
 
-def _build_tokenizer(path, text, vocab_size):
-    """A byte-level BPE trained here on `text` (no downloads), saved as a Hugging Face tokenizer directory."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    bpe.train_from_iterator([text], trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS],
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=EOS).save_pretrained(path)
-    return str(path)
+@pytest.fixture(autouse=True)
+def _user_cache(tmp_path, monkeypatch):
+    """The token cache of every test here under its own temporary directory (never the user's)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
 
 
 @pytest.fixture(scope="module")
@@ -67,79 +61,94 @@ def test_text_is_tokenized_once_into_a_cache_keyed_by_tokenizer_and_data(corpus,
     from transformers import AutoTokenizer
 
     args = _args("--data", corpus["text"], "--tokenizer", corpus["tokenizer"])
-    assert data.token_count(args) is None  # a user's text: not read to validate (rank 0 finds or builds its cache)
-    path = data.token_path(args, progress=False)
-    assert os.path.dirname(path) == os.path.join(corpus["text"], ".tokens")
-    stream, header = tokens.read(path)
+    (prefix,) = data.resolve(args, progress=False)
+    assert os.path.dirname(prefix) == str(tmp_path / "xdg" / "tp-layers" / "tokens")  # the user's cache
+    assert ".tokens" not in os.listdir(corpus["text"])  # nothing written beside the data
+    index = indexed.read_index(prefix)
+    stream = data.load(prefix)
     tok = AutoTokenizer.from_pretrained(corpus["tokenizer"])
-    expected = [i for doc in corpus["docs"]
-                for i in tok(doc, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]]
-    assert stream.dtype == np.uint16 and stream.tolist() == expected  # documents in order, each ended by EOS
-    assert (header["documents"], header["vocab_size"], header["eos_id"]) == (len(corpus["docs"]), 400, 0)
-    assert data.vocab_size(args) == 400 and data.token_count(args) is None
+    documents = [tok(doc, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for doc in corpus["docs"]]
+    assert stream.dtype == np.uint16 and stream.tolist() == sum(documents, [])  # in order, each ended by EOS
+    assert [stream[slice(*index.document_span(d))].tolist() for d in range(index.documents)] == documents
+    assert data.vocab_size(args) == 400 and data.eod_id(args) == 0
 
     def no_rebuild(*a, **k):
         raise AssertionError("tokenized again")
 
-    monkeypatch.setattr(tokens, "build", no_rebuild)
-    assert data.token_path(args) == path  # the same tokenizer and data: the cache
+    monkeypatch.setattr(data, "build", no_rebuild)
+    assert data.resolve(args) == [prefix]  # the same tokenizer and data: the cache
     monkeypatch.undo()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     other = _build_tokenizer(tmp_path / "other", "\n".join(corpus["docs"]), 300)
-    assert data.token_path(_args("--data", corpus["text"], "--tokenizer", other), build=False) is None
+    assert data.resolve(_args("--data", corpus["text"], "--tokenizer", other), build_missing=False) == [None]
     copy = tmp_path / "copy"
     copy.mkdir()
     (copy / "a.txt").write_text(corpus["docs"][0])
-    first = data.token_path(_args("--data", str(copy), "--tokenizer", corpus["tokenizer"]), progress=False)
+    first = data.resolve(_args("--data", str(copy), "--tokenizer", corpus["tokenizer"]), progress=False)
     (copy / "a.txt").write_text(corpus["docs"][0] + "x")
-    assert data.token_path(_args("--data", str(copy), "--tokenizer", corpus["tokenizer"]), build=False) is None
-    assert first != data.token_path(_args("--data", str(copy), "--tokenizer", corpus["tokenizer"]), progress=False)
+    assert data.resolve(_args("--data", str(copy), "--tokenizer", corpus["tokenizer"]), build_missing=False) == [None]
+    assert first != data.resolve(_args("--data", str(copy), "--tokenizer", corpus["tokenizer"]), progress=False)
     # without a tokenizer: UTF-8 bytes, documents joined by a blank line (as the bundled corpus)
-    as_bytes, header = tokens.read(data.token_path(_args("--data", str(copy)), progress=False))
+    as_bytes = data.load(data.resolve(_args("--data", str(copy)), progress=False)[0])
     assert as_bytes.dtype == np.uint8 and bytes(as_bytes) == (corpus["docs"][0] + "x").encode()
     assert data.vocab_size(_args("--data", str(copy))) == 256
+    # --data-cache-dir: where the user says, beside the data if asked
+    beside = _args("--data", str(copy), "--data-cache-dir", str(copy / ".tokens"))
+    assert os.path.dirname(data.resolve(beside, progress=False)[0]) == str(copy / ".tokens")
 
 
-def test_a_tokenizer_without_data_tokenizes_the_bundled_corpus_into_the_user_cache(corpus, tmp_path, monkeypatch):
+def test_a_tokenizer_without_data_tokenizes_the_bundled_corpus_into_the_user_cache(corpus, tmp_path):
     from transformers import AutoTokenizer
 
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     args = _args("--tokenizer", corpus["tokenizer"])
-    stream, header = tokens.read(data.token_path(args, progress=False))
-    assert data.token_path(args, build=False).startswith(str(tmp_path / "tp-layers"))
+    (prefix,) = data.resolve(args, progress=False)
+    assert prefix.startswith(str(tmp_path / "xdg" / "tp-layers" / "tokens"))
     tok = AutoTokenizer.from_pretrained(corpus["tokenizer"])
-    assert stream.tolist() == tok(data.corpus_text(), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-    assert data.token_count(_args()) == len(data.corpus()) and data.vocab_size(_args()) is None  # bytes, in memory
+    assert data.load(prefix).tolist() == tok(data.corpus_text(), add_special_tokens=False)["input_ids"] + \
+        [tok.eos_token_id]
+    assert data.resolve(_args()) == [None] and data.vocab_size(_args()) is None  # bytes, in memory
 
 
-def test_token_file_roundtrip_and_cli(corpus, tmp_path, capsys):
-    out = tmp_path / "mine.bin"
+def test_text_streams_through_in_pieces_into_the_same_tokens(tmp_path, monkeypatch):
+    """A document longer than a piece is read, checked and tokenized ~CHUNK_CHARS at a time (a corpus larger than
+    memory): the same ids as the whole text tokenized at once, here where each cut falls after a line end."""
+    from transformers import AutoTokenizer
+
+    from models.training.data import sources
+
+    text = "".join(f"line {i} of a long document\n" for i in range(3000))
+    tokenizer = _build_tokenizer(tmp_path / "tok", text, 300)
+    (tmp_path / "long.txt").write_text(text)
+    monkeypatch.setattr(sources, "CHUNK_CHARS", 1000)
+    pieces = list(sources.text_pieces([str(tmp_path / "long.txt")], "text"))
+    assert len(pieces) > 50 and "".join(p for p, _, _ in pieces) == text and [last for _, last, _ in pieces][-2:] \
+        == [False, True]
+    (prefix,) = data.resolve(_args("--data", str(tmp_path / "long.txt"), "--tokenizer", tokenizer), progress=False)
+    tok = AutoTokenizer.from_pretrained(tokenizer)
+    assert data.load(prefix).tolist() == tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+
+
+def test_a_flat_token_file_stays_readable_and_the_cli_writes_megatrons_pair(corpus, tmp_path, capsys):
+    out = tmp_path / "mine"
     assert tokens.main(["--data", corpus["text"], "--tokenizer", corpus["tokenizer"], "--out", str(out)]) == 0
-    ids, header = tokens.read(str(out))
-    cached, _ = tokens.read(data.token_path(_args("--data", corpus["text"], "--tokenizer", corpus["tokenizer"]),
-                                            progress=False))
-    assert np.array_equal(ids, cached) and str(len(ids)) in capsys.readouterr().out.replace(",", "")
+    cached = data.load(data.resolve(_args("--data", corpus["text"], "--tokenizer", corpus["tokenizer"]),
+                                    progress=False)[0])
+    assert np.array_equal(data.load(str(out)), cached) and str(len(cached)) in capsys.readouterr().out.replace(",", "")
+    assert tokens.main(["--data", corpus["text"], "--tokenizer", corpus["tokenizer"], "--out", f"{out}.bin"]) == 0
+    assert sorted(os.listdir(tmp_path)) == ["mine.bin", "mine.idx", "xdg"]  # --out PREFIX.bin is PREFIX too
     assert tokens.main(["--data", str(tmp_path / "nothing")]) == 2
     assert capsys.readouterr().err == f"error: --data {tmp_path / 'nothing'}: no such file or directory\n"
-    args = _args("--data", str(out), "--tp", "1", "--pp", "1", "--dp", "1", "--seq-len", "32")
-    assert validate(args).vocab_size == 400  # a token file's vocabulary from its sidecar
-    big = tmp_path / "big.bin"  # written by hand, as a user's own tool would: uint32 and a sidecar
+    args = _args("--data", str(out), "--tokenizer", corpus["tokenizer"], "--tp", "1", "--pp", "1", "--dp", "1",
+                 "--seq-len", "32")
+    assert validate(args).vocab_size == 400  # the tokenizer's
+    big = tmp_path / "big.bin"  # a flat token file written by hand, as a user's own tool would: uint32 and a sidecar
     np.arange(70000, dtype="<u4").tofile(big)
     (tmp_path / "big.json").write_text(json.dumps({"dtype": "uint32", "count": 70000, "vocab_size": 70000}))
-    stream, _ = tokens.read(str(big))
+    stream, _ = flat.read(str(big))
     x, y = data.TokenWindows(stream, 8)[8000]
     assert x.dtype == torch.int64 and x.tolist() == list(range(64000, 64008)) and y[-1] == 64008
-    assert tokens.dtype_for(256) == "uint8" and tokens.dtype_for(65536) == "uint16" and tokens.dtype_for(65537) == \
-        "uint32"
-
-
-def test_the_token_file_cli_refuses_an_out_path_that_is_not_a_bin(tmp_path, capsys):
-    """--data reads PREFIX.bin as a token file and anything else as text: a token file written as PREFIX (or
-    PREFIX.txt) would be trained on as text, its binary bytes decoded."""
-    (tmp_path / "a.txt").write_text("some text")
-    assert tokens.main(["--data", str(tmp_path / "a.txt"), "--out", str(tmp_path / "out" / "mine")]) == 2
-    assert capsys.readouterr().err == f"error: --out {tmp_path / 'out' / 'mine'}: a token file is PREFIX.bin " \
-                                      "(its sidecar PREFIX.json beside it)\n"
-    assert not (tmp_path / "out").exists()
+    flags = ["--data", str(big), "--tp", "1", "--pp", "1", "--dp", "1", "--seq-len", "32"]
+    assert validate(_args(*flags)).vocab_size == 70000 and data.resolve(_args(*flags)) == [str(big)]
 
 
 # ---- the held-out split -------------------------------------------------------------------------------------------
@@ -237,9 +246,21 @@ def hf_with_tokenizer(tmp_path_factory, corpus):
     (["--data", "{missing}"], r"^--data .*missing: no such file or directory$"),
     (["--data", "{big_prefix}"], r"^--data .*big: no such file or directory \(a token file\? .*big.bin\)$"),
     (["--data", "{empty_file}"], r"^--data .*empty.txt is empty$"),
-    (["--data", "{no_text}"], r"^--data .*no_text holds no .txt or .jsonl files$"),
-    (["--data", "{blank_dir}"], r"^--data .*blank: its 2 .txt/.jsonl file\(s\) are all empty$"),
-    (["--data", "{bin_alone}"], r"^--data .*alone.bin: a token file needs its JSON sidecar .*alone.json"),
+    (["--data", "{no_text}"], r"^--data .*no_text holds no .txt, .jsonl or .parquet files$"),
+    (["--data", "{blank_dir}"], r"^--data .*blank: its 2 data file\(s\) are all empty$"),
+    (["--data", "{bin_alone}"], r"^--data .*alone.bin: a token file needs its JSON sidecar .*alone.json \(dtype, "
+                                r"count, vocab_size\) or, for Megatron's format, its index .*alone.idx$"),
+    (["--data", "/bin/ls"], r"^--data /bin/ls is not text \(a NUL byte at byte \d+\): give UTF-8 text"),
+    (["--data", "{latin1}"], r"^--data .*latin1.txt is not text \(not UTF-8 at byte 3\)"),
+    (["--data", "{binary_dir}"], r"^--data .*binary/b.txt is not text \(a NUL byte at byte 3\)$"),
+    (["--data", "0.3", "{text}", "0", "{text}"], r"^--data 0.3 .* 0 .*: the weight '0' of .* is not a positive "
+                                                 r"number \(a blend is WEIGHT PATH pairs"),
+    (["--data", "0.3", "{text}", "-1", "{text}"], r"the weight '-1' of .* is not a positive number"),
+    (["--data", "x", "{text}"], r"the weight 'x' of .* is not a positive number"),
+    (["--data", "0.3", "{text}", "0.7"], r"^--data 0.3 .* 0.7: a blend is WEIGHT PATH pairs, e.g. --data 0.3 "
+                                         r"PREFIX_A 0.7 PREFIX_B$"),
+    (["--data", "{text}", "--data-cache-dir", "{empty_file}"], r"^--data-cache-dir .*empty.txt exists and is not a "
+                                                                r"directory$"),
     (["--data", "{text}", "--tokenizer", "{missing}"], r"^--tokenizer .*missing: no such directory"),
     (["--data", "{text}", "--tokenizer", "{no_text}"], r"^--tokenizer .*no_text: cannot load a tokenizer"),
     (["--from-hf", "{hf}", "--seq-len", "32"], r"^the tokenizer of --from-hf .*llama has 400 tokens, more than the "
@@ -267,11 +288,16 @@ def test_bad_data_values_are_one_line_naming_them(flags, message, corpus, hf_wit
     np.arange(200, dtype=np.uint16).tofile(tmp_path / "big.bin")
     (tmp_path / "big.json").write_text(json.dumps({"dtype": "uint16", "count": 200, "vocab_size": 500}))
     (tmp_path / "tiny.txt").write_text("x" * 400)  # 6 windows of 64 bytes: 5 to train on, 1 held out
+    (tmp_path / "latin1.txt").write_bytes("caf\u00e9: d\u00e9j\u00e0 vu".encode("latin-1"))
+    (tmp_path / "binary").mkdir()
+    (tmp_path / "binary" / "a.txt").write_text("fine text")
+    (tmp_path / "binary" / "b.txt").write_bytes(b"ELF\0\x01\x02")  # found while tokenizing, still before any rank
     paths = {"missing": str(tmp_path / "missing"), "empty_file": str(tmp_path / "empty.txt"),
              "no_text": str(tmp_path / "no_text"), "blank_dir": str(tmp_path / "blank"),
              "bin_alone": str(tmp_path / "alone.bin"), "text": corpus["text"], "hf": hf_with_tokenizer,
              "tokenizer": corpus["tokenizer"], "tiny": str(tmp_path / "tiny.txt"), "big_bin": str(tmp_path / "big.bin"),
-             "big_prefix": str(tmp_path / "big")}  # Megatron's habit: a token file named without its .bin
+             "big_prefix": str(tmp_path / "big"), "latin1": str(tmp_path / "latin1.txt"),
+             "binary_dir": str(tmp_path / "binary")}  # Megatron's habit: a token file named without its .bin
     args = _args(*[flag.format(**paths) for flag in flags])
     with pytest.raises(ValueError) as error:
         validate(args)
@@ -281,17 +307,24 @@ def test_bad_data_values_are_one_line_naming_them(flags, message, corpus, hf_wit
 
 def test_a_jsonl_row_without_text_is_named_and_nothing_is_cached(tmp_path):
     (tmp_path / "rows.jsonl").write_text('{"text": "fine"}\n{"body": "no text field"}\n')
-    with pytest.raises(ValueError, match=r"rows.jsonl line 2: no string field \"text\""):
-        data.prepare(_args("--data", str(tmp_path)))
-    assert not any(name.endswith((".bin", ".json")) for name in os.listdir(tmp_path / ".tokens"))
+    with pytest.raises(ValueError, match=r"rows.jsonl line 2: no field \"text\"$"):
+        data.prepare(_args("--data", str(tmp_path / "rows.jsonl")))
+    assert os.listdir(tmp_path / "xdg" / "tp-layers" / "tokens") == []  # the half-written file removed
+    (tmp_path / "numbers.jsonl").write_text('{"text": "fine"}\n{"text": 3}\n')
+    with pytest.raises(ValueError, match=r"numbers.jsonl line 2: \"text\" is not a string \(--data-column names "
+                                         r"the text\)$"):
+        data.prepare(_args("--data", str(tmp_path / "numbers.jsonl")))
+    (tmp_path / "bodies.jsonl").write_text('{"body": "one"}\n{"body": "two", "text": 3}\n')
+    (prefix,) = data.resolve(_args("--data", str(tmp_path / "bodies.jsonl"), "--data-column", "body"), progress=False)
+    assert bytes(data.load(prefix)) == b"one\n\ntwo"  # --data-column: another field
 
 
 def test_a_json_file_is_json_lines_as_megatron_reads_it(tmp_path):
     """Megatron's preprocess_data reads --input corpus.json as one JSON object per line (field "text"): the documents,
     not the JSON syntax around them."""
     (tmp_path / "corpus.json").write_text('{"text": "first doc", "id": 0}\n{"text": "second", "id": 1}\n')
-    stream, header = tokens.read(data.token_path(_args("--data", str(tmp_path / "corpus.json")), progress=False))
-    assert bytes(stream) == b"first doc\n\nsecond" and header["documents"] == 2
+    (prefix,) = data.resolve(_args("--data", str(tmp_path / "corpus.json")), progress=False)
+    assert bytes(data.load(prefix)) == b"first doc\n\nsecond" and indexed.read_index(prefix).documents == 2
 
 
 def test_from_hf_reads_its_own_tokenizer_and_the_cli_refuses_in_one_line(hf_with_tokenizer, tmp_path, corpus):
@@ -302,7 +335,7 @@ def test_from_hf_reads_its_own_tokenizer_and_the_cli_refuses_in_one_line(hf_with
     result = subprocess.run([sys.executable, "-m", "models.train", "--data", str(tmp_path / "text")],
                             capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 2 and result.stdout == ""
-    assert result.stderr.strip() == f"error: --data {tmp_path / 'text'} holds no .txt or .jsonl files"
+    assert result.stderr.strip() == f"error: --data {tmp_path / 'text'} holds no .txt, .jsonl or .parquet files"
 
 
 # ---- a run on a user's text ---------------------------------------------------------------------------------------
@@ -326,11 +359,13 @@ def test_a_users_text_and_tokenizer_train_the_same_curve_at_2x2x2_as_in_one_proc
     fresh.mkdir()
     for name in ("a.txt", "b.txt", "d.jsonl"):
         (fresh / name).write_bytes(open(os.path.join(corpus["text"], name), "rb").read())
-    user = [*RUN, "--data", str(fresh), "--tokenizer", corpus["tokenizer"]]
+    cache = tmp_path / "cache"  # (the worker processes do not see this test's XDG_CACHE_HOME)
+    user = [*RUN, "--data", str(fresh), "--tokenizer", corpus["tokenizer"], "--data-cache-dir", str(cache)]
     ckpt = str(tmp_path / "ckpt")
     run(_train, 8, timeout=300, flags=[*user, "--tp", "2", "--pp", "2", "--dp", "2", "--save", ckpt],
         log=str(tmp_path / "split.jsonl"))
-    assert len([f for f in os.listdir(fresh / ".tokens") if f.endswith(".bin")]) == 1
+    assert len([f for f in os.listdir(cache) if f.endswith(".idx")]) == 1 and os.listdir(fresh) == \
+        ["a.txt", "b.txt", "d.jsonl"] or sorted(os.listdir(fresh)) == ["a.txt", "b.txt", "d.jsonl"]
     run(_train, 1, timeout=300, flags=[*user, "--tp", "1", "--pp", "1", "--dp", "1"],
         log=str(tmp_path / "serial.jsonl"))
     split, serial = _rows(tmp_path / "split.jsonl"), _rows(tmp_path / "serial.jsonl")
@@ -364,12 +399,13 @@ def test_eval_only_of_a_hf_model_with_its_own_tokenizer_is_transformers_loss_on_
     transformers.LlamaForCausalLM(config).save_pretrained(path)
     transformers.AutoTokenizer.from_pretrained(corpus["tokenizer"]).save_pretrained(path)
     flags = ["--from-hf", str(path), "--data", corpus["text"], "--eval-only", "--eval-iters", "2", "--seq-len", "32",
-             "--global-batch-size", "8", "--micro-batch-size", "4", "--tp", "1", "--pp", "1", "--dp", "1"]
+             "--global-batch-size", "8", "--micro-batch-size", "4", "--tp", "1", "--pp", "1", "--dp", "1",
+             "--data-cache-dir", str(tmp_path / "cache")]
     run(_train, 1, timeout=300, flags=flags, log=str(tmp_path / "eval.jsonl"))
     (row,) = _rows(tmp_path / "eval.jsonl")
     args = _args(*flags)
     assert data.tokenizer_dir(args) == str(path)  # no --tokenizer: the model directory's own
-    _, held_out = data.split(data.load(data.token_path(args)), 32)
+    _, held_out, _ = data.datasets(args, data.resolve(args))
     model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
     losses = []
     with torch.no_grad():

@@ -10,8 +10,9 @@
 Not under torchrun, the whole configuration (paths included) is validated in this process first (one line and exit
 2 on error), then tp*cp*pp*dp processes are started through torchrun's launcher on this machine (launch.py); a
 failure inside the ranks ends the job in one line naming the first failing rank, each rank's traceback in its log
-file (failures.py). The data are byte tokens of Python's standard-library sources (data.py): no downloads;
-`--data PATH --tokenizer DIR` trains on your text, tokenized once by the launcher (tokens.py). `--config job.toml`
+file (failures.py). The data are byte tokens of Python's standard-library sources (data/): no downloads;
+`--data PATH --tokenizer DIR` trains on your text, tokenized once by the launcher, or on Megatron's indexed datasets
+and their blends. `--config job.toml`
 reads the flags' values from a TOML file (config.py; flags given here win), as each run writes its own resolved
 configuration beside the ranks' logs.
 """
@@ -109,13 +110,7 @@ def _model_and_data_flags(a):
     a("--from-hf", metavar="PATH", default=None,
       help="start from a Hugging Face Llama/Mistral/Qwen2/GPT-2 directory (save_pretrained); its own tokenizer "
            "is used when the directory holds one (else bytes: the vocabulary must cover 256)")
-    a("--data", metavar="PATH", default=None,
-      help="training text: a .txt, .jsonl or .json (JSON lines, field \"text\") file, a directory of .txt/.jsonl "
-           "files, or a token file PREFIX.bin "
-           "with its PREFIX.json sidecar (python -m models.tokens); default: the bundled corpus")
-    a("--tokenizer", metavar="DIR", default=None,
-      help="a local Hugging Face tokenizer directory (AutoTokenizer): text is tokenized once into a cache beside "
-           "the data, documents ended by its EOS; the model's vocabulary follows it; default: bytes")
+    _data_flags(a)
     a("--eval-every", type=int, default=0, metavar="N",
       help="validation loss (val_loss) on the held-out last ~1%% of the data every N steps and at the end (0: never)")
     a("--eval-iters", type=int, default=10, metavar="K", help="global batches per validation")
@@ -130,6 +125,27 @@ def _document_flags(a):
       help="attention stays inside each document (block-diagonal causal); positions restart too only with "
            "--reset-position-ids")
     a("--eod-mask-loss", action="store_true", help="no loss on the token predicted from an end-of-document token")
+
+
+def _data_flags(a):
+    a("--data", metavar="PATH", nargs="+", default=None,
+      help="training data: a Megatron indexed dataset PREFIX (PREFIX.bin + PREFIX.idx); a .txt, .jsonl or .json "
+           "(JSON lines) or .parquet file, a directory of them, or a Hugging Face save_to_disk directory, "
+           "tokenized once into the token cache; a flat token file PREFIX.bin with its PREFIX.json; or a blend of "
+           "them, Megatron's WEIGHT PATH pairs (--data 0.3 A 0.7 B); default: the bundled corpus")
+    a("--tokenizer", metavar="DIR", default=None,
+      help="a local Hugging Face tokenizer directory (AutoTokenizer): text is tokenized once, documents ended by "
+           "its EOS; the model's vocabulary follows it (a Megatron dataset's ids are checked against it); "
+           "default: bytes")
+    a("--data-column", metavar="NAME", default=None,
+      help="the JSON field or parquet/Arrow column to read (default: text; messages with --sft)")
+    a("--sft", action="store_true",
+      help="chat fine-tuning: rows of \"messages\" rendered by the tokenizer's chat template, only the "
+           "assistant's tokens in the loss; conversations packed whole into windows, a longer one left out and "
+           "counted")
+    a("--data-cache-dir", metavar="DIR", default=None,
+      help="where tokenized data is cached (default: $XDG_CACHE_HOME/tp-layers/tokens, else "
+           "~/.cache/tp-layers/tokens; on several nodes, a directory they share)")
 
 
 def _output_and_launch_flags(a):

@@ -2,7 +2,8 @@
 values, and `JobConfig.validate` for what spans sections.
 
 Every flag of `python -m models.train` is the field of the same name (dashes as underscores) in one section, except
-`--model` (`model.preset`) and `--data` (`data.path`). `--config job.toml` reads the same sections from TOML, keys
+`--model` (`model.preset`), `--data` (`data.path`, a list), `--data-column` and `--data-cache-dir` (`data.column`,
+`data.cache_dir`). `--config job.toml` reads the same sections from TOML, keys
 being the field names; flags given on the command line win over the file. `python -m models.train` writes the
 resolved configuration the same way into the ranks' log directory (config.toml), and starts the ranks from it; a run
 repeats with `--config` alone:
@@ -184,18 +185,47 @@ class OptimizerConfig:
 
 @dataclasses.dataclass
 class DataConfig:
-    """[data]: the training text or token file (None: the bundled corpus) and its tokenizer (None: bytes); the
-    documents inside each window."""
+    """[data]: the training data (None: the bundled corpus), one source or a blend's WEIGHT PATH pairs (Megatron's
+    `--data 0.3 A 0.7 B`), its tokenizer (None: bytes), the column of rows to read, chat fine-tuning, the token
+    cache's directory (None: the user's cache); the documents inside each window."""
 
-    path: str | None = _field(None, flag="data")
+    path: list[str] | None = _field(None, flag="data")
     tokenizer: str | None = None
+    column: str | None = _field(None, flag="data_column")  # None: "text" ("messages" with --sft)
+    sft: bool = False
+    cache_dir: str | None = _field(None, flag="data_cache_dir")
     # documents inside a window, ended by the EOD token (Megatron's flags; models/training/documents.py)
     reset_position_ids: bool = False
     reset_attention_mask: bool = False
     eod_mask_loss: bool = False
 
     def validate(self) -> None:
-        """(the paths are read by preflight.py)"""
+        """The blend's syntax and weights (the paths are read by preflight.py)."""
+        self.blend()
+        if self.column is not None and not self.column:
+            raise ValueError("--data-column is empty: name the column (or JSON field) to read")
+
+    def blend(self) -> list[tuple[float, str | None]]:
+        """[(weight, path), ...]: --data PATH alone (weight 1), or its WEIGHT PATH pairs; [(1, None)] for the bundled
+        corpus. One line if the values are not that."""
+        if not self.path:
+            return [(1.0, None)]
+        given = " ".join(self.path)
+        if len(self.path) == 1:
+            return [(1.0, self.path[0])]
+        if len(self.path) % 2:
+            raise ValueError(f"--data {given}: a blend is WEIGHT PATH pairs, e.g. --data 0.3 PREFIX_A 0.7 PREFIX_B")
+        pairs = []
+        for weight, path in zip(self.path[::2], self.path[1::2]):
+            try:
+                value = float(weight)
+            except ValueError:
+                value = math.nan
+            if not math.isfinite(value) or value <= 0:
+                raise ValueError(f"--data {given}: the weight {weight!r} of {path} is not a positive number (a "
+                                 "blend is WEIGHT PATH pairs, e.g. --data 0.3 PREFIX_A 0.7 PREFIX_B)")
+            pairs.append((value, path))
+        return pairs
 
 
 @dataclasses.dataclass
@@ -371,6 +401,8 @@ class JobConfig:
 
 
 def _toml_value(value: Any) -> str:
+    if isinstance(value, list):
+        return "[" + ", ".join(map(_toml_value, value)) + "]"
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, float):  # repr reads back exactly; TOML spells them inf and nan too
@@ -384,11 +416,18 @@ def _typed(value: Any, kind: Any, where: str) -> Any:
     """`value` read from TOML, checked against the field's type (an int where a float goes becomes a float)."""
     options = typing.get_args(kind) if isinstance(kind, types.UnionType) else (kind,)
     for option in options:
+        if typing.get_origin(option) is list:  # a list of strings (--data's); a string alone is a list of one
+            if isinstance(value, str):
+                return [value]
+            if isinstance(value, list) and value and all(isinstance(v, str | int | float) and not isinstance(v, bool)
+                                                         for v in value):
+                return [str(v) for v in value]
         if option is bool and isinstance(value, bool) or option is str and isinstance(value, str):
             return value
         if option in (int, float) and isinstance(value, int | float) and not isinstance(value, bool) \
                 and (option is float or isinstance(value, int)):
             return option(value)
-    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string",
+             list[str]: "a string or a list of strings and numbers"}
     wanted = " or ".join(names[o] for o in options if o in names)
     raise ValueError(f"{where} = {value!r} must be {wanted}")

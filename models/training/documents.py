@@ -18,31 +18,20 @@ import torch
 
 from ..block import document_positions
 from . import data
-from . import tokens as token_files
 from .config import JobConfig
 
 IGNORE_INDEX = -100  # the loss's ignore_index
 FLAGS = ("reset_position_ids", "reset_attention_mask", "eod_mask_loss")
 
 
-def eod_id(job: JobConfig) -> int | None:
-    """The end-of-document token: the tokenizer's EOS, else a token file's `eos_id`; None (bytes) when neither."""
-    tokenizer = data.tokenizer_dir(job)
-    if tokenizer:
-        return token_files.load_tokenizer(tokenizer).eos_token_id
-    path = job.data.path
-    if path is not None and path.endswith(".bin"):
-        return token_files.read_header(path).get("eos_id")
-    return None
-
-
 def check(job: JobConfig) -> None:
     """One line if a document flag is given but the data has no end-of-document token to find documents by."""
     given = [f"--{f.replace('_', '-')}" for f in FLAGS if getattr(job.data, f)]
-    if given and eod_id(job) is None:
-        raise ValueError(f"{' '.join(given)}: documents are found by an end-of-document token, and "
-                         f"{job.data.path or 'the bundled corpus'} as bytes has none: give --tokenizer DIR (its EOS "
-                         "ends each document) or a token file whose sidecar names eos_id")
+    if given and data.eod_id(job) is None:
+        source = " ".join(job.data.path or ["the bundled corpus"])
+        raise ValueError(f"{' '.join(given)}: documents are found by an end-of-document token, and {source} as bytes "
+                         "has none: give --tokenizer DIR (its EOS ends each document) or a token file whose sidecar "
+                         "names eos_id")
 
 
 def window_inputs(tokens: torch.Tensor, targets: torch.Tensor, *, eod: int, reset_position_ids: bool,
@@ -69,4 +58,4 @@ def from_job(job: JobConfig) -> Callable | None:
     flags = {f: getattr(job.data, f) for f in FLAGS}
     if not any(flags.values()):
         return None
-    return functools.partial(window_inputs, eod=eod_id(job), **flags)
+    return functools.partial(window_inputs, eod=data.eod_id(job), **flags)

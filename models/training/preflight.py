@@ -19,15 +19,13 @@ def check(job: JobConfig, world_size: int | None = None) -> GPTConfig:
     launch.check_paths(job)  # --save, --load, --export-hf, --log-jsonl, --log-dir: before any process
     if job.model.from_hf and not os.path.isdir(job.model.from_hf):
         raise ValueError(f"--from-hf {job.model.from_hf}: no such directory (a save_pretrained directory)")
-    data.check_source(job)  # --data / --tokenizer: paths, empty text, a loadable tokenizer
+    data.check_source(job)  # --data / --tokenizer / --sft: paths, headers, schemas, text, a loadable tokenizer
     documents.check(job)  # --reset-attention-mask etc.: an end-of-document token to find documents by
     config = gpt_config_from_job(job)
     check_model_fits(job, config)
     data.check_vocab(job, config.vocab_size)
     check_resume(job, config)
-    count = data.token_count(job)  # (None: text not yet tokenized; checked after the launcher tokenizes it)
-    if count is not None:
-        data.check_size(job, count)
+    data.check_sizes(job)  # (text: checked once the launcher has tokenized it, data.prepare)
     return config
 
 

@@ -76,9 +76,9 @@ class Trainer:
         self.start_step = self.resume()
         self.runner = PipelineRunner(self.module, self.mesh, micro_batch_size=training.micro_batch_size,
                                      seq_len=training.seq_len)
-        tokens = data.shared_tokens(job)  # rank 0 tokenizes a user's text if the launcher has not (own torchrun)
-        data.check_size(job, len(tokens))
-        dataset, self.held_out = data.split(tokens, training.seq_len)  # the last ~1% of the windows: validation only
+        # rank 0 tokenizes a user's text if the launcher has not (own torchrun); the last ~1% of each dataset's
+        # windows: validation only
+        dataset, self.held_out = data.shared_datasets(job)
         self.stream = data.batches(dataset, dp=self.mesh.dp_size, dp_rank=self.mesh.dp_rank,
                                    global_batch_size=training.global_batch_size,
                                    micro_batch_size=training.micro_batch_size, seed=training.seed,

@@ -1,0 +1,35 @@
+"""A local Hugging Face tokenizer directory (--tokenizer DIR, or a --from-hf model's own), never downloaded."""
+import functools
+import os
+from typing import Any
+
+
+@functools.lru_cache(maxsize=8)
+def load_tokenizer(directory: str) -> Any:
+    """transformers.AutoTokenizer of a local directory (no downloads); one-line errors."""
+    if not os.path.isdir(directory):
+        raise ValueError(f"--tokenizer {directory}: no such directory (a Hugging Face tokenizer directory)")
+    try:
+        import transformers
+    except ImportError:
+        raise ValueError(f"--tokenizer {directory}: reading a tokenizer needs transformers (pip install -e "
+                         "'.[hf]')") from None
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"--tokenizer {directory}: cannot load a tokenizer: {first}") from None
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"--tokenizer {directory}: the tokenizer has no EOS token to end documents with")
+    return tokenizer
+
+
+def tokenizer_vocab_size(tokenizer: Any) -> int:
+    """Ids the tokenizer can emit: its vocabulary with the added tokens."""
+    return max(len(tokenizer), max(tokenizer.get_vocab().values(), default=-1) + 1)
+
+
+def has_tokenizer(directory: str) -> bool:
+    """Whether a (Hugging Face model) directory holds tokenizer files."""
+    return any(os.path.isfile(os.path.join(directory, name))
+               for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json"))
