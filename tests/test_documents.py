@@ -243,9 +243,8 @@ def token_file(tmp_path):
 def test_document_flags_train_the_serial_curve(tmp_path):
     """--reset-attention-mask --reset-position-ids train the curve of one process (fp32, 1e-5) at tp x cp x pp x dp
     splits (a2a under tp and SP with pp and the zb schedule; ring with dp and recompute), a curve other than the one
-    without the flags; with --eod-mask-loss too at dp = 1. (Under dp > 1 --eod-mask-loss changes which
-    micro-batches' means are averaged: the job's loss is a mean of micro-batch means, as Megatron's without
-    calculate_per_token_loss, so it equals the serial curve only where every micro-batch counts its tokens alike.)"""
+    without the flags; with --eod-mask-loss too (the job's loss is a mean of micro-batch means, as Megatron's
+    without calculate_per_token_loss: every split runs the same micro-batches, so the mean is the same)."""
     data = ["--data", token_file(tmp_path)]
     documents = ["--reset-attention-mask", "--reset-position-ids"]
     curves = {}
@@ -263,8 +262,8 @@ def test_document_flags_train_the_serial_curve(tmp_path):
 
     log = str(tmp_path / "ring_dp.jsonl")
     split = ["--tp", "1", "--cp", "2", "--pp", "1", "--dp", "2", "--recompute", "full"]
-    run(_train_on_4_ranks, 4, flags=[*split, *data, *documents], log=log, timeout=300)
-    _close(_losses(log), curves["documents"], "1x2x1x2 ring recompute")
+    run(_train_on_4_ranks, 4, flags=[*split, *data, *documents, "--eod-mask-loss"], log=log, timeout=300)
+    _close(_losses(log), curves["eod"], "1x2x1x2 ring recompute")
 
 
 @pytest.mark.parametrize("flags,message", [
