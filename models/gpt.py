@@ -34,6 +34,8 @@ from .config import GPTConfig
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
+    from .generation import KVCache
+
 
 @contextlib.contextmanager
 def _seeded(base, index):
@@ -101,14 +103,15 @@ class GPT(nn.Module):
         master = normal_init(c.init_std)(torch.empty(c.vocab_size, c.hidden_size))
         return torch.cat([master, master.new_zeros(self.padded_vocab_size - c.vocab_size, c.hidden_size)])
 
-    def embed(self, tokens: torch.Tensor) -> torch.Tensor:  # [b, s] -> [s(/cp)(/tp), b, h]
+    def embed(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:  # [b, s] -> [s(/cp)(/tp), b, h]
+        """The tokens' embeddings, at positions start..start + s - 1 (start > 0: after a KV cache's tokens)."""
         c = self.config
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be [batch, seq], got shape {tuple(tokens.shape)}")
         seq = tokens.shape[1]
         limit = min(c.max_seq_len, c.sliding_window or c.max_seq_len)
-        if seq > limit:
-            raise ValueError(f"sequence length {seq} exceeds max_seq_len={c.max_seq_len}"
+        if start + seq > limit:
+            raise ValueError(f"sequence length {start + seq} exceeds max_seq_len={c.max_seq_len}"
                              + (f" / sliding_window={c.sliding_window} (not implemented)" if c.sliding_window else ""))
         if self.cp_size > 1:
             c.check_seq_len(seq, tp=self.tp_size, cp=self.cp_size)
@@ -134,7 +137,7 @@ class GPT(nn.Module):
                 start = dist.get_rank(self.group) * chunk
                 x = x + weight[start:start + chunk].unsqueeze(1)
             else:
-                x = x + weight[:seq].unsqueeze(1)
+                x = x + weight[start:start + seq].unsqueeze(1)
         return dropout(x, c.dropout, self.training, c.sequence_parallel, positions)
 
     def head(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
@@ -173,15 +176,33 @@ class GPT(nn.Module):
                              f"stage's input hidden {tuple(hidden.shape)} ([seq(/tp), batch, hidden])")
 
     def forward(self, tokens: torch.Tensor | None = None, targets: torch.Tensor | None = None, *,
-                hidden: torch.Tensor | None = None) -> torch.Tensor:
+                hidden: torch.Tensor | None = None, cache: "KVCache | None" = None) -> torch.Tensor:
         """tokens [b, s] (first stage) or hidden [s(/tp), b, h] (later stages) -> loss / logits (last stage) or
-        hidden."""
+        hidden. `cache` (generation, models/generation.py): the tokens follow the cached ones, whose keys and values
+        each layer reads, and to which it adds these."""
         if targets is not None and self.post_process:
             self._check_targets(tokens, targets, hidden)  # every rank, before any collective
-        x = self.embed(tokens) if self.pre_process else hidden
-        for layer in self.layers:
-            x = layer(x)
+        x = self.embed(tokens, 0 if cache is None else cache.length) if self.pre_process else hidden
+        for i, layer in enumerate(self.layers):
+            x = layer(x) if cache is None else layer(x, cache.layer(i))
+        if cache is not None:
+            cache.advance(x.shape[0])
         return self.head(x, targets) if self.post_process else x
+
+    @torch.no_grad()
+    def generate(self, tokens: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.0,
+                 top_k: int | None = None, top_p: float | None = None, eos_token_id: int | None = None,
+                 generator: torch.Generator | None = None) -> torch.Tensor:
+        """tokens [b, s] -> [b, s + n] ids: the prompt, then n <= max_new_tokens new tokens (fewer only when every
+        sequence has reached `eos_token_id`; a finished one is padded with it). Greedy at temperature 0, else sampled
+        from softmax(logits / temperature) restricted to the `top_k` likeliest tokens and the smallest set whose
+        probability reaches `top_p`, drawing from `generator` (seed it the same on every tp rank). A prefill pass,
+        then one token per step through a KV cache of this rank's heads (models/generation.py); the whole model on
+        this rank (no pipeline stage), no context or sequence parallelism."""
+        from .generation import generate
+
+        return generate(self, tokens, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                        eos_token_id=eos_token_id, generator=generator)
 
     def activation_shape(self, micro_batch_size: int, seq_len: int) -> tuple[int, int, int]:
         """[s(/cp)(/tp), b, h]: this rank's share of the activation between pipeline stages for a micro-batch of

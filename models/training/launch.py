@@ -187,7 +187,7 @@ def write_config(job: JobConfig, logs: str) -> str:
     return path
 
 
-def _quiet_torchelastic():
+def quiet_torchelastic() -> None:
     """torchrun's agent logs every stop and exit code; our summary line says what matters."""
     for name in list(logging.root.manager.loggerDict):
         if name.startswith(("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher")):
@@ -209,7 +209,7 @@ def launch(job: JobConfig) -> int:
     launcher = get_args_parser().parse_args([f"--nproc-per-node={world}", "--standalone",
                                              f"--max-restarts={job.launch.max_restarts}", "-m", "models.train",
                                              "--config", write_config(job, logs)])
-    _quiet_torchelastic()
+    quiet_torchelastic()
     try:
         run(launcher)
     except ChildFailedError as e:

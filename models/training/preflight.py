@@ -60,7 +60,10 @@ def check_resume(job: JobConfig, config: GPTConfig) -> None:
         return
     from . import checkpoint
 
-    meta = checkpoint.read_meta(path)
+    try:
+        meta = checkpoint.read_meta(path)
+    except ValueError as e:
+        raise ValueError(f"--load {load}: {e}") from None
     checkpoint.check_config(meta["config"], config, path)
     restarted = os.path.realpath(save or "") == os.path.realpath(load)  # (the trainer says it is done)
     if job.training.steps <= meta["step"] and not job.evaluation.eval_only and not restarted:
