@@ -147,6 +147,7 @@ def _output_and_launch_flags(a):
     a("--hang-at-step", type=int, default=None, help=argparse.SUPPRESS)  # --fail-rank sleeps there
     a("--slow-save-at-step", type=int, default=None, help=argparse.SUPPRESS)  # a first attempt's save pauses
     a("--nan-grad-at-step", type=int, default=None, help=argparse.SUPPRESS)  # --fail-rank's gradient gets a NaN
+    a("--slow-step-s", type=float, default=None, help=argparse.SUPPRESS)  # --fail-rank works longer every step
     a("--fail-rank", type=int, default=0, help=argparse.SUPPRESS)
 
 

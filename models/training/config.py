@@ -315,8 +315,9 @@ class FaultsConfig:
 
     fail_at_step: int | None = None  # raises there
     hang_at_step: int | None = None  # sleeps there
-    slow_save_at_step: int | None = None  # a first attempt's save pauses (every rank)
+    slow_save_at_step: int | None = None  # a first attempt's save pauses (every rank; async: its write)
     nan_grad_at_step: int | None = None  # a NaN in a reduced gradient
+    slow_step_s: float | None = None  # every step works this much longer (a straggler)
     fail_rank: int = 0
 
     def validate(self) -> None:

@@ -73,7 +73,8 @@ def check_paths(job: JobConfig) -> None:
     """Every path flag of models.train (--from-hf, --data and --tokenizer: models/training/preflight.py and data.py's
     check_source, which may call these helpers too)."""
     for flag, path in (("--save", job.checkpoint.save), ("--export-hf", job.checkpoint.export_hf),
-                       ("--log-dir", job.logging.log_dir)):
+                       ("--log-dir", job.logging.log_dir), ("--tensorboard-dir", job.logging.tensorboard_dir),
+                       ("--profile-dir", job.profiling.profile_dir)):
         if path:
             check_writable_dir(flag, path)
     if job.logging.log_jsonl:
@@ -142,9 +143,10 @@ def _spans(ranks):
 
 
 def announce_layout(mesh: Mesh) -> None:
-    """Rank 0 prints the layout of the running job (collective: gathers every rank's node)."""
+    """Rank 0 prints the layout of the running job (collective: gathers every rank's node); once: not again when
+    torchrun restarts the group (the trainer says so in one line)."""
     places = gather_places()
-    if mesh.rank == 0:
+    if mesh.rank == 0 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
         print("\n".join(layout_lines(dict(mesh.sizes), "-".join(mesh.order), places)), flush=True)
 
 
