@@ -50,10 +50,12 @@ class StepProfiler:
         self.profiler = profile(activities=activities, record_shapes=False)
         if self.cuda:
             torch.cuda.memory._record_memory_history(max_entries=MEMORY_ENTRIES)
-        self.profiler.__enter__()
+        with _quiet_stderr():
+            self.profiler.__enter__()
 
     def _stop(self):
-        self.profiler.__exit__(None, None, None)
+        with _quiet_stderr():
+            self.profiler.__exit__(None, None, None)
         os.makedirs(self.dir, exist_ok=True)
         path = os.path.join(self.dir, f"rank-{self.rank}.json")
         self.profiler.export_chrome_trace(path)
@@ -68,7 +70,22 @@ class StepProfiler:
     def close(self) -> None:
         """A run that ended inside the window (a resumed one started in it): stop without writing."""
         if self.profiler:
-            self.profiler.__exit__(None, None, None)
+            with _quiet_stderr():
+                self.profiler.__exit__(None, None, None)
             self.profiler = None
             if self.rank == 0:
                 print("note: the run ended inside --profile-steps: no trace written", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """The profiler's C++ side prints a line to stderr as it starts and stops: not on the job's terminal."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
