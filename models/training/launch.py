@@ -215,6 +215,8 @@ def launch(job: JobConfig) -> int:
     try:
         run(launcher)
     except ChildFailedError as e:
+        if failures.stdout_closed(e.failures):  # `| head` has what it wanted: nothing to report
+            return 128 + signal.SIGPIPE
         print(f"error: {failures.summary(e.failures, world, logs)}", file=sys.stderr, flush=True)
         return 1
     except (KeyboardInterrupt, SignalException) as e:  # Ctrl-C (every rank got it too), or a signal to this process

@@ -238,14 +238,18 @@ class Trainer:
             checkpoint_dirs.commit(self.job.checkpoint.save, name)
 
     def export_hf(self) -> None:
-        """The model in Hugging Face format to --export-hf (a rank's model chunks: one file per virtual stage)."""
+        """The model in Hugging Face format to --export-hf (a rank's model chunks: one file per virtual stage), with
+        the tokenizer the data was tokenized with."""
         from ..hf import save_hf
+        from .tokens import load_tokenizer
 
         mesh = self.mesh
         for chunk in self.buffered:  # zero1: the last step's all-gathers
             chunk.finish_param_sync()
+        directory = data.tokenizer_dir(self.job)  # its files and token ids go with the model
         save_hf(self.chunks, self.job.checkpoint.export_hf, group=mesh.tp_group,
-                pp_group=mesh.pp_group if mesh.pp_size > 1 else None, dp_group=mesh.group("dp-cp"))
+                pp_group=mesh.pp_group if mesh.pp_size > 1 else None, dp_group=mesh.group("dp-cp"),
+                tokenizer=load_tokenizer(directory) if directory else None)
 
     def fit(self) -> None:
         """The steps from start_step to --steps: profiled, evaluated, saved and logged as the job says; then the
