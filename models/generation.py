@@ -7,6 +7,8 @@ all-reduces and one all-gather of the last position's logits: every tp rank then
 the same token (sampling draws from a generator seeded alike on every rank). Greedy generation equals Hugging
 Face's `generate(do_sample=False)` on the exported weights token for token.
 """
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -94,7 +96,8 @@ def next_tokens(logits: torch.Tensor, *, temperature: float, top_k: int | None, 
 
 def generate(model: nn.Module, tokens: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.0,
              top_k: int | None = None, top_p: float | None = None, eos_token_id: int | None = None,
-             generator: torch.Generator | None = None, on_token=None) -> torch.Tensor:
+             generator: torch.Generator | None = None,
+             on_token: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
     """GPT.generate; `on_token(ids [b])` is called with each new token as it is chosen (streaming)."""
     check_sampling(temperature, top_k, top_p)
     if not (model.pre_process and model.post_process):

@@ -47,7 +47,7 @@ def _hf_loss(path):
     import torch
     import transformers
 
-    from models import data
+    from models.training import data
 
     model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
     x, y = data.TokenWindows(data.corpus(), 32)[0]
