@@ -11,12 +11,13 @@ sampling flags, a prompt longer than the model's context) is one line before any
 T processes through torchrun's launcher, rank 0 printing.
 """
 import argparse
-import codecs
 import os
 import sys
 from typing import Any
 
 from tp.mesh import launched_by_torchrun
+
+from .generation import Text
 
 
 def parser() -> argparse.ArgumentParser:
@@ -37,30 +38,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", metavar="DIR", default=None, help="a Hugging Face tokenizer directory")
     p.add_argument("--tp", type=int, default=1, metavar="T", help="tensor-parallel processes (default: 1)")
     return p
-
-
-class Text:
-    """The prompt's ids and the continuation's text: a Hugging Face tokenizer, or UTF-8 bytes."""
-
-    def __init__(self, tokenizer: Any | None):
-        self.tokenizer = tokenizer
-        self.eos = tokenizer.eos_token_id if tokenizer is not None else None
-        self.ids, self.shown = [], ""
-        self.bytes = codecs.getincrementaldecoder("utf-8")(errors="replace")
-
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text) if self.tokenizer is not None else list(text.encode("utf-8"))
-
-    def more(self, token: int) -> str:
-        """The text `token` adds to the continuation (streaming: a multi-byte character once it is whole)."""
-        if self.tokenizer is None:
-            return self.bytes.decode(bytes([token]))
-        self.ids.append(token)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):  # an unfinished character: wait for its next bytes
-            return ""
-        new, self.shown = text[len(self.shown):], text
-        return new
 
 
 def resolve(args: argparse.Namespace) -> tuple[Any, str | None, str | None]:

@@ -5,9 +5,12 @@ Each tensor-parallel rank caches the keys and values of its own kv heads only ([
 the heads its fused QKV column produces), so the cache takes 1/tp of the memory and a step needs the layers' usual
 all-reduces and one all-gather of the last position's logits: every tp rank then holds the same logits and picks
 the same token (sampling draws from a generator seeded alike on every rank). Greedy generation equals Hugging
-Face's `generate(do_sample=False)` on the exported weights token for token.
+Face's `generate(do_sample=False)` on the exported weights token for token. `Text` turns a prompt into ids and the
+chosen ids back into streamed text (a Hugging Face tokenizer, or UTF-8 bytes).
 """
+import codecs
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -133,3 +136,27 @@ def generate(model: nn.Module, tokens: torch.Tensor, max_new_tokens: int, *, tem
         return torch.cat(out, dim=1)
     finally:
         model.train(was_training)
+
+
+class Text:
+    """The prompt's ids and the continuation's text: a Hugging Face tokenizer, or UTF-8 bytes."""
+
+    def __init__(self, tokenizer: Any | None):
+        self.tokenizer = tokenizer
+        self.eos = tokenizer.eos_token_id if tokenizer is not None else None
+        self.ids, self.shown = [], ""
+        self.bytes = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text) if self.tokenizer is not None else list(text.encode("utf-8"))
+
+    def more(self, token: int) -> str:
+        """The text `token` adds to the continuation (streaming: a multi-byte character once it is whole)."""
+        if self.tokenizer is None:
+            return self.bytes.decode(bytes([token]))
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):  # an unfinished character: wait for its next bytes
+            return ""
+        new, self.shown = text[len(self.shown):], text
+        return new

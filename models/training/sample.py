@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import GPTConfig
-from ..generate import Text
+from ..generation import Text
 from ..gpt import GPT
 
 PROMPT = "def "  # the bundled corpus is Python source
