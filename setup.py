@@ -17,7 +17,9 @@ setup(
     ],
     extras_require={
         "hf": ["transformers>=4.48"],  # optional: GPT.from_hf / save_hf, tp.parallelize on HF models
-        "bench": ["matplotlib"],
-        "test": ["pytest>=7", "pytest-timeout", "transformers>=4.48", "matplotlib", "ruff>=0.6"],
+        "bench": ["matplotlib"],  # (also the JSONL log's plot at the end of a run)
+        "tensorboard": ["tensorboard"],  # optional: --tensorboard-dir
+        "wandb": ["wandb"],  # optional: --wandb-project
+        "test": ["pytest>=7", "pytest-timeout", "transformers>=4.48", "matplotlib", "ruff>=0.6", "tensorboard"],
     },
 )
