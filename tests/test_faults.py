@@ -92,8 +92,11 @@ def _logged_steps(log):
 
 
 def test_a_worker_killed_after_a_step_restarts_and_trains_the_uninterrupted_curve(tmp_path, uninterrupted):
+    import importlib.util
+
+    wandb = ["--wandb-project", "faults"] if importlib.util.find_spec("wandb") else []
     out, err, before, after = _resumed_job(tmp_path, lambda ckpt, log: _logged_steps(log) >= 3, "--tensorboard-dir",
-                                           str(tmp_path / "tb"))
+                                           str(tmp_path / "tb"), *wandb)
     resumed = re.search(r"the group restarted after a failure \(attempt 2\); resuming from \S+step-0*(\d+) \(step "
                         r"(\d+)\)", out)  # the newest complete checkpoint, in one line
     assert resumed and resumed[1] == resumed[2] and int(resumed[1]) in (2, 4, 6), out
@@ -105,6 +108,10 @@ def test_a_worker_killed_after_a_step_restarts_and_trains_the_uninterrupted_curv
     from .test_watch import assert_same_rows, tensorboard_rows
 
     assert_same_rows(tensorboard_rows(tmp_path / "tb"), final)  # the redone steps once, with the new values
+    if wandb:  # (offline: one run directory per attempt) the resumed attempt continues the checkpoint's W&B run
+        runs = sorted(os.listdir(tmp_path / "ckpt" / "logs" / "wandb"))
+        ids = {name.rsplit("-", 1)[1] for name in runs if name.startswith("offline-run-")}
+        assert len([n for n in runs if n.startswith("offline-run-")]) == 2 and len(ids) == 1, runs
     # (row 3 was logged, so step 2's checkpoint was committed: it started only after `latest` moved)
     assert after[:2] == before[:2]  # the rows up to the checkpoint kept as first written (their timings too)
     assert checkpoint_dirs.latest(str(tmp_path / "ckpt")).endswith("step-000008")

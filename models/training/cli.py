@@ -233,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     if job.launch.print_layout:
         return launch.print_layout_under_torchrun(job.parallelism.sizes, timeout)
     logs, config_file = launch.log_dir(job), args.config
+    job.logging.log_dir = logs  # (resolved: where the profiles and W&B go, what the done line names)
     written = os.path.join(logs, launch.CONFIG_FILE)
     if os.environ["RANK"] == "0" and not (config_file and os.path.realpath(config_file) == os.path.realpath(written)):
         config_file = launch.write_config(job, logs)  # under your own torchrun (ours wrote it and passed --config)
