@@ -134,8 +134,8 @@ class GPT(nn.Module):
                 x = x + weight[positions[0]].unsqueeze(1)
             elif c.sequence_parallel:  # this rank's positions
                 chunk = seq // self.tp_size
-                start = dist.get_rank(self.group) * chunk
-                x = x + weight[start:start + chunk].unsqueeze(1)
+                first = dist.get_rank(self.group) * chunk
+                x = x + weight[first:first + chunk].unsqueeze(1)
             else:
                 x = x + weight[start:start + seq].unsqueeze(1)
         return dropout(x, c.dropout, self.training, c.sequence_parallel, positions)

@@ -37,6 +37,11 @@ above, and each rank keeps its shard on load, so checkpoints move freely between
 The parameters are always stored as the fp32 masters (bf16 runs: not the bf16 copies; `optimizer` names the inner
 torch optimizer, AdamW), so a bf16 run resumes in fp32 and the other way round.
 
+Async saves (`save(..., async_group=)`, the job's --async-save): every tensor is copied to CPU first (the staging:
+training may change the originals from then on), then DCP's async_save writes them on a background thread, its
+collectives on `async_group` (a gloo group of its own: the training's groups stay the training thread's); the
+returned Future is done once the whole checkpoint, `.metadata` last, is on disk.
+
 RNG: restored only when the split (world size, tp, pp, dp, order) is unchanged, so resuming then is bit-exact with
 dropout too. At another split no rank's stream corresponds to a saved one: every rank keeps the generators it has
 (seed them with `tp.model_parallel_seed` before loading), and dropout masks differ from the uninterrupted run from

@@ -315,8 +315,8 @@ class Trainer:
                 print("note: no plot of the log: pip install matplotlib", file=sys.stderr, flush=True)
         print(self.done_line(first_loss, last, plotted), flush=True)
 
-    def sample(self) -> str | None:
-        """The greedy sample (sample.py); None when the model cannot take the prompt."""
+    def sample(self) -> str:
+        """The greedy sample (sample.py): the prompt and its continuation (collective over every rank)."""
         from .tokens import load_tokenizer
 
         for chunk in self.buffered:  # zero1: the last step's all-gathers
@@ -377,7 +377,8 @@ def train(job: JobConfig, *, config_file: str | None = None) -> int:
 
 
 def restart_note() -> str:
-    """"the group restarted (attempt N); " on a rank torchrun restarted, else ""."""
+    """The start of rank 0's resume line when torchrun restarted the group ("the group restarted after a failure
+    (attempt N); "), else an empty string."""
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     return f"the group restarted after a failure (attempt {attempt + 1}); " if attempt else ""
 
