@@ -1,31 +1,43 @@
-"""Context-parallel attention: ring vs all-gather vs dense, measured on gloo ranks and modelled at scale.
+"""Context-parallel attention: ring vs all-gather vs Ulysses (a2a, a2a+ring) vs dense, measured on gloo ranks and
+modelled at scale.
 
     python -m bench.attention [--seq 256 512 1024 2048] [--cp 1 2 4] [--heads 4 --kv-heads 4 --head-dim 64]
-                              [--iters 5] [--out PATH] [--json]      (JSON to a temporary folder unless --out)
+                              [--a2a-size 2] [--iters 5] [--out PATH] [--json]   (JSON to a temp folder unless --out)
 
 Measured: fwd+bwd of causal attention over s tokens (batch 1, fp32, one thread per rank), each cp size on its own
 spawned ranks (gloo; NCCL when there are cp GPUs):
   dense       F.scaled_dot_product_attention over the whole sequence, in this process, one thread (the cp = 1 row)
   ring        tp.context_parallel_attention(mode="ring") on cp ranks, each holding s/cp tokens (cp_shard)
   allgather   the same, mode="allgather"
+  a2a         the same, mode="a2a" (Ulysses; where the heads split over cp)
+  a2a+ring    the same, mode="a2a+ring", a2a_size=--a2a-size (where cp is a larger multiple of it)
 Time: the modes run round-robin; a step is timed between barriers (the slowest rank); median of --iters after
 --warmup. Memory per rank (the largest over the ranks), from one untimed step: "saved" = bytes of the distinct
 storages autograd saves for backward (saved_tensors_hooks; inputs included), "largest" = the largest tensor any op
 returns in forward or backward (a TorchDispatchMode); their sum bounds the peak the attention adds from below. Not
-RSS. err = max |out − dense out| over this rank's share; ring and allgather outputs and q/k/v grads are compared too.
+RSS. err = max |out − dense out| over this rank's share; "vs ring" = the largest difference of the outputs and q/k/v
+grads from the ring's.
 
-Modelled (per layer and rank, causal, balanced, batch 1, bf16 on the wire and in the blocks, fp32 dK/dV; roofline.py's
-profiles, compute at the peak C, the α-β model with α = --latency-us per message or collective): n = S/cp tokens per
-rank, a KV message is 2·Hkv·n·d·e bytes. Every ring step computes the same causal work, half of an n x n block of
-H heads: t_blk = 2·H·n²·d / C forward, 2.5x that backward (flash's 5 matmuls for 2), plus folding the partial output
-(forward) or dq (backward) into an fp32 accumulator, t_acc = 3·4·H·n·d / HBM. The transfer hides under the block when
-t_blk >= t_kv + α, i.e. n >= (Hkv/H)·e·C/W without latency.
+Modelled (per layer and rank, causal, balanced, batch 1, bf16 on the wire and in the blocks, fp32 dK/dV in the ring;
+roofline.py's profiles, compute at the peak C, the α-β model with α = --latency-us per message or collective): n =
+S/cp tokens per rank, a KV message is 2·Hkv·n·d·e bytes. Every ring step computes the same causal work, half of an
+n x n block of H heads: t_blk = 2·H·n²·d / C forward, 2.5x that backward (flash's 5 matmuls for 2), plus folding the
+partial output (forward) or dq (backward) into an fp32 accumulator, t_acc = 3·4·H·n·d / HBM. The transfer hides
+under the block when t_blk >= t_kv + α, i.e. n >= (Hkv/H)·e·C/W without latency.
   ring fwd       = t_blk + (cp−1)·max(t_blk, t_kv + α) + cp·t_acc
   ring bwd       = 2.5·t_blk + (cp−1)·max(2.5·t_blk, t_kv + t_dkv + α) + cp·t_acc + t_dkv + α  (dK/dV's hop home)
   allgather fwd  = (cp−1)·t_kv + α + cp·t_blk              (one all-gather, exposed; one kernel per chunk, no merge)
   allgather bwd  = cp·2.5·t_blk + (cp−1)·t_dkv + α           (one reduce-scatter of fp32 dK/dV, exposed)
+  a2a fwd        = a2a(q) + a2a(k) + a2a(v) + cp·t_blk + a2a(out)   (the same causal work: H/cp heads over S tokens)
+  a2a bwd        = the 4 all-to-alls again + 2.5·cp·t_blk
+                   a2a(x) = α + (cp−1)/cp · bytes(x) / W, exposed; k and v carry max(Hkv, cp) heads (replicated)
+  a2a+ring       all-to-alls inside sub-groups of A = --model-a2a-size ranks over the node's NVLink (h100-ib-gpu: the
+                 H100 node's 450 GB/s), then the ring above across cp/A sub-groups over the profile's link, each rank
+                 holding A·n tokens of H/A heads (its blocks A times larger, its KV messages of max(Hkv, A) heads)
 The all-gather wins when the blocks are too small to hide anything (latency-bound: the ring pays α and a merge per
-step) and KV is small (GQA); the ring wins when the exposed all-gather of K and V is large (MHA, low W).
+step) and KV is small (GQA); the ring wins when the exposed all-gather of K and V is large (MHA, low W); Ulysses
+moves 4 tensors once per direction whatever cp (each rank's share shrinks with cp), exposed: it wins on fast links
+with many heads, and loses across slow links, where a2a+ring keeps its all-to-alls inside the node.
 """
 import argparse
 import contextlib
@@ -46,10 +58,23 @@ from tp import testing
 from .common import at_least, check_out, machine, print_table, round_robin_times, scratch_path, write_json
 from .roofline import HARDWARE
 
-MODES = ("ring", "allgather")
+MODES = ("ring", "allgather", "a2a", "a2a+ring")
 # A cp ring across nodes sends over each GPU's own NIC: roofline's h100-ib is a node's 8 NICs (400 GB/s), one is 50.
 PROFILES = {"h100-nvlink": HARDWARE["h100-nvlink"], "a100-nvlink": HARDWARE["a100-nvlink"],
             "h100-ib-gpu": dataclasses.replace(HARDWARE["h100-ib"], name="h100-ib-gpu", link=50e9)}
+NODE_LINK = {"h100-ib-gpu": HARDWARE["h100-nvlink"].link}  # a2a+ring's all-to-alls inside the node (else the link)
+
+
+def measured_modes(cp, heads, kv_heads, a2a_size):
+    """{mode: a2a_size} of the modes that run at this cp: a2a where the heads split over cp, a2a+ring where cp is a
+    larger multiple of a2a_size and the heads split over it."""
+    splits = lambda size: heads % size == 0 and (kv_heads % size == 0 or size % kv_heads == 0)  # noqa: E731
+    modes = {"ring": None, "allgather": None}
+    if splits(cp):
+        modes["a2a"] = None
+    if cp > a2a_size and cp % a2a_size == 0 and splits(a2a_size):
+        modes["a2a+ring"] = a2a_size
+    return modes
 
 
 # ---- measured ------------------------------------------------------------------------------------------------------
@@ -125,20 +150,22 @@ def measure_dense(seq, heads, kv_heads, head_dim, iters, warmup):
         torch.set_num_threads(threads)
 
 
-def measure_rank(seq, heads, kv_heads, head_dim, iters, warmup):
+def measure_rank(seq, heads, kv_heads, head_dim, iters, warmup, a2a_size):
     """On the cp ranks: {mode: [seconds (the slowest rank's), saved bytes, largest bytes (this rank's), max error vs
-    dense]} and ring vs allgather (outputs and grads)."""
+    dense, max difference from the ring (outputs and grads)]}."""
     torch.set_num_threads(1)
     tp.init_mesh(cp=dist.get_world_size())
     device = testing.device()
     full, dense_out = _inputs(seq, heads, kv_heads, head_dim, device)
-    inputs = {mode: [tp.cp_shard(t, 2).clone().requires_grad_(i < 3) for i, t in enumerate(full)] for mode in MODES}
-    attend = {mode: (lambda q, k, v, mode=mode: tp.context_parallel_attention(q, k, v, mode=mode)) for mode in MODES}
+    modes = measured_modes(dist.get_world_size(), heads, kv_heads, a2a_size)
+    inputs = {mode: [tp.cp_shard(t, 2).clone().requires_grad_(i < 3) for i, t in enumerate(full)] for mode in modes}
+    attend = {mode: (lambda q, k, v, mode=mode: tp.context_parallel_attention(q, k, v, mode=mode,
+                                                                              a2a_size=modes[mode])) for mode in modes}
     sync = (lambda: (torch.cuda.synchronize(), dist.barrier())) if device.type == "cuda" else dist.barrier
     result, outputs = _run(attend, inputs, iters=iters, warmup=warmup, sync=sync)
-    for mode in MODES:
+    for mode in modes:
         result[mode].append((outputs[mode][0] - tp.cp_shard(dense_out, 2)).abs().max().item())
-    result["ring_vs_allgather"] = max((a - b).abs().max().item() for a, b in zip(outputs["ring"], outputs["allgather"]))
+        result[mode].append(max((a - b).abs().max().item() for a, b in zip(outputs[mode], outputs["ring"])))
     return result
 
 
@@ -152,44 +179,61 @@ def measure(a):
                 rows.append(_row(seq, 1, "dense", dense_s, saved, largest, None, None, dense_s))
                 continue
             per_rank = testing.run(measure_rank, world_size=cp, timeout=3600, seq=seq, heads=a.heads,
-                                   kv_heads=a.kv_heads, head_dim=a.head_dim, iters=a.iters, warmup=a.warmup)
-            for mode in MODES:
-                saved, largest, err = (max(r[mode][i] for r in per_rank) for i in (1, 2, 3))
+                                   kv_heads=a.kv_heads, head_dim=a.head_dim, iters=a.iters, warmup=a.warmup,
+                                   a2a_size=a.a2a_size)
+            for mode in measured_modes(cp, a.heads, a.kv_heads, a.a2a_size):
+                saved, largest, err, vs_ring = (max(r[mode][i] for r in per_rank) for i in (1, 2, 3, 4))
                 rows.append(_row(seq, cp, mode, per_rank[0][mode][0], saved, largest, err,
-                                 max(r["ring_vs_allgather"] for r in per_rank), dense_s))
+                                 None if mode == "ring" else vs_ring, dense_s))
     return rows
 
 
-def _row(seq, cp, mode, seconds, saved, largest, err, ring_vs_allgather, dense_s):
+def _row(seq, cp, mode, seconds, saved, largest, err, vs_ring, dense_s):
     return {"seq": seq, "cp": cp, "mode": mode, "ms": 1e3 * seconds, "vs_dense": seconds / dense_s if dense_s else None,
             "saved_mib": saved / 2**20, "largest_mib": largest / 2**20, "peak_mib": (saved + largest) / 2**20,
-            "err": err, "ring_vs_allgather": ring_vs_allgather}
+            "err": err, "vs_ring": vs_ring}
 
 
 # ---- modelled ------------------------------------------------------------------------------------------------------
 
 
-def model_row(hw, seq, cp, heads, kv_heads, head_dim, latency):
-    """Modelled per-rank fwd+bwd seconds of one causal attention layer in both modes (module docstring)."""
-    n, e, acc = seq // cp, hw.element_size, 4
-    t_blk = 2 * heads * n * n * head_dim / hw.flops
-    t_acc = 3 * acc * heads * n * head_dim / hw.hbm
-    t_kv = 2 * kv_heads * n * head_dim * e / hw.link
-    t_dkv = 2 * kv_heads * n * head_dim * acc / hw.link
-    ring_fwd = t_blk + (cp - 1) * max(t_blk, t_kv + latency) + cp * t_acc
-    ring_bwd = 2.5 * t_blk + (cp - 1) * max(2.5 * t_blk, t_kv + t_dkv + latency) + cp * t_acc + t_dkv + latency
-    allgather_fwd = (cp - 1) * t_kv + latency + cp * t_blk
-    allgather_bwd = cp * 2.5 * t_blk + (cp - 1) * t_dkv + latency
-    ring, allgather = ring_fwd + ring_bwd, allgather_fwd + allgather_bwd
+def _ring_seconds(cp, t_blk, t_kv, t_dkv, t_acc, latency):
+    """fwd + bwd of the ring (module docstring)."""
+    fwd = t_blk + (cp - 1) * max(t_blk, t_kv + latency) + cp * t_acc
+    bwd = 2.5 * t_blk + (cp - 1) * max(2.5 * t_blk, t_kv + t_dkv + latency) + cp * t_acc + t_dkv + latency
+    return fwd + bwd
+
+
+def _a2a_seconds(size, tensor_bytes, link, latency):
+    """The 4 all-to-alls forward and 4 backward over `size` ranks: (size−1)/size of each tensor leaves a rank."""
+    return 2 * sum(latency + (size - 1) / size * b / link for b in tensor_bytes)
+
+
+def model_row(hw, seq, cp, heads, kv_heads, head_dim, latency, a2a_size=4):
+    """Modelled per-rank fwd+bwd seconds of one causal attention layer in every mode (module docstring)."""
+    n, e, acc, d = seq // cp, hw.element_size, 4, head_dim
+    t_blk = 2 * heads * n * n * d / hw.flops
+    t_acc = 3 * acc * heads * n * d / hw.hbm
+    t_kv, t_dkv = (2 * kv_heads * n * d * size / hw.link for size in (e, acc))
+    ring = _ring_seconds(cp, t_blk, t_kv, t_dkv, t_acc, latency)
+    allgather = (cp - 1) * t_kv + latency + cp * t_blk + cp * 2.5 * t_blk + (cp - 1) * t_dkv + latency
+    a2a = 3.5 * cp * t_blk + _a2a_seconds(cp, [x * n * d * e for x in (heads, max(kv_heads, cp)) * 2], hw.link,
+                                          latency)
+    a, kv_a = a2a_size, max(kv_heads, a2a_size)  # the ring's ranks hold a·n tokens of heads/a heads
+    a2a_ring = _a2a_seconds(a, [x * n * d * e for x in (heads, kv_a) * 2], NODE_LINK.get(hw.name, hw.link), latency)
+    a2a_ring += _ring_seconds(cp // a, a * t_blk, 2 * kv_a * n * d * e / hw.link, 2 * kv_a * n * d * acc / hw.link,
+                              t_acc, latency)
+    times = {"ring": ring, "allgather": allgather, "a2a": a2a, "a2a+ring": a2a_ring}
     return {"hardware": hw.name, "seq": seq, "cp": cp, "heads": f"{heads}/{kv_heads}", "n": n,
             "block_us": 1e6 * t_blk, "kv_us": 1e6 * (t_kv + latency), "hidden": t_blk >= t_kv + latency,
             "hide_from_n": kv_heads / heads * e * hw.flops_per_link_byte,
-            "ring_ms": 1e3 * ring, "allgather_ms": 1e3 * allgather, "compute_ms": 1e3 * 3.5 * cp * t_blk,
-            "winner": "ring" if ring < allgather else "allgather"}
+            **{f"{mode.replace('+', '_')}_ms": 1e3 * t for mode, t in times.items()},
+            "compute_ms": 1e3 * 3.5 * cp * t_blk, "winner": min(times, key=times.get)}
 
 
 def model(a):
-    return [model_row(PROFILES[name], seq, cp, a.heads_model, kv, a.head_dim_model, a.latency_us * 1e-6)
+    return [model_row(PROFILES[name], seq, cp, a.heads_model, kv, a.head_dim_model, a.latency_us * 1e-6,
+                      a.model_a2a_size)
             for name in a.hardware for cp in a.model_cp for seq in a.model_seq for kv in (a.heads_model, a.kv_model)]
 
 
@@ -199,12 +243,13 @@ MEASURED_COLUMNS = [
     ("seq", "s", "{}"), ("cp", "cp", "{}"), ("mode", "mode", "{}"), ("ms", "fwd+bwd ms", "{:.2f}"),
     ("vs_dense", "vs dense", "{:.2f}"), ("saved_mib", "saved MiB", "{:.2f}"), ("largest_mib", "largest MiB", "{:.2f}"),
     ("peak_mib", "saved+largest MiB", "{:.2f}"), ("err", "err vs dense", "{:.1e}"),
-    ("ring_vs_allgather", "ring vs allgather", "{:.1e}")]
+    ("vs_ring", "vs ring", "{:.1e}")]
 MODEL_COLUMNS = [
     ("hardware", "hardware", "{}"), ("seq", "S", "{}"), ("cp", "cp", "{}"), ("heads", "H/Hkv", "{}"),
     ("n", "n=S/cp", "{}"), ("block_us", "block us", "{:.1f}"), ("kv_us", "KV+α us", "{:.1f}"),
     ("hidden", "hidden", "{}"), ("ring_ms", "ring ms", "{:.3f}"), ("allgather_ms", "allgather ms", "{:.3f}"),
-    ("compute_ms", "compute ms", "{:.3f}"), ("winner", "faster", "{}")]
+    ("a2a_ms", "a2a ms", "{:.3f}"), ("a2a_ring_ms", "a2a+ring ms", "{:.3f}"), ("compute_ms", "compute ms", "{:.3f}"),
+    ("winner", "fastest", "{}")]
 
 
 def parser():
@@ -215,6 +260,7 @@ def parser():
     p.add_argument("--heads", type=at_least(1), default=4)
     p.add_argument("--kv-heads", type=at_least(1), default=4)
     p.add_argument("--head-dim", type=at_least(1), default=64)
+    p.add_argument("--a2a-size", type=at_least(1), default=2, help="measured a2a+ring's sub-group size")
     p.add_argument("--iters", type=at_least(1), default=5)
     p.add_argument("--warmup", type=at_least(0), default=1)
     p.add_argument("--hardware", nargs="+", choices=tuple(PROFILES), default=list(PROFILES))
@@ -223,6 +269,8 @@ def parser():
     p.add_argument("--heads-model", type=at_least(1), default=32, help="modelled query heads (Llama 3 8B: 32)")
     p.add_argument("--kv-model", type=at_least(1), default=8, help="modelled GQA kv heads (beside MHA)")
     p.add_argument("--head-dim-model", type=at_least(1), default=128)
+    p.add_argument("--model-a2a-size", type=at_least(1), default=4,
+                   help="modelled a2a+ring's sub-group size (its all-to-alls inside a node)")
     p.add_argument("--latency-us", type=float, default=10.0,
                    help="α per p2p message or collective, µs (an assumption; the profiles list bandwidth only)")
     p.add_argument("--out", default=scratch_path("attention.json"),
@@ -241,6 +289,10 @@ def main(argv=None):
     if a.heads % a.kv_heads or a.heads_model % a.kv_model:
         p.error(f"--heads {a.heads} / --heads-model {a.heads_model} must be multiples of --kv-heads {a.kv_heads} / "
                 f"--kv-model {a.kv_model}")
+    bad = [cp for cp in a.model_cp if a.heads_model % cp or cp % a.model_a2a_size or a.heads_model % a.model_a2a_size]
+    if bad:
+        p.error(f"--model-cp {bad[0]}: --heads-model {a.heads_model} must split over it (a2a) and it over "
+                f"--model-a2a-size {a.model_a2a_size} (a2a+ring), heads too")
     measured, modelled = measure(a), model(a)
     payload = {"machine": machine(), "load_average": os.getloadavg(), "args": vars(a), "measured": measured,
                "model": modelled}

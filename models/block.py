@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import tp
+from tp.context import document_attention_mask
 from tp.mesh import SharedGroup, resolve_cp_group, resolve_group
 
 from .config import GPTConfig
@@ -95,20 +96,35 @@ def rope_frequencies(head_dim: int, theta: float, scaling: dict | None = None,
 
 
 @functools.lru_cache(maxsize=16)
-def _rope_tables(seq, head_dim, theta, scaling, device, dtype):
-    """cos and sin [s, d] (computed in fp32, HF's way), once per shape: every layer and step reuses them."""
-    inv_freq = rope_frequencies(head_dim, theta, dict(scaling) if scaling else None, device)
-    freqs = torch.outer(torch.arange(seq, dtype=torch.float32, device=device), inv_freq)  # [s, d/2]
-    angles = torch.cat((freqs, freqs), dim=-1)  # [s, d]
+def _inverse_frequencies(head_dim, theta, scaling, device):
+    return rope_frequencies(head_dim, theta, dict(scaling) if scaling else None, device)
+
+
+def _rope_angles(positions, inv_freq, dtype):
+    """cos and sin [..., d] at `positions` [...] (fp32 products, HF's way)."""
+    freqs = positions.to(torch.float32).unsqueeze(-1) * inv_freq  # [..., d/2]
+    angles = torch.cat((freqs, freqs), dim=-1)
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
+@functools.lru_cache(maxsize=16)
+def _rope_tables(seq, head_dim, theta, scaling, device, dtype):
+    """cos and sin [s, d], once per shape: every layer and step reuses them."""
+    inv_freq = _inverse_frequencies(head_dim, theta, scaling, device)
+    return _rope_angles(torch.arange(seq, device=device), inv_freq, dtype)
+
+
 def rope(x: torch.Tensor, theta: float, scaling: dict | None = None,
-         positions: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
+         positions: tuple[torch.Tensor, int] | torch.Tensor | None = None) -> torch.Tensor:
     """Rotary embeddings, rotate-half convention (HF and Megatron), on [b, n, s, d] heads at positions 0..s-1, or at
-    `positions` = (global positions [s/cp], sequence length s) of a context-parallel shard (no host sync); `scaling`:
-    HF's rope parameters for "linear" or "llama3" scaling (None: plain)."""
+    `positions` = (global positions [s/cp], sequence length s) of a context-parallel shard (no host sync), or at
+    per-sequence positions [b, s] (positions restarting at each document); `scaling`: HF's rope parameters for
+    "linear" or "llama3" scaling (None: plain)."""
     key = tuple(sorted(scaling.items())) if scaling else None
+    if isinstance(positions, torch.Tensor):  # [b, s]: each token's angles, as the table's rows (same fp32 products)
+        inv_freq = _inverse_frequencies(x.shape[-1], theta, key, x.device)
+        cos, sin = (t.unsqueeze(1) for t in _rope_angles(positions, inv_freq, x.dtype))  # [b, 1, s, d]
+        return x * cos + rotate_half(x) * sin
     positions, length = (None, x.shape[-2]) if positions is None else positions
     cos, sin = _rope_tables(length, x.shape[-1], theta, key, x.device, x.dtype)
     if positions is not None:
@@ -135,9 +151,33 @@ def token_positions(rows: int, *, sequence_parallel: bool, tp_group: dist.Proces
     return _positions(rows, tp_size, tp_rank, cp_group, device)
 
 
+def token_rows(ids: torch.Tensor, *, sequence_parallel: bool, tp_group: dist.ProcessGroup | None,
+               cp_group: dist.ProcessGroup | None) -> torch.Tensor:
+    """This rank's rows of a per-token [b, s] tensor of the whole window (position ids): its cp share, under SP its
+    tp slice of that -> [b, rows], the rows of its activations [rows, b, h] in their order."""
+    if cp_group is not None and dist.get_world_size(cp_group) > 1:
+        ids = tp.cp_shard(ids, 1, group=cp_group)
+    if sequence_parallel:
+        ids = ids.chunk(dist.get_world_size(tp_group), dim=1)[dist.get_rank(tp_group)]
+    return ids
+
+
+def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
+    """[b, s] each token's index inside its document (the tokens of equal id), counted in window order: the
+    positions a document has when it is run on its own."""
+    b, s = document_ids.shape
+    order = document_ids.argsort(dim=1, stable=True)  # each document's tokens together, in window order
+    ids = document_ids.gather(1, order)
+    index = torch.arange(s, device=document_ids.device).expand(b, s)
+    first = torch.ones(b, 1, dtype=torch.bool, device=ids.device)
+    starts = torch.where(torch.cat([first, ids[:, 1:] != ids[:, :-1]], 1), index, 0).cummax(1).values
+    return torch.empty_like(order).scatter_(1, order, index - starts)
+
+
 class Attention(nn.Module):
     """Causal self-attention: one fused QKV ColumnParallelLinear (each rank its own q, k and v heads; kv heads
-    replicated when fewer than tp), RoPE, scaled_dot_product_attention, RowParallelLinear out."""
+    replicated when fewer than tp), RoPE, scaled_dot_product_attention, RowParallelLinear out. `document_ids` and
+    `position_ids` ([b, s] of the whole window) keep attention inside each document and place RoPE."""
 
     group, cp_group = SharedGroup(), SharedGroup()  # deep copies (EMA, reference models) share the groups
 
@@ -147,7 +187,7 @@ class Attention(nn.Module):
         self.group, self.cp_group = resolve_group(group), resolve_cp_group(cp_group)
         size = dist.get_world_size(self.group)
         config.check_tp(size)
-        config.check_cp(1 if self.cp_group is None else dist.get_world_size(self.cp_group))
+        config.check_cp(1 if self.cp_group is None else dist.get_world_size(self.cp_group), size)
         heads, kv_heads, d = config.num_heads, config.num_kv_heads, config.head_dim
         kv_replicas = size // kv_heads if kv_heads < size else 1
         self.local_heads, self.local_kv_heads = heads // size, kv_heads * kv_replicas // size
@@ -162,33 +202,45 @@ class Attention(nn.Module):
             sequence_parallel_grad_sync=config.sequence_parallel_grad_sync,
             init_method=normal_init(config.init_std / math.sqrt(2 * config.num_layers)), _init=_init)
 
-    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:  # [b, n, s(/cp), d]
-        """Softmax(qkᵀ/√d)v, causal; heads are tp-sharded, so attention dropout draws per-rank masks. Under context
-        parallelism the queries of this rank's tokens attend to the whole sequence (K/V ringed or gathered)."""
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             document_ids: torch.Tensor | None = None) -> torch.Tensor:  # [b, n, s(/cp), d]
+        """Softmax(qkᵀ/√d)v, causal (inside each document with `document_ids` [b, s]); heads are tp-sharded, so
+        attention dropout draws per-rank masks. Under context parallelism the queries of this rank's tokens attend to
+        the whole sequence (tp.context_parallel_attention)."""
+        c = self.config
         if self.cp_group is not None and dist.get_world_size(self.cp_group) > 1:
-            return tp.context_parallel_attention(q, k, v, causal=True, mode=self.config.cp_mode, group=self.cp_group)
-        p = self.config.attention_dropout if self.training else 0.0
+            return tp.context_parallel_attention(q, k, v, causal=True, mode=c.cp_mode, group=self.cp_group,
+                                                 document_ids=document_ids, a2a_size=c.cp_a2a_size)
+        p = c.attention_dropout if self.training else 0.0
+        mask = None if document_ids is None else document_attention_mask(document_ids)  # block-diagonal causal
         with tp.fork_rng() if p else contextlib.nullcontext():  # GQA: query head i reads kv head i // (n / n_kv)
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=mask is None,
                                                   enable_gqa=self.local_heads != self.local_kv_heads)
 
-    def forward(self, x: torch.Tensor, cache: "LayerCache | None" = None) -> torch.Tensor:  # [s(/cp)(/tp), b, h]
+    def forward(self, x: torch.Tensor, *, document_ids: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None,
+                cache: "LayerCache | None" = None) -> torch.Tensor:  # [s(/cp)(/tp), b, h]
         qkv = self.qkv(x)  # [s(/cp), b, (heads + 2 kv_heads)·d / tp]
         q_and_k = (self.local_heads + self.local_kv_heads) * self.head_dim
         qk, v = (rearrange(t, "s b (n d) -> b n s d", d=self.head_dim) for t in qkv.split(
             [q_and_k, qkv.shape[-1] - q_and_k], dim=-1))
         if self.config.position == "rope":
-            positions = token_positions(qkv.shape[0], sequence_parallel=False, tp_group=self.group,
-                                        cp_group=self.cp_group, device=qkv.device) if cache is None \
-                else cache.positions(qkv.shape[0], qkv.device)  # generation: the tokens after the cached ones
+            if cache is not None:  # generation: the tokens after the cached ones
+                positions = cache.positions(qkv.shape[0], qkv.device)
+            elif position_ids is None:
+                positions = token_positions(qkv.shape[0], sequence_parallel=False, tp_group=self.group,
+                                            cp_group=self.cp_group, device=qkv.device)
+            else:  # [b, s/cp]: this rank's tokens' (the SP gather above gave it all of them)
+                positions = token_rows(position_ids, sequence_parallel=False, tp_group=self.group,
+                                       cp_group=self.cp_group)
             qk = rope(qk, self.config.rope_theta, self.config.rope_scaling, positions)  # q and k in one pass
         q, k = qk.split([self.local_heads, self.local_kv_heads], dim=1)
         if cache is not None:  # generation (models/generation.py): attend to this rank's heads' cached keys too
             return self.proj(rearrange(cache.attend(q, k, v), "b n s d -> s b (n d)"))
         if self.config.recompute == "selective" and torch.is_grad_enabled():
-            context = checkpoint(self.core, q, k, v, use_reentrant=False)  # keep q, k, v; recompute the rest
+            context = checkpoint(self.core, q, k, v, document_ids, use_reentrant=False)  # keep q, k, v
         else:
-            context = self.core(q, k, v)
+            context = self.core(q, k, v, document_ids)
         return self.proj(rearrange(context, "b n s d -> s b (n d)"))  # [s(/tp), b, h]
 
 
@@ -227,7 +279,8 @@ def dropout(x: torch.Tensor, p: float, training: bool, sequence_parallel: bool,
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm block: x + attention(norm(x)), then x + mlp(norm(x)). [s(/tp), b, h] -> same."""
+    """Pre-norm block: x + attention(norm(x)), then x + mlp(norm(x)). [s(/tp), b, h] -> same; `document_ids` and
+    `position_ids` ([b, s] of the whole window) go to the attention."""
 
     group, cp_group = SharedGroup(), SharedGroup()  # deep copies (EMA, reference models) share the groups
 
@@ -243,17 +296,19 @@ class TransformerBlock(nn.Module):
         self.norm2 = Norm(config.norm, config.hidden_size, config.norm_eps, **norm)
         self.mlp = MLP(config, group=self.group, _init=_init)
 
-    def _forward(self, x, cache=None):
+    def _forward(self, x, document_ids=None, position_ids=None, cache=None):
         c = self.config
         positions = token_positions(x.shape[0], sequence_parallel=c.sequence_parallel, tp_group=self.group,
                                     cp_group=self.cp_group, device=x.device) if c.dropout and self.training else None
-        x = x + dropout(self.attention(self.norm1(x), cache), c.dropout, self.training, c.sequence_parallel,
-                        positions)
+        attention = self.attention(self.norm1(x), document_ids=document_ids, position_ids=position_ids, cache=cache)
+        x = x + dropout(attention, c.dropout, self.training, c.sequence_parallel, positions)
         return x + dropout(self.mlp(self.norm2(x)), c.dropout, self.training, c.sequence_parallel, positions)
 
-    def forward(self, x: torch.Tensor, cache: "LayerCache | None" = None) -> torch.Tensor:  # [s(/tp), b, h]
+    def forward(self, x: torch.Tensor, *, document_ids: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None,
+                cache: "LayerCache | None" = None) -> torch.Tensor:  # [s(/tp), b, h]
         if cache is not None:  # generation: no graph to recompute
-            return self._forward(x, cache)
-        if self.config.recompute == "full" and torch.is_grad_enabled():
-            return checkpoint(self._forward, x, use_reentrant=False)  # keep the block's input only
-        return self._forward(x)
+            return self._forward(x, cache=cache)
+        if self.config.recompute == "full" and torch.is_grad_enabled():  # keep the block's input only
+            return checkpoint(self._forward, x, document_ids, position_ids, use_reentrant=False)
+        return self._forward(x, document_ids, position_ids)

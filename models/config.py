@@ -11,8 +11,8 @@ RECOMPUTE = ("none", "selective", "full")
 HF_FAMILIES = ("llama", "mistral", "qwen2", "gpt2")  # the Hugging Face families save_hf writes
 # Fields that change how a model runs, not its weights: free to differ between a checkpoint and its resumption.
 RUNTIME_FIELDS = ("sequence_parallel", "sequence_parallel_grad_sync", "recompute", "dropout",
-                  "attention_dropout", "cp_mode")
-CP_MODES = ("ring", "allgather")
+                  "attention_dropout", "cp_mode", "cp_a2a_size")
+CP_MODES = ("ring", "allgather", "a2a", "a2a+ring")
 
 
 ROPE_SCALING_FIELDS = {"linear": ("factor",),
@@ -67,8 +67,10 @@ class GPTConfig:
     sequence_parallel_grad_sync: bool = True
     recompute: str = "none"  # "selective": the attention core; "full": every block
     # context parallelism (a cp group of the mesh): "ring" passes K/V around the group, overlapped with the blocks'
-    # attention; "allgather" gathers K/V once (Llama 3's way)
+    # attention; "allgather" gathers K/V once (Llama 3's way); "a2a" (Ulysses) trades the sequence split for a head
+    # split with all-to-alls; "a2a+ring": all-to-alls inside sub-groups of cp_a2a_size ranks, a ring across them
     cp_mode: str = "ring"
+    cp_a2a_size: int | None = None  # (a2a+ring only)
     make_vocab_size_divisible_by: int = 128
     init_std: float = 0.02
     sliding_window: int | None = None  # not implemented: sequences longer than this are refused
@@ -91,6 +93,10 @@ class GPTConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an integer >= 1")
+        if self.cp_a2a_size is not None and (self.cp_mode != "a2a+ring" or isinstance(self.cp_a2a_size, bool)
+                                             or not isinstance(self.cp_a2a_size, int) or self.cp_a2a_size < 1):
+            raise ValueError(f"cp_a2a_size={self.cp_a2a_size!r} must be an integer >= 1, with cp_mode='a2a+ring' "
+                             f"(cp_mode={self.cp_mode!r})")
         if self.hf_model_type is not None and self.hf_model_type not in HF_FAMILIES:
             raise ValueError(f"hf_model_type={self.hf_model_type!r} must be one of {HF_FAMILIES} (or None: "
                              "inferred)")
@@ -116,11 +122,21 @@ class GPTConfig:
         if self.ffn_hidden_size % tp:
             raise ValueError(f"ffn_hidden_size={self.ffn_hidden_size} is not divisible by tp={tp}")
 
-    def check_cp(self, cp: int) -> None:
-        """Raise a ValueError naming the value if this model cannot run on a context-parallel group of `cp` ranks."""
+    def check_cp(self, cp: int, tp: int = 1) -> None:
+        """Raise a ValueError naming the value if this model cannot run on a context-parallel group of `cp` ranks
+        (with `tp` tensor-parallel ranks: the a2a modes split each rank's heads)."""
         if cp > 1 and self.attention_dropout:
             raise ValueError(f"attention_dropout={self.attention_dropout} with cp={cp}: attention dropout is not "
                              "supported under context parallelism (residual dropout is)")
+        if cp == 1 or self.cp_mode not in ("a2a", "a2a+ring"):
+            return
+        if self.cp_mode == "a2a+ring" and (self.cp_a2a_size is None or cp % self.cp_a2a_size):
+            raise ValueError(f"cp_mode='a2a+ring' needs cp_a2a_size, a divisor of cp={cp}; got {self.cp_a2a_size}")
+        size = cp if self.cp_mode == "a2a" else self.cp_a2a_size
+        heads, kv_heads = self.num_heads // tp, max(self.num_kv_heads // tp, 1)  # per tp rank (kv replicated)
+        if heads % size or (kv_heads % size and size % kv_heads):
+            raise ValueError(f"cp_mode={self.cp_mode!r} splits each tp rank's num_heads/tp={heads} (kv heads "
+                             f"{kv_heads}) over {size} ranks: not divisible")
 
     def check_seq_len(self, seq_len: int, *, tp: int = 1, cp: int = 1) -> None:
         """Raise a ValueError naming both numbers unless `seq_len` splits into 2·cp load-balanced chunks (and each

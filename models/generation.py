@@ -33,6 +33,11 @@ class KVCache:
     def layer(self, index: int) -> "LayerCache":
         return LayerCache(self, index)
 
+    def position_ids(self, tokens: torch.Tensor) -> torch.Tensor:
+        """[b, s]: the positions of `tokens` [b, s], which follow the cached ones."""
+        start, (batch, count) = self.length, tokens.shape
+        return torch.arange(start, start + count, device=tokens.device).expand(batch, count)
+
     def advance(self, count: int) -> None:
         """`count` more positions are cached (every layer has written them)."""
         self.length += count

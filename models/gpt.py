@@ -11,6 +11,12 @@ position, attention covers the whole sequence, `model(tokens)` returns the full 
 tp×cp. Each cp rank's backward then yields its share of the gradient: the sum over the cp group (not the mean) is the
 gradient of that loss, so data parallelism reduces over dp×cp summing over cp (models.training.trainer does).
 
+Documents (a window packing several): `model(tokens, targets, document_ids=ids)` with ids [b, s] (equal ids: one
+document) keeps attention inside each document and restarts the positions at each document's first token, so the
+window computes what its documents compute one by one; `position_ids` [b, s] gives the positions instead (documents
+without position resets, or positions alone). Both describe the whole window on every rank (every pipeline stage
+and cp rank), as the tokens do.
+
 Initialisation is TP- and PP-invariant: the embedding, every block and the output layer draw their full master
 weights from their own seed, derived from one draw of the default generator, so `torch.manual_seed(s); GPT(cfg)`
 holds at any tp the slices of the TP=1 weights, and a pipeline stage holding layers i..j holds exactly those layers
@@ -28,7 +34,7 @@ import tp
 from tp.mesh import SharedGroup, resolve_cp_group, resolve_group
 from tp.random import derive_seed
 
-from .block import Norm, TransformerBlock, dropout, normal_init, token_positions
+from .block import Norm, TransformerBlock, document_positions, dropout, normal_init, token_positions, token_rows
 from .config import GPTConfig
 
 if TYPE_CHECKING:
@@ -62,7 +68,7 @@ class GPT(nn.Module):
         self.tp_size = dist.get_world_size(self.group)
         self.cp_size = 1 if self.cp_group is None else dist.get_world_size(self.cp_group)
         config.check_tp(self.tp_size)
-        config.check_cp(self.cp_size)
+        config.check_cp(self.cp_size, self.tp_size)
         self.padded_vocab_size = config.padded_vocab_size(self.tp_size)
         self.layer_range = layers or (0, config.num_layers)
         if not 0 <= self.layer_range[0] <= self.layer_range[1] <= config.num_layers:
@@ -103,15 +109,15 @@ class GPT(nn.Module):
         master = normal_init(c.init_std)(torch.empty(c.vocab_size, c.hidden_size))
         return torch.cat([master, master.new_zeros(self.padded_vocab_size - c.vocab_size, c.hidden_size)])
 
-    def embed(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:  # [b, s] -> [s(/cp)(/tp), b, h]
-        """The tokens' embeddings, at positions start..start + s - 1 (start > 0: after a KV cache's tokens)."""
+    def embed(self, tokens: torch.Tensor,
+              position_ids: torch.Tensor | None = None) -> torch.Tensor:  # [b, s] -> [s(/cp)(/tp), b, h]
         c = self.config
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be [batch, seq], got shape {tuple(tokens.shape)}")
         seq = tokens.shape[1]
         limit = min(c.max_seq_len, c.sliding_window or c.max_seq_len)
-        if start + seq > limit:
-            raise ValueError(f"sequence length {start + seq} exceeds max_seq_len={c.max_seq_len}"
+        if seq > limit:
+            raise ValueError(f"sequence length {seq} exceeds max_seq_len={c.max_seq_len}"
                              + (f" / sliding_window={c.sliding_window} (not implemented)" if c.sliding_window else ""))
         if self.cp_size > 1:
             c.check_seq_len(seq, tp=self.tp_size, cp=self.cp_size)
@@ -130,14 +136,18 @@ class GPT(nn.Module):
             weight = self.position_embedding.weight
             if c.sequence_parallel and c.sequence_parallel_grad_sync:  # the others' rows get their grads elsewhere
                 weight, = tp.sync_grads_over_tp(weight, group=self.group)
-            if positions is not None:
+            if position_ids is not None:  # this rank's rows' [b, rows] -> [rows, b, h]
+                rows = token_rows(position_ids, sequence_parallel=c.sequence_parallel, tp_group=self.group,
+                                  cp_group=self.cp_group)
+                x = x + weight[rows].transpose(0, 1)
+            elif positions is not None:
                 x = x + weight[positions[0]].unsqueeze(1)
             elif c.sequence_parallel:  # this rank's positions
                 chunk = seq // self.tp_size
                 first = dist.get_rank(self.group) * chunk
                 x = x + weight[first:first + chunk].unsqueeze(1)
             else:
-                x = x + weight[start:start + seq].unsqueeze(1)
+                x = x + weight[:seq].unsqueeze(1)
         return dropout(x, c.dropout, self.training, c.sequence_parallel, positions)
 
     def head(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
@@ -175,16 +185,49 @@ class GPT(nn.Module):
             raise ValueError(f"targets shape {tuple(targets.shape)} != [batch, seq] {(hidden.shape[1], seq)} of this "
                              f"stage's input hidden {tuple(hidden.shape)} ([seq(/tp), batch, hidden])")
 
+    def _check_documents(self, tokens, hidden, document_ids, position_ids):
+        """document_ids and position_ids must be integer [b, s] like the window's tokens, positions in
+        [0, max_seq_len) (one host sync)."""
+        if self.pre_process:
+            shape = tuple(tokens.shape)
+        else:
+            shape = (hidden.shape[1], hidden.shape[0] * (self.tp_size if self.config.sequence_parallel else 1)
+                     * self.cp_size)
+        for name, ids in (("document_ids", document_ids), ("position_ids", position_ids)):
+            if ids is None:
+                continue
+            if tuple(ids.shape) != shape or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+                raise ValueError(f"{name} must be integers of the tokens' shape [batch, seq] {shape}, got "
+                                 f"{ids.dtype} {tuple(ids.shape)}")
+        if position_ids is not None:
+            low, high = torch.stack(torch.aminmax(position_ids)).tolist()
+            if low < 0 or high >= self.config.max_seq_len:
+                raise ValueError(f"position id {low if low < 0 else high} is outside [0, max_seq_len="
+                                 f"{self.config.max_seq_len})")
+
     def forward(self, tokens: torch.Tensor | None = None, targets: torch.Tensor | None = None, *,
-                hidden: torch.Tensor | None = None, cache: "KVCache | None" = None) -> torch.Tensor:
+                hidden: torch.Tensor | None = None, document_ids: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, cache: "KVCache | None" = None) -> torch.Tensor:
         """tokens [b, s] (first stage) or hidden [s(/tp), b, h] (later stages) -> loss / logits (last stage) or
-        hidden. `cache` (generation, models/generation.py): the tokens follow the cached ones, whose keys and values
-        each layer reads, and to which it adds these."""
+        hidden. document_ids [b, s]: attention inside each document, positions restarting at each (unless
+        position_ids [b, s] gives them); every stage takes them. `cache` (generation, models/generation.py): the
+        tokens follow the cached ones, whose keys and values each layer reads, and to which it adds these."""
         if targets is not None and self.post_process:
             self._check_targets(tokens, targets, hidden)  # every rank, before any collective
-        x = self.embed(tokens, 0 if cache is None else cache.length) if self.pre_process else hidden
+        if cache is not None:  # the positions after the cached tokens
+            position_ids = cache.position_ids(tokens)
+        self._check_documents(tokens, hidden, document_ids, position_ids)
+        if self.cp_size > 1 and tp.is_debug():  # (ids differing across the cp group would mask silently wrong)
+            for name, ids in (("document_ids", document_ids), ("position_ids", position_ids)):
+                if ids is not None:
+                    tp.debug.check(ids, self.cp_group, f"the {name} of GPT (every cp rank passes the whole window's)",
+                                   replicated=True, group_name="cp")
+        if position_ids is None and document_ids is not None:
+            position_ids = document_positions(document_ids)
+        x = self.embed(tokens, position_ids) if self.pre_process else hidden
         for i, layer in enumerate(self.layers):
-            x = layer(x) if cache is None else layer(x, cache.layer(i))
+            x = layer(x, document_ids=document_ids, position_ids=position_ids,
+                      cache=None if cache is None else cache.layer(i))
         if cache is not None:
             cache.advance(x.shape[0])
         return self.head(x, targets) if self.post_process else x

@@ -1,6 +1,7 @@
 """Context parallelism: cp_shard / cp_unshard / cp_positions and context_parallel_attention against dense SDPA on the
 full tensors (fp64 ~1e-12, fp32 ~1e-5, bf16 vs fp64), the p2p and collective traffic, memory, and causal balance."""
 import contextlib
+import functools
 import math
 from unittest import mock
 
@@ -13,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import tp
-from tp import context
+from tp.context import blocks
 from tp.testing import distributed
 
 from .helpers import assert_close, comm_counts, randn
@@ -21,6 +22,7 @@ from .helpers import assert_close, comm_counts, randn
 C, D = 3, 6  # tokens per chunk (s = 2·cp·C) and head dim: odd-ish sizes
 HEADS = [(4, 4), (4, 2), (3, 1)]  # MHA, GQA, MQA
 TOL = {torch.float64: 1e-12, torch.float32: 1e-5}
+KV_MODES = ("ring", "allgather")  # the modes that split the sequence, not the heads
 
 
 def own_slots(x, dim, rank, cp):
@@ -84,7 +86,7 @@ class P2PCounter:
 @distributed(world_size=4)
 def test_attention_equals_dense_sdpa(cp):
     mesh = tp.init_mesh(cp=cp)  # cp=2: two cp groups (dp=2) at once
-    for mode in context.MODES:
+    for mode in KV_MODES:
         for causal in (True, False):
             for i, (heads, kv_heads) in enumerate(HEADS):
                 b = 1 + i % 2
@@ -103,7 +105,7 @@ def test_full_tokens_on_every_rank_compose_with_shard_and_unshard():
     """The model's use: replicated full q/k/v -> cp_shard -> attention -> cp_unshard -> a replicated loss; the per-rank
     gradients of the full inputs sum over cp to the dense ones."""
     mesh = tp.init_mesh(cp=4)
-    for mode in context.MODES:
+    for mode in KV_MODES:
         full = qkv_full(2, 4, 2, 8 * C, torch.float64, seed=11)
         expected = dense(*full, causal=True)
         q, k, v = (t.clone().requires_grad_() for t in full[:3])
@@ -129,7 +131,7 @@ def test_communication_and_bf16(cp):
     nxt, prev = (mesh.cp_rank + 1) % cp, (mesh.cp_rank - 1) % cp
     full = qkv_full(b, heads, kv_heads, cp * n, torch.bfloat16, seed=5)
     expected = [own_slots(t, 2, mesh.cp_rank, cp) for t in dense(*full, causal=True)]
-    for mode in context.MODES:
+    for mode in KV_MODES:
         q, k, v, dout = (own_slots(t, 2, mesh.cp_rank, cp).requires_grad_(i < 3) for i, t in enumerate(full))
         with P2PCounter() as p2p, blocks_logged_in(p2p.calls):  # the p2p calls and the blocks, in order
             out, fwd = comm_counts(lambda: tp.context_parallel_attention(q, k, v, mode=mode))
@@ -160,7 +162,7 @@ def test_bf16_blocks_are_fp32_under_autocast():
     mesh = tp.init_mesh(cp=2)
     full = [3 * t for t in qkv_full(1, 4, 2, 4 * 8, torch.float32, seed=9)]  # large logits, as in trained models
     local = [own_slots(t, 2, mesh.cp_rank, 2).bfloat16() for t in full]
-    for mode in context.MODES:
+    for mode in KV_MODES:
         results = []
         for autocast in (False, True):
             q, k, v = (t.clone().requires_grad_() for t in local[:3])
@@ -178,8 +180,8 @@ def blocks_logged_in(log):
     def logging(fn):
         return lambda *args: log.append("block") or fn(*args)
 
-    with mock.patch.object(context, "_block_forward", logging(context._block_forward)), \
-            mock.patch.object(context, "_block_backward", logging(context._block_backward)):
+    with mock.patch.object(blocks, "block_forward", logging(blocks.block_forward)), \
+            mock.patch.object(blocks, "block_backward", logging(blocks.block_backward)):
         yield
 
 
@@ -202,7 +204,7 @@ def test_ring_never_holds_the_full_sequence():
     b, heads, kv_heads, n = 2, 4, 2, 2 * C
     s = 4 * n  # 24: larger than every other size here
     recorded = {}
-    for mode in context.MODES:
+    for mode in KV_MODES:
         local = qkv_full(b, heads, kv_heads, n, torch.float32, seed=1)
         q, k, v, dout = (t.requires_grad_(i < 3) for i, t in enumerate(local))
         saved = []
@@ -226,7 +228,7 @@ def test_every_rank_does_the_same_work(causal):
     mesh = tp.init_mesh(cp=4)
     b, heads, kv_heads, n = 1, 4, 2, 2 * C
     q, k, v, dout = (t.requires_grad_(i < 3) for i, t in enumerate(qkv_full(b, heads, kv_heads, n, torch.float64, 2)))
-    for mode in context.MODES:
+    for mode in KV_MODES:
         products = {"forward": 0, "backward": 0}
 
         def counting(name, fn):
@@ -235,8 +237,8 @@ def test_every_rank_does_the_same_work(causal):
                 return fn(q, k, *args)
             return count
 
-        with mock.patch.object(context, "_block_forward", counting("forward", context._block_forward)), \
-                mock.patch.object(context, "_block_backward", counting("backward", context._block_backward)):
+        with mock.patch.object(blocks, "block_forward", counting("forward", blocks.block_forward)), \
+                mock.patch.object(blocks, "block_backward", counting("backward", blocks.block_backward)):
             tp.context_parallel_attention(q, k, v, causal=causal, mode=mode).backward(dout)
         per_rank = [None] * 4
         dist.all_gather_object(per_rank, products, group=mesh.cp_group)
@@ -253,14 +255,15 @@ def test_a_fully_masked_block_gives_no_nan():
                      for shape in ((3, 4), (2, 4), (2, 4), (3, 4)))
     k, v = k[:, :, 0], v[:, :, 0]  # [b, kv_heads, n, d]
     # 3 queries aligned to the last 2 keys: query 0 sees none of them
-    out, lse = context._block_forward(q, k, v, 0.5, True)
+    mask = torch.ones(3, 2, dtype=torch.bool).triu()  # key j hidden from query i when j > i − 1
+    out, lse = blocks.block_forward(q, k, v, 0.5, mask)
     assert not out.isnan().any() and not lse.isnan().any()
     assert (out[..., 0, :] == 0).all() and (lse[..., 0] == -math.inf).all() and lse[..., 1:].isfinite().all()
     acc_out, acc_lse = torch.zeros_like(out), torch.full_like(lse, -math.inf)
-    context._merge(acc_out, acc_lse, out, lse)  # a fully masked row merged into an empty one stays empty
+    blocks.merge(acc_out, acc_lse, out, lse)  # a fully masked row merged into an empty one stays empty
     assert torch.equal(acc_out, out) and torch.equal(acc_lse, lse)
     delta = (dout * out).sum(-1)
-    grads = context._block_backward(q, k, v, dout, lse, delta, 0.5, True)
+    grads = blocks.block_backward(q, k, v, dout, lse, delta, 0.5, mask)
     assert all(not g.isnan().any() for g in grads) and (grads[0][..., 0, :] == 0).all()
 
 
@@ -319,3 +322,185 @@ def test_bad_inputs_are_refused_before_any_communication():
             with pytest.raises(ValueError, match=message):
                 fn()
     assert collectives.get_total_counts() == 0 and p2p.calls == []
+
+
+# ---- documents, Ulysses (a2a) and a2a+ring -------------------------------------------------------------------------
+
+A2A_HEADS = [(4, 4), (4, 2), (4, 1), (8, 2)]  # MHA, GQA, MQA (kv heads replicated when fewer than the a2a group)
+
+
+def documents(s, cp, seed):
+    """[2, s] document ids covering the edge cases: row 0 a window that starts mid-document (its first id is 7),
+    one-token documents and random lengths; row 1 one document longer than the window, but for boundaries inside
+    chunk 0 only (so every other rank's share holds no document start)."""
+    g = torch.Generator().manual_seed(seed)
+    starts = (torch.rand(s, generator=g) < 0.3).long()
+    starts[1:3] = 1  # a one-token document at position 1
+    c = s // (2 * cp)
+    row1 = torch.zeros(s, dtype=torch.long)
+    row1[c // 2 + 1:] = 1
+    return torch.stack([7 + starts.cumsum(0), row1])
+
+
+def dense_by_document(q, k, v, dout, docs, causal=True):
+    """Output and q/k/v grads of SDPA run on each document on its own (fp64): the packed window's reference."""
+    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
+    rows = []
+    for i in range(q.shape[0]):
+        bounds = [0] + [t for t in range(1, docs.shape[1]) if docs[i, t] != docs[i, t - 1]] + [docs.shape[1]]
+        rows.append(torch.cat([F.scaled_dot_product_attention(
+            q[i:i + 1, :, a:b], k[i:i + 1, :, a:b], v[i:i + 1, :, a:b], is_causal=causal,
+            enable_gqa=q.shape[1] != k.shape[1]) for a, b in zip(bounds, bounds[1:])], 2))
+    out = torch.cat(rows)
+    out.backward(dout.double())
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def check_mode(mesh, mode, heads, kv_heads, dtype, atol, docs=None, a2a_size=None, causal=True, seed=0):
+    cp, r = mesh.cp_size, mesh.cp_rank
+    full = qkv_full(2, heads, kv_heads, 2 * cp * C, dtype, seed)
+    reference = dense(*full, causal) if docs is None else dense_by_document(*full, docs, causal)
+    expected = [own_slots(t, 2, r, cp) for t in reference]
+    q, k, v, dout = (own_slots(t, 2, r, cp).requires_grad_(i < 3) for i, t in enumerate(full))
+    out = tp.context_parallel_attention(q, k, v, causal=causal, mode=mode, document_ids=docs, a2a_size=a2a_size)
+    out.backward(dout)
+    what = f"{mode} a2a_size={a2a_size} heads={heads}/{kv_heads} docs={docs is not None} {dtype}"
+    for got, want, name in zip((out, q.grad, k.grad, v.grad), expected, ("out", "dq", "dk", "dv")):
+        assert got.dtype == dtype, what
+        assert_close(got, want, atol, f"{what} {name}")
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@distributed(world_size=4)
+def test_ulysses_equals_dense_sdpa(cp):
+    """a2a at cp 2 and 4, a2a+ring at cp 4 with sub-groups of 2 (and the degenerate 1 and 4): fp64 ~1e-12 and fp32,
+    forward and every gradient, MHA/GQA/MQA (kv heads replicated when fewer than the sub-group)."""
+    mesh = tp.init_mesh(cp=cp)
+    variants = [("a2a", None)] + ([("a2a+ring", 2), ("a2a+ring", 1), ("a2a+ring", 4)] if cp == 4 else
+                                  [("a2a+ring", 1)])
+    for mode, a2a_size in variants:
+        for i, (heads, kv_heads) in enumerate(A2A_HEADS):
+            check_mode(mesh, mode, heads, kv_heads, torch.float64, 1e-12, a2a_size=a2a_size, causal=i != 1, seed=i)
+        check_mode(mesh, mode, 4, 2, torch.float32, 1e-5, a2a_size=a2a_size, seed=9)
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+@distributed(world_size=4)
+def test_documents_equal_each_document_alone(cp):
+    """A packed window's attention, in every mode, equals SDPA run on each document alone (fp64 ~1e-12, forward and
+    q/k/v grads): a window starting mid-document, one-token documents, a document longer than the window, cp ranks
+    whose share holds no document start; also every token its own document, and one document (plain causal)."""
+    mesh = tp.init_mesh(cp=cp)
+    s = 2 * cp * C
+    cases = [documents(s, cp, seed=cp), torch.arange(2 * s).view(2, s), torch.full((2, s), 3)]
+    variants = [("ring", None), ("allgather", None), ("a2a", None)] + ([("a2a+ring", 2)] if cp == 4 else [])
+    for mode, a2a_size in variants:
+        for j, docs in enumerate(cases):
+            heads, kv_heads = A2A_HEADS[j + 1]
+            check_mode(mesh, mode, heads, kv_heads, torch.float64, 1e-12, docs=docs, a2a_size=a2a_size, seed=j)
+        check_mode(mesh, mode, 4, 2, torch.float32, 1e-5, docs=cases[0], a2a_size=a2a_size, seed=5)
+        check_mode(mesh, mode, 4, 2, torch.float64, 1e-12, docs=cases[0], a2a_size=a2a_size, causal=False, seed=6)
+
+
+@contextlib.contextmanager
+def count_products(log):
+    """Add each block's query x key products (b·heads·m·n) to log["forward"] / log["backward"]."""
+    def counting(kind, fn):
+        def count(q, k, *args):
+            log[kind] += q.shape[:-1].numel() * k.shape[-2]
+            return fn(q, k, *args)
+        return count
+
+    with mock.patch.object(blocks, "block_forward", counting("forward", blocks.block_forward)), \
+            mock.patch.object(blocks, "block_backward", counting("backward", blocks.block_backward)):
+        yield
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@distributed(world_size=4)
+def test_blocks_documents_hide_are_skipped(cp):
+    """Documents of one chunk each: a rank's queries see only its own chunks' keys, so the ring computes its step-0
+    diagonal chunks and skips every other block (the KV still travels: other ranks need it), and all-gather cuts
+    each chunk's key range to that chunk: 2c² products per head instead of (2cp + 1)·c², the same on every rank."""
+    mesh = tp.init_mesh(cp=cp)
+    b, heads, kv_heads, s = 2, 4, 2, 2 * cp * C
+    docs = (torch.arange(s) // C).expand(b, s)
+    for mode in KV_MODES:
+        log = {"forward": 0, "backward": 0}
+        with P2PCounter() as p2p, count_products(log):
+            check_mode(mesh, mode, heads, kv_heads, torch.float64, 1e-12, docs=docs, seed=3)
+        assert log == {"forward": b * heads * 2 * C * C, "backward": b * heads * 2 * C * C}, (mode, log)
+        assert len(p2p.calls) == (3 * cp - 2 if mode == "ring" else 0)  # unchanged: cp−1 KV, cp−1 KV + cp dKV
+
+
+class AllToAllCounter:
+    """Records every dist.all_to_all_single: (bytes of the input, bytes that leave this rank)."""
+
+    def __init__(self, group):
+        self.calls, self.group = [], group
+
+    def __call__(self, output, input, output_split_sizes=None, input_split_sizes=None, group=None, **kwargs):
+        rank, rows = dist.get_rank(self.group), input.shape[0]
+        splits = input_split_sizes or [rows // dist.get_world_size(self.group)] * dist.get_world_size(self.group)
+        row = input.numel() // rows * input.element_size()
+        self.calls.append((input.numel() * input.element_size(), sum(splits) * row - splits[rank] * row))
+        return self.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group, **kwargs)
+
+    def __enter__(self):
+        self.all_to_all_single = dist.all_to_all_single
+        self._patch = mock.patch.object(dist, "all_to_all_single", self)
+        self._patch.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._patch.__exit__(*exc)
+
+
+@distributed(world_size=4)
+def test_ulysses_communication():
+    """a2a: 4 all-to-alls forward (q, k, v in; out back) and 4 backward, no p2p, each sending (cp−1)/cp of its
+    tensor; kv heads fewer than cp are replicated first. a2a+ring (cp 4, sub-groups of 2): the same 4 + 4 all-to-alls
+    within the sub-group (half of each tensor leaves), plus the ring's p2p across the 2 sub-groups."""
+    mesh = tp.init_mesh(cp=4)
+    b, heads, kv_heads, n = 2, 8, 2, 2 * C
+    q, k, v, dout = (t.requires_grad_(i < 3) for i, t in enumerate(qkv_full(b, heads, kv_heads, n, torch.float32, 4)))
+    for mode, a2a_size, kv_out in (("a2a", None, 4), ("a2a+ring", 2, 2)):
+        a = a2a_size or 4
+        with AllToAllCounter(mesh.cp_group) as a2a, P2PCounter() as p2p:
+            out, fwd = comm_counts(lambda: tp.context_parallel_attention(q, k, v, mode=mode, a2a_size=a2a_size))
+            forward_calls = a2a.calls[:]
+            _, bwd = comm_counts(lambda: out.backward(dout))
+        size = lambda h: b * h * n * D * 4  # noqa: E731  fp32 bytes of [b, h, n, d]
+        expected = [(size(h), size(h) * (a - 1) // a) for h in (heads, kv_out, kv_out, heads)]
+        assert forward_calls == expected, (mode, forward_calls)
+        assert sorted(a2a.calls[4:]) == sorted(expected), (mode, a2a.calls[4:])  # dout, dq, dk, dv
+        assert fwd["total"] == bwd["total"] == 4, (mode, fwd, bwd)  # all of them all-to-alls (the counter's)
+        assert (len(p2p.calls) == 0) == (mode == "a2a"), p2p.calls
+        if mode == "a2a+ring":  # a ring of 2 sub-groups: 1 KV message forward; 1 KV + 2 dKV backward
+            peer = (mesh.cp_rank + 2) % 4
+            assert [[op[2] for op in call] for call in p2p.calls] == [[peer, peer]] * 4
+
+
+@distributed(world_size=4)
+def test_bad_documents_and_head_splits_are_refused_before_any_communication():
+    tp.init_mesh(cp=4)
+    q, k = torch.zeros(2, 4, 6, 6), torch.zeros(2, 2, 6, 6)
+    attention = functools.partial(tp.context_parallel_attention, q, k, k)
+    cases = [
+        (lambda: tp.context_parallel_attention(torch.zeros(2, 6, 6, 6), k, k, mode="a2a"),
+         r"mode 'a2a' splits the heads over 4 ranks: heads=6 is not divisible by 4"),
+        (lambda: attention(mode="a2a+ring"), r"mode 'a2a\+ring' needs a2a_size, a divisor of cp = 4; got None"),
+        (lambda: attention(mode="a2a+ring", a2a_size=3), r"needs a2a_size, a divisor of cp = 4; got 3"),
+        (lambda: attention(mode="ring", a2a_size=2), r"a2a_size=2 is for mode 'a2a\+ring', not 'ring'"),
+        (lambda: tp.context_parallel_attention(torch.zeros(2, 12, 6, 6), torch.zeros(2, 3, 6, 6),
+                                               torch.zeros(2, 3, 6, 6), mode="a2a"),
+         r"kv_heads=3 neither divides nor is divisible by 4"),
+        (lambda: attention(document_ids=torch.zeros(2, 6, dtype=torch.long)),
+         r"document_ids must be \[b, s\] = \[2, 24\] \(the whole sequence, on every rank\), got \(2, 6\)"),
+        (lambda: attention(document_ids=torch.zeros(2, 24)), r"document_ids must be integers, got torch.float32"),
+    ]
+    with CommDebugMode() as collectives, P2PCounter() as p2p, AllToAllCounter(None) as a2a:
+        for fn, message in cases:
+            with pytest.raises(ValueError, match=message):
+                fn()
+    assert collectives.get_total_counts() == 0 and p2p.calls == [] and a2a.calls == []

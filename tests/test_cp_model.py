@@ -1,6 +1,7 @@
 """The GPT under context parallelism against Hugging Face's dense model: logits, loss and every gradient (summed over
-cp, gathered over tp) in fp64 at cp = 2 and 4, with tp, SP, GQA/MQA, learned positions and both attention modes;
-ignored tokens; dropout masks; the training job's curves, pipelines and checkpoints across cp; bad configurations."""
+cp, gathered over tp) in fp64 at cp = 2 and 4, with tp, SP, GQA/MQA, learned positions and the ring, all-gather and
+a2a modes; ignored tokens; dropout masks; the training job's curves, pipelines and checkpoints across cp; bad
+configurations."""
 
 import pytest
 import torch
@@ -65,7 +66,7 @@ def test_gpt_under_cp_equals_the_dense_model(tp_size, cp_size):
     mesh = tp.init_mesh(tp=tp_size, cp=cp_size)
     for family, kv_heads in (("llama", 2), ("llama", 1), ("gpt2", 4)):
         for sequence_parallel in (False, True) if tp_size > 1 else (False,):
-            for mode in ("ring", "allgather"):
+            for mode in ("ring", "allgather", "a2a"):
                 hf = hf_model(family, kv_heads)
                 model = models.GPT.from_hf(hf, sequence_parallel=sequence_parallel, cp_mode=mode,
                                            dtype=torch.float64)

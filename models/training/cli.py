@@ -58,6 +58,7 @@ def parser() -> argparse.ArgumentParser:
                         "writes its resolved one (LOG_DIR/config.toml); flags given on the command line win")
     _split_and_training_flags(p.add_argument)
     _model_and_data_flags(p.add_argument)
+    _document_flags(p.add_argument)
     _output_and_launch_flags(p.add_argument)
     _watch_flags(p.add_argument)
     return p
@@ -70,7 +71,12 @@ def _split_and_training_flags(a):
       help="data-parallel size (default: WORLD_SIZE / (tp*cp*pp) under torchrun, as Megatron; else 2)")
     a("--cp", type=int, default=1, help="context-parallel size: each sequence split over cp ranks (ring attention)")
     a("--cp-mode", choices=CP_MODES, default="ring",
-      help="context-parallel attention: K/V ringed with p2p (overlapped), or all-gathered once (Llama 3's)")
+      help="context-parallel attention: K/V ringed with p2p (overlapped), all-gathered once (Llama 3's), a2a "
+           "(DeepSpeed-Ulysses: all-to-alls trade the sequence split for a head split; heads divisible by tp*cp), "
+           "or a2a+ring (a2a inside sub-groups of --cp-a2a-size ranks, a ring across them)")
+    a("--cp-a2a-size", type=int, default=None, metavar="A",
+      help="--cp-mode a2a+ring: ranks per all-to-all sub-group (consecutive cp ranks, e.g. one node), a divisor of "
+           "--cp")
     a("--schedule", choices=PIPELINE_SCHEDULES, default="1f1b",
       help="pipeline schedule (tp/pipeline/schedules.py): interleaved is Megatron's, with --virtual-stages model "
            "chunks per rank; zb is ZB-H1, the backward split into input and weight gradients")
@@ -119,6 +125,16 @@ def _model_and_data_flags(a):
       help="validation loss (val_loss) on the held-out last ~1%% of the data every N steps and at the end (0: never)")
     a("--eval-iters", type=int, default=10, metavar="K", help="global batches per validation")
     a("--eval-only", action="store_true", help="evaluate the --load checkpoint (or the --from-hf model) and exit")
+
+
+def _document_flags(a):
+    """Documents inside a window (Megatron's flags), found by the end-of-document token (models/training/documents.py):
+    the tokenizer's EOS, or a token file's eos_id."""
+    a("--reset-position-ids", action="store_true", help="positions restart at each document's first token")
+    a("--reset-attention-mask", action="store_true",
+      help="attention stays inside each document (block-diagonal causal); positions restart too only with "
+           "--reset-position-ids")
+    a("--eod-mask-loss", action="store_true", help="no loss on the token predicted from an end-of-document token")
 
 
 def _output_and_launch_flags(a):

@@ -97,6 +97,7 @@ class ParallelismConfig:
     tp: int = 2
     cp: int = 1
     cp_mode: str = "ring"
+    cp_a2a_size: int | None = None  # --cp-mode a2a+ring: the all-to-all sub-groups' size
     pp: int = 2
     dp: int | None = None  # None: WORLD_SIZE / (tp*cp*pp) under torchrun, else 2 (see resolve_dp)
     dp_mode: str = "ddp"
@@ -106,11 +107,16 @@ class ParallelismConfig:
     recompute: str = "none"
 
     def validate(self) -> None:
-        _at_least(self, ("tp", "cp", "pp", "dp", "virtual_stages"), 1)
+        _at_least(self, ("tp", "cp", "pp", "dp", "virtual_stages", "cp_a2a_size"), 1)
         for flag, value, allowed in (("--cp-mode", self.cp_mode, CP_MODES), ("--dp-mode", self.dp_mode, DP_MODES),
                                      ("--schedule", self.schedule, PIPELINE_SCHEDULES),
                                      ("--recompute", self.recompute, RECOMPUTE)):
             _one_of(flag, value, allowed)
+        if self.cp_a2a_size is not None and self.cp_mode != "a2a+ring":
+            raise ValueError(f"--cp-a2a-size={self.cp_a2a_size} is for --cp-mode a2a+ring, not {self.cp_mode}")
+        if self.cp_mode == "a2a+ring" and self.cp > 1 and (self.cp_a2a_size is None or self.cp % self.cp_a2a_size):
+            raise ValueError(f"--cp-mode a2a+ring needs --cp-a2a-size, a divisor of --cp={self.cp} (the all-to-all "
+                             f"sub-groups' size); got {self.cp_a2a_size}")
 
     def resolve_dp(self, world_size: int | None) -> int:
         """--dp when given; else WORLD_SIZE / (tp·cp·pp) under torchrun (as Megatron), 2 on our own launcher."""
@@ -201,10 +207,15 @@ class OptimizerConfig:
 
 @dataclasses.dataclass
 class DataConfig:
-    """[data]: the training text or token file (None: the bundled corpus) and its tokenizer (None: bytes)."""
+    """[data]: the training text or token file (None: the bundled corpus) and its tokenizer (None: bytes); the
+    documents inside each window."""
 
     path: str | None = _field(None, flag="data")
     tokenizer: str | None = None
+    # documents inside a window, ended by the EOD token (Megatron's flags; models/training/documents.py)
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+    eod_mask_loss: bool = False
 
     def validate(self) -> None:
         """(the paths are read by preflight.py)"""

@@ -25,7 +25,7 @@ def gpt_config_from_job(job: JobConfig) -> GPTConfig:
     runtime = dict(sequence_parallel=parallel.sequence_parallel, recompute=parallel.recompute, dropout=model.dropout,
                    attention_dropout=attention_dropout,
                    sequence_parallel_grad_sync=parallel.dp_mode != "ddp" or job.training.precision != "fp32",
-                   cp_mode=parallel.cp_mode)
+                   cp_mode=parallel.cp_mode, cp_a2a_size=parallel.cp_a2a_size)
     if model.from_hf:
         import transformers
 

@@ -6,7 +6,7 @@ import os
 
 from ..config import GPTConfig
 from ..stages import stage_layers
-from . import data, launch, sinks
+from . import data, documents, launch, sinks
 from .checkpoint_dirs import resume_path
 from .config import JobConfig
 from .model import gpt_config_from_job
@@ -21,6 +21,7 @@ def check(job: JobConfig, world_size: int | None = None) -> GPTConfig:
     if job.model.from_hf and not os.path.isdir(job.model.from_hf):
         raise ValueError(f"--from-hf {job.model.from_hf}: no such directory (a save_pretrained directory)")
     data.check_source(job)  # --data / --tokenizer: paths, empty text, a loadable tokenizer
+    documents.check(job)  # --reset-attention-mask etc.: an end-of-document token to find documents by
     config = gpt_config_from_job(job)
     check_model_fits(job, config)
     data.check_vocab(job, config.vocab_size)
@@ -45,6 +46,10 @@ def check_model_fits(job: JobConfig, config: GPTConfig) -> None:
         if config.attention_dropout:
             raise ValueError(f"--attention-dropout={config.attention_dropout} with --cp={parallel.cp}: attention "
                              "dropout is not supported under context parallelism (pass --attention-dropout 0)")
+        try:
+            config.check_cp(parallel.cp, parallel.tp)  # the a2a modes' head split
+        except ValueError as e:
+            raise ValueError(f"--cp-mode {parallel.cp_mode} with --cp={parallel.cp} --tp={parallel.tp}: {e}") from None
         try:
             config.check_seq_len(seq_len, tp=parallel.tp, cp=parallel.cp)
         except ValueError as e:

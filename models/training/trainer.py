@@ -17,7 +17,7 @@ from tp.pipeline import PipelineRunner
 
 from ..flops import flops_per_token
 from ..stages import allreduce_tied_embedding_grads
-from . import checkpoint_dirs, data, failures, faults, launch, plot, progress
+from . import checkpoint_dirs, data, documents, failures, faults, launch, plot, progress
 from .checkpoint_dirs import resume_path
 from .config import JobConfig
 from .model import build_model, data_parallel_chunks, gpt_config_from_job
@@ -98,6 +98,7 @@ class Trainer:
                                    global_batch_size=training.global_batch_size,
                                    micro_batch_size=training.micro_batch_size, seed=training.seed,
                                    start_step=self.start_step)
+        self.documents = documents.from_job(job)  # --reset-attention-mask etc.: per-token inputs from the EODs
         if self.rank0:
             print(self.start_line(micro_batches, config_file), flush=True)
 
@@ -139,9 +140,9 @@ class Trainer:
         job, mesh, training = self.job, self.mesh, self.job.training
         started = time.perf_counter()
         self.clock.start()
-        micro_batches = next(self.stream)
+        micro_batches = self.with_documents(next(self.stream))
         if training.check_inputs:  # every tp (and cp) rank of a group reads the same tokens
-            for tokens, targets in micro_batches:
+            for tokens, targets, *_ in micro_batches:
                 tp.debug.check(torch.stack([tokens, targets]), mesh.group("tp-cp"), "the training tokens",
                                replicated=True, group_name="tp-cp")
         failures.note_step(step + 1)
@@ -185,8 +186,12 @@ class Trainer:
         batches = data.eval_batches(self.held_out, dp=self.mesh.dp_size, dp_rank=self.mesh.dp_rank,
                                     global_batch_size=training.global_batch_size,
                                     micro_batch_size=training.micro_batch_size, iters=self.job.evaluation.eval_iters)
-        return _mean_over(self.runner.forward_only([micro for batch in batches for micro in batch]),
-                          self.mesh.dp_group)
+        micro_batches = self.with_documents([micro for batch in batches for micro in batch])
+        return _mean_over(self.runner.forward_only(micro_batches), self.mesh.dp_group)
+
+    def with_documents(self, micro_batches: list) -> list:
+        """The micro-batches with their documents' inputs and loss mask (documents.py), when the job asks."""
+        return micro_batches if self.documents is None else [self.documents(*micro) for micro in micro_batches]
 
     def save(self, step: int) -> float:
         """Write --save's DIR/step-N, then point DIR/latest at it (checkpoint_dirs.py): a kill mid-save never spoils

@@ -1,10 +1,12 @@
 """The runner that executes any schedule of `tp.pipeline.schedules` on this rank's pipeline stage(s).
 
-A stage is any module that follows `PipelineStage`: called as `stage(tokens, targets, hidden=x)`, the first stage
-reads the micro-batch's tokens, the others the previous stage's activation x; the last returns the micro-batch's
-loss, the others their output activation; `stage.activation_shape(micro_batch_size, seq_len)` tells the runner the
-shape of the activations it moves between ranks. Each micro-batch's loss is divided by the number of micro-batches,
-so the summed gradients are those of the mean loss over the batch.
+A stage is any module that follows `PipelineStage`: called as `stage(tokens, targets, hidden=x, **inputs)`, the first
+stage reads the micro-batch's tokens, the others the previous stage's activation x; the last returns the micro-batch's
+loss, the others their output activation; `inputs`, the micro-batch's per-token tensors every stage needs (a packed
+window's document_ids and position_ids, [b, s]), reach every stage from the batch itself, not over p2p.
+`stage.activation_shape(micro_batch_size, seq_len)` tells the runner the shape of the activations it moves between
+ranks. Each micro-batch's loss is divided by the number of micro-batches, so the summed gradients are those of the
+mean loss over the batch.
 
 The runner executes a schedule's action list for this rank (F, B, W, fused BW; `tp.pipeline.schedules`): activations
 (e.g. [s(/cp)(/tp), b, h]) and their gradients move between the ranks of neighbouring virtual stages with isend/irecv
@@ -39,7 +41,9 @@ from ..mesh import Mesh
 from . import schedules
 from .wgrad import defer_wgrad
 
-Batch = tuple[torch.Tensor | None, torch.Tensor | None]  # one micro-batch: (tokens [b, s], targets [b, s])
+# one micro-batch: (tokens [b, s], targets [b, s]), or with a dict of [b, s] tensors for every stage as a third item
+Batch = tuple[torch.Tensor | None, torch.Tensor | None] | tuple[torch.Tensor | None, torch.Tensor | None,
+                                                                  dict[str, torch.Tensor]]
 
 
 class PipelineStage(Protocol):
@@ -47,15 +51,20 @@ class PipelineStage(Protocol):
     the activations' dtype and device."""
 
     def __call__(self, tokens: torch.Tensor | None, targets: torch.Tensor | None, *,
-                 hidden: torch.Tensor | None) -> torch.Tensor:
+                 hidden: torch.Tensor | None, **inputs: torch.Tensor) -> torch.Tensor:
         """tokens [b, s] on the first stage (else None), the previous stage's activation `hidden` on the others (else
-        None), targets [b, s] on the last stage (else None) -> the micro-batch's mean loss on the last stage, else
-        this stage's output activation (of `activation_shape`)."""
+        None), targets [b, s] on the last stage (else None), the batch's `inputs` on every stage -> the
+        micro-batch's mean loss on the last stage, else this stage's output activation (of `activation_shape`)."""
 
     def activation_shape(self, micro_batch_size: int, seq_len: int) -> tuple[int, ...]:
         """The shape of the activation this rank's stage receives and sends for one micro-batch of
         [micro_batch_size, seq_len] tokens: this rank's share (e.g. [s/cp/tp, b, h] under context and sequence
         parallelism), moved between ranks as it is."""
+
+
+def batch_inputs(batch: Batch) -> dict[str, torch.Tensor]:
+    """The micro-batch's tensors for every stage (its third item), {} for (tokens, targets)."""
+    return batch[2] if len(batch) > 2 else {}
 
 
 def model_chunks(module: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
@@ -143,8 +152,9 @@ class PipelineRunner:
     """Runs one optimizer step's micro-batches through this rank's stage (or model chunks) with a schedule.
 
     `module`: the stage (a `PipelineStage`, or DDP / FSDP2 around it), or a list of V chunks for interleaved
-    schedules (each wrapped alike). `batches`: per micro-batch (tokens [b, s], targets [b, s]); only the first stage
-    reads tokens and only the last reads targets.
+    schedules (each wrapped alike). `batches`: per micro-batch (tokens [b, s], targets [b, s]), or (tokens, targets,
+    {name: [b, s] tensor, e.g. document_ids}); only the first stage reads tokens, only the last targets, every stage
+    the dict.
     """
 
     def __init__(self, module: nn.Module | Sequence[nn.Module], mesh: Mesh, *, micro_batch_size: int,
@@ -166,7 +176,8 @@ class PipelineRunner:
         the stages were given different counts; the one all-reduce is also the schedule's common start."""
         problem = next((f"micro-batch {k}: {name} shape {tuple(t.shape)} != [micro_batch_size, seq_len] "
                         f"{self.batch_shape} this runner was built for"
-                        for k, batch in enumerate(batches) for name, t in zip(("tokens", "targets"), batch)
+                        for k, batch in enumerate(batches)
+                        for name, t in [*zip(("tokens", "targets"), batch[:2]), *batch_inputs(batch).items()]
                         if t is not None and tuple(t.shape) != self.batch_shape), None)
         if self.mesh.pp_size == 1:
             if problem:
@@ -233,11 +244,12 @@ class PipelineRunner:
             with record_function(f"{action.kind} stage={s} chunk={c} micro={k}"):  # a trace reads as the schedule
                 started = time.perf_counter()  # compute only: waiting for the input is the bubble
                 if action.kind == "F":
-                    tokens, targets = batches[k]
+                    tokens, targets = batches[k][:2]
                     x = received[0].requires_grad_() if received else None
                     sync = chunk.no_sync() if isinstance(chunk, DistributedDataParallel) else contextlib.nullcontext()
                     with sync, defer_wgrad() if split else contextlib.nullcontext():
-                        out = chunk(tokens if s == 0 else None, targets if s == last_stage else None, hidden=x)
+                        out = chunk(tokens if s == 0 else None, targets if s == last_stage else None, hidden=x,
+                                    **batch_inputs(batches[k]))
                     if s == last_stage:
                         out = out / m  # the mean over micro-batches, as the un-pipelined batch mean
                         stats.loss = stats.loss + out.detach()  # (on the device: no host sync per micro-batch)
@@ -310,9 +322,10 @@ class PipelineRunner:
                 for action in plan.actions[rank]:
                     stage, s = self.stages[action.chunk], plan.stage(rank, action.chunk)
                     stage.eval()
-                    tokens, targets = batches[action.micro]
+                    batch = batches[action.micro]
                     x = None if s == 0 else links.recv(*plan.receives(rank, action)[0])
-                    out = stage(tokens if s == 0 else None, targets if s == last_stage else None, hidden=x)
+                    out = stage(batch[0] if s == 0 else None, batch[1] if s == last_stage else None, hidden=x,
+                                **batch_inputs(batch))
                     if s == last_stage:
                         total += out.double()
                     for message, dst in plan.sends(rank, action):

@@ -1,0 +1,105 @@
+"""Context parallelism (cp): the sequence split across a cp group, and attention over the whole sequence.
+
+Every tensor holds this rank's share of the sequence in the load-balanced layout (layout.py: chunks r and 2cp−1−r of
+2·cp), and `context_parallel_attention` computes what dense causal attention on the full tensors computes, in one of
+four modes:
+
+  ring       ring.py: K and V passed around the group, overlapped with the blocks' attention (Liu et al. 2023).
+  allgather  allgather.py: K and V gathered once, dK/dV reduce-scattered (Llama 3's).
+  a2a        ulysses.py: DeepSpeed-Ulysses: all-to-alls trade the sequence split for a head split, attention local.
+  a2a+ring   ulysses.py: a2a inside sub-groups of `a2a_size` ranks, ring across them (Megatron's a2a+p2p).
+
+Documents (a packed window): `document_ids` [b, s] of the whole sequence, replicated on every rank of the group as
+the tokens are, keeps attention inside each document (block-diagonal causal); the ring and all-gather modes skip the
+blocks documents hide entirely (blocks.py). No attention dropout under cp > 1.
+"""
+import math
+
+import torch
+import torch.distributed as dist
+
+from .allgather import AllGatherAttention
+from .blocks import dense_attention, document_attention_mask
+from .layout import cp_group_or_mesh, cp_positions, cp_shard, cp_unshard
+from .ring import RingAttention, whole_ring
+from .ulysses import ulysses_attention
+
+MODES = ("ring", "allgather", "a2a", "a2a+ring")
+
+__all__ = ["MODES", "context_parallel_attention", "cp_positions", "cp_shard", "cp_unshard", "document_attention_mask"]
+
+
+def _check_shapes(q, k, v, cp, where):
+    if not q.dim() == k.dim() == v.dim() == 4:
+        raise ValueError(f"{where}: q, k, v must be [b, heads, s/cp, d], got shapes {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"{where}: k {tuple(k.shape)} and v {tuple(v.shape)} differ in shape")
+    for i, what in ((0, "batch"), (2, "local sequence length"), (3, "head dim")):
+        if q.shape[i] != k.shape[i]:
+            raise ValueError(f"{where}: q's {what} {q.shape[i]} != k/v's {k.shape[i]}")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"{where}: heads={q.shape[1]} is not a multiple of kv_heads={k.shape[1]}")
+    if cp > 1 and q.shape[2] % 2:
+        raise ValueError(f"{where}: the local sequence length {q.shape[2]} is odd, but a rank of a cp group of {cp} "
+                         f"holds 2 chunks of s/(2·cp) tokens")
+
+
+def _check_a2a(heads, kv_heads, mode, a2a_size, cp, where):
+    """The sub-group size the mode's all-to-alls run over (None for ring and allgather)."""
+    if mode != "a2a+ring" and a2a_size is not None:
+        raise ValueError(f"{where}: a2a_size={a2a_size} is for mode 'a2a+ring', not {mode!r}")
+    if mode == "a2a+ring" and (isinstance(a2a_size, bool) or not isinstance(a2a_size, int) or a2a_size < 1
+                               or cp % a2a_size):
+        raise ValueError(f"{where}: mode 'a2a+ring' needs a2a_size, a divisor of cp = {cp}; got {a2a_size!r}")
+    size = cp if mode == "a2a" else a2a_size
+    if size is None or cp == 1:
+        return
+    if heads % size:
+        raise ValueError(f"{where}: mode {mode!r} splits the heads over {size} ranks: heads={heads} is not "
+                         f"divisible by {size}")
+    if kv_heads % size and size % kv_heads:
+        raise ValueError(f"{where}: mode {mode!r} splits the heads over {size} ranks: kv_heads={kv_heads} neither "
+                         f"divides nor is divisible by {size}")
+
+
+def _check_documents(document_ids, q, cp, where):
+    if document_ids is None:
+        return
+    expected = (q.shape[0], cp * q.shape[2])
+    if tuple(document_ids.shape) != expected:
+        raise ValueError(f"{where}: document_ids must be [b, s] = {list(expected)} (the whole sequence, on every "
+                         f"rank), got {tuple(document_ids.shape)}")
+    if document_ids.dtype.is_floating_point or document_ids.dtype.is_complex or document_ids.dtype == torch.bool:
+        raise ValueError(f"{where}: document_ids must be integers, got {document_ids.dtype}")
+
+
+def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
+                               mode: str = "ring", group: dist.ProcessGroup | None = None,
+                               scale: float | None = None, document_ids: torch.Tensor | None = None,
+                               a2a_size: int | None = None) -> torch.Tensor:
+    """Attention of this rank's queries over the whole sequence of the cp group, everything in the load-balanced
+    layout: q [b, heads, s/cp, d], k and v [b, kv_heads, s/cp, d] (heads a multiple of kv_heads) -> [b, heads,
+    s/cp, d], equal to F.scaled_dot_product_attention(is_causal=causal, enable_gqa=...) on the full tensors.
+
+    mode: "ring" (p2p, overlapped), "allgather" (one all-gather forward, one reduce-scatter backward), "a2a"
+    (Ulysses: 4 all-to-alls forward, 4 backward; heads divisible by cp), "a2a+ring" (a2a inside sub-groups of
+    `a2a_size` consecutive ranks, ring across them); group: the cp group (default: the current mesh's); scale:
+    default 1/sqrt(d); document_ids: [b, s] ints of the whole sequence in sequence order, the same on every rank
+    (equal ids: one document): attention stays inside each document. One rank: SDPA itself. No dropout.
+    """
+    group = cp_group_or_mesh(group)
+    cp, where = dist.get_world_size(group), "context_parallel_attention"
+    if mode not in MODES:  # every rank sees the same shapes and options: every rank raises, before any communication
+        raise ValueError(f"{where}: unknown mode {mode!r}; expected one of {MODES}")
+    _check_shapes(q, k, v, cp, where)
+    _check_a2a(q.shape[1], k.shape[1], mode, a2a_size, cp, where)
+    _check_documents(document_ids, q, cp, where)
+    if cp == 1:
+        return dense_attention(q, k, v, causal, scale, document_ids)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if mode == "ring":
+        return RingAttention.apply(q, k, v, causal, scale, whole_ring(group), document_ids)
+    if mode == "allgather":
+        return AllGatherAttention.apply(q, k, v, causal, scale, group, document_ids)
+    return ulysses_attention(q, k, v, causal, scale, group, cp if mode == "a2a" else a2a_size, document_ids)

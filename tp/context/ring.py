@@ -1,0 +1,118 @@
+"""Ring attention (Liu et al. 2023) over the load-balanced layout: K and V travel once around a ring of ranks
+(batch_isend_irecv), the next step's transfer started before this step's attention; block outputs merged by their
+log-sum-exp. Causal blocks are halved: KV from an earlier rank, every local query vs that rank's first chunk; from a
+later rank, the local second chunk vs all of it; step 0, each local chunk causal on the local keys up to its end.
+Backward rings K and V again, recomputes each block's probabilities from the saved lse (flash-style), and dK/dV ride
+along in the accumulation dtype, collecting every rank's contribution, then take one last hop home: forward cp−1
+messages of [2, b, kv_heads, n, d] per rank, backward cp−1 of them plus cp of dK/dV. Saved: the local q, K, V, output,
+lse.
+
+Documents: every rank holds the document ids of the whole sequence (as it holds the tokens), so each K/V block's ids
+are known where it arrives, without sending them; blocks that documents hide entirely are skipped, the others cut
+to the rows and columns that hold a visible pair (blocks.trim_blocks).
+"""
+import math
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from .blocks import Block, Side, attend, attend_backward, grouped, side_of, trim_blocks
+
+
+class Ring(NamedTuple):
+    """A ring over ranks of `group`: `members` (group ranks, in ring order), this rank at `index` of them."""
+
+    group: dist.ProcessGroup
+    members: tuple[int, ...]
+    index: int
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+    def send(self, tensor: torch.Tensor) -> tuple:
+        """Start sending `tensor` to the next member and receiving the previous one's: (recv, works, tensor)."""
+        peer = lambda step: dist.get_global_rank(self.group, self.members[(self.index + step) % self.size])
+        recv = torch.empty_like(tensor)
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor, peer(1), self.group),
+                                        dist.P2POp(dist.irecv, recv, peer(-1), self.group)])
+        return recv, works, tensor  # the send buffer is kept alive until the wait
+
+
+def whole_ring(group: dist.ProcessGroup) -> Ring:
+    """The ring of every rank of `group`, in rank order."""
+    return Ring(group, tuple(range(dist.get_world_size(group))), dist.get_rank(group))
+
+
+def wait(transfer: tuple) -> torch.Tensor:
+    recv, works, _ = transfer
+    for work in works:
+        work.wait()
+    return recv
+
+
+def ring_steps(rank: int, cp: int, n: int, causal: bool):
+    """The blocks of each ring step of `rank`, which then holds the KV of rank (rank − step) mod cp. Causal: every
+    step computes the same c·n query x key products (c = n/2)."""
+    whole, first, second = slice(None), slice(0, n // 2), slice(n // 2, None)
+    for step in range(cp):
+        source = (rank - step) % cp
+        if not causal:
+            yield [(whole, whole, False)]
+        elif step == 0:  # our own chunks: each causal on itself, the second sees all of the first
+            yield [(first, first, True), (second, whole, True)]
+        elif source < rank:  # its chunks: one before both of ours, one after both
+            yield [(whole, first, False)]
+        else:  # both of its chunks lie between our two
+            yield [(second, whole, False)]
+
+
+def ring_plan(ring: Ring, n: int, causal: bool, documents: torch.Tensor | None,
+              device: torch.device) -> tuple[Side, list[tuple[Side, list[Block]]]]:
+    """(the local queries' Side, per step: (the keys' Side, the blocks to compute))."""
+    s = ring.size * n
+    q_side = side_of(ring.index, ring.size, s, documents, device)
+    steps = [(side_of((ring.index - step) % ring.size, ring.size, s, documents, device), blocks)
+             for step, blocks in enumerate(ring_steps(ring.index, ring.size, n, causal))]
+    return q_side, [(k_side, blocks) for (k_side, _), blocks in zip(steps, trim_blocks(q_side, steps))]
+
+
+class RingAttention(torch.autograd.Function):
+    """forward: KV around the ring, blocks merged by lse · backward: KV around again, dK/dV accumulated on the way.
+    apply(q, k, v, causal, scale, ring, documents) on [b, heads, n, d] shares; documents [b, ring.size·n] or None."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale, ring, documents):
+        q_side, steps = ring_plan(ring, q.shape[2], causal, documents, q.device)
+        qg = grouped(q, k.shape[1])
+        kv = torch.stack([k, v])  # [2, b, kv_heads, n, d]: one message per step
+        out, lse = torch.zeros_like(qg), qg.new_full(qg.shape[:-1], -math.inf)
+        for step, (k_side, blocks) in enumerate(steps):
+            incoming = ring.send(kv) if step < ring.size - 1 else None  # overlaps this step's attention
+            for block in blocks:
+                attend(out, lse, qg, kv, block, (q_side, k_side), scale)
+            kv = wait(incoming) if incoming else kv
+        out = out.flatten(1, 2).to(q.dtype)
+        ctx.scale, ctx.ring, ctx.plan = scale, ring, (q_side, steps)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        ring, kv_heads, (q_side, steps) = ctx.ring, k.shape[1], ctx.plan
+        qg, dout = grouped(q, kv_heads), grouped(dout, kv_heads)
+        delta = (dout * grouped(out, kv_heads)).sum(-1)
+        kv, dq, dkv_transfer = torch.stack([k, v]), torch.zeros_like(qg), None
+        for step, (k_side, blocks) in enumerate(steps):
+            incoming = ring.send(kv) if step < ring.size - 1 else None
+            # dK/dV of the KV we hold, carrying the contributions of the ranks it visited before us
+            dkv = wait(dkv_transfer) if dkv_transfer else kv.new_zeros(kv.shape, dtype=qg.dtype)
+            for block in blocks:
+                attend_backward(dq, dkv, qg, kv, dout, lse, delta, block, (q_side, k_side), ctx.scale)
+            dkv_transfer = ring.send(dkv)  # to its next holder; after the last step, to its owner
+            kv = wait(incoming) if incoming else kv
+        dkv = wait(dkv_transfer)
+        return dq.flatten(1, 2).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
