@@ -17,8 +17,11 @@ setup(
     ],
     extras_require={
         "hf": ["transformers>=4.48"],  # optional: GPT.from_hf / save_hf, tp.parallelize on HF models
-        "bench": ["matplotlib"],
+        "bench": ["matplotlib"],  # (also the JSONL log's plot at the end of a run)
         "data": ["pyarrow>=14"],  # optional: parquet files and save_to_disk directories as --data
-        "test": ["pytest>=7", "pytest-timeout", "transformers>=4.48", "matplotlib", "ruff>=0.6", "pyarrow>=14"],
+        "tensorboard": ["tensorboard"],  # optional: --tensorboard-dir
+        "wandb": ["wandb"],  # optional: --wandb-project
+        "test": ["pytest>=7", "pytest-timeout", "transformers>=4.48", "matplotlib", "ruff>=0.6", "pyarrow>=14",
+                 "tensorboard"],
     },
 )

@@ -11,6 +11,7 @@ import contextlib
 import functools
 import math
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -24,6 +25,9 @@ from tp.context import document_attention_mask
 from tp.mesh import SharedGroup, resolve_cp_group, resolve_group
 
 from .config import GPTConfig
+
+if TYPE_CHECKING:
+    from .generation import LayerCache
 
 
 def normal_init(std: float) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -214,13 +218,16 @@ class Attention(nn.Module):
                                                   enable_gqa=self.local_heads != self.local_kv_heads)
 
     def forward(self, x: torch.Tensor, *, document_ids: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None) -> torch.Tensor:  # [s(/cp)(/tp), b, h]
+                position_ids: torch.Tensor | None = None,
+                cache: "LayerCache | None" = None) -> torch.Tensor:  # [s(/cp)(/tp), b, h]
         qkv = self.qkv(x)  # [s(/cp), b, (heads + 2 kv_heads)·d / tp]
         q_and_k = (self.local_heads + self.local_kv_heads) * self.head_dim
         qk, v = (rearrange(t, "s b (n d) -> b n s d", d=self.head_dim) for t in qkv.split(
             [q_and_k, qkv.shape[-1] - q_and_k], dim=-1))
         if self.config.position == "rope":
-            if position_ids is None:
+            if cache is not None:  # generation: the tokens after the cached ones
+                positions = cache.positions(qkv.shape[0], qkv.device)
+            elif position_ids is None:
                 positions = token_positions(qkv.shape[0], sequence_parallel=False, tp_group=self.group,
                                             cp_group=self.cp_group, device=qkv.device)
             else:  # [b, s/cp]: this rank's tokens' (the SP gather above gave it all of them)
@@ -228,6 +235,8 @@ class Attention(nn.Module):
                                        cp_group=self.cp_group)
             qk = rope(qk, self.config.rope_theta, self.config.rope_scaling, positions)  # q and k in one pass
         q, k = qk.split([self.local_heads, self.local_kv_heads], dim=1)
+        if cache is not None:  # generation (models/generation.py): attend to this rank's heads' cached keys too
+            return self.proj(rearrange(cache.attend(q, k, v), "b n s d -> s b (n d)"))
         if self.config.recompute == "selective" and torch.is_grad_enabled():
             context = checkpoint(self.core, q, k, v, document_ids, use_reentrant=False)  # keep q, k, v
         else:
@@ -287,16 +296,19 @@ class TransformerBlock(nn.Module):
         self.norm2 = Norm(config.norm, config.hidden_size, config.norm_eps, **norm)
         self.mlp = MLP(config, group=self.group, _init=_init)
 
-    def _forward(self, x, document_ids=None, position_ids=None):
+    def _forward(self, x, document_ids=None, position_ids=None, cache=None):
         c = self.config
         positions = token_positions(x.shape[0], sequence_parallel=c.sequence_parallel, tp_group=self.group,
                                     cp_group=self.cp_group, device=x.device) if c.dropout and self.training else None
-        attention = self.attention(self.norm1(x), document_ids=document_ids, position_ids=position_ids)
+        attention = self.attention(self.norm1(x), document_ids=document_ids, position_ids=position_ids, cache=cache)
         x = x + dropout(attention, c.dropout, self.training, c.sequence_parallel, positions)
         return x + dropout(self.mlp(self.norm2(x)), c.dropout, self.training, c.sequence_parallel, positions)
 
     def forward(self, x: torch.Tensor, *, document_ids: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None) -> torch.Tensor:  # [s(/tp), b, h]
+                position_ids: torch.Tensor | None = None,
+                cache: "LayerCache | None" = None) -> torch.Tensor:  # [s(/tp), b, h]
+        if cache is not None:  # generation: no graph to recompute
+            return self._forward(x, cache=cache)
         if self.config.recompute == "full" and torch.is_grad_enabled():  # keep the block's input only
             return checkpoint(self._forward, x, document_ids, position_ids, use_reentrant=False)
         return self._forward(x, document_ids, position_ids)

@@ -40,6 +40,8 @@ from .config import GPTConfig
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
+    from .generation import KVCache
+
 
 @contextlib.contextmanager
 def _seeded(base, index):
@@ -142,8 +144,8 @@ class GPT(nn.Module):
                 x = x + weight[positions[0]].unsqueeze(1)
             elif c.sequence_parallel:  # this rank's positions
                 chunk = seq // self.tp_size
-                start = dist.get_rank(self.group) * chunk
-                x = x + weight[start:start + chunk].unsqueeze(1)
+                first = dist.get_rank(self.group) * chunk
+                x = x + weight[first:first + chunk].unsqueeze(1)
             else:
                 x = x + weight[:seq].unsqueeze(1)
         return dropout(x, c.dropout, self.training, c.sequence_parallel, positions)
@@ -205,12 +207,15 @@ class GPT(nn.Module):
 
     def forward(self, tokens: torch.Tensor | None = None, targets: torch.Tensor | None = None, *,
                 hidden: torch.Tensor | None = None, document_ids: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+                position_ids: torch.Tensor | None = None, cache: "KVCache | None" = None) -> torch.Tensor:
         """tokens [b, s] (first stage) or hidden [s(/tp), b, h] (later stages) -> loss / logits (last stage) or
         hidden. document_ids [b, s]: attention inside each document, positions restarting at each (unless
-        position_ids [b, s] gives them); every stage takes them."""
+        position_ids [b, s] gives them); every stage takes them. `cache` (generation, models/generation.py): the
+        tokens follow the cached ones, whose keys and values each layer reads, and to which it adds these."""
         if targets is not None and self.post_process:
             self._check_targets(tokens, targets, hidden)  # every rank, before any collective
+        if cache is not None:  # the positions after the cached tokens
+            position_ids = cache.position_ids(tokens)
         self._check_documents(tokens, hidden, document_ids, position_ids)
         if self.cp_size > 1 and tp.is_debug():  # (ids differing across the cp group would mask silently wrong)
             for name, ids in (("document_ids", document_ids), ("position_ids", position_ids)):
@@ -220,9 +225,27 @@ class GPT(nn.Module):
         if position_ids is None and document_ids is not None:
             position_ids = document_positions(document_ids)
         x = self.embed(tokens, position_ids) if self.pre_process else hidden
-        for layer in self.layers:
-            x = layer(x, document_ids=document_ids, position_ids=position_ids)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, document_ids=document_ids, position_ids=position_ids,
+                      cache=None if cache is None else cache.layer(i))
+        if cache is not None:
+            cache.advance(x.shape[0])
         return self.head(x, targets) if self.post_process else x
+
+    @torch.no_grad()
+    def generate(self, tokens: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.0,
+                 top_k: int | None = None, top_p: float | None = None, eos_token_id: int | None = None,
+                 generator: torch.Generator | None = None) -> torch.Tensor:
+        """tokens [b, s] -> [b, s + n] ids: the prompt, then n <= max_new_tokens new tokens (fewer only when every
+        sequence has reached `eos_token_id`; a finished one is padded with it). Greedy at temperature 0, else sampled
+        from softmax(logits / temperature) restricted to the `top_k` likeliest tokens and the smallest set whose
+        probability reaches `top_p`, drawing from `generator` (seed it the same on every tp rank). A prefill pass,
+        then one token per step through a KV cache of this rank's heads (models/generation.py); the whole model on
+        this rank (no pipeline stage), no context or sequence parallelism."""
+        from .generation import generate
+
+        return generate(self, tokens, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                        eos_token_id=eos_token_id, generator=generator)
 
     def activation_shape(self, micro_batch_size: int, seq_len: int) -> tuple[int, int, int]:
         """[s(/cp)(/tp), b, h]: this rank's share of the activation between pipeline stages for a micro-batch of

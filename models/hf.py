@@ -392,19 +392,25 @@ def fused_part_size(config: GPTConfig, hf_name: str) -> int:
 
 
 def save_hf(model: nn.Module | list[nn.Module], path: str | os.PathLike, *, group: dist.ProcessGroup | None = None,
-            pp_group: dist.ProcessGroup | None = None, dp_group: dist.ProcessGroup | None = None) -> None:
+            pp_group: dist.ProcessGroup | None = None, dp_group: dist.ProcessGroup | None = None,
+            tokenizer: Any = None) -> None:
     """Write `path` (config.json + safetensors) for transformers.AutoModelForCausalLM.from_pretrained.
 
     Called on every rank with its stage, or its list of model chunks (interleaved pipelines: chunk c of pipeline
     rank r is virtual stage c·p + r); tp rank 0 of each pipeline rank writes one file per stage it holds (`pp_group`:
     the mesh's pipeline group, when the model is split over several ranks), numbered in virtual-stage (layer) order;
     global pipeline stage 0 writes the config and the index; with `dp_group`, only data-parallel replica 0 writes
-    (the others hold the same weights).
+    (the others hold the same weights). `tokenizer` (the one the model was trained with, a transformers tokenizer):
+    its files are written too, and the config's bos/eos/pad token ids are its own (not the family's defaults), so
+    `generate` on the export stops where the training data's documents end. Files get the umask's usual mode.
     """
     from safetensors.torch import save_file
 
     chunks = model_chunks(model)
     hf_config = config_to_hf(chunks[0].config)  # every rank, before any collective or write: the same error on all
+    if tokenizer is not None:
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            setattr(hf_config, name, getattr(tokenizer, name, None))
     group = tp.mesh.resolve_group(group)
     tensors = [hf_state_dict(chunk, group) for chunk in chunks]
     ranks = dist.get_world_size(pp_group) if pp_group is not None else 1
@@ -423,12 +429,22 @@ def save_hf(model: nn.Module | list[nn.Module], path: str | os.PathLike, *, grou
         for stale in set(os.listdir(path)) - set(files):
             if re.fullmatch(r"model(-\d+-of-\d+)?\.safetensors(\.index\.json)?", stale):
                 os.remove(os.path.join(path, stale))
+    mode = 0o666 & ~_umask()  # (safetensors writes 0600: the same mode as the config's instead)
     for c, chunk_tensors in enumerate(tensors):
         save_file(chunk_tensors, os.path.join(path, files[c * ranks + rank]), metadata={"format": "pt"})
+        os.chmod(os.path.join(path, files[c * ranks + rank]), mode)
     if rank == 0:
         hf_config.save_pretrained(path)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(path)
         if stages > 1:
             weight_map = {n: files[c * ranks + r] for r, per_chunk in enumerate(names)
                           for c, ns in enumerate(per_chunk) for n in ns}
             with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
                 json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=1)
+
+
+def _umask():
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

@@ -92,12 +92,26 @@ def _logged_steps(log):
 
 
 def test_a_worker_killed_after_a_step_restarts_and_trains_the_uninterrupted_curve(tmp_path, uninterrupted):
-    out, err, before, after = _resumed_job(tmp_path, lambda ckpt, log: _logged_steps(log) >= 3)
-    resumed = re.search(r"resuming from \S+step-0*(\d+) \(step (\d+)\)", out)  # the newest complete checkpoint
+    import importlib.util
+
+    wandb = ["--wandb-project", "faults"] if importlib.util.find_spec("wandb") else []
+    out, err, before, after = _resumed_job(tmp_path, lambda ckpt, log: _logged_steps(log) >= 3, "--tensorboard-dir",
+                                           str(tmp_path / "tb"), *wandb)
+    resumed = re.search(r"the group restarted after a failure \(attempt 2\); resuming from \S+step-0*(\d+) \(step "
+                        r"(\d+)\)", out)  # the newest complete checkpoint, in one line
     assert resumed and resumed[1] == resumed[2] and int(resumed[1]) in (2, 4, 6), out
+    assert out.count("layout:") == 1, out  # (not a second layout block)
     final = [json.loads(line) for line in after]
     assert [r["step"] for r in final] == list(range(1, 9))  # one row per step: the redone ones replaced
     assert [r["loss"] for r in final] == uninterrupted  # data order, RNG and optimizer state restored: bit for bit
+    pytest.importorskip("tensorboard")
+    from .test_watch import assert_same_rows, tensorboard_rows
+
+    assert_same_rows(tensorboard_rows(tmp_path / "tb"), final)  # the redone steps once, with the new values
+    if wandb:  # (offline: one run directory per attempt) the resumed attempt continues the checkpoint's W&B run
+        runs = sorted(os.listdir(tmp_path / "ckpt" / "logs" / "wandb"))
+        ids = {name.rsplit("-", 1)[1] for name in runs if name.startswith("offline-run-")}
+        assert len([n for n in runs if n.startswith("offline-run-")]) == 2 and len(ids) == 1, runs
     # (row 3 was logged, so step 2's checkpoint was committed: it started only after `latest` moved)
     assert after[:2] == before[:2]  # the rows up to the checkpoint kept as first written (their timings too)
     assert checkpoint_dirs.latest(str(tmp_path / "ckpt")).endswith("step-000008")
@@ -115,9 +129,29 @@ def test_a_worker_killed_mid_save_resumes_from_the_previous_checkpoint(tmp_path,
     assert "removed unfinished checkpoint step-000004" in err, err[-3000:]
     final = [json.loads(line) for line in after]
     assert [r["step"] for r in final] == list(range(1, 9)) and [r["loss"] for r in final] == uninterrupted
-    assert after[:2] == before[:2] and len(before) == 4  # rows 3 and 4 were redone
+    assert after[:2] == before[:2] and len(before) == 3  # (a step's row follows its save) rows 3 and 4 were redone
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["latest", "logs", "step-000002", "step-000004",
                                                      "step-000006", "step-000008"]
+
+
+def test_an_async_save_killed_during_its_background_write_never_leaves_latest_on_it(tmp_path, uninterrupted):
+    """--async-save: step 4's shards are written in the background (a first attempt's writes pause there, a test
+    hook) while training goes on; the kill lands then. `latest` still names step-000002, the job resumes from it
+    bit for bit, and the half-written step-000004 is removed at the next save."""
+    def during_write(ckpt, log):
+        step4 = os.path.join(ckpt, "step-000004")
+        return os.path.isdir(step4) and not checkpoint_dirs.is_complete(step4) and _logged_steps(log) >= 5 \
+            and open(os.path.join(ckpt, "latest")).read() == "step-000002"
+
+    out, err, before, after = _resumed_job(tmp_path, during_write, "--async-save", "--slow-save-at-step", "4")
+    assert "resuming from" in out and "step-000002 (step 2)" in out, out
+    assert "removed unfinished checkpoint step-000004" in err, err[-3000:]
+    final = [json.loads(line) for line in after]
+    assert [r["step"] for r in final] == list(range(1, 9)) and [r["loss"] for r in final] == uninterrupted
+    assert len(before) >= 5 and before[4].startswith('{"step": 5')  # training went on during the write
+    assert all(r["save_blocking_s"] > 0 for r in final if r["step"] % 2 == 0)
+    assert checkpoint_dirs.latest(str(tmp_path / "ckpt")).endswith("step-000008")
+    assert all(checkpoint_dirs.is_complete(str(tmp_path / "ckpt" / f"step-00000{s}")) for s in (2, 4, 6, 8))
 
 
 def test_a_hung_rank_ends_the_job_within_the_timeout_and_is_named(tmp_path):

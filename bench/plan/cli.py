@@ -30,6 +30,10 @@ from .search import search
 from .validation import cpu_op_overhead, validate
 
 PLOTTED = 12  # bars in plan.png at most
+USAGE = """python -m bench.plan --gpus N --seq-len S --global-batch-size B
+           (--model NAME | --hf-config PATH | --hidden H --layers L --heads A [--kv-heads K] [--ffn F])
+           [--hardware PROFILE] [--fix KEY=VALUE,...] [--top N] [--json] [--out DIR]
+       python -m bench.plan --validate"""
 # --fix's keys (the table's and the JSON's names) and their types
 FIXABLE = {"tp": int, "cp": int, "pp": int, "vp": int, "dp": int, "mbs": int, "recompute": str, "sp": str,
            "dp_mode": str}
@@ -102,10 +106,10 @@ def config_to_plan(args):
 
 
 def parser():
-    p = argparse.ArgumentParser(prog="python -m bench.plan", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m bench.plan", description=__doc__, usage=USAGE,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hardware", choices=PROFILES, default="h100-sxm")
-    p.add_argument("--gpus", type=int, help="GPUs (CPU ranks on cpu-measured)")
+    p.add_argument("--gpus", type=int, help="GPUs (CPU ranks on cpu-measured); required (but with --validate)")
     p.add_argument("--gpus-per-node", type=int, help="default: the profile's (8 for GPUs)")
     p.add_argument("--model", choices=sorted(MODELS), help="a named shape")
     p.add_argument("--hf-config", metavar="PATH", help="a Hugging Face config.json (or its directory)")
@@ -116,8 +120,9 @@ def parser():
     p.add_argument("--ffn", type=int)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--activation", choices=("gelu", "swiglu"), default="swiglu")
-    p.add_argument("--seq-len", type=int)
-    p.add_argument("--global-batch-size", type=int, help="sequences per optimizer step")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence; required (but with --validate)")
+    p.add_argument("--global-batch-size", type=int,
+                   help="sequences per optimizer step; required (but with --validate)")
     p.add_argument("--fix", help="pin plan fields: tp=8,pp=16,recompute=selective,sp=on,dp_mode=zero1,...")
     p.add_argument("--top", type=int, default=10, help="plans shown (and in --json); 0: all")
     p.add_argument("--json", action="store_true", help="print {'plans': [...]} best first instead of the table")
@@ -132,13 +137,16 @@ def check_args(p, args):
         return
     shape = [f for f in ("hidden", "layers", "heads") if getattr(args, f) is not None]
     sources = [bool(args.model), bool(args.hf_config), bool(shape)]
-    if sum(sources) != 1:
+    if sum(sources) > 1:
         p.error("give one model: --model NAME, --hf-config PATH, or --hidden H --layers L --heads A")
     if shape and len(shape) < 3:
         p.error("--hidden, --layers and --heads go together")
-    for name in ("gpus", "seq_len", "global_batch_size"):
-        if getattr(args, name) is None:
-            p.error(f"--{name.replace('_', '-')} is required")
+    missing = [f"--{name.replace('_', '-')}" for name in ("gpus", "seq_len", "global_batch_size")
+               if getattr(args, name) is None]
+    if not any(sources):
+        missing.append("a model (--model NAME, --hf-config PATH, or --hidden H --layers L --heads A)")
+    if missing:  # all at once, not one per try
+        p.error(f"missing {', '.join(missing)} (see the usage above)")
     for name in ("gpus", "gpus_per_node", "seq_len", "global_batch_size", "hidden", "layers", "heads", "kv_heads",
                  "ffn", "vocab", "top"):
         value = getattr(args, name)

@@ -37,6 +37,11 @@ above, and each rank keeps its shard on load, so checkpoints move freely between
 The parameters are always stored as the fp32 masters (bf16 runs: not the bf16 copies; `optimizer` names the inner
 torch optimizer, AdamW), so a bf16 run resumes in fp32 and the other way round.
 
+Async saves (`save(..., async_group=)`, the job's --async-save): every tensor is copied to CPU first (the staging:
+training may change the originals from then on), then DCP's async_save writes them on a background thread, its
+collectives on `async_group` (a gloo group of its own: the training's groups stay the training thread's); the
+returned Future is done once the whole checkpoint, `.metadata` last, is on disk.
+
 RNG: restored only when the split (world size, tp, pp, dp, order) is unchanged, so resuming then is bit-exact with
 dropout too. At another split no rank's stream corresponds to a saved one: every rank keeps the generators it has
 (seed them with `tp.model_parallel_seed` before loading), and dropout masks differ from the uninterrupted run from
@@ -46,9 +51,11 @@ import dataclasses
 import os
 import pickle
 import warnings
+from concurrent.futures import Future
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
@@ -194,10 +201,28 @@ def _stage_parameters(stages):
             yield stage, name, module, attr, param
 
 
+class _Staged:
+    """DCP's AsyncStager for a state dict `save` has already copied to CPU: nothing more to copy."""
+
+    should_synchronize_after_execute = False
+
+    def stage(self, state_dict):
+        return state_dict
+
+    def close(self):
+        pass
+
+
 def save(path: str, model: Model, optimizer: torch.optim.Optimizer | None, *, mesh: tp.Mesh, step: int,
-         extra: Any = None) -> None:
+         extra: Any = None, async_group: dist.ProcessGroup | None = None,
+         storage_writer: dcp.StorageWriter | None = None) -> Future | None:
     """Write a checkpoint of this GPT stage, its optimizer, the RNG and `step` to directory `path` (collective over
-    every rank). `extra`: anything picklable to hand back on load (rank 0's is kept)."""
+    every rank). `extra`: anything picklable to hand back on load (rank 0's is kept).
+
+    With `async_group` (a gloo group over every rank, used by the writing thread alone): the tensors are copied to
+    CPU here, then written in the background by DCP's async_save; returns its Future, done on a rank once every
+    rank's shards and the `.metadata` (written last, by rank 0) are on disk. `storage_writer`: DCP's, instead of a
+    FileSystemWriter for `path`."""
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step={step!r} must be an integer >= 0")
     stages = _check(model, optimizer, mesh)
@@ -207,9 +232,10 @@ def save(path: str, model: Model, optimizer: torch.optim.Optimizer | None, *, me
     device_mesh = mesh.device_mesh["tp"]
     state = {}
     whole = optimizer.full_state() if _distributed(optimizer) else None  # fp32 masters and state, dp-gathered
+    staged = (lambda t: t.detach().to("cpu", copy=True)) if async_group is not None else (lambda t: t)
     for stage, name, module, attr, param in _stage_parameters(stages):
         parts = [part for part in _parts(stage, name, module, attr, param.shape) if part.held()]
-        value = _tp_local(param.detach()) if whole is None else whole[param].pop("param")
+        value = staged(_tp_local(param.detach()) if whole is None else whole[param].pop("param"))
         for part in parts:
             state[f"model.{part.key}"] = part.stored(part.views(value), device_mesh)
         entries = whole[param] if whole is not None else optimizer.state.get(param, {}) if optimizer is not None \
@@ -218,7 +244,7 @@ def save(path: str, model: Model, optimizer: torch.optim.Optimizer | None, *, me
             if not torch.is_tensor(value):
                 raise TypeError(f"optimizer state {entry!r} of {name} is a {type(value).__name__}; only tensors are "
                                 "checkpointed")
-            value = _tp_local(value)
+            value = staged(_tp_local(value))
             for part in parts:  # split like the parameter, or whole
                 state[f"optim.{part.key}.{entry}"] = part.stored(part.views(value), device_mesh) \
                     if value.shape == param.shape else value
@@ -229,7 +255,11 @@ def save(path: str, model: Model, optimizer: torch.optim.Optimizer | None, *, me
                     optimizer=None if optimizer is None else _optimizer_name(optimizer), param_groups=groups)
         state["meta"] = pickle.dumps(meta)
     state[f"rng.{mesh.rank}"] = pickle.dumps(tp.get_rng_state())
-    dcp.save(state, checkpoint_id=path)
+    if async_group is None:
+        dcp.save(state, checkpoint_id=path, storage_writer=storage_writer)
+        return None
+    return dcp.async_save(state, checkpoint_id=path, storage_writer=storage_writer, process_group=async_group,
+                          async_stager=_Staged())
 
 
 def check_config(saved: dict, config: GPTConfig, path: str) -> None:
@@ -242,10 +272,33 @@ def check_config(saved: dict, config: GPTConfig, path: str) -> None:
         raise ValueError(f"checkpoint {path!r} was saved with another GPTConfig: {', '.join(differ)}")
 
 
+def check_files(path: str) -> None:
+    """Raise ValueError (one line naming the file) unless the checkpoint's `.metadata` reads and every shard file it
+    names holds at least the bytes it says: a corrupt or truncated checkpoint is refused before any rank loads it."""
+    metadata_file = os.path.join(path, ".metadata")
+    try:
+        metadata = dcp.FileSystemReader(path).read_metadata()
+    except Exception as e:  # (unpickling garbage raises anything)
+        raise ValueError(f"{metadata_file} is not a readable checkpoint index ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0] if str(e) else 'corrupt'})") from None
+    needed = {}
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            raise ValueError(f"{file} is missing: the checkpoint's .metadata names it")
+        if os.path.getsize(file) < size:
+            raise ValueError(f"{file} is truncated: {os.path.getsize(file)} bytes, the checkpoint's .metadata "
+                             f"says {size}")
+
+
 def read_meta(path: str) -> dict:
-    """The checkpoint's meta (step, split, config, optimizer hyperparameters), read by this process alone."""
+    """The checkpoint's meta (step, split, config, optimizer hyperparameters), read by this process alone; a
+    corrupt or truncated checkpoint raises ValueError naming the file (check_files)."""
     if not os.path.isfile(os.path.join(path, ".metadata")):
         raise FileNotFoundError(f"{path!r} holds no checkpoint (no .metadata)")
+    check_files(path)
     holder = {"meta": None}
     with warnings.catch_warnings():  # DCP warns that no_dist means a single process: here it means this rank alone
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")

@@ -26,13 +26,17 @@ from tp.mesh import DEFAULT_ORDER, launched_by_torchrun
 
 from ..config import CP_MODES, PRESETS, RECOMPUTE, GPTConfig
 from . import data, failures, launch, preflight, trainer
-from .config import DP_MODES, PIPELINE_SCHEDULES, SIZE_FIELDS, JobConfig
+from .config import DP_MODES, LR_DECAY_STYLES, PIPELINE_SCHEDULES, SIZE_FIELDS, JobConfig
 
 _UNSET = object()
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Defaults shown, the description's example commands kept as written."""
+    """Defaults shown (once: not for a flag whose help says its default), the description's example commands kept
+    as written."""
+
+    def _get_help_string(self, action):
+        return action.help if "default" in (action.help or "") else super()._get_help_string(action)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -57,6 +61,7 @@ def parser() -> argparse.ArgumentParser:
     _model_and_data_flags(p.add_argument)
     _document_flags(p.add_argument)
     _output_and_launch_flags(p.add_argument)
+    _watch_flags(p.add_argument)
     return p
 
 
@@ -82,7 +87,7 @@ def _split_and_training_flags(a):
     a("--micro-batch-size", type=int, default=2, help="sequences per micro-batch")
     a("--seq-len", type=int, default=64, help="tokens per sequence")
     a("--steps", type=int, default=100, help="optimizer steps")
-    a("--lr", type=float, default=3e-3, help="peak learning rate (AdamW; linear warm-up, cosine decay)")
+    a("--lr", type=float, default=3e-3, help="peak learning rate (AdamW; linear warm-up, then --lr-decay-style)")
     a("--warmup-steps", type=int, default=5, help="learning-rate warm-up steps")
     a("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
     a("--seed", type=int, default=1234, help="seed of the weights, the data order and dropout")
@@ -174,7 +179,38 @@ def _output_and_launch_flags(a):
     a("--hang-at-step", type=int, default=None, help=argparse.SUPPRESS)  # --fail-rank sleeps there
     a("--slow-save-at-step", type=int, default=None, help=argparse.SUPPRESS)  # a first attempt's save pauses
     a("--nan-grad-at-step", type=int, default=None, help=argparse.SUPPRESS)  # --fail-rank's gradient gets a NaN
+    a("--slow-step-s", type=float, default=None, help=argparse.SUPPRESS)  # --fail-rank works longer every step
     a("--fail-rank", type=int, default=0, help=argparse.SUPPRESS)
+
+
+def _watch_flags(a):
+    """Megatron's learning-rate flags; watching a run (TensorBoard, W&B, profiles, stragglers, the plot and sample at
+    the end); saving without stalling."""
+    a("--lr-decay-style", choices=LR_DECAY_STYLES, default="cosine",
+      help="learning-rate decay after the warm-up, from --lr to --min-lr (Megatron's); wsd: warmup-stable-decay")
+    a("--min-lr", type=float, default=None, help="the learning rate the decay ends at (default: --lr / 10)")
+    a("--lr-decay-steps", type=int, default=None, metavar="N",
+      help="steps (from 0) over which the learning rate decays, --min-lr after (default: --steps)")
+    a("--lr-wsd-decay-steps", type=int, default=None, metavar="N",
+      help="wsd: the last N of the decay steps fall linearly to --min-lr (default: 10%% of the decay steps)")
+    a("--async-save", action="store_true",
+      help="checkpoints staged to CPU and written in the background (torch.distributed.checkpoint.async_save) "
+           "while training goes on; DIR/latest moves once every rank's write is complete")
+    a("--tensorboard-dir", metavar="DIR", default=None,
+      help="TensorBoard scalars (the JSONL log's) and the configuration, written by rank 0 (pip install tensorboard)")
+    a("--wandb-project", metavar="NAME", default=None,
+      help="log the same rows to Weights & Biases (pip install wandb); offline without credentials (WANDB_API_KEY "
+           "or a wandb login); a resumed job continues the checkpoint's W&B run")
+    a("--wandb-run-name", metavar="NAME", default=None, help="the W&B run's display name")
+    a("--profile-steps", metavar="A:B", default=None,
+      help="torch.profiler over optimizer steps A..B: one Chrome/Perfetto trace per rank (pipeline actions and "
+           "collectives named), CUDA memory snapshots on GPUs")
+    a("--profile-dir", metavar="DIR", default=None, help="where the traces go (default: LOG_DIR/profile)")
+    a("--profile-ranks", metavar="R,R", default=None, help="profile these global ranks only (default: every rank)")
+    a("--straggler-factor", type=float, default=1.5, metavar="F",
+      help="every --log-interval steps each rank's step time is gathered (slowest_rank, rank_step_s_max/min in the "
+           "log); warn when a rank takes F times the median 3 times running")
+    a("--no-sample", action="store_true", help="skip the greedy sample from the trained model printed at the end")
 
 
 def job_config(args: argparse.Namespace) -> JobConfig:
@@ -229,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     if job.launch.print_layout:
         return launch.print_layout_under_torchrun(job.parallelism.sizes, timeout)
     logs, config_file = launch.log_dir(job), args.config
+    job.logging.log_dir = logs  # (resolved: where the profiles and W&B go, what the done line names)
     written = os.path.join(logs, launch.CONFIG_FILE)
     if os.environ["RANK"] == "0" and not (config_file and os.path.realpath(config_file) == os.path.realpath(written)):
         config_file = launch.write_config(job, logs)  # under your own torchrun (ours wrote it and passed --config)

@@ -37,6 +37,7 @@ SIZE_FIELDS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_hi
 PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb")
 DP_MODES = ("ddp", "fsdp", "zero1")
 PRECISIONS = ("fp32", "bf16")
+LR_DECAY_STYLES = ("cosine", "linear", "constant", "wsd")
 
 
 def _field(default: Any, *, flag: str) -> Any:
@@ -163,24 +164,46 @@ class TrainingConfig:
 
 @dataclasses.dataclass
 class OptimizerConfig:
-    """[optimizer]: AdamW's peak learning rate, its warm-up and weight decay."""
+    """[optimizer]: AdamW's peak learning rate, its warm-up and decay (Megatron's flags), and weight decay."""
 
     lr: float = 3e-3
     warmup_steps: int = 5
     weight_decay: float = 0.01
+    lr_decay_style: str = "cosine"
+    min_lr: float | None = None  # None: lr / 10
+    lr_decay_steps: int | None = None  # None: --steps
+    lr_wsd_decay_steps: int | None = None  # wsd's final decay; None: the last 10% of the decay steps
 
     def validate(self) -> None:
         for name, value in (("lr", self.lr), ("weight_decay", self.weight_decay)):
             if not math.isfinite(value) or value < 0 or (name == "lr" and value == 0):
                 raise ValueError(f"{_flag(name)}={value} must be a finite number {'> 0' if name == 'lr' else '>= 0'}")
         _at_least(self, ("warmup_steps",), 0)
+        _at_least(self, ("lr_decay_steps", "lr_wsd_decay_steps"), 1)
+        _one_of("--lr-decay-style", self.lr_decay_style, LR_DECAY_STYLES)
+        if self.min_lr is not None and not (math.isfinite(self.min_lr) and 0 <= self.min_lr <= self.lr):
+            raise ValueError(f"--min-lr={self.min_lr} must be a number in [0, --lr={self.lr}]")
 
     def learning_rate(self, step: int, steps: int) -> float:
-        """The learning rate of step `step` (from 0) of `steps`: linear warm-up, then cosine decay to lr/10."""
+        """The learning rate of step `step` (from 0) of `steps`: linear warm-up over --warmup-steps, then
+        --lr-decay-style from --lr down to --min-lr (default lr/10) at --lr-decay-steps (default `steps`, counted
+        from step 0 as Megatron does), --min-lr after. wsd (warmup-stable-decay) stays at --lr until the last
+        --lr-wsd-decay-steps of the decay, then falls linearly."""
         if step < self.warmup_steps:
             return self.lr * (step + 1) / self.warmup_steps
-        progress = (step - self.warmup_steps) / max(1, steps - self.warmup_steps)
-        return self.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
+        if self.lr_decay_style == "constant":
+            return self.lr
+        floor = 0.1 if self.min_lr is None else self.min_lr / self.lr
+        decay_steps = self.lr_decay_steps or steps
+        progress = min(1.0, max(0.0, (step - self.warmup_steps) / max(1, decay_steps - self.warmup_steps)))
+        if self.lr_decay_style == "cosine":
+            coeff = 0.5 * (1 + math.cos(math.pi * progress))
+        elif self.lr_decay_style == "linear":
+            coeff = 1.0 - progress
+        else:  # wsd
+            anneal = self.lr_wsd_decay_steps or max(1, math.ceil(0.1 * decay_steps))
+            coeff = min(1.0, max(0.0, (decay_steps - step) / anneal))
+        return self.lr * (floor + (1 - floor) * coeff)
 
 
 @dataclasses.dataclass
@@ -249,6 +272,7 @@ class CheckpointConfig:
     save_every: int = 0
     load: str | None = None
     export_hf: str | None = None
+    async_save: bool = False  # DCP's async_save: staged to CPU, written in the background
 
     def validate(self) -> None:
         _at_least(self, ("save_every",), 0)
@@ -256,14 +280,60 @@ class CheckpointConfig:
 
 @dataclasses.dataclass
 class LoggingConfig:
-    """[logging]: the JSONL log, the progress lines, the ranks' log directory."""
+    """[logging]: the JSONL log (and its plot), TensorBoard, W&B, the progress lines, stragglers, the final sample,
+    the ranks' log directory."""
 
     log_jsonl: str | None = None
     log_interval: int = 10
     log_dir: str | None = None
+    tensorboard_dir: str | None = None
+    wandb_project: str | None = None
+    wandb_run_name: str | None = None
+    straggler_factor: float = 1.5  # warn when a rank's step takes this many times the median, 3 gathers running
+    no_sample: bool = False
 
     def validate(self) -> None:
         _at_least(self, ("log_interval",), 1)
+        if self.wandb_run_name is not None and not self.wandb_project:
+            raise ValueError("--wandb-run-name names a W&B run: give --wandb-project too")
+        if not (math.isfinite(self.straggler_factor) and self.straggler_factor > 1):
+            raise ValueError(f"--straggler-factor={self.straggler_factor} must be a number > 1")
+
+
+@dataclasses.dataclass
+class ProfilingConfig:
+    """[profiling]: torch.profiler over a window of optimizer steps, one trace per rank."""
+
+    profile_steps: str | None = None  # "A:B": optimizer steps A..B (from 1), both included
+    profile_dir: str | None = None  # None: profile/ beside the ranks' logs
+    profile_ranks: str | None = None  # "0,3": those global ranks (None: every rank)
+
+    def validate(self) -> None:
+        if self.profile_steps is None:
+            for flag, value in (("--profile-dir", self.profile_dir), ("--profile-ranks", self.profile_ranks)):
+                if value is not None:
+                    raise ValueError(f"{flag} goes with --profile-steps A:B")
+            return
+        self.window()
+        self.ranks()
+
+    def window(self) -> tuple[int, int] | None:
+        """(A, B) of --profile-steps A:B, or None."""
+        if self.profile_steps is None:
+            return None
+        first, sep, last = self.profile_steps.partition(":")
+        if not (sep and first.strip().isdigit() and last.strip().isdigit()) or not 1 <= int(first) <= int(last):
+            raise ValueError(f"--profile-steps {self.profile_steps!r} must be A:B, optimizer steps 1 <= A <= B")
+        return int(first), int(last)
+
+    def ranks(self) -> list[int] | None:
+        """The global ranks --profile-ranks names (None: every rank)."""
+        if self.profile_ranks is None:
+            return None
+        items = [r.strip() for r in self.profile_ranks.split(",")]
+        if not all(r.isdigit() for r in items):
+            raise ValueError(f"--profile-ranks {self.profile_ranks!r} must be global ranks separated by commas")
+        return sorted({int(r) for r in items})
 
 
 @dataclasses.dataclass
@@ -286,8 +356,9 @@ class FaultsConfig:
 
     fail_at_step: int | None = None  # raises there
     hang_at_step: int | None = None  # sleeps there
-    slow_save_at_step: int | None = None  # a first attempt's save pauses (every rank)
+    slow_save_at_step: int | None = None  # a first attempt's save pauses (every rank; async: its write)
     nan_grad_at_step: int | None = None  # a NaN in a reduced gradient
+    slow_step_s: float | None = None  # every step works this much longer (a straggler)
     fail_rank: int = 0
 
     def validate(self) -> None:
@@ -306,6 +377,7 @@ class JobConfig:
     evaluation: EvaluationConfig = dataclasses.field(default_factory=EvaluationConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+    profiling: ProfilingConfig = dataclasses.field(default_factory=ProfilingConfig)
     launch: LaunchConfig = dataclasses.field(default_factory=LaunchConfig)
     faults: FaultsConfig = dataclasses.field(default_factory=FaultsConfig)
 
@@ -342,6 +414,17 @@ class JobConfig:
         if parallel.sequence_parallel and training.seq_len % parallel.tp:
             raise ValueError(f"--seq-len={training.seq_len} is not divisible by --tp={parallel.tp} (sequence "
                              "parallelism)")
+        self._validate_watching()
+
+    def _validate_watching(self) -> None:
+        """The profile window within the run, the profiled ranks within the world."""
+        window, ranks = self.profiling.window(), self.profiling.ranks()
+        if window and window[1] > self.training.steps:
+            raise ValueError(f"--profile-steps {self.profiling.profile_steps}: step {window[1]} is outside the run "
+                             f"(--steps={self.training.steps})")
+        if ranks and ranks[-1] >= self.parallelism.world_size:
+            raise ValueError(f"--profile-ranks {self.profiling.profile_ranks}: rank {ranks[-1]} is outside the "
+                             f"world of {self.parallelism.world_size} ranks")
 
     # ---- flags and TOML ------------------------------------------------------------------------------------------
 

@@ -177,6 +177,12 @@ def run_rank(fn: Callable[[Job], int], job: Job, log_dir: str, timeout_s: float)
     except KeyboardInterrupt:  # Ctrl-C reaches every rank (one process group): the launcher says so, once
         log.write(f"== interrupted at {time.strftime('%H:%M:%S')}, step {_step}\n")
         return 128 + signal.SIGINT
+    except BrokenPipeError:  # stdout's reader is gone (`| head`): stop quietly, as a Unix tool does
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, 1)  # (what is still buffered for stdout goes nowhere, instead of raising again at exit)
+        log.write(f"== stdout closed by its reader at {time.strftime('%H:%M:%S')}, step {_step}: stopped\n")
+        _write_error_file("stdout closed by its reader: stopped", dict(kind="pipe", rank=rank, time=time.time()))
+        return 128 + signal.SIGPIPE
     except SystemExit:
         raise
     except BaseException as e:  # noqa: B036 (torch's CheckpointException is a BaseException)
@@ -199,6 +205,16 @@ def run_rank(fn: Callable[[Job], int], job: Job, log_dir: str, timeout_s: float)
         _write_error_file(line, record)
         return 1
     return code  # (no destroy_process_group: the process ends in os._exit, see models/train.py)
+
+
+def stdout_closed(process_failures: dict) -> bool:
+    """Whether a rank stopped because its stdout's reader went away (`python -m models.train | head`)."""
+    for failure in process_failures.values():
+        data = failure.error_file_data.get("message") if isinstance(failure.error_file_data, dict) else None
+        record = data.get("extraInfo", {}).get("models_train") if isinstance(data, dict) else None
+        if record and record.get("kind") == "pipe":
+            return True
+    return False
 
 
 def summary(process_failures: dict, world: int, logs: str) -> str:

@@ -1,11 +1,13 @@
 """Failures the tests inject into a running job (the hidden flags --fail-at-step, --hang-at-step, --nan-grad-at-step,
---slow-save-at-step, on rank --fail-rank), each at a named point of the trainer. Nothing happens unless one is set."""
+--slow-save-at-step, --slow-step-s, on rank --fail-rank), each at a named point of the trainer. Nothing happens unless
+one is set."""
 import math
 import os
 import time
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
 import tp
 
@@ -24,6 +26,10 @@ def before_step(faults: FaultsConfig, step: int) -> None:
         raise RuntimeError(f"injected failure at step {step} on rank {faults.fail_rank}")
     if faults.hang_at_step == step and _here(faults):
         time.sleep(1e9)
+    if faults.slow_step_s and _here(faults):  # a straggler: busy, as a slow device or host is (not asleep)
+        end = time.perf_counter() + faults.slow_step_s
+        while time.perf_counter() < end:
+            pass
 
 
 def after_gradients(faults: FaultsConfig, step: int, module: torch.nn.Module) -> None:
@@ -42,3 +48,20 @@ def during_save(faults: FaultsConfig, step: int) -> None:
     ranks there, so that a kill lands mid-save."""
     if faults.slow_save_at_step == step and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
         time.sleep(60)
+
+
+class _SlowWriter(dcp.FileSystemWriter):
+    """A FileSystemWriter that pauses before writing its shards (the background write of an async save)."""
+
+    def write_data(self, plan, planner):
+        time.sleep(60)
+        return super().write_data(plan, planner)
+
+
+def storage_writer(faults: FaultsConfig, step: int, path: str, async_save: bool) -> dcp.StorageWriter | None:
+    """The writer of step `step`'s checkpoint: with --async-save and --slow-save-at-step there, a first attempt's
+    writes pause 60 s before any shard is on disk, so that a kill lands during the background write (None: DCP's
+    own)."""
+    if async_save and faults.slow_save_at_step == step and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        return _SlowWriter(path)
+    return None

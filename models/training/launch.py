@@ -73,7 +73,8 @@ def check_paths(job: JobConfig) -> None:
     """Every path flag of models.train (--from-hf, --data and --tokenizer: models/training/preflight.py and data.py's
     check_source, which may call these helpers too)."""
     for flag, path in (("--save", job.checkpoint.save), ("--export-hf", job.checkpoint.export_hf),
-                       ("--log-dir", job.logging.log_dir)):
+                       ("--log-dir", job.logging.log_dir), ("--tensorboard-dir", job.logging.tensorboard_dir),
+                       ("--profile-dir", job.profiling.profile_dir)):
         if path:
             check_writable_dir(flag, path)
     if job.logging.log_jsonl:
@@ -142,9 +143,10 @@ def _spans(ranks):
 
 
 def announce_layout(mesh: Mesh) -> None:
-    """Rank 0 prints the layout of the running job (collective: gathers every rank's node)."""
+    """Rank 0 prints the layout of the running job (collective: gathers every rank's node); once: not again when
+    torchrun restarts the group (the trainer says so in one line)."""
     places = gather_places()
-    if mesh.rank == 0:
+    if mesh.rank == 0 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
         print("\n".join(layout_lines(dict(mesh.sizes), "-".join(mesh.order), places)), flush=True)
 
 
@@ -187,7 +189,7 @@ def write_config(job: JobConfig, logs: str) -> str:
     return path
 
 
-def _quiet_torchelastic():
+def quiet_torchelastic() -> None:
     """torchrun's agent logs every stop and exit code; our summary line says what matters."""
     for name in list(logging.root.manager.loggerDict):
         if name.startswith(("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher")):
@@ -209,10 +211,12 @@ def launch(job: JobConfig) -> int:
     launcher = get_args_parser().parse_args([f"--nproc-per-node={world}", "--standalone",
                                              f"--max-restarts={job.launch.max_restarts}", "-m", "models.train",
                                              "--config", write_config(job, logs)])
-    _quiet_torchelastic()
+    quiet_torchelastic()
     try:
         run(launcher)
     except ChildFailedError as e:
+        if failures.stdout_closed(e.failures):  # `| head` has what it wanted: nothing to report
+            return 128 + signal.SIGPIPE
         print(f"error: {failures.summary(e.failures, world, logs)}", file=sys.stderr, flush=True)
         return 1
     except (KeyboardInterrupt, SignalException) as e:  # Ctrl-C (every rank got it too), or a signal to this process

@@ -6,7 +6,7 @@ import os
 
 from ..config import GPTConfig
 from ..stages import stage_layers
-from . import data, documents, launch
+from . import data, documents, launch, sinks
 from .checkpoint_dirs import resume_path
 from .config import JobConfig
 from .model import gpt_config_from_job
@@ -16,6 +16,7 @@ def check(job: JobConfig, world_size: int | None = None) -> GPTConfig:
     """The GPTConfig the job trains, once every check passed. Resolves job.parallelism.dp (from `world_size`,
     torchrun's WORLD_SIZE, when not given)."""
     job.validate(world_size)
+    sinks.check_packages(job)  # --tensorboard-dir, --wandb-project: their optional packages installed
     launch.check_paths(job)  # --save, --load, --export-hf, --log-jsonl, --log-dir: before any process
     if job.model.from_hf and not os.path.isdir(job.model.from_hf):
         raise ValueError(f"--from-hf {job.model.from_hf}: no such directory (a save_pretrained directory)")
@@ -63,7 +64,10 @@ def check_resume(job: JobConfig, config: GPTConfig) -> None:
         return
     from . import checkpoint
 
-    meta = checkpoint.read_meta(path)
+    try:
+        meta = checkpoint.read_meta(path)
+    except ValueError as e:
+        raise ValueError(f"--load {load}: {e}") from None
     checkpoint.check_config(meta["config"], config, path)
     restarted = os.path.realpath(save or "") == os.path.realpath(load)  # (the trainer says it is done)
     if job.training.steps <= meta["step"] and not job.evaluation.eval_only and not restarted:

@@ -44,7 +44,9 @@ class PlainLines:
         self._steps += n
 
     def set_postfix(self, **fields: Any) -> None:
-        if self._printed == self.n or (self.n % self.interval and self.n != self.total):
+        """Print the line if this step is due (every `interval`, the last, or one with a val_loss to show)."""
+        due = self.n % self.interval == 0 or self.n == self.total or "val_loss" in fields
+        if self._printed == self.n or not due:
             return
         now = time.perf_counter()
         per_step = (now - self._since) / max(1, self._steps)
@@ -56,6 +58,15 @@ class PlainLines:
 
     def close(self) -> None:
         pass
+
+
+def exclude(bar: Any, seconds: float) -> None:
+    """Leave `seconds` (an evaluation's) out of the bar's time per step: s/step (and tokens/s) measure training."""
+    if isinstance(bar, PlainLines):
+        bar._since += seconds
+    elif hasattr(bar, "start_t"):  # tqdm: its rate runs from start_t, its smoothing from last_print_t
+        bar.start_t += seconds
+        bar.last_print_t += seconds
 
 
 def open_log(path: str, start_step: int) -> TextIO:

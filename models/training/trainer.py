@@ -10,16 +10,21 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 import tp
 from tp.pipeline import PipelineRunner
 
 from ..flops import flops_per_token
 from ..stages import allreduce_tied_embedding_grads
-from . import checkpoint_dirs, data, documents, failures, faults, launch, progress
+from . import checkpoint_dirs, data, documents, failures, faults, launch, plot, progress
 from .checkpoint_dirs import resume_path
 from .config import JobConfig
 from .model import build_model, data_parallel_chunks, gpt_config_from_job
+from .profiling import StepProfiler
+from .sample import PROMPT, greedy_sample
+from .sinks import Sinks
+from .stragglers import StepClock, Stragglers
 
 DATA_ORDER = ("global_batch_size", "seed", "seq_len")  # [training] fields the data stream's position depends on
 
@@ -73,7 +78,17 @@ class Trainer:
         micro_batches = training.global_batch_size // (self.mesh.dp_size * training.micro_batch_size)
         self.buffered = data_parallel_chunks(self.module)  # zero1 / bf16: tp.optim.DataParallel, one per chunk
         self.optimizer = build_optimizer(self.module, job, micro_batches)
+        self.extra: dict = {}  # what the resumed checkpoint's run kept (the W&B run id, the tokenizer)
         self.start_step = self.resume()
+        device = next(self.stage.parameters()).device
+        self.clock, self.work_s = StepClock(device), 0.0
+        self.stragglers = Stragglers(interval=job.logging.log_interval, factor=job.logging.straggler_factor,
+                                     rank0=self.rank0, device=device)
+        # --async-save: DCP's writing thread runs its collectives on a gloo group of its own (never the training's)
+        self.save_group = dist.new_group(backend="gloo") if job.checkpoint.async_save and job.checkpoint.save \
+            else None
+        self.pending = None  # (the Future of an async save in flight, its step directory's name)
+        self.sinks = None
         self.runner = PipelineRunner(self.module, self.mesh, micro_batch_size=training.micro_batch_size,
                                      seq_len=training.seq_len)
         # rank 0 tokenizes a user's text if the launcher has not (own torchrun); the last ~1% of each dataset's
@@ -92,12 +107,15 @@ class Trainer:
         job = self.job
         path = resume_path(job.checkpoint.load, job.checkpoint.save)
         if not path:  # a fresh start (also with --save and --load the same directory, still empty)
+            if self.rank0 and restart_note():
+                print(f"{restart_note()}no checkpoint yet: starting from step 0", flush=True)
             return 0
         from . import checkpoint
 
         start_step, extra = checkpoint.load(path, self.module, self.optimizer, mesh=self.mesh)
+        self.extra = extra or {}
         if self.rank0:
-            print(f"resuming from {path} (step {start_step})", flush=True)
+            print(f"{restart_note()}resuming from {path} (step {start_step})", flush=True)
             changed = [f"--{k.replace('_', '-')}={v}" for k, v in (extra or {}).items()
                        if k in DATA_ORDER and getattr(job.training, k) != v]
             if changed:
@@ -110,8 +128,9 @@ class Trainer:
         params = sum(p.numel() for p in self.stage.parameters())
         parallel = job.parallelism
         return (f"{mesh.world_size} ranks: tp={mesh.tp_size} cp={mesh.cp_size} pp={mesh.pp_size} dp={mesh.dp_size} "
-                f"({parallel.dp_mode}, {job.training.precision}), schedule={parallel.schedule}, "
-                f"micro-batches/step={micro_batches}, sequence_parallel={parallel.sequence_parallel}; model "
+                f"({parallel.dp_mode}, {job.training.precision}), "
+                + (f"schedule={parallel.schedule}, " if mesh.pp_size > 1 else "no pipeline, ")
+                + f"micro-batches/step={micro_batches}, sequence_parallel={parallel.sequence_parallel}; model "
                 f"{job.model.from_hf or job.model.preset or 'tiny'} ({config.num_layers} layers, hidden "
                 f"{config.hidden_size}, {params:,} params on rank 0)"
                 + (f"; config: {config_file}" if config_file else ""))
@@ -120,6 +139,7 @@ class Trainer:
         """Optimizer step `step` (from 0) on the next global batch: (its log record, the global gradient norm)."""
         job, mesh, training = self.job, self.mesh, self.job.training
         started = time.perf_counter()
+        self.clock.start()
         micro_batches = self.with_documents(next(self.stream))
         if training.check_inputs:  # every tp (and cp) rank of a group reads the same tokens
             for tokens, targets, *_ in micro_batches:
@@ -135,15 +155,19 @@ class Trainer:
             allreduce_tied_embedding_grads(self.stage, mesh)
         faults.after_gradients(job.faults, step + 1, self.module)
         # the global norm over tp, pp and dp (each parameter once); clipped when --clip-grad > 0
-        grad_norm = tp.clip_grad_norm_(self.module.parameters(), training.clip_grad, mesh=mesh).item()
+        with record_function("clip_grad_norm"):
+            grad_norm = tp.clip_grad_norm_(self.module.parameters(), training.clip_grad, mesh=mesh).item()
         if math.isfinite(grad_norm):
-            self.optimizer.step()
+            with record_function("optimizer.step"):
+                self.optimizer.step()
         elif self.rank0:  # Megatron's behaviour: no update from a non-finite gradient, the model stays as it was
             print(f"skipped step {step + 1}: grad norm {grad_norm}", file=sys.stderr, flush=True)
         memory = self.max_memory_bytes() if step == self.start_step else {}  # grads and state exist now
         self.optimizer.zero_grad(set_to_none=True)
-        loss = _mean_over(stats.loss, mesh.dp_group)
+        with record_function("loss all-reduce"):
+            loss = _mean_over(stats.loss, mesh.dp_group)
         elapsed = time.perf_counter() - started
+        self.work_s = self.clock.stop(stats)[0]  # this rank's own work in the step (stragglers.py)
         tokens = training.global_batch_size * training.seq_len
         flops = flops_per_token(self.config, training.seq_len) * tokens  # model FLOPs (models/flops.py)
         skipped = not math.isfinite(grad_norm)
@@ -169,11 +193,15 @@ class Trainer:
         """The micro-batches with their documents' inputs and loss mask (documents.py), when the job asks."""
         return micro_batches if self.documents is None else [self.documents(*micro) for micro in micro_batches]
 
-    def save(self, step: int) -> None:
+    def save(self, step: int) -> float:
         """Write --save's DIR/step-N, then point DIR/latest at it (checkpoint_dirs.py): a kill mid-save never spoils
-        the previous checkpoint, and what it half wrote is removed here, at the next save."""
+        the previous checkpoint, and what it half wrote is removed here, at the next save. With --async-save the
+        tensors are staged to CPU here and written in the background; `latest` moves when rank 0's write is done
+        (poll_save), which DCP completes only after every rank's. Returns the seconds the step loop was blocked."""
         from . import checkpoint
 
+        started = time.perf_counter()
+        self.finish_save()  # (one save in flight at a time)
         root = self.job.checkpoint.save
         name = checkpoint_dirs.step_name(step)
         if self.rank0:
@@ -182,68 +210,137 @@ class Trainer:
                 print(f"removed unfinished checkpoint{'s' * (len(removed) > 1)} {', '.join(removed)} in {root}",
                       file=sys.stderr, flush=True)
         dist.barrier()
-        checkpoint.save(os.path.join(root, name), self.module, self.optimizer, mesh=self.mesh, step=step,
-                        extra={k: getattr(self.job.training, k) for k in DATA_ORDER})
+        extra = {k: getattr(self.job.training, k) for k in DATA_ORDER}
+        extra.update(tokenizer=_absolute(data.tokenizer_dir(self.job)),
+                     wandb_run_id=self.sinks.run_id if self.sinks else self.extra.get("wandb_run_id"))
+        future = checkpoint.save(os.path.join(root, name), self.module, self.optimizer, mesh=self.mesh, step=step,
+                                 extra=extra, async_group=self.save_group,
+                                 storage_writer=faults.storage_writer(self.job.faults, step, os.path.join(root, name),
+                                                                      self.save_group is not None))
+        if future is not None:
+            self.pending = future, name
+            return time.perf_counter() - started
         faults.during_save(self.job.faults, step)
         dist.barrier()
         if self.rank0:
             checkpoint_dirs.commit(root, name)
         dist.barrier()
+        return time.perf_counter() - started
+
+    def poll_save(self) -> None:
+        """An async save whose write is done on this rank: (rank 0) point `latest` at it."""
+        if self.pending and self.pending[0].done():
+            self.finish_save()
+
+    def finish_save(self) -> None:
+        """Wait for the async save in flight (if any) and, on rank 0, commit it."""
+        if not self.pending:
+            return
+        future, name = self.pending
+        self.pending = None
+        future.result()  # (raises the write's error, on every rank: DCP spreads it)
+        if self.rank0:
+            checkpoint_dirs.commit(self.job.checkpoint.save, name)
 
     def export_hf(self) -> None:
-        """The model in Hugging Face format to --export-hf (a rank's model chunks: one file per virtual stage)."""
+        """The model in Hugging Face format to --export-hf (a rank's model chunks: one file per virtual stage), with
+        the tokenizer the data was tokenized with."""
         from ..hf import save_hf
+        from .tokens import load_tokenizer
 
         mesh = self.mesh
         for chunk in self.buffered:  # zero1: the last step's all-gathers
             chunk.finish_param_sync()
+        directory = data.tokenizer_dir(self.job)  # its files and token ids go with the model
         save_hf(self.chunks, self.job.checkpoint.export_hf, group=mesh.tp_group,
-                pp_group=mesh.pp_group if mesh.pp_size > 1 else None, dp_group=mesh.group("dp-cp"))
+                pp_group=mesh.pp_group if mesh.pp_size > 1 else None, dp_group=mesh.group("dp-cp"),
+                tokenizer=load_tokenizer(directory) if directory else None)
 
     def fit(self) -> None:
-        """The steps from start_step to --steps: logged, evaluated and saved as the job says; then the final save,
-        the export, and rank 0's summary line."""
+        """The steps from start_step to --steps: profiled, evaluated, saved and logged as the job says; then the
+        last save completed, the export, and rank 0's sample, plot and summary line."""
         job, steps = self.job, self.job.training.steps
-        log = progress.open_log(job.logging.log_jsonl, self.start_step) if self.rank0 and job.logging.log_jsonl \
-            else None
+        if self.rank0:
+            self.sinks = Sinks(job, self.start_step, wandb_run_id=self.extra.get("wandb_run_id"))
         bar = progress.progress(self.rank0, self.start_step, steps, interval=job.logging.log_interval)
+        profiler = StepProfiler(job)
         first_loss = record = None
-        every, save_every = job.evaluation.eval_every, job.checkpoint.save_every
         try:
             for step in range(self.start_step, steps):
-                record, grad_norm = self.step(step)
+                with profiler.step(step + 1):
+                    record, grad_norm = self.step(step)
+                    record |= self.stragglers.gather(step + 1, self.work_s, record["step_s"], steps)
                 first_loss = record["loss"] if first_loss is None else first_loss
-                if every and ((step + 1) % every == 0 or step + 1 == steps):
-                    record["val_loss"] = self.evaluate()
-                if log:
-                    log.write(json.dumps(record) + "\n")
-                    log.flush()
+                self.evaluate_and_save(step + 1, record, bar)
+                if self.sinks:
+                    self.sinks.write(record)
                 bar.update(1)
                 bar.set_postfix(loss=f"{record['loss']:.4f}", grad_norm=f"{grad_norm:.3f}",
                                 tok_s=f"{record['tokens_per_s']:.0f}",
-                                **({"bubble": f"{record['bubble']:.2f}"} if self.mesh.pp_size > 1 else {}))
-                if job.checkpoint.save and save_every and (step + 1) % save_every == 0 and step + 1 < steps:
-                    self.save(step + 1)
-            if job.checkpoint.save:
-                self.save(steps)
+                                **({"bubble": f"{record['bubble']:.2f}"} if self.mesh.pp_size > 1 else {}),
+                                **({"val_loss": f"{record['val_loss']:.4f}"} if "val_loss" in record else {}))
+            self.finish_save()
             if job.checkpoint.export_hf:
                 self.export_hf()
         finally:
+            profiler.close()
             bar.close()
-            if log:
-                log.close()
-        if self.rank0:
-            print(self.done_line(first_loss, record), flush=True)
+            if self.sinks:
+                self.sinks.close()
+        self.finish(first_loss, record)
 
-    def done_line(self, first_loss: float, last: dict) -> str:
+    def evaluate_and_save(self, step: int, record: dict, bar) -> None:
+        """After optimizer step `step` (from 1): val_loss (its time left out of the progress line's s/step) and a
+        checkpoint (save_blocking_s, also left out) when the job says, into `record`; a finished async save
+        committed."""
+        job = self.job
+        every, save_every, steps = job.evaluation.eval_every, job.checkpoint.save_every, job.training.steps
+        if every and (step % every == 0 or step == steps):
+            started = time.perf_counter()
+            record["val_loss"] = self.evaluate()
+            progress.exclude(bar, time.perf_counter() - started)
+        if job.checkpoint.save and (step == steps or (save_every and step % save_every == 0)):
+            record["save_blocking_s"] = self.save(step)
+            progress.exclude(bar, record["save_blocking_s"])
+        self.poll_save()
+
+    def finish(self, first_loss: float, last: dict) -> None:
+        """The end of a run: the greedy sample (every rank), the plot of the log and the summary line (rank 0)."""
+        job = self.job
+        sample = None if job.logging.no_sample else self.sample()
+        if not self.rank0:
+            return
+        if sample is not None:
+            print(f"sample (greedy, after {PROMPT!r}; --no-sample skips it):\n{sample}", flush=True)
+        plotted = None
+        if job.logging.log_jsonl:
+            try:
+                plotted = plot.plot_log(job.logging.log_jsonl)
+            except ImportError:
+                print("note: no plot of the log: pip install matplotlib", file=sys.stderr, flush=True)
+        print(self.done_line(first_loss, last, plotted), flush=True)
+
+    def sample(self) -> str:
+        """The greedy sample (sample.py): the prompt and its continuation (collective over every rank)."""
+        from .tokens import load_tokenizer
+
+        for chunk in self.buffered:  # zero1: the last step's all-gathers
+            chunk.finish_param_sync()
+        directory = data.tokenizer_dir(self.job)
+        return greedy_sample(self.chunks, self.mesh, load_tokenizer(directory) if directory else None,
+                             dtype=self.runner.dtype)
+
+    def done_line(self, first_loss: float, last: dict, plotted: str | None = None) -> str:
         job, mesh = self.job, self.mesh
         ran = f"{job.training.steps - self.start_step} steps ({self.start_step + 1}..{job.training.steps})"
         return (f"done: {ran} at tp={mesh.tp_size} cp={mesh.cp_size} pp={mesh.pp_size} dp={mesh.dp_size}; "
                 f"loss {first_loss:.4f} -> {last['loss']:.4f}"
                 + (f", val_loss {last['val_loss']:.4f}" if "val_loss" in last else "")
                 + (f"; log: {job.logging.log_jsonl}" if job.logging.log_jsonl else "")
+                + (f" (plot: {plotted})" if plotted else "")
                 + (f"; checkpoint: {job.checkpoint.save}" if job.checkpoint.save else "")
-                + (f"; Hugging Face export: {job.checkpoint.export_hf}" if job.checkpoint.export_hf else ""))
+                + (f"; Hugging Face export: {job.checkpoint.export_hf}" if job.checkpoint.export_hf else "")
+                + (f"; rank logs: {job.logging.log_dir}" if job.logging.log_dir else ""))
 
     def evaluate_only(self) -> None:
         """--eval-only: val_loss of the loaded (or --from-hf) model, printed and logged by rank 0."""
@@ -282,6 +379,17 @@ def train(job: JobConfig, *, config_file: str | None = None) -> int:
     # may need the GIL to free its last work's tensors: a deadlock at exit, seen under load.
     tp.destroy_mesh(keep_groups=True)
     return 0
+
+
+def restart_note() -> str:
+    """The start of rank 0's resume line when torchrun restarted the group ("the group restarted after a failure
+    (attempt N); "), else an empty string."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    return f"the group restarted after a failure (attempt {attempt + 1}); " if attempt else ""
+
+
+def _absolute(path):
+    return os.path.abspath(path) if path else None
 
 
 def _mean_over(value, group):

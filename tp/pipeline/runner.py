@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.profiler import record_function
 
 from ..mesh import Mesh
 from . import schedules
@@ -238,40 +239,42 @@ class PipelineRunner:
         for action in plan.actions[rank]:
             c, k = action.chunk, action.micro
             chunk, s = self.chunks[c], plan.stage(rank, c)
-            received = [links.recv(message, src) for message, src in plan.receives(rank, action)]
-            started = time.perf_counter()  # compute only: waiting for the input is the bubble
-            if action.kind == "F":
-                tokens, targets = batches[k][:2]
-                x = received[0].requires_grad_() if received else None
-                sync = chunk.no_sync() if isinstance(chunk, DistributedDataParallel) else contextlib.nullcontext()
-                with sync, defer_wgrad() if split else contextlib.nullcontext():
-                    out = chunk(tokens if s == 0 else None, targets if s == last_stage else None, hidden=x,
-                                **batch_inputs(batches[k]))
-                if s == last_stage:
-                    out = out / m  # the mean over micro-batches, as the un-pipelined batch mean
-                    stats.loss = stats.loss + out.detach()  # (on the device: no host sync per micro-batch)
-                alive[c, k] = x, out
-                stats.max_alive = max(stats.max_alive, len(alive))
-            elif action.kind in ("B", "BW"):
-                x, out = alive.pop((c, k))
-                grad = received[0] if received else None
-                backwards[c] += 1
-                if isinstance(chunk, DistributedDataParallel) and action.kind == "BW" and backwards[c] == m:
-                    chunk.reducer.prepare_for_backward(list(torch.nn.parallel.distributed._find_tensors(out)))
-                with defer_wgrad() if action.kind == "B" else contextlib.nullcontext() as queue:
-                    torch.autograd.backward(out, grad_tensors=grad)
-                if queue is not None:
-                    deferred[c, k] = queue
-                del out
-            else:  # W
-                weights[c] += 1
-                touch = ()
-                if isinstance(chunk, DistributedDataParallel) and weights[c] == m:  # all-reduce during this one
-                    chunk.reducer.prepare_for_backward([])
-                    touch = [p for n, p in chunk.module.named_parameters()
-                             if p.requires_grad and n not in chunk.parameters_to_ignore]
-                deferred.pop((c, k)).run(touch=touch)
-            stats.times[action.kind] += time.perf_counter() - started
+            with record_function(f"recv for {action.kind} stage={s} chunk={c} micro={k}"):  # (profiles read so)
+                received = [links.recv(message, src) for message, src in plan.receives(rank, action)]
+            with record_function(f"{action.kind} stage={s} chunk={c} micro={k}"):  # a trace reads as the schedule
+                started = time.perf_counter()  # compute only: waiting for the input is the bubble
+                if action.kind == "F":
+                    tokens, targets = batches[k][:2]
+                    x = received[0].requires_grad_() if received else None
+                    sync = chunk.no_sync() if isinstance(chunk, DistributedDataParallel) else contextlib.nullcontext()
+                    with sync, defer_wgrad() if split else contextlib.nullcontext():
+                        out = chunk(tokens if s == 0 else None, targets if s == last_stage else None, hidden=x,
+                                    **batch_inputs(batches[k]))
+                    if s == last_stage:
+                        out = out / m  # the mean over micro-batches, as the un-pipelined batch mean
+                        stats.loss = stats.loss + out.detach()  # (on the device: no host sync per micro-batch)
+                    alive[c, k] = x, out
+                    stats.max_alive = max(stats.max_alive, len(alive))
+                elif action.kind in ("B", "BW"):
+                    x, out = alive.pop((c, k))
+                    grad = received[0] if received else None
+                    backwards[c] += 1
+                    if isinstance(chunk, DistributedDataParallel) and action.kind == "BW" and backwards[c] == m:
+                        chunk.reducer.prepare_for_backward(list(torch.nn.parallel.distributed._find_tensors(out)))
+                    with defer_wgrad() if action.kind == "B" else contextlib.nullcontext() as queue:
+                        torch.autograd.backward(out, grad_tensors=grad)
+                    if queue is not None:
+                        deferred[c, k] = queue
+                    del out
+                else:  # W
+                    weights[c] += 1
+                    touch = ()
+                    if isinstance(chunk, DistributedDataParallel) and weights[c] == m:  # all-reduce during this one
+                        chunk.reducer.prepare_for_backward([])
+                        touch = [p for n, p in chunk.module.named_parameters()
+                                 if p.requires_grad and n not in chunk.parameters_to_ignore]
+                    deferred.pop((c, k)).run(touch=touch)
+                stats.times[action.kind] += time.perf_counter() - started
             for message, dst in plan.sends(rank, action):
                 links.send(message, dst, out if action.kind == "F" else x.grad)
             stats.order.append(action)
