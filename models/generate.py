@@ -43,7 +43,7 @@ def parser() -> argparse.ArgumentParser:
 def resolve(args: argparse.Namespace) -> tuple[Any, str | None, str | None]:
     """(the GPTConfig, the checkpoint directory or None, the tokenizer directory or None); one-line ValueErrors."""
     from .training import checkpoint, checkpoint_dirs
-    from .training.tokens import has_tokenizer
+    from .training.data.tokenizer import has_tokenizer
 
     tokenizer = args.tokenizer
     if args.load:
@@ -70,7 +70,7 @@ def resolve(args: argparse.Namespace) -> tuple[Any, str | None, str | None]:
 
 def check(args: argparse.Namespace) -> tuple[Any, str | None, Text, list[int]]:
     """Every check before any process: (config, checkpoint path, Text, the prompt's ids)."""
-    from .training.tokens import load_tokenizer
+    from .training.data.tokenizer import load_tokenizer
 
     given = [flag for flag, value in (("--top-k", args.top_k), ("--top-p", args.top_p), ("--seed", args.seed))
              if value is not None]

@@ -246,7 +246,7 @@ class Trainer:
         """The model in Hugging Face format to --export-hf (a rank's model chunks: one file per virtual stage), with
         the tokenizer the data was tokenized with."""
         from ..hf import save_hf
-        from .tokens import load_tokenizer
+        from .data.tokenizer import load_tokenizer
 
         mesh = self.mesh
         for chunk in self.buffered:  # zero1: the last step's all-gathers
@@ -322,7 +322,7 @@ class Trainer:
 
     def sample(self) -> str:
         """The greedy sample (sample.py): the prompt and its continuation (collective over every rank)."""
-        from .tokens import load_tokenizer
+        from .data.tokenizer import load_tokenizer
 
         for chunk in self.buffered:  # zero1: the last step's all-gathers
             chunk.finish_param_sync()
