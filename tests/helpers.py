@@ -3,8 +3,9 @@ import torch
 from torch.distributed.tensor.debug import CommDebugMode
 
 ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER = "all_reduce", "all_gather", "reduce_scatter"
+ALL_TO_ALL = "all_to_all"
 _C10D_OPS = {ALL_REDUCE: torch.ops.c10d.allreduce_, ALL_GATHER: torch.ops.c10d._allgather_base_,
-             REDUCE_SCATTER: torch.ops.c10d._reduce_scatter_base_}
+             REDUCE_SCATTER: torch.ops.c10d._reduce_scatter_base_, ALL_TO_ALL: torch.ops.c10d.alltoall_base_}
 
 
 def randn(*shape, seed, dtype=torch.float64, requires_grad=False):
@@ -21,7 +22,7 @@ def noncontiguous(x):
 
 
 def counts(mode):
-    """{all_reduce, all_gather, reduce_scatter} counts recorded by a CommDebugMode."""
+    """{all_reduce, all_gather, reduce_scatter, all_to_all} counts recorded by a CommDebugMode."""
     c = mode.get_comm_counts()
     return {name: c[op] for name, op in _C10D_OPS.items()} | {"total": mode.get_total_counts()}
 
