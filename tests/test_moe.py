@@ -33,11 +33,12 @@ def _all_reduce(t, group):
     return t
 
 
-def _run(mesh, moe, dtype, sp, *, seed=1, scale=1.0, topk, **ref):
+def _run(mesh, moe, dtype, sp, *, seed=1, transform=None, topk, **ref):
     """Forward and backward of the layer and of the reference; checks outputs, losses and gradients."""
     cp_dp = mesh.size("dp-cp")
     mb = mesh.dp_rank * mesh.cp_size + mesh.cp_rank  # this rank's micro-batch
-    X = randn(cp_dp, R, B, H, seed=seed, dtype=dtype) * scale
+    X = randn(cp_dp, R, B, H, seed=seed, dtype=dtype)
+    X = X if transform is None else transform(X)
     G = randn(cp_dp, R, B, H, seed=seed + 1, dtype=dtype)
     mine = (lambda t: t[mb].chunk(mesh.tp_size, 0)[mesh.tp_rank]) if sp else (lambda t: t[mb])
     x = mine(X).clone().requires_grad_()
@@ -89,3 +90,123 @@ def test_moe_layer_matches_the_dense_reference(split):
     assert moe.experts.local_experts == E // ep and moe.experts.local_ffn == F // mesh.etp_size
     _run(mesh, moe, dtype, sp, topk=topk, score=score, activation=activation, aux_coeff=0.1, z_coeff=0.01,
          capacity_factor=extra.get("capacity_factor"))
+    if "capacity_factor" in extra:  # some slots were dropped (somewhere): the policy was exercised
+        assert _all_reduce(moe.dropped_slots.clone(), mesh.group("tp-cp-dp")) > 0
+
+
+@pytest.mark.parametrize("tp_size,ep,aux", [(1, 2, False), (1, 4, True), (2, 2, False)])
+@distributed(world_size=4)
+def test_communication_per_layer(tp_size, ep, aux):
+    """ep > 1, alltoall: forward one all-gather of the counts and one all-to-all each way, backward the two
+    all-to-alls; with etp = tp = 2 (SP) the etp gather / reduce-scatter each way and the router grads' all-reduce
+    over tp; aux losses: one all-reduce of the statistics forward."""
+    mesh = tp.init_mesh(tp=tp_size, ep=ep)
+    moe = tp.moe.MoE(H, F, 8, 2, sequence_parallel=tp_size > 1, aux_loss_coeff=0.1 * aux)
+    x = randn(R // tp_size, B, H, seed=mesh.rank, dtype=torch.float32, requires_grad=True)
+    y, fwd = comm_counts(lambda: moe(x))
+    _, bwd = comm_counts(lambda: y.sum().backward())
+    etp = int(mesh.etp_size > 1)
+    assert fwd == {ALL_GATHER: 1 + etp, ALL_TO_ALL: 2, REDUCE_SCATTER: etp, ALL_REDUCE: int(aux),
+                   "total": 3 + 2 * etp + int(aux)}, fwd
+    assert bwd == {ALL_GATHER: etp, ALL_TO_ALL: 2, REDUCE_SCATTER: etp, ALL_REDUCE: int(tp_size > 1),
+                   "total": 2 + 2 * etp + int(tp_size > 1)}, bwd
+
+
+@distributed(world_size=4)
+def test_experts_and_ranks_without_tokens():
+    """Every token prefers the experts of ep rank 0: rank 1's experts (and expert 0) get nothing on this step. No
+    hang, zero gradients there, the output still the reference's."""
+    mesh = tp.init_mesh(ep=2)
+    torch.set_default_dtype(torch.float64)
+    torch.manual_seed(0)
+    moe = tp.moe.MoE(H, F, 6, 2, shared_expert_size=SHARED, data_parallel_size=1)
+    u = torch.zeros(H)
+    u[0] = 1.0
+    with torch.no_grad():
+        moe.router.weight.copy_(torch.stack([-3 * u] + [u + 0.1 * torch.randn(H) for _ in range(2)]
+                                            + [-u + 0.1 * torch.randn(H) for _ in range(3)]))
+    _run(mesh, moe, torch.float64, False, topk=2, seed=3, transform=_shift)
+    assert mesh.ep_rank == 0 or not moe.experts.fc1.grad.any()  # rank 1's experts: no token, zero grads
+    assert mesh.ep_rank == 1 or not moe.experts.fc1.grad[0].any()  # expert 0: none either
+
+
+def _shift(x):
+    x = x.clone()
+    x[..., 0] += 5.0  # every token leans to the experts whose router rows are +u
+    return x
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(num_experts=6, ep=4), r"num_experts=6 is not divisible by ep=4"),
+    (dict(topk=7), r"moe_router_topk=7 must be between 1 and num_experts=6"),
+    (dict(ffn=5, tp=2, etp=2), r"moe_ffn_hidden_size=5 is not divisible by etp=2"),
+    (dict(dispatcher="p2p"), r"moe_dispatcher='p2p' must be one of \('alltoall', 'allgather'\)"),
+    (dict(capacity_factor=0), r"moe_capacity_factor=0 must be a positive number"),
+])
+@distributed(world_size=4)
+def test_bad_configurations_raise_on_every_rank(kwargs, message):
+    kwargs = dict(dict(num_experts=6, topk=2, ffn=F, tp=1, ep=1, etp=None), **kwargs)
+    tp.init_mesh(tp=kwargs.pop("tp"), ep=kwargs.pop("ep"), etp=kwargs.pop("etp"))
+    with pytest.raises(ValueError, match=message):
+        tp.moe.MoE(H, kwargs.pop("ffn"), kwargs.pop("num_experts"), kwargs.pop("topk"), **kwargs)
+
+
+@distributed(world_size=4)
+def test_debug_mode_checks_the_router_weight():
+    tp.init_mesh(tp=2, ep=2)
+    moe = tp.moe.MoE(H, F, 6, 2, sequence_parallel=True)
+    if dist.get_rank() == 3:
+        with torch.no_grad():
+            moe.router.weight[0, 0] += 1e-3  # a drifted copy would route its tokens elsewhere, silently
+    x = randn(R // 2, B, H, seed=0, dtype=torch.float32)
+    moe(x)  # debug off: nothing checked
+    message = r"the router weight of an MoE layer should be replicated but differs .*ranks \[0, 1, 2\] vs ranks \[3\]"
+    with tp.set_debug(True), pytest.raises(ValueError, match=message):
+        moe(x)
+
+
+@pytest.mark.parametrize("tp_size,ep", [(1, 2), (2, 2), (1, 4)])
+@distributed(world_size=4)
+def test_expert_bias_updates_equal_across_splits(tp_size, ep):
+    """Sigmoid routing's auxiliary-loss-free bias: after two forwards, every rank's bias equals the update computed
+    from the global loads of the serial model (b += rate · sign(mean - load))."""
+    mesh = tp.init_mesh(tp=tp_size, ep=ep)
+    torch.set_default_dtype(torch.float64)
+    torch.manual_seed(0)
+    moe = tp.moe.MoE(H, F, 8, 2, score="sigmoid", sequence_parallel=tp_size > 1)
+    router = moe.router.weight.detach().clone()
+    loads = torch.zeros(8, dtype=torch.float64)
+    for step in range(2):
+        X = randn(mesh.dp_size, R, B, H, seed=10 + step)
+        x = X[mesh.dp_rank].chunk(tp_size, 0)[mesh.tp_rank]
+        moe(x)
+        _, indices = route_indices(X.reshape(-1, H), router)
+        loads += torch.bincount(indices.flatten(), minlength=8)
+    tp.moe.update_expert_bias(moe, rate=0.01)
+    expected = 0.01 * torch.sign(loads.mean() - loads)
+    assert torch.equal(moe.router.expert_bias.double(), expected.to(moe.router.expert_bias.dtype).double())
+    assert not moe.router.expert_load.any()  # reset for the next step
+    assert expected.any()
+
+
+def route_indices(x, router):
+    from .moe_reference import route
+
+    weights, indices, _, _ = route(x, router, 2, "sigmoid")
+    return weights, indices
+
+
+@distributed(world_size=4)
+def test_initialisation_is_split_invariant():
+    """The layer's weights at tp 2 x ep 2 (etp 2) and at ep 4 (etp 1), gathered, equal the one-rank layer's."""
+    results = []
+    for tp_size, ep, etp in ((2, 2, None), (1, 4, 1), (1, 1, None)):
+        tp.init_mesh(tp=tp_size, ep=ep, etp=etp)
+        torch.manual_seed(0)
+        moe = tp.moe.MoE(H, F, 8, 2, shared_expert_size=SHARED, shared_expert_gate=True)
+        results.append(dense_weights(moe))
+        tp.destroy_mesh()
+    for other in results[:2]:
+        assert other.keys() == results[2].keys()
+        for name in other:
+            assert torch.equal(other[name], results[2][name]), name

@@ -110,7 +110,8 @@ class MoE(nn.Module):
         self.aux_loss_coeff, self.z_loss_coeff, self.capacity_factor = aux_loss_coeff, z_loss_coeff, capacity_factor
         self.sequence_parallel, self.tp_size = sequence_parallel, _size(self.group)
         self.aux_loss_scale = 1.0  # the trainer's loss scale (tp.moe.set_aux_loss_scale)
-        self.last = None  # the last forward's AuxLosses / counts (tp.moe.aux_losses)
+        self.last = None  # the last forward's AuxLosses (tp.moe.aux_losses)
+        self.dropped_slots = None  # with a capacity factor: the last forward's dropped slots on this rank (a tensor)
         factory = dict(dtype=dtype, device=device, _init=_init)
         self.router = TopKRouter(hidden_size, num_experts, topk, score=score, norm_topk_prob=norm_topk_prob,
                                  group=self.group, grad_sync=grad_sync, check_group=self.token_group,
@@ -143,6 +144,7 @@ class MoE(nn.Module):
         if self.capacity_factor is not None:
             kept, pad_to = keep_mask(weights, indices, self.num_experts, self.capacity_factor, self.token_group)
             indices = torch.where(kept, indices, -1)
+            self.dropped_slots = (~kept).sum()
         out = self._experts(tokens, weights.to(tokens.dtype), indices, pad_to)
         if replicated:
             out = gather_from_sp_region(out, self.group, tensor_parallel_output_grad=False)  # backward: split
