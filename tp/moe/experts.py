@@ -8,15 +8,21 @@ all E experts' full weights from the serial init in the same order and keeps its
 experts), not over dp like the dense ones (see docs/moe.md); `tensor_parallel`/`partition_dim` tag the etp split.
 """
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import kernels
+
+from ..mesh import SharedGroup
 
 
 class GroupedExperts(nn.Module):
     """`num_experts` FFNs of hidden size `ffn_hidden_size`; this rank holds experts [ep_rank·E/ep, ...) and slice
     `etp_rank` of their F. forward(x [N, h] sorted by local expert, rows per local expert) -> [N, h], a partial sum
-    over the etp group when etp > 1. `pad_to`: each expert's rows padded to that many (static GEMM shapes)."""
+    over the etp group when etp > 1. `pad_to`: each expert's rows padded to that many (static GEMM shapes).
+    `ep_group` / `etp_group` (set by the MoE layer) are what gather_dense gathers over."""
+
+    ep_group, etp_group = SharedGroup(), SharedGroup()
 
     def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, *, activation: str = "swiglu",
                  ep_size: int = 1, ep_rank: int = 0, etp_size: int = 1, etp_rank: int = 0, init_std: float = 0.02,
@@ -32,6 +38,7 @@ class GroupedExperts(nn.Module):
         self.num_experts, self.hidden_size, self.ffn_hidden_size = num_experts, hidden_size, ffn_hidden_size
         self.activation, self.ep_size, self.ep_rank = activation, ep_size, ep_rank
         self.etp_size, self.etp_rank = etp_size, etp_rank
+        self.ep_group = self.etp_group = None
         self.local_experts, self.local_ffn = num_experts // ep_size, ffn_hidden_size // etp_size
         rows = 2 * self.local_ffn if activation == "swiglu" else self.local_ffn
         factory = {"dtype": dtype, "device": device}
@@ -57,6 +64,18 @@ class GroupedExperts(nn.Module):
     def shard_fc2(self, dense: torch.Tensor) -> torch.Tensor:
         """This rank's slice [.., h, F/etp] of dense fc2 weights [.., h, F]."""
         return dense.chunk(self.etp_size, dim=-1)[self.etp_rank]
+
+    @torch.no_grad()
+    def gather_dense(self, tensor: torch.Tensor, which: str) -> torch.Tensor:
+        """Every expert's dense fc1 [E, 2F, h] or fc2 [E, h, F] (`which`) from this rank's slice of it (a collective
+        over etp, then ep): shard_fc1 / shard_fc2's inverse, over all experts."""
+        pieces = _all_gather(tensor, self.etp_group)
+        if which == "fc1":
+            parts = [p.chunk(2, dim=1) for p in pieces] if self.activation == "swiglu" else [(p,) for p in pieces]
+            dense = torch.cat([torch.cat([p[i] for p in parts], dim=1) for i in range(len(parts[0]))], dim=1)
+        else:
+            dense = torch.cat(pieces, dim=2)
+        return torch.cat(_all_gather(dense, self.ep_group), dim=0)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -91,3 +110,11 @@ class GroupedExperts(nn.Module):
         return (f"{self.num_experts} experts ({self.local_experts} here: {self.expert_range.start}.."
                 f"{self.expert_range.stop - 1}), {self.hidden_size} -> {self.ffn_hidden_size} ({self.local_ffn} here, "
                 f"etp={self.etp_size}), {self.activation}")
+
+
+def _all_gather(t, group):
+    if group is None or dist.get_world_size(group) == 1:
+        return [t]
+    pieces = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(pieces, t.contiguous(), group=group)
+    return pieces

@@ -121,6 +121,7 @@ class MoE(nn.Module):
                                       ep_size=_size(self.ep_group), ep_rank=_rank(self.ep_group),
                                       etp_size=_size(self.etp_group), etp_rank=_rank(self.etp_group),
                                       init_std=init_std, output_std=output_std, **factory)
+        self.experts.ep_group, self.experts.etp_group = self.ep_group, self.etp_group
         self.shared = None
         if shared_expert_size:
             self.shared = SharedExpert(hidden_size, shared_expert_size, activation=activation,

@@ -33,6 +33,11 @@ class Routing(NamedTuple):
     logits: torch.Tensor  # [T, E], for the z-loss (both fp32, fp64 for fp64 inputs)
 
 
+def _recomputing():
+    """Whether this forward runs inside a backward pass (activation recomputation): count the loads once."""
+    return getattr(torch._C, "_current_graph_task_id", lambda: -1)() != -1
+
+
 class TopKRouter(nn.Module):
     """Top-k routing over `num_experts` (see the module docstring). `group`: the tp group whose ranks route different
     tokens with this weight (its grads are summed over it in backward, or, `grad_sync=False`, tagged
@@ -79,7 +84,7 @@ class TopKRouter(nn.Module):
             weights = scores.gather(-1, indices)
         if self.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
-        if self.expert_load is not None and self.training:
+        if self.expert_load is not None and self.training and not _recomputing():
             self.expert_load += torch.bincount(indices.flatten(), minlength=self.num_experts)
         # The aux losses see the logits at the input's precision, fp32 at least: an fp64 model's are then exact
         # whatever the split (fp32 reductions over a row are not batch-invariant on every backend).
