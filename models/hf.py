@@ -350,7 +350,7 @@ def load_hf_weights(model: nn.Module, reader: Any) -> None:
         sharding = tp_sharding(module, attr)
         if isinstance(module, GroupedExperts):  # this rank's experts, then its etp slice
             dense = read_experts(reader, sources[0][0], module.expert_range, family)
-            dense = module.shard_fc1(dense) if attr == "fc1" else module.shard_fc2(dense)
+            dense = module.shard_fc1(dense) if attr == module.names[0] else module.shard_fc2(dense)
         elif sharding is None:
             dense = torch.cat([reader.read(n).t() if t else reader.read(n) for n, t in sources])
         else:

@@ -14,10 +14,12 @@ from .dispatch import DISPATCHERS
 from .experts import GroupedExperts
 from .layer import MoE, SharedExpert
 from .losses import AuxLosses
+from .parallel_experts import ParallelExperts
 from .router import SCORES, Routing, TopKRouter
 
-__all__ = ["MoE", "TopKRouter", "GroupedExperts", "SharedExpert", "Routing", "AuxLosses", "DISPATCHERS", "SCORES",
-           "capacity", "keep_mask", "aux_losses", "set_aux_loss_scale", "update_expert_bias", "expert_parameters"]
+__all__ = ["MoE", "TopKRouter", "GroupedExperts", "ParallelExperts", "SharedExpert", "Routing", "AuxLosses",
+           "DISPATCHERS", "SCORES", "capacity", "keep_mask", "aux_losses", "set_aux_loss_scale", "update_expert_bias",
+           "expert_parameters"]
 
 
 def aux_losses(module: nn.Module) -> list[AuxLosses]:

@@ -12,6 +12,8 @@ grouped GEMM's input) and combine each token's k outputs weighted by its routing
   experts' share of every token, one reduce-scatter back (it sums the ep ranks' experts and the etp partial sums).
   Needs the same number of tokens on every rank of the group.
 """
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -123,3 +125,26 @@ def allgather_combine(y: torch.Tensor, tokens: torch.Tensor, total: int,
     """Weighted rows [N, h] summed into their tokens [G·T, h], then the group's sum of this rank's tokens [T, h]."""
     out = y.new_zeros(total, y.shape[1]).index_add(0, tokens, y)
     return reduce_scatter_to_sp_region(out, group, check=False) if _size(group) > 1 else out
+
+
+def dispatch_and_combine(tokens: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, experts: Callable, *,
+                         dispatcher: str = "alltoall", ep_group: dist.ProcessGroup | None,
+                         etp_group: dist.ProcessGroup | None, expert_group: dist.ProcessGroup | None,
+                         pad_to: int | None = None) -> torch.Tensor:
+    """Σ_j weights[t, j] · expert_{indices[t, j]}(tokens[t]) for every token t of this rank (indices -1: a dropped
+    slot), `experts(x sorted by local expert, rows per local expert, pad_to)` computing this ep rank's
+    `local_experts` experts (a GroupedExperts or a bound method of one)."""
+    local, topk = getattr(experts, "__self__", experts).local_experts, indices.shape[1]
+    if dispatcher == "allgather":
+        x, counts, w, rows, total = allgather_dispatch(tokens, weights, indices, local, ep_rank=_rank(ep_group),
+                                                       group=expert_group)
+        return allgather_combine(experts(x, counts, pad_to) * w[:, None], rows, total, expert_group)
+    slots = (indices >= 0).flatten().nonzero().squeeze(1)  # kept slots, token·k + j
+    chosen = indices.flatten()[slots]
+    order = chosen.argsort(stable=True)
+    slots, chosen = slots[order], chosen[order]
+    x, counts, state = alltoall_dispatch(tokens.index_select(0, slots // topk), chosen, local, ep_group=ep_group,
+                                         etp_group=etp_group, expert_group=expert_group)
+    y = alltoall_combine(experts(x, counts, pad_to), state, ep_group=ep_group, etp_group=etp_group)
+    y = y * weights.flatten()[slots][:, None]  # [slots, h], this rank's slots in their sorted order
+    return tokens.new_zeros(tokens.shape).index_add(0, slots // topk, y)

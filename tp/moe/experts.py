@@ -23,6 +23,7 @@ class GroupedExperts(nn.Module):
     `ep_group` / `etp_group` (set by the MoE layer) are what gather_dense gathers over."""
 
     ep_group, etp_group = SharedGroup(), SharedGroup()
+    names = ("fc1", "fc2")  # the two weights' attribute names (tp.moe.ParallelExperts: Hugging Face's)
 
     def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, *, activation: str = "swiglu",
                  ep_size: int = 1, ep_rank: int = 0, etp_size: int = 1, etp_rank: int = 0, init_std: float = 0.02,
@@ -42,14 +43,21 @@ class GroupedExperts(nn.Module):
         self.local_experts, self.local_ffn = num_experts // ep_size, ffn_hidden_size // etp_size
         rows = 2 * self.local_ffn if activation == "swiglu" else self.local_ffn
         factory = {"dtype": dtype, "device": device}
-        self.fc1 = nn.Parameter(torch.empty(self.local_experts, rows, hidden_size, **factory))
-        self.fc2 = nn.Parameter(torch.empty(self.local_experts, hidden_size, self.local_ffn, **factory))
-        for p, dim in ((self.fc1, 1), (self.fc2, 2)):
+        self.register_parameter(self.names[0], nn.Parameter(torch.empty(self.local_experts, rows, hidden_size,
+                                                                        **factory)))
+        self.register_parameter(self.names[1], nn.Parameter(torch.empty(self.local_experts, hidden_size,
+                                                                        self.local_ffn, **factory)))
+        for p, dim in zip(self.weights, (1, 2)):
             p.expert_parallel = True
             p.tensor_parallel, p.partition_dim = etp_size > 1, dim
         self.init_std, self.output_std = init_std, init_std if output_std is None else output_std
-        if _init and self.fc1.device.type != "meta":
+        if _init and self.weights[0].device.type != "meta":
             self.reset_parameters()
+
+    @property
+    def weights(self) -> tuple[nn.Parameter, nn.Parameter]:
+        """(fc1 [E/ep, 2F/etp (GELU: F/etp), h], fc2 [E/ep, h, F/etp]), under their attribute names."""
+        return getattr(self, self.names[0]), getattr(self, self.names[1])
 
     @property
     def expert_range(self) -> range:
@@ -67,10 +75,10 @@ class GroupedExperts(nn.Module):
 
     @torch.no_grad()
     def gather_dense(self, tensor: torch.Tensor, which: str) -> torch.Tensor:
-        """Every expert's dense fc1 [E, 2F, h] or fc2 [E, h, F] (`which`) from this rank's slice of it (a collective
-        over etp, then ep): shard_fc1 / shard_fc2's inverse, over all experts."""
+        """Every expert's dense fc1 [E, 2F, h] or fc2 [E, h, F] (`which`: their name in `names`) from this rank's
+        slice of it (a collective over etp, then ep): shard_fc1 / shard_fc2's inverse, over all experts."""
         pieces = _all_gather(tensor, self.etp_group)
-        if which == "fc1":
+        if which == self.names[0]:
             parts = [p.chunk(2, dim=1) for p in pieces] if self.activation == "swiglu" else [(p,) for p in pieces]
             dense = torch.cat([torch.cat([p[i] for p in parts], dim=1) for i in range(len(parts[0]))], dim=1)
         else:
@@ -82,19 +90,20 @@ class GroupedExperts(nn.Module):
         """Each expert's full weights drawn in turn (fc1 then fc2, normal with init_std / output_std) on the CPU in
         the parameters' dtype, this rank's slices kept: at any ep / etp the slices of the serial model's experts."""
         rows = 2 * self.ffn_hidden_size if self.activation == "swiglu" else self.ffn_hidden_size
+        w1, w2 = self.weights
         for e in range(self.num_experts):
-            fc1 = torch.empty(rows, self.hidden_size, dtype=self.fc1.dtype).normal_(0.0, self.init_std)
-            fc2 = torch.empty(self.hidden_size, self.ffn_hidden_size, dtype=self.fc2.dtype)
-            fc2.normal_(0.0, self.output_std)
+            fc1 = torch.empty(rows, self.hidden_size, dtype=w1.dtype).normal_(0.0, self.init_std)
+            fc2 = torch.empty(self.hidden_size, self.ffn_hidden_size, dtype=w2.dtype).normal_(0.0, self.output_std)
             if e in self.expert_range:
-                self.fc1[e - self.expert_range.start].copy_(self.shard_fc1(fc1))
-                self.fc2[e - self.expert_range.start].copy_(self.shard_fc2(fc2))
+                w1[e - self.expert_range.start].copy_(self.shard_fc1(fc1))
+                w2[e - self.expert_range.start].copy_(self.shard_fc2(fc2))
 
     def forward(self, x: torch.Tensor, counts: list[int], pad_to: int | None = None) -> torch.Tensor:  # [N, h]
         if pad_to is not None:
             return self._padded(x, counts, pad_to)
-        hidden = kernels.grouped_linear(x, self.fc1, counts, activation=self.activation)  # [N, F/etp]
-        return kernels.grouped_linear(hidden, self.fc2, counts)  # [N, h]
+        w1, w2 = self.weights
+        hidden = kernels.grouped_linear(x, w1, counts, activation=self.activation)  # [N, F/etp]
+        return kernels.grouped_linear(hidden, w2, counts)  # [N, h]
 
     def _padded(self, x, counts, pad_to):
         """Each expert's rows placed at the start of a block of max(pad_to, rows) zero rows."""

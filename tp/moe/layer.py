@@ -25,7 +25,7 @@ from ..layers import ColumnParallelLinear, RowParallelLinear
 from ..mappings import gather_from_sp_region, scatter_to_sp_region
 from ..mesh import SharedGroup, current_mesh, resolve_group
 from .capacity import keep_mask
-from .dispatch import DISPATCHERS, allgather_combine, allgather_dispatch, alltoall_combine, alltoall_dispatch
+from .dispatch import DISPATCHERS, dispatch_and_combine
 from .experts import GroupedExperts
 from .losses import attach_aux_grad, aux_losses
 from .router import TopKRouter
@@ -146,31 +146,13 @@ class MoE(nn.Module):
             kept, pad_to = keep_mask(weights, indices, self.num_experts, self.capacity_factor, self.token_group)
             indices = torch.where(kept, indices, -1)
             self.dropped_slots = (~kept).sum()
-        out = self._experts(tokens, weights.to(tokens.dtype), indices, pad_to)
+        out = dispatch_and_combine(tokens, weights.to(tokens.dtype), indices, self.experts, dispatcher=self.dispatcher,
+                                   ep_group=self.ep_group, etp_group=self.etp_group, expert_group=self.expert_group,
+                                   pad_to=pad_to)
         if replicated:
             out = gather_from_sp_region(out, self.group, tensor_parallel_output_grad=False)  # backward: split
         out = out.view(x.shape)
         return out if self.shared is None else out + self.shared(x)
-
-    def _experts(self, tokens, weights, indices, pad_to):
-        """Dispatch, experts, combine: sum_j weights[t, j] · expert_{indices[t, j]}(x_t) for every token t."""
-        local = self.experts.local_experts
-        if self.dispatcher == "allgather":
-            x, counts, w, rows, total = allgather_dispatch(tokens, weights, indices, local,
-                                                           ep_rank=_rank(self.ep_group), group=self.expert_group)
-            y = self.experts(x, counts, pad_to) * w[:, None]
-            return allgather_combine(y, rows, total, self.expert_group)
-        slots = (indices >= 0).flatten().nonzero().squeeze(1)  # kept slots, token·k + j
-        experts = indices.flatten()[slots]
-        order = experts.argsort(stable=True)
-        slots, experts = slots[order], experts[order]
-        x, counts, state = alltoall_dispatch(tokens.index_select(0, slots // self.topk), experts, local,
-                                             ep_group=self.ep_group, etp_group=self.etp_group,
-                                             expert_group=self.expert_group)
-        y = alltoall_combine(self.experts(x, counts, pad_to), state, ep_group=self.ep_group,
-                             etp_group=self.etp_group)  # [slots, h], this rank's slots in their sorted order
-        y = y * weights.flatten()[slots][:, None]
-        return tokens.new_zeros(tokens.shape).index_add(0, slots // self.topk, y)
 
     def extra_repr(self) -> str:
         extra = f", capacity_factor={self.capacity_factor}" if self.capacity_factor is not None else ""
