@@ -12,7 +12,7 @@ import kernels
 import tp
 from tp.testing import distributed
 
-from .helpers import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER, assert_close, comm_counts, randn
+from .helpers import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, assert_close, comm_counts, randn
 
 S, B = 3, 3  # per-rank sequence chunk (SP) / batch: odd
 HIDDEN, FFN = 12, 20  # at tp=4: 3 and 5 per rank
@@ -108,7 +108,7 @@ def test_row_parallel_linear(tp_size, input_is_parallel, sequence_parallel, grad
         assert fwd["total"] == 1 and fwd[REDUCE_SCATTER if sequence_parallel else ALL_REDUCE] == 1, fwd
         synced_bias = sequence_parallel and grad_sync and bias  # one all-reduce of the bias grad inside backward
         assert bwd == {ALL_REDUCE: int(synced_bias), ALL_GATHER: int(sequence_parallel) + int(not input_is_parallel),
-                       REDUCE_SCATTER: 0, ALL_TO_ALL: 0, "total": int(synced_bias) + int(sequence_parallel) +
+                       REDUCE_SCATTER: 0, "total": int(synced_bias) + int(sequence_parallel) +
                        int(not input_is_parallel)}, bwd
 
 
