@@ -8,8 +8,8 @@ robin in one loop, tp.moe.MoE with dispatcher "alltoall", the same layer with "a
 hidden k·F (the FLOPs a token's k experts cost); a step is timed between barriers (the slowest rank). Bytes per
 token: what one fwd+bwd step sends off the rank over all collectives (a dispatch-mode counter on the c10d ops:
 all-to-all, the rows to other ranks; all-gather and reduce-scatter, (p-1)/p of the gathered size; all-reduce,
-2(p-1)/p), divided by the rank's tokens; model: 4·k·h·e·(ep-1)/ep for alltoall (dispatch and combine, each way) and
-4·(ep-1)·h·e (+ the routing) for allgather, e = 4 bytes here.
+2(p-1)/p), divided by the rank's tokens; model: 4·k·h·e·(ep-1)/ep for alltoall (dispatch and combine, each way;
+uniform routing) and 4·(ep-1)·h·e + the routing for allgather (exact), e = 4 bytes here.
 
 Modelled (per GPU, one MoE layer fwd+bwd, bf16, T tokens per GPU, uniform routing): expert compute 18·T·k·h·F / C
 (gate, up, down; fwd + 2× bwd), the same for the dense FFN of the same active size; alltoall moves 4·T·k·h·e·(ep-1)/ep
@@ -27,7 +27,7 @@ import tp
 from tp import testing
 
 from .common import at_least, machine, print_table, round_robin_times, scratch_path, write_json
-from .roofline import PROFILES
+from .roofline import HARDWARE
 
 HIDDEN, FFN, EXPERTS, TOPK, TOKENS = 256, 256, 8, 2, 256  # measured shape: small enough for a loaded 2-core box
 LATENCY = 10e-6
@@ -51,7 +51,7 @@ class _Bytes(TorchDispatchMode):
 
     def _count(self, op, args):
         c10d = torch.ops.c10d
-        group = args[1] if op is c10d.allreduce_ else args[2]
+        group = dist.ProcessGroup.unbox(args[1] if op is c10d.allreduce_ else args[2])  # (a ScriptObject here)
         p, me = group.size(), group.rank()
         if op is c10d.alltoall_base_:
             x, splits = args[1], args[4]
@@ -97,14 +97,17 @@ def bench_rank(ep, iters, warmup):
 
 
 def model_bytes(ep, h, k, e, dispatcher):
-    """Bytes per token one fwd+bwd step sends off a GPU (uniform routing)."""
-    return 4 * k * h * e * (ep - 1) / ep if dispatcher == "alltoall" else 4 * (ep - 1) * h * e
+    """Bytes per token one fwd+bwd step sends off a GPU: alltoall under uniform routing (the slots of (ep-1)/ep of
+    the experts leave); allgather exactly (+ the routing: k fp32 weights each way, k int64 expert ids)."""
+    if dispatcher == "alltoall":
+        return 4 * k * h * e * (ep - 1) / ep
+    return (ep - 1) * (4 * h * e + k * (4 + 4 + 8))
 
 
 def model_row(name, ep, tokens, hw_name="h100-nvlink"):
     """Modelled per-GPU ms of one MoE layer fwd+bwd (module docstring)."""
     h, F, E, k = MODELS[name]
-    hw = PROFILES[hw_name]
+    hw = HARDWARE[hw_name]
     e = hw.element_size
     compute = 18 * tokens * k * h * F / hw.flops
     row = {"model": name, "h": h, "F": F, "E": E, "k": k, "ep": ep, "tokens": tokens, "compute_ms": 1e3 * compute}
@@ -159,8 +162,8 @@ def main(argv=None):
           f"dense SwiGLU FFN of hidden {TOPK * FFN}, median of {args.iters} steps, on {machine()}, gloo")
     measured = print_table(rows, MEASURED)
     modelled_rows = [model_row(name, ep, 8192) for name in MODELS for ep in (1, 8, 16, 64) if MODELS[name][2] % ep == 0]
-    print(f"\nModelled on H100 (bf16, 8192 tokens per GPU, NVLink {PROFILES['h100-nvlink'].link / 1e9:.0f} GB/s within "
-          f"8 GPUs, IB {PROFILES['h100-nvlink'].inter_node / 1e9:.0f} GB/s per GPU beyond, α = 10 µs)")
+    print(f"\nModelled on H100 (bf16, 8192 tokens per GPU, NVLink {HARDWARE['h100-nvlink'].link / 1e9:.0f} GB/s within "
+          f"8 GPUs, IB {HARDWARE['h100-nvlink'].inter_node / 1e9:.0f} GB/s per GPU beyond, α = 10 µs)")
     modelled = print_table(modelled_rows, MODELLED)
     write_json(args.out, {"machine": machine(), "iters": args.iters, "shape": dict(
         hidden=HIDDEN, ffn=FFN, experts=EXPERTS, topk=TOPK, tokens=TOKENS), "rows": rows, "table": measured,

@@ -211,3 +211,21 @@ def test_initialisation_is_split_invariant():
         assert other.keys() == results[2].keys()
         for name in other:
             assert torch.equal(other[name], results[2][name]), name
+
+
+def test_moe_benchmark_counts_the_bytes_it_moves(tmp_path):
+    """bench.moe at ep 2, one step: the dense FFN sends nothing, allgather exactly its model, alltoall the off-rank
+    share of 4·k·h·e per token (its model assumes uniform routing)."""
+    import json
+
+    from bench import moe as bench
+
+    out = tmp_path / "moe.json"
+    bench.main(["--ep", "2", "--iters", "1", "--warmup", "0", "--out", str(out)])
+    rows = {row["layer"]: row for row in json.loads(out.read_text())["rows"]}
+    assert rows["dense"]["bytes"] == 0 and rows["allgather"]["bytes"] == rows["allgather"]["model_bytes"]
+    assert 0 < rows["alltoall"]["bytes"] <= 4 * bench.TOPK * bench.HIDDEN * 4
+    assert all(row["ms"] > 0 for row in rows.values())
+    mixtral = bench.model_row("mixtral-8x7b", 8, 8192)
+    assert mixtral["bytes_per_token"] == 4 * 2 * 4096 * 2 * 7 / 8  # dispatch + combine, fwd + bwd, bf16
+    assert mixtral["alltoall_comm_ms"] == pytest.approx(1e3 * (8192 * mixtral["bytes_per_token"] / 450e9 + 40e-6))
