@@ -223,7 +223,6 @@ class Attention(nn.Module):
             context = self.core(q, k, v)
         return self.proj(rearrange(context, "b n s d -> s b (n d)"))  # [s(/tp), b, h]
 
-
     def _normed_qk(self, qkv):
         """q and k of the fused [.., (q | k | v) / tp] output through their norms (per head, or over every head)."""
         d, widths = self.head_dim, [self.local_heads * self.head_dim, self.local_kv_heads * self.head_dim]

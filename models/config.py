@@ -159,8 +159,6 @@ class GPTConfig:
         if self.moe_capacity_factor is not None and not 0 < self.moe_capacity_factor < math.inf:
             raise ValueError(f"moe_capacity_factor={self.moe_capacity_factor} must be a positive number (None: "
                              "dropless)")
-        if self.activation not in ("swiglu", "gelu", "gelu_tanh"):
-            raise ValueError(f"activation={self.activation!r} is not supported by the experts")
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether layer `layer` (0-based) is a mixture of experts."""
