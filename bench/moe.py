@@ -31,7 +31,7 @@ from .roofline import HARDWARE
 
 HIDDEN, FFN, EXPERTS, TOPK, TOKENS = 256, 256, 8, 2, 256  # measured shape: small enough for a loaded 2-core box
 LATENCY = 10e-6
-MODELS = {  # hidden, expert FFN, experts, top-k (Mixtral 8x7B, Mixtral 8x22B-like, DeepSeek-V3's routed experts)
+MODELS = {  # hidden, expert FFN, experts, top-k (Mixtral 8x7B, Qwen3-30B-A3B, DeepSeek-V3 routed experts)
     "mixtral-8x7b": (4096, 14336, 8, 2), "qwen3-30b-a3b": (2048, 768, 128, 8), "deepseek-v3": (7168, 2048, 256, 8)}
 
 
