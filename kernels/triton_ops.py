@@ -406,3 +406,11 @@ def linear_wgrad(dz, x, *, main_grad=None):
             dz.stride(0), dz.stride(1), x.stride(0), x.stride(1), out.stride(0), out.stride(1),
             ACCUMULATE=main_grad is not None, ACC_DTYPE=acc, UPCAST=upcast, DOT_PRECISION=precision)
     return None if main_grad is not None else out
+
+
+# Shared with kernels.grouped_triton (the experts' grouped GEMMs): the dot with its interpreter upcast, the
+# per-dtype flags, the operand checks and the launch device.
+dot = _dot
+flags = _flags
+check_operands = _check_operands
+device_of = _device_of

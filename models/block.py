@@ -1,4 +1,5 @@
-"""The transformer block from the tensor-parallel layers: pre-norm attention (fused QKV, RoPE, GQA) and MLP.
+"""The transformer block from the tensor-parallel layers: pre-norm attention (fused QKV, optional q/k norms, RoPE,
+GQA) and MLP, or a mixture of experts (tp.moe.MoE) in the MLP's place.
 
 Activations are Megatron's [s, b, h]; with sequence parallelism the residual stream (norms, dropout, residual adds)
 holds [s/tp, b, h] and the column layers all-gather the sequence. With context parallelism (a cp group) every
@@ -66,6 +67,41 @@ class Norm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.kind}, {self.weight.shape[0]}, eps={self.eps}, sequence_parallel={self.sequence_parallel}"
+
+
+class FullQKNorm(nn.Module):
+    """OLMoE's q (or k) norm: RMSNorm over the whole projection (every head), whose features are split over tp by
+    heads: each rank holds its slice of the weight. The statistics are Hugging Face's (fp32 over the whole row, also
+    in fp64 models), so under tp every rank all-gathers the projection's features, normalises the whole row and keeps
+    its features (backward: one all-gather of the output gradient, the row's backward on every rank, its slice
+    kept): Hugging Face's numbers exactly, forward and backward, for [s, b, (H + KV)·d] moved each way."""
+
+    group = SharedGroup()
+
+    def __init__(self, width: int, eps: float, *, rows: torch.Tensor, group: dist.ProcessGroup | None = None,
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.width, self.eps, self.group = width, eps, group
+        self.rows = rows  # the dense features this rank holds, contiguous (hf.py reads and writes the weight by them)
+        self.weight = nn.Parameter(torch.ones(len(rows), dtype=dtype, device=device))
+        self.weight.tensor_parallel, self.weight.partition_dim = True, 0
+
+    def shard_indices(self) -> torch.Tensor:
+        return self.rows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [.., width/tp]
+        x = x.float()  # Hugging Face's: fp32 statistics, weight applied in the input dtype
+        split = self.group is not None and dist.get_world_size(self.group) > 1
+        if split:  # every rank: the whole row [.., width] (backward: the complete gradient, split)
+            x = tp.gather_from_sp_region(x.movedim(-1, 0), self.group, tensor_parallel_output_grad=False)
+            x = x.movedim(0, -1).contiguous()
+        normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        if split:  # this rank's features (backward: every rank's gradient gathered, so each has the whole row's)
+            normed = tp.scatter_to_tp_region(normed, self.group)
+        return self.weight * normed.to(self.weight.dtype)
+
+    def extra_repr(self) -> str:
+        return f"rmsnorm over {self.width} (here {len(self.rows)}), eps={self.eps}"
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -201,6 +237,7 @@ class Attention(nn.Module):
             heads * d, config.hidden_size, bias=config.bias, sequence_parallel=sp, group=self.group,
             sequence_parallel_grad_sync=config.sequence_parallel_grad_sync,
             init_method=normal_init(config.init_std / math.sqrt(2 * config.num_layers)), _init=_init)
+        self.q_norm, self.k_norm = _qk_norms(config, self.group, kv_replicas) if config.qk_norm else (None, None)
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              document_ids: torch.Tensor | None = None) -> torch.Tensor:  # [b, n, s(/cp), d]
@@ -221,6 +258,8 @@ class Attention(nn.Module):
                 position_ids: torch.Tensor | None = None,
                 cache: "LayerCache | None" = None) -> torch.Tensor:  # [s(/cp)(/tp), b, h]
         qkv = self.qkv(x)  # [s(/cp), b, (heads + 2 kv_heads)·d / tp]
+        if self.q_norm is not None:
+            qkv = self._normed_qk(qkv)
         q_and_k = (self.local_heads + self.local_kv_heads) * self.head_dim
         qk, v = (rearrange(t, "s b (n d) -> b n s d", d=self.head_dim) for t in qkv.split(
             [q_and_k, qkv.shape[-1] - q_and_k], dim=-1))
@@ -243,6 +282,33 @@ class Attention(nn.Module):
             context = self.core(q, k, v, document_ids)
         return self.proj(rearrange(context, "b n s d -> s b (n d)"))  # [s(/tp), b, h]
 
+    def _normed_qk(self, qkv):
+        """q and k of the fused [.., (q | k | v) / tp] output through their norms (per head, or over every head)."""
+        d, widths = self.head_dim, [self.local_heads * self.head_dim, self.local_kv_heads * self.head_dim]
+        q, k, v = qkv.split([*widths, qkv.shape[-1] - sum(widths)], dim=-1)
+        if self.config.qk_norm == "head":
+            q, k = (norm(t.unflatten(-1, (-1, d))).flatten(-2) for norm, t in ((self.q_norm, q), (self.k_norm, k)))
+        else:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return torch.cat([q, k, v], dim=-1)
+
+
+def _qk_norms(config, group, kv_replicas):
+    """(q norm, k norm) of an Attention: per-head RMSNorms over head_dim (weights shared by the heads: grads summed
+    over tp) or RMSNorms over the whole projections, each rank holding its heads' features."""
+    d, eps = config.head_dim, config.norm_eps
+    if config.qk_norm == "head":
+        norm = dict(sequence_parallel=dist.get_world_size(group) > 1, grad_sync=config.sequence_parallel_grad_sync,
+                    group=group)
+        return Norm("rmsnorm", d, eps, **norm), Norm("rmsnorm", d, eps, **norm)
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if kv_replicas > 1:
+        raise ValueError(f"qk_norm='full' with num_kv_heads={config.num_kv_heads} < tp={size}: the k norm's gathered "
+                         "features would hold the replicated kv heads twice")
+    q, k = config.num_heads * d, config.num_kv_heads * d
+    return (FullQKNorm(q, eps, rows=torch.arange(q).chunk(size)[rank], group=group),
+            FullQKNorm(k, eps, rows=torch.arange(k).chunk(size)[rank], group=group))
+
 
 class MLP(nn.Module):
     """ColumnParallelLinear with the activation fused in its epilogue (SwiGLU: fused gate/up) -> RowParallelLinear."""
@@ -260,6 +326,19 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [s(/tp), b, h]
         return self.fc2(self.fc1(x))  # fc1: [s, b, ffn/tp]
+
+
+def moe_mlp(config: GPTConfig, *, group: dist.ProcessGroup | None = None, _init: bool = True) -> tp.moe.MoE:
+    """The MLP of an MoE layer: tp.moe.MoE on the mesh's expert groups (ep, etp), initialised like MLP (the experts'
+    and shared expert's output projections with std / √(2·layers))."""
+    c = config
+    return tp.moe.MoE(c.hidden_size, c.moe_ffn_hidden_size, c.num_experts, c.moe_router_topk, activation=c.activation,
+                      score=c.moe_router_score, norm_topk_prob=c.moe_router_norm_topk,
+                      shared_expert_size=c.moe_shared_expert_size, shared_expert_gate=c.moe_shared_expert_gate,
+                      aux_loss_coeff=c.moe_aux_loss_coeff, z_loss_coeff=c.moe_z_loss_coeff,
+                      capacity_factor=c.moe_capacity_factor, dispatcher=c.moe_dispatcher,
+                      sequence_parallel=c.sequence_parallel, grad_sync=c.sequence_parallel_grad_sync, group=group,
+                      init_std=c.init_std, output_std=c.init_std / math.sqrt(2 * c.num_layers), _init=_init)
 
 
 def dropout(x: torch.Tensor, p: float, training: bool, sequence_parallel: bool,
@@ -285,7 +364,7 @@ class TransformerBlock(nn.Module):
     group, cp_group = SharedGroup(), SharedGroup()  # deep copies (EMA, reference models) share the groups
 
     def __init__(self, config: GPTConfig, *, group: dist.ProcessGroup | None = None,
-                 cp_group: dist.ProcessGroup | None = None, _init: bool = True) -> None:
+                 cp_group: dist.ProcessGroup | None = None, moe: bool = False, _init: bool = True) -> None:
         super().__init__()
         self.config = config
         self.group, self.cp_group = resolve_group(group), resolve_cp_group(cp_group)
@@ -294,7 +373,7 @@ class TransformerBlock(nn.Module):
         self.norm1 = Norm(config.norm, config.hidden_size, config.norm_eps, **norm)
         self.attention = Attention(config, group=self.group, cp_group=self.cp_group, _init=_init)
         self.norm2 = Norm(config.norm, config.hidden_size, config.norm_eps, **norm)
-        self.mlp = MLP(config, group=self.group, _init=_init)
+        self.mlp = moe_mlp(config, group=self.group, _init=_init) if moe else MLP(config, group=self.group, _init=_init)
 
     def _forward(self, x, document_ids=None, position_ids=None, cache=None):
         c = self.config

@@ -8,10 +8,14 @@ ACTIVATIONS = ("swiglu", "gelu", "gelu_tanh")
 NORMS = ("rmsnorm", "layernorm")
 POSITIONS = ("rope", "learned")
 RECOMPUTE = ("none", "selective", "full")
-HF_FAMILIES = ("llama", "mistral", "qwen2", "gpt2")  # the Hugging Face families save_hf writes
+# the Hugging Face families save_hf writes
+HF_FAMILIES = ("llama", "mistral", "qwen2", "gpt2", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+MOE_SCORES = ("softmax", "sigmoid")
+MOE_DISPATCHERS = ("alltoall", "allgather")
+QK_NORMS = ("head", "full")
 # Fields that change how a model runs, not its weights: free to differ between a checkpoint and its resumption.
 RUNTIME_FIELDS = ("sequence_parallel", "sequence_parallel_grad_sync", "recompute", "dropout",
-                  "attention_dropout", "cp_mode", "cp_a2a_size")
+                  "attention_dropout", "cp_mode", "cp_a2a_size", "moe_dispatcher")
 CP_MODES = ("ring", "allgather", "a2a", "a2a+ring")
 
 
@@ -74,8 +78,26 @@ class GPTConfig:
     make_vocab_size_divisible_by: int = 128
     init_std: float = 0.02
     sliding_window: int | None = None  # not implemented: sequences longer than this are refused
-    # "llama" | "mistral" | "qwen2" | "gpt2": the family save_hf writes; None: GPT-2 for learned positions, else Llama
+    # "llama" | "mistral" | "qwen2" | "gpt2" | "mixtral" | "qwen2_moe" | "qwen3_moe" | "olmoe": the family save_hf
+    # writes; None: GPT-2 for learned positions, else Mixtral with experts, else Llama
     hf_model_type: str | None = None
+    # q/k RMSNorm before RoPE: "head" (Qwen3: over each head's head_dim, one weight shared by the heads), "full"
+    # (OLMoE: over the whole q and k projections); None: none
+    qk_norm: str | None = None
+    # Mixture of experts (tp.moe.MoE in place of the MLP): 0 experts, every layer dense.
+    num_experts: int = 0
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: int | None = None  # each expert's FFN; default ffn_hidden_size
+    # MoE on layers i with i % freq == 0, or a 0/1 list per layer (DeepSeek's first dense layers: [0, 0, 1, 1, ...])
+    moe_layer_freq: int | list[int] = 1
+    moe_shared_expert_size: int = 0  # an always-on FFN beside the experts (0: none)
+    moe_shared_expert_gate: bool = False  # the shared expert times sigmoid(x·w_g) (Qwen2-MoE)
+    moe_router_score: str = "softmax"  # or "sigmoid" (DeepSeek-V3, with a selection bias: tp.moe.update_expert_bias)
+    moe_router_norm_topk: bool = True  # renormalise the k chosen weights (HF's norm_topk_prob)
+    moe_aux_loss_coeff: float = 0.0  # load balancing (Switch), over the micro-batch's global tokens; 0: off
+    moe_z_loss_coeff: float = 0.0  # router z-loss; 0: off
+    moe_capacity_factor: float | None = None  # None: dropless; else each expert keeps ceil(T·k/E·factor) slots
+    moe_dispatcher: str = "alltoall"  # or "allgather" (small ep)
 
     def __post_init__(self) -> None:
         self.num_kv_heads = self.num_kv_heads or self.num_heads
@@ -102,6 +124,9 @@ class GPTConfig:
                              "inferred)")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not divisible by num_kv_heads={self.num_kv_heads}")
+        if self.qk_norm is not None and self.qk_norm not in QK_NORMS:
+            raise ValueError(f"qk_norm={self.qk_norm!r} must be one of {QK_NORMS} (or None)")
+        self._check_moe()
         if self.rope_scaling is not None:
             _check_rope_scaling(self.rope_scaling, self.position)
         if self.position == "rope" and self.head_dim % 2:
@@ -109,6 +134,53 @@ class GPTConfig:
         for name in ("dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{name}={getattr(self, name)} must be in [0, 1)")
+
+    def _check_moe(self):
+        if isinstance(self.num_experts, bool) or not isinstance(self.num_experts, int) or self.num_experts < 0:
+            raise ValueError(f"num_experts={self.num_experts!r} must be an integer >= 0")
+        if not self.num_experts:
+            return
+        if self.moe_ffn_hidden_size is None:
+            self.moe_ffn_hidden_size = self.ffn_hidden_size
+        for name in ("moe_router_topk", "moe_ffn_hidden_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an integer >= 1")
+        if self.moe_router_topk > self.num_experts:
+            raise ValueError(f"moe_router_topk={self.moe_router_topk} > num_experts={self.num_experts}")
+        for name, value, allowed in (("moe_router_score", self.moe_router_score, MOE_SCORES),
+                                     ("moe_dispatcher", self.moe_dispatcher, MOE_DISPATCHERS)):
+            if value not in allowed:
+                raise ValueError(f"{name}={value!r} must be one of {allowed}")
+        freq = self.moe_layer_freq
+        if isinstance(freq, (list, tuple)):
+            if len(freq) != self.num_layers or any(v not in (0, 1) or isinstance(v, float) for v in freq):
+                raise ValueError(f"moe_layer_freq={list(freq)} must give 0 or 1 for each of the {self.num_layers} "
+                                 "layers")
+        elif isinstance(freq, bool) or not isinstance(freq, int) or freq < 1:
+            raise ValueError(f"moe_layer_freq={freq!r} must be an integer >= 1 or a 0/1 list per layer")
+        for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_shared_expert_size"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
+        if self.moe_capacity_factor is not None and not 0 < self.moe_capacity_factor < math.inf:
+            raise ValueError(f"moe_capacity_factor={self.moe_capacity_factor} must be a positive number (None: "
+                             "dropless)")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer `layer` (0-based) is a mixture of experts."""
+        if not self.num_experts:
+            return False
+        freq = self.moe_layer_freq
+        return bool(freq[layer]) if isinstance(freq, (list, tuple)) else layer % freq == 0
+
+    def check_experts(self, ep: int, etp: int) -> None:
+        """Raise a ValueError naming the value if the experts cannot be split over `ep` ranks and `etp` slices."""
+        if not self.num_experts:
+            return
+        if self.num_experts % ep:
+            raise ValueError(f"num_experts={self.num_experts} is not divisible by ep={ep}")
+        if self.moe_ffn_hidden_size % etp:
+            raise ValueError(f"moe_ffn_hidden_size={self.moe_ffn_hidden_size} is not divisible by etp={etp}")
 
     def check_tp(self, tp: int) -> None:
         """Raise a ValueError naming the value if this model cannot be split across `tp` ranks."""
@@ -121,6 +193,8 @@ class GPTConfig:
                              f"replicated when fewer than tp)")
         if self.ffn_hidden_size % tp:
             raise ValueError(f"ffn_hidden_size={self.ffn_hidden_size} is not divisible by tp={tp}")
+        if self.num_experts and self.moe_shared_expert_size % tp:
+            raise ValueError(f"moe_shared_expert_size={self.moe_shared_expert_size} is not divisible by tp={tp}")
 
     def check_cp(self, cp: int, tp: int = 1) -> None:
         """Raise a ValueError naming the value if this model cannot run on a context-parallel group of `cp` ranks
@@ -165,6 +239,15 @@ PRESETS = {
                   max_seq_len=512),
     "medium": dict(vocab_size=256, hidden_size=256, num_layers=8, num_heads=8, num_kv_heads=8, ffn_hidden_size=768,
                    max_seq_len=1024),
+    # mixtures of experts: tiny's and small's shapes, experts a quarter (tiny) / an eighth (small) of the dense FFN's
+    # size active per token, small-moe with a shared expert and DeepSeek's first dense layer
+    "tiny-moe": dict(vocab_size=256, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, ffn_hidden_size=192,
+                     max_seq_len=256, num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=96,
+                     moe_aux_loss_coeff=1e-2),
+    "small-moe": dict(vocab_size=256, hidden_size=128, num_layers=4, num_heads=8, num_kv_heads=4, ffn_hidden_size=384,
+                      max_seq_len=512, num_experts=16, moe_router_topk=2, moe_ffn_hidden_size=96,
+                      moe_shared_expert_size=192, moe_layer_freq=[0, 1, 1, 1], moe_aux_loss_coeff=1e-2,
+                      moe_z_loss_coeff=1e-3),
 }
 # Published models' shapes (Llama 3 paper, Dubey et al. 2024, Table 3; GPT-3 paper, Brown et al. 2020, Table 2.1): too
 # large to train here, planned by bench.plan.

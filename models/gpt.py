@@ -91,7 +91,8 @@ class GPT(nn.Module):
         self.layers = nn.ModuleList()
         for i in range(*self.layer_range):
             with _seeded(base, 2 + i) if _init else contextlib.nullcontext():
-                self.layers.append(TransformerBlock(config, group=self.group, cp_group=self.cp_group, _init=_init))
+                self.layers.append(TransformerBlock(config, group=self.group, cp_group=self.cp_group,
+                                                    moe=config.is_moe_layer(i), _init=_init))
         if post_process:
             self.final_norm = Norm(config.norm, h, config.norm_eps, sequence_parallel=sp,
                                    grad_sync=config.sequence_parallel_grad_sync, group=self.group)
@@ -246,6 +247,19 @@ class GPT(nn.Module):
 
         return generate(self, tokens, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                         eos_token_id=eos_token_id, generator=generator)
+
+    def moe_aux_losses(self) -> dict[str, torch.Tensor]:
+        """The last forward's mixture-of-experts losses summed over this stage's MoE layers (fp32 scalars, equal on
+        every rank of the stage; zeros without them), for logging: "load_balancing", "z". Their gradient joined
+        backward already (tp.moe.losses); the loss `forward` returns is the LM loss alone."""
+        values = tp.moe.aux_losses(self)
+        zero = torch.zeros((), device=next(self.parameters()).device)
+        return {"load_balancing": sum((v.load_balancing for v in values), zero), "z": sum((v.z for v in values), zero)}
+
+    def set_moe_aux_loss_scale(self, scale: float) -> None:
+        """Scale the MoE aux losses' gradient as the LM loss is scaled before backward (1 / accumulated
+        micro-batches, times a loss scale); the data-parallel averaging is accounted for already."""
+        tp.moe.set_aux_loss_scale(self, scale)
 
     def activation_shape(self, micro_batch_size: int, seq_len: int) -> tuple[int, int, int]:
         """[s(/cp)(/tp), b, h]: this rank's share of the activation between pipeline stages for a micro-batch of

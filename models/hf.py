@@ -1,4 +1,5 @@
-"""Hugging Face weights in and out: Llama, Mistral, Qwen2 (q/k/v bias) and GPT-2 (Conv1D, learned positions).
+"""Hugging Face weights in and out: Llama, Mistral, Qwen2 (q/k/v bias), GPT-2 (Conv1D, learned positions) and the
+mixtures of experts Mixtral, Qwen2-MoE (shared expert), Qwen3-MoE (q/k norms) and OLMoE (models.hf_moe).
 
 Loading maps each of our parameters to the HF tensors it is made of (q|k|v fused into our QKV, gate|up into fc1,
 GPT-2's Conv1D [in, out] transposed) and reads only the rows/columns this rank holds: from a live model's
@@ -18,9 +19,21 @@ from torch import nn
 import tp
 from tp.embedding import VocabParallelEmbedding
 from tp.layers import ColumnParallelLinear, RowParallelLinear
+from tp.moe import GroupedExperts
 from tp.pipeline import model_chunks
 
+from .block import FullQKNorm
 from .config import HF_FAMILIES, ROPE_SCALING_FIELDS, GPTConfig
+from .hf_moe import (
+    MOE_FAMILIES,
+    disk_name,
+    moe_config_kwargs,
+    moe_fields,
+    moe_problems,
+    moe_sources,
+    read_experts,
+    to_disk,
+)
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
@@ -61,7 +74,7 @@ def config_from_hf(hf: "PretrainedConfig", **overrides: Any) -> GPTConfig:
     else:
         if hf.hidden_act != "silu":
             raise ValueError(f"hidden_act={hf.hidden_act!r} is not supported (SwiGLU needs 'silu')")
-        attention_bias = bool(getattr(hf, "attention_bias", False)) if family != "qwen2" else False
+        attention_bias = bool(getattr(hf, "attention_bias", False)) if family not in ("qwen2", "qwen2_moe") else False
         mlp_bias = bool(getattr(hf, "mlp_bias", False))
         if attention_bias != mlp_bias:
             raise ValueError(f"attention_bias={attention_bias} with mlp_bias={mlp_bias}: GPTConfig's `bias` covers "
@@ -74,18 +87,24 @@ def config_from_hf(hf: "PretrainedConfig", **overrides: Any) -> GPTConfig:
                       ffn_hidden_size=hf.intermediate_size, max_seq_len=hf.max_position_embeddings,
                       activation="swiglu", norm="rmsnorm", norm_eps=hf.rms_norm_eps, position="rope",
                       rope_theta=rope_theta, rope_scaling=rope_scaling, bias=attention_bias,
-                      qkv_bias=family == "qwen2", tie_embeddings=bool(hf.tie_word_embeddings), sliding_window=window)
+                      qkv_bias=family == "qwen2" or (family == "qwen2_moe" and bool(getattr(hf, "qkv_bias", True))),
+                      tie_embeddings=bool(hf.tie_word_embeddings), sliding_window=window or None)
+        if family in MOE_FAMILIES:
+            fields |= moe_fields(hf)
     return GPTConfig(**(fields | {"hf_model_type": family} | overrides))
 
 
 def hf_family(config: GPTConfig) -> str:
     """The Hugging Face family `config` is written as (config_to_hf, save_hf) and whose tensor names it uses
     (hf_sources: hf_state_dict, checkpoints): its hf_model_type, else GPT-2 for learned positions (the only family
-    with them), else Llama. Whether the config fits that family is check_hf's question."""
-    return config.hf_model_type or ("gpt2" if config.position == "learned" else "llama")
+    with them), else Mixtral with experts, else Llama. Whether the config fits that family is check_hf's question."""
+    if config.hf_model_type:
+        return config.hf_model_type
+    return "gpt2" if config.position == "learned" else "mixtral" if config.num_experts else "llama"
 
 
-_NAMES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "gpt2": "GPT-2"}
+_NAMES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "gpt2": "GPT-2", "mixtral": "Mixtral",
+          "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen3-MoE", "olmoe": "OLMoE"}
 
 
 def hf_problems(config: GPTConfig, family: str | None = None) -> list[str]:
@@ -108,7 +127,7 @@ def hf_problems(config: GPTConfig, family: str | None = None) -> list[str]:
              f"hidden_size / num_heads = {c.hidden_size}/{c.num_heads}")
         need(c.tie_embeddings, "tie_embeddings", "the output layer tied to the embedding")
         need(c.sliding_window is None, "sliding_window", "no sliding window")
-        return problems
+        return problems + moe_problems(c, family)
     need(c.activation == "swiglu", "activation", "'swiglu'")
     need(c.norm == "rmsnorm", "norm", "'rmsnorm'")
     need(c.position == "rope", "position", "'rope'")
@@ -116,13 +135,16 @@ def hf_problems(config: GPTConfig, family: str | None = None) -> list[str]:
         need(c.bias or not c.qkv_bias, "qkv_bias", "q/k/v biases only with bias=True (every linear); q/k/v "
              "biases alone are Qwen2's")
         need(c.sliding_window is None, "sliding_window", "no sliding window; Mistral and Qwen2 have one")
-    elif family == "mistral":
+    elif family in ("mistral", "mixtral", "qwen3_moe", "olmoe"):
         need(not c.bias, "bias", "no biases")
         need(not c.qkv_bias, "qkv_bias", "no biases")
+        need(c.sliding_window is None or family != "olmoe", "sliding_window", "no sliding window")
+    elif family == "qwen2_moe":
+        need(not c.bias, "bias", "biases on q/k/v only (qkv_bias)")
     else:  # qwen2
         need(not c.bias, "bias", "biases on q/k/v only")
         need(c.qkv_bias, "qkv_bias", "always q/k/v biases")
-    return problems
+    return problems + moe_problems(c, family)
 
 
 def check_hf(config: GPTConfig) -> str:
@@ -152,13 +174,17 @@ def config_to_hf(config: GPTConfig) -> "PretrainedConfig":
                                      activation_function=act, layer_norm_epsilon=c.norm_eps, tie_word_embeddings=True)
     else:
         cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
-               "qwen2": transformers.Qwen2Config}[family]
+               "qwen2": transformers.Qwen2Config, "mixtral": transformers.MixtralConfig,
+               "qwen2_moe": transformers.Qwen2MoeConfig, "qwen3_moe": transformers.Qwen3MoeConfig,
+               "olmoe": transformers.OlmoeConfig}[family]
         extra = {"attention_bias": c.bias, "mlp_bias": c.bias} if family == "llama" else {}
-        if family == "mistral":
+        if family in ("mistral", "mixtral"):
             extra["sliding_window"] = c.sliding_window
-        if family == "qwen2":  # every layer slides (max_window_layers=0), as ours refuse longer sequences in all
+        if family in ("qwen2", "qwen2_moe", "qwen3_moe"):  # every layer slides (max_window_layers=0), as ours
             extra.update(use_sliding_window=c.sliding_window is not None, sliding_window=c.sliding_window,
-                         max_window_layers=0)
+                         max_window_layers=0)  # refuse longer sequences in all
+        if family in MOE_FAMILIES:
+            extra |= moe_config_kwargs(c, family) | ({"qkv_bias": c.qkv_bias} if family == "qwen2_moe" else {})
         hf = cls(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.ffn_hidden_size,
                  num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
                  num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim, max_position_embeddings=c.max_seq_len,
@@ -191,6 +217,9 @@ def hf_sources(config: GPTConfig, name: str, layer_offset: int = 0) -> list[tupl
         return [(f"{root}.{'ln_f' if gpt2 else 'norm'}.{name.split('.')[-1]}", False)]
     _, index, module, *rest = name.split(".")  # layers.<i>.<module>...
     block = f"{root}.{'h' if gpt2 else 'layers'}.{int(index) + layer_offset}"
+    moe = moe_sources(".".join([module, *rest]), block)
+    if moe is not None:
+        return moe
     kind = rest[-1]  # weight / bias
     if gpt2:
         local = {"norm1": "ln_1", "norm2": "ln_2", "attention.qkv": "attn.c_attn", "attention.proj": "attn.c_proj",
@@ -219,7 +248,9 @@ def tp_sharding(module: nn.Module, attr: str) -> tuple[int, int, torch.Tensor] |
     if isinstance(module, ColumnParallelLinear) or (isinstance(module, RowParallelLinear) and attr == "weight"):
         dim = module.shard_dim if attr == "weight" else 0
         return dim, (module.out_features, module.in_features)[module.shard_dim], module.shard_indices()
-    return None
+    if isinstance(module, FullQKNorm):
+        return 0, module.width, module.shard_indices()
+    return None  # (GroupedExperts' 3-D weights are read and gathered by expert: load_hf_weights, _gather_dense)
 
 
 # ---- reading -----------------------------------------------------------------------------------------------------
@@ -228,6 +259,9 @@ def tp_sharding(module: nn.Module, attr: str) -> tuple[int, int, torch.Tensor] |
 class _StateDictReader:
     def __init__(self, state):
         self.state = state
+
+    def has(self, name):
+        return name in self.state
 
     def shape(self, name):
         return tuple(self.state[name].shape)
@@ -254,6 +288,9 @@ class _SafetensorsReader:
             with safe_open(single, "pt") as f:
                 files = dict.fromkeys(f.keys(), "model.safetensors")
         self.files = {k: safe_open(os.path.join(path, v), "pt") for k, v in files.items()}
+
+    def has(self, name):
+        return name in self.files
 
     def shape(self, name):
         return tuple(self.files[name].get_slice(name).get_shape())
@@ -305,11 +342,16 @@ def _read_dense_slice(reader, sources, dim, indices):
 @torch.no_grad()
 def load_hf_weights(model: nn.Module, reader: Any) -> None:
     """Copy this rank's shard of every parameter (of this stage's layers) from the HF tensors behind `reader`."""
+    family = hf_family(model.config)
     for name, (module, attr) in parameter_owners(model).items():
         param = getattr(module, attr)
-        sources = hf_sources(model.config, name, model.layer_range[0])
+        sources = [(n if reader.has(n) else disk_name(n, family), t)
+                   for n, t in hf_sources(model.config, name, model.layer_range[0])]
         sharding = tp_sharding(module, attr)
-        if sharding is None:
+        if isinstance(module, GroupedExperts):  # this rank's experts, then its etp slice
+            dense = read_experts(reader, sources[0][0], module.expert_range, family)
+            dense = module.shard_fc1(dense) if attr == module.names[0] else module.shard_fc2(dense)
+        elif sharding is None:
             dense = torch.cat([reader.read(n).t() if t else reader.read(n) for n, t in sources])
         else:
             dim, _, indices = sharding
@@ -347,6 +389,8 @@ def _gather_dense(module, attr, group, grads=False):
     param = param.grad if grads else param.detach()
     if hasattr(param, "full_tensor"):  # FSDP2: this rank's dp shard of the tp-local tensor
         param = param.full_tensor()
+    if isinstance(module, GroupedExperts):  # over etp and ep, the module's own groups
+        return module.gather_dense(param, attr)
     size = dist.get_world_size(group)
     if sharding is None or size == 1:
         return param
@@ -386,9 +430,9 @@ def fused_part_size(config: GPTConfig, hf_name: str) -> int:
     """Along our fused dim, the size of one HF tensor that is part of a fused parameter."""
     c = config
     part = hf_name.split(".")[-2]
+    ffn = c.moe_shared_expert_size if ".shared_expert." in hf_name else c.ffn_hidden_size
     return {"q_proj": c.num_heads * c.head_dim, "k_proj": c.num_kv_heads * c.head_dim,
-            "v_proj": c.num_kv_heads * c.head_dim, "gate_proj": c.ffn_hidden_size,
-            "up_proj": c.ffn_hidden_size}.get(part, 0)
+            "v_proj": c.num_kv_heads * c.head_dim, "gate_proj": ffn, "up_proj": ffn}.get(part, 0)
 
 
 def save_hf(model: nn.Module | list[nn.Module], path: str | os.PathLike, *, group: dist.ProcessGroup | None = None,
@@ -412,7 +456,8 @@ def save_hf(model: nn.Module | list[nn.Module], path: str | os.PathLike, *, grou
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
             setattr(hf_config, name, getattr(tokenizer, name, None))
     group = tp.mesh.resolve_group(group)
-    tensors = [hf_state_dict(chunk, group) for chunk in chunks]
+    family = hf_family(chunks[0].config)
+    tensors = [to_disk(hf_state_dict(chunk, group), family) for chunk in chunks]  # (experts: per expert)
     ranks = dist.get_world_size(pp_group) if pp_group is not None else 1
     rank = dist.get_rank(pp_group) if pp_group is not None else 0
     names = [[sorted(t) for t in tensors]]  # per pipeline rank, per chunk

@@ -3,8 +3,9 @@ import torch
 from torch.distributed.tensor.debug import CommDebugMode
 
 ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER = "all_reduce", "all_gather", "reduce_scatter"
+ALL_TO_ALL = "all_to_all"
 _C10D_OPS = {ALL_REDUCE: torch.ops.c10d.allreduce_, ALL_GATHER: torch.ops.c10d._allgather_base_,
-             REDUCE_SCATTER: torch.ops.c10d._reduce_scatter_base_}
+             REDUCE_SCATTER: torch.ops.c10d._reduce_scatter_base_, ALL_TO_ALL: torch.ops.c10d.alltoall_base_}
 
 
 def randn(*shape, seed, dtype=torch.float64, requires_grad=False):
@@ -20,17 +21,18 @@ def noncontiguous(x):
     return y.requires_grad_(x.requires_grad)
 
 
-def counts(mode):
-    """{all_reduce, all_gather, reduce_scatter} counts recorded by a CommDebugMode."""
+def counts(mode, ops=(ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER)):
+    """{op: count} of `ops` (all_reduce, all_gather, reduce_scatter by default; all_to_all) recorded by a
+    CommDebugMode, and the total of every collective."""
     c = mode.get_comm_counts()
-    return {name: c[op] for name, op in _C10D_OPS.items()} | {"total": mode.get_total_counts()}
+    return {name: c[_C10D_OPS[name]] for name in ops} | {"total": mode.get_total_counts()}
 
 
-def comm_counts(fn):
-    """Run fn() under CommDebugMode and return (fn's result, counts)."""
+def comm_counts(fn, ops=(ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER)):
+    """Run fn() under CommDebugMode and return (fn's result, counts of `ops`)."""
     with CommDebugMode() as mode:
         out = fn()
-    return out, counts(mode)
+    return out, counts(mode, ops)
 
 
 def assert_close(actual, expected, atol=1e-5, what=""):

@@ -240,7 +240,8 @@ def test_invalid_arguments():
 
 def test_public_api():
     assert set(kernels.__all__) == {"linear", "swiglu_linear", "ACTIVATIONS", "use_backend", "get_backend",
-                                    "linear_forward", "linear_dgrad", "linear_wgrad"}
+                                    "linear_forward", "linear_dgrad", "linear_wgrad", "grouped_linear",
+                                    "grouped_forward", "grouped_dgrad", "grouped_wgrad"}
     assert kernels.ACTIVATIONS == (None, "gelu", "gelu_tanh", "silu", "relu", "swiglu")
 
 

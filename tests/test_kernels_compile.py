@@ -29,7 +29,9 @@ Matrix (86 compiles over both archs, ~60 s wall on 2 cores): every candidate for
 wgrad with ACCUMULATE (fp32 main_grad), the bf16 swiglu dgrad and the fp64 wgrad; the largest candidate for the rest
 (every forward activation, fp16, swiglu forward, dgrad gelu + WRITE_DZ and "none", wgrad without ACCUMULATE, a forward
 whose feature dims are not multiples of 16); the smallest candidate for the fp32 (IEEE FMA dot: torch's default
-allow_tf32=False) forward and swiglu dgrad and the fp64 forward; act_bwd at the launcher's 64x64 block.
+allow_tf32=False) forward and swiglu dgrad and the fp64 forward; act_bwd at the launcher's 64x64 block; the experts'
+grouped GEMM (kernels.grouped_triton: every candidate of the bf16 SwiGLU forward and of the bf16 grouped wgrad into an
+fp32 main_grad, the largest for the plain, GELU and transposed-weight dgrad forms, the smallest fp32 wgrad).
 
 Fit policy: every candidate the autotuner's pruner keeps must fit, for every dtype. (This test first found fp64 on
 Hopper, fp32 dgrad-SwiGLU on both archs and bf16 dgrad-SwiGLU 128x128x64x4 on Hopper over the limit; configs.pruner
@@ -57,18 +59,21 @@ SWIGLU = "_swiglu_fwd_kernel"
 DGRAD = "_linear_dgrad_kernel"
 WGRAD = "_linear_wgrad_kernel"
 ACT_BWD = "_act_bwd_kernel"
+GROUPED = "_grouped_gemm_kernel"  # kernels.grouped_triton: the experts' grouped GEMMs
+GROUPED_WGRAD = "_grouped_wgrad_kernel"
 
 _FWD_FLAGS = dict(HAS_BIAS=True, SAVE_PREACT=True)
 
 
-def _spec(name, kernel, dtype, constexprs, configs="first", aligned=True, xfail=None):
+def _spec(name, kernel, dtype, constexprs, configs="first", aligned=True, xfail=None, runtime=None):
     """One test case: a kernel specialisation compiled for some of the autotuner's candidates on each arch.
 
     configs: "all" candidates, the "first" (the family's largest tile) or the "smallest" tile.
     xfail: {arch: reason} for known, reported findings (strict: the mark must be removed once they are fixed).
+    runtime: argument types replacing _runtime_args' (another stride pattern of the same kernel).
     """
     return dict(name=name, kernel=kernel, dtype=dtype, constexprs=constexprs, configs=configs, aligned=aligned,
-                xfail=xfail or {})
+                xfail=xfail or {}, runtime=runtime or {})
 
 
 SPECS = [
@@ -95,6 +100,14 @@ SPECS = [
     _spec("act_bwd-gelu-bf16", ACT_BWD, "bf16", dict(ACTIVATION="gelu")),
     _spec("act_bwd-silu-fp16", ACT_BWD, "fp16", dict(ACTIVATION="silu")),
     _spec("act_bwd-swiglu-bf16", ACT_BWD, "bf16", dict(ACTIVATION="swiglu")),
+    _spec("grouped-swiglu-bf16-allcfg", GROUPED, "bf16", dict(ACTIVATION="none", SWIGLU=True, SAVE_PREACT=True),
+          configs="all"),
+    _spec("grouped-none-bf16", GROUPED, "bf16", dict(ACTIVATION="none", SWIGLU=False, SAVE_PREACT=False)),
+    _spec("grouped-gelu-fp16", GROUPED, "fp16", dict(ACTIVATION="gelu", SWIGLU=False, SAVE_PREACT=True)),
+    _spec("grouped-dgrad-bf16", GROUPED, "bf16", dict(ACTIVATION="none", SWIGLU=False, SAVE_PREACT=False),
+          runtime=dict(stride_bn=1, stride_bk="i32:D")),  # the weight read transposed: dx_e = dz_e · W_e
+    _spec("grouped-wgrad-acc-bf16-allcfg", GROUPED_WGRAD, "bf16", dict(ACCUMULATE=True), configs="all"),
+    _spec("grouped-wgrad-noacc-fp32", GROUPED_WGRAD, "fp32", dict(ACCUMULATE=False), configs="smallest"),
 ]
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -129,7 +142,23 @@ def _runtime_args(kernel, dtype, accumulate, aligned):
     if kernel == ACT_BWD:
         return dict(g_ptr=p, z_ptr=p, dz_ptr=p, M=_U, N=a, F=a,
                     stride_gm=a, stride_gn=1, stride_zm=a, stride_zn=1, stride_dzm=a, stride_dzn=1)
+    if kernel == GROUPED:
+        return dict(a_ptr=p, b_ptr=p, c_ptr=p, z_ptr=p, offsets_ptr="*i32", E=_U, N=a, K=a, stride_am=a,
+                    stride_ak=1, stride_be=a, stride_bn=a, stride_bk=1, stride_cm=a, stride_cn=1, stride_zm=a,
+                    stride_zn=1)
+    if kernel == GROUPED_WGRAD:
+        c = ("*fp64" if dtype == "fp64" else "*fp32") if accumulate else p
+        return dict(dz_ptr=p, x_ptr=p, c_ptr=c, offsets_ptr="*i32", N=a, K=a, stride_dzm=a, stride_dzn=1,
+                    stride_xm=a, stride_xk=1, stride_ce=a, stride_cn=a, stride_ck=1)
     raise KeyError(kernel)
+
+
+def _kernel(name):
+    """The kernel object (Autotuner or JITFunction) of that name, from kernels.triton_ops or kernels.grouped_triton."""
+    import kernels.grouped_triton as grouped
+    import kernels.triton_ops as ops
+
+    return getattr(ops, name, None) or getattr(grouped, name)
 
 
 _TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp64": "float64"}
@@ -179,11 +208,9 @@ def _smallest(configs):
 
 
 def _expand(specs):
-    import kernels.triton_ops as ops
-
     jobs = []
     for spec in specs:
-        obj = getattr(ops, spec["kernel"])
+        obj = _kernel(spec["kernel"])
         for arch in ARCHS:
             if hasattr(obj, "configs"):  # autotuned GEMM
                 cands = _candidates(obj, spec["kernel"], spec["dtype"], spec["constexprs"], arch)
@@ -194,7 +221,8 @@ def _expand(specs):
                 metas = [dict(BLOCK_M=64, BLOCK_N=64)]
             for meta in metas:
                 jobs.append(dict(spec=spec["name"], kernel=spec["kernel"], dtype=spec["dtype"], arch=arch,
-                                 constexprs=spec["constexprs"], aligned=spec["aligned"], meta=meta))
+                                 constexprs=spec["constexprs"], aligned=spec["aligned"], meta=meta,
+                                 runtime=spec["runtime"]))
     return jobs
 
 
@@ -215,7 +243,7 @@ def _compile_one(job):
 
     import kernels.triton_ops as ops
 
-    obj = getattr(ops, job["kernel"])
+    obj = _kernel(job["kernel"])
     fn = obj.fn if isinstance(obj, triton.runtime.Autotuner) else obj  # the Autotuner wraps the JITFunction
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
                    "fp64": torch.float64}[job["dtype"]]
@@ -225,6 +253,7 @@ def _compile_one(job):
     options = {k: meta.pop(k) for k in ("num_warps", "num_stages") if k in meta}
     constexprs = dict(job["constexprs"], **meta)
     runtime = _runtime_args(job["kernel"], job["dtype"], constexprs.get("ACCUMULATE", False), job["aligned"])
+    runtime.update(job["runtime"])
 
     signature, attrs = {}, {}
     for i, (name, param) in enumerate(zip(fn.arg_names, fn.params)):

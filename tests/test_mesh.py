@@ -53,6 +53,8 @@ def test_layout_invariants(world_size, order):
         sizes = {"tp": tp_size, "cp": cp_size, "pp": pp_size, "dp": world_size // (tp_size * cp_size * pp_size)}
         groups = tp.layout(world_size, tp=tp_size, cp=cp_size, pp=pp_size, order=order)
         assert groups == tp.layout(world_size, tp=tp_size, cp=cp_size, pp=pp_size, dp=sizes["dp"], order=order)
+        for name in tp.mesh.EXPERT_GROUPS:  # (test_expert_layout_* check the expert part)
+            del groups[name]
         for name, gs in groups.items():
             axes = name.split("-")
             size = 1
@@ -126,6 +128,81 @@ def test_layout_with_cp_by_hand():
     assert tp.layout(8, tp=2, pp=2)["cp"] == [[r] for r in range(8)]
 
 
+def test_expert_layout_by_hand():
+    """8 ranks, tp=2 (dp=4), ep=2, Megatron's order tp-cp-ep-dp-pp: the experts' etp = tp fastest, ep next, then edp:
+    expert rank = etp + 2·ep + 4·edp."""
+    groups = tp.layout(8, tp=2, ep=2)
+    assert groups["etp"] == groups["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert groups["ep"] == [[0, 2], [1, 3], [4, 6], [5, 7]]  # ep ranks are dp ranks of the dense part
+    assert groups["edp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert groups["etp-ep"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert groups["tp-cp-dp"] == [list(range(8))]  # one stage: the ranks holding a step's tokens
+    # etp = 1, ep = 4: each group of four dense ranks (a tp pair, two dp replicas) holds all the experts once
+    groups = tp.layout(8, tp=2, ep=4, etp=1)
+    assert groups["etp"] == [[r] for r in range(8)] and groups["ep"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert groups["edp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    # naming ep elsewhere in the order moves it; leaving it out is Megatron's default place (before dp)
+    assert tp.layout(8, tp=2, ep=2, order="ep-tp-cp-dp-pp")["ep"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert tp.layout(8, tp=2, ep=2, order="tp-cp-dp-ep-pp")["ep"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert tp.layout(8, tp=2, ep=2) == tp.layout(8, tp=2, ep=2, order="tp-cp-ep-dp-pp")
+
+
+@pytest.mark.parametrize("order", ["tp-cp-ep-dp-pp", "tp-cp-dp-pp", "tp-ep-cp-dp-pp", "tp-cp-dp-ep-pp",
+                                   "ep-tp-cp-dp-pp", "tp-cp-ep-pp-dp", "pp-tp-cp-ep-dp"])
+def test_expert_layout_equals_megatron_rank_generator(order):
+    """The expert groups of every split of 1..16 ranks (tp, cp, pp, ep, etp up to 4), as megatron-core's expert
+    RankGenerator(tp=etp, ep=ep, dp=edp, pp=pp, cp=1) lists them for "ep", "tp", "dp", "tp-ep" (an order without ep:
+    Megatron's tp-cp-ep-dp-pp place, before dp); layouts whose two pipeline groupings differ are refused."""
+    megatron_order = order if "ep" in order else order.replace("dp", "ep-dp")
+    checked = refused = 0
+    for world_size in range(1, 17):
+        for tp_size, cp_size, pp_size, ep, etp in itertools.product((1, 2, 3, 4), (1, 2), (1, 2), (1, 2, 3, 4),
+                                                                    (None, 1, 2)):
+            etp_size = etp or tp_size
+            if world_size % (tp_size * cp_size * pp_size) or world_size % (etp_size * ep * pp_size):
+                continue
+            edp = world_size // (etp_size * ep * pp_size)
+            expert = {"tp": etp_size, "cp": 1, "ep": ep, "dp": edp, "pp": pp_size}
+            dense = {"tp": tp_size, "cp": cp_size, "ep": 1, "dp": world_size // (tp_size * cp_size * pp_size),
+                     "pp": pp_size}
+            same_pp = (_megatron_rank_groups(world_size, expert, megatron_order, "pp")
+                       == _megatron_rank_groups(world_size, dense, megatron_order, "pp"))
+            kwargs = dict(tp=tp_size, cp=cp_size, pp=pp_size, ep=ep, etp=etp, order=order)
+            if ep == 1 and etp_size == tp_size:  # no expert split: the dense groups, even where Megatron refuses
+                groups = tp.layout(world_size, **kwargs)
+                assert groups["edp"] == groups["dp-cp"] and groups["etp"] == groups["etp-ep"] == groups["tp"]
+                assert groups["ep"] == [[r] for r in range(world_size)]
+                if not same_pp:
+                    continue
+            elif not same_pp:
+                with pytest.raises(ValueError, match="pipeline groups"):
+                    tp.layout(world_size, **kwargs)
+                refused += 1
+                continue
+            groups = tp.layout(world_size, **kwargs)
+            for ours, token in (("ep", "ep"), ("etp", "tp"), ("edp", "dp"), ("etp-ep", "tp-ep")):
+                expected = _megatron_rank_groups(world_size, expert, megatron_order, token)
+                assert groups[ours] == sorted(expected), (world_size, kwargs, ours)
+                checked += 1
+            ranks = sorted(r for g in groups["tp-cp-dp"] for r in g)
+            assert ranks == list(range(world_size)) and len(groups["tp-cp-dp"]) == pp_size
+    assert checked > 400 and (refused > 0) == ("pp" not in (order.split("-")[0], order.split("-")[-1]))
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(world_size=8, tp=2, ep=3), r"world_size=8 is not divisible by etp\*ep\*pp=2\*3\*1=6"),
+    (dict(world_size=8, tp=2, ep=2, etp=3), r"world_size=8 is not divisible by etp\*ep\*pp=3\*2\*1=6"),
+    (dict(world_size=8, ep=0), r"ep=0 must be an integer >= 1"),
+    (dict(world_size=8, ep=2, etp=True), r"etp=True must be an integer >= 1"),
+    (dict(world_size=8, tp=2, pp=2, etp=1, order="tp-pp-dp"), r"etp=1, ep=1 with order='tp-pp-dp': the expert "
+     r"layout's pipeline groups \(\[0, 1\], ...\) differ from the dense layout's \(\[0, 2\], ...\)"),
+    (dict(world_size=4, tp=2, ep=2, order="tp-ep-ep-dp-pp"), r"repeated: \['ep'\]"),
+])
+def test_expert_layout_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        tp.layout(**kwargs)
+
+
 @pytest.mark.parametrize("kwargs,message", [
     (dict(world_size=8, tp=3), r"world_size=8 is not divisible by tp\*pp=3\*1=3"),
     (dict(world_size=8, tp=2, cp=3), r"world_size=8 is not divisible by tp\*cp\*pp=2\*3\*1=6"),
@@ -178,19 +255,45 @@ def test_init_mesh_groups(order, cp):
     assert flat.mesh.tolist() == mesh.ranks("dp-cp") and flat.get_local_rank() == mesh.local_rank("dp-cp")
 
 
+@pytest.mark.parametrize("ep,etp,pp", [(2, None, 1), (4, 1, 1), (2, 1, 2), (1, 1, 1)])
+@distributed(world_size=8)
+def test_init_mesh_expert_groups(ep, etp, pp):
+    mesh = tp.init_mesh(tp=2, pp=pp, ep=ep, etp=etp)
+    rank = dist.get_rank()
+    table = tp.layout(8, tp=2, pp=pp, ep=ep, etp=etp)
+    for axis in ("ep", "etp", "edp", "etp-ep", "tp-cp-dp"):
+        (mine,) = [g for g in table[axis] if rank in g]
+        assert mesh.ranks(axis) == mine and mesh.local_rank(axis) == mine.index(rank)
+        out = torch.zeros(len(mine), dtype=torch.int64)
+        dist.all_gather_into_tensor(out, torch.tensor([rank]), group=mesh.group(axis))
+        assert out.tolist() == mine, axis
+    etp = etp or 2
+    assert (mesh.ep_size, mesh.etp_size, mesh.edp_size) == (ep, etp, 8 // (ep * etp * pp))
+    assert (mesh.ep_rank, mesh.etp_rank, mesh.edp_rank) == tuple(mesh.local_rank(a) for a in ("ep", "etp", "edp"))
+    assert mesh.ep_group is mesh.group("ep") and mesh.edp_group is mesh.group("edp")
+    assert mesh.etp_group is mesh.group("etp")
+    assert (f"ep={mesh.ep_rank}/{ep}" in repr(mesh)) == (ep > 1 or etp != 2)
+
+
 @distributed(world_size=4)
 def test_init_mesh_errors_raise_on_every_rank():
     with pytest.raises(ValueError, match="world_size=4 is not divisible by tp\\*pp=3\\*1=3"):
         tp.init_mesh(tp=3)
-    with pytest.raises(ValueError, match="unknown: \\['ep'\\]"):
-        tp.init_mesh(order="tp-cp-ep-dp-pp")
+    with pytest.raises(ValueError, match="unknown: \\['xp'\\]"):
+        tp.init_mesh(order="tp-cp-xp-dp-pp")
+    with pytest.raises(ValueError, match=r"world_size=4 is not divisible by etp\*ep\*pp=2\*3\*1=6"):
+        tp.init_mesh(tp=2, ep=3)
+    with pytest.raises(ValueError, match="pipeline groups .* differ from the dense layout's"):
+        tp.init_mesh(tp=2, pp=2, ep=1, etp=1, order="tp-pp-dp")
+    assert tp.init_mesh(cp=2, pp=2, order="tp-cp-pp-dp").edp_size == 2  # no expert split: any dense order works
+    tp.destroy_mesh()
     with pytest.raises(ValueError, match="missing: \\['cp'\\]"):
         tp.init_mesh(cp=2, order="tp-dp-pp")
     mesh = tp.init_mesh(tp=2)
     with pytest.raises(RuntimeError, match="already initialised"):
         tp.init_mesh(tp=2)
-    with pytest.raises(ValueError, match="unknown axis 'ep'"):
-        mesh.group("ep")
+    with pytest.raises(ValueError, match="unknown axis 'xp'"):
+        mesh.group("xp")
     tp.destroy_mesh()
     with pytest.raises(RuntimeError, match="no tensor-parallel mesh"):
         tp.get_mesh()
@@ -285,3 +388,17 @@ def test_a_new_mesh_gets_no_dtensor_of_a_destroyed_one():
         x = distribute_tensor(torch.arange(4.0), mesh.device_mesh["dp"], [Shard(0)])
         assert (x + x).device_mesh.get_group() is mesh.dp_group
         tp.destroy_mesh()
+
+
+def test_print_layout_shows_the_expert_coordinates():
+    from models.training import launch
+
+    places = [(r // 4, r % 4, f"node{r // 4}") for r in range(8)]
+    lines = launch.layout_lines(dict(tp=2, cp=1, pp=1, dp=4, ep=2), "tp-cp-dp-pp", places)
+    assert lines[0] == "layout: 8 ranks on 2 nodes, tp=2 cp=1 pp=1 dp=4 ep=2 etp=2 edp=2 (order tp-cp-dp-pp)"
+    assert " ".join(lines[2].split()) == "rank 0 local_rank 0 tp 0 cp 0 pp 0 dp 0 ep 0 etp 0 edp 0"
+    assert [line.split()[-6:] for line in lines[2:6]] == [["ep", "0", "etp", "0", "edp", "0"],
+                                                          ["ep", "0", "etp", "1", "edp", "0"],
+                                                          ["ep", "1", "etp", "0", "edp", "0"],
+                                                          ["ep", "1", "etp", "1", "edp", "0"]]
+    assert "ep" not in launch.layout_lines(dict(tp=2, cp=1, pp=1, dp=4), "tp-cp-dp-pp", places)[0]

@@ -1,5 +1,8 @@
 """Megatron-style tensor parallelism: hybrid mesh, conjugate mappings, parallel layers."""
-from . import optim  # tp.optim: DataParallel, DistributedOptimizer, memory_bytes
+from . import (
+    moe,  # tp.moe: the mixture-of-experts layer, router, dispatchers, experts
+    optim,  # tp.optim: DataParallel, DistributedOptimizer, memory_bytes
+)
 from .clip import clip_grad_norm_
 from .context import context_parallel_attention, cp_positions, cp_shard, cp_unshard
 from .cross_entropy import vocab_parallel_cross_entropy
@@ -29,7 +32,7 @@ __all__ = [
     "allreduce_sequence_parallel_grads", "sync_grads_over_tp", "allreduce_main_grads", "ddp_ignore_main_grads",
     "parallelize", "describe", "default_plan", "full_state_dict",
     "cp_shard", "cp_unshard", "cp_positions", "context_parallel_attention",
-    "clip_grad_norm_", "optim",
+    "clip_grad_norm_", "optim", "moe",
     "set_debug", "is_debug",
     "model_parallel_seed", "fork_rng", "get_rng_tracker", "get_rng_state", "set_rng_state",
 ]

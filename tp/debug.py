@@ -91,3 +91,13 @@ def check(x: torch.Tensor, group: dist.ProcessGroup, what: str, *, replicated: b
             detail = " vs ".join(f"ranks {c}" for c in classes)
             raise ValueError(f"tp debug: {what} should be replicated but differs across the {group_name} group: "
                              f"{detail}")
+
+
+def check_router(weight: torch.Tensor, bias: torch.Tensor | None, group: dist.ProcessGroup) -> None:
+    """Raise on every rank unless a mixture-of-experts router's weight (and its selection bias) are equal across
+    `group` (the ranks of one pipeline stage): each rank routes its own tokens with its copy, so a copy that drifted
+    (grads not summed over tp, an optimizer step on one rank) sends the same token to other experts silently."""
+    check(weight, group, "the router weight of an MoE layer", replicated=True, group_name="stage (tp-cp-dp)")
+    if bias is not None:
+        check(bias, group, "the router's expert bias of an MoE layer", replicated=True,
+              group_name="stage (tp-cp-dp)")

@@ -76,6 +76,9 @@ class Family:
 
 _LLAMA_LIKE = Family()
 FAMILIES = dict.fromkeys(("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2"), _LLAMA_LIKE)
+# mixtures of experts: Llama-like attention (OLMoE's plan gathers q/k/v for its whole-projection norms), the experts
+# module on tp.moe.ParallelExperts (HF's moe_tp_experts / ep_dispatch_experts)
+FAMILIES.update(dict.fromkeys(("mixtral", "qwen2_moe", "qwen3_moe", "olmoe"), _LLAMA_LIKE))
 FAMILIES["phi3"] = Family(plan=PHI3_PLAN, heads={"qkv_proj": "qkv"}, fused_mlp={"gate_up_proj": 2},
                           localize=_phi3_heads)
 FAMILIES["gpt2"] = Family(plan=GPT2_PLAN, heads={"c_attn": "qkv"}, out="c_proj", localize=_gpt2_heads,

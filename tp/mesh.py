@@ -1,11 +1,16 @@
 """The hybrid mesh: ranks grouped into tensor (tp), context (cp), data (dp) and pipeline (pp) groups in Megatron's
-rank order.
+rank order, and the same ranks grouped again for the experts of mixture-of-experts layers.
 
 `order` lists the axes fastest-varying first ("tp-cp-dp-pp" is Megatron's default, its "tp-cp-ep-dp-pp" without
 experts): with strides the prefix products of the sizes in that order, rank = Σ coord[axis]·stride[axis].
 Tensor-parallel groups are thus adjacent ranks (one node's NVLink domain) under the default order. An axis of size 1
 may be left out of `order` (it is appended, as Megatron's RankGenerator does): "tp-dp-pp" is the same layout as
 "tp-cp-dp-pp" when cp = 1.
+
+Experts (Megatron-Core's second RankGenerator over the same ranks): expert-tensor-parallel `etp` in the place of tp,
+expert-parallel `ep`, expert-data-parallel `edp` = world / (etp·ep·pp) in the place of dp, pp, and no cp, in the same
+order string. "ep" may be named in `order`; left out, it sits just before "dp" (Megatron's tp-cp-ep-dp-pp). The
+dense layout ignores ep, the expert layout ignores cp; both must give the same pipeline groups.
 """
 import datetime
 import itertools
@@ -20,8 +25,13 @@ from torch.distributed.device_mesh import DeviceMesh
 
 AXES = ("tp", "cp", "dp", "pp")
 # "tp-pp": model-parallel (a parameter's shards); "dp-cp": the group gradients are reduced over; "tp-cp": the ranks
-# that share one micro-batch (the loss is equal on all of them)
-COMPOSITES = ("tp-pp", "tp-dp", "tp-cp", "dp-cp")
+# that share one micro-batch (the loss is equal on all of them); "tp-cp-dp": one pipeline stage's ranks, which hold
+# the tokens of all the data-parallel micro-batches of a step (a mixture of experts' load statistics cover them)
+COMPOSITES = ("tp-pp", "tp-dp", "tp-cp", "dp-cp", "tp-cp-dp")
+# The expert layout's axes (Megatron-Core's expert RankGenerator: its "tp", "ep", "dp" are etp, ep, edp) and groups
+EXPERT_AXES = ("etp", "ep", "edp")
+EXPERT_GROUPS = ("ep", "etp", "edp", "etp-ep")
+_EXPERT_NAMES = {"tp": "etp", "dp": "edp", "ep": "ep", "pp": "pp"}  # order token -> expert axis
 
 _current = None
 # Process groups kept by destroy_mesh(keep_groups=True) for the next init_mesh, keyed by their ranks, valid while
@@ -30,27 +40,32 @@ _kept_groups = [None, {}]
 
 
 def _parse_order(order, sizes=None):
-    """The axes of `order`, fastest first, with the axes it leaves out appended (each must have size 1 in `sizes`)."""
-    axes = order.split("-") if isinstance(order, str) else []
+    """The dense axes of `order`, fastest first (an "ep" in it dropped: the dense layout has no ep), with the axes it
+    leaves out appended (each must have size 1 in `sizes`)."""
+    tokens = order.split("-") if isinstance(order, str) else []
+    repeated = sorted({a for a in tokens if tokens.count(a) > 1})
+    axes = [a for a in tokens if a != "ep"]
     unknown = [a for a in axes if a not in AXES]
-    repeated = sorted({a for a in axes if axes.count(a) > 1})
     missing = [a for a in AXES if a not in axes and (sizes is None or sizes[a] > 1)]
     if unknown or repeated or not axes or (sizes is not None and missing):
         raise ValueError(
-            f"order={order!r} must list each of {'/'.join(AXES)} at most once, and every axis of size > 1 "
+            f"order={order!r} must list each of {'/'.join(AXES)}/ep at most once, and every axis of size > 1 "
             f"(unknown: {unknown}, missing: {missing}, repeated: {repeated})"
         )
     return axes + [a for a in AXES if a not in axes]
 
 
-def _sizes(world_size, tp, pp, dp, cp=1):
-    def size(name, value):  # any integer type (numpy's too), not bool
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-            raise ValueError(f"{name}={value!r} must be an integer >= 1")
-        return int(value)
+def _integer(name, value):
+    """value as an int, refused unless an integer (any integer type, numpy's too, not bool) >= 1."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name}={value!r} must be an integer >= 1")
+    return int(value)
 
-    world_size, tp, cp, pp = size("world_size", world_size), size("tp", tp), size("cp", cp), size("pp", pp)
-    dp = None if dp is None else size("dp", dp)
+
+def _sizes(world_size, tp, pp, dp, cp=1):
+    world_size, tp, cp, pp = (_integer(n, v) for n, v in (("world_size", world_size), ("tp", tp), ("cp", cp),
+                                                          ("pp", pp)))
+    dp = None if dp is None else _integer("dp", dp)
     # the messages name cp only when it is used, so a tp/pp/dp user reads the formula they know
     names, values = ("tp*cp*pp", f"{tp}*{cp}*{pp}") if cp > 1 else ("tp*pp", f"{tp}*{pp}")
     if world_size % (tp * cp * pp):
@@ -61,6 +76,33 @@ def _sizes(world_size, tp, pp, dp, cp=1):
         names, values = ("tp*cp*dp*pp", f"{tp}*{cp}*{dp}*{pp}") if cp > 1 else ("tp*dp*pp", f"{tp}*{dp}*{pp}")
         raise ValueError(f"{names}={values}={tp * cp * dp * pp} does not equal world_size={world_size}")
     return {"tp": tp, "cp": cp, "dp": dp, "pp": pp}
+
+
+def _expert_sizes(world_size, sizes, ep, etp):
+    """{etp, ep, edp, pp} of the expert layout: etp defaults to tp, edp = world / (etp·ep·pp)."""
+    ep = _integer("ep", ep)
+    etp = sizes["tp"] if etp is None else _integer("etp", etp)
+    pp = sizes["pp"]
+    if world_size % (etp * ep * pp):
+        raise ValueError(f"world_size={world_size} is not divisible by etp*ep*pp={etp}*{ep}*{pp}={etp * ep * pp} "
+                         "(the expert layout)")
+    return {"etp": etp, "ep": ep, "edp": world_size // (etp * ep * pp), "pp": pp}
+
+
+def _expert_order(order, esizes):
+    """The expert layout's axes, fastest first: `order` with tp read as etp, dp as edp, cp dropped and ep where it
+    is named (else just before dp); axes left out appended (each of size 1)."""
+    tokens = order.split("-")
+    if "ep" not in tokens:
+        tokens.insert(tokens.index("dp") if "dp" in tokens else len(tokens), "ep")
+    axes = [_EXPERT_NAMES[t] for t in tokens if t != "cp"]
+    missing = [a for a in ("etp", "ep", "edp", "pp") if a not in axes]
+    unnamed = [a for a in missing if esizes[a] > 1]
+    if unnamed:
+        token = {"etp": "tp", "edp": "dp"}
+        raise ValueError(f"order={order!r} must name {'/'.join(token.get(a, a) for a in unnamed)}: the expert layout "
+                         f"has {', '.join(f'{a}={esizes[a]}' for a in unnamed)}")
+    return axes + missing
 
 
 def _groups(sizes, order, axes):
@@ -83,13 +125,26 @@ def _groups(sizes, order, axes):
 DEFAULT_ORDER = "tp-cp-dp-pp"
 
 
-def layout(world_size: int, *, tp: int = 1, cp: int = 1, pp: int = 1, dp: int | None = None,
-           order: str = DEFAULT_ORDER) -> dict[str, list[list[int]]]:
+def layout(world_size: int, *, tp: int = 1, cp: int = 1, pp: int = 1, dp: int | None = None, ep: int = 1,
+           etp: int | None = None, order: str = DEFAULT_ORDER) -> dict[str, list[list[int]]]:
     """Rank groups per axis ("tp", "cp", "dp", "pp") and composite ("tp-pp" model-parallel, "tp-dp", "tp-cp",
-    "dp-cp"), each as megatron-core's RankGenerator lists them; no process group needed."""
+    "dp-cp", "tp-cp-dp" one stage), each as megatron-core's RankGenerator lists them, and the expert layout's "ep",
+    "etp", "edp" and "etp-ep" (its RankGenerator(tp=etp, ep=ep, dp=edp, pp=pp, cp=1)'s "ep", "tp", "dp" and
+    "tp-ep"; with ep = 1 and etp = tp simply the singletons, "tp", "dp-cp" and "tp"); no process group needed."""
     sizes = _sizes(world_size, tp, pp, dp, cp)
     axes = _parse_order(order, sizes)
-    return {name: _groups(sizes, axes, name.split("-")) for name in AXES + COMPOSITES}
+    table = {name: _groups(sizes, axes, name.split("-")) for name in AXES + COMPOSITES}
+    esizes = _expert_sizes(world_size, sizes, ep, etp)
+    if esizes["ep"] == 1 and esizes["etp"] == sizes["tp"]:  # experts not split: the dense groups, whatever the order
+        return table | {"ep": [[r] for r in range(world_size)], "etp": table["tp"], "edp": table["dp-cp"],
+                        "etp-ep": table["tp"]}
+    eaxes = _expert_order(order, esizes)
+    expert = {name: _groups(esizes, eaxes, name.split("-")) for name in EXPERT_GROUPS + ("pp",)}
+    if expert["pp"] != table["pp"]:
+        raise ValueError(f"etp={esizes['etp']}, ep={esizes['ep']} with order={order!r}: the expert layout's pipeline "
+                         f"groups ({expert['pp'][0]}, ...) differ from the dense layout's ({table['pp'][0]}, ...); "
+                         "put pp last in the order (the default), or use etp = tp")
+    return table | {name: expert[name] for name in EXPERT_GROUPS}
 
 
 def _embedding_ranks(pp_ranks):
@@ -100,12 +155,14 @@ class Mesh:
     """Process groups of one hybrid layout, seen from this rank. Build with `tp.init_mesh`."""
 
     def __init__(self, *, tp: int, pp: int, dp: int | None, order: str, owns_default_group: bool,
-                 cp: int = 1) -> None:
+                 cp: int = 1, ep: int = 1, etp: int | None = None) -> None:
         self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
         self.sizes = _sizes(self.world_size, tp, pp, dp, cp)
         self.order = _parse_order(order, self.sizes)
         self._owns_default_group, self._destroyed = owns_default_group, False
-        table = layout(self.world_size, tp=tp, cp=cp, pp=pp, dp=self.sizes["dp"], order=order)
+        table = layout(self.world_size, tp=tp, cp=cp, pp=pp, dp=self.sizes["dp"], ep=ep, etp=etp, order=order)
+        self.expert_sizes = _expert_sizes(self.world_size, self.sizes, ep, etp)  # {etp, ep, edp, pp}
+        self.expert_order = _expert_order(order, self.expert_sizes)
         table["embedding"] = [_embedding_ranks(g) for g in table["pp"]]
         if _kept_groups[0] is not dist.group.WORLD:
             _kept_groups[:] = [dist.group.WORLD, {}]
@@ -138,7 +195,7 @@ class Mesh:
 
     def group(self, axis: str) -> dist.ProcessGroup:
         """The process group of this rank along `axis` ("tp", "cp", "dp", "pp", "tp-pp", "tp-dp", "tp-cp", "dp-cp",
-        "embedding")."""
+        "tp-cp-dp", "embedding"; the experts' "ep", "etp", "edp", "etp-ep")."""
         return self._groups[self._check(axis)]
 
     def ranks(self, axis: str) -> list[int]:
@@ -166,6 +223,16 @@ class Mesh:
     cp_rank = property(lambda self: self.local_rank("cp"))
     dp_rank = property(lambda self: self.local_rank("dp"))
     pp_rank = property(lambda self: self.local_rank("pp"))
+    # The expert layout: expert-parallel, expert-tensor-parallel and expert-data-parallel groups.
+    ep_group = property(lambda self: self.group("ep"))
+    etp_group = property(lambda self: self.group("etp"))
+    edp_group = property(lambda self: self.group("edp"))
+    ep_size = property(lambda self: self.expert_sizes["ep"])
+    etp_size = property(lambda self: self.expert_sizes["etp"])
+    edp_size = property(lambda self: self.expert_sizes["edp"])
+    ep_rank = property(lambda self: self.local_rank("ep"))
+    etp_rank = property(lambda self: self.local_rank("etp"))
+    edp_rank = property(lambda self: self.local_rank("edp"))
 
     # Pipeline helpers: neighbours wrap around modulo the pipeline size.
     is_first_stage = property(lambda self: self.pp_rank == 0)
@@ -196,6 +263,8 @@ class Mesh:
 
     def __repr__(self) -> str:
         coords = ", ".join(f"{a}={self.local_rank(a)}/{self.sizes[a]}" for a in self.order)
+        if self.ep_size > 1 or self.etp_size != self.tp_size:  # the expert coordinates, where they differ
+            coords += "".join(f", {a}={self.local_rank(a)}/{self.expert_sizes[a]}" for a in EXPERT_AXES)
         return f"Mesh(rank={self.rank}/{self.world_size}, order={'-'.join(self.order)!r}, {coords})"
 
     def destroy(self, keep_groups: bool = False) -> None:
@@ -275,9 +344,11 @@ def _init_default_group(backend, timeout):
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
 
 
-def init_mesh(*, tp: int = 1, cp: int = 1, pp: int = 1, dp: int | None = None, order: str = DEFAULT_ORDER,
-              backend: str | None = None, timeout: datetime.timedelta = datetime.timedelta(minutes=10)) -> Mesh:
+def init_mesh(*, tp: int = 1, cp: int = 1, pp: int = 1, dp: int | None = None, ep: int = 1, etp: int | None = None,
+              order: str = DEFAULT_ORDER, backend: str | None = None,
+              timeout: datetime.timedelta = datetime.timedelta(minutes=10)) -> Mesh:
     """Create every group of the layout once and make the mesh current (used by layers when no group is passed).
+    `ep` and `etp` (default: tp) lay out the experts of mixture-of-experts layers over the same ranks.
 
     Uses the default process group if one exists (then `backend` and `timeout` are those it was created with),
     else initialises it from torchrun's environment (gloo on CPU, NCCL on GPU unless `backend` says otherwise);
@@ -301,11 +372,11 @@ def init_mesh(*, tp: int = 1, cp: int = 1, pp: int = 1, dp: int | None = None, o
         _init_default_group(backend, timeout)
     owns = not dist.is_initialized()  # a lone process: its one-rank group is made here and destroyed with the mesh
     if not owns:  # validate before any collective so that every rank raises the same error
-        _parse_order(order, _sizes(dist.get_world_size(), tp, pp, dp, cp))
+        layout(dist.get_world_size(), tp=tp, cp=cp, pp=pp, dp=dp, ep=ep, etp=etp, order=order)
     else:
         _init_default_group(backend, timeout)
     try:
-        _current = Mesh(tp=tp, cp=cp, pp=pp, dp=dp, order=order, owns_default_group=owns)
+        _current = Mesh(tp=tp, cp=cp, pp=pp, dp=dp, ep=ep, etp=etp, order=order, owns_default_group=owns)
     except Exception:
         if owns:
             dist.destroy_process_group()

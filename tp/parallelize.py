@@ -17,7 +17,11 @@ styles:
   replicated_with_grad_allreduce   parameters stay whole, their grads are summed over tp inside backward (norms
                            that see only this rank's heads: Qwen3's q_norm/k_norm)
   replicate                left as it is
-HF's names embedding_rowwise, colwise_rep and rowwise_rep read as vocab, colwise_gather_output, rowwise_split_input.
+  moe_experts              HF's fused experts module (mlp.experts) -> tp.moe.ParallelExperts: its experts split over
+                           the mesh's ep (and their FFN over etp), each tp rank dispatching 1/tp of the tokens
+HF's names embedding_rowwise, colwise_rep and rowwise_rep read as vocab, colwise_gather_output, rowwise_split_input;
+moe_tp_experts and ep_dispatch_experts (its tp and ep plans) as moe_experts. Entries naming the experts' parameters
+(HF's packed_colwise / grouped_gemm / rowwise on mlp.experts.gate_up_proj, down_proj) are what moe_experts does.
 
 Every check runs before the first module is replaced, so a plan that cannot be right raises ValueError on every rank
 (all ranks hold the same model and plan) and leaves the model as it was.
@@ -39,12 +43,15 @@ from .grads import sync_grads_over_tp
 from .layers import ColumnParallelLinear, RowParallelLinear
 from .mappings import copy_to_tp_region
 from .mesh import SharedGroup, resolve_group
+from .moe import ParallelExperts
 from .random import fork_rng
 
 GATHER_OUTPUT = {"colwise": False, "colwise_gather_output": True}
 INPUT_IS_PARALLEL = {"rowwise": True, "rowwise_split_input": False}
-STYLES = (*GATHER_OUTPUT, *INPUT_IS_PARALLEL, "vocab", "replicated_with_grad_allreduce", "replicate")
-ALIASES = {"embedding_rowwise": "vocab", "colwise_rep": "colwise_gather_output", "rowwise_rep": "rowwise_split_input"}
+STYLES = (*GATHER_OUTPUT, *INPUT_IS_PARALLEL, "vocab", "replicated_with_grad_allreduce", "replicate", "moe_experts")
+ALIASES = {"embedding_rowwise": "vocab", "colwise_rep": "colwise_gather_output", "rowwise_rep": "rowwise_split_input",
+           "moe_tp_experts": "moe_experts", "ep_dispatch_experts": "moe_experts"}
+EXPERT_PARAMETER_STYLES = ("packed_colwise", "grouped_gemm", "rowwise", "colwise")  # on mlp.experts.<weight>
 _RECORD = "_tp_parallelize_record"
 
 
@@ -134,13 +141,14 @@ def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     state = module.state_dict()
     gathered = {}  # tied parameters (embedding and lm_head) gathered once, still one tensor
     for name, sub in module.named_modules():
-        if not isinstance(sub, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
+        if not isinstance(sub, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, ParallelExperts)):
             continue
         for pname, param in sub.named_parameters(recurse=False):
             key = f"{name}.{pname}" if name else pname
             if key in state:
                 if id(param) not in gathered:
-                    dense = sub.gather_dense(state[key])
+                    dense = sub.gather_dense(state[key], pname) if isinstance(sub, ParallelExperts) else \
+                        sub.gather_dense(state[key])
                     transposed = getattr(sub, "_tp_from_conv1d", False) and pname == "weight"
                     gathered[id(param)] = dense.t().contiguous() if transposed else dense
                 state[key] = gathered[id(param)]
@@ -170,8 +178,12 @@ def _matches(pattern, name):
 def _match(module, plan, *, strict):
     """{module name: style} for every module a pattern matches (a default plan may name optional modules)."""
     names = [name for name, _ in module.named_modules()]
+    experts_weights = {f"{name}.{w}" for name, sub in module.named_modules() if _is_hf_experts(sub)
+                       for w in ParallelExperts.names}
     styles, matched_by = {}, {}
     for pattern, style in plan.items():
+        if style in EXPERT_PARAMETER_STYLES and any(_matches(pattern, w) for w in experts_weights):
+            continue  # an HF plan's entry for the experts' own weights: moe_experts on their module shards them
         style = ALIASES.get(style, style)
         if style not in STYLES:
             raise ValueError(f"unknown style {style!r} for {pattern!r}; tp.parallelize supports {', '.join(STYLES)} "
@@ -186,6 +198,12 @@ def _match(module, plan, *, strict):
     if not styles:
         raise ValueError(f"the plan matches no module of {type(module).__name__}")
     return styles
+
+
+def _is_hf_experts(module):  # transformers' fused experts (Mixtral, Qwen2/3-MoE, OLMoE, ...): two 3-D weights
+    weights = [getattr(module, w, None) for w in ParallelExperts.names]
+    return all(isinstance(w, nn.Parameter) and w.dim() == 3 for w in weights) and not isinstance(module,
+                                                                                                  ParallelExperts)
 
 
 def _is_conv1d(module):  # transformers' Conv1D (GPT-2): a linear layer with its weight stored [in, out]
@@ -205,6 +223,8 @@ def _check_kind(name, module, style):
         wanted = "nn.Embedding (or transformers' ScaledWordEmbedding)"
     elif style == "replicated_with_grad_allreduce":
         ok, wanted = any(True for _ in module.parameters(recurse=False)), "parameters of its own"
+    elif style == "moe_experts":
+        ok, wanted = _is_hf_experts(module), "transformers' fused experts (gate_up_proj, down_proj [E, .., ..])"
     else:
         ok, wanted = True, ""
     if not ok:
@@ -313,6 +333,8 @@ def _build(module, style, group, options):
     elif style in INPUT_IS_PARALLEL:
         new = RowParallelLinear.from_linear(_as_linear(module), input_is_parallel=INPUT_IS_PARALLEL[style],
                                             group=group, **options)
+    elif style == "moe_experts":
+        return ParallelExperts.from_hf(module, group=group)
     elif style == "vocab":
         new = VocabParallelEmbedding.from_embedding(module, group=group)
         if _is_scaled_embedding(module):
@@ -379,6 +401,9 @@ class _HeadsRngFork:
 
 
 def _detail(new, style, tied_to):
+    if isinstance(new, ParallelExperts):
+        return (f"ParallelExperts, experts {new.expert_range.start}..{new.expert_range.stop - 1} of {new.num_experts} "
+                f"(ep={new.ep_size}), F {new.local_ffn} of {new.ffn_hidden_size} (etp={new.etp_size})")
     if isinstance(new, VocabParallelEmbedding):
         scaled = ", output times embed_scale" if hasattr(new, "embed_scale") else ""
         return f"VocabParallelEmbedding, rows [{new.vocab_start}, {new.vocab_end}) of {new.num_embeddings}{scaled}"

@@ -112,6 +112,10 @@ def _parts(model, name, module, attr, local_shape):
         return tuple(reversed(shape)) if transposed else tuple(shape)
 
     sharding = tp_sharding(module, attr)
+    if isinstance(module, tp.moe.GroupedExperts) and (module.ep_size > 1 or module.etp_size > 1):
+        raise ValueError(f"{name}: checkpoints of experts split over ep={module.ep_size} / etp={module.etp_size} are "
+                         "not supported yet (each rank holds other experts or slices); use ep = etp = 1, or "
+                         "--export-hf")
     if sharding is None:
         (key, transposed), = sources
         return [_Part(key, hf_shape(local_shape, transposed), transposed)]

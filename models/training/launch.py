@@ -108,24 +108,29 @@ def split_groups(groups: list[list[int]], places: list[tuple[int, int, str]]) ->
 
 
 def layout_lines(sizes: dict[str, int], order: str, places: list[tuple[int, int, str]]) -> list[str]:
-    """The layout as printed: which global ranks sit on which node, each rank's local rank and coordinates."""
+    """The layout as printed: which global ranks sit on which node, each rank's local rank and coordinates (with
+    `ep` / `etp` in `sizes` and experts split, the expert coordinates ep, etp, edp too)."""
     import tp
 
     world = len(places)
     groups = tp.layout(world, **sizes, order=order)
+    axes = ["tp", "cp", "pp", "dp"]
+    if sizes.get("ep", 1) > 1 or sizes.get("etp") not in (None, sizes.get("tp", 1)):
+        axes += ["ep", "etp", "edp"]
     coords = [{} for _ in range(world)]
-    for axis in ("tp", "cp", "pp", "dp"):
+    for axis in axes:
         for group in groups[axis]:
             for i, r in enumerate(group):
                 coords[r][axis] = i
     nodes = sorted({p[0] for p in places})
+    shown = {a: sizes[a] if a in sizes else len(groups[a][0]) for a in axes}
     lines = [f"layout: {world} ranks on {len(nodes)} node{'s' * (len(nodes) > 1)}, "
-             + " ".join(f"{a}={sizes[a]}" for a in ("tp", "cp", "pp", "dp")) + f" (order {order})"]
+             + " ".join(f"{a}={shown[a]}" for a in axes) + f" (order {order})"]
     for node in nodes:
         ranks = [r for r in range(world) if places[r][0] == node]
         lines.append(f"  node {node} ({places[ranks[0]][2]}): ranks {_spans(ranks)}")
         lines += [f"    rank {r:>{len(str(world - 1))}}  local_rank {places[r][1]}  "
-                  + " ".join(f"{a} {coords[r][a]}" for a in ("tp", "cp", "pp", "dp")) for r in ranks]
+                  + " ".join(f"{a} {coords[r][a]}" for a in axes) for r in ranks]
     for group in split_groups(groups["tp"], places):
         lines.append(f"warning: tp group {group} spans nodes {sorted({places[r][0] for r in group})}: its "
                      "all-reduces cross the node boundary (InfiniBand, not NVLink); use a --nproc-per-node that "

@@ -1,0 +1,136 @@
+"""kernels.grouped_linear: act(x_e @ W_eᵀ) over contiguous row groups, one weight per group (the experts of a
+mixture-of-experts layer, tokens sorted by expert).
+
+x [M, K] holds the groups' rows back to back, `counts` (E host integers) their sizes, weight [E, N, K] one nn.Linear
+orientation weight per group (HF's fused expert layout: gate_up_proj [E, 2F, H], down_proj [E, H, F]). Three
+primitives, dispatched like kernels.linear's (Triton on CUDA or under TRITON_INTERPRET=1, torch otherwise):
+forward (activation fused), dgrad (dz = g·act'(z), then dx_e = dz_e · W_e), wgrad (dW_e = dz_eᵀ · x_e, accumulated
+into an fp32 `weight.main_grad` [E, N, K] when it exists). The torch path uses `torch._grouped_mm` where this torch
+runs it (fp32 / bf16 / fp16 on the CPU, 16-byte aligned row strides), else a loop over the groups.
+"""
+import torch
+
+from . import ops, torch_ops
+
+
+def _offsets(counts, device):
+    """[E + 1] int32 group boundaries on the device (one small copy from the host integers)."""
+    return torch.tensor([0, *counts], dtype=torch.int64).cumsum(0).to(device=device, dtype=torch.int32)
+
+
+def _aligned(t):
+    """Row- or column-major (per matrix), the other stride a multiple of 16 bytes: what torch._grouped_mm takes."""
+    rows, cols = t.stride(-2), t.stride(-1)
+    return (cols == 1 and rows * t.element_size() % 16 == 0) or (rows == 1 and cols * t.element_size() % 16 == 0)
+
+
+def _ranges(counts):
+    start = 0
+    for e, n in enumerate(counts):
+        yield e, start, start + n
+        start += n
+
+
+def _torch_gemm(a, b, counts):
+    """a_e @ b_e per group, for b [E, K, N] (any strides): torch._grouped_mm where it runs, else a loop."""
+    if (hasattr(torch, "_grouped_mm") and a.device.type == "cpu" and a.dtype == b.dtype
+            and a.dtype in (torch.float32, torch.bfloat16, torch.float16) and _aligned(a) and _aligned(b)):
+        return torch._grouped_mm(a, b, offs=_offsets(counts, a.device)[1:])
+    out = a.new_empty(a.shape[0], b.shape[2])
+    for e, lo, hi in _ranges(counts):
+        torch.mm(a[lo:hi], b[e], out=out[lo:hi])
+    return out
+
+
+def _torch_wgrad(dz, x, counts, main_grad):
+    dw = dz.new_empty(len(counts), dz.shape[1], x.shape[1]) if main_grad is None else None
+    for e, lo, hi in _ranges(counts):
+        if main_grad is not None:
+            main_grad[e].addmm_(dz[lo:hi].t().to(main_grad.dtype), x[lo:hi].to(main_grad.dtype))
+        else:
+            torch.mm(dz[lo:hi].t(), x[lo:hi], out=dw[e])
+    return dw
+
+
+def _triton():
+    from . import grouped_triton
+
+    return grouped_triton
+
+
+def grouped_forward(x: torch.Tensor, weight: torch.Tensor, counts: list[int],
+                    activation: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(act(x_e @ weight_eᵀ) [M, N], the pre-activation saved for backward or None); "swiglu": weight [E, 2F, K]
+    (gate rows first) gives [M, F]."""
+    ops.check_activation(activation)
+    _check(x, weight, counts)
+    if ops.backend_for(x) == "triton":
+        return _triton().grouped_gemm(x, weight, _offsets(counts, x.device), activation)
+    z = _torch_gemm(x, weight.transpose(1, 2), counts)
+    return (z, None) if activation is None else (torch_ops.activation_forward(z, activation), z)
+
+
+def grouped_dgrad(grad_out: torch.Tensor, weight: torch.Tensor, counts: list[int], preact: torch.Tensor | None = None,
+                  activation: str | None = None, *,
+                  need_input_grad: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(dx [M, K] = dz_e @ weight_e per group, or None; dz = grad_out · act'(preact))."""
+    dz = torch_ops.activation_backward(grad_out, preact, activation)
+    if not need_input_grad:
+        return None, dz
+    if ops.backend_for(dz) == "triton":
+        return _triton().grouped_gemm(dz, weight, _offsets(counts, dz.device), transpose_b=True)[0], dz
+    return _torch_gemm(dz, weight, counts), dz
+
+
+def grouped_wgrad(dz: torch.Tensor, x: torch.Tensor, counts: list[int], *,
+                  main_grad: torch.Tensor | None = None) -> torch.Tensor | None:
+    """dW [E, N, K], dW_e = dz_eᵀ @ x_e; with a main_grad (fp32 [E, N, K]), accumulated into it and None returned."""
+    if main_grad is not None:
+        ops.check_main_grad(main_grad, (len(counts), dz.shape[1], x.shape[1]), dz.device)
+    if ops.backend_for(dz) == "triton":
+        out = _triton().grouped_wgrad(dz, x, _offsets(counts, dz.device), len(counts), main_grad=main_grad)
+    else:
+        out = _torch_wgrad(dz, x, counts, main_grad)
+    hook = getattr(main_grad, "post_accumulate_hook", None)  # (as kernels.linear_wgrad: tp.optim counts arrivals)
+    if hook is not None:
+        hook()
+    return out
+
+
+def _check(x, weight, counts):
+    if x.dim() != 2 or weight.dim() != 3 or x.shape[1] != weight.shape[2]:
+        raise ValueError(f"grouped linear needs x [M, K] and weight [E, N, K], got x {tuple(x.shape)}, weight "
+                         f"{tuple(weight.shape)}")
+    if len(counts) != weight.shape[0] or sum(counts) != x.shape[0] or min(counts, default=0) < 0:
+        raise ValueError(f"counts {list(counts)} must give the rows of each of the {weight.shape[0]} groups, "
+                         f"summing to x's {x.shape[0]} rows")
+
+
+class _GroupedLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, counts, activation):
+        ctx.main_grad = getattr(weight, "main_grad", None)  # on the parameter, not on an autocast copy of it
+        x, weight, _ = ops.autocast_operands(x, weight)
+        y, preact = grouped_forward(x, weight, counts, activation)
+        ctx.save_for_backward(x, weight, preact)
+        ctx.counts, ctx.activation = counts, activation
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_y):
+        x, weight, preact = ctx.saved_tensors
+        dx, dz = grouped_dgrad(grad_y.to(weight.dtype).contiguous(), weight, ctx.counts, preact, ctx.activation,
+                               need_input_grad=ctx.needs_input_grad[0])
+        dw = grouped_wgrad(dz, x, ctx.counts, main_grad=ctx.main_grad) if ctx.needs_input_grad[1] else None
+        return dx, dw, None, None
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int], *,
+                   activation: str | None = None) -> torch.Tensor:
+    """act(x_e @ weight_eᵀ) for the row groups of x [M, K] (sizes `counts`) and weight [E, N, K]: [M, N] (SwiGLU:
+    weight [E, 2F, K], gate rows first, output [M, F]). With `weight.main_grad` (fp32 [E, N, K]) the weight gradient
+    is accumulated there and weight.grad is left untouched."""
+    ops.check_activation(activation)
+    _check(x, weight, counts)
+    return _GroupedLinear.apply(x, weight, [int(c) for c in counts], activation)

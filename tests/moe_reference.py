@@ -1,0 +1,112 @@
+"""A dense mixture-of-experts reference written from the definitions (Hugging Face's expert loop), and helpers that
+gather a parallel MoE layer's weights and gradients into their dense form."""
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+
+def route(x, router, topk, score="softmax", norm=True, bias=None):
+    """(weights [T, k] fp32, indices [T, k], probs for the aux loss [T, E], logits [T, E]); the choice and weights in
+    fp32 (Hugging Face's routers), the aux-loss inputs at x's precision (fp32 at least)."""
+    raw = F.linear(x, router)
+    logits = raw.float()
+    hi = raw if raw.dtype == torch.float64 else logits
+    if score == "softmax":
+        weights, indices = logits.softmax(-1).topk(topk, dim=-1)
+        probs = hi.softmax(-1)
+    else:
+        scores = logits.sigmoid()
+        indices = (scores.detach() + (0 if bias is None else bias)).topk(topk, dim=-1).indices
+        weights = scores.gather(-1, indices)
+        probs = hi.sigmoid() / hi.sigmoid().sum(-1, keepdim=True)
+    if norm:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights, indices, probs, hi
+
+
+def capacity_kept(weights, indices, num_experts, capacity_factor):
+    """Each expert keeps its slots of weight >= its C-th largest weight over all tokens (C = ceil(T·k/E·cf))."""
+    cap = math.ceil(weights.shape[0] * weights.shape[1] / num_experts * capacity_factor)
+    kept = torch.ones_like(indices, dtype=torch.bool)
+    for e in range(num_experts):
+        mine = indices == e
+        if mine.sum() > cap:
+            threshold = weights[mine].detach().float().sort(descending=True).values[cap - 1]
+            kept &= ~mine | (weights.detach().float() >= threshold)
+    return kept
+
+
+def expert_ffn(x, fc1, fc2, activation):
+    z = F.linear(x, fc1)
+    if activation == "swiglu":
+        gate, up = z.chunk(2, dim=-1)
+        h = F.silu(gate) * up
+    else:
+        h = F.gelu(z, approximate="tanh" if activation == "gelu_tanh" else "none")
+    return F.linear(h, fc2)
+
+
+def reference_moe(x, w, *, topk, score="softmax", norm=True, activation="swiglu", capacity_factor=None,
+                  aux_coeff=0.0, z_coeff=0.0, bias=None):
+    """(out [T, h], aux + z, load-balancing loss, z loss) for the global tokens x [T, h] and dense weights w (dict:
+    router, fc1 [E, 2F, h], fc2 [E, h, F], optional shared_fc1, shared_fc2, shared_gate)."""
+    E = w["router"].shape[0]
+    weights, indices, probs, logits = route(x, w["router"], topk, score, norm, bias)
+    kept = capacity_kept(weights, indices, E, capacity_factor) if capacity_factor else torch.ones_like(
+        indices, dtype=torch.bool)
+    out = torch.zeros_like(x)
+    for e in range(E):
+        token, slot = torch.where((indices == e) & kept)
+        y = expert_ffn(x[token], w["fc1"][e], w["fc2"][e], activation)
+        out = out.index_add(0, token, y * weights[token, slot, None].to(x.dtype))
+    if "shared_fc1" in w:
+        shared = expert_ffn(x, w["shared_fc1"], w["shared_fc2"], activation)
+        if "shared_gate" in w:
+            shared = torch.sigmoid(x @ w["shared_gate"].t()) * shared
+        out = out + shared
+    counts = torch.bincount(indices.flatten(), minlength=E).double()
+    T = x.shape[0]
+    lb = aux_coeff * E * ((counts / (T * topk)) * probs.double().mean(0)).sum()
+    z = z_coeff * torch.logsumexp(logits.double(), -1).square().mean()
+    return out, lb + z, lb, z
+
+
+# ---- a parallel layer's weights (or grads) gathered into the dense form -----------------------------------------
+
+
+def _all_gather(t, group):
+    if group is None or dist.get_world_size(group) == 1:
+        return [t]
+    pieces = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(pieces, t.contiguous(), group=group)
+    return pieces
+
+
+def dense_experts(moe, grads=False):
+    """(fc1 [E, rows, h], fc2 [E, h, F]) of every expert, gathered over etp and ep (collective)."""
+    ex = moe.experts
+    fc1 = ex.fc1.grad if grads else ex.fc1.detach()
+    fc2 = ex.fc2.grad if grads else ex.fc2.detach()
+    fc1 = _all_gather(fc1, moe.etp_group)
+    if ex.activation == "swiglu":
+        fc1 = torch.cat([torch.cat([p.chunk(2, 1)[part] for p in fc1], 1) for part in (0, 1)], 1)
+    else:
+        fc1 = torch.cat(fc1, 1)
+    fc2 = torch.cat(_all_gather(fc2, moe.etp_group), 2)
+    return torch.cat(_all_gather(fc1, moe.ep_group), 0), torch.cat(_all_gather(fc2, moe.ep_group), 0)
+
+
+def dense_weights(moe, grads=False):
+    """The dense weights dict reference_moe takes (grads=True: the gradients, each as this rank holds it)."""
+    get = (lambda p: p.grad) if grads else (lambda p: p.detach())
+    fc1, fc2 = dense_experts(moe, grads)
+    out = {"router": get(moe.router.weight), "fc1": fc1, "fc2": fc2}
+    if moe.shared is not None:
+        s = moe.shared
+        out["shared_fc1"] = s.fc1.gather_dense(get(s.fc1.weight))
+        out["shared_fc2"] = s.fc2.gather_dense(get(s.fc2.weight))
+        if s.gate is not None:
+            out["shared_gate"] = get(s.gate)
+    return out

@@ -1,0 +1,60 @@
+"""Mixture of experts and expert parallelism: the MoE layer, its router, dispatchers, experts and aux losses.
+
+    tp.init_mesh(tp=2, ep=2)                      # the expert layout lives on the mesh (ep, etp, edp groups)
+    moe = tp.moe.MoE(hidden, ffn, num_experts=8, topk=2, sequence_parallel=True, aux_loss_coeff=1e-2)
+    y = moe(x)                                    # [s/tp, b, h] -> [s/tp, b, h]
+    tp.moe.aux_losses(model)                      # the last forward's aux / z losses per layer, for logging
+"""
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .capacity import capacity, keep_mask
+from .dispatch import DISPATCHERS
+from .experts import GroupedExperts
+from .layer import MoE, SharedExpert
+from .losses import AuxLosses
+from .parallel_experts import ParallelExperts
+from .router import SCORES, Routing, TopKRouter
+
+__all__ = ["MoE", "TopKRouter", "GroupedExperts", "ParallelExperts", "SharedExpert", "Routing", "AuxLosses",
+           "DISPATCHERS", "SCORES", "capacity", "keep_mask", "aux_losses", "set_aux_loss_scale", "update_expert_bias",
+           "expert_parameters"]
+
+
+def aux_losses(module: nn.Module) -> list[AuxLosses]:
+    """The last forward's load-balancing and z losses (and global tokens per expert) of every MoE layer of `module`
+    that computes them, in module order: equal on every rank of a stage."""
+    return [m.last for m in module.modules() if isinstance(m, MoE) and m.last is not None]
+
+
+def set_aux_loss_scale(module: nn.Module, scale: float) -> None:
+    """Scale the aux losses' gradient as the trainer scales its LM loss before backward (1 / the accumulated
+    micro-batches, times a loss scale): every MoE layer of `module`."""
+    for m in module.modules():
+        if isinstance(m, MoE):
+            m.aux_loss_scale = float(scale)
+
+
+def expert_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """The parameters tagged `expert_parallel` (reduced over the expert-data-parallel group, not dp)."""
+    return [p for p in module.parameters() if getattr(p, "expert_parallel", False)]
+
+
+@torch.no_grad()
+def update_expert_bias(module: nn.Module, rate: float = 1e-3) -> None:
+    """DeepSeek-V3's auxiliary-loss-free balancing, after an optimizer step: every sigmoid router's selection bias
+    b_i += rate · sign(mean load - load_i), the loads being its tokens per expert since the last update summed over
+    the stage (one all-reduce per group of routers), then reset. The same update on every rank."""
+    routers = [m for m in module.modules() if isinstance(m, TopKRouter) and m.expert_bias is not None]
+    by_group = {}
+    for r in routers:
+        by_group.setdefault(id(r.token_group), []).append(r)
+    for same in by_group.values():
+        loads = torch.stack([r.expert_load for r in same])  # [routers, E] fp64
+        group = same[0].token_group
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(loads, group=group)
+        for r, load in zip(same, loads):
+            r.expert_bias += (rate * torch.sign(load.mean() - load)).to(r.expert_bias.dtype)
+            r.expert_load.zero_()

@@ -1,0 +1,101 @@
+"""The router: top-k experts per token, scores in fp32.
+
+logits = x·Wᵀ with W [E, h] replicated on every rank. "softmax" (Mixtral, Qwen, OLMoE): probabilities over all E
+experts in fp32, the k largest chosen, renormalised over the k when `norm_topk_prob` (Mixtral and Qwen3-MoE do,
+Qwen2-MoE and OLMoE do not by default). "sigmoid" (DeepSeek-V3): per-expert sigmoid scores, a per-expert bias added
+for the choice only (auxiliary-loss-free balancing, `update_expert_bias`), the chosen unbiased scores normalised.
+
+Every rank routes its own tokens (under tensor parallelism the MoE layer gives each tp rank a different share), so
+no token is routed twice. The weight stays equal on every rank because it starts from the same seed and its gradient
+is summed over the tp group inside backward (each rank's covers its tokens only) before any optimizer sees it; debug
+mode (tp.set_debug) checks it on every forward.
+"""
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .. import debug
+from ..grads import sync_grads_over_tp
+from ..mesh import SharedGroup
+
+SCORES = ("softmax", "sigmoid")
+
+
+class Routing(NamedTuple):
+    """A router's decision for T tokens."""
+
+    weights: torch.Tensor  # [T, k] fp32: the combine weights of the chosen experts
+    indices: torch.Tensor  # [T, k] int64: the chosen experts
+    probs: torch.Tensor  # [T, E]: every expert's probability (sigmoid: scores normalised over E), for the aux loss
+    logits: torch.Tensor  # [T, E], for the z-loss (both fp32, fp64 for fp64 inputs)
+
+
+def _recomputing():
+    """Whether this forward runs inside a backward pass (activation recomputation): count the loads once."""
+    return getattr(torch._C, "_current_graph_task_id", lambda: -1)() != -1
+
+
+class TopKRouter(nn.Module):
+    """Top-k routing over `num_experts` (see the module docstring). `group`: the tp group whose ranks route different
+    tokens with this weight (its grads are summed over it in backward, or, `grad_sync=False`, tagged
+    `sequence_parallel` for tp.allreduce_sequence_parallel_grads); `check_group`: where debug mode checks the weight
+    is equal (the ranks of one pipeline stage)."""
+
+    group, check_group = SharedGroup(), SharedGroup()
+
+    def __init__(self, hidden_size: int, num_experts: int, topk: int, *, score: str = "softmax",
+                 norm_topk_prob: bool = True, group: dist.ProcessGroup | None = None, grad_sync: bool = True,
+                 check_group: dist.ProcessGroup | None = None, init_std: float = 0.02,
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+                 _init: bool = True) -> None:
+        super().__init__()
+        if score not in SCORES:
+            raise ValueError(f"moe_router_score={score!r} must be one of {SCORES}")
+        if not 1 <= topk <= num_experts:
+            raise ValueError(f"moe_router_topk={topk} must be between 1 and num_experts={num_experts}")
+        self.num_experts, self.topk, self.score, self.norm_topk_prob = num_experts, topk, score, norm_topk_prob
+        self.group, self.check_group = group, check_group
+        self.sync = grad_sync and group is not None and dist.get_world_size(group) > 1
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype, device=device))
+        self.weight.sequence_parallel = group is not None and dist.get_world_size(group) > 1 and not grad_sync
+        # sigmoid: the selection bias (not a gradient-trained parameter) and the loads it is updated from
+        self.register_buffer("expert_bias", torch.zeros(num_experts, device=device) if score == "sigmoid" else None)
+        self.register_buffer("expert_load", torch.zeros(num_experts, dtype=torch.float64, device=device)
+                             if score == "sigmoid" else None, persistent=False)
+        if _init:
+            with torch.no_grad():
+                nn.init.normal_(self.weight, mean=0.0, std=init_std)
+
+    def forward(self, x: torch.Tensor) -> Routing:  # [T, h]
+        if debug.is_debug() and self.check_group is not None:
+            debug.check_router(self.weight, self.expert_bias, self.check_group)
+        weight = sync_grads_over_tp(self.weight, group=self.group)[0] if self.sync else self.weight
+        raw = F.linear(x, weight)  # [T, E] in x's dtype
+        logits = raw.float()  # the choice and the weights in fp32 (Hugging Face's routers' rounding)
+        if self.score == "softmax":
+            probs = torch.softmax(logits, dim=-1)
+            weights, indices = probs.topk(self.topk, dim=-1)
+        else:
+            scores = torch.sigmoid(logits)
+            indices = (scores.detach() + self.expert_bias).topk(self.topk, dim=-1).indices
+            weights = scores.gather(-1, indices)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        if self.expert_load is not None and self.training and not _recomputing():
+            self.expert_load += torch.bincount(indices.flatten(), minlength=self.num_experts)
+        # The aux losses see the logits at the input's precision, fp32 at least: an fp64 model's are then exact
+        # whatever the split (fp32 reductions over a row are not batch-invariant on every backend).
+        hi = raw if raw.dtype == torch.float64 else logits
+        if self.score == "softmax":
+            aux_probs = probs if hi is logits else torch.softmax(hi, dim=-1)
+        else:
+            aux_scores = scores if hi is logits else torch.sigmoid(hi)
+            aux_probs = aux_scores / aux_scores.sum(-1, keepdim=True)
+        return Routing(weights, indices, aux_probs, hi)
+
+    def extra_repr(self) -> str:
+        return (f"{self.weight.shape[1]} -> {self.num_experts} experts, top-{self.topk}, {self.score}, "
+                f"norm_topk_prob={self.norm_topk_prob}")
