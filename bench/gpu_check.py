@@ -1,0 +1,290 @@
+"""One prepared GPU check: what a short lease on one H100/H200 should run, each section a subprocess under its own
+timeout, recorded as it goes.
+
+    python -m bench.gpu_check --out DIR [--only NAME ...]
+
+Sections, in order of value (`--only` reruns some and keeps the others' earlier results in DIR/summary.json):
+  env          versions, the device, its memory and multiprocessors
+  kernels      the kernel test files compiled on the GPU with one autotune config per family (TP_KERNELS_TUNE=one),
+               then the GPU-only kernel tests with full tuning
+  gpt_step     one GPU, bf16: a GPT (hidden 2048, 8 layers, GQA 16/4 heads, vocab 32000, seq 2048) fwd+bwd on the
+               Triton and the torch backends: loss and grad-norm difference, tokens/s, MFU, peak memory
+  job          `python -m models.train` for 2 steps under torchrun with one rank
+  bench_kernels  bench.kernels on MLP shard shapes, and the Triton GEMM vs cuBLAS on square bf16 matrices
+  intensity    bench.intensity measured on the device (achieved bf16 TFLOP/s per shard shape) and its plot
+  multirank    multi-rank tests with 2 and 4 ranks sharing the GPU over gloo, tensors on the GPU (TP_TEST_DEVICE=cuda)
+  suite        the rest of the suite's GPU-relevant files
+
+DIR gets summary.json ({"device", "torch", "triton", "sections": [{"name", "status": "pass"|"fail"|"skipped",
+"seconds", "details"}]}, rewritten after every section), summary.md at the end, log.txt (every section's output),
+kernels.json, intensity.json and intensity.png: at most 8 files. Without CUDA every section runs a CPU smoke (tiny
+shapes, Triton's interpreter) and the GPU-only parts say "skipped": tests/test_gpu_check.py runs it so that it keeps
+working between leases.
+"""
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULT = "GPU_CHECK_RESULT "  # the line a section's process prints its details on
+
+
+@dataclasses.dataclass(frozen=True)
+class Section:
+    name: str
+    timeout: float  # seconds on a GPU; the CPU smoke gets the same
+    doc: str
+
+
+SECTIONS = [
+    Section("env", 45, "versions and device"),
+    Section("kernels", 130, "kernel tests compiled on the device"),
+    Section("gpt_step", 90, "one-GPU bf16 GPT step: Triton vs torch"),
+    Section("job", 75, "the training job, 2 steps, one rank under torchrun"),
+    Section("bench_kernels", 75, "bench.kernels and Triton vs cuBLAS GEMM"),
+    Section("intensity", 60, "bench.intensity measured on the device"),
+    Section("multirank", 60, "2 and 4 ranks sharing the device over gloo"),
+    Section("suite", 100, "the suite's GPU-relevant files"),
+]
+
+
+def cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+# ---------------------------------------------------------------- helpers run inside a section's process
+
+def run(cmd: list[str], timeout: float, env: dict | None = None) -> tuple[int, str]:
+    """Run cmd in its own process group (killed whole on timeout) -> (returncode, output); 124 on timeout."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        return proc.returncode, out
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        return 124, out + f"\n[timed out after {timeout:.0f} s]"
+
+
+def pytest(args: list[str], timeout: float, env: dict | None = None) -> dict:
+    """Run pytest on args; counts from its JUnit XML, and the failed tests' names."""
+    with tempfile.TemporaryDirectory() as tmp:
+        xml = Path(tmp, "junit.xml")
+        rc, out = run([sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-p", "no:cacheprovider", "-rfE",
+                       f"--junitxml={xml}", *args], timeout, env)
+        print(out[-20000:])
+        if not xml.exists():
+            return {"returncode": rc, "error": "no report (crashed or timed out)", "tail": out[-1500:]}
+        suite = ET.parse(xml).getroot()
+        suite = suite if suite.tag == "testsuite" else suite[0]
+        failed = [f"{c.get('classname')}::{c.get('name')}" for c in suite.iter("testcase")
+                  if c.find("failure") is not None or c.find("error") is not None]
+    counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+    return {"returncode": rc, **counts, "failed": failed[:40], "seconds": float(suite.get("time", 0))}
+
+
+def parallel(workers: int) -> list[str]:
+    """pytest-xdist's -n where it is installed (the GPU machines have it)."""
+    try:
+        import xdist  # noqa: F401
+    except ImportError:
+        return []
+    return ["-n", str(workers)]
+
+
+def passed(result: dict) -> bool:
+    return result.get("returncode") == 0
+
+
+# ---------------------------------------------------------------- sections
+
+def section_env(out: Path, on_gpu: bool) -> dict:
+    import torch
+    import triton
+
+    details = {"python": sys.version.split()[0], "torch": torch.__version__, "triton": triton.__version__,
+               "cuda": torch.version.cuda, "cpus": os.cpu_count()}
+    for name in ("transformers", "tensorboard", "pyarrow", "pytest", "einops", "safetensors", "tokenizers"):
+        try:
+            details[name] = __import__(name).__version__
+        except Exception as e:  # noqa: BLE001 - record what is missing, carry on
+            details[name] = f"missing ({type(e).__name__})"
+    if on_gpu:
+        p = torch.cuda.get_device_properties(0)
+        details.update(device=p.name, capability=f"{p.major}.{p.minor}", multiprocessors=p.multi_processor_count,
+                       memory_gib=round(p.total_memory / 2**30, 1), devices=torch.cuda.device_count())
+        rc, smi = run(["nvidia-smi", "--query-gpu=driver_version,clocks.max.sm,power.limit", "--format=csv"], 20)
+        details["nvidia_smi"] = smi.strip().splitlines()[-1] if rc == 0 else f"rc {rc}"
+    return {**details, "ok": True}
+
+
+def section_kernels(out: Path, on_gpu: bool) -> dict:
+    files = ["tests/test_kernels.py", "tests/test_moe_kernels.py"]
+    if not on_gpu:  # the suite runs these files in full on CPU; here one interpreter test keeps the path alive
+        result = pytest([files[0], "-k", "test_gradcheck_fp64 and gelu"], 120)
+        return {"interpreter": result, "gpu_only": "skipped (no CUDA)", "ok": passed(result)}
+    one = pytest([*files, *parallel(4), "-k", "not test_gpu_"], 90, {"TP_KERNELS_TUNE": "one"})
+    full = pytest([files[0], "-k", "test_gpu_"], 35)
+    return {"one_config": one, "full_tuning": full, "ok": passed(one) and passed(full)}
+
+
+def section_job(out: Path, on_gpu: bool) -> dict:
+    log_dir = tempfile.mkdtemp(prefix="gpu_check_job_")
+    flags = ["--tp", "1", "--pp", "1", "--dp", "1", "--steps", "2", "--global-batch-size", "2",
+             "--micro-batch-size", "2", "--log-interval", "1", "--no-sample", "--log-dir", log_dir,
+             *(["--precision", "bf16", "--model", "small", "--seq-len", "512"] if on_gpu else ["--seq-len", "32"])]
+    rc, text = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+                    "-m", "models.train", *flags], 70)
+    print(text[-20000:])
+    logs = "".join(p.read_text(errors="replace")[-3000:] for p in sorted(Path(log_dir).rglob("*.log")))
+    return {"returncode": rc, "flags": " ".join(flags[:-2]), "tail": (text + logs)[-2500:], "ok": rc == 0}
+
+
+def section_bench_kernels(out: Path, on_gpu: bool) -> dict:
+    shapes = ["--hidden", "4096", "--tokens", "8192", "--tp", "1", "2", "4", "8"] if on_gpu else \
+        ["--quick", "--layers", "fc1", "--tp", "2", "--reps", "1"]
+    rc, text = run([sys.executable, "-m", "bench.kernels", *shapes, "--out", str(out / "kernels.json")], 55)
+    print(text[-20000:])
+    details = {"returncode": rc, "table": text[-3000:], "ok": rc == 0}
+    if on_gpu:
+        from bench.gpu_sections import square_gemm
+
+        details["square_gemm"] = square_gemm()
+    else:
+        details["square_gemm"] = "skipped (no CUDA)"
+    return details
+
+
+def section_intensity(out: Path, on_gpu: bool) -> dict:
+    tmp = Path(tempfile.mkdtemp(prefix="gpu_check_intensity_"))
+    opts = ["--hidden", "4096", "--mlp", "swiglu", "--tokens", "1024", "4096", "16384", "--measure-tp", "2",
+            "--max-message-mb", "64"] if on_gpu else ["--no-measure", "--hidden", "1024", "--tokens", "1024"]
+    rc, text = run([sys.executable, "-m", "bench.intensity", *opts, "--out", str(tmp)], 55)
+    print(text[-20000:])
+    for name in ("intensity.json", "intensity.png"):
+        if (tmp / name).exists():
+            shutil.copy(tmp / name, out / name)
+    return {"returncode": rc, "table": text[-3000:], "measured": on_gpu or "skipped (no CUDA)", "ok": rc == 0}
+
+
+MULTIRANK = ["tests/test_layers.py::test_mlp_matches_dense", "tests/test_vocab.py::test_cross_entropy_matches_dense",
+             "tests/test_optim.py::test_zero1_bf16_and_clipping_follow_the_serial_run",
+             "tests/test_random.py::test_fork_rng_differs_per_tp_rank_and_default_is_shared",
+             "tests/test_context.py::test_attention_equals_dense_sdpa"]
+
+
+def section_multirank(out: Path, on_gpu: bool) -> dict:
+    if not on_gpu:
+        result = pytest([MULTIRANK[3]], 55)
+        return {"cpu": result, "gpu": "skipped (no CUDA)", "ok": passed(result)}
+    result = pytest([*MULTIRANK, "--timeout", "45"], 55, {"TP_TEST_DEVICE": "cuda"})
+    return {"tests": result, "ok": passed(result)}
+
+
+SUITE = ["tests/test_mappings.py", "tests/test_gpt.py", "tests/test_generate.py", "tests/test_moe.py",
+         "tests/test_moe_gpt.py", "tests/test_pipeline.py", "tests/test_cp_model.py", "tests/test_clip.py",
+         "tests/test_checkpoint.py", "tests/test_train.py"]
+
+
+def section_suite(out: Path, on_gpu: bool) -> dict:
+    if not on_gpu:
+        return {"skipped": "the suite runs in CI on CPU", "ok": True}
+    result = pytest([*SUITE, *parallel(8), "--timeout", "90", "--maxfail", "40"], 95)
+    return {"tests": result, "ok": passed(result)}
+
+
+def section_gpt_step(out: Path, on_gpu: bool) -> dict:
+    from bench.gpu_sections import gpt_step
+
+    return gpt_step(on_gpu)
+
+
+RUNNERS = {s.name: globals()[f"section_{s.name}"] for s in SECTIONS}
+
+
+# ---------------------------------------------------------------- the driver
+
+def run_section(section: Section, out: Path, smoke: bool) -> dict:
+    cmd = [sys.executable, "-m", "bench.gpu_check", "--section", section.name, "--out", str(out)]
+    start = time.perf_counter()
+    env = {"PYTHONUNBUFFERED": "1", **({"TRITON_INTERPRET": "1"} if smoke else {})}  # interpreter without CUDA
+    rc, text = run(cmd, section.timeout, env)
+    seconds = round(time.perf_counter() - start, 1)
+    with open(out / "log.txt", "a") as log:
+        log.write(f"\n===== {section.name} (rc {rc}, {seconds} s)\n{text}")
+    lines = [ln for ln in text.splitlines() if ln.startswith(RESULT)]
+    details = json.loads(lines[-1][len(RESULT):]) if lines else {"tail": text[-2500:]}
+    ok = rc == 0 and details.pop("ok", False)
+    status = "pass" if ok else "fail"
+    if ok and smoke and section.name != "env":
+        status = "skipped" if section.name == "suite" else "pass"
+    return {"name": section.name, "status": status, "seconds": seconds, "details": details}
+
+
+def header() -> dict:
+    import torch
+    import triton
+
+    device = torch.cuda.get_device_name(0) if cuda() else f"CPU ({os.cpu_count()} cores, no CUDA: smoke run)"
+    return {"device": device, "torch": torch.__version__, "triton": triton.__version__, "sections": []}
+
+
+def write_markdown(summary: dict, out: Path) -> None:
+    rows = [f"| {s['name']} | {s['status']} | {s['seconds']} | {_gist(s['details'])} |" for s in summary["sections"]]
+    text = (f"# GPU check on {summary['device']}\n\ntorch {summary['torch']}, Triton {summary['triton']}\n\n"
+            "| section | status | seconds | details |\n| --- | --- | --- | --- |\n" + "\n".join(rows) + "\n")
+    (out / "summary.md").write_text(text)
+
+
+def _gist(details: dict) -> str:
+    """A short one-line reading of a section's details for the Markdown table."""
+    keep = {k: v for k, v in details.items() if k not in ("tail", "table") and not isinstance(v, (dict, list))}
+    for k, v in details.items():
+        if isinstance(v, dict) and "tests" in v:
+            keep[k] = f"{v['tests'] - v['failures'] - v['errors'] - v['skipped']}/{v['tests']} passed"
+    return ", ".join(f"{k}={v}" for k, v in keep.items()).replace("|", "/")[:400]
+
+
+def main(argv: list[str] | None = None) -> int:
+    names = [s.name for s in SECTIONS]
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="directory for summary.json, summary.md and the section files")
+    p.add_argument("--only", nargs="+", choices=names, help="run these sections; keep the others' earlier results")
+    p.add_argument("--section", choices=names, help=argparse.SUPPRESS)  # (one section, in its own process)
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.section:
+        details = RUNNERS[args.section](out, cuda())
+        print(RESULT + json.dumps(details, default=str), flush=True)
+        return 0
+    summary = header()
+    previous = out / "summary.json"
+    if args.only and previous.exists():
+        summary["sections"] = json.loads(previous.read_text())["sections"]
+    for section in (s for s in SECTIONS if not args.only or s.name in args.only):
+        result = run_section(section, out, smoke=not cuda())
+        summary["sections"] = [s for s in summary["sections"] if s["name"] != section.name] + [result]
+        summary["sections"].sort(key=lambda s: names.index(s["name"]))
+        previous.write_text(json.dumps(summary, indent=1))
+        print(f"{section.name:14s} {result['status']:7s} {result['seconds']:7.1f} s  {_gist(result['details'])[:150]}",
+              flush=True)
+    write_markdown(summary, out)
+    return int(any(s["status"] == "fail" for s in summary["sections"]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

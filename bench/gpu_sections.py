@@ -1,0 +1,96 @@
+"""The measuring sections of bench.gpu_check that run in-process: the one-GPU GPT step and the square GEMM."""
+import math
+import time
+
+import torch
+
+PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense bf16 FLOP/s, NVIDIA's datasheets (SXM)
+
+
+def peak_flops() -> float | None:
+    name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else ""
+    return next((v for k, v in PEAK_BF16.items() if k in name), None)
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _grad_norm(model) -> float:
+    return math.sqrt(sum(p.grad.float().pow(2).sum().item() for p in model.parameters() if p.grad is not None))
+
+
+def _steps(model, tokens, targets, steps: int) -> tuple[float, float, float]:
+    """(first loss, its grad norm, seconds per step over `steps` timed steps after one warm-up)."""
+    times = []
+    for i in range(steps + 1):
+        model.zero_grad(set_to_none=True)
+        _sync()
+        start = time.perf_counter()
+        loss = model(tokens, targets)
+        loss.backward()
+        _sync()
+        times.append(time.perf_counter() - start)
+        if i == 0:
+            first, norm = loss.item(), _grad_norm(model)
+    return first, norm, sorted(times[1:])[len(times[1:]) // 2]
+
+
+def gpt_step(on_gpu: bool) -> dict:
+    """A GPT fwd+bwd on the Triton and the torch backends with the same weights and tokens: agreement and speed."""
+    import kernels
+    import tp
+    from models import GPT, GPTConfig
+    from models.flops import flops_per_token
+
+    if on_gpu:
+        config = GPTConfig(vocab_size=32000, hidden_size=2048, num_layers=8, num_heads=16, num_kv_heads=4,
+                           max_seq_len=2048)
+        batch, seq, dtype, steps, device = 2, 2048, torch.bfloat16, 5, "cuda"
+    else:
+        config = GPTConfig(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=32)
+        batch, seq, dtype, steps, device = 2, 32, torch.float32, 1, "cpu"
+    tp.init_mesh()
+    torch.manual_seed(0)
+    model = GPT(config).to(device=device, dtype=dtype)
+    tokens = torch.randint(0, config.vocab_size, (batch, seq + 1), device=device)
+    tokens, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    rows, per_token = {}, flops_per_token(model.config, seq)
+    for backend in ("torch", "triton"):
+        if on_gpu:
+            torch.cuda.reset_peak_memory_stats()
+        with kernels.use_backend(backend):
+            loss, norm, seconds = _steps(model, tokens, targets, steps)
+        rate = batch * seq / seconds
+        peak = peak_flops()
+        rows[backend] = {"loss": loss, "grad_norm": norm, "step_s": round(seconds, 4), "tokens_per_s": round(rate),
+                         "mfu": round(per_token * rate / peak, 3) if peak else None,
+                         "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if on_gpu else None}
+    tp.destroy_mesh()
+    loss_diff = abs(rows["triton"]["loss"] - rows["torch"]["loss"])
+    norm_diff = abs(rows["triton"]["grad_norm"] - rows["torch"]["grad_norm"]) / rows["torch"]["grad_norm"]
+    tolerance = 2e-2 if on_gpu else 1e-4  # bf16 sums in different orders / fp32
+    return {"shape": f"h{config.hidden_size} L{config.num_layers} heads {config.num_heads}/{config.num_kv_heads} "
+                     f"V{config.vocab_size} b{batch} s{seq} {str(dtype)[6:]}",
+            "loss_diff": loss_diff, "grad_norm_rel_diff": norm_diff, **rows,
+            "triton_vs_torch_speed": round(rows["torch"]["step_s"] / rows["triton"]["step_s"], 3),
+            "ok": loss_diff < tolerance and norm_diff < tolerance}
+
+
+def square_gemm(sizes=(4096, 8192)) -> dict:
+    """The Triton forward GEMM (kernels.linear_forward, no epilogue) vs cuBLAS (torch.matmul) on square bf16."""
+    import triton.testing
+
+    import kernels
+
+    rows = {}
+    for n in sizes:
+        a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+        with kernels.use_backend("triton"):
+            ours = triton.testing.do_bench(lambda: kernels.linear_forward(a, b))
+        cublas = triton.testing.do_bench(lambda: a @ b.t())
+        rows[str(n)] = {"triton_tflops": round(2 * n**3 / ours / 1e9, 1),
+                        "cublas_tflops": round(2 * n**3 / cublas / 1e9, 1), "triton_vs_cublas": round(cublas / ours, 3)}
+    return rows
