@@ -156,6 +156,19 @@ def test_main_grad_accumulates_over_two_backward_passes(activation):
     assert b.grad is not None
 
 
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_dgrad_computes_dz_once_then_a_plain_gemm(activation):
+    # dz = g·act'(z) is one elementwise pass; the dgrad GEMM then reads dz. Fusing act' into the GEMM's operand load
+    # recomputed it for every output-column tile and kept the loop off the tensor-core pipeline: 0.13x torch's fc1
+    # backward on an H200 (bench.kernels, bench/results/gpu).
+    x, w, b = (t.requires_grad_() for t in make_inputs((37,), 45, 70, torch.float32, activation))
+    before = triton_ops.LAUNCHES.copy()
+    y = kernels.linear(x, w, b, activation=activation)
+    y.backward(torch.randn_like(y))
+    assert triton_ops.LAUNCHES["act_bwd"] == before["act_bwd"] + 1
+    assert triton_ops.LAUNCHES["linear_dgrad"] == before["linear_dgrad"] + 1
+
+
 @pytest.mark.parametrize("activation", [None, "gelu", "swiglu"])
 def test_weight_only_gradient_skips_dgrad(activation):
     # x without requires_grad (a first layer): dz comes from the elementwise kernel (or is grad_out itself).
