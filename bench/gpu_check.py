@@ -144,7 +144,7 @@ def section_env(out: Path, on_gpu: bool) -> dict:
 def section_kernels(out: Path, on_gpu: bool) -> dict:
     files = ["tests/test_kernels.py", "tests/test_moe_kernels.py"]
     if not on_gpu:  # the suite runs these files in full on CPU; here one interpreter test keeps the path alive
-        result = pytest([files[0], "-k", "test_gradcheck_fp64 and gelu"], 120)
+        result = pytest([files[0], "-k", "test_weight_only_gradient_skips_dgrad and gelu"], 120)
         return {"interpreter": result, "gpu_only": "skipped (no CUDA)", "ok": passed(result)}
     one = pytest([*files, *parallel(4), "-k", "not test_gpu_"], 90, {"TP_KERNELS_TUNE": "one"})
     full = pytest([files[0], "-k", "test_gpu_"], 80)
@@ -180,8 +180,8 @@ def section_bench_kernels(out: Path, on_gpu: bool) -> dict:
 
 def section_intensity(out: Path, on_gpu: bool) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="gpu_check_intensity_"))
-    opts = ["--hidden", "4096", "--mlp", "swiglu", "--tokens", "4096", "--measure-tp", "2",
-            "--max-message-mb", "64"] if on_gpu else ["--no-measure", "--hidden", "1024", "--tokens", "1024"]
+    opts = ["--hidden", "4096", "--mlp", "swiglu", "--tokens", "4096", "--measure-tp", "2", "--max-message-mb", "8",
+            "--min-seconds", "0.01"] if on_gpu else ["--no-measure", "--hidden", "1024", "--tokens", "1024"]
     rc, text = run([sys.executable, "-m", "bench.intensity", *opts, "--out", str(tmp)], 80)
     print(text[-20000:])
     for name in ("intensity.json", "intensity.png"):
@@ -231,7 +231,7 @@ def run_section(section: Section, out: Path, smoke: bool) -> dict:
     cmd = [sys.executable, "-m", "bench.gpu_check", "--section", section.name, "--out", str(out)]
     start = time.perf_counter()
     env = {"PYTHONUNBUFFERED": "1", **({"TRITON_INTERPRET": "1"} if smoke else {})}  # interpreter without CUDA
-    rc, text = run(cmd, section.timeout, env)
+    rc, text = run(cmd, section.timeout * (3 if smoke else 1), env)  # (a loaded CI machine is slow at start-up)
     seconds = round(time.perf_counter() - start, 1)
     with open(out / "log.txt", "a") as log:
         log.write(f"\n===== {section.name} (rc {rc}, {seconds} s)\n{text}")

@@ -1,0 +1,54 @@
+"""bench.gpu_check without CUDA: every section's CPU smoke runs, the GPU-only parts say skipped, the files stay within
+what a device run brings back, `--only` keeps earlier results, and a section that hangs is recorded and passed over."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from bench import gpu_check
+
+pytestmark = pytest.mark.skipif(gpu_check.cuda(), reason="the CPU smoke; on a GPU run the check itself")
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu_check")
+    proc = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--out", str(out)], cwd=gpu_check.ROOT,
+                          capture_output=True, text=True, timeout=600)
+    return out, proc
+
+
+def test_every_section_runs_its_cpu_smoke(smoke):
+    out, proc = smoke
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary) == {"device", "torch", "triton", "sections"} and "no CUDA" in summary["device"]
+    sections = {s["name"]: s for s in summary["sections"]}
+    assert list(sections) == [s.name for s in gpu_check.SECTIONS]
+    assert {s["status"] for s in summary["sections"]} <= {"pass", "skipped"}
+    assert sections["suite"]["status"] == "skipped"
+    assert sections["gpt_step"]["details"]["grad_norm_rel_diff"] < 1e-4  # Triton (interpreter) vs torch backends
+    assert sections["kernels"]["details"]["gpu_only"].startswith("skipped")
+    assert sections["bench_kernels"]["details"]["square_gemm"].startswith("skipped")
+    files = sorted(p.name for p in out.iterdir())
+    assert len(files) <= 8 and {"summary.json", "summary.md", "log.txt"} <= set(files), files
+    assert "| gpt_step | pass |" in (out / "summary.md").read_text()
+
+
+def test_only_reruns_a_section_and_keeps_the_others(smoke, tmp_path):
+    out, _ = smoke
+    earlier = json.loads((out / "summary.json").read_text())
+    rerun = tmp_path / "rerun"
+    rerun.mkdir()
+    (rerun / "summary.json").write_text(json.dumps(earlier))
+    assert gpu_check.main(["--out", str(rerun), "--only", "env"]) == 0
+    again = json.loads((rerun / "summary.json").read_text())
+    assert [s["name"] for s in again["sections"]] == [s["name"] for s in earlier["sections"]]
+    assert [s for s in again["sections"] if s["name"] != "env"] == [s for s in earlier["sections"] if s["name"] != "env"]
+
+
+def test_a_section_past_its_timeout_fails_with_its_last_lines(tmp_path):
+    result = gpu_check.run_section(gpu_check.Section("env", 0.2, "too short"), tmp_path, smoke=True)
+    assert result["status"] == "fail" and "timed out after" in result["details"]["tail"]
+    assert "===== env (rc 124" in (tmp_path / "log.txt").read_text()
