@@ -164,7 +164,7 @@ def section_job(out: Path, on_gpu: bool) -> dict:
 
 
 def section_bench_kernels(out: Path, on_gpu: bool) -> dict:
-    shapes = ["--hidden", "4096", "--tokens", "8192", "--tp", "1", "4"] if on_gpu else \
+    shapes = ["--hidden", "4096", "--tokens", "8192", "--tp", "1"] if on_gpu else \
         ["--quick", "--layers", "fc1", "--tp", "2", "--reps", "1"]
     rc, text = run([sys.executable, "-m", "bench.kernels", *shapes, "--out", str(out / "kernels.json")], 80)
     print(text[-20000:])
