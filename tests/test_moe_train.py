@@ -187,3 +187,244 @@ def test_the_pipelines_b_w_split_defers_the_experts_grouped_gemms():
         grads.append([p.grad.clone() for p in model.parameters()])
     for plain, deferred in zip(*grads):
         assert (plain - deferred).abs().max().item() <= 1e-15
+
+
+# ---- the job ---------------------------------------------------------------------------------------------------------
+
+JOB = ["--model", "tiny-moe", "--seq-len", "32", "--global-batch-size", "8", "--micro-batch-size", "2", "--steps", "3",
+       "--seed", "7", "--no-sample", "--moe-aux-loss-coeff", "0.1", "--moe-z-loss-coeff", "0.01"]
+SPLIT = ["--tp", "2", "--pp", "2", "--dp", "2"]  # 2x1x2x2 (tp x cp x pp x dp)
+MOE_KEYS = ("loss", "grad_norm", "moe_aux_loss", "moe_z_loss", "moe_load_imbalance")
+
+
+@distributed(world_size=8, timeout=300)
+def _train_on_ranks(flags, log):
+    return _job(flags, log)
+
+
+def _job(flags, log, base=JOB):
+    import json
+    import os
+
+    from models.training.cli import parser, train
+
+    train(parser().parse_args([*base, *flags, "--log-jsonl", log]))
+    if int(os.environ.get("RANK", "0")) == 0:
+        with open(log) as f:
+            return [json.loads(line) for line in f]
+
+
+def _records(tmp, name, world_size, *flags, base=JOB):
+    import os
+
+    from tp.testing import run
+
+    return run(_job, world_size, flags=list(flags), log=os.path.join(tmp, f"{name}.jsonl"), base=base,
+               timeout=300)[0]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The shared runs: one process; 2x1x2x2 with ep 2 (ddp, fp32, 1F1B; checkpoints every step, val_loss, the HF
+    export); ep 4 at etp 1 (zero1, ZB-H1: the B/W split through the grouped GEMM); ep 2 with zero1 + bf16 +
+    interleaved; and 1x2x2x2 (cp 2) with ep 2 at etp 1 (edp 2), FSDP2, resumed from the ep 2 run's step 1."""
+    tmp = tmp_path_factory.mktemp("moe_runs")
+    evaluate = ["--eval-every", "3", "--eval-iters", "1"]
+    out = {"tmp": tmp, "serial": _records(tmp, "serial", 1, "--tp", "1", "--pp", "1", "--dp", "1", *evaluate)}
+    out["ep2"] = _records(tmp, "ep2", 8, *SPLIT, "--ep", "2", "--save", str(tmp / "ckpt"), "--save-every", "1",
+                          "--export-hf", str(tmp / "hf"), *evaluate)
+    out["ep4 etp1 zero1 zb"] = _records(tmp, "ep4", 8, *SPLIT, "--ep", "4", "--etp", "1", "--dp-mode", "zero1",
+                                        "--schedule", "zb")
+    out["ep2 zero1 bf16 interleaved"] = _records(tmp, "bf16", 8, *SPLIT, "--ep", "2", "--dp-mode", "zero1",
+                                                 "--precision", "bf16", "--schedule", "interleaved",
+                                                 "--virtual-stages", "2")
+    out["resumed cp2 ep2 etp1 fsdp"] = _records(tmp, "resumed", 8, "--tp", "1", "--cp", "2", "--pp", "2", "--dp", "2",
+                                                "--ep", "2", "--etp", "1", "--dp-mode", "fsdp",
+                                                "--load", str(tmp / "ckpt" / "step-000001"))
+    return out
+
+
+def test_every_split_trains_the_one_process_curve_with_its_aux_loss_and_grad_norm(runs):
+    """Dropless: loss, grad_norm, aux and z losses and the load imbalance of every fp32 split equal the one-process
+    run's (≤ 1e-5 relative): the aux losses' gradient is neither scaled by the micro-batch count (4 here, 2 there) nor
+    by tp, the experts' gradients are reduced over edp, clipping counts each expert once; bf16 within the dense runs'
+    bf16 tolerance (3 %); the resumed run continues the curve at another (tp, cp, ep, etp, pp, dp)."""
+    serial = runs["serial"]
+    assert len(serial) == 3 and serial[-1]["loss"] < serial[0]["loss"]
+    assert all(r["moe_aux_loss"] > 0 and r["moe_z_loss"] > 0 and r["moe_load_imbalance"] >= 1 for r in serial)
+    assert "moe_dropped_tokens" not in serial[0]  # dropless
+    for name in ("ep2", "ep4 etp1 zero1 zb", "resumed cp2 ep2 etp1 fsdp"):
+        reference = serial[-len(runs[name]):]
+        for step, (ours, want) in enumerate(zip(runs[name], reference, strict=True)):
+            for key in MOE_KEYS:
+                assert abs(ours[key] - want[key]) <= 1e-5 * abs(want[key]), (name, step, key, ours[key], want[key])
+    for ours, want in zip(runs["ep2 zero1 bf16 interleaved"], serial, strict=True):
+        for key in MOE_KEYS:
+            assert abs(ours[key] - want[key]) <= 0.03 * abs(want[key]), ("bf16", key, ours[key], want[key])
+    assert abs(runs["ep2"][-1]["val_loss"] - serial[-1]["val_loss"]) <= 1e-5 * serial[-1]["val_loss"]
+
+
+def test_tflops_count_active_parameters(runs):
+    """tflops_per_rank counts the k routed experts (and the router) per token, not the E held."""
+    from models.config import PRESETS
+    from models.flops import flops_per_token, matmul_params
+
+    config = models.GPTConfig(**PRESETS["tiny-moe"])
+    assert matmul_params(config) < matmul_params(config, active=False)
+    first = runs["serial"][0]
+    assert first["tflops_per_rank"] == pytest.approx(flops_per_token(config, 32) * 8 * 32 / first["step_s"] / 1e12,
+                                                     rel=1e-9)
+
+
+def test_checkpoints_hold_each_expert_under_its_hf_name_and_global_index(runs):
+    """The ep 2 run's checkpoint stores every expert as Mixtral's per-expert tensors (block_sparse_moe.experts.<e>.w1
+    / w3 / w2) under its global index: equal to the same names in its Hugging Face export, so a run resumed at
+    another ep (the fsdp run above, ep 2 at etp 1 over other ranks) finds each expert, not a permutation of them."""
+    import safetensors.torch
+
+    ckpt, hf = runs["tmp"] / "ckpt" / "step-000003", runs["tmp"] / "hf"
+    exported = {}
+    for file in hf.glob("*.safetensors"):
+        exported |= safetensors.torch.load_file(file)
+    names = [n for n in exported if ".block_sparse_moe.experts." in n]
+    assert len(names) == 4 * 8 * 3  # layers x experts x (w1, w3, w2)
+    state = {f"model.{n}": torch.empty_like(exported[n]) for n in names}
+    _read_checkpoint(state, ckpt)
+    for n in names:
+        assert torch.equal(state[f"model.{n}"], exported[n]), n
+
+
+def _read_checkpoint(state, path):
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():  # (no_dist: this process alone reads it)
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    return state
+
+
+def _held_out_loss(path):
+    """A Hugging Face directory's loss through transformers on the job's first held-out batch (its val_loss with
+    --eval-iters 1)."""
+    import transformers
+
+    from models.training import data
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    _, held_out = data.split(data.corpus(), 32)
+    (x, y), = data.eval_batches(held_out, dp=1, dp_rank=0, global_batch_size=8, micro_batch_size=8, iters=1)[0]
+    with torch.no_grad():
+        return model.config.model_type, torch.nn.functional.cross_entropy(model(x).logits.flatten(0, 1),
+                                                                           y.flatten()).item()
+
+
+def test_the_hf_export_gives_the_runs_val_loss_in_transformers(runs):
+    """--export-hf of the 2x1x2x2 ep 2 run: a Mixtral directory transformers loads, whose loss on the held-out batch
+    is the run's val_loss."""
+    family, loss = _held_out_loss(runs["tmp"] / "hf")
+    assert family == "mixtral" and abs(loss - runs["ep2"][-1]["val_loss"]) <= 1e-5 * loss
+
+
+def test_from_hf_qwen3_moe_trains_at_ep_2_and_exports_qwen3_moe(tmp_path):
+    """--from-hf a Qwen3-MoE directory (per-head q/k norms, experts smaller than its dense size): trained at pp 2 x
+    dp 2 with ep 2 (each rank reading only its experts), its --export-hf is a Qwen3-MoE directory again whose
+    held-out loss in transformers is the run's val_loss."""
+    import transformers
+
+    source = tmp_path / "qwen3"
+    torch.manual_seed(0)
+    config = transformers.Qwen3MoeConfig(vocab_size=256, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                                         num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                         max_position_embeddings=64)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(source)
+    base = ["--from-hf", str(source), "--seq-len", "32", "--global-batch-size", "8", "--micro-batch-size", "2",
+            "--steps", "2", "--no-sample", "--moe-aux-loss-coeff", "0.01"]
+    records = _records(str(tmp_path), "qwen3", 4, "--tp", "1", "--pp", "2", "--dp", "2", "--ep", "2", "--eval-every",
+                       "2", "--eval-iters", "1", "--export-hf", str(tmp_path / "out"), base=base)
+    assert len(records) == 2 and records[-1]["loss"] < records[0]["loss"] and records[0]["moe_aux_loss"] > 0
+    family, loss = _held_out_loss(tmp_path / "out")
+    assert family == "qwen3_moe" and abs(loss - records[-1]["val_loss"]) <= 1e-5 * loss
+
+
+def test_sigmoid_routers_bias_updates_are_the_same_at_every_split(tmp_path):
+    """--moe-router-score sigmoid: after each step every router's selection bias moves by 1e-3 · sign(mean load -
+    load) from the step's global loads (over the stage's tp·cp·dp ranks), so the one-process run and the tp 2 x dp 2
+    ep 2 run end with the same biases (read from their checkpoints, where they are stored as HF's
+    e_score_correction_bias) and the same curve."""
+    sigmoid = ["--moe-router-score", "sigmoid", "--steps", "2"]
+    serial = _records(str(tmp_path), "serial", 1, "--tp", "1", "--pp", "1", "--dp", "1", *sigmoid,
+                      "--save", str(tmp_path / "serial"))
+    split = _records(str(tmp_path), "split", 4, "--tp", "2", "--pp", "1", "--dp", "2", "--ep", "2", *sigmoid,
+                     "--save", str(tmp_path / "split"))
+    for ours, want in zip(split, serial, strict=True):
+        assert abs(ours["loss"] - want["loss"]) <= 1e-5 * want["loss"]
+    keys = [f"model.model.layers.{i}.block_sparse_moe.gate.e_score_correction_bias" for i in range(4)]
+    biases = [_read_checkpoint({k: torch.empty(8) for k in keys}, tmp_path / run / "step-000002")
+              for run in ("serial", "split")]
+    for key in keys:
+        assert torch.equal(biases[0][key], biases[1][key]) and biases[0][key].abs().sum() > 0, key
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--model", "tiny-moe", "--tp", "2", "--pp", "1", "--dp", "2", "--ep", "3"],
+     r"--ep=3 \* --etp=2 = 6 does not divide --tp\*--cp\*--dp = 2\*1\*2 = 4"),
+    (["--model", "tiny-moe", "--tp", "1", "--pp", "1", "--dp", "3", "--ep", "3", "--global-batch-size", "6"],
+     r"--ep=3 --etp=1: num_experts=8 is not divisible by ep=3"),
+    (["--model", "tiny-moe", "--moe-router-topk", "9"], r"moe_router_topk=9 > num_experts=8"),
+    (["--model", "tiny", "--ep", "2"], r"--ep=2 --etp=2 split the experts of a mixture of experts, and the model has "
+                                       r"none"),
+    (["--model", "tiny-moe", "--moe-layer-freq", "0,2"], r"--moe-layer-freq='0,2' must be N >= 1"),
+    (["--model", "tiny-moe", "--tp", "2", "--pp", "1", "--dp", "1", "--micro-batch-size", "1", "--seq-len", "33",
+      "--global-batch-size", "2"], r"33 tokens do not split over --tp=2"),
+])
+def test_bad_moe_configurations_are_one_line_before_any_process(argv, message, capsys):
+    """ep·etp not dividing tp·cp·dp, experts not divisible by ep, top-k above the experts, ep without experts: one
+    line, exit 2, no process started."""
+    import re
+
+    from models.training.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.search(message, err[0]), err
+
+
+@distributed(world_size=2)
+def test_a_checkpoint_saved_at_etp_2_resumes_at_ep_2_with_each_expert_in_place():
+    """models.training.checkpoint at the layer level: a GPT and its AdamW state saved with every expert's FFN split
+    over etp = tp = 2 load at ep = 2 (each rank whole experts: others than it saved): the same dense weights and
+    optimizer state, expert by expert (none permuted, none a slice of another)."""
+    import tempfile
+
+    from models.training import checkpoint
+
+    torch.set_default_dtype(torch.float64)
+    config = models.GPTConfig(**BASE)
+    path = tempfile.mkdtemp() if dist.get_rank() == 0 else None
+    holder = [path]
+    dist.broadcast_object_list(holder)
+    path = holder[0]
+    states = []
+    for split in (dict(tp=2), dict(dp=2, ep=2)):
+        mesh = tp.init_mesh(**split)
+        torch.manual_seed(0 if split.get("tp") else 1)  # (other weights: loading must overwrite them)
+        model = models.GPT(config)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+        if split.get("tp"):
+            model(*_batches(1)).backward()
+            optimizer.step()
+            checkpoint.save(path, model, optimizer, mesh=mesh, step=1)
+        else:
+            assert checkpoint.load(path, model, optimizer, mesh=mesh)[0] == 1
+        exp_avg = {p: optimizer.state[p]["exp_avg"] for p in model.parameters()}
+        for p in model.parameters():  # the state, gathered like the weights: swapped in as .grad
+            p.grad = exp_avg[p]
+        states.append((hf_state_dict(model), hf_state_dict(model, grads=True)))
+        tp.destroy_mesh(keep_groups=True)
+    for saved, loaded in zip(*states):
+        assert saved.keys() == loaded.keys()
+        for name in saved:
+            assert torch.equal(saved[name], loaded[name]), name
