@@ -264,6 +264,29 @@ def test_every_split_trains_the_one_process_curve_with_its_aux_loss_and_grad_nor
     assert abs(runs["ep2"][-1]["val_loss"] - serial[-1]["val_loss"]) <= 1e-5 * serial[-1]["val_loss"]
 
 
+RUN_SPLITS = {  # (tp, cp, pp, dp, ep, etp, dp_mode, precision, virtual stages) of the shared runs
+    "serial": (1, 1, 1, 1, 1, 1, "ddp", "fp32", 1), "ep2": (2, 1, 2, 2, 2, 2, "ddp", "fp32", 1),
+    "ep4 etp1 zero1 zb": (2, 1, 2, 2, 4, 1, "zero1", "fp32", 1),
+    "ep2 zero1 bf16 interleaved": (2, 1, 2, 2, 2, 2, "zero1", "bf16", 2),
+    "resumed cp2 ep2 etp1 fsdp": (1, 2, 2, 2, 2, 1, "fsdp", "fp32", 1)}
+
+
+def test_the_jobs_logged_bytes_equal_the_memory_estimate(runs):
+    """bench.plan.memory counts the experts exactly: each shared run's logged param_bytes, grad_bytes and
+    optimizer_bytes (the largest rank's) equal parameter_memory's largest stage, byte for byte: the experts' own
+    buckets over edp (ddp in its all-reduce form, zero1 sharded, bf16 masters), FSDP2's experts sharded over edp."""
+    from bench.plan import memory
+    from models.config import PRESETS
+
+    config = models.GPTConfig(**PRESETS["tiny-moe"] | dict(moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01))
+    for name, (t, c, p, d, ep, etp, mode, precision, v) in RUN_SPLITS.items():
+        stages = [memory.parameter_memory(config, tp=t, pp=p, stage=s, virtual_stages=v, dp_mode=mode,
+                                          precision=precision, shards=d * c, ep=ep, etp=etp)[:3] for s in range(p)]
+        want = tuple(max(stage[i] for stage in stages) for i in range(3))
+        first = runs[name][0]
+        assert (first["param_bytes"], first["grad_bytes"], first["optimizer_bytes"]) == want, (name, first, want)
+
+
 def test_tflops_count_active_parameters(runs):
     """tflops_per_rank counts the k routed experts (and the router) per token, not the E held."""
     from models.config import PRESETS
