@@ -353,7 +353,7 @@ def test_the_hf_export_gives_the_runs_val_loss_in_transformers(runs):
 
 def test_from_hf_qwen3_moe_trains_at_ep_2_and_exports_qwen3_moe(tmp_path):
     """--from-hf a Qwen3-MoE directory (per-head q/k norms, experts smaller than its dense size): trained at pp 2 x
-    dp 2 with ep 2 (each rank reading only its experts), its --export-hf is a Qwen3-MoE directory again whose
+    dp 4 with ep 2 (each rank reading only its experts), its --export-hf is a Qwen3-MoE directory again whose
     held-out loss in transformers is the run's val_loss."""
     import transformers
 
@@ -366,7 +366,7 @@ def test_from_hf_qwen3_moe_trains_at_ep_2_and_exports_qwen3_moe(tmp_path):
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(source)
     base = ["--from-hf", str(source), "--seq-len", "32", "--global-batch-size", "8", "--micro-batch-size", "2",
             "--steps", "2", "--no-sample", "--moe-aux-loss-coeff", "0.01"]
-    records = _records(str(tmp_path), "qwen3", 4, "--tp", "1", "--pp", "2", "--dp", "2", "--ep", "2", "--eval-every",
+    records = _records(str(tmp_path), "qwen3", 8, "--tp", "1", "--pp", "2", "--dp", "4", "--ep", "2", "--eval-every",
                        "2", "--eval-iters", "1", "--export-hf", str(tmp_path / "out"), base=base)
     assert len(records) == 2 and records[-1]["loss"] < records[0]["loss"] and records[0]["moe_aux_loss"] > 0
     family, loss = _held_out_loss(tmp_path / "out")

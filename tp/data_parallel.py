@@ -84,6 +84,25 @@ class Bucket:
         return (a - offset, slice(a - self.start, b - self.start)) if a < b else None
 
 
+def _bucket_groups(params, alone, expert, bucket_numel):
+    """The parameters of each bucket, in reverse registration order (the backward's): the dense ones, then the
+    experts' (each kind in buckets of their own), `alone` ones each in its own, others up to bucket_numel each."""
+    groups = []
+    for kind in (False, True):
+        current = []
+        for p in reversed(params):
+            if (p in expert) != kind:
+                continue
+            if p in alone:
+                groups.append([p])
+                continue
+            current.append(p)
+            if sum(q.numel() for q in current) >= bucket_numel:
+                groups, current = groups + [current], []
+        groups += [current] if current else []
+    return groups
+
+
 class DataParallel(nn.Module):
     """Data parallelism over `group` through contiguous fp32 gradient buckets (see the module docstring).
 
@@ -132,19 +151,7 @@ class DataParallel(nn.Module):
         uses = Counter(id(p) for _, p in module.named_parameters(remove_duplicate=False))
         alone = {p for _, p in named if p in tied or uses[id(p)] > 1}  # reduced at finish_grad_sync, on their own
         expert = {p for _, p in named if expert_group is not None and getattr(p, "expert_parallel", False)}
-        groups = []
-        for kind in (False, True):  # the dense buckets, then the experts' (each kind in buckets of its own)
-            current = []
-            for _, p in reversed(named):
-                if (p in expert) != kind:
-                    continue
-                if p in alone:
-                    groups.append([p])
-                    continue
-                current.append(p)
-                if sum(q.numel() for q in current) >= bucket_numel:
-                    groups, current = groups + [current], []
-            groups += [current] if current else []
+        groups = _bucket_groups([p for _, p in named], alone, expert, bucket_numel)
         self.buckets = [Bucket(ps, group=expert_group if ps[0] in expert else self.group, shard=shard,
                                param_dtype=self.param_dtype, tied_group=tied.get(ps[0])) for ps in groups]
         self._bucket_of = {p: b for b in self.buckets for p in b.params}
