@@ -100,6 +100,34 @@ def test_expert_grads_are_reduced_over_edp_not_dp_and_clipping_counts_each_exper
         assert layer.mlp.experts.fc1.grad[UNUSED].abs().max().item() == 0.0
 
 
+@pytest.mark.parametrize("split", [dict(dp=4, ep=2, etp=1), dict(tp=2, dp=2, ep=2, etp=1), dict(dp=4, ep=4)])
+@distributed(world_size=4)
+def test_zero1_expert_shards_over_edp_are_the_memory_models_bytes(split):
+    """zero1 with the experts sharded over edp (2, 1 and 1 ranks here, the dense weights over dp 4 or 2): after an
+    AdamW step of the job's optimizer (tp.optim.memory_bytes, the largest rank's) params, grads and optimizer state
+    equal bench.plan.memory's, which pairs each rank's dense shard with its expert shard through tp.mesh.layout."""
+    from bench.plan import memory
+    from models.training import config as job_config
+    from models.training.model import wrap_data_parallel
+    from models.training.trainer import build_optimizer
+
+    torch.set_default_dtype(torch.float32)
+    config = models.GPTConfig(**BASE | dict(vocab_size=301, num_experts=4))  # (odd sizes: padded buckets)
+    mesh = tp.init_mesh(**split)
+    torch.manual_seed(0)
+    module = wrap_data_parallel(models.GPT(config), mesh, "zero1")
+    optimizer = build_optimizer(module, job_config.JobConfig(), 1)
+    X, Y = _batches(mesh.dp_size)
+    module(X.chunk(mesh.dp_size)[mesh.dp_rank], Y.chunk(mesh.dp_size)[mesh.dp_rank]).backward()
+    module.finish_grad_sync()
+    optimizer.step()
+    got = torch.tensor(list(tp.optim.memory_bytes(module, optimizer).values()))
+    dist.all_reduce(got, op=dist.ReduceOp.MAX)
+    want = memory.parameter_memory(config, tp=mesh.tp_size, pp=1, stage=0, virtual_stages=1, dp_mode="zero1",
+                                   precision="fp32", shards=mesh.dp_size, ep=split["ep"], etp=split.get("etp"))
+    assert tuple(got.tolist()) == want[:3], (tuple(got.tolist()), want)
+
+
 @distributed(world_size=4)
 def test_aux_loss_gradient_is_not_scaled_by_micro_batches_tp_or_cp():
     """models.training.model.build_model scales each MoE layer's aux-loss gradient as the runner scales the LM loss
