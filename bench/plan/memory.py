@@ -24,6 +24,12 @@ over the dp-cp group):
   gradient sync off until the schedule's last backward, as torch.distributed.pipelining does (e + 4 bytes per
   parameter at the end of the backward, whatever the micro-batch count).
 
+Mixtures of experts (ep, etp; etp defaults to tp): an MoE layer holds the router [E, h], E/ep experts F/etp wide
+and the shared expert split over tp; when the experts' replicas (edp = tp·cp·dp / (ep·etp) ranks) are not the dense
+weights' (ep > 1 or etp != tp), tp.optim.DataParallel keeps them in buckets of their own over edp (sharded over edp by
+zero1; the optimizer bytes are the largest rank's sum of its dense and expert shards, paired through tp.mesh.layout)
+and FSDP2 shards them over edp; fp32 ddp then runs DataParallel's all-reduce form instead of torch DDP.
+
 Activations per layer and micro-batch (T = b·s/cp tokens on this rank, T' = T/tp under SP, e = 2 bf16 / 4 fp32
 bytes, h hidden, a heads, k kv heads (local k' = max(k/tp, 1)), d head dim, f ffn). Korthikanti et al. 2022's
 count (arXiv:2205.05198, activation memory per layer) redone for this code: SDPA keeps no s×s scores, SwiGLU, GQA,
@@ -91,12 +97,6 @@ class MemoryEstimate:
 def local_kv_heads(config, tp):
     """kv heads on one tp rank: k/tp, or 1 when fewer than tp (each held by tp/k ranks)."""
     return config.num_kv_heads * (tp // config.num_kv_heads if config.num_kv_heads < tp else 1) // tp
-
-
-def expert_sizes(config, tp, cp, dp, ep=1, etp=None):
-    """(ep, etp, edp) of the experts' layout on one stage's tp·cp·dp ranks (etp defaults to tp, as the job's --etp)."""
-    etp = tp if etp is None else etp
-    return ep, etp, tp * cp * dp // (ep * etp)
 
 
 def experts_apart(config, tp, ep=1, etp=None):

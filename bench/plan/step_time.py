@@ -18,6 +18,11 @@ Per micro-batch and stage (T = b·s/cp tokens per rank, T' = T/tp under SP, e by
   hidden behind the attention blocks it feeds (exposed: what exceeds them); all-gather mode: one all-gather forward
   and a reduce-scatter backward, exposed.
 - Recompute: full adds every block's forward again; selective the attention core's (materialized: with its softmax).
+- Mixture-of-experts layers (ep, etp): the router GEMM over E outputs, the experts as one grouped GEMM over the
+  rank's routed slots (tokens·k·etp/tp: balanced routing; times the capacity factor), the shared expert as a dense
+  MLP; dispatch and combine all-to-alls of slots·h elements, (ep−1)/ep of them off the rank, forward and backward,
+  over the ep group's ep·etp consecutive ranks (NVLink inside a node, the NIC across), not overlapped. The dp reduce
+  and the optimizer count the rank's experts (E/ep) with the dense weights, over dp·cp (not edp: an approximation).
 Per step: m micro-batches through the slowest stage plus the schedule's bubble ((p−1)/v micro-batch times for
 1F1B and interleaved over v virtual stages: bubble_fraction, equal to tp.pipeline.schedules' simulation; plans use
 1F1B, or interleaved when v > 1), pp p2p of each micro-batch's activation (×v interleaved), the dp
