@@ -256,7 +256,8 @@ def _records(tmp, name, world_size, *flags, base=JOB):
 def runs(tmp_path_factory):
     """The shared runs: one process; 2x1x2x2 with ep 2 (ddp, fp32, 1F1B; checkpoints every step, val_loss, the HF
     export); ep 4 at etp 1 (zero1, ZB-H1: the B/W split through the grouped GEMM); ep 2 with zero1 + bf16 +
-    interleaved; and 1x2x2x2 (cp 2) with ep 2 at etp 1 (edp 2), FSDP2, resumed from the ep 2 run's step 1."""
+    interleaved; ep 4 at etp 1 with the allgather dispatcher; and 1x2x2x2 (cp 2) with ep 2 at etp 1 (edp 2), FSDP2,
+    resumed from the ep 2 run's step 1."""
     tmp = tmp_path_factory.mktemp("moe_runs")
     evaluate = ["--eval-every", "3", "--eval-iters", "1"]
     out = {"tmp": tmp, "serial": _records(tmp, "serial", 1, "--tp", "1", "--pp", "1", "--dp", "1", *evaluate)}
@@ -267,6 +268,8 @@ def runs(tmp_path_factory):
     out["ep2 zero1 bf16 interleaved"] = _records(tmp, "bf16", 8, *SPLIT, "--ep", "2", "--dp-mode", "zero1",
                                                  "--precision", "bf16", "--schedule", "interleaved",
                                                  "--virtual-stages", "2")
+    out["ep4 etp1 allgather"] = _records(tmp, "allgather", 8, *SPLIT, "--ep", "4", "--etp", "1", "--moe-dispatcher",
+                                         "allgather")
     out["resumed cp2 ep2 etp1 fsdp"] = _records(tmp, "resumed", 8, "--tp", "1", "--cp", "2", "--pp", "2", "--dp", "2",
                                                 "--ep", "2", "--etp", "1", "--dp-mode", "fsdp",
                                                 "--load", str(tmp / "ckpt" / "step-000001"))
@@ -282,7 +285,7 @@ def test_every_split_trains_the_one_process_curve_with_its_aux_loss_and_grad_nor
     assert len(serial) == 3 and serial[-1]["loss"] < serial[0]["loss"]
     assert all(r["moe_aux_loss"] > 0 and r["moe_z_loss"] > 0 and r["moe_load_imbalance"] >= 1 for r in serial)
     assert "moe_dropped_tokens" not in serial[0]  # dropless
-    for name in ("ep2", "ep4 etp1 zero1 zb", "resumed cp2 ep2 etp1 fsdp"):
+    for name in ("ep2", "ep4 etp1 zero1 zb", "ep4 etp1 allgather", "resumed cp2 ep2 etp1 fsdp"):
         reference = serial[-len(runs[name]):]
         for step, (ours, want) in enumerate(zip(runs[name], reference, strict=True)):
             for key in MOE_KEYS:
@@ -297,6 +300,7 @@ RUN_SPLITS = {  # (tp, cp, pp, dp, ep, etp, dp_mode, precision, virtual stages) 
     "serial": (1, 1, 1, 1, 1, 1, "ddp", "fp32", 1), "ep2": (2, 1, 2, 2, 2, 2, "ddp", "fp32", 1),
     "ep4 etp1 zero1 zb": (2, 1, 2, 2, 4, 1, "zero1", "fp32", 1),
     "ep2 zero1 bf16 interleaved": (2, 1, 2, 2, 2, 2, "zero1", "bf16", 2),
+    "ep4 etp1 allgather": (2, 1, 2, 2, 4, 1, "ddp", "fp32", 1),
     "resumed cp2 ep2 etp1 fsdp": (1, 2, 2, 2, 2, 1, "fsdp", "fp32", 1)}
 
 
