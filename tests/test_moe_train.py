@@ -100,6 +100,38 @@ def test_expert_grads_are_reduced_over_edp_not_dp_and_clipping_counts_each_exper
         assert layer.mlp.experts.fc1.grad[UNUSED].abs().max().item() == 0.0
 
 
+@pytest.mark.parametrize("mode", ["zero1", "fsdp"])
+@distributed(world_size=4, timeout=120)
+def test_an_expert_without_tokens_gets_zero_grads_and_no_rank_waits(mode):
+    """No token on any rank chooses expert 5 (its selection bias far below the scores): its gradient is zero, and
+    the data-parallel reduction over edp (zero1's reduce-scatter of the experts' bucket, FSDP2's) and the optimizer
+    step complete on every rank (the buckets are reduced at finish_grad_sync whether or not a gradient arrived)."""
+    from models.training.model import aux_losses_per_micro_batch, wrap_data_parallel
+
+    torch.set_default_dtype(torch.float32)
+    mesh = tp.init_mesh(dp=4, ep=2, etp=1)
+    torch.manual_seed(0)
+    stage = models.GPT(models.GPTConfig(**BASE, moe_router_score="sigmoid"))
+    _starve(stage)
+    aux_losses_per_micro_batch(stage, mesh)
+    module = wrap_data_parallel(stage, mesh, mode)
+    optimizer = tp.optim.DistributedOptimizer(module, optimizer=torch.optim.SGD, lr=1.0) if mode == "zero1" else \
+        torch.optim.SGD(module.parameters(), lr=1.0)
+    X, Y = _batches(mesh.dp_size)
+    module(X.chunk(4)[mesh.dp_rank], Y.chunk(4)[mesh.dp_rank]).backward()
+    assert all(a.tokens_per_expert[UNUSED] == 0 for a in tp.moe.aux_losses(stage))
+    tp.clip_grad_norm_(module.parameters(), 0, mesh=mesh)  # (reduces first)
+    optimizer.step()
+    for layer in stage.layers:
+        experts = layer.mlp.experts
+        if UNUSED in experts.expert_range:
+            local = UNUSED - experts.expert_range.start
+            for p in experts.weights:
+                grad = p.main_grad if mode == "zero1" else p.grad.full_tensor()
+                assert grad[local].abs().max().item() == 0.0
+                assert grad.abs().max().item() > 0  # (the others' did arrive)
+
+
 @pytest.mark.parametrize("split", [dict(dp=4, ep=2, etp=1), dict(tp=2, dp=2, ep=2, etp=1), dict(dp=4, ep=4)])
 @distributed(world_size=4)
 def test_zero1_expert_shards_over_edp_are_the_memory_models_bytes(split):
