@@ -343,7 +343,7 @@ def layer_activation_bytes(config, *, tp, cp=1, micro_batch_size, seq_len, seque
         attention += 2 * e * tokens // micro_batch_size * d
     native = backend == "torch" and tp == 1 and not MAIN_GRAD[precision]
     if config.is_moe_layer(layer):
-        mlp = moe_activation_bytes(config, tp=tp, cp=cp, tokens=tokens, rows=rows, precision=precision, etp=etp)
+        mlp = moe_activation_bytes(config, tp=tp, tokens=tokens, rows=rows, precision=precision, etp=etp)
     elif config.activation == "swiglu" and native:  # autograd's SwiGLU at accumulator precision
         mlp = 4 * tokens * 3 * f + e * tokens * f
     else:
@@ -352,19 +352,20 @@ def layer_activation_bytes(config, *, tp, cp=1, micro_batch_size, seq_len, seque
     return 2 * norm + attention + mlp + masks
 
 
-def moe_activation_bytes(config, *, tp, cp, tokens, rows, precision, etp=None):
+def moe_activation_bytes(config, *, tp, tokens, rows, precision, etp=None):
     """An MoE layer's MLP activations per micro-batch on one rank (in place of the dense MLP's): the router's fp32
-    logits and probabilities over the E experts for the `rows` tokens it routes, and per routed slot on this rank the
-    dispatched input, the experts' pre-activation and activation, their output before the weighted combine (e bytes
-    each) and its int64 index. Slots per rank: the micro-batch's b·s·k over the tp·cp ranks holding it, each slot
-    processed by etp ranks (slices of its expert), so b·s·k·etp / (tp·cp) = tokens·k·etp/tp on average, dropless
-    (the mean: imbalance moves it), or exactly that times the capacity factor with one. The shared expert as a dense
-    MLP of its size."""
+    logits and probabilities over the E experts for the `rows` tokens it routes, and per routed slot on this rank
+    the dispatched input (twice: as received, and sorted by expert for the grouped GEMM), the experts'
+    pre-activation and activation, their output before the weighted combine (e bytes each) and its int64 index.
+    Slots per rank: the micro-batch's b·s·k over the tp·cp ranks holding it, each slot processed by etp ranks
+    (slices of its expert), so b·s·k·etp / (tp·cp) = tokens·k·etp/tp on average, dropless (the mean: imbalance moves
+    it), or that times the capacity factor with one (the dispatch's padded capacity layout keeps more than this: not
+    modelled). The shared expert as a dense MLP of its size."""
     e, h, experts, f = PRECISIONS[precision], config.hidden_size, config.num_experts, config.moe_ffn_hidden_size
     etp = tp if etp is None else etp
     glu = 2 if config.activation == "swiglu" else 1
     slots = tokens * config.moe_router_topk * etp / tp * (config.moe_capacity_factor or 1.0)
-    routed = int(slots * (e * (2 * h + (glu + 1) * f // etp) + 8))
+    routed = int(slots * (e * (3 * h + (glu + 1) * f // etp) + 8))
     shared = e * tokens * (glu + 1) * config.moe_shared_expert_size // tp
     return 8 * rows * experts + routed + shared
 
