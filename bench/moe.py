@@ -1,7 +1,8 @@
 """Mixture of experts: the MoE layer's dispatchers (alltoall, allgather) vs the dense FFN of the same active size,
 fwd+bwd per rank at ep = 1, 2, 4 on gloo CPU ranks, the bytes each moves per token, and a model of H100 at scale.
 
-    python -m bench.moe [--iters 10] [--ep 1 2 4] [--out PATH]    # JSON to a scratch path unless --out says so
+    python -m bench.moe [--iters 10] [--ep 1 2 4] [--job-steps 6] [--out PATH]    # JSON to a scratch path unless
+                                                                                  # --out says so
 
 Measured: every rank holds T tokens (its own: ep ranks are data-parallel ranks of the dense part) and runs, round-
 robin in one loop, tp.moe.MoE with dispatcher "alltoall", the same layer with "allgather", and a dense SwiGLU FFN of
@@ -10,6 +11,10 @@ token: what one fwd+bwd step sends off the rank over all collectives (a dispatch
 all-to-all, the rows to other ranks; all-gather and reduce-scatter, (p-1)/p of the gathered size; all-reduce,
 2(p-1)/p), divided by the rank's tokens; model: 4·k·h·e·(ep-1)/ep for alltoall (dispatch and combine, each way;
 uniform routing) and 4·(ep-1)·h·e + the routing for allgather (exact), e = 4 bytes here.
+
+The job (`--job-steps N`, 0: skipped): `python -m models.train --model tiny-moe` on 4 gloo ranks (dp 4, fp32, seq
+128, global batch 16 of micro-batches 4, alltoall) at each --ep with etp 1, its logged tokens_per_s over the steps
+after the first (the median), and at dp 4 without experts split (ep 1) as the baseline.
 
 Modelled (per GPU, one MoE layer fwd+bwd, bf16, T tokens per GPU, uniform routing): expert compute 18·T·k·h·F / C
 (gate, up, down; fwd + 2× bwd), the same for the dense FFN of the same active size; alltoall moves 4·T·k·h·e·(ep-1)/ep
@@ -130,6 +135,7 @@ def parser():
     p.add_argument("--iters", type=at_least(1), default=10)
     p.add_argument("--warmup", type=at_least(0), default=3)
     p.add_argument("--ep", type=at_least(1), nargs="+", default=[1, 2, 4])
+    p.add_argument("--job-steps", type=at_least(0), default=6, help="steps of the training job per ep (0: skip it)")
     p.add_argument("--out", default=scratch_path("moe.json"),
                    help="JSON output (the committed table is bench/results/moe.json: pass it to refresh it)")
     return p
@@ -142,6 +148,44 @@ MODELLED = [("model", "model", "{}"), ("ep", "ep", "{}"), ("tokens", "T/GPU", "{
             ("compute_ms", "experts ms", "{:.3f}"), ("alltoall_comm_ms", "a2a comm ms", "{:.3f}"),
             ("alltoall_vs_dense", "a2a vs dense", "{:.2f}"), ("allgather_comm_ms", "allgather comm ms", "{:.3f}"),
             ("allgather_vs_dense", "allgather vs dense", "{:.2f}")]
+
+
+JOB = ["--model", "tiny-moe", "--seq-len", "128", "--global-batch-size", "16", "--micro-batch-size", "4", "--tp",
+       "1", "--pp", "1", "--dp", "4", "--etp", "1", "--no-sample"]
+JOB_COLUMNS = [("ep", "ep", "{}"), ("edp", "edp", "{}"), ("tokens_per_s", "tokens/s", "{:.0f}"),
+               ("vs_ep1", "vs ep 1", "{:.2f}"), ("loss", "last loss", "{:.4f}")]
+
+
+def _job_rank(flags, log):
+    """models.train on this rank; rank 0 returns its log records."""
+    import json
+
+    from models.training.cli import parser as job_parser
+    from models.training.cli import train
+
+    train(job_parser().parse_args([*flags, "--log-jsonl", log]))
+    if dist.get_rank() == 0:
+        with open(log) as f:
+            return [json.loads(line) for line in f]
+
+
+def job_rows(eps, steps):
+    """The training job's tokens/s at each ep (4 ranks, dp 4, etp 1): the median over the steps after the first."""
+    import os
+    import statistics
+    import tempfile
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for ep in eps:
+            flags = [*JOB, "--ep", str(ep), "--steps", str(steps)]
+            records = testing.run(_job_rank, world_size=4, timeout=1800, flags=flags,
+                                  log=os.path.join(tmp, f"ep{ep}.jsonl"))[0]
+            rows.append({"ep": ep, "edp": 4 // ep, "loss": records[-1]["loss"],
+                         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in records[1:])})
+    for row in rows:
+        row["vs_ep1"] = row["tokens_per_s"] / rows[0]["tokens_per_s"]
+    return rows
 
 
 def main(argv=None):
@@ -157,6 +201,7 @@ def main(argv=None):
             rows.append({"ep": ep, "layer": layer, "ms": 1e3 * times[layer], "vs_dense": times[layer] / times["dense"],
                          "bytes": total, "by_op": " ".join(f"{k}:{v}" for k, v in by_op.items()) or "-",
                          "model_bytes": None if layer == "dense" else model_bytes(ep, HIDDEN, TOPK, 4, layer)})
+    jobs = job_rows([ep for ep in args.ep if 4 % ep == 0], args.job_steps) if args.job_steps else []
     testing.shutdown()
     print(f"\nMoE layer fwd+bwd (h={HIDDEN}, F={FFN}, E={EXPERTS}, top-{TOPK}, {TOKENS} tokens per rank, fp32) vs the "
           f"dense SwiGLU FFN of hidden {TOPK * FFN}, median of {args.iters} steps, on {machine()}, gloo")
@@ -165,9 +210,13 @@ def main(argv=None):
     print(f"\nModelled on H100 (bf16, 8192 tokens per GPU, NVLink {HARDWARE['h100-nvlink'].link / 1e9:.0f} GB/s within "
           f"8 GPUs, IB {HARDWARE['h100-nvlink'].inter_node / 1e9:.0f} GB/s per GPU beyond, α = 10 µs)")
     modelled = print_table(modelled_rows, MODELLED)
+    job_table = None
+    if jobs:
+        print(f"\nThe training job: {' '.join(JOB)} --ep N, {args.job_steps} steps (median tokens/s after the first)")
+        job_table = print_table(jobs, JOB_COLUMNS)
     write_json(args.out, {"machine": machine(), "iters": args.iters, "shape": dict(
         hidden=HIDDEN, ffn=FFN, experts=EXPERTS, topk=TOPK, tokens=TOKENS), "rows": rows, "table": measured,
-        "model_rows": modelled_rows, "model_table": modelled})
+        "model_rows": modelled_rows, "model_table": modelled, "job_rows": jobs, "job_table": job_table})
 
 
 if __name__ == "__main__":

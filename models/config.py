@@ -260,5 +260,14 @@ PUBLISHED_MODELS = {
                         ffn_hidden_size=53248, max_seq_len=131072, rope_theta=500000.0),
     "gpt3-175b": dict(vocab_size=50257, hidden_size=12288, num_layers=96, num_heads=96, activation="gelu",
                       norm="layernorm", bias=True, position="learned", max_seq_len=2048),
+    # mixtures of experts (their Hugging Face config.json: mistralai/Mixtral-8x7B-v0.1, Mixtral-8x22B-v0.1,
+    # Qwen/Qwen3-30B-A3B)
+    "mixtral-8x7b": dict(vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+                         ffn_hidden_size=14336, max_seq_len=32768, rope_theta=1e6, num_experts=8, moe_router_topk=2),
+    "mixtral-8x22b": dict(vocab_size=32768, hidden_size=6144, num_layers=56, num_heads=48, num_kv_heads=8,
+                          ffn_hidden_size=16384, max_seq_len=65536, rope_theta=1e6, num_experts=8, moe_router_topk=2),
+    "qwen3-30b-a3b": dict(vocab_size=151936, hidden_size=2048, num_layers=48, num_heads=32, num_kv_heads=4,
+                          head_dim=128, ffn_hidden_size=6144, max_seq_len=40960, rope_theta=1e6, qk_norm="head",
+                          num_experts=128, moe_router_topk=8, moe_ffn_hidden_size=768, norm_eps=1e-6),
 }
 MODELS = PRESETS | PUBLISHED_MODELS  # every named shape: bench.plan's `--model`

@@ -185,7 +185,8 @@ def config_to_hf(config: GPTConfig) -> "PretrainedConfig":
                          max_window_layers=0)  # refuse longer sequences in all
         if family in MOE_FAMILIES:
             extra |= moe_config_kwargs(c, family) | ({"qkv_bias": c.qkv_bias} if family == "qwen2_moe" else {})
-        hf = cls(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.ffn_hidden_size,
+        ffn = c.moe_ffn_hidden_size if family in ("mixtral", "olmoe") else c.ffn_hidden_size  # (their experts')
+        hf = cls(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=ffn,
                  num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
                  num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim, max_position_embeddings=c.max_seq_len,
                  rms_norm_eps=c.norm_eps, rope_theta=c.rope_theta, tie_word_embeddings=c.tie_embeddings,

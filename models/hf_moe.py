@@ -63,9 +63,6 @@ def moe_problems(config: Any, family: str) -> list[str]:
     need(bool(c.moe_shared_expert_size) == shared, "moe_shared_expert_size",
          "a shared expert" if shared else "no shared expert")
     need(c.moe_shared_expert_gate == shared, "moe_shared_expert_gate", "its sigmoid gate" if shared else "none")
-    if family in ("mixtral", "olmoe") and c.num_experts:
-        need(c.moe_ffn_hidden_size == c.ffn_hidden_size, "moe_ffn_hidden_size",
-             f"the experts' size is intermediate_size = ffn_hidden_size = {c.ffn_hidden_size}")
     return problems
 
 
@@ -102,6 +99,16 @@ def _legacy(family):
     return _LEGACY.get(family, _DEFAULT_LEGACY)
 
 
+def expert_names(fused: str, expert: int, family: str) -> list[str]:
+    """The per-expert tensors on disk behind one expert of the in-memory fused tensor `fused` (…mlp.experts.
+    gate_up_proj: [gate, up]; …down_proj: [down]), e.g. Mixtral's `model.layers.0.block_sparse_moe.experts.3.w1.weight`
+    (and w3) for expert 3 of gate_up_proj."""
+    module, gate, up, down = _legacy(family)
+    base = f"{fused.rsplit('.mlp.experts.', 1)[0]}.{module}.experts.{expert}"
+    parts = (gate, up) if fused.endswith("gate_up_proj") else (down,)
+    return [f"{base}.{part}.weight" for part in parts]
+
+
 def disk_name(name: str, family: str) -> str:
     """The on-disk name of an in-memory HF tensor name (Mixtral's router lives in block_sparse_moe)."""
     module = _legacy(family)[0]
@@ -113,29 +120,19 @@ def read_experts(reader: Any, fused: str, experts: range, family: str) -> torch.
     when the reader holds it, else from the per-expert tensors on disk."""
     if reader.has(fused):
         return reader.read(fused, 0, experts.start, experts.stop)
-    prefix = fused.rsplit(".mlp.experts.", 1)[0]
-    module, gate, up, down = _legacy(family)
-    base = f"{prefix}.{module}.experts"
-    if fused.endswith("gate_up_proj"):
-        return torch.stack([torch.cat([reader.read(f"{base}.{e}.{part}.weight") for part in (gate, up)])
-                            for e in experts])
-    return torch.stack([reader.read(f"{base}.{e}.{down}.weight") for e in experts])
+    return torch.stack([torch.cat([reader.read(n) for n in expert_names(fused, e, family)]) for e in experts])
 
 
 def to_disk(tensors: dict[str, torch.Tensor], family: str) -> dict[str, torch.Tensor]:
     """In-memory HF tensors -> the per-expert layout transformers writes (others unchanged, Mixtral's router
     renamed)."""
-    module, gate, up, down = _legacy(family)
     out = {}
     for name, t in tensors.items():
         if name.endswith(".mlp.experts.gate_up_proj") or name.endswith(".mlp.experts.down_proj"):
-            base = f"{name.rsplit('.mlp.experts.', 1)[0]}.{module}.experts"
             for e, expert in enumerate(t):
-                if name.endswith("gate_up_proj"):
-                    g, u = expert.chunk(2)
-                    out[f"{base}.{e}.{gate}.weight"], out[f"{base}.{e}.{up}.weight"] = g.contiguous(), u.contiguous()
-                else:
-                    out[f"{base}.{e}.{down}.weight"] = expert.contiguous()
+                names = expert_names(name, e, family)
+                for n, piece in zip(names, expert.chunk(len(names))):
+                    out[n] = piece.contiguous()
         else:
             out[disk_name(name, family)] = t
     return out

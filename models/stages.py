@@ -42,17 +42,21 @@ def build_stage(config: GPTConfig, mesh: Mesh) -> GPT:
     return GPT(config, group=mesh.tp_group, cp_group=mesh.cp_group, **stage_options(config, mesh))
 
 
+# what training sets on a Hugging Face model beyond the runtime fields (HF configs do not carry them for ours)
+HF_TRAINING_FIELDS = ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_capacity_factor")
+
+
 def build_chunks(config: GPTConfig, mesh: Mesh, virtual_stages: int, *, from_hf: str | None = None) -> list[GPT]:
     """This rank's V model chunks (a list of GPT stages), each with the weights of the one-stage model's layers:
     drawn from the current seed, or read from the Hugging Face directory `from_hf` (`config`'s runtime fields, such
-    as sequence_parallel or dropout, applied to its model)."""
+    as sequence_parallel or dropout, and its MoE loss coefficients and capacity applied to its model)."""
     state, chunks = torch.get_rng_state(), []
     for c in range(virtual_stages):
         torch.set_rng_state(state)  # every chunk draws the model's one seed, as the whole model does
         options = stage_options(config, mesh, c, virtual_stages)
         if from_hf:
             chunks.append(GPT.from_hf(from_hf, group=mesh.tp_group, cp_group=mesh.cp_group, stage=options,
-                                      **{f: getattr(config, f) for f in RUNTIME_FIELDS}))
+                                      **{f: getattr(config, f) for f in RUNTIME_FIELDS + HF_TRAINING_FIELDS}))
         else:
             chunks.append(GPT(config, group=mesh.tp_group, cp_group=mesh.cp_group, **options))
     return chunks

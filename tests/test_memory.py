@@ -231,6 +231,27 @@ def test_saved_activations_within_5_percent_of_the_estimate():
         tp.destroy_mesh()
 
 
+@distributed(world_size=2)
+def test_moe_layer_activations_within_5_percent_of_the_estimate():
+    """A dense and an MoE layer (dropless, top-2 of 8 experts, ep 1) at tp 1, tp 2 and tp 2 with SP: the tensors
+    autograd saves equal the estimate within 5 % (the routed slots at tp = ep = 1 are exactly tokens·k; with a
+    capacity factor the estimate counts the balanced slots only, the dispatch's padded layout is not modelled)."""
+    for tp_size, sp in ((1, False), (2, False), (2, True)):
+        mesh = tp.init_mesh(tp=tp_size)
+        cfg = config(num_layers=2, num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=48, moe_layer_freq=[0, 1],
+                     sequence_parallel=sp)
+        torch.manual_seed(0)
+        model = _stage(cfg, 1, 0, mesh)
+        tokens = torch.randint(0, cfg.vocab_size, (3, 16))
+        saved = _saved_bytes(model, lambda: model(tokens, tokens))["layers"]
+        shape = dict(tp=tp_size, micro_batch_size=3, seq_len=16, sequence_parallel=sp, precision="fp32")
+        want = [memory.layer_activation_bytes(cfg, recompute="none", backend="torch", layer=i, **shape)
+                for i in range(2)]
+        for got, w in zip(saved, want):
+            assert abs(got - w) <= 0.05 * w, (tp_size, sp, saved, want)
+        tp.destroy_mesh()
+
+
 def test_estimate_picks_the_largest_stage_and_sums_its_parts():
     cfg = models.GPTConfig(vocab_size=32000, hidden_size=1024, num_layers=8, num_heads=16, num_kv_heads=4)
     args = dict(tp=2, pp=4, dp=4, micro_batch_size=1, seq_len=1024, sequence_parallel=True, recompute="selective",

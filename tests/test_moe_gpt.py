@@ -131,17 +131,3 @@ def test_hugging_face_refuses_what_its_moe_families_cannot_hold():
     assert hf_io.check_hf(ok) == "qwen3_moe"
     assert hf_io.config_to_hf(ok).mlp_only_layers == [0]
 
-
-@distributed(world_size=2)
-def test_training_checkpoints_refuse_split_experts():
-    """The job's resharding checkpoints do not describe experts split over ep / etp yet: refused on every rank in
-    one line, never written as if replicated."""
-    import tempfile
-
-    from models.training import checkpoint
-
-    mesh = tp.init_mesh(tp=2)  # etp = tp = 2: each rank holds half of every expert's FFN
-    model = models.GPT(models.GPTConfig(**BASE))
-    with pytest.raises(ValueError, match=r"layers.0.mlp.experts.fc1: checkpoints of experts split over ep=1 / "
-                                         r"etp=2 are not supported yet"):
-        checkpoint.save(tempfile.mkdtemp(), model, None, mesh=mesh, step=0)

@@ -5,6 +5,9 @@ from the attributes the layers set: tp-sharded weights (`tensor_parallel`) on ev
 over tp (`replica_rows`: kv heads fewer than tp) once, tp-duplicated parameters (norms, row biases) on tp rank 0, a
 copy held by another pipeline stage (`shared`: the last stage's tied output layer) nowhere; gradients replicated
 over dp (x cp) once, those sharded over it (zero1's `main_grad_shard`, FSDP2's DTensor shards) on every rank.
+Mixture-of-experts weights (`expert_parallel`: each (etp, ep) rank of a stage holds other experts or slices, equal
+only over the expert-data-parallel group) are counted on every ep and etp rank, once over edp (or on every rank
+when sharded over it): each expert once, not once per ep rank nor once per tp rank.
 """
 import contextlib
 import math
@@ -37,12 +40,13 @@ def reduced_grad(p: torch.Tensor) -> tuple[torch.Tensor | None, int, dist.Proces
 
 
 def _counted(p, mesh, group):
-    """Whether this rank counts its part of p's gradient over the data-parallel ranks (dp x cp)."""
-    if group is None:  # replicated over dp x cp: the first rank counts it
-        return mesh.local_rank("dp-cp") == 0
-    if dist.get_world_size(group) != mesh.size("dp-cp"):
+    """Whether this rank counts its part of p's gradient over the data-parallel ranks (dp x cp; edp for experts)."""
+    axis, name = ("edp", "edp") if getattr(p, "expert_parallel", False) else ("dp-cp", "dp x cp")
+    if group is None:  # replicated over them: the first rank counts it
+        return mesh.local_rank(axis) == 0
+    if dist.get_world_size(group) != mesh.size(axis):
         raise ValueError(f"clip_grad_norm_: a gradient sharded over {dist.get_world_size(group)} ranks, not over the "
-                         f"dp x cp = {mesh.size('dp-cp')} ranks that reduce it")
+                         f"{name} = {mesh.size(axis)} ranks that reduce it")
     return True
 
 
@@ -88,7 +92,8 @@ def clip_grad_norm_(params: torch.Tensor | Iterable[torch.Tensor], max_norm: flo
             continue
         grads.append(grad)
         if not getattr(p, "shared", False) and _counted(p, mesh, group):
-            total += _sum_of_squares(p, grad, offset, mesh.tp_rank).to(total.device)
+            tp_rank = 0 if getattr(p, "expert_parallel", False) else mesh.tp_rank  # (experts: no tp duplicates)
+            total += _sum_of_squares(p, grad, offset, tp_rank).to(total.device)
     if mesh.world_size > 1:
         dist.all_reduce(total)
     exact = total.sqrt().item()  # (one host sync; fp64: an fp64 model's coefficient is torch's to the last bits)
@@ -101,7 +106,7 @@ def clip_grad_norm_(params: torch.Tensor | Iterable[torch.Tensor], max_norm: flo
     return norm
 
 
-CLIP_TAGS = ("tensor_parallel", "partition_dim", "replica_rows", "shared")
+CLIP_TAGS = ("tensor_parallel", "partition_dim", "replica_rows", "shared", "expert_parallel")
 
 
 @contextlib.contextmanager

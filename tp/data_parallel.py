@@ -13,6 +13,11 @@ default 1): arrivals are counted per parameter, in whatever order a schedule pro
 weight-gradient pass is waited for), so no pipeline runner needs to switch anything; `no_sync()` accumulates without
 counting (DDP's way). Gradients are summed over the group and divided by `average_over` (default the group size: pass
 the dp size when the group is dp x cp). tp/optim.py's DistributedOptimizer steps the buckets' shards.
+
+Mixture-of-experts layers (`expert_group=`): the parameters tagged `expert_parallel` (tp.moe's experts) are held the
+same only by the ranks of the expert-data-parallel group (the others hold other experts), so they live in buckets of
+their own, never mixed with the dense ones, reduced (and, sharded, split and all-gathered) over `expert_group`, and
+divided by the same `average_over` (Megatron-Core's expert buffers over its expert-data-parallel group).
 """
 import contextlib
 import functools
@@ -44,8 +49,10 @@ class Bucket:
 
     tied_group = SharedGroup()
 
-    def __init__(self, params, *, group, rank, size, shard, param_dtype, tied_group):
-        self.params, self.tied_group = params, tied_group
+    def __init__(self, params, *, group, shard, param_dtype, tied_group):
+        self.params, self.tied_group, self.group = params, tied_group, group
+        self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        size, rank = self.size, self.rank
         self.offsets = list(itertools.accumulate([0] + [p.numel() for p in params]))[:-1]
         self.offset = dict(zip(params, self.offsets))
         numel = sum(p.numel() for p in params)
@@ -77,6 +84,25 @@ class Bucket:
         return (a - offset, slice(a - self.start, b - self.start)) if a < b else None
 
 
+def _bucket_groups(params, alone, expert, bucket_numel):
+    """The parameters of each bucket, in reverse registration order (the backward's): the dense ones, then the
+    experts' (each kind in buckets of their own), `alone` ones each in its own, others up to bucket_numel each."""
+    groups = []
+    for kind in (False, True):
+        current = []
+        for p in reversed(params):
+            if (p in expert) != kind:
+                continue
+            if p in alone:
+                groups.append([p])
+                continue
+            current.append(p)
+            if sum(q.numel() for q in current) >= bucket_numel:
+                groups, current = groups + [current], []
+        groups += [current] if current else []
+    return groups
+
+
 class DataParallel(nn.Module):
     """Data parallelism over `group` through contiguous fp32 gradient buckets (see the module docstring).
 
@@ -84,17 +110,21 @@ class DataParallel(nn.Module):
     last pipeline stages): its gradient is summed over that group before the dp reduction, at `finish_grad_sync`,
     in a bucket of its own so the dp shards line up on every copy (Megatron's rule). Parameters registered under
     several names (a tied weight within one module) are also reduced there.
-    `overlap_param_gather=False` waits for the all-gathers at the end of `step()`.
+    `overlap_param_gather=False` waits for the all-gathers at the end of `step()`. `expert_group`: the group over
+    which the `expert_parallel` parameters are reduced, in buckets of their own (the module docstring); None: like
+    the others.
     """
 
-    group = SharedGroup()
+    group, expert_group = SharedGroup(), SharedGroup()
 
     def __init__(self, module: nn.Module, *, group: dist.ProcessGroup | None = None,
-                 average_over: float | None = None, shard: bool = True, param_dtype: torch.dtype | None = None,
+                 expert_group: dist.ProcessGroup | None = None, average_over: float | None = None,
+                 shard: bool = True, param_dtype: torch.dtype | None = None,
                  bucket_numel: int | None = None, tied: Iterable[tuple[nn.Parameter, dist.ProcessGroup]] = (),
                  overlap_param_gather: bool = True) -> None:
         super().__init__()
         self.group = get_mesh().dp_group if group is None else group
+        self.expert_group = expert_group
         self.size, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         average_over = self.size if average_over is None else average_over
         if isinstance(average_over, bool) or not isinstance(average_over, (int, float)) or not average_over > 0:
@@ -120,17 +150,10 @@ class DataParallel(nn.Module):
             raise ValueError("tied= names parameters that are not this module's trainable parameters")
         uses = Counter(id(p) for _, p in module.named_parameters(remove_duplicate=False))
         alone = {p for _, p in named if p in tied or uses[id(p)] > 1}  # reduced at finish_grad_sync, on their own
-        groups, current = [], []
-        for _, p in reversed(named):
-            if p in alone:
-                groups.append([p])
-                continue
-            current.append(p)
-            if sum(q.numel() for q in current) >= bucket_numel:
-                groups, current = groups + [current], []
-        groups += [current] if current else []
-        self.buckets = [Bucket(ps, group=self.group, rank=self.rank, size=self.size, shard=shard,
-                                param_dtype=self.param_dtype, tied_group=tied.get(ps[0])) for ps in groups]
+        expert = {p for _, p in named if expert_group is not None and getattr(p, "expert_parallel", False)}
+        groups = _bucket_groups([p for _, p in named], alone, expert, bucket_numel)
+        self.buckets = [Bucket(ps, group=expert_group if ps[0] in expert else self.group, shard=shard,
+                               param_dtype=self.param_dtype, tied_group=tied.get(ps[0])) for ps in groups]
         self._bucket_of = {p: b for b in self.buckets for p in b.params}
         for b in self.buckets:
             b.deferred = b.params[0] in alone
@@ -142,7 +165,7 @@ class DataParallel(nn.Module):
                 if shard:
                     start, where = b.piece(p) or (0, slice(0, 0))
                     p.main_grad_shard, p.main_grad_shard_offset = b.grad_shard[where], start
-                    p.main_grad_shard_group = self.group
+                    p.main_grad_shard_group = b.group
         if self.param_dtype != self._built_dtype:
             for m in module.modules():  # floating buffers and frozen parameters follow (activations in param_dtype)
                 for name, buf in m._buffers.items():
@@ -194,8 +217,11 @@ class DataParallel(nn.Module):
                 b.master_shard[where] = value.reshape(-1)[start:start + where.stop - where.start]
 
     def extra_repr(self) -> str:
+        experts = sum(b.group is not self.group for b in self.buckets)
         return (f"dp={self.size}, shard={self.shard}, average_over={self.average_over}, param_dtype={self.param_dtype}"
-                f", buckets={len(self.buckets)}, params={sum(p.numel() for b in self.buckets for p in b.params)}")
+                f", buckets={len(self.buckets)}" + (f" ({experts} of experts over edp="
+                                                    f"{dist.get_world_size(self.expert_group)})" if experts else "")
+                + f", params={sum(p.numel() for b in self.buckets for p in b.params)}")
 
     # ---- gradients -------------------------------------------------------------------------------------------------
 
@@ -242,12 +268,12 @@ class DataParallel(nn.Module):
         self._order.append(self.buckets.index(b))
         if b.tied_group is not None and dist.get_world_size(b.tied_group) > 1:
             dist.all_reduce(b.grad_data, group=b.tied_group)  # the copies' sum first, then dp
-        if self.size == 1:
+        if b.size == 1:
             b.handle = _DONE
         elif self.shard:  # in place: this rank's shard of the buffer receives the sum
-            b.handle = reduce_scatter_tensor(b.grad_shard, b.grad_data, group=self.group, async_op=True)
+            b.handle = reduce_scatter_tensor(b.grad_shard, b.grad_data, group=b.group, async_op=True)
         else:
-            b.handle = dist.all_reduce(b.grad_data, group=self.group, async_op=True)
+            b.handle = dist.all_reduce(b.grad_data, group=b.group, async_op=True)
 
     def finish_grad_sync(self) -> None:
         """Reduce every bucket that has not started (deferred, tied, unused parameters), wait for all, divide by
@@ -292,10 +318,11 @@ class DataParallel(nn.Module):
 
     def start_param_sync(self) -> None:
         """All-gather every bucket's updated shard, asynchronously, in forward order (no-op when not sharded)."""
-        if not self.shard or self.size == 1:
+        if not self.shard:
             return
         for b in reversed(self.buckets):
-            b.gather = all_gather_into_tensor(b.param_data, b.param_shard, group=self.group, async_op=True)
+            if b.size > 1:
+                b.gather = all_gather_into_tensor(b.param_data, b.param_shard, group=b.group, async_op=True)
         if not self.overlap_param_gather:
             self.finish_param_sync()
 

@@ -122,13 +122,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def full_state(self) -> dict[nn.Parameter, dict[str, torch.Tensor]]:
         """{param: {"param": fp32 master, <state>: ...}} for every parameter, whole (its tp-local shape): the dp shards
-        all-gathered (collectives over each module's dp group, module by module). What checkpoints store."""
+        all-gathered (collectives over each bucket's group: dp, or edp for experts, module by module). What
+        checkpoints store."""
         kinds = {k: v.dim() > 0 for s in self.state.values() for k, v in s.items()}  # name: shaped like the piece?
-        for m in self.modules:  # a rank may hold no piece at all: every rank learns every entry
-            if m.shard and m.size > 1:
-                every = [None] * m.size
-                dist.all_gather_object(every, kinds, group=m.group)
-                kinds = {k: v for d in every for k, v in d.items()}
+        groups = {id(b.group): b for m in self.modules if m.shard for b in m.buckets if b.size > 1}
+        for b in groups.values():  # a rank may hold no piece at all: every rank learns every entry
+            every = [None] * b.size
+            dist.all_gather_object(every, kinds, group=b.group)
+            kinds = {k: v for d in every for k, v in d.items()}
         out = {}
         for m, b in ((module, b) for module in self.modules for b in module.buckets):
             flats = {"param": b.master_shard}
@@ -143,13 +144,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 for i, p in enumerate(b.params):
                     if p in self.masters and name in self.state[self.masters[p]]:
                         t[i] = float(self.state[self.masters[p]][name])
-                if m.shard and m.size > 1:
-                    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=m.group)
+                if m.shard and b.size > 1:
+                    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=b.group)
             for name, flat in flats.items():
                 full = flat
-                if m.shard and m.size > 1:
+                if m.shard and b.size > 1:
                     full = flat.new_empty(b.grad_data.numel())
-                    all_gather_into_tensor(full, flat.contiguous(), group=m.group)
+                    all_gather_into_tensor(full, flat.contiguous(), group=b.group)
                 for p, offset in zip(b.params, b.offsets):
                     out.setdefault(p, {})[name] = full[offset:offset + p.numel()].view(p.shape).clone()
             for name, t in scalars.items():

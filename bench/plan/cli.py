@@ -36,7 +36,7 @@ USAGE = """python -m bench.plan --gpus N --seq-len S --global-batch-size B
        python -m bench.plan --validate"""
 # --fix's keys (the table's and the JSON's names) and their types
 FIXABLE = {"tp": int, "cp": int, "pp": int, "vp": int, "dp": int, "mbs": int, "recompute": str, "sp": str,
-           "dp_mode": str}
+           "dp_mode": str, "ep": int, "etp": int}
 COLUMNS = [("tp", "tp", "{}"), ("cp", "cp", "{}"), ("pp", "pp", "{}"), ("vp", "vp", "{}"), ("dp", "dp", "{}"),
            ("mbs", "mbs", "{}"), ("recompute", "recompute", "{}"), ("sp", "sp", "{}"), ("dp_mode", "dp_mode", "{}"),
            ("memory_per_gpu_gb", "memory/GPU GB", "{:.1f}"), ("step_s", "step s", "{:.3g}"),
@@ -100,9 +100,11 @@ def config_to_plan(args):
     if args.model:
         shape = MODELS[args.model]
         return GPTConfig(**(shape | {"max_seq_len": max(args.seq_len, shape.get("max_seq_len", 0))}))
+    experts = dict(num_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
+                   moe_ffn_hidden_size=args.moe_ffn_hidden_size) if args.num_experts else {}
     return GPTConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers, num_heads=args.heads,
                      num_kv_heads=args.kv_heads, ffn_hidden_size=args.ffn, activation=args.activation,
-                     max_seq_len=args.seq_len)
+                     max_seq_len=args.seq_len, **experts)
 
 
 def parser():
@@ -120,6 +122,9 @@ def parser():
     p.add_argument("--ffn", type=int)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--activation", choices=("gelu", "swiglu"), default="swiglu")
+    p.add_argument("--num-experts", type=int, help="a mixture of experts in every layer's MLP (with --hidden ...)")
+    p.add_argument("--moe-router-topk", type=int, default=2, help="experts per token (with --num-experts)")
+    p.add_argument("--moe-ffn-hidden-size", type=int, help="each expert's FFN (default --ffn)")
     p.add_argument("--seq-len", type=int, help="tokens per sequence; required (but with --validate)")
     p.add_argument("--global-batch-size", type=int,
                    help="sequences per optimizer step; required (but with --validate)")
@@ -147,8 +152,13 @@ def check_args(p, args):
         missing.append("a model (--model NAME, --hf-config PATH, or --hidden H --layers L --heads A)")
     if missing:  # all at once, not one per try
         p.error(f"missing {', '.join(missing)} (see the usage above)")
+    if (args.num_experts or args.moe_ffn_hidden_size) and not shape:
+        p.error("--num-experts and --moe-ffn-hidden-size go with --hidden H --layers L --heads A (--model and "
+                "--hf-config name their own experts)")
+    if args.num_experts and args.moe_router_topk > args.num_experts:
+        p.error(f"--moe-router-topk {args.moe_router_topk} > --num-experts {args.num_experts}")
     for name in ("gpus", "gpus_per_node", "seq_len", "global_batch_size", "hidden", "layers", "heads", "kv_heads",
-                 "ffn", "vocab", "top"):
+                 "ffn", "vocab", "top", "num_experts", "moe_router_topk", "moe_ffn_hidden_size"):
         value = getattr(args, name)
         if value is not None and value < (0 if name == "top" else 1):
             p.error(f"--{name.replace('_', '-')} {value} must be >= {0 if name == 'top' else 1}")
@@ -171,17 +181,24 @@ def no_plan_line(config, args, count, smallest, cluster):
 
 def print_plans(rows, config, args, cluster, count):
     """The model and cluster line, the table of plans, and the best plan's time and memory breakdown."""
+    experts = (f", {config.num_experts} experts top-{config.moe_router_topk} ffn {config.moe_ffn_hidden_size} "
+               f"({best_params(rows)})") if config.num_experts else ""
     print(f"{args.model or args.hf_config or 'model'}: {config.num_layers} layers, hidden {config.hidden_size}, "
           f"{config.num_heads}/{config.num_kv_heads} heads, ffn {config.ffn_hidden_size} ({config.activation}), "
-          f"vocab {config.vocab_size}; seq {args.seq_len}, global batch {args.global_batch_size}; {args.gpus} x "
-          f"{cluster.name} ({cluster.device.gpus_per_node} per node); {len(rows)} of {count} plans fit")
-    print_table(rows[:args.top] if args.top else rows, COLUMNS)
+          f"vocab {config.vocab_size}{experts}; seq {args.seq_len}, global batch {args.global_batch_size}; "
+          f"{args.gpus} x {cluster.name} ({cluster.device.gpus_per_node} per node); {len(rows)} of {count} plans fit")
+    columns = COLUMNS[:9] + [("ep", "ep", "{}"), ("etp", "etp", "{}")] + COLUMNS[9:] if config.num_experts else COLUMNS
+    print_table(rows[:args.top] if args.top else rows, columns)
     best = rows[0]
     parts = ", ".join(f"{k} {v:.3g}" for k, v in best["breakdown"].items() if v > 0)
     print(f"best: {best['step_s']:.3g} s per step = {parts} (seconds per step; HFU {best['hfu']:.1%}, "
           f"{best['micro_batches']} micro-batches, slowest stage {best['slowest_stage']}); memory "
           + ", ".join(f"{k} {best['memory'][k] / 1e9:.2f}" for k in ("params", "grads", "optimizer", "activations",
                                                                        "transient")) + " GB")
+
+
+def best_params(rows):
+    return f"{rows[0]['active_params'] / 1e9:.3g}B active of {rows[0]['total_params'] / 1e9:.3g}B"
 
 
 def plot(rows, path):

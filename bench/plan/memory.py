@@ -24,6 +24,12 @@ over the dp-cp group):
   gradient sync off until the schedule's last backward, as torch.distributed.pipelining does (e + 4 bytes per
   parameter at the end of the backward, whatever the micro-batch count).
 
+Mixtures of experts (ep, etp; etp defaults to tp): an MoE layer holds the router [E, h], E/ep experts F/etp wide
+and the shared expert split over tp; when the experts' replicas (edp = tp·cp·dp / (ep·etp) ranks) are not the dense
+weights' (ep > 1 or etp != tp), tp.optim.DataParallel keeps them in buckets of their own over edp (sharded over edp by
+zero1; the optimizer bytes are the largest rank's sum of its dense and expert shards, paired through tp.mesh.layout)
+and FSDP2 shards them over edp; fp32 ddp then runs DataParallel's all-reduce form instead of torch DDP.
+
 Activations per layer and micro-batch (T = b·s/cp tokens on this rank, T' = T/tp under SP, e = 2 bf16 / 4 fp32
 bytes, h hidden, a heads, k kv heads (local k' = max(k/tp, 1)), d head dim, f ffn). Korthikanti et al. 2022's
 count (arXiv:2205.05198, activation memory per layer) redone for this code: SDPA keeps no s×s scores, SwiGLU, GQA,
@@ -55,6 +61,7 @@ from types import SimpleNamespace
 
 from models.config import GPTConfig
 from models.stages import stage_options
+from tp.mesh import layout
 from tp.pipeline.schedules import build
 
 PRECISIONS = {"fp32": 4, "bf16": 2}  # activation / parameter bytes
@@ -92,8 +99,15 @@ def local_kv_heads(config, tp):
     return config.num_kv_heads * (tp // config.num_kv_heads if config.num_kv_heads < tp else 1) // tp
 
 
-def layer_parameter_shapes(config, tp):
-    """[(name, shape)] of one TransformerBlock on a tp rank, as models.block builds it."""
+def experts_apart(config, tp, ep=1, etp=None):
+    """Whether the experts' replicas (edp) are not the dense weights' (dp·cp): their buckets are then their own."""
+    return bool(config.num_experts) and (ep > 1 or (tp if etp is None else etp) != tp)
+
+
+def layer_parameter_shapes(config, tp, layer=0, *, ep=1, etp=None):
+    """[(name, shape)] of TransformerBlock `layer` on a tp rank, as models.block builds it; an MoE layer's MLP is
+    tp.moe.MoE's: the router [E, h] whole, E/ep experts sliced F/etp wide (fc1 [E/ep, (2)F/etp, h], fc2 [E/ep, h,
+    F/etp], registered `mlp.experts.*`), the shared expert tp-split like the dense MLP (its gate [1, h] whole)."""
     h, d, ffn = config.hidden_size, config.head_dim, config.ffn_hidden_size
     qkv_rows = (config.num_heads // tp + 2 * local_kv_heads(config, tp)) * d
     fc1_rows = (2 if config.activation == "swiglu" else 1) * ffn // tp
@@ -105,11 +119,30 @@ def layer_parameter_shapes(config, tp):
         shapes.append(("attention.qkv.bias", (qkv_rows,)))
     shapes.append(("attention.proj.weight", (h, config.num_heads * d // tp)))
     shapes += [("attention.proj.bias", (h,))] if config.bias else []
-    shapes += norm("norm2") + [("mlp.fc1.weight", (fc1_rows, h))]
+    shapes += norm("norm2")
+    if config.is_moe_layer(layer):
+        return shapes + _moe_shapes(config, tp, ep, tp if etp is None else etp)
+    shapes += [("mlp.fc1.weight", (fc1_rows, h))]
     shapes += [("mlp.fc1.bias", (fc1_rows,))] if config.bias else []
     shapes.append(("mlp.fc2.weight", (h, ffn // tp)))
     shapes += [("mlp.fc2.bias", (h,))] if config.bias else []
     return shapes
+
+
+def _moe_shapes(config, tp, ep, etp):
+    h, experts, f, shared = config.hidden_size, config.num_experts, config.moe_ffn_hidden_size, \
+        config.moe_shared_expert_size
+    glu = 2 if config.activation == "swiglu" else 1
+    shapes = [("mlp.router.weight", (experts, h)), ("mlp.experts.fc1", (experts // ep, glu * f // etp, h)),
+              ("mlp.experts.fc2", (experts // ep, h, f // etp))]
+    if shared:
+        shapes += [("mlp.shared.gate", (1, h))] if config.moe_shared_expert_gate else []
+        shapes += [("mlp.shared.fc1.weight", (glu * shared // tp, h)), ("mlp.shared.fc2.weight", (h, shared // tp))]
+    return shapes
+
+
+def _is_expert(name):
+    return ".experts." in f".{name}"
 
 
 def stage_chunks(num_layers, pp, stage, virtual_stages=1):
@@ -140,7 +173,7 @@ def _head_shapes(config, tp, first):
     return shapes
 
 
-def stage_parameter_shapes(config, tp, pp=1, stage=0, virtual_stages=1):
+def stage_parameter_shapes(config, tp, pp=1, stage=0, virtual_stages=1, *, ep=1, etp=None):
     """[(name, shape)] of every parameter pipeline rank `stage` holds on one tp rank (a tied weight once)."""
     shapes = []
     for c, (start, stop, first, last) in enumerate(stage_chunks(config.num_layers, pp, stage, virtual_stages)):
@@ -148,7 +181,7 @@ def stage_parameter_shapes(config, tp, pp=1, stage=0, virtual_stages=1):
         shapes += [(prefix + name, shape) for name, shape in _edge_shapes(config, tp, first)]
         for i in range(start, stop):
             shapes += [(f"{prefix}layers.{i - start}.{name}", shape)
-                       for name, shape in layer_parameter_shapes(config, tp)]
+                       for name, shape in layer_parameter_shapes(config, tp, i, ep=ep, etp=etp)]
         shapes += [(prefix + name, shape) for name, shape in _head_shapes(config, tp, first)] if last else []
     return shapes
 
@@ -168,26 +201,27 @@ def _sharded_numel(shape, shards):
     return -(-shape[0] // shards) * math.prod(shape[1:])
 
 
-def _registration(config, tp, chunks):
-    """[(numel, alone)] of a stage's parameters in registration order; `alone`: a tied embedding/output weight, which
-    tp.optim.DataParallel reduces in a bucket of its own."""
-    layer = [(math.prod(s), False) for _, s in layer_parameter_shapes(config, tp)]
+def _registration(config, tp, chunks, ep=1, etp=None):
+    """[(numel, alone, expert)] of a stage's parameters in registration order; `alone`: a tied embedding/output
+    weight, which tp.optim.DataParallel reduces in a bucket of its own; `expert`: an expert weight (tp.moe's)."""
     items = []
     for start, stop, first, last in chunks:
-        items += [(math.prod(s), config.tie_embeddings and name == "embedding.weight")
+        items += [(math.prod(s), config.tie_embeddings and name == "embedding.weight", False)
                   for name, s in _edge_shapes(config, tp, first)]
-        items += layer * (stop - start)
+        for i in range(start, stop):
+            items += [(math.prod(s), False, _is_expert(name))
+                      for name, s in layer_parameter_shapes(config, tp, i, ep=ep, etp=etp)]
         if last:
-            items += [(math.prod(s), config.tie_embeddings and name == "output.weight")
+            items += [(math.prod(s), config.tie_embeddings and name == "output.weight", False)
                       for name, s in _head_shapes(config, tp, first)]
     return items
 
 
-def stage_numel(config, tp, pp=1, stage=0, virtual_stages=1):
+def stage_numel(config, tp, pp=1, stage=0, virtual_stages=1, *, ep=1, etp=None):
     """Parameters pipeline rank `stage` holds on one tp rank (a tied weight once). Memoized."""
     chunks = stage_chunks(config.num_layers, pp, stage, virtual_stages)
-    return _memoized(("numel", repr(config), tp, pp, stage, virtual_stages),
-                     lambda: sum(n for n, _ in _registration(config, tp, chunks)))
+    return _memoized(("numel", repr(config), tp, pp, stage, virtual_stages, ep, etp),
+                     lambda: sum(n for n, *_ in _registration(config, tp, chunks, ep, etp)))
 
 
 def _memoized(key, compute):
@@ -198,14 +232,14 @@ def _memoized(key, compute):
     return _CACHE[key]
 
 
-def _bucket_bytes(items, shards, *, shard, precision):
+def _bucket_bytes(items, shards, *, shard, precision, bucket_numel=None):
     """(params, grads, [optimizer bytes per dp rank]) under tp.optim.DataParallel (+ DistributedOptimizer when
     `shard`): buckets of max(4e7, 1e6·dp) parameters in reverse registration order, each padded to a multiple of the
     dp size when sharded; fp32 gradients; fp32 masters (a copy under bf16) and AdamW's moments over this rank's
-    shard, one step counter per parameter piece in it."""
-    bucket_numel = max(40_000_000, 1_000_000 * shards)
+    shard, one step counter per parameter piece in it. `bucket_numel`: the dense group's (for the experts' buckets)."""
+    bucket_numel = bucket_numel or max(40_000_000, 1_000_000 * shards)
     groups, current = [], []
-    for numel, alone in reversed(items):
+    for numel, alone, *_ in reversed(items):
         if alone:
             groups.append([numel])
             continue
@@ -231,48 +265,66 @@ def _bucket_bytes(items, shards, *, shard, precision):
     return PRECISIONS[precision] * padded_total, 4 * padded_total, per_rank
 
 
+def _rank_pairs(tp, shards, ep, etp):
+    """[(dp·cp rank, edp rank)] of every rank of one stage (tp.mesh.layout's groups): which dense shard and which
+    expert shard each rank holds. Memoized."""
+    def pairs():
+        table = layout(tp * shards, tp=tp, dp=shards, ep=ep, etp=etp)
+        dense = {r: g.index(r) for g in table["dp-cp"] for r in g}
+        return sorted({(dense[r], g.index(r)) for g in table["edp"] for r in g})
+    return _memoized(("pairs", tp, shards, ep, etp), pairs)
 
-def parameter_memory(config, *, tp, pp, stage, virtual_stages, dp_mode, precision, shards):
+
+def parameter_memory(config, *, tp, pp, stage, virtual_stages, dp_mode, precision, shards, ep=1, etp=None):
     """(params, grads, optimizer, transient) bytes of pipeline rank `stage` under the training job's data
-    parallelism: fp32 "ddp" is torch DDP (+ its bucket copy of the gradients, transient) and AdamW; bf16, and "zero1",
-    tp.optim.DataParallel (+ DistributedOptimizer); "fsdp" FSDP2 (each parameter's dim 0 split over the ranks) and
-    AdamW. Memoized: the planner asks for the same stages many times."""
-    return _memoized((repr(config), tp, pp, stage, virtual_stages, dp_mode, precision, shards),
-                     lambda: _parameter_memory(config, tp, pp, stage, virtual_stages, dp_mode, precision, shards))
+    parallelism: fp32 "ddp" is torch DDP (+ its bucket copy of the gradients, transient) and AdamW; bf16, "zero1"
+    and experts apart from the dense weights (ep > 1 or etp != tp), tp.optim.DataParallel (+ DistributedOptimizer;
+    the experts in buckets of their own over edp = tp·shards / (ep·etp)); "fsdp" FSDP2 (each parameter's dim 0
+    split over the ranks, the experts' over edp) and AdamW. `shards`: dp·cp. The optimizer bytes are the largest
+    rank's. Memoized: the planner asks for the same stages many times."""
+    return _memoized((repr(config), tp, pp, stage, virtual_stages, dp_mode, precision, shards, ep, etp),
+                     lambda: _parameter_memory(config, tp, pp, stage, virtual_stages, dp_mode, precision, shards,
+                                               ep, etp))
 
 
-def _parameter_memory(config, tp, pp, stage, virtual_stages, dp_mode, precision, shards):
+def _parameter_memory(config, tp, pp, stage, virtual_stages, dp_mode, precision, shards, ep, etp):
     chunks = stage_chunks(config.num_layers, pp, stage, virtual_stages)
-    layers = sum(stop - start for start, stop, _, _ in chunks)
-    edges = [shape for _, _, first, last in chunks for _, shape in
-             _edge_shapes(config, tp, first) + (_head_shapes(config, tp, first) if last else [])]
-    layer = [shape for _, shape in layer_parameter_shapes(config, tp)]
-    tensors = layers * len(layer) + len(edges)
+    items = _registration(config, tp, chunks, ep, etp)
+    named = stage_parameter_shapes(config, tp, pp, stage, virtual_stages, ep=ep, etp=etp)
+    shapes, experts = [s for _, s in named], [_is_expert(n) for n, _ in named]
+    apart = experts_apart(config, tp, ep, etp)
+    edp = tp * shards // (ep * (tp if etp is None else etp)) if apart else shards
     if dp_mode == "fsdp":
-        local = layers * sum(_sharded_numel(s, shards) for s in layer) + sum(_sharded_numel(s, shards) for s in edges)
+        local = sum(_sharded_numel(s, edp if x else shards) for s, x in zip(shapes, experts))
         # the runner keeps resharding and gradient sync off until the schedule's last backward (as torch's
         # pipelining does): the whole stage's unsharded compute copy and fp32 gradients are alive at its end
-        transient = (PRECISIONS[precision] + 4) * stage_numel(config, tp, pp, stage, virtual_stages)
-        return 4 * local, 4 * local, 8 * local + STEP_BYTES * tensors, transient
-    if dp_mode == "zero1" or precision == "bf16":  # one DataParallel per model chunk (models.training.trainer)
-        params = grads = 0
-        optimizer = [0] * (shards if dp_mode == "zero1" else 1)
+        transient = (PRECISIONS[precision] + 4) * sum(n for n, *_ in items)
+        return 4 * local, 4 * local, 8 * local + STEP_BYTES * len(shapes), transient
+    if dp_mode == "zero1" or precision == "bf16" or apart:  # one DataParallel per model chunk (models.training)
+        shard, params, grads = dp_mode == "zero1", 0, 0
+        dense, expert = [0] * (shards if shard else 1), [0] * (edp if shard else 1)
         for chunk in chunks:
-            p, g, o = _bucket_bytes(_registration(config, tp, [chunk]), shards, shard=dp_mode == "zero1",
-                                    precision=precision)
-            params, grads, optimizer = params + p, grads + g, [a + b for a, b in zip(optimizer, o)]
-        return params, grads, max(optimizer), 0
-    n = layers * sum(math.prod(s) for s in layer) + sum(math.prod(s) for s in edges)
+            chunk_items = _registration(config, tp, [chunk], ep, etp)
+            for kind, per_rank, n in ((False, dense, shards), (True, expert, edp)):
+                kind_items = [i for i in chunk_items if apart and i[2] == kind or not apart and not kind]
+                if kind_items:
+                    p, g, o = _bucket_bytes(kind_items, n, shard=shard, precision=precision,
+                                            bucket_numel=max(40_000_000, 1_000_000 * shards))
+                    params, grads, per_rank[:] = params + p, grads + g, [a + b for a, b in zip(per_rank, o)]
+        if not (apart and shard):
+            return params, grads, max(dense) + max(expert), 0
+        return params, grads, max(dense[i] + expert[j] for i, j in _rank_pairs(tp, shards, ep, etp)), 0
+    n = sum(math.prod(s) for s in shapes)
     ddp_buckets = 4 * n if shards > 1 else 0  # torch DDP reduces through its own copy of the gradients
-    return 4 * n, 4 * n, 8 * n + STEP_BYTES * tensors, ddp_buckets
+    return 4 * n, 4 * n, 8 * n + STEP_BYTES * len(shapes), ddp_buckets
 
 
 # ---- activations ---------------------------------------------------------------------------------------------------
 
 
 def layer_activation_bytes(config, *, tp, cp=1, micro_batch_size, seq_len, sequence_parallel, recompute,
-                           precision, backend="triton"):
-    """Bytes one TransformerBlock saves for backward per micro-batch on one rank (the module docstring)."""
+                           precision, backend="triton", layer=0, etp=None):
+    """Bytes TransformerBlock `layer` saves for backward per micro-batch on one rank (the module docstring)."""
     e = PRECISIONS[precision]
     h, d, f = config.hidden_size, config.head_dim, config.ffn_hidden_size
     tokens = micro_batch_size * seq_len // cp
@@ -290,12 +342,32 @@ def layer_activation_bytes(config, *, tp, cp=1, micro_batch_size, seq_len, seque
     if cp > 1 and config.position == "rope":  # cos/sin gathered at this rank's positions, per layer
         attention += 2 * e * tokens // micro_batch_size * d
     native = backend == "torch" and tp == 1 and not MAIN_GRAD[precision]
-    if config.activation == "swiglu" and native:  # autograd's SwiGLU at accumulator precision
+    if config.is_moe_layer(layer):
+        mlp = moe_activation_bytes(config, tp=tp, tokens=tokens, rows=rows, precision=precision, etp=etp)
+    elif config.activation == "swiglu" and native:  # autograd's SwiGLU at accumulator precision
         mlp = 4 * tokens * 3 * f + e * tokens * f
     else:
         mlp = e * tokens * ((2 if config.activation == "swiglu" else 1) * f // tp + f // tp)
     masks = 2 * rows * h if config.dropout else 0
     return 2 * norm + attention + mlp + masks
+
+
+def moe_activation_bytes(config, *, tp, tokens, rows, precision, etp=None):
+    """An MoE layer's MLP activations per micro-batch on one rank (in place of the dense MLP's): the router's fp32
+    logits and probabilities over the E experts for the `rows` tokens it routes, and per routed slot on this rank
+    the dispatched input (twice: as received, and sorted by expert for the grouped GEMM), the experts'
+    pre-activation and activation, their output before the weighted combine (e bytes each) and its int64 index.
+    Slots per rank: the micro-batch's b·s·k over the tp·cp ranks holding it, each slot processed by etp ranks
+    (slices of its expert), so b·s·k·etp / (tp·cp) = tokens·k·etp/tp on average, dropless (the mean: imbalance moves
+    it), or that times the capacity factor with one (the dispatch's padded capacity layout keeps more than this: not
+    modelled). The shared expert as a dense MLP of its size."""
+    e, h, experts, f = PRECISIONS[precision], config.hidden_size, config.num_experts, config.moe_ffn_hidden_size
+    etp = tp if etp is None else etp
+    glu = 2 if config.activation == "swiglu" else 1
+    slots = tokens * config.moe_router_topk * etp / tp * (config.moe_capacity_factor or 1.0)
+    routed = int(slots * (e * (3 * h + (glu + 1) * f // etp) + 8))
+    shared = e * tokens * (glu + 1) * config.moe_shared_expert_size // tp
+    return 8 * rows * experts + routed + shared
 
 
 def layer_wgrad_bytes(config, *, tp, cp=1, micro_batch_size, seq_len, precision):
@@ -388,17 +460,35 @@ def _check(config, tp, cp, pp, dp, micro_batch_size, seq_len, sequence_parallel,
             "2·cp" if cp > 1 else "") + ("·tp: sequence parallelism" if sequence_parallel else "") + ")")
 
 
+def _check_experts(config, tp, cp, dp, ep, etp):
+    etp = tp if etp is None else etp
+    for name, value in (("ep", ep), ("etp", etp)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be an integer >= 1")
+    if (tp * cp * dp) % (ep * etp):
+        raise ValueError(f"ep={ep} * etp={etp} = {ep * etp} does not divide tp*cp*dp = {tp}*{cp}*{dp} = "
+                         f"{tp * cp * dp}")
+    if (ep > 1 or etp != tp) and not config.num_experts:
+        raise ValueError(f"ep={ep} etp={etp} split the experts of a mixture of experts, and the model has none")
+    if config.num_experts:
+        config.check_experts(ep, etp)
+
+
 def estimate(config, *, tp, cp=1, pp, dp, micro_batch_size, seq_len, sequence_parallel, recompute, dp_mode,
-             precision, virtual_stages=1, schedule="1f1b", micro_batches=None, backend="triton"):
+             precision, virtual_stages=1, schedule="1f1b", micro_batches=None, backend="triton", ep=1, etp=None):
     """Per-rank bytes of the pipeline stage that needs the most (MemoryEstimate). `micro_batches` per step (None:
     at least pp, 1F1B's worst case; GPipe needs it); `backend` "triton" (the fused layers, GPUs) or "torch" (CPU
-    eager: at tp = 1 autograd's own activation ops)."""
+    eager: at tp = 1 autograd's own activation ops); `ep`, `etp` (default tp): the experts' split (MoE)."""
     _check(config, tp, cp, pp, dp, micro_batch_size, seq_len, sequence_parallel, recompute, dp_mode, precision,
            virtual_stages, schedule, backend)
+    _check_experts(config, tp, cp, dp, ep, etp)
     shape = dict(tp=tp, cp=cp, micro_batch_size=micro_batch_size, seq_len=seq_len,
                  sequence_parallel=sequence_parallel, precision=precision)
-    per_layer = layer_activation_bytes(config, recompute=recompute, backend=backend, **shape)
-    full_layer = layer_activation_bytes(config, recompute="none", backend=backend, **shape)
+    layer_bytes = [layer_activation_bytes(config, recompute=recompute, backend=backend, layer=i, etp=etp, **shape)
+                   for i in range(config.num_layers)]
+    per_layer = max(layer_bytes)
+    full_layer = max(layer_activation_bytes(config, recompute="none", backend=backend, layer=i, etp=etp, **shape)
+                     for i in range(config.num_layers))
     e = PRECISIONS[precision]
     # RoPE's cos/sin [s, d], cached across layers (under cp each layer indexes its own: in layer_activation_bytes)
     rope_tables = 2 * e * seq_len * config.head_dim if config.position == "rope" and recompute != "full" and \
@@ -410,20 +500,21 @@ def estimate(config, *, tp, cp=1, pp, dp, micro_batch_size, seq_len, sequence_pa
     for stage in sorted({0, pp - 1}):
         chunks = stage_chunks(config.num_layers, pp, stage, virtual_stages)
         layers = sum(stop - start for start, stop, _, _ in chunks)
+        saved = sum(layer_bytes[i] for start, stop, _, _ in chunks for i in range(start, stop))
         alive = in_flight(schedule, pp, stage, virtual_stages, micro_batches)
         edges = sum(edge_activation_bytes(config, first=first, last=last, **shape) for _, _, first, last in chunks)
-        activations = int(alive * (layers * per_layer + edges)) + rope_tables
+        activations = int(alive * (saved + edges)) + rope_tables
         if schedule == "zb":  # a micro-batch past its B keeps what its W needs until the W (ZB-H1 defers them)
             held = layers * layer_wgrad_bytes(config, **{k: shape[k] for k in ("tp", "cp", "micro_batch_size",
                                                                            "seq_len", "precision")})
             held += sum(e * shape["micro_batch_size"] * seq_len // cp * (config.hidden_size +
                                                                          config.padded_vocab_size(tp) // tp)
                         for _, _, _, last in chunks if last)  # the output layer's input and vocabulary gradient
-            activations = max(int(a * (layers * per_layer + edges)) + w * held
+            activations = max(int(a * (saved + edges)) + w * held
                               for a, w in _zb_states(pp, stage, micro_batches or pp)) + rope_tables
         params, grads, optimizer, transient = parameter_memory(
             config, tp=tp, pp=pp, stage=stage, virtual_stages=virtual_stages, dp_mode=dp_mode,
-            precision=precision, shards=dp * cp)
+            precision=precision, shards=dp * cp, ep=ep, etp=etp)
         transient += full_layer if recompute == "full" else 0
         total = params + grads + optimizer + activations + transient
         if best is None or total > best.total:

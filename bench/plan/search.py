@@ -1,9 +1,12 @@
 """The planner's search: every candidate plan of a model on N devices whose sizes divide (bench.plan.cli's docstring
 says which), each evaluated (its memory, and its step time when it fits) and ranked fastest first.
 
-`fixed` pins plan fields by their --fix keys (tp, cp, pp, vp, dp, mbs, recompute, sp, dp_mode); an evaluated plan is a
-row keyed as the table and the JSON name them.
+`fixed` pins plan fields by their --fix keys (tp, cp, pp, vp, dp, mbs, recompute, sp, dp_mode, ep, etp); an evaluated
+plan is a row keyed as the table and the JSON name them. Mixtures of experts also search ep (dividing the experts) and
+etp (1 or tp: Megatron-Core's usual choices; any other by --fix) with ep·etp dividing tp·cp·dp.
 """
+from models.flops import matmul_params
+
 from . import memory
 from .step_time import OURS, OURS_CPU, Plan, step_time
 
@@ -80,14 +83,36 @@ def _options(tp, cp, dp, seq_len, fixed):
                     yield recompute, sp, dp_mode
 
 
+def _experts(config, tp, cp, dp, fixed):
+    """(ep, etp) of a mixture of experts on one stage's tp·cp·dp ranks: ep dividing the experts, etp 1 or tp (or
+    --fix's) dividing the experts' FFN, ep·etp dividing tp·cp·dp; (1, tp) for a dense model."""
+    if not config.num_experts:
+        if _allowed(fixed, "ep", 1) and _allowed(fixed, "etp", tp):
+            yield 1, tp
+        return
+    for etp in sorted({fixed["etp"]} if "etp" in fixed else {1, tp}):
+        for ep in _divisors(tp * cp * dp):
+            if _allowed(fixed, "ep", ep) and (tp * cp * dp) % (ep * etp) == 0 and config.num_experts % ep == 0 \
+                    and config.moe_ffn_hidden_size % etp == 0:
+                yield ep, etp
+
+
 def candidate_plans(config, *, gpus, seq_len, global_batch_size, cluster, fixed):
     """Every plan whose sizes divide, before memory."""
     fixed = dict(fixed)
     for tp, cp, pp, dp in _degrees(config, gpus=gpus, seq_len=seq_len, global_batch_size=global_batch_size,
                                    cluster=cluster, fixed=fixed):
-        for micro_batch_size, virtual_stages in _micro_batching(config, pp, dp, global_batch_size, fixed):
-            for recompute, sp, dp_mode in _options(tp, cp, dp, seq_len, fixed):
-                yield Plan(tp, cp, pp, virtual_stages, dp, micro_batch_size, recompute, sp, dp_mode)
+        for ep, etp in _experts(config, tp, cp, dp, fixed):
+            for micro_batch_size, virtual_stages in _micro_batching(config, pp, dp, global_batch_size, fixed):
+                for recompute, sp, dp_mode in _options(tp, cp, dp, seq_len, fixed):
+                    yield Plan(tp, cp, pp, virtual_stages, dp, micro_batch_size, recompute, sp, dp_mode, ep, etp)
+
+
+def parameter_counts(config):
+    """(active, total) parameters of the whole model: every weight (embeddings included), and those a token goes
+    through (an MoE layer's k routed experts, not its E)."""
+    total = memory.stage_numel(config, 1)
+    return total - (matmul_params(config, active=False) - matmul_params(config)), total
 
 
 def plan_memory(config, plan, *, seq_len, global_batch_size, software):
@@ -98,7 +123,7 @@ def plan_memory(config, plan, *, seq_len, global_batch_size, software):
                            recompute=plan.recompute, dp_mode=plan.dp_mode, precision=precision,
                            virtual_stages=plan.virtual_stages, schedule=plan.schedule,
                            micro_batches=global_batch_size // (plan.dp * plan.micro_batch_size),
-                           backend=software.backend)
+                           backend=software.backend, ep=plan.ep, etp=plan.etp)
 
 
 def evaluate(config, plan, *, seq_len, global_batch_size, cluster, software, with_time=True):
@@ -107,8 +132,9 @@ def evaluate(config, plan, *, seq_len, global_batch_size, cluster, software, wit
     usable = cluster.memory - cluster.reserved
     row = {"tp": plan.tp, "cp": plan.cp, "pp": plan.pp, "vp": plan.virtual_stages, "dp": plan.dp,
            "mbs": plan.micro_batch_size, "recompute": plan.recompute, "sp": "on" if plan.sp else "off",
-           "dp_mode": plan.dp_mode, "memory_per_gpu_gb": estimate.total / 1e9, "fits": estimate.total <= usable,
-           "memory": estimate.as_dict()}
+           "dp_mode": plan.dp_mode, "ep": plan.ep, "etp": plan.expert_tp, "memory_per_gpu_gb": estimate.total / 1e9,
+           "fits": estimate.total <= usable, "memory": estimate.as_dict()}
+    row["active_params"], row["total_params"] = parameter_counts(config)
     if row["fits"] or with_time:
         row.update(step_time(config, plan, seq_len=seq_len, global_batch_size=global_batch_size, cluster=cluster,
                              software=software))

@@ -18,6 +18,11 @@ Per micro-batch and stage (T = b·s/cp tokens per rank, T' = T/tp under SP, e by
   hidden behind the attention blocks it feeds (exposed: what exceeds them); all-gather mode: one all-gather forward
   and a reduce-scatter backward, exposed.
 - Recompute: full adds every block's forward again; selective the attention core's (materialized: with its softmax).
+- Mixture-of-experts layers (ep, etp): the router GEMM over E outputs, the experts as one grouped GEMM over the
+  rank's routed slots (tokens·k·etp/tp: balanced routing; times the capacity factor), the shared expert as a dense
+  MLP; dispatch and combine all-to-alls of slots·h elements, (ep−1)/ep of them off the rank, forward and backward,
+  over the ep group's ep·etp consecutive ranks (NVLink inside a node, the NIC across), not overlapped. The dp reduce
+  and the optimizer count the rank's experts (E/ep) with the dense weights, over dp·cp (not edp: an approximation).
 Per step: m micro-batches through the slowest stage plus the schedule's bubble ((p−1)/v micro-batch times for
 1F1B and interleaved over v virtual stages: bubble_fraction, equal to tp.pipeline.schedules' simulation; plans use
 1F1B, or interleaved when v > 1), pp p2p of each micro-batch's activation (×v interleaved), the dp
@@ -49,6 +54,12 @@ class Plan:
     recompute: str = "none"
     sp: bool = False
     dp_mode: str = "ddp"
+    ep: int = 1  # experts over ep ranks (MoE)
+    etp: int | None = None  # each expert's FFN over etp ranks; None: tp
+
+    @property
+    def expert_tp(self):
+        return self.tp if self.etp is None else self.etp
 
     @property
     def gpus(self):
@@ -115,13 +126,42 @@ def _collective_time(kind, size, ranks, bandwidth, cluster):
     return rl.Collective(kind, "fwd", size).wire_bytes(ranks) / bandwidth + cluster.device.latency
 
 
-def _layer_gemms(config, plan, tokens):
+def routed_slots(config, plan, tokens):
+    """Token-expert slots one rank's experts process per MoE layer and micro-batch: the micro-batch's b·s·k slots
+    over its tp·cp ranks, each processed by the etp ranks holding slices of its expert: tokens·k·etp/tp (dropless:
+    the balanced mean; with a capacity factor, that many times it, the padded slots)."""
+    return int(tokens * config.moe_router_topk * plan.expert_tp / plan.tp * (config.moe_capacity_factor or 1.0))
+
+
+def _layer_gemms(config, plan, tokens, moe=False):
     h, d, tp = config.hidden_size, config.head_dim, plan.tp
     kv = memory.local_kv_heads(config, tp)
-    fc1 = (2 if config.activation == "swiglu" else 1) * config.ffn_hidden_size // tp
-    return (rl.linear_gemms("qkv", tokens, h, (config.num_heads // tp + 2 * kv) * d)
-            + rl.linear_gemms("proj", tokens, config.num_heads * d // tp, h)
-            + rl.linear_gemms("fc1", tokens, h, fc1) + rl.linear_gemms("fc2", tokens, config.ffn_hidden_size // tp, h))
+    glu = 2 if config.activation == "swiglu" else 1
+    gemms = (rl.linear_gemms("qkv", tokens, h, (config.num_heads // tp + 2 * kv) * d)
+             + rl.linear_gemms("proj", tokens, config.num_heads * d // tp, h))
+    if not moe:
+        return gemms + rl.linear_gemms("fc1", tokens, h, glu * config.ffn_hidden_size // tp) + \
+            rl.linear_gemms("fc2", tokens, config.ffn_hidden_size // tp, h)
+    # the router (whole on every rank, over the tokens it routes), the experts as one grouped GEMM over the slots
+    slots, f, etp = routed_slots(config, plan, tokens), config.moe_ffn_hidden_size, plan.expert_tp
+    gemms += rl.linear_gemms("router", tokens // tp if plan.sp else tokens, h, config.num_experts)
+    gemms += rl.linear_gemms("experts_fc1", slots, h, glu * f // etp) + rl.linear_gemms("experts_fc2", slots,
+                                                                                          f // etp, h)
+    shared = config.moe_shared_expert_size
+    if shared:
+        gemms += rl.linear_gemms("shared_fc1", tokens, h, glu * shared // tp) + \
+            rl.linear_gemms("shared_fc2", tokens, shared // tp, h)
+    return gemms
+
+
+def _a2a_time(config, plan, tokens, cluster, e):
+    """Seconds of one MoE layer's token dispatch and combine per micro-batch, forward (backward: as much): each
+    all-to-all moves the rank's slots·h elements, (ep − 1)/ep of them to other ranks of its ep group, which spans
+    ep·etp consecutive ranks (etp innermost, Megatron's expert layout): NVLink inside a node, the NIC across."""
+    if plan.ep == 1:
+        return 0.0
+    size = e * routed_slots(config, plan, tokens) * config.hidden_size * (plan.ep - 1) / plan.ep
+    return 2 * (size / _bandwidth(cluster, plan.ep * plan.expert_tp) + cluster.device.latency)
 
 
 def _attention_times(config, plan, seq_len, cluster, software, e):
@@ -207,27 +247,45 @@ class StageTimes:
         return self.fwd + self.bwd + self.wgrad + self.recompute
 
 
-def stage_times(config, plan, seq_len, cluster, software, stage):
-    """StageTimes of pipeline rank `stage` (its layers, and the embedding / output layer where it holds them)."""
+def _layer_times(config, plan, seq_len, cluster, software, moe):
+    """StageTimes of one layer (dense, or an MoE layer: `moe`) per micro-batch."""
     e = ELEMENT_SIZE[software.precision]
     tokens = plan.micro_batch_size * seq_len // plan.cp
-    chunks = memory.stage_chunks(config.num_layers, plan.pp, stage, plan.virtual_stages)
-    layers = sum(stop - start for start, stop, _, _ in chunks)
-    gemms = _layer_gemms(config, plan, tokens)
+    gemms = _layer_gemms(config, plan, tokens, moe)
     g = {phase: sum(_gemm_time(x, cluster, e) for x in gemms if x.phase == phase) for phase in ("fwd", "dgrad",
                                                                                                  "wgrad")}
     attention = _attention_times(config, plan, seq_len, cluster, software, e)
     elementwise = _elementwise_bytes(config, plan, tokens, software, e) / cluster.device.hbm
     tp_fwd, tp_bwd = _tp_comm(config, plan, tokens, cluster, e)
     cp_fwd, cp_bwd = _cp_comm(config, plan, seq_len, cluster, e, attention)
+    a2a = _a2a_time(config, plan, tokens, cluster, e) if moe else 0.0
     overhead = OPS_PER_LAYER * cluster.op_overhead
-    layer_fwd = g["fwd"] + attention[0] + elementwise + tp_fwd + cp_fwd + overhead
-    layer_bwd = g["dgrad"] + attention[1] + 2 * elementwise + tp_bwd + cp_bwd + 2 * overhead
+    layer_fwd = g["fwd"] + attention[0] + elementwise + tp_fwd + cp_fwd + a2a + overhead
+    layer_bwd = g["dgrad"] + attention[1] + 2 * elementwise + tp_bwd + cp_bwd + a2a + 2 * overhead
     recompute = {"full": layer_fwd, "selective": attention[0]}.get(plan.recompute, 0.0)
-    parts = {"gemm": layers * sum(g.values()), "attention": layers * sum(attention),
-             "elementwise": layers * 3 * elementwise, "tp_comm": layers * (tp_fwd + tp_bwd),
-             "cp_comm": layers * (cp_fwd + cp_bwd), "recompute": layers * recompute, "overhead": layers * 3 * overhead}
-    times = StageTimes(layers * layer_fwd, layers * layer_bwd, layers * g["wgrad"], layers * recompute, parts)
+    parts = {"gemm": sum(g.values()), "attention": sum(attention), "elementwise": 3 * elementwise,
+             "tp_comm": tp_fwd + tp_bwd, "cp_comm": cp_fwd + cp_bwd, "ep_a2a": 2 * a2a, "recompute": recompute,
+             "overhead": 3 * overhead}
+    return StageTimes(layer_fwd, layer_bwd, g["wgrad"], recompute, parts)
+
+
+def stage_times(config, plan, seq_len, cluster, software, stage):
+    """StageTimes of pipeline rank `stage` (its layers, and the embedding / output layer where it holds them)."""
+    e = ELEMENT_SIZE[software.precision]
+    tokens = plan.micro_batch_size * seq_len // plan.cp
+    chunks = memory.stage_chunks(config.num_layers, plan.pp, stage, plan.virtual_stages)
+    indices = [i for start, stop, _, _ in chunks for i in range(start, stop)]
+    times = StageTimes(parts={})
+    for moe in (False, True):
+        layers = sum(config.is_moe_layer(i) == moe for i in indices)
+        if not layers:
+            continue
+        one = _layer_times(config, plan, seq_len, cluster, software, moe)
+        times.fwd, times.bwd = times.fwd + layers * one.fwd, times.bwd + layers * one.bwd
+        times.wgrad, times.recompute = times.wgrad + layers * one.wgrad, times.recompute + layers * one.recompute
+        for name, value in one.parts.items():
+            times.parts[name] = times.parts.get(name, 0.0) + layers * value
+    parts = times.parts
     rows = tokens // plan.tp if plan.sp else tokens
     for _, _, first, last in chunks:
         if first:  # embedding lookup (write T'·h) and its all-reduce (SP: reduce-scatter)
@@ -258,7 +316,7 @@ def stage_times(config, plan, seq_len, cluster, software, stage):
 
 
 def _stage_params(config, plan, stage):
-    return memory.stage_numel(config, plan.tp, plan.pp, stage, plan.virtual_stages)
+    return memory.stage_numel(config, plan.tp, plan.pp, stage, plan.virtual_stages, ep=plan.ep, etp=plan.etp)
 
 
 def _dp_time(config, plan, cluster, software, stage, times, micro_batches):

@@ -65,7 +65,8 @@ from tp.pipeline import model_chunks
 
 from ..config import RUNTIME_FIELDS, GPTConfig
 from ..gpt import GPT
-from ..hf import fused_part_size, hf_sources, index_runs, parameter_owners, tp_sharding
+from ..hf import fused_part_size, hf_family, hf_sources, index_runs, parameter_owners, tp_sharding
+from ..hf_moe import disk_name, expert_names
 
 _VOCAB_PARAMS = ("embedding.weight", "output.weight")
 Model = torch.nn.Module | list[torch.nn.Module]  # a GPT stage (DDP / FSDP2-wrapped or not), or model chunks
@@ -82,12 +83,14 @@ class _Part:
     transposed: bool  # HF stores it [in, out] (GPT-2's Conv1D)
     dim: int | None = None
     runs: tuple = ()
+    expert: int | None = None  # experts: the local expert (dim 0 of our [E/ep, ...] weight) the part is of
 
     def held(self):
         return self.dim is None or bool(self.runs)
 
     def views(self, tensor):
         """This rank's blocks of the part within a tp-local tensor, as views in HF's orientation."""
+        tensor = tensor if self.expert is None else tensor[self.expert]
         pieces = [tensor] if self.dim is None else [tensor.narrow(self.dim, s, n) for s, n, _ in self.runs]
         return [p.t() if self.transposed else p for p in pieces]
 
@@ -103,19 +106,35 @@ class _Part:
                                   run_check=False, shape=shape, stride=torch.empty(shape, device="meta").stride())
 
 
+def _expert_parts(model, module, attr, fused):
+    """The _Parts of a GroupedExperts weight: per local expert, the per-expert HF tensors on disk under its global
+    index (Mixtral's `…block_sparse_moe.experts.<e>.w1.weight`, w3, w2; the others' gate/up/down_proj), this rank's
+    rows (fc1: of gate, then up) or columns (fc2) of the etp split."""
+    family, local = hf_family(model.config), module.local_ffn
+    h, ffn, offset = module.hidden_size, module.ffn_hidden_size, module.etp_rank * local
+    parts = []
+    for e, expert in enumerate(module.expert_range):
+        names = expert_names(fused, expert, family)
+        if attr == module.names[0]:  # fc1 [E/ep, 2F/etp (gate, up), h]
+            names = names if module.activation == "swiglu" else names[:1]
+            parts += [_Part(n, (ffn, h), False, 0, ((j * local, local, offset),), e) for j, n in enumerate(names)]
+        else:  # fc2 [E/ep, h, F/etp]
+            parts += [_Part(n, (h, ffn), False, 1, ((0, local, offset),), e) for n in names]
+    return parts
+
+
 def _parts(model, name, module, attr, local_shape):
     """The _Parts of every HF tensor behind our parameter `name` (of tp-local shape `local_shape`), held or not."""
     config = model.config
-    sources = hf_sources(config, name, model.layer_range[0])
+    sources = [(disk_name(key, hf_family(config)), transposed)  # (Mixtral's router: block_sparse_moe.gate)
+               for key, transposed in hf_sources(config, name, model.layer_range[0])]
 
     def hf_shape(shape, transposed):
         return tuple(reversed(shape)) if transposed else tuple(shape)
 
+    if isinstance(module, tp.moe.GroupedExperts):
+        return _expert_parts(model, module, attr, sources[0][0])
     sharding = tp_sharding(module, attr)
-    if isinstance(module, tp.moe.GroupedExperts) and (module.ep_size > 1 or module.etp_size > 1):
-        raise ValueError(f"{name}: checkpoints of experts split over ep={module.ep_size} / etp={module.etp_size} are "
-                         "not supported yet (each rank holds other experts or slices); use ep = etp = 1, or "
-                         "--export-hf")
     if sharding is None:
         (key, transposed), = sources
         return [_Part(key, hf_shape(local_shape, transposed), transposed)]
@@ -172,7 +191,10 @@ def _optimizer_name(optimizer):
 
 
 def _split(mesh):
-    return dict(world_size=mesh.world_size, order="-".join(mesh.order), **mesh.sizes)
+    split = dict(world_size=mesh.world_size, order="-".join(mesh.order), **mesh.sizes)
+    if mesh.ep_size > 1 or mesh.etp_size != mesh.tp_size:  # (the expert layout, where it differs)
+        split.update(ep=mesh.ep_size, etp=mesh.etp_size)
+    return split
 
 
 def _check(model, optimizer, mesh):
@@ -203,6 +225,15 @@ def _stage_parameters(stages):
     for stage in stages:
         for name, module, attr, param in _parameters(stage):
             yield stage, name, module, attr, param
+
+
+def _expert_biases(stages):
+    """(key, buffer) of every sigmoid router's selection bias (DeepSeek-V3's, updated by the job, not by gradients):
+    stored whole, beside the router weight, under HF's DeepSeek-V3 name `…gate.e_score_correction_bias`."""
+    for stage, name, module, attr, _ in _stage_parameters(stages):
+        if isinstance(module, tp.moe.TopKRouter) and module.expert_bias is not None:
+            key = _parts(stage, name, module, attr, module.weight.shape)[0].key
+            yield f"model.{key.rsplit('.', 1)[0]}.e_score_correction_bias", module.expert_bias
 
 
 class _Staged:
@@ -252,6 +283,8 @@ def save(path: str, model: Model, optimizer: torch.optim.Optimizer | None, *, me
             for part in parts:  # split like the parameter, or whole
                 state[f"optim.{part.key}.{entry}"] = part.stored(part.views(value), device_mesh) \
                     if value.shape == param.shape else value
+    for key, bias in _expert_biases(stages):
+        state[key] = staged(bias)
     if mesh.rank == 0:
         groups = None if optimizer is None else [{k: v for k, v in g.items() if k != "params"}
                                                  for g in optimizer.param_groups]
@@ -366,6 +399,9 @@ def load(path: str, model: Model, optimizer: torch.optim.Optimizer | None, *, me
                 new[entry] = torch.zeros(md.size, dtype=md.properties.dtype, device=device)
                 state[key] = new[entry]
         new_states[param] = new
+    biases = [(key, bias) for key, bias in _expert_biases(stages) if key in stored]
+    for key, bias in biases:
+        state[key] = torch.empty_like(bias)
     rng_key = f"rng.{mesh.rank}"
     same_split = meta["split"] == _split(mesh)
     if same_split:
@@ -373,6 +409,8 @@ def load(path: str, model: Model, optimizer: torch.optim.Optimizer | None, *, me
     dcp.load(state, checkpoint_id=path)
 
     with torch.no_grad():
+        for key, bias in biases:
+            bias.copy_(state[key])
         for target, fill in fills:
             value = torch.zeros(target.shape, dtype=target.dtype, device=target.device)  # padding rows stay zero
             for part, buffers in fill:

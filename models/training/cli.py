@@ -100,6 +100,11 @@ def _split_and_training_flags(a):
     a("--precision", default="fp32", metavar="{fp32,bf16}",
       help="bf16: bf16 parameters and activations, fp32 master weights, fp32 gradient accumulation and reduction "
            "(the GPU default; fp32 on CPU, where bf16 matmuls are slow)")
+    a("--ep", type=int, default=1,
+      help="expert-parallel size: the experts of each MoE layer split over ep ranks of a stage's tp*cp*dp (which "
+           "exchange tokens by all-to-all); ep*etp must divide tp*cp*dp")
+    a("--etp", type=int, default=None,
+      help="expert-tensor-parallel size: each expert's FFN split over etp ranks (default: --tp)")
     a("--clip-grad", type=float, default=1.0, metavar="C",
       help="clip the global gradient norm (over tp, pp and dp) to C (0: no clipping); a non-finite norm skips the "
            "step")
@@ -115,11 +120,36 @@ def _model_and_data_flags(a):
     a("--from-hf", metavar="PATH", default=None,
       help="start from a Hugging Face Llama/Mistral/Qwen2/GPT-2 directory (save_pretrained); its own tokenizer "
            "is used when the directory holds one (else bytes: the vocabulary must cover 256)")
+    _moe_flags(a)
     _data_flags(a)
     a("--eval-every", type=int, default=0, metavar="N",
       help="validation loss (val_loss) on the held-out last ~1%% of the data every N steps and at the end (0: never)")
     a("--eval-iters", type=int, default=10, metavar="K", help="global batches per validation")
     a("--eval-only", action="store_true", help="evaluate the --load checkpoint (or the --from-hf model) and exit")
+
+
+def _moe_flags(a):
+    """A mixture of experts (Megatron's flags; the preset's values, dense unless it has experts, where not given)."""
+    a("--num-experts", type=int, default=None, metavar="E",
+      help="experts per MoE layer (tp.moe.MoE in the MLP's place; --model tiny-moe / small-moe have them)")
+    a("--moe-router-topk", type=int, default=None, metavar="K", help="experts each token is routed to (default 2)")
+    a("--moe-ffn-hidden-size", type=int, default=None, metavar="F", help="each expert's FFN size (default --ffn-"
+                                                                          "hidden-size)")
+    a("--moe-layer-freq", default=None, metavar="N|0,1,..",
+      help="MoE on every N-th layer (from the first), or a 0/1 per layer (DeepSeek's dense first layers: 0,1,1,1)")
+    a("--moe-shared-expert-size", type=int, default=None, metavar="S",
+      help="an FFN of size S every token goes through beside the experts (0: none)")
+    a("--moe-router-score", choices=("softmax", "sigmoid"), default=None,
+      help="softmax (Mixtral, Qwen) or sigmoid with DeepSeek-V3's auxiliary-loss-free bias, updated after each step "
+           "(rate 1e-3)")
+    a("--moe-aux-loss-coeff", type=float, default=None, metavar="C",
+      help="load-balancing loss coefficient (Switch; over each micro-batch's global tokens)")
+    a("--moe-z-loss-coeff", type=float, default=None, metavar="Z", help="router z-loss coefficient")
+    a("--moe-capacity-factor", type=float, default=None, metavar="X",
+      help="each expert keeps at most ceil(tokens*k/E*X) slots of a micro-batch, the highest-weighted (default: "
+           "dropless)")
+    a("--moe-dispatcher", choices=("alltoall", "allgather"), default=None,
+      help="token dispatch over ep: all-to-all (default) or all-gather (cheaper while ep < k)")
 
 
 def _document_flags(a):

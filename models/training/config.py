@@ -34,6 +34,12 @@ from tp.pipeline import schedules
 from ..config import CP_MODES, PRESETS, RECOMPUTE
 
 SIZE_FIELDS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_hidden_size")
+# [model] fields that are GPTConfig fields of the same name: a mixture of experts' shape (a preset's otherwise; not
+# with --from-hf, whose config has them), then its training hyperparameters (over a preset or a --from-hf model)
+MOE_SHAPE_FIELDS = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq",
+                    "moe_shared_expert_size", "moe_router_score")
+MOE_TRAINING_FIELDS = ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_capacity_factor", "moe_dispatcher")
+MOE_SCORES, MOE_DISPATCHERS = ("softmax", "sigmoid"), ("alltoall", "allgather")
 PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb")
 DP_MODES = ("ddp", "fsdp", "zero1")
 PRECISIONS = ("fp32", "bf16")
@@ -80,15 +86,63 @@ class ModelConfig:
     ffn_hidden_size: int | None = None
     dropout: float = 0.0
     attention_dropout: float | None = None  # None: --dropout
+    # a mixture of experts (GPTConfig's fields; None: the preset's, dense unless it has experts)
+    num_experts: int | None = None
+    moe_router_topk: int | None = None
+    moe_ffn_hidden_size: int | None = None
+    moe_layer_freq: int | str | None = None  # N: every N-th layer; "0,1,1,1": a 0/1 per layer
+    moe_shared_expert_size: int | None = None
+    moe_router_score: str | None = None
+    moe_aux_loss_coeff: float | None = None
+    moe_z_loss_coeff: float | None = None
+    moe_capacity_factor: float | None = None  # None: dropless (or the preset's)
+    moe_dispatcher: str | None = None
 
     def validate(self) -> None:
         if self.preset is not None:
             _one_of("--model", self.preset, tuple(sorted(PRESETS)))
         if self.from_hf:
-            given = [("--model", self.preset), *((_flag(f), getattr(self, f)) for f in SIZE_FIELDS)]
+            given = [("--model", self.preset), *((_flag(f), getattr(self, f)) for f in SIZE_FIELDS + MOE_SHAPE_FIELDS)]
             shape = [flag for flag, value in given if value is not None]
             if shape:
                 raise ValueError(f"--from-hf takes the model's shape from its config: drop {' '.join(shape)}")
+        _at_least(self, ("num_experts",), 0)
+        _at_least(self, ("moe_router_topk", "moe_ffn_hidden_size"), 1)
+        _at_least(self, ("moe_shared_expert_size",), 0)
+        self.layer_freq()
+        for flag, value, allowed in (("--moe-router-score", self.moe_router_score, MOE_SCORES),
+                                     ("--moe-dispatcher", self.moe_dispatcher, MOE_DISPATCHERS)):
+            if value is not None:
+                _one_of(flag, value, allowed)
+        for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{_flag(name)}={value} must be a finite number >= 0 (0: off)")
+        factor = self.moe_capacity_factor
+        if factor is not None and not (math.isfinite(factor) and factor > 0):
+            raise ValueError(f"--moe-capacity-factor={factor} must be a positive number (leave it out: dropless)")
+
+    def layer_freq(self) -> int | list[int] | None:
+        """--moe-layer-freq as GPTConfig takes it: N (every N-th layer, from the first) or a 0/1 list per layer."""
+        value = self.moe_layer_freq
+        if value is None or isinstance(value, int):
+            if value is not None and value < 1:
+                raise ValueError(f"--moe-layer-freq={value} must be >= 1 (or a 0/1 list per layer, e.g. 0,1,1,1)")
+            return value
+        items = value.strip().strip("[]").replace(" ", "").split(",")
+        if len(items) == 1 and items[0].isdigit() and int(items[0]) >= 1:
+            return int(items[0])
+        if not all(i in ("0", "1") for i in items):
+            raise ValueError(f"--moe-layer-freq={value!r} must be N >= 1 (every N-th layer) or a 0/1 list per layer, "
+                             "e.g. 0,1,1,1")
+        return [int(i) for i in items]
+
+    def moe_fields(self) -> dict[str, Any]:
+        """The GPTConfig fields the [model] section's MoE flags give (those not left at None)."""
+        fields = {f: getattr(self, f) for f in MOE_SHAPE_FIELDS + MOE_TRAINING_FIELDS if getattr(self, f) is not None}
+        if "moe_layer_freq" in fields:
+            fields["moe_layer_freq"] = self.layer_freq()
+        return fields
 
 
 @dataclasses.dataclass
@@ -106,9 +160,11 @@ class ParallelismConfig:
     virtual_stages: int = 1
     sequence_parallel: bool = False
     recompute: str = "none"
+    ep: int = 1  # expert parallelism: the experts over ep ranks of tp·cp·dp (Megatron's expert layout)
+    etp: int | None = None  # expert tensor parallelism; None: tp
 
     def validate(self) -> None:
-        _at_least(self, ("tp", "cp", "pp", "dp", "virtual_stages", "cp_a2a_size"), 1)
+        _at_least(self, ("tp", "cp", "pp", "dp", "virtual_stages", "cp_a2a_size", "ep", "etp"), 1)
         for flag, value, allowed in (("--cp-mode", self.cp_mode, CP_MODES), ("--dp-mode", self.dp_mode, DP_MODES),
                                      ("--schedule", self.schedule, PIPELINE_SCHEDULES),
                                      ("--recompute", self.recompute, RECOMPUTE)):
@@ -132,8 +188,25 @@ class ParallelismConfig:
         return world_size // model_parallel
 
     @property
+    def experts_apart(self) -> bool:
+        """Whether the experts are laid out otherwise than the dense weights (ep > 1 or etp != tp): their gradients
+        are then reduced over the expert-data-parallel group, not dp."""
+        return self.ep > 1 or self.etp not in (None, self.tp)
+
+    def check_experts(self) -> None:
+        """ep·etp must divide a stage's tp·cp·dp ranks (the expert layout re-groups them; Megatron-Core's rule)."""
+        etp = self.tp if self.etp is None else self.etp
+        stage = self.tp * self.cp * self.dp
+        if stage % (self.ep * etp):
+            raise ValueError(f"--ep={self.ep} * --etp={etp} = {self.ep * etp} does not divide --tp*--cp*--dp = "
+                             f"{self.tp}*{self.cp}*{self.dp} = {stage} (a pipeline stage's ranks, which the experts "
+                             "are laid over)")
+
+    @property
     def sizes(self) -> dict[str, int]:
-        return dict(tp=self.tp, cp=self.cp, pp=self.pp, dp=self.dp)
+        """tp, cp, pp, dp, and ep, etp (the expert layout, for tp.init_mesh / tp.layout)."""
+        return dict(tp=self.tp, cp=self.cp, pp=self.pp, dp=self.dp, ep=self.ep,
+                    etp=self.tp if self.etp is None else self.etp)
 
     @property
     def world_size(self) -> int:
@@ -400,6 +473,7 @@ class JobConfig:
         if world_size is not None and world_size != world:
             raise ValueError(f"WORLD_SIZE={world_size} but --tp*--cp*--pp*--dp = {parallel.tp}*{parallel.cp}*"
                              f"{parallel.pp}*{parallel.dp} = {world}")
+        parallel.check_experts()
         if training.global_batch_size % (parallel.dp * training.micro_batch_size):
             raise ValueError(f"--global-batch-size={training.global_batch_size} is not divisible by --dp * "
                              f"--micro-batch-size = {parallel.dp}*{training.micro_batch_size}")

@@ -152,7 +152,8 @@ def announce_layout(mesh: Mesh) -> None:
     torchrun restarts the group (the trainer says so in one line)."""
     places = gather_places()
     if mesh.rank == 0 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
-        print("\n".join(layout_lines(dict(mesh.sizes), "-".join(mesh.order), places)), flush=True)
+        sizes = dict(mesh.sizes, ep=mesh.ep_size, etp=mesh.etp_size)
+        print("\n".join(layout_lines(sizes, "-".join(mesh.order), places)), flush=True)
 
 
 def print_layout_under_torchrun(sizes: dict[str, int], timeout: datetime.timedelta) -> int:

@@ -40,6 +40,7 @@ def check_model_fits(job: JobConfig, config: GPTConfig) -> None:
                          + (f" / sliding_window={config.sliding_window}" if config.sliding_window else ""))
     config.check_tp(parallel.tp)
     stage_layers(config.num_layers, parallel.pp, 0, parallel.virtual_stages)
+    check_experts(job, config)
     if parallel.cp > 1:
         if config.attention_dropout:
             raise ValueError(f"--attention-dropout={config.attention_dropout} with --cp={parallel.cp}: attention "
@@ -54,6 +55,26 @@ def check_model_fits(job: JobConfig, config: GPTConfig) -> None:
             raise ValueError(f"--seq-len={seq_len} with --cp={parallel.cp}"
                              + (f" --tp={parallel.tp} --sequence-parallel" if parallel.sequence_parallel else "")
                              + f": {e}") from None
+
+
+def check_experts(job: JobConfig, config: GPTConfig) -> None:
+    """A mixture of experts splits over --ep and --etp: experts by ep, each expert's FFN by etp, each tp rank's share
+    of a micro-batch's tokens whole (without sequence parallelism the layer routes 1/tp of them per rank)."""
+    parallel = job.parallelism
+    etp = parallel.sizes["etp"]
+    if not config.num_experts:
+        if parallel.experts_apart:
+            raise ValueError(f"--ep={parallel.ep} --etp={etp} split the experts of a mixture of experts, and the "
+                             "model has none: give --num-experts E (or --model tiny-moe / small-moe)")
+        return
+    try:
+        config.check_experts(parallel.ep, etp)
+    except ValueError as e:
+        raise ValueError(f"--ep={parallel.ep} --etp={etp}: {e}") from None
+    tokens = job.training.micro_batch_size * job.training.seq_len // parallel.cp
+    if parallel.tp > 1 and not parallel.sequence_parallel and tokens % parallel.tp:
+        raise ValueError(f"--micro-batch-size * --seq-len / --cp = {tokens} tokens do not split over --tp="
+                         f"{parallel.tp} (each tp rank routes its share of them; or use --sequence-parallel)")
 
 
 def check_resume(job: JobConfig, config: GPTConfig) -> None:

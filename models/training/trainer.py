@@ -21,12 +21,14 @@ from . import checkpoint_dirs, data, documents, failures, faults, launch, plot, 
 from .checkpoint_dirs import resume_path
 from .config import JobConfig
 from .model import build_model, data_parallel_chunks, gpt_config_from_job
+from .moe_stats import MoEStats
 from .profiling import StepProfiler
 from .sample import PROMPT, greedy_sample
 from .sinks import Sinks
 from .stragglers import StepClock, Stragglers
 
 DATA_ORDER = ("global_batch_size", "seed", "seq_len")  # [training] fields the data stream's position depends on
+EXPERT_BIAS_RATE = 1e-3  # sigmoid routers' bias update per step (DeepSeek-V3's gamma, Megatron's default)
 
 
 def set_hyperparameters(optimizer: torch.optim.Optimizer, job: JobConfig, step: int) -> None:
@@ -41,7 +43,8 @@ def build_mesh(job: JobConfig) -> tp.Mesh:
     """The tp x cp x pp x dp mesh (nccl on GPUs, else gloo); rank 0 prints the layout."""
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     parallel = job.parallelism
-    mesh = tp.init_mesh(tp=parallel.tp, cp=parallel.cp, pp=parallel.pp, dp=parallel.dp, backend=backend,
+    mesh = tp.init_mesh(tp=parallel.tp, cp=parallel.cp, pp=parallel.pp, dp=parallel.dp, ep=parallel.ep,
+                        etp=parallel.etp, backend=backend,
                         timeout=datetime.timedelta(minutes=job.launch.distributed_timeout_minutes))
     launch.announce_layout(mesh)  # rank 0 prints which ranks sit on which node, and their coordinates
     if backend == "nccl":
@@ -78,6 +81,10 @@ class Trainer:
         micro_batches = training.global_batch_size // (self.mesh.dp_size * training.micro_batch_size)
         self.buffered = data_parallel_chunks(self.module)  # zero1 / bf16: tp.optim.DataParallel, one per chunk
         self.optimizer = build_optimizer(self.module, job, micro_batches)
+        self.moe = None
+        if self.config.num_experts:  # moe_aux_loss, moe_load_imbalance, ... in the log
+            self.moe = MoEStats(self.chunks, self.mesh, self.config.num_layers, self.config.num_experts,
+                                capacity=self.config.moe_capacity_factor is not None)
         self.extra: dict = {}  # what the resumed checkpoint's run kept (the W&B run id, the tokenizer)
         self.start_step = self.resume()
         device = next(self.stage.parameters()).device
@@ -130,6 +137,7 @@ class Trainer:
         return (f"{mesh.world_size} ranks: tp={mesh.tp_size} cp={mesh.cp_size} pp={mesh.pp_size} dp={mesh.dp_size} "
                 f"({parallel.dp_mode}, {job.training.precision}), "
                 + (f"schedule={parallel.schedule}, " if mesh.pp_size > 1 else "no pipeline, ")
+                + (f"ep={mesh.ep_size} etp={mesh.etp_size} edp={mesh.edp_size}, " if config.num_experts else "")
                 + f"micro-batches/step={micro_batches}, sequence_parallel={parallel.sequence_parallel}; model "
                 f"{job.model.from_hf or job.model.preset or 'tiny'} ({config.num_layers} layers, hidden "
                 f"{config.hidden_size}, {params:,} params on rank 0)"
@@ -162,6 +170,8 @@ class Trainer:
                 self.optimizer.step()
         elif self.rank0:  # Megatron's behaviour: no update from a non-finite gradient, the model stays as it was
             print(f"skipped step {step + 1}: grad norm {grad_norm}", file=sys.stderr, flush=True)
+        if self.config.moe_router_score == "sigmoid":  # DeepSeek-V3's bias update from the step's global loads
+            tp.moe.update_expert_bias(self.stage, EXPERT_BIAS_RATE, group=mesh.group("tp-cp-dp"))
         memory = self.max_memory_bytes() if step == self.start_step else {}  # grads and state exist now
         self.optimizer.zero_grad(set_to_none=True)
         with record_function("loss all-reduce"):
@@ -177,6 +187,8 @@ class Trainer:
                   "bubble": stats.bubble if mesh.pp_size > 1 else None, "step_s": elapsed} | memory
         if skipped:
             record["skipped"] = True
+        if self.moe is not None:  # moe_aux_loss, moe_z_loss, moe_load_imbalance (, moe_dropped_tokens)
+            record |= self.moe.collect(job.micro_batches * mesh.dp_size)
         return record, grad_norm
 
     def evaluate(self) -> float:

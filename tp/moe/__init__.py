@@ -42,19 +42,21 @@ def expert_parameters(module: nn.Module) -> list[nn.Parameter]:
 
 
 @torch.no_grad()
-def update_expert_bias(module: nn.Module, rate: float = 1e-3) -> None:
+def update_expert_bias(module: nn.Module, rate: float = 1e-3, *, group: dist.ProcessGroup | None = None) -> None:
     """DeepSeek-V3's auxiliary-loss-free balancing, after an optimizer step: every sigmoid router's selection bias
     b_i += rate · sign(mean load - load_i), the loads being its tokens per expert since the last update summed over
-    the stage (one all-reduce per group of routers), then reset. The same update on every rank."""
+    the stage (one all-reduce per group of routers: each router's token group, or `group`, every rank that holds
+    the router: a training loop whose token groups are one data-parallel rank's), then reset. The same update on
+    every rank."""
     routers = [m for m in module.modules() if isinstance(m, TopKRouter) and m.expert_bias is not None]
     by_group = {}
     for r in routers:
-        by_group.setdefault(id(r.token_group), []).append(r)
+        by_group.setdefault(id(r.token_group if group is None else group), []).append(r)
     for same in by_group.values():
         loads = torch.stack([r.expert_load for r in same])  # [routers, E] fp64
-        group = same[0].token_group
-        if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(loads, group=group)
+        over = same[0].token_group if group is None else group
+        if over is not None and dist.get_world_size(over) > 1:
+            dist.all_reduce(loads, group=over)
         for r, load in zip(same, loads):
             r.expert_bias += (rate * torch.sign(load.mean() - load)).to(r.expert_bias.dtype)
             r.expert_load.zero_()

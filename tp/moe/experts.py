@@ -6,7 +6,11 @@ then up rows; GELU: [E/ep, F/etp, h]) and fc2 [E/ep, h, F/etp]. Initialisation i
 all E experts' full weights from the serial init in the same order and keeps its slices. The parameters are tagged
 `expert_parallel = True`: their gradients are reduced over the expert-data-parallel group (the edp ranks hold the same
 experts), not over dp like the dense ones (see docs/moe.md); `tensor_parallel`/`partition_dim` tag the etp split.
+The GEMMs' backward splits like the parallel linears': under `tp.pipeline.defer_wgrad()` (zero-bubble schedules'
+B) the weight gradients are queued with their counts, computed by the W pass into the same fp32 main_grad.
 """
+import functools
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -14,6 +18,47 @@ from torch import nn
 import kernels
 
 from ..mesh import SharedGroup
+from ..pipeline.wgrad import defer_weight_grad, deferring
+
+
+class _GroupedLinearFn(torch.autograd.Function):
+    """kernels.grouped_linear whose weight gradient a zero-bubble schedule's B may defer to its W."""
+
+    @staticmethod
+    def forward(ctx, x, weight, counts, activation):
+        ctx.main_grad = getattr(weight, "main_grad", None)  # on the parameter, not on an autocast copy of it
+        ctx.weight_dtype = weight.dtype
+        x, weight, _ = kernels.ops.autocast_operands(x, weight)
+        y, preact = kernels.grouped_forward(x, weight, counts, activation)
+        ctx.save_for_backward(x, weight, preact)
+        ctx.counts, ctx.activation = counts, activation
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_y):
+        x, weight, preact = ctx.saved_tensors
+        dx, dz = kernels.grouped_dgrad(grad_y.to(weight.dtype).contiguous(), weight, ctx.counts, preact,
+                                       ctx.activation, need_input_grad=ctx.needs_input_grad[0])
+        dw = None
+        wgrad = functools.partial(_grouped_wgrad, ctx.counts)
+        if ctx.needs_input_grad[1] and not defer_weight_grad(ctx, 1, dz, x, wgrad=wgrad):  # (W later, deferred)
+            dw = wgrad(dz, x, main_grad=ctx.main_grad)
+        return dx, dw, None, None
+
+
+def _grouped_wgrad(counts, dz, x, *, main_grad=None):
+    return kernels.grouped_wgrad(dz, x, counts, main_grad=main_grad)
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int], *,
+                   activation: str | None = None) -> torch.Tensor:
+    """kernels.grouped_linear (act(x_e @ weight_eᵀ) per row group), its weight gradient deferrable by
+    tp.pipeline.defer_wgrad."""
+    if not deferring():
+        return kernels.grouped_linear(x, weight, counts, activation=activation)
+    kernels.ops.check_activation(activation)
+    return _GroupedLinearFn.apply(x, weight, [int(c) for c in counts], activation)
 
 
 class GroupedExperts(nn.Module):
@@ -102,8 +147,8 @@ class GroupedExperts(nn.Module):
         if pad_to is not None:
             return self._padded(x, counts, pad_to)
         w1, w2 = self.weights
-        hidden = kernels.grouped_linear(x, w1, counts, activation=self.activation)  # [N, F/etp]
-        return kernels.grouped_linear(hidden, w2, counts)  # [N, h]
+        hidden = grouped_linear(x, w1, counts, activation=self.activation)  # [N, F/etp]
+        return grouped_linear(hidden, w2, counts)  # [N, h]
 
     def _padded(self, x, counts, pad_to):
         """Each expert's rows placed at the start of a block of max(pad_to, rows) zero rows."""

@@ -2,10 +2,11 @@
 (B) and queues each weight-gradient GEMM, with the dz and x it needs, for `DeferredWgrads.run()` (W) to compute later
 into `main_grad` or, through autograd from the weight's own gradient edge, into `.grad` (so hooks, replica sums and
 gradient accumulation see it as if backward had produced it). The parallel linears' backward asks
-`defer_weight_grad` (tp.layers); any autograd Function with a weight can do the same.
+`defer_weight_grad` (tp.layers), and so does the experts' grouped GEMM (tp.moe.experts, with its own weight-gradient
+function); any autograd Function with a weight can do the same.
 """
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
@@ -32,8 +33,8 @@ class DeferredWgrads:
         jobs, self._jobs = self._jobs, []
         edges, grads = {}, {}
         with torch.no_grad():  # as inside backward
-            for dz, x, main_grad, dtype, node, slot in jobs:
-                grad = kernels.linear_wgrad(dz, x, main_grad=main_grad)
+            for dz, x, main_grad, dtype, node, slot, wgrad in jobs:
+                grad = wgrad(dz, x, main_grad=main_grad)
                 if grad is not None:
                     key = (id(node), slot)
                     edges[key] = GradientEdge(node, slot)
@@ -71,13 +72,15 @@ def _repeatable(node):
                                                               "repeatable_backward", False)
 
 
-def defer_weight_grad(ctx: torch.autograd.function.FunctionCtx, index: int, dz: torch.Tensor, x: torch.Tensor) -> bool:
+def defer_weight_grad(ctx: torch.autograd.function.FunctionCtx, index: int, dz: torch.Tensor, x: torch.Tensor, *,
+                      wgrad: Callable[..., torch.Tensor | None] = kernels.linear_wgrad) -> bool:
     """In a linear Function's backward: under defer_wgrad(), queue the weight gradient dzᵀ·x of input `index` for
-    later and return True (backward then returns None for it); otherwise False (compute it now)."""
+    later and return True (backward then returns None for it); otherwise False (compute it now). `wgrad(dz, x,
+    main_grad=)` computes it then (into main_grad, returning None, or returning it): a plain linear's by default."""
     if _deferred is None:
         return False
     node, slot = ctx.next_functions[index]
     if not _repeatable(node):  # a weight the graph computed (not a parameter): its gradient now
         return False
-    _deferred._jobs.append((dz, x, ctx.main_grad, ctx.weight_dtype, node, slot))
+    _deferred._jobs.append((dz, x, ctx.main_grad, ctx.weight_dtype, node, slot, wgrad))
     return True

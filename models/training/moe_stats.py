@@ -1,0 +1,84 @@
+"""The job's mixture-of-experts log: per optimizer step, over every MoE layer of the model (all pipeline stages) and
+every micro-batch of every data-parallel rank,
+
+- `moe_aux_loss`, `moe_z_loss`: the load-balancing and z losses (coefficients included, as they join the gradient),
+  summed over the layers, the mean over the step's micro-batches of every dp rank (each micro-batch's value covers
+  its tokens on the tp·cp ranks: models.training.model.aux_losses_per_micro_batch);
+- `moe_load_imbalance`: the max over layers of the busiest expert's routed tokens / the mean per expert (1: even),
+  over the step's tokens;
+- `moe_dropped_tokens` (with a capacity factor): the routed (token, expert) slots the experts' capacity dropped.
+
+Hooks on the routers and MoE layers add up this rank's share during the training forwards (not a recomputed
+forward, nor evaluation), and `collect()` sums every rank's in one all-reduce of L·E + 3L numbers over the world:
+each rank counts the tokens it routes (its own share under tp, cp and dp, so each token once), the aux values, equal
+on a micro-batch's tp·cp ranks, are taken from one of them.
+"""
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import tp
+from tp.mesh import Mesh
+
+
+def _recomputing() -> bool:
+    """Inside a backward pass: activation recomputation's forward (its routing was counted the first time)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class MoEStats:
+    """The step's MoE statistics of this rank's model chunks (see the module docstring)."""
+
+    def __init__(self, chunks: list[nn.Module], mesh: Mesh, num_layers: int, num_experts: int, *,
+                 capacity: bool = False) -> None:
+        self.mesh, self.num_experts, self.capacity = mesh, num_experts, capacity
+        device = tp.mesh.collective_device()  # (kept there: no host sync per layer and micro-batch)
+        self.counts = torch.zeros(num_layers, num_experts, dtype=torch.float64, device=device)
+        self.values = torch.zeros(3, num_layers, dtype=torch.float64, device=device)  # aux, z, dropped slots
+        self.reports_aux = mesh.local_rank("tp-cp") == 0  # (equal on the tp·cp ranks of a micro-batch)
+        for chunk in chunks:
+            first = chunk.layer_range[0]
+            for i, block in enumerate(chunk.layers):
+                if isinstance(block.mlp, tp.moe.MoE):
+                    block.mlp.router.register_forward_hook(self._routed(first + i))
+                    block.mlp.register_forward_hook(self._moe(first + i))
+
+    def _counting(self, module):
+        return module.training and torch.is_grad_enabled() and not _recomputing()
+
+    def _routed(self, layer):
+        def hook(module, args, routing):
+            if self._counting(module):
+                self.counts[layer] += torch.bincount(routing.indices.flatten(), minlength=self.num_experts).to(
+                    self.counts)
+        return hook
+
+    def _moe(self, layer):
+        def hook(module, args, out):
+            if not self._counting(module):
+                return
+            if module.last is not None and self.reports_aux:
+                self.values[0, layer] += module.last.load_balancing.to(self.values)
+                self.values[1, layer] += module.last.z.to(self.values)
+            if module.capacity_factor is not None:
+                self.values[2, layer] += module.dropped_slots.to(self.values)
+        return hook
+
+    def collect(self, micro_batches: int) -> dict[str, float]:
+        """The step's log entries (collective over the world; `micro_batches`: the step's, over every dp rank), then
+        zeroed for the next step."""
+        flat = torch.cat([self.counts.flatten(), self.values.flatten()])
+        if dist.get_world_size() > 1:
+            dist.all_reduce(flat)
+        flat = flat.cpu()
+        counts = flat[:self.counts.numel()].view(self.counts.shape)
+        aux, z, dropped = flat[self.counts.numel():].view(self.values.shape)
+        busy = counts.sum(1) > 0  # the MoE layers
+        imbalance = (counts[busy].max(1).values / counts[busy].mean(1)).max().item() if busy.any() else 1.0
+        record = {"moe_aux_loss": aux.sum().item() / micro_batches, "moe_z_loss": z.sum().item() / micro_batches,
+                  "moe_load_imbalance": imbalance}
+        if self.capacity:
+            record["moe_dropped_tokens"] = int(dropped.sum().item())
+        self.counts.zero_()
+        self.values.zero_()
+        return record
