@@ -23,7 +23,7 @@ def gpt_config_from_job(job: JobConfig) -> GPTConfig:
     # needs, and tp.optim.DataParallel (zero1, bf16) reduces buckets during backward: summed inside backward there.
     attention_dropout = model.dropout if model.attention_dropout is None else model.attention_dropout
     runtime = dict(sequence_parallel=parallel.sequence_parallel, recompute=parallel.recompute, dropout=model.dropout,
-                   attention_dropout=attention_dropout,
+                   attention_dropout=attention_dropout, dropout_seed=job.training.seed,
                    sequence_parallel_grad_sync=parallel.dp_mode != "ddp" or job.training.precision != "fp32",
                    cp_mode=parallel.cp_mode, cp_a2a_size=parallel.cp_a2a_size)
     if model.from_hf:
@@ -45,7 +45,9 @@ def build_model(job: JobConfig, config: GPTConfig, mesh: Mesh) -> tuple[list[GPT
     ModuleList of them when the schedule interleaves). The weights are --seed's (or --from-hf's) for any split."""
     torch.manual_seed(job.training.seed)  # the same on every rank: the weights do not depend on the split
     chunks = build_chunks(config, mesh, job.parallelism.virtual_stages, from_hf=job.model.from_hf)
-    tp.model_parallel_seed(job.training.seed)  # dropout streams (per pipeline stage and tp rank)
+    # (the model's dropout masks are counter-based, keyed by --seed and each sample's index: models/block.py; the
+    # streams seeded here are the default generators' and tp.fork_rng's, for anything else that draws)
+    tp.model_parallel_seed(job.training.seed)
     for chunk in chunks:  # the first stage's embedding, held again: its grad norm counted there
         if tied_embedding(chunk, mesh) is not None and not mesh.is_first_stage:
             tied_embedding(chunk, mesh).shared = True
