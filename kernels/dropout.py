@@ -84,7 +84,9 @@ def keep_mask(key: int, p: float, samples: torch.Tensor, rows: torch.Tensor, col
 
 
 def _torch_dropout_add(x, residual, bias, key, p, samples, positions):
-    keep = keep_mask(key, p, samples, positions, torch.arange(x.shape[-1], device=x.device))[:, 0].transpose(0, 1)
+    cols, zero = torch.arange(x.shape[-1], device=x.device), torch.zeros((), dtype=torch.int64, device=x.device)
+    keep = philox(key, _counters(cols, (1, 1, -1)), _counters(positions, (-1, 1, 1)), zero,
+                  _counters(samples, (1, -1, 1))) >= threshold(p)  # [rows, b, h], laid out like x
     dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
     acc = torch.float64 if dtype == torch.float64 or x.dtype == torch.float64 else torch.float32
     y = x.to(acc) if bias is None else x.to(acc) + bias.to(acc)
