@@ -19,6 +19,8 @@ from tp.testing import distributed
 
 from .helpers import assert_close, randn
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the Triton kernels: compiled on a GPU, else interpreted
+
 
 def _ints(*values):
     return torch.tensor(values, dtype=torch.int64)
@@ -44,10 +46,10 @@ def test_philox_gives_the_published_answers_and_tritons_bits():
         offsets = tl.arange(0, N)
         tl.store(out + offsets, tl.randint(seed, offsets.to(tl.uint32)).to(tl.int64))
 
-    out, zero = torch.empty(64, dtype=torch.int64), torch.zeros(64, dtype=torch.int64)
+    out, zero = torch.empty(64, dtype=torch.int64, device=DEVICE), torch.zeros(64, dtype=torch.int64)
     for seed in (7, 2**40 + 3):
         randint[(1,)](out, seed, N=64)
-        assert torch.equal(out & m, kd.philox(seed, torch.arange(64), zero, zero, zero))
+        assert torch.equal(out.cpu() & m, kd.philox(seed, torch.arange(64), zero, zero, zero))
 
 
 def test_triton_kernels_and_the_torch_fallback_give_the_same_bits():
@@ -55,22 +57,23 @@ def test_triton_kernels_and_the_torch_fallback_give_the_same_bits():
     residual and bias, fp32 / bf16 / fp16, odd widths: the Triton kernels and torch agree bit for bit (in bf16 the
     interpreter's cast at the store truncates where torch and a GPU round: there the same mask, values to an ulp)."""
     samples, rows, cols = _ints(0, 5, 2**33 + 7), _ints(3, 17, 2**31 + 5, 4_000_000_000), torch.arange(37)
+    samples, rows, cols = samples.to(DEVICE), rows.to(DEVICE), cols.to(DEVICE)
     torch_mask = kd.keep_mask(2**61 + 11, 0.3, samples, rows, cols, heads=3, first_head=5)
     launches = triton_ops.LAUNCHES["keep_mask"]
     with kernels.use_backend("triton"):
         triton_mask = kd.keep_mask(2**61 + 11, 0.3, samples, rows, cols, heads=3, first_head=5)
     assert triton_ops.LAUNCHES["keep_mask"] == launches + 1 and torch.equal(triton_mask, torch_mask)
-    positions = _ints(0, 1, 9, 10, 2**32 + 30)
+    positions = _ints(0, 1, 9, 10, 2**32 + 30).to(DEVICE)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         for residual, bias in ((True, True), (False, False), (True, False)):
             results = []
             for backend in ("torch", "triton"):
-                x = randn(5, 3, 45, seed=1, dtype=dtype, requires_grad=True)
-                r = randn(5, 3, 45, seed=2, dtype=dtype, requires_grad=True) if residual else None
-                b = randn(45, seed=3, dtype=dtype, requires_grad=True) if bias else None
+                x = randn(5, 3, 45, seed=1, dtype=dtype).to(DEVICE).requires_grad_()
+                r = randn(5, 3, 45, seed=2, dtype=dtype).to(DEVICE).requires_grad_() if residual else None
+                b = randn(45, seed=3, dtype=dtype).to(DEVICE).requires_grad_() if bias else None
                 with kernels.use_backend(backend):
                     out = kd.dropout_add(x, r, b, p=0.25, key=99, samples=samples, positions=positions)
-                    out.backward(randn(5, 3, 45, seed=4, dtype=dtype))
+                    out.backward(randn(5, 3, 45, seed=4, dtype=dtype).to(DEVICE))
                 results.append([out, x.grad] + [t.grad for t in (r, b) if t is not None])
             for got, want in zip(*results):
                 assert got.dtype == want.dtype == dtype and torch.equal(got == 0, want == 0), (dtype, residual, bias)
