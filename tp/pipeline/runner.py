@@ -173,18 +173,20 @@ class PipelineRunner:
     def _device(self):
         return next(self.stage.parameters()).device
 
-    def _expected_shape(self, name, t):
-        """[micro_batch_size, seq_len], or [micro_batch_size] for a 1-D input (per sample)."""
-        return self.batch_shape[:1] if name not in ("tokens", "targets") and t.dim() == 1 else self.batch_shape
+    def _expected(self, name, t):
+        """(what, shape): [micro_batch_size, seq_len], or [micro_batch_size] for a 1-D input (per sample)."""
+        if name not in ("tokens", "targets") and t is not None and t.dim() == 1:
+            return "[micro_batch_size]", self.batch_shape[:1]
+        return "[micro_batch_size, seq_len]", self.batch_shape
 
     def _check_batches(self, batches):
         """Raise on every stage if any stage's micro-batches differ from the shape the buffers are built for, or
         the stages were given different counts; the one all-reduce is also the schedule's common start."""
-        problem = next((f"micro-batch {k}: {name} shape {tuple(t.shape)} != {self._expected_shape(name, t)} this "
-                        "runner was built for"
+        problem = next((f"micro-batch {k}: {name} shape {tuple(t.shape)} != {what} {shape} this runner was built for"
                         for k, batch in enumerate(batches)
                         for name, t in [*zip(("tokens", "targets"), batch[:2]), *batch_inputs(batch).items()]
-                        if t is not None and tuple(t.shape) != self._expected_shape(name, t)), None)
+                        for what, shape in [self._expected(name, t)]
+                        if t is not None and tuple(t.shape) != shape), None)
         if self.mesh.pp_size == 1:
             if problem:
                 raise ValueError(problem)
