@@ -2,10 +2,11 @@
 drawn piecewise, anywhere, in any order, and regenerated in backward instead of saved.
 
 The bit of an element is Philox-4x32-10 (Salmon et al. 2011, "Parallel random numbers: as easy as 1, 2, 3"; the
-generator `tl.randint` / `tl.rand` run in Triton) of the counters (c0, c1, c2, c3) under `key`: the element is kept
-when its first output word is >= round(p·2³²), and scaled by 1/(1 − p). Counters: c0 the column (hidden index, or
-key position), c1 the row (token position, or query position), c2 the head (0 on the residual stream), c3 the
-sample's index in the run (its low 32 bits). The Triton kernels (kernels.dropout_triton) and the torch code here
+generator `tl.randint4x` / `tl.rand` run in Triton) of the counters (c0, c1, c2, c3) under `key`: the element is
+kept when its output word is >= round(p·2³²), and scaled by 1/(1 − p). Counters: c0 the column (hidden index, or key
+position) // 4, the word the column % 4 (one Philox call serves four neighbouring columns, as curand's dropout
+does), c1 the row (token position, or query position), c2 the head (0 on the residual stream), c3 the sample's index
+in the run (its low 32 bits). The Triton kernels (kernels.dropout_triton) and the torch code here
 compute the same bits: Triton on CUDA (or when the backend is forced to "triton", e.g. under TRITON_INTERPRET=1),
 torch otherwise (`kernels.use_backend`).
 
@@ -29,16 +30,23 @@ def _mulhilo(a: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (high_part + (low_part >> 16)) >> 16, (((high_part & 0xFFFF) << 16) + low_part) & _M32
 
 
-def philox(key: int, c0: torch.Tensor, c1: torch.Tensor, c2: torch.Tensor, c3: torch.Tensor) -> torch.Tensor:
-    """The first output word of Philox-4x32-10 (int64 in [0, 2³²)) for counters c0..c3 (int64 tensors in
-    [0, 2³²), broadcast together) under the 64-bit `key`: Triton's `tl.philox(key, c0, c1, c2, c3)[0]`."""
+def philox(key: int, c0: torch.Tensor, c1: torch.Tensor, c2: torch.Tensor,
+           c3: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The four output words of Philox-4x32-10 (int64 in [0, 2³²)) for counters c0..c3 (int64 tensors in
+    [0, 2³²), broadcast together) under the 64-bit `key`: Triton's `tl.philox(key, c0, c1, c2, c3)`."""
     k0, k1 = key & _M32, (key >> 32) & _M32
+    c0, c1, c2, c3 = torch.broadcast_tensors(c0, c1, c2, c3)
     for _ in range(10):
         high_b, low_b = _mulhilo(_ROUND_B, c2)
         high_a, low_a = _mulhilo(_ROUND_A, c0)
         c0, c1, c2, c3 = high_b ^ c1 ^ k0, low_b, high_a ^ c3 ^ k1, low_a
         k0, k1 = (k0 + _KEY_A) & _M32, (k1 + _KEY_B) & _M32
-    return c0
+    return c0, c1, c2, c3
+
+
+def _word(words: tuple[torch.Tensor, ...], which: torch.Tensor) -> torch.Tensor:
+    """words[which] elementwise (which in 0..3, broadcast against the words)."""
+    return torch.stack(words).gather(0, which.expand(words[0].shape).unsqueeze(0))[0]
 
 
 def threshold(p: float) -> int:
@@ -78,15 +86,18 @@ def keep_mask(key: int, p: float, samples: torch.Tensor, rows: torch.Tensor, col
         return triton_module.keep_mask(key=key, threshold=limit, samples=samples.to(torch.int64).contiguous(),
                                        rows=rows.to(torch.int64).contiguous(), cols=cols.to(torch.int64).contiguous(),
                                        heads=heads, first_head=first_head)
-    head = torch.arange(first_head, first_head + heads, device=device)
-    return philox(key, _counters(cols, (1, 1, 1, -1)), _counters(rows, (1, 1, -1, 1)), _counters(head, (1, -1, 1, 1)),
-                  _counters(samples, (-1, 1, 1, 1))) >= limit
+    head, cols = torch.arange(first_head, first_head + heads, device=device), _counters(cols, (1, 1, 1, -1))
+    words = philox(key, cols >> 2, _counters(rows, (1, 1, -1, 1)), _counters(head, (1, -1, 1, 1)),
+                   _counters(samples, (-1, 1, 1, 1)))
+    return _word(words, cols & 3) >= limit
 
 
 def _torch_dropout_add(x, residual, bias, key, p, samples, positions):
-    cols, zero = torch.arange(x.shape[-1], device=x.device), torch.zeros((), dtype=torch.int64, device=x.device)
-    keep = philox(key, _counters(cols, (1, 1, -1)), _counters(positions, (-1, 1, 1)), zero,
-                  _counters(samples, (1, -1, 1))) >= threshold(p)  # [rows, b, h], laid out like x
+    groups, zero = torch.arange((x.shape[-1] + 3) // 4, device=x.device), torch.zeros((), dtype=torch.int64,
+                                                                                  device=x.device)
+    words = philox(key, groups.view(1, 1, -1, 1), _counters(positions, (-1, 1, 1, 1)), zero,
+                   _counters(samples, (1, -1, 1, 1)))  # 4 x [rows, b, h/4, 1]: word k for column 4·group + k
+    keep = torch.cat(words, -1).flatten(-2)[..., :x.shape[-1]] >= threshold(p)  # [rows, b, h], laid out like x
     dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
     acc = torch.float64 if dtype == torch.float64 or x.dtype == torch.float64 else torch.float32
     y = x.to(acc) if bias is None else x.to(acc) + bias.to(acc)

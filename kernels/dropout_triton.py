@@ -1,12 +1,14 @@
-"""Triton counter-based dropout: masks from Philox-4x32-10 (Triton's `tl.philox`, what `tl.randint` / `tl.rand` run),
-a pure function of a 64-bit key and four 32-bit counters, so any program draws any element's bit without a stream.
+"""Triton counter-based dropout: masks from Philox-4x32-10 (Triton's `tl.philox`, what `tl.randint4x` / `tl.rand`
+run), a pure function of a 64-bit key and four 32-bit counters, so any program draws any element's bit without a
+stream.
 
 Counters (kernels.dropout's layout, the torch fallback computes the same bits): c0 the column (hidden index, or key
-position), c1 the row (token position, or query position), c2 the head (0 on the residual stream), c3 the sample's
-index; an element is kept when the first Philox word is >= round(p·2³²).
+position) // 4, c1 the row (token position, or query position), c2 the head (0 on the residual stream), c3 the
+sample's index; an element is kept when Philox's word column % 4 is >= round(p·2³²).
 - _dropout_add_kernel: out = residual + keep·(x + bias)/(1 − p) on a row-major [rows, b, h] activation, one program
-  per (row, sample) and column block; backward runs it on the output gradient (no residual, no bias): the mask is
-  regenerated, never saved.
+  per (row, sample) and column block, each Philox call serving four columns (the op is memory-bound: one call per
+  element would cost more integer work than the bytes it moves); backward runs it on the output gradient (no
+  residual, no bias): the mask is regenerated, never saved.
 - _keep_mask_kernel: the keep mask [b, heads, m, n] of attention tiles from the tokens' global positions.
 Arithmetic in fp32, one cast at the store (fp64 stays on torch: Triton passes the scale as an fp32 scalar).
 """
@@ -23,23 +25,26 @@ BLOCK = 1024  # columns per program (the hidden size of one row, or a tile's key
 
 
 @triton.jit
-def _keep(key, c0, c1, c2, c3, threshold):
-    """True where Philox's first word for counters (c0, c1, c2, c3) [uint32 blocks] under `key` is >= threshold."""
-    word, _, _, _ = tl.philox(key, c0, c1, c2, c3)
-    return word.to(tl.int64) >= threshold  # (uint32 -> int64: zero-extended)
+def _pick(w0, w1, w2, w3, which):
+    """w0..w3 (uint32) picked by `which` (0..3, broadcast against them), as int64 (zero-extended)."""
+    word = tl.where(which == 0, w0, tl.where(which == 1, w1, tl.where(which == 2, w2, w3)))
+    return word.to(tl.int64)
 
 
 @triton.jit
 def _dropout_add_kernel(x_ptr, residual_ptr, bias_ptr, out_ptr, samples_ptr, positions_ptr, B, H, key, threshold,
                         scale, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)  # (token, sample) row of [rows, b, h]
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    groups = tl.program_id(1) * (BLOCK // 4) + tl.arange(0, BLOCK // 4)  # [BLOCK/4]: four columns each
+    which = tl.arange(0, 4)[None, :]
+    cols = groups[:, None] * 4 + which  # [BLOCK/4, 4]
     inside = cols < H
-    c0 = cols.to(tl.uint32)
+    c0 = groups[:, None].to(tl.uint32)  # [BLOCK/4, 1]: the words broadcast over the four columns in place
     zero = c0 * 0
     position = tl.load(positions_ptr + row // B).to(tl.uint32)  # (truncated to the low 32 bits)
     sample = tl.load(samples_ptr + row % B).to(tl.uint32)
-    keep = _keep(key, c0, zero + position, zero, zero + sample, threshold)
+    w0, w1, w2, w3 = tl.philox(key, c0, zero + position, zero, zero + sample)
+    keep = _pick(w0, w1, w2, w3, which) >= threshold
     offsets = row.to(tl.int64) * H + cols
     x = tl.load(x_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
     if HAS_BIAS:
@@ -56,12 +61,13 @@ def _keep_mask_kernel(out_ptr, samples_ptr, rows_ptr, cols_ptr, HEADS, M, N, fir
     pid = tl.program_id(0)  # (sample, head, row) of [b, heads, m, n]
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inside = cols < N
-    c0 = tl.load(cols_ptr + cols, mask=inside, other=0).to(tl.uint32)
-    zero = c0 * 0
+    col = tl.load(cols_ptr + cols, mask=inside, other=0).to(tl.uint32)  # (the low 32 bits)
+    zero = col * 0
     row = tl.load(rows_ptr + pid % M).to(tl.uint32)
     head = (first_head + (pid // M) % HEADS).to(tl.uint32)
     sample = tl.load(samples_ptr + pid // (M * HEADS)).to(tl.uint32)
-    keep = _keep(key, c0, zero + row, zero + head, zero + sample, threshold)
+    w0, w1, w2, w3 = tl.philox(key, col >> 2, zero + row, zero + head, zero + sample)
+    keep = _pick(w0, w1, w2, w3, col & 3) >= threshold
     tl.store(out_ptr + pid.to(tl.int64) * N + cols, keep.to(tl.int8), mask=inside)
 
 

@@ -30,26 +30,32 @@ def _ints(*values):
 
 
 def test_philox_gives_the_published_answers_and_tritons_bits():
-    """Random123's known-answer vectors for Philox-4x32-10 (first output word), and tl.randint(seed, offset), which is
-    Philox of the counters (offset, 0, 0, 0), in the interpreter."""
+    """Random123's known-answer vectors for Philox-4x32-10 (all four words), and tl.randint4x(seed, offset), which is
+    Philox of the counters (offset, 0, 0, 0), in the interpreter (compiled on a GPU)."""
     import triton
     import triton.language as tl
 
     m = 0xFFFFFFFF
-    assert kd.philox(0, *[_ints(0)] * 4).item() == 0x6627E8D5
-    assert kd.philox(m << 32 | m, *[_ints(m)] * 4).item() == 0x408F276D
-    assert kd.philox(0x299F31D0 << 32 | 0xA4093822, _ints(0x243F6A88), _ints(0x85A308D3), _ints(0x13198A2E),
-                     _ints(0x03707344)).item() == 0xD16CFE09
+    cases = [(0, [0] * 4, (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+             (m << 32 | m, [m] * 4, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+             (0x299F31D0 << 32 | 0xA4093822, [0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344],
+              (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1))]
+    for key, counters, words in cases:
+        assert tuple(w.item() for w in kd.philox(key, *map(_ints, counters))) == words
 
     @triton.jit
-    def randint(out, seed, N: tl.constexpr):
+    def randint4x(out, seed, N: tl.constexpr):
         offsets = tl.arange(0, N)
-        tl.store(out + offsets, tl.randint(seed, offsets.to(tl.uint32)).to(tl.int64))
+        w0, w1, w2, w3 = tl.randint4x(seed, offsets.to(tl.uint32))
+        tl.store(out + offsets, w0.to(tl.int64))
+        tl.store(out + N + offsets, w1.to(tl.int64))
+        tl.store(out + 2 * N + offsets, w2.to(tl.int64))
+        tl.store(out + 3 * N + offsets, w3.to(tl.int64))
 
-    out, zero = torch.empty(64, dtype=torch.int64, device=DEVICE), torch.zeros(64, dtype=torch.int64)
+    out, zero = torch.empty(4 * 64, dtype=torch.int64, device=DEVICE), torch.zeros(64, dtype=torch.int64)
     for seed in (7, 2**40 + 3):
-        randint[(1,)](out, seed, N=64)
-        assert torch.equal(out.cpu() & m, kd.philox(seed, torch.arange(64), zero, zero, zero))
+        randint4x[(1,)](out, seed, N=64)
+        assert torch.equal(out.cpu().view(4, 64) & m, torch.stack(kd.philox(seed, torch.arange(64), zero, zero, zero)))
 
 
 def test_triton_kernels_and_the_torch_fallback_give_the_same_bits():
