@@ -1,6 +1,8 @@
-"""Fused kernels.linear vs torch on the local shard shapes of GPT MLP layers under tensor parallelism.
+"""Fused kernels.linear vs torch on the local shard shapes of GPT MLP layers under tensor parallelism, and the fused
+counter-based dropout + bias + residual add (kernels.dropout) vs `residual + F.dropout(x + bias)`.
 
     python -m bench.kernels [--out bench/results/kernels.json] [--quick] [--hidden 4096 8192] [--tokens 4096 16384]
+                            [--kernels linear dropout]
 
 Per (hidden h, tokens T, TP degree): fc1 = ColumnParallel [T, h] x [4h/TP, h]^T + bias, GELU; fc1_swiglu = the same
 with a fused gate/up weight [2·4h/TP, h]; fc2 = RowParallel [T, 4h/TP] x [h, 4h/TP]^T (bias added after the
@@ -8,6 +10,13 @@ all-reduce, so none here). Forward and backward (dgrad + wgrad + dbias) in bf16,
 accumulated into an fp32 main_grad (fused) vs `main_grad.add_(dz.T @ x)` (matmul, then a separate add).
 
 The torch baseline is eager and unfused: F.linear, then + bias, then the activation (backward through autograd).
+Dropout (`--kernels dropout`): x, residual [T/4, 4, h] and bias [h] in bf16, p = 0.1; forward, and backward (dx,
+dresidual, dbias) of the output's gradient; "saved MiB" is what each keeps for backward (F.dropout its mask, one byte
+per element; the fused kernel only the tokens' positions and the samples' indices: it regenerates the mask from the
+counters). GB/s counts the fused kernel's minimal traffic for both (forward: read x and residual, write out; backward:
+read the gradient, write dx). On the first call of each shape the two backends' outputs are checked to give the same
+mask (the bits of the torch fallback).
+
 GPU timings are medians of triton.testing.do_bench. Without a GPU the Triton kernels are skipped (the interpreter
 says nothing about speed); the script then times only torch on CPU, on shapes shrunk by --shrink, and says so.
 """
@@ -21,9 +30,11 @@ import torch.nn.functional as F
 
 import kernels
 
+from .common import print_table as print_rows
 from .common import write_json
 
 LAYERS = ("fc1", "fc1_swiglu", "fc2")
+KERNELS = ("linear", "dropout")
 
 
 def layer_shapes(layer, hidden, tp):
@@ -124,6 +135,61 @@ def bench_case(layer, hidden, tokens, tp, dtype, device, candidate_backend, time
     return rows_json
 
 
+def _saved_bytes(fn):
+    """(fn(), bytes of the tensors autograd saves for backward while fn runs)."""
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel() * t.element_size()) or t,
+                                                  lambda t: t):
+        out = fn()
+    return out, sum(saved)
+
+
+def bench_dropout(tokens, hidden, dtype, device, candidate_backend, timer, p=0.1):
+    """Forward and backward of the fused dropout + bias + residual add vs residual + F.dropout(x + bias)."""
+    from kernels.dropout import dropout_add
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    b = 4
+    x, residual = (torch.randn(tokens // b, b, hidden, device=device, dtype=dtype, generator=gen).requires_grad_()
+                   for _ in range(2))
+    bias = torch.randn(hidden, device=device, dtype=dtype, generator=gen).requires_grad_()
+    gy = torch.randn_like(x)
+    samples, positions = torch.arange(b, device=device), torch.arange(tokens // b, device=device)
+
+    def fused(backend=candidate_backend):
+        with kernels.use_backend(backend):
+            return dropout_add(x, residual, bias, p=p, key=1234, samples=samples, positions=positions)
+
+    masks = [fused(backend) == residual for backend in ("torch", candidate_backend)]  # (where dropped)
+    if not torch.equal(*masks):
+        raise AssertionError(f"the {candidate_backend} kernel's mask differs from the torch fallback's")
+    row = dict(tokens=tokens, hidden=hidden, p=p, dtype=str(dtype).replace("torch.", ""))
+    elements, leaves = x.numel(), [x, residual, bias]
+    for impl, fwd in (("torch", lambda: residual + F.dropout(x + bias, p, training=True)), ("fused", fused)):
+        y, saved = _saved_bytes(fwd)
+        row[f"{impl}_fwd_ms"] = timer(fwd)
+
+        def backward(y=y):
+            with kernels.use_backend(candidate_backend):
+                y.backward(gy, retain_graph=True)
+        row[f"{impl}_bwd_ms"] = timer(backward, grad_to_none=leaves)
+        row[f"{impl}_saved_mib"] = saved / 2**20
+        del y
+    size = x.element_size()
+    row["fused_fwd_gbs"] = 3 * elements * size / row["fused_fwd_ms"] / 1e6
+    row["fused_bwd_gbs"] = 2 * elements * size / row["fused_bwd_ms"] / 1e6
+    row["fwd_speedup"], row["bwd_speedup"] = (row[f"torch_{k}_ms"] / row[f"fused_{k}_ms"] for k in ("fwd", "bwd"))
+    return row
+
+
+DROPOUT_COLUMNS = [("tokens", "T", "{}"), ("hidden", "h", "{}"), ("torch_fwd_ms", "torch fwd ms", "{:.3f}"),
+                   ("fused_fwd_ms", "fused fwd ms", "{:.3f}"), ("fwd_speedup", "fwd x", "{:.2f}"),
+                   ("torch_bwd_ms", "torch bwd ms", "{:.3f}"), ("fused_bwd_ms", "fused bwd ms", "{:.3f}"),
+                   ("bwd_speedup", "bwd x", "{:.2f}"), ("fused_fwd_gbs", "fused fwd GB/s", "{:.0f}"),
+                   ("fused_bwd_gbs", "fused bwd GB/s", "{:.0f}"), ("torch_saved_mib", "torch saved MiB", "{:.1f}"),
+                   ("fused_saved_mib", "fused saved MiB", "{:.3f}")]
+
+
 def print_table(rows, candidate_label):
     cand = candidate_label
     header = (f"{'layer':<11}{'h':>6}{'T':>7}{'tp':>4}{'N':>7}{'K':>7}  {'phase':<16}{'torch ms':>10} "
@@ -142,6 +208,8 @@ def main(argv=None):
     parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384])
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--layers", nargs="+", default=list(LAYERS), choices=LAYERS)
+    parser.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=KERNELS,
+                        help="kernels.linear's GEMMs, the fused dropout + residual add, or both")
     parser.add_argument("--quick", action="store_true", help="CPU-sized shapes even on a GPU (smoke run)")
     parser.add_argument("--shrink", type=int, default=32, help="divide hidden and tokens by this without a GPU")
     parser.add_argument("--reps", type=int, default=5, help="CPU repetitions per timing")
@@ -176,15 +244,23 @@ def main(argv=None):
     print(note)
     timer = make_timer(gpu, args.reps)
 
-    results = []
+    results, dropout = [], []
     for hidden in hiddens:
         for tokens in tokens_list:
-            for tp in args.tp:
+            if "dropout" in args.kernels:
+                dropout.append(bench_dropout(tokens, hidden, torch.bfloat16 if gpu else dtype, device, backend,
+                                             timer))
+            for tp in args.tp if "linear" in args.kernels else ():
                 for layer in args.layers:
                     if (4 * hidden) % tp:
                         continue
                     results += bench_case(layer, hidden, tokens, tp, dtype, device, backend, timer)
-    print_table(results, label)
+    if results:
+        print_table(results, label)
+    if dropout:
+        print(f"\nDropout + bias + residual add (p = 0.1): torch = residual + F.dropout(x + bias), fused = "
+              f"kernels.dropout.dropout_add on {label}")
+        print_rows(dropout, DROPOUT_COLUMNS)
 
     if args.out:
         meta = dict(note=note, device=torch.cuda.get_device_name() if gpu else platform.processor() or "cpu",
@@ -194,7 +270,7 @@ def main(argv=None):
             meta["triton"] = triton.__version__
         except ImportError:
             meta["triton"] = None
-        write_json(args.out, dict(meta=meta, results=results))
+        write_json(args.out, dict(meta=meta, results=results, dropout=dropout))
         print(f"wrote {args.out}")
 
 

@@ -7,8 +7,12 @@ activation holds this rank's s/cp tokens in the load-balanced layout (tp.cp_shar
 sequence through tp.context_parallel_attention, RoPE and dropout follow each token's global position. Per block and
 step, without SP: forward 2 all-reduces, backward 2 (+1 when kv heads are replicated); with SP: forward 2 all-gathers
 + 2 reduce-scatters, backward 4 all-gathers + 2 reduce-scatters + the norms' (and row biases') grad all-reduces.
+
+Dropout is counter-based (tp.dropout): each mask is a pure function of (config.dropout_seed, the site's global index
+`dropout_module(layer, site)`, each sample's global index `sample_ids` [b], the element's global coordinates), so
+every split, recomputation and backward applies the masks of the serial run; the residual sites fuse dropout with
+the residual add (kernels.dropout).
 """
-import contextlib
 import functools
 import math
 from collections.abc import Callable
@@ -22,7 +26,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import tp
-from tp.context import document_attention_mask
+from tp.context import local_attention
+from tp.dropout import CounterDropout
 from tp.mesh import SharedGroup, resolve_cp_group, resolve_group
 
 from .config import GPTConfig
@@ -187,6 +192,32 @@ def token_positions(rows: int, *, sequence_parallel: bool, tp_group: dist.Proces
     return _positions(rows, tp_size, tp_rank, cp_group, device)
 
 
+def dropout_positions(rows: int, *, sequence_parallel: bool, tp_group: dist.ProcessGroup | None,
+                      cp_group: dist.ProcessGroup | None, device: torch.device | str | None) -> torch.Tensor:
+    """The global token positions [rows] of the rows of an activation [rows, b, h] (under cp this rank's share, under
+    SP this tp rank's slice): what the residual stream's dropout masks are keyed by."""
+    positions = token_positions(rows, sequence_parallel=sequence_parallel, tp_group=tp_group, cp_group=cp_group,
+                                device=device)
+    if positions is not None:
+        return positions[0]
+    first = rows * dist.get_rank(tp_group) if sequence_parallel else 0
+    return torch.arange(first, first + rows, device=device)
+
+
+def dropout_module(layer: int | None, site: int) -> int:
+    """The global index of a dropout site, which keys its masks: 0 the embedding's (layer None); 1 + 3·layer + site
+    for a layer's attention output (site 0), MLP output (1) and attention probabilities (2)."""
+    return 0 if layer is None else 1 + 3 * layer + site
+
+
+def sample_ids_or_drawn(sample_ids: torch.Tensor | None, batch: int, device: torch.device) -> torch.Tensor:
+    """The samples' global indices [b] that key the dropout masks: `sample_ids`, or (not given) b consecutive ones
+    from a random start drawn from the default CPU generator (the same on every rank seeded alike; no host sync)."""
+    if sample_ids is not None:
+        return sample_ids
+    return int(torch.randint(0, 2**62, (1,)).item()) + torch.arange(batch, device=device)
+
+
 def token_rows(ids: torch.Tensor, *, sequence_parallel: bool, tp_group: dist.ProcessGroup | None,
                cp_group: dist.ProcessGroup | None) -> torch.Tensor:
     """This rank's rows of a per-token [b, s] tensor of the whole window (position ids): its cp share, under SP its
@@ -213,12 +244,13 @@ def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
 class Attention(nn.Module):
     """Causal self-attention: one fused QKV ColumnParallelLinear (each rank its own q, k and v heads; kv heads
     replicated when fewer than tp), RoPE, scaled_dot_product_attention, RowParallelLinear out. `document_ids` and
-    `position_ids` ([b, s] of the whole window) keep attention inside each document and place RoPE."""
+    `position_ids` ([b, s] of the whole window) keep attention inside each document and place RoPE. `layer`: the
+    global layer index (keys the attention dropout masks)."""
 
     group, cp_group = SharedGroup(), SharedGroup()  # deep copies (EMA, reference models) share the groups
 
     def __init__(self, config: GPTConfig, *, group: dist.ProcessGroup | None = None,
-                 cp_group: dist.ProcessGroup | None = None, _init: bool = True) -> None:
+                 cp_group: dist.ProcessGroup | None = None, layer: int = 0, _init: bool = True) -> None:
         super().__init__()
         self.group, self.cp_group = resolve_group(group), resolve_cp_group(cp_group)
         size = dist.get_world_size(self.group)
@@ -227,7 +259,8 @@ class Attention(nn.Module):
         heads, kv_heads, d = config.num_heads, config.num_kv_heads, config.head_dim
         kv_replicas = size // kv_heads if kv_heads < size else 1
         self.local_heads, self.local_kv_heads = heads // size, kv_heads * kv_replicas // size
-        self.head_dim, self.config = d, config
+        self.head_dim, self.config, self.layer = d, config, layer
+        self.first_head = dist.get_rank(self.group) * self.local_heads  # (the global index of this rank's first)
         sp = config.sequence_parallel
         self.qkv = tp.ColumnParallelLinear(
             config.hidden_size, (heads + 2 * kv_heads) * d, bias=config.bias or config.qkv_bias,
@@ -239,24 +272,24 @@ class Attention(nn.Module):
             init_method=normal_init(config.init_std / math.sqrt(2 * config.num_layers)), _init=_init)
         self.q_norm, self.k_norm = _qk_norms(config, self.group, kv_replicas) if config.qk_norm else (None, None)
 
-    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             document_ids: torch.Tensor | None = None) -> torch.Tensor:  # [b, n, s(/cp), d]
-        """Softmax(qkᵀ/√d)v, causal (inside each document with `document_ids` [b, s]); heads are tp-sharded, so
-        attention dropout draws per-rank masks. Under context parallelism the queries of this rank's tokens attend to
-        the whole sequence (tp.context_parallel_attention)."""
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: torch.Tensor | None = None,
+             sample_ids: torch.Tensor | None = None) -> torch.Tensor:  # [b, n, s(/cp), d]
+        """Softmax(qkᵀ/√d)v, causal (inside each document with `document_ids` [b, s]); in training, attention dropout's
+        masks keyed by `sample_ids` [b] and each head's, query's and key's global index. Under context parallelism the
+        queries of this rank's tokens attend to the whole sequence (tp.context_parallel_attention)."""
         c = self.config
+        dropout = None
+        if self.training and c.attention_dropout:
+            dropout = CounterDropout(c.attention_dropout, c.dropout_seed, dropout_module(self.layer, 2),
+                                     sample_ids_or_drawn(sample_ids, q.shape[0], q.device), self.first_head)
         if self.cp_group is not None and dist.get_world_size(self.cp_group) > 1:
             return tp.context_parallel_attention(q, k, v, causal=True, mode=c.cp_mode, group=self.cp_group,
-                                                 document_ids=document_ids, a2a_size=c.cp_a2a_size)
-        p = c.attention_dropout if self.training else 0.0
-        mask = None if document_ids is None else document_attention_mask(document_ids)  # block-diagonal causal
-        with tp.fork_rng() if p else contextlib.nullcontext():  # GQA: query head i reads kv head i // (n / n_kv)
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=mask is None,
-                                                  enable_gqa=self.local_heads != self.local_kv_heads)
+                                                 document_ids=document_ids, a2a_size=c.cp_a2a_size, dropout=dropout)
+        return local_attention(q, k, v, True, None, document_ids, dropout)  # GQA: query head i reads kv head i // g
 
     def forward(self, x: torch.Tensor, *, document_ids: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None,
-                cache: "LayerCache | None" = None) -> torch.Tensor:  # [s(/cp)(/tp), b, h]
+                position_ids: torch.Tensor | None = None, cache: "LayerCache | None" = None,
+                sample_ids: torch.Tensor | None = None) -> torch.Tensor:  # [s(/cp)(/tp), b, h]
         qkv = self.qkv(x)  # [s(/cp), b, (heads + 2 kv_heads)·d / tp]
         if self.q_norm is not None:
             qkv = self._normed_qk(qkv)
@@ -276,10 +309,13 @@ class Attention(nn.Module):
         q, k = qk.split([self.local_heads, self.local_kv_heads], dim=1)
         if cache is not None:  # generation (models/generation.py): attend to this rank's heads' cached keys too
             return self.proj(rearrange(cache.attend(q, k, v), "b n s d -> s b (n d)"))
-        if self.config.recompute == "selective" and torch.is_grad_enabled():
-            context = checkpoint(self.core, q, k, v, document_ids, use_reentrant=False)  # keep q, k, v
+        if self.training and self.config.attention_dropout:  # (drawn here, not again in a recomputation)
+            sample_ids = sample_ids_or_drawn(sample_ids, q.shape[0], q.device)
+        if self.config.recompute == "selective" and torch.is_grad_enabled():  # keep q, k, v; the masks are redrawn
+            context = checkpoint(self.core, q, k, v, document_ids, sample_ids, use_reentrant=False,
+                                 preserve_rng_state=False)
         else:
-            context = self.core(q, k, v, document_ids)
+            context = self.core(q, k, v, document_ids, sample_ids)
         return self.proj(rearrange(context, "b n s d -> s b (n d)"))  # [s(/tp), b, h]
 
     def _normed_qk(self, qkv):
@@ -341,53 +377,51 @@ def moe_mlp(config: GPTConfig, *, group: dist.ProcessGroup | None = None, _init:
                       init_std=c.init_std, output_std=c.init_std / math.sqrt(2 * c.num_layers), _init=_init)
 
 
-def dropout(x: torch.Tensor, p: float, training: bool, sequence_parallel: bool,
-            positions: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
-    """Dropout on the residual stream [rows, b, h]: one mask on every tp rank, or, under SP (each rank its own
-    tokens), the rank's own. Under context parallelism (`positions`: (the rows' global positions, the sequence
-    length)) every rank draws the mask of the whole sequence on the shared stream and keeps its rows': the masks of
-    the run without cp and without SP (bit for bit on the CPU, where F.dropout draws them the same way)."""
-    if not p or not training:
-        return x
-    if positions is not None:
-        rows, seq = positions
-        noise = x.new_empty(seq, *x.shape[1:]).bernoulli_(1 - p).div_(1 - p)  # F.dropout's CPU draw, [s, b, h]
-        return x * noise[rows]
-    with tp.fork_rng() if sequence_parallel else contextlib.nullcontext():
-        return F.dropout(x, p, training=True)
-
-
 class TransformerBlock(nn.Module):
-    """Pre-norm block: x + attention(norm(x)), then x + mlp(norm(x)). [s(/tp), b, h] -> same; `document_ids` and
-    `position_ids` ([b, s] of the whole window) go to the attention."""
+    """Pre-norm block: x + dropout(attention(norm(x))), then x + dropout(mlp(norm(x))). [s(/tp), b, h] -> same;
+    `document_ids` and `position_ids` ([b, s] of the whole window) go to the attention, `sample_ids` [b] (each
+    sample's global index in the run) key the dropout masks. `layer`: the global layer index."""
 
     group, cp_group = SharedGroup(), SharedGroup()  # deep copies (EMA, reference models) share the groups
 
     def __init__(self, config: GPTConfig, *, group: dist.ProcessGroup | None = None,
-                 cp_group: dist.ProcessGroup | None = None, moe: bool = False, _init: bool = True) -> None:
+                 cp_group: dist.ProcessGroup | None = None, layer: int = 0, moe: bool = False,
+                 _init: bool = True) -> None:
         super().__init__()
-        self.config = config
+        self.config, self.layer = config, layer
         self.group, self.cp_group = resolve_group(group), resolve_cp_group(cp_group)
         norm = dict(sequence_parallel=config.sequence_parallel, grad_sync=config.sequence_parallel_grad_sync,
                     group=self.group)
         self.norm1 = Norm(config.norm, config.hidden_size, config.norm_eps, **norm)
-        self.attention = Attention(config, group=self.group, cp_group=self.cp_group, _init=_init)
+        self.attention = Attention(config, group=self.group, cp_group=self.cp_group, layer=layer, _init=_init)
         self.norm2 = Norm(config.norm, config.hidden_size, config.norm_eps, **norm)
         self.mlp = moe_mlp(config, group=self.group, _init=_init) if moe else MLP(config, group=self.group, _init=_init)
 
-    def _forward(self, x, document_ids=None, position_ids=None, cache=None):
+    def _forward(self, x, document_ids=None, position_ids=None, cache=None, sample_ids=None):
         c = self.config
-        positions = token_positions(x.shape[0], sequence_parallel=c.sequence_parallel, tp_group=self.group,
-                                    cp_group=self.cp_group, device=x.device) if c.dropout and self.training else None
-        attention = self.attention(self.norm1(x), document_ids=document_ids, position_ids=position_ids, cache=cache)
-        x = x + dropout(attention, c.dropout, self.training, c.sequence_parallel, positions)
-        return x + dropout(self.mlp(self.norm2(x)), c.dropout, self.training, c.sequence_parallel, positions)
+        attention = self.attention(self.norm1(x), document_ids=document_ids, position_ids=position_ids, cache=cache,
+                                   sample_ids=sample_ids)
+        if not (c.dropout and self.training and cache is None):
+            x = x + attention
+            return x + self.mlp(self.norm2(x))
+        positions = dropout_positions(x.shape[0], sequence_parallel=c.sequence_parallel, tp_group=self.group,
+                                      cp_group=self.cp_group, device=x.device)
+        x = self._dropout(0, sample_ids).add(attention, x, positions=positions)  # x + dropout(attention), fused
+        return self._dropout(1, sample_ids).add(self.mlp(self.norm2(x)), x, positions=positions)
+
+    def _dropout(self, site, sample_ids):
+        c = self.config
+        return CounterDropout(c.dropout, c.dropout_seed, dropout_module(self.layer, site), sample_ids)
 
     def forward(self, x: torch.Tensor, *, document_ids: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None,
-                cache: "LayerCache | None" = None) -> torch.Tensor:  # [s(/tp), b, h]
-        if cache is not None:  # generation: no graph to recompute
+                position_ids: torch.Tensor | None = None, cache: "LayerCache | None" = None,
+                sample_ids: torch.Tensor | None = None) -> torch.Tensor:  # [s(/tp), b, h]
+        if cache is not None:  # generation: no graph to recompute, no dropout
             return self._forward(x, cache=cache)
-        if self.config.recompute == "full" and torch.is_grad_enabled():  # keep the block's input only
-            return checkpoint(self._forward, x, document_ids, position_ids, use_reentrant=False)
-        return self._forward(x, document_ids, position_ids)
+        c = self.config
+        if self.training and (c.dropout or c.attention_dropout):  # (drawn here, not again in a recomputation)
+            sample_ids = sample_ids_or_drawn(sample_ids, x.shape[1], x.device)
+        if c.recompute == "full" and torch.is_grad_enabled():  # keep the block's input only; the masks are redrawn
+            return checkpoint(self._forward, x, document_ids, position_ids, None, sample_ids, use_reentrant=False,
+                              preserve_rng_state=False)
+        return self._forward(x, document_ids, position_ids, None, sample_ids)

@@ -15,7 +15,7 @@ MOE_DISPATCHERS = ("alltoall", "allgather")
 QK_NORMS = ("head", "full")
 # Fields that change how a model runs, not its weights: free to differ between a checkpoint and its resumption.
 RUNTIME_FIELDS = ("sequence_parallel", "sequence_parallel_grad_sync", "recompute", "dropout",
-                  "attention_dropout", "cp_mode", "cp_a2a_size", "moe_dispatcher")
+                  "attention_dropout", "dropout_seed", "cp_mode", "cp_a2a_size", "moe_dispatcher")
 CP_MODES = ("ring", "allgather", "a2a", "a2a+ring")
 
 
@@ -63,6 +63,8 @@ class GPTConfig:
     tie_embeddings: bool = False
     dropout: float = 0.0  # embedding and residual-branch outputs
     attention_dropout: float = 0.0
+    # keys the counter-based dropout masks, with each site's global index and each sample's (models/block.py)
+    dropout_seed: int = 0
     sequence_parallel: bool = False
     # SP parameters (norms, row biases, learned positions) see one sequence shard: True sums their grads over tp
     # inside backward (one all-reduce per module; works under DDP and FSDP2); False tags them `sequence_parallel` for
@@ -134,6 +136,8 @@ class GPTConfig:
         for name in ("dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{name}={getattr(self, name)} must be in [0, 1)")
+        if isinstance(self.dropout_seed, bool) or not isinstance(self.dropout_seed, int):
+            raise ValueError(f"dropout_seed={self.dropout_seed!r} must be an integer")
 
     def _check_moe(self):
         if isinstance(self.num_experts, bool) or not isinstance(self.num_experts, int) or self.num_experts < 0:
@@ -199,9 +203,6 @@ class GPTConfig:
     def check_cp(self, cp: int, tp: int = 1) -> None:
         """Raise a ValueError naming the value if this model cannot run on a context-parallel group of `cp` ranks
         (with `tp` tensor-parallel ranks: the a2a modes split each rank's heads)."""
-        if cp > 1 and self.attention_dropout:
-            raise ValueError(f"attention_dropout={self.attention_dropout} with cp={cp}: attention dropout is not "
-                             "supported under context parallelism (residual dropout is)")
         if cp == 1 or self.cp_mode not in ("a2a", "a2a+ring"):
             return
         if self.cp_mode == "a2a+ring" and (self.cp_a2a_size is None or cp % self.cp_a2a_size):

@@ -31,10 +31,21 @@ import torch.distributed as dist
 from torch import nn
 
 import tp
+from tp.dropout import CounterDropout
 from tp.mesh import SharedGroup, resolve_cp_group, resolve_group
 from tp.random import derive_seed
 
-from .block import Norm, TransformerBlock, document_positions, dropout, normal_init, token_positions, token_rows
+from .block import (
+    Norm,
+    TransformerBlock,
+    document_positions,
+    dropout_module,
+    dropout_positions,
+    normal_init,
+    sample_ids_or_drawn,
+    token_positions,
+    token_rows,
+)
 from .config import GPTConfig
 
 if TYPE_CHECKING:
@@ -91,7 +102,7 @@ class GPT(nn.Module):
         self.layers = nn.ModuleList()
         for i in range(*self.layer_range):
             with _seeded(base, 2 + i) if _init else contextlib.nullcontext():
-                self.layers.append(TransformerBlock(config, group=self.group, cp_group=self.cp_group,
+                self.layers.append(TransformerBlock(config, group=self.group, cp_group=self.cp_group, layer=i,
                                                     moe=config.is_moe_layer(i), _init=_init))
         if post_process:
             self.final_norm = Norm(config.norm, h, config.norm_eps, sequence_parallel=sp,
@@ -110,8 +121,8 @@ class GPT(nn.Module):
         master = normal_init(c.init_std)(torch.empty(c.vocab_size, c.hidden_size))
         return torch.cat([master, master.new_zeros(self.padded_vocab_size - c.vocab_size, c.hidden_size)])
 
-    def embed(self, tokens: torch.Tensor,
-              position_ids: torch.Tensor | None = None) -> torch.Tensor:  # [b, s] -> [s(/cp)(/tp), b, h]
+    def embed(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None,
+              sample_ids: torch.Tensor | None = None) -> torch.Tensor:  # [b, s] -> [s(/cp)(/tp), b, h]
         c = self.config
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be [batch, seq], got shape {tuple(tokens.shape)}")
@@ -149,7 +160,12 @@ class GPT(nn.Module):
                 x = x + weight[first:first + chunk].unsqueeze(1)
             else:
                 x = x + weight[:seq].unsqueeze(1)
-        return dropout(x, c.dropout, self.training, c.sequence_parallel, positions)
+        if not (c.dropout and self.training):
+            return x
+        rows = dropout_positions(x.shape[0], sequence_parallel=c.sequence_parallel, tp_group=self.group,
+                                 cp_group=self.cp_group, device=x.device)
+        samples = sample_ids_or_drawn(sample_ids, x.shape[1], x.device)
+        return CounterDropout(c.dropout, c.dropout_seed, dropout_module(None, 0), samples).add(x, positions=rows)
 
     def head(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         # [s(/cp)(/tp), b, h] -> loss, or logits [b, s, vocab_size]
@@ -186,20 +202,22 @@ class GPT(nn.Module):
             raise ValueError(f"targets shape {tuple(targets.shape)} != [batch, seq] {(hidden.shape[1], seq)} of this "
                              f"stage's input hidden {tuple(hidden.shape)} ([seq(/tp), batch, hidden])")
 
-    def _check_documents(self, tokens, hidden, document_ids, position_ids):
+    def _check_documents(self, tokens, hidden, document_ids, position_ids, sample_ids=None):
         """document_ids and position_ids must be integer [b, s] like the window's tokens, positions in
-        [0, max_seq_len) (one host sync)."""
+        [0, max_seq_len) (one host sync); sample_ids integer [b]."""
         if self.pre_process:
             shape = tuple(tokens.shape)
         else:
             shape = (hidden.shape[1], hidden.shape[0] * (self.tp_size if self.config.sequence_parallel else 1)
                      * self.cp_size)
-        for name, ids in (("document_ids", document_ids), ("position_ids", position_ids)):
+        for name, ids, want in (("document_ids", document_ids, shape), ("position_ids", position_ids, shape),
+                                ("sample_ids", sample_ids, shape[:1])):
             if ids is None:
                 continue
-            if tuple(ids.shape) != shape or ids.dtype.is_floating_point or ids.dtype == torch.bool:
-                raise ValueError(f"{name} must be integers of the tokens' shape [batch, seq] {shape}, got "
-                                 f"{ids.dtype} {tuple(ids.shape)}")
+            if tuple(ids.shape) != want or ids.dtype.is_floating_point or ids.dtype.is_complex \
+                    or ids.dtype == torch.bool:
+                what = "the tokens' shape [batch, seq]" if len(want) == 2 else "shape [batch]"
+                raise ValueError(f"{name} must be integers of {what} {want}, got {ids.dtype} {tuple(ids.shape)}")
         if position_ids is not None:
             low, high = torch.stack(torch.aminmax(position_ids)).tolist()
             if low < 0 or high >= self.config.max_seq_len:
@@ -208,16 +226,20 @@ class GPT(nn.Module):
 
     def forward(self, tokens: torch.Tensor | None = None, targets: torch.Tensor | None = None, *,
                 hidden: torch.Tensor | None = None, document_ids: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, cache: "KVCache | None" = None) -> torch.Tensor:
+                position_ids: torch.Tensor | None = None, cache: "KVCache | None" = None,
+                sample_ids: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [b, s] (first stage) or hidden [s(/tp), b, h] (later stages) -> loss / logits (last stage) or
         hidden. document_ids [b, s]: attention inside each document, positions restarting at each (unless
         position_ids [b, s] gives them); every stage takes them. `cache` (generation, models/generation.py): the
-        tokens follow the cached ones, whose keys and values each layer reads, and to which it adds these."""
+        tokens follow the cached ones, whose keys and values each layer reads, and to which it adds these.
+        sample_ids [b] (integers): each sample's global index in the run, which with config.dropout_seed keys the
+        dropout masks (every stage takes them); in training without them, each forward draws a random start from
+        the default CPU generator (seed every rank of a tp/cp group alike)."""
         if targets is not None and self.post_process:
             self._check_targets(tokens, targets, hidden)  # every rank, before any collective
         if cache is not None:  # the positions after the cached tokens
             position_ids = cache.position_ids(tokens)
-        self._check_documents(tokens, hidden, document_ids, position_ids)
+        self._check_documents(tokens, hidden, document_ids, position_ids, sample_ids)
         if self.cp_size > 1 and tp.is_debug():  # (ids differing across the cp group would mask silently wrong)
             for name, ids in (("document_ids", document_ids), ("position_ids", position_ids)):
                 if ids is not None:
@@ -225,9 +247,13 @@ class GPT(nn.Module):
                                    replicated=True, group_name="cp")
         if position_ids is None and document_ids is not None:
             position_ids = document_positions(document_ids)
-        x = self.embed(tokens, position_ids) if self.pre_process else hidden
+        c = self.config
+        if self.training and cache is None and (c.dropout or c.attention_dropout):  # one draw for every layer
+            batch = tokens.shape[0] if self.pre_process else hidden.shape[1]
+            sample_ids = sample_ids_or_drawn(sample_ids, batch, (tokens if self.pre_process else hidden).device)
+        x = self.embed(tokens, position_ids, sample_ids) if self.pre_process else hidden
         for i, layer in enumerate(self.layers):
-            x = layer(x, document_ids=document_ids, position_ids=position_ids,
+            x = layer(x, document_ids=document_ids, position_ids=position_ids, sample_ids=sample_ids,
                       cache=None if cache is None else cache.layer(i))
         if cache is not None:
             cache.advance(x.shape[0])

@@ -1,7 +1,7 @@
 """The GPT under context parallelism against Hugging Face's dense model: logits, loss and every gradient (summed over
 cp, gathered over tp) in fp64 at cp = 2 and 4, with tp, SP, GQA/MQA, learned positions and the ring, all-gather and
-a2a modes; ignored tokens; dropout masks; the training job's curves, pipelines and checkpoints across cp; bad
-configurations."""
+a2a modes; ignored tokens; the training job's curves, pipelines and checkpoints across cp; bad configurations (dropout
+under cp: tests/test_dropout.py)."""
 
 import pytest
 import torch
@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import models
 import tp
-from models.block import dropout, token_positions
+from models.block import token_positions
 from models.hf import hf_state_dict
 from tp.testing import distributed
 
@@ -95,21 +95,6 @@ def test_ignored_tokens_under_cp():
     assert all(p.grad is None or not p.grad.any() for p in model.parameters())  # zero, as F.cross_entropy's
 
 
-def test_dropout_under_cp_keeps_the_masks_of_the_run_without_cp():
-    """Each rank's rows of the residual stream get the mask F.dropout draws for those positions on the full
-    sequence (checked for every rank of cp = 2 and 3, on the CPU where F.dropout draws the same way)."""
-    x = torch.randn(12, 3, 5)
-    torch.manual_seed(7)
-    expected = F.dropout(x, 0.3, training=True)
-    for cp in (2, 3):
-        for rank in range(cp):
-            rows = torch.cat([c for i, c in enumerate(x.chunk(2 * cp)) if i in (rank, 2 * cp - 1 - rank)])
-            positions = torch.cat([torch.arange(12).chunk(2 * cp)[i] for i in (rank, 2 * cp - 1 - rank)])
-            torch.manual_seed(7)
-            ours = dropout(rows, 0.3, True, False, (positions, 12))
-            assert torch.equal(ours, expected[positions]), (cp, rank)
-
-
 @distributed(world_size=4)
 def test_token_positions_follow_the_load_balanced_layout():
     mesh = tp.init_mesh(tp=2, cp=2)
@@ -167,14 +152,12 @@ def test_debug_mode_catches_cp_ranks_passing_different_tokens():
 
 
 @distributed(world_size=2)
-def test_bad_sequence_lengths_and_attention_dropout_are_refused_on_every_rank():
+def test_bad_sequence_lengths_are_refused_on_every_rank():
     tp.init_mesh(cp=2)
     config = models.GPTConfig(vocab_size=VOCAB, hidden_size=16, num_heads=4, num_layers=1, max_seq_len=32)
     model = models.GPT(config)
     with pytest.raises(ValueError, match=r"sequence length 10 is not divisible by 4: 2\*cp = 2\*2"):
         model(torch.zeros(1, 10, dtype=torch.long))
-    with pytest.raises(ValueError, match=r"attention_dropout=0.1 with cp=2"):
-        models.GPT(config.replace(attention_dropout=0.1))
 
 
 # ---- the training job ---------------------------------------------------------------------------------------------
@@ -221,33 +204,11 @@ def test_cp_splits_train_the_serial_curve_and_reshard_across_cp(tmp_path):
     _close(resumed, serial[2:], "resumed at cp=4")
 
 
-def test_dropout_under_cp_trains_the_curve_of_the_run_without_cp(tmp_path):
-    """Residual dropout masks follow positions, not the split: cp = 2 (and tp = 2 with SP on top) draw the masks of
-    one process (dp = pp = 1: data parallelism and pipeline stages draw other masks by design, with or without cp)."""
-    from tp.testing import run
-
-    dropout = ["--dropout", "0.1", "--attention-dropout", "0"]
-    curves = {}
-    for name, flags in {"1x1": ["--tp", "1", "--cp", "1"], "1x2": ["--tp", "1", "--cp", "2"],
-                        "2x2 sp": ["--tp", "2", "--cp", "2", "--sequence-parallel"]}.items():
-        log = str(tmp_path / f"{name.replace(' ', '_')}.jsonl")
-        world = int(flags[1]) * int(flags[3])
-        if world == 4:
-            run(_train_on_4_ranks, 4, flags=[*flags, "--pp", "1", "--dp", "1", *dropout], log=log, timeout=300)
-        else:
-            result = _run(*SMALL, *flags, "--pp", "1", "--dp", "1", *dropout, "--log-jsonl", log)
-            assert result.returncode == 0, result.stderr[-3000:]
-        curves[name] = _losses(log)
-    _close(curves["1x2"], curves["1x1"], "cp=2 with dropout")
-    _close(curves["2x2 sp"], curves["1x1"], "tp=2 cp=2 SP with dropout")
-
-
 @pytest.mark.parametrize("flags,message", [
     (["--cp", "2", "--seq-len", "30"], r"--seq-len=30 with --cp=2: sequence length 30 is not divisible by 4: "
                                        r"2\*cp = 2\*2"),
     (["--cp", "2", "--tp", "2", "--sequence-parallel", "--seq-len", "36"],
      r"--seq-len=36 with --cp=2 --tp=2 --sequence-parallel: .* not divisible by 8"),
-    (["--cp", "2", "--dropout", "0.1"], r"--attention-dropout=0.1 with --cp=2: attention dropout is not supported"),
     (["--cp", "0"], r"--cp=0 must be >= 1"),
 ])
 def test_bad_cp_configuration_is_one_line_before_any_process(flags, message):

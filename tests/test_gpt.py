@@ -165,8 +165,8 @@ def test_dropout_masks_and_recompute_give_the_same_gradients():
             assert torch.equal(grad, plain[name]), (recompute, name)
     no_dropout = models.GPT(config.replace(dropout=0.0, attention_dropout=0.0))
     assert no_dropout.training  # dropout 0: nothing is drawn even in training mode
-    # The attention heads are tp-sharded: the qkv grads of the two ranks come from different masks; the replicated
-    # norms' grads come from one mask and agree.
+    # The masks are counter-based (without sample_ids, every tp rank draws the same start from the default generator
+    # model_parallel_seed seeds alike): the replicated norms' grads agree.
     every = [torch.empty_like(plain["layers.0.norm1.weight"]) for _ in range(2)]
     torch.distributed.all_gather(every, plain["layers.0.norm1.weight"], group=mesh.tp_group)
     assert torch.equal(every[0], every[1])

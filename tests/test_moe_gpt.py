@@ -25,6 +25,7 @@ CASES = {  # name: (tp, sp, ep, etp, cp, dtype, config changes, micro-batches)
     "capacity tp1 ep4": (1, False, 4, None, 1, torch.float64, dict(num_experts=8, moe_capacity_factor=1.0), 1),
     "allgather cp2 ep2": (1, False, 2, None, 2, torch.float32, dict(moe_dispatcher="allgather"), 1),
     "replicated tp2 ep2 etp1 accumulation": (2, False, 2, 1, 1, torch.float64, dict(recompute="selective"), 2),
+    "dropout tp2sp ep2 dp2": (2, True, 2, None, 1, torch.float64, dict(dropout=0.2, attention_dropout=0.2), 2),
 }
 
 
@@ -35,12 +36,13 @@ def _reduce(t, group, dp):
     return t / dp
 
 
-def _step(model, X, Y, micro_batches):
-    """Forward and backward over `micro_batches` slices of the batch, the losses and aux losses scaled by 1/n."""
+def _step(model, X, Y, micro_batches, samples):
+    """Forward and backward over `micro_batches` slices of the batch, the losses and aux losses scaled by 1/n;
+    `samples`: the rows' global indices (they key the dropout masks)."""
     model.set_moe_aux_loss_scale(1.0 / micro_batches)
     losses, aux = [], []
-    for x, y in zip(X.chunk(micro_batches), Y.chunk(micro_batches)):
-        loss = model(x, y)
+    for x, y, ids in zip(X.chunk(micro_batches), Y.chunk(micro_batches), samples.chunk(micro_batches)):
+        loss = model(x, y, sample_ids=ids)
         (loss / micro_batches).backward()
         losses.append(loss.detach())
         aux.append(model.moe_aux_losses())
@@ -63,8 +65,8 @@ def test_moe_gpt_matches_the_one_rank_model(case):
     X = torch.randint(0, VOCAB, (mesh.dp_size * BATCH * micro_batches, SEQ), generator=g)
     Y = torch.randint(0, VOCAB, X.shape, generator=g)
     rows = torch.arange(X.shape[0]).view(micro_batches, mesh.dp_size, BATCH)[:, mesh.dp_rank].flatten()
-    serial_losses, serial_aux = _step(serial, X, Y, micro_batches)
-    losses, aux = _step(model, X[rows], Y[rows], micro_batches)
+    serial_losses, serial_aux = _step(serial, X, Y, micro_batches, torch.arange(len(X)))
+    losses, aux = _step(model, X[rows], Y[rows], micro_batches, rows)
     tol = 1e-12 if dtype == torch.float64 else 1e-5
     for ours, theirs, a, b in zip(losses, serial_losses, aux, serial_aux):
         assert abs(_reduce(ours, mesh.dp_group, mesh.dp_size).item() - theirs.item()) <= tol
@@ -75,7 +77,8 @@ def test_moe_gpt_matches_the_one_rank_model(case):
             if isinstance(ours, tp.moe.TopKRouter):
                 assert torch.equal(_reduce(ours.expert_load, mesh.group("tp-cp-dp"), 1), theirs.expert_load)
     with torch.no_grad():
-        err = (model(X[rows]) - serial(X)[rows]).abs().max().item()  # (capacity: over the same global tokens)
+        logits = serial(X, sample_ids=torch.arange(len(X)))[rows]
+        err = (model(X[rows], sample_ids=rows) - logits).abs().max().item()  # (capacity: over the same global tokens)
     assert err <= 10 * tol, f"logits err {err}"
     expected, ours = hf_state_dict(serial, solo, grads=True), hf_state_dict(model, grads=True)
     assert set(ours) == set(expected)

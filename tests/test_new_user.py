@@ -135,7 +135,7 @@ def test_a_closed_stdout_ends_the_job_quietly(tmp_path):
 def test_help_shows_each_default_once():
     helps = [action.help for action in parser()._actions if action.help]
     text = parser().format_help()
-    assert "(default: --dropout; not supported with --cp > 1)" in text
+    assert "(default: --dropout)" in text
     assert not re.search(r"default[^()]*\) \(default", text), [h for h in helps if h.count("default") > 1]
     assert "(default: None)" not in text.replace("\n", " ").split("--attention-dropout")[1].split("--from-hf")[0]
 

@@ -1,5 +1,6 @@
 """Megatron-style tensor parallelism: hybrid mesh, conjugate mappings, parallel layers."""
 from . import (
+    dropout,  # tp.dropout: counter-based dropout masks keyed by global position (CounterDropout)
     moe,  # tp.moe: the mixture-of-experts layer, router, dispatchers, experts
     optim,  # tp.optim: DataParallel, DistributedOptimizer, memory_bytes
 )
@@ -32,7 +33,7 @@ __all__ = [
     "allreduce_sequence_parallel_grads", "sync_grads_over_tp", "allreduce_main_grads", "ddp_ignore_main_grads",
     "parallelize", "describe", "default_plan", "full_state_dict",
     "cp_shard", "cp_unshard", "cp_positions", "context_parallel_attention",
-    "clip_grad_norm_", "optim", "moe",
+    "clip_grad_norm_", "optim", "moe", "dropout",
     "set_debug", "is_debug",
     "model_parallel_seed", "fork_rng", "get_rng_tracker", "get_rng_state", "set_rng_state",
 ]

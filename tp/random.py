@@ -5,6 +5,8 @@ Dropout on replicated activations must draw the same mask on every tp rank; drop
 seeds the default generators with `seed + 100·pp_rank` (same on every tp rank, different per pipeline stage) and
 gives the tracked "model-parallel" stream the seed `that + 2718 + tp_rank`; `with tp.fork_rng():` runs its body on
 that stream. On a machine with CUDA the stream lives on the current GPU (where dropout runs), else on the CPU.
+These streams are for users' own code and the models `tp.parallelize` shards: their masks depend on the split. The
+package's GPT draws counter-based masks keyed by global position instead (tp.dropout), the same at every split.
 
 Why forks derive their state from the default generator: `torch.utils.checkpoint` saves and restores the default
 generators around a recomputed region, never other generators. Each fork therefore starts from its stream's seed

@@ -42,10 +42,11 @@ training may change the originals from then on), then DCP's async_save writes th
 collectives on `async_group` (a gloo group of its own: the training's groups stay the training thread's); the
 returned Future is done once the whole checkpoint, `.metadata` last, is on disk.
 
-RNG: restored only when the split (world size, tp, pp, dp, order) is unchanged, so resuming then is bit-exact with
-dropout too. At another split no rank's stream corresponds to a saved one: every rank keeps the generators it has
-(seed them with `tp.model_parallel_seed` before loading), and dropout masks differ from the uninterrupted run from
-then on (a warning says so when the config has dropout; with dropout 0, as in the demo, nothing differs).
+RNG: restored only when the split (world size, tp, pp, dp, order) is unchanged. At another split no rank's stream
+corresponds to a saved one: every rank keeps the generators it has (seed them with `tp.model_parallel_seed` before
+loading). The model's dropout masks do not depend on them: they are keyed by GPTConfig.dropout_seed and each sample's
+global index (`sample_ids`, which the training job passes), so a resume at any split keeps the curve with dropout on.
+Only a forward without sample_ids draws their start from the default generator.
 """
 import dataclasses
 import os
@@ -429,7 +430,4 @@ def load(path: str, model: Model, optimizer: torch.optim.Optimizer | None, *, me
         group.update(saved)
     if same_split:
         tp.set_rng_state(pickle.loads(state[rng_key]))
-    elif stages[0].config.dropout or stages[0].config.attention_dropout:
-        warnings.warn(f"checkpoint {path!r} was saved at split {meta['split']}, this is {_split(mesh)}: the RNG "
-                      "state is not restored, so dropout masks differ from the uninterrupted run", stacklevel=2)
     return meta["step"], meta["extra"]

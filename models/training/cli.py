@@ -116,7 +116,7 @@ def _model_and_data_flags(a):
         a(f"--{field.replace('_', '-')}", type=int, default=None, help=f"override the preset's {field}")
     a("--dropout", type=float, default=0.0, help="residual (and, unless given, attention) dropout")
     a("--attention-dropout", type=float, default=None,
-      help="attention-probability dropout (default: --dropout; not supported with --cp > 1)")
+      help="attention-probability dropout (default: --dropout)")
     a("--from-hf", metavar="PATH", default=None,
       help="start from a Hugging Face Llama/Mistral/Qwen2/GPT-2 directory (save_pretrained); its own tokenizer "
            "is used when the directory holds one (else bytes: the vocabulary must cover 256)")

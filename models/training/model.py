@@ -24,7 +24,8 @@ def gpt_config_from_job(job: JobConfig) -> GPTConfig:
     # backward there.
     attention_dropout = model.dropout if model.attention_dropout is None else model.attention_dropout
     runtime = dict(sequence_parallel=parallel.sequence_parallel, recompute=parallel.recompute, dropout=model.dropout,
-                   attention_dropout=attention_dropout, sequence_parallel_grad_sync=not uses_torch_ddp(job),
+                   attention_dropout=attention_dropout, dropout_seed=job.training.seed,
+                   sequence_parallel_grad_sync=not uses_torch_ddp(job),
                    cp_mode=parallel.cp_mode, cp_a2a_size=parallel.cp_a2a_size)
     if model.from_hf:
         import transformers
@@ -53,7 +54,9 @@ def build_model(job: JobConfig, config: GPTConfig, mesh: Mesh) -> tuple[list[GPT
     ModuleList of them when the schedule interleaves). The weights are --seed's (or --from-hf's) for any split."""
     torch.manual_seed(job.training.seed)  # the same on every rank: the weights do not depend on the split
     chunks = build_chunks(config, mesh, job.parallelism.virtual_stages, from_hf=job.model.from_hf)
-    tp.model_parallel_seed(job.training.seed)  # dropout streams (per pipeline stage and tp rank)
+    # (the model's dropout masks are counter-based, keyed by --seed and each sample's index: models/block.py; the
+    # streams seeded here are the default generators' and tp.fork_rng's, for anything else that draws)
+    tp.model_parallel_seed(job.training.seed)
     for chunk in chunks:  # (MoE) aux losses per micro-batch, their gradient scaled as the runner scales the loss
         aux_losses_per_micro_batch(chunk, mesh)
         chunk.set_moe_aux_loss_scale(1 / job.micro_batches)

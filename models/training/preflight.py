@@ -42,9 +42,6 @@ def check_model_fits(job: JobConfig, config: GPTConfig) -> None:
     stage_layers(config.num_layers, parallel.pp, 0, parallel.virtual_stages)
     check_experts(job, config)
     if parallel.cp > 1:
-        if config.attention_dropout:
-            raise ValueError(f"--attention-dropout={config.attention_dropout} with --cp={parallel.cp}: attention "
-                             "dropout is not supported under context parallelism (pass --attention-dropout 0)")
         try:
             config.check_cp(parallel.cp, parallel.tp)  # the a2a modes' head split
         except ValueError as e:

@@ -148,7 +148,7 @@ class Trainer:
         job, mesh, training = self.job, self.mesh, self.job.training
         started = time.perf_counter()
         self.clock.start()
-        micro_batches = self.with_documents(next(self.stream))
+        micro_batches = self.with_samples(self.with_documents(next(self.stream)), step)
         if training.check_inputs:  # every tp (and cp) rank of a group reads the same tokens
             for tokens, targets, *_ in micro_batches:
                 tp.debug.check(torch.stack([tokens, targets]), mesh.group("tp-cp"), "the training tokens",
@@ -204,6 +204,20 @@ class Trainer:
     def with_documents(self, micro_batches: list) -> list:
         """The micro-batches with their documents' inputs and loss mask (documents.py), when the job asks."""
         return micro_batches if self.documents is None else [self.documents(*micro) for micro in micro_batches]
+
+    def with_samples(self, micro_batches: list, step: int) -> list:
+        """The micro-batches with their samples' global indices in the run, `sample_ids` [mb] (step·B + the place in
+        the global batch: micro-batch j of this dp rank is the global batch's micro-batch j·dp + dp_rank), which key
+        the dropout masks: the same masks for a sample at any split. Unchanged without dropout."""
+        if not (self.config.dropout or self.config.attention_dropout):
+            return micro_batches
+        training, dp = self.job.training, self.mesh.dp_size
+        out = []
+        for j, (tokens, targets, *inputs) in enumerate(micro_batches):
+            first = step * training.global_batch_size + (j * dp + self.mesh.dp_rank) * training.micro_batch_size
+            ids = torch.arange(first, first + tokens.shape[0], device=tokens.device)
+            out.append((tokens, targets, {**(inputs[0] if inputs else {}), "sample_ids": ids}))
+        return out
 
     def save(self, step: int) -> float:
         """Write --save's DIR/step-N, then point DIR/latest at it (checkpoint_dirs.py): a kill mid-save never spoils

@@ -11,22 +11,31 @@ four modes:
 
 Documents (a packed window): `document_ids` [b, s] of the whole sequence, replicated on every rank of the group as
 the tokens are, keeps attention inside each document (block-diagonal causal); the ring and all-gather modes skip the
-blocks documents hide entirely (blocks.py). No attention dropout under cp > 1.
+blocks documents hide entirely (blocks.py).
+
+Attention dropout (`dropout`, a tp.dropout.CounterDropout): every mode applies the mask of the serial run, each
+(query, key) block drawing its tile's bits from the tokens' global positions and the heads' global indices, forward
+and backward (no mask saved, none of the whole sequence materialised). `local_attention` is the same on one rank.
 """
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from .allgather import AllGatherAttention
-from .blocks import dense_attention, document_attention_mask
+from .allgather import AllGatherAttention, local_attention
+from .blocks import document_attention_mask
 from .layout import cp_group_or_mesh, cp_positions, cp_shard, cp_unshard
 from .ring import RingAttention, whole_ring
 from .ulysses import ulysses_attention
 
 MODES = ("ring", "allgather", "a2a", "a2a+ring")
 
-__all__ = ["MODES", "context_parallel_attention", "cp_positions", "cp_shard", "cp_unshard", "document_attention_mask"]
+if TYPE_CHECKING:
+    from ..dropout import CounterDropout
+
+__all__ = ["MODES", "context_parallel_attention", "cp_positions", "cp_shard", "cp_unshard", "document_attention_mask",
+           "local_attention"]
 
 
 def _check_shapes(q, k, v, cp, where):
@@ -74,10 +83,21 @@ def _check_documents(document_ids, q, cp, where):
         raise ValueError(f"{where}: document_ids must be integers, got {document_ids.dtype}")
 
 
+def _check_dropout(dropout, q, where):
+    if dropout is None:
+        return
+    samples = dropout.samples
+    if samples.dim() != 1 or len(samples) != q.shape[0] or samples.dtype.is_floating_point or samples.dtype.is_complex:
+        raise ValueError(f"{where}: dropout.samples must be integers [b] = [{q.shape[0]}], got {samples.dtype} "
+                         f"{tuple(samples.shape)}")
+    if not 0.0 <= dropout.p < 1.0:
+        raise ValueError(f"{where}: dropout.p={dropout.p} must be in [0, 1)")
+
+
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
                                mode: str = "ring", group: dist.ProcessGroup | None = None,
                                scale: float | None = None, document_ids: torch.Tensor | None = None,
-                               a2a_size: int | None = None) -> torch.Tensor:
+                               a2a_size: int | None = None, dropout: "CounterDropout | None" = None) -> torch.Tensor:
     """Attention of this rank's queries over the whole sequence of the cp group, everything in the load-balanced
     layout: q [b, heads, s/cp, d], k and v [b, kv_heads, s/cp, d] (heads a multiple of kv_heads) -> [b, heads,
     s/cp, d], equal to F.scaled_dot_product_attention(is_causal=causal, enable_gqa=...) on the full tensors.
@@ -86,7 +106,9 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     (Ulysses: 4 all-to-alls forward, 4 backward; heads divisible by cp), "a2a+ring" (a2a inside sub-groups of
     `a2a_size` consecutive ranks, ring across them); group: the cp group (default: the current mesh's); scale:
     default 1/sqrt(d); document_ids: [b, s] ints of the whole sequence in sequence order, the same on every rank
-    (equal ids: one document): attention stays inside each document. One rank: SDPA itself. No dropout.
+    (equal ids: one document): attention stays inside each document; dropout: attention dropout's masks
+    (tp.dropout.CounterDropout, its first_head this rank's first head; None: none). One rank: SDPA itself (with
+    dropout: local_attention).
     """
     group = cp_group_or_mesh(group)
     cp, where = dist.get_world_size(group), "context_parallel_attention"
@@ -95,11 +117,12 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     _check_shapes(q, k, v, cp, where)
     _check_a2a(q.shape[1], k.shape[1], mode, a2a_size, cp, where)
     _check_documents(document_ids, q, cp, where)
+    _check_dropout(dropout, q, where)
     if cp == 1:
-        return dense_attention(q, k, v, causal, scale, document_ids)
+        return local_attention(q, k, v, causal, scale, document_ids, dropout)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if mode == "ring":
-        return RingAttention.apply(q, k, v, causal, scale, whole_ring(group), document_ids)
+        return RingAttention.apply(q, k, v, causal, scale, whole_ring(group), document_ids, dropout)
     if mode == "allgather":
-        return AllGatherAttention.apply(q, k, v, causal, scale, group, document_ids)
-    return ulysses_attention(q, k, v, causal, scale, group, cp if mode == "a2a" else a2a_size, document_ids)
+        return AllGatherAttention.apply(q, k, v, causal, scale, group, document_ids, dropout)
+    return ulysses_attention(q, k, v, causal, scale, group, cp if mode == "a2a" else a2a_size, document_ids, dropout)

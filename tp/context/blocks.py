@@ -8,15 +8,20 @@ pairs; with documents `trim_blocks` cuts each block down to the rows and columns
 none does: a packed window's cross-document blocks cost no compute.
 
 Blocks are matmul-softmax in the accumulation dtype (fp64 for fp64 inputs, else fp32; autocast off), so the same code
-runs on any device and dtype. A fully masked row gives out 0 and lse −inf, never NaN.
+runs on any device and dtype. A fully masked row gives out 0 and lse −inf, never NaN. Attention dropout multiplies
+each block's probabilities by its (query, key) tile's keep/(1 − p), drawn from the tokens' global positions
+(tp.dropout): any decomposition into blocks, on any rank, applies the serial run's mask, and backward redraws it.
 """
 import math
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from .layout import own_share
+
+if TYPE_CHECKING:
+    from ..dropout import CounterDropout
 
 Block = tuple[slice, slice, bool]  # (query rows, key columns, causal)
 
@@ -116,25 +121,30 @@ def _scores(q, k, scale, mask):
     return s if mask is None else s.masked_fill(mask, -math.inf)
 
 
-def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                  mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None,
+                  drop: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [b, kv, g, m, d], lse [b, kv, g, m]) of q over one KV block (`mask`: True hides a key); fully masked
-    rows give 0 and −inf."""
+    rows give 0 and −inf. `drop` [b, kv, g, m, n]: dropout's keep/(1 − p) on the probabilities (the lse is the
+    undropped one: dropout follows the softmax)."""
     s = _scores(q, k, scale, mask)
     lse = s.logsumexp(-1)
     p = torch.exp(s - _finite(lse).unsqueeze(-1))
-    return torch.einsum("bkgmn,bknd->bkgmd", p, v), lse
+    return torch.einsum("bkgmn,bknd->bkgmd", p if drop is None else p * drop, v), lse
 
 
 def block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
-                   delta: torch.Tensor, scale: float,
-                   mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) of one block, its probabilities recomputed from the final lse; delta = rowsum(dout · out)."""
+                   delta: torch.Tensor, scale: float, mask: torch.Tensor | None,
+                   drop: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of one block, its probabilities recomputed from the final lse; delta = rowsum(dout · out) of the
+    (dropped) output; `drop` as in block_forward (FlashAttention's dropout backward)."""
     p = torch.exp(_scores(q, k, scale, mask) - _finite(lse).unsqueeze(-1))  # [b, kv, g, m, n]
-    ds = p * (torch.einsum("bkgmd,bknd->bkgmn", dout, v) - delta.unsqueeze(-1))
+    dp = torch.einsum("bkgmd,bknd->bkgmn", dout, v)
+    if drop is not None:
+        dp, kept = dp * drop, p * drop
+    ds = p * (dp - delta.unsqueeze(-1))
     dq = torch.einsum("bkgmn,bknd->bkgmd", ds, k) * scale
     dk = torch.einsum("bkgmn,bkgmd->bknd", ds, q) * scale
-    return dq, dk, torch.einsum("bkgmn,bkgmd->bknd", p, dout)
+    return dq, dk, torch.einsum("bkgmn,bkgmd->bknd", p if drop is None else kept, dout)
 
 
 def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
@@ -150,27 +160,40 @@ def _no_autocast(x):
     return torch.autocast(x.device.type, enabled=False)
 
 
+def block_dropout(dropout: "CounterDropout | None", q: torch.Tensor, sides: tuple[Side, Side], rows: slice,
+                  cols: slice) -> torch.Tensor | None:
+    """keep/(1 − p) [b, kv, g, m, n] of a block of q [b, kv, g, ., d]: the mask of its (query, key) tile, drawn from
+    the tokens' global positions and the heads' global indices (None without dropout)."""
+    if dropout is None:
+        return None
+    q_side, k_side = sides
+    b, kv_heads, g = q.shape[:3]
+    keep = dropout.keep(q_side.positions[rows], k_side.positions[cols], heads=kv_heads * g)  # [b, heads, m, n]
+    return keep.unflatten(1, (kv_heads, g)).to(q.dtype) * (1.0 / (1.0 - dropout.p))
+
+
 def attend(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, block: Block,
-           sides: tuple[Side, Side], scale: float) -> None:
+           sides: tuple[Side, Side], scale: float, dropout: "CounterDropout | None" = None) -> None:
     """Attention of q's rows over kv's columns ([2, b, kv, n, d]) of `block`, merged into out and lse; `sides`:
-    (the queries', the keys')."""
+    (the queries', the keys'); `dropout`: attention dropout's masks (tp.dropout.CounterDropout) or None."""
     rows, cols, causal = block
     k, v = kv[:, :, :, cols].to(q.dtype)
     with _no_autocast(q):
-        mask = block_mask(*sides, rows, cols, causal)
-        merge(out[..., rows, :], lse[..., rows], *block_forward(q[..., rows, :], k, v, scale, mask))
+        mask, drop = block_mask(*sides, rows, cols, causal), block_dropout(dropout, q, sides, rows, cols)
+        merge(out[..., rows, :], lse[..., rows], *block_forward(q[..., rows, :], k, v, scale, mask, drop))
 
 
 def attend_backward(dq: torch.Tensor, dkv: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, dout: torch.Tensor,
                     lse: torch.Tensor, delta: torch.Tensor, block: Block, sides: tuple[Side, Side],
-                    scale: float) -> None:
-    """One block's gradients, accumulated into dq ([b, kv, g, n, d]) and dkv ([2, b, kv, n', d])."""
+                    scale: float, dropout: "CounterDropout | None" = None) -> None:
+    """One block's gradients, accumulated into dq ([b, kv, g, n, d]) and dkv ([2, b, kv, n', d]); the dropout mask
+    regenerated from its counters."""
     rows, cols, causal = block
     k, v = kv[:, :, :, cols].to(q.dtype)
     with _no_autocast(q):
-        mask = block_mask(*sides, rows, cols, causal)
+        mask, drop = block_mask(*sides, rows, cols, causal), block_dropout(dropout, q, sides, rows, cols)
         dq_block, dk, dv = block_backward(q[..., rows, :], k, v, dout[..., rows, :], lse[..., rows],
-                                          delta[..., rows], scale, mask)
+                                          delta[..., rows], scale, mask, drop)
     dq[..., rows, :] += dq_block
     dkv[:, :, :, cols] += torch.stack([dk, dv])
 

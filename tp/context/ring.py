@@ -9,7 +9,8 @@ lse.
 
 Documents: every rank holds the document ids of the whole sequence (as it holds the tokens), so each K/V block's ids
 are known where it arrives, without sending them; blocks that documents hide entirely are skipped, the others cut
-to the rows and columns that hold a visible pair (blocks.trim_blocks).
+to the rows and columns that hold a visible pair (blocks.trim_blocks). Attention dropout: each block draws its
+(query, key) tile's mask from the global positions on both sides (blocks.block_dropout), forward and backward.
 """
 import math
 from typing import NamedTuple
@@ -80,10 +81,11 @@ def ring_plan(ring: Ring, n: int, causal: bool, documents: torch.Tensor | None,
 
 class RingAttention(torch.autograd.Function):
     """forward: KV around the ring, blocks merged by lse · backward: KV around again, dK/dV accumulated on the way.
-    apply(q, k, v, causal, scale, ring, documents) on [b, heads, n, d] shares; documents [b, ring.size·n] or None."""
+    apply(q, k, v, causal, scale, ring, documents, dropout) on [b, heads, n, d] shares; documents [b, ring.size·n]
+    or None; dropout a tp.dropout.CounterDropout or None."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, ring, documents):
+    def forward(ctx, q, k, v, causal, scale, ring, documents, dropout):
         q_side, steps = ring_plan(ring, q.shape[2], causal, documents, q.device)
         qg = grouped(q, k.shape[1])
         kv = torch.stack([k, v])  # [2, b, kv_heads, n, d]: one message per step
@@ -91,10 +93,10 @@ class RingAttention(torch.autograd.Function):
         for step, (k_side, blocks) in enumerate(steps):
             incoming = ring.send(kv) if step < ring.size - 1 else None  # overlaps this step's attention
             for block in blocks:
-                attend(out, lse, qg, kv, block, (q_side, k_side), scale)
+                attend(out, lse, qg, kv, block, (q_side, k_side), scale, dropout)
             kv = wait(incoming) if incoming else kv
         out = out.flatten(1, 2).to(q.dtype)
-        ctx.scale, ctx.ring, ctx.plan = scale, ring, (q_side, steps)
+        ctx.scale, ctx.ring, ctx.plan, ctx.dropout = scale, ring, (q_side, steps), dropout
         ctx.save_for_backward(q, k, v, out, lse)
         return out
 
@@ -111,8 +113,8 @@ class RingAttention(torch.autograd.Function):
             # dK/dV of the KV we hold, carrying the contributions of the ranks it visited before us
             dkv = wait(dkv_transfer) if dkv_transfer else kv.new_zeros(kv.shape, dtype=qg.dtype)
             for block in blocks:
-                attend_backward(dq, dkv, qg, kv, dout, lse, delta, block, (q_side, k_side), ctx.scale)
+                attend_backward(dq, dkv, qg, kv, dout, lse, delta, block, (q_side, k_side), ctx.scale, ctx.dropout)
             dkv_transfer = ring.send(dkv)  # to its next holder; after the last step, to its owner
             kv = wait(incoming) if incoming else kv
         dkv = wait(dkv_transfer)
-        return dq.flatten(1, 2).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+        return dq.flatten(1, 2).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None

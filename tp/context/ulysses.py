@@ -13,12 +13,17 @@ share for heads/a2a_size heads: the ring's own layout, its causal halving and do
 sub-group all-to-all is one all_to_all_single on the cp group sending nothing outside the sub-group (no extra process
 groups); the ring's p2p runs on the cp group too.
 """
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 
-from .blocks import dense_attention
+from .allgather import local_attention
 from .layout import rank_order, sequence_order
 from .ring import Ring, RingAttention
+
+if TYPE_CHECKING:
+    from ..dropout import CounterDropout
 
 
 def subgroups(group: dist.ProcessGroup, a2a_size: int) -> tuple[tuple[int, ...], Ring]:
@@ -70,15 +75,19 @@ class _AllToAll(torch.autograd.Function):
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
-                      group: dist.ProcessGroup, a2a_size: int, documents: torch.Tensor | None) -> torch.Tensor:
+                      group: dist.ProcessGroup, a2a_size: int, documents: torch.Tensor | None,
+                      dropout: "CounterDropout | None" = None) -> torch.Tensor:
     """Attention of [b, heads, n, d] shares over the whole sequence: all-to-all inside sub-groups of `a2a_size` cp
-    ranks, then SDPA (a2a_size = cp) or ring attention across the sub-groups; documents [b, cp·n] or None."""
+    ranks, then SDPA (a2a_size = cp) or ring attention across the sub-groups; documents [b, cp·n] or None; dropout:
+    attention dropout's masks, this rank then holding the heads from its place in the sub-group on."""
     members, ring = subgroups(group, a2a_size)
+    if dropout is not None:  # heads_to_sequence hands member i the i-th a2a_size-th of the heads
+        dropout = dropout.heads_from(members.index(dist.get_rank(group)) * (q.shape[1] // a2a_size))
     if k.shape[1] < a2a_size:  # GQA: kv head j serves query heads j·g..; each rank gets one (replicated) kv head
         k, v = (t.repeat_interleave(a2a_size // k.shape[1], dim=1) for t in (k, v))
     q, k, v = (_AllToAll.apply(t, True, group, members) for t in (q, k, v))  # [b, heads/a, a·n, d]
     if ring.size == 1:
-        out = dense_attention(q, k, v, causal, scale, documents)
+        out = local_attention(q, k, v, causal, scale, documents, dropout)
     else:
-        out = RingAttention.apply(q, k, v, causal, scale, ring, documents)
+        out = RingAttention.apply(q, k, v, causal, scale, ring, documents, dropout)
     return _AllToAll.apply(out, False, group, members)  # [b, heads, n, d]

@@ -3,7 +3,8 @@
 A stage is any module that follows `PipelineStage`: called as `stage(tokens, targets, hidden=x, **inputs)`, the first
 stage reads the micro-batch's tokens, the others the previous stage's activation x; the last returns the micro-batch's
 loss, the others their output activation; `inputs`, the micro-batch's per-token tensors every stage needs (a packed
-window's document_ids and position_ids, [b, s]), reach every stage from the batch itself, not over p2p.
+window's document_ids and position_ids, [b, s]) and per-sample ones ([b]: the sample_ids dropout masks are keyed
+by), reach every stage from the batch itself, not over p2p.
 `stage.activation_shape(micro_batch_size, seq_len)` tells the runner the shape of the activations it moves between
 ranks. Each micro-batch's loss is divided by the number of micro-batches, so the summed gradients are those of the
 mean loss over the batch.
@@ -41,7 +42,8 @@ from ..mesh import Mesh
 from . import schedules
 from .wgrad import defer_wgrad
 
-# one micro-batch: (tokens [b, s], targets [b, s]), or with a dict of [b, s] tensors for every stage as a third item
+# one micro-batch: (tokens [b, s], targets [b, s]), or with a dict of [b, s] (per token) or [b] (per sample) tensors
+# for every stage as a third item
 Batch = tuple[torch.Tensor | None, torch.Tensor | None] | tuple[torch.Tensor | None, torch.Tensor | None,
                                                                   dict[str, torch.Tensor]]
 
@@ -171,14 +173,20 @@ class PipelineRunner:
     def _device(self):
         return next(self.stage.parameters()).device
 
+    def _expected(self, name, t):
+        """(what, shape): [micro_batch_size, seq_len], or [micro_batch_size] for a 1-D input (per sample)."""
+        if name not in ("tokens", "targets") and t is not None and t.dim() == 1:
+            return "[micro_batch_size]", self.batch_shape[:1]
+        return "[micro_batch_size, seq_len]", self.batch_shape
+
     def _check_batches(self, batches):
         """Raise on every stage if any stage's micro-batches differ from the shape the buffers are built for, or
         the stages were given different counts; the one all-reduce is also the schedule's common start."""
-        problem = next((f"micro-batch {k}: {name} shape {tuple(t.shape)} != [micro_batch_size, seq_len] "
-                        f"{self.batch_shape} this runner was built for"
+        problem = next((f"micro-batch {k}: {name} shape {tuple(t.shape)} != {what} {shape} this runner was built for"
                         for k, batch in enumerate(batches)
                         for name, t in [*zip(("tokens", "targets"), batch[:2]), *batch_inputs(batch).items()]
-                        if t is not None and tuple(t.shape) != self.batch_shape), None)
+                        for what, shape in [self._expected(name, t)]
+                        if t is not None and tuple(t.shape) != shape), None)
         if self.mesh.pp_size == 1:
             if problem:
                 raise ValueError(problem)
