@@ -122,9 +122,9 @@ class GPT(nn.Module):
                              + (f" / sliding_window={c.sliding_window} (not implemented)" if c.sliding_window else ""))
         if self.cp_size > 1:
             c.check_seq_len(seq, tp=self.tp_size, cp=self.cp_size)
-        low, high = torch.stack(torch.aminmax(tokens)).tolist()  # one host sync
-        if low < 0 or high >= c.vocab_size:  # the padded embedding rows exist, but are not tokens
-            raise ValueError(f"token id {low if low < 0 else high} is outside the vocabulary [0, {c.vocab_size})")
+        # (the padded embedding rows exist, but are not tokens; on a GPU a device assert: no host sync)
+        tp.debug.check_range(tokens, c.vocab_size,
+                             lambda bad: f"token id {bad} is outside the vocabulary [0, {c.vocab_size})")
         if self.cp_size > 1:
             if tp.is_debug():  # (a sampler over the global rank, or tokens already sharded, would pass silently)
                 tp.debug.check(tokens, self.cp_group, "the tokens of GPT (every cp rank passes the full [b, s])",
@@ -188,7 +188,7 @@ class GPT(nn.Module):
 
     def _check_documents(self, tokens, hidden, document_ids, position_ids):
         """document_ids and position_ids must be integer [b, s] like the window's tokens, positions in
-        [0, max_seq_len) (one host sync)."""
+        [0, max_seq_len) (tp.debug.check_range: no host sync on a GPU)."""
         if self.pre_process:
             shape = tuple(tokens.shape)
         else:
@@ -201,10 +201,9 @@ class GPT(nn.Module):
                 raise ValueError(f"{name} must be integers of the tokens' shape [batch, seq] {shape}, got "
                                  f"{ids.dtype} {tuple(ids.shape)}")
         if position_ids is not None:
-            low, high = torch.stack(torch.aminmax(position_ids)).tolist()
-            if low < 0 or high >= self.config.max_seq_len:
-                raise ValueError(f"position id {low if low < 0 else high} is outside [0, max_seq_len="
-                                 f"{self.config.max_seq_len})")
+            limit = self.config.max_seq_len
+            tp.debug.check_range(position_ids, limit,
+                                 lambda bad: f"position id {bad} is outside [0, max_seq_len={limit})")
 
     def forward(self, tokens: torch.Tensor | None = None, targets: torch.Tensor | None = None, *,
                 hidden: torch.Tensor | None = None, document_ids: torch.Tensor | None = None,

@@ -8,6 +8,7 @@ ValueError naming the ranks that differ. Finite values may differ by ~1e-9 of th
 Off (the default) it costs one boolean test per call and adds no collective.
 """
 import os
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -37,6 +38,26 @@ class set_debug:
 def is_debug() -> bool:
     """Whether the cross-rank checks are on."""
     return _enabled
+
+
+def check_range(ids: torch.Tensor, limit: int, message: Callable[[int | str], str], *,
+                ignore: int | None = None) -> None:
+    """Every id (but `ignore`) in [0, limit), else ValueError(message(the first bad id)).
+
+    On CPU tensors the check reads two numbers on the host (no device to wait for). On a GPU and under torch.compile
+    it is a device-side assert instead (`torch._assert_async`: no host sync, so the launch queue never stalls and the
+    graph does not break; a bad id stops the process with the message); debug mode makes it the host check there too.
+    """
+    if not ids.numel():
+        return
+    bad = (ids < 0) | (ids >= limit)
+    if ignore is not None:
+        bad &= ids != ignore
+    if torch.compiler.is_compiling() or (ids.device.type != "cpu" and not _enabled):
+        torch._assert_async(~bad.any(), message("(an id)"))
+        return
+    if bad.any():
+        raise ValueError(message(ids[bad][0].item()))
 
 
 def _summary(x):
