@@ -18,9 +18,10 @@ without position resets, or positions alone). Both describe the whole window on 
 and cp rank), as the tokens do.
 
 Initialisation is TP- and PP-invariant: the embedding, every block and the output layer draw their full master
-weights from their own seed, derived from one draw of the default generator, so `torch.manual_seed(s); GPT(cfg)`
+weights from their own seed, derived from one draw of the CPU generator, so `torch.manual_seed(s); GPT(cfg)`
 holds at any tp the slices of the TP=1 weights, and a pipeline stage holding layers i..j holds exactly those layers
-of the one-stage model.
+of the one-stage model. It is device-invariant too: the weights are drawn on the CPU and moved to the default device,
+so a GPU run starts from a CPU run's weights.
 """
 import contextlib
 import os
@@ -45,9 +46,11 @@ if TYPE_CHECKING:
 
 @contextlib.contextmanager
 def _seeded(base, index):
-    """Draw a module's init from its own stream: the same weights whichever stage builds it."""
+    """Draw a module's init from its own stream: the same weights whichever stage builds it. Only the CPU generator
+    is reseeded (and restored): the draws are on the CPU (see GPT.__init__), and the GPUs' generators stay as they
+    were."""
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(derive_seed(base, index))
+        torch.default_generator.manual_seed(derive_seed(base, index))
         yield
 
 
@@ -64,6 +67,13 @@ class GPT(nn.Module):
                  cp_group: dist.ProcessGroup | None = None, layers: tuple[int, int] | None = None,
                  pre_process: bool = True, post_process: bool = True, _init: bool = True) -> None:
         super().__init__()
+        device = torch.get_default_device()  # built and drawn on the CPU, then moved: the weights of any device
+        with torch.device("cpu"):
+            self._build(config, group, cp_group, layers, pre_process, post_process, _init)
+        if device.type != "cpu":
+            self.to(device)
+
+    def _build(self, config, group, cp_group, layers, pre_process, post_process, _init):
         self.config, self.group, self.cp_group = config, resolve_group(group), resolve_cp_group(cp_group)
         self.tp_size = dist.get_world_size(self.group)
         self.cp_size = 1 if self.cp_group is None else dist.get_world_size(self.cp_group)
@@ -75,7 +85,8 @@ class GPT(nn.Module):
             raise ValueError(f"layers={layers} must lie within [0, {config.num_layers}]")
         self.pre_process, self.post_process = pre_process, post_process
         sp, h = config.sequence_parallel, config.hidden_size
-        base = int(torch.randint(0, 2**62, (1,)).item()) if _init else 0  # the model's seed
+        # the model's seed, from the CPU generator (that `torch.manual_seed` sets), whatever the default device
+        base = int(torch.randint(0, 2**62, (1,), generator=torch.default_generator).item()) if _init else 0
         if pre_process:
             self.embedding = tp.VocabParallelEmbedding(self.padded_vocab_size, h, sequence_parallel=sp,
                                                        group=self.group, _init=False)

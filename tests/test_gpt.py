@@ -146,6 +146,22 @@ def test_init_is_tp_invariant_and_padding_never_wins(tp_size):
 
 
 @distributed(world_size=2)
+def test_init_draws_on_the_cpu_and_moves_to_the_default_device():
+    """(A GPU's default device: meta here.) The same CPU draws as a CPU build, the CPU generator left where a CPU
+    build leaves it, the parameters on the default device: a GPU run starts from a CPU run's weights."""
+    tp.init_mesh(tp=2)
+    config = models.GPTConfig(vocab_size=VOCAB, hidden_size=16, num_heads=4, num_kv_heads=2, ffn_hidden_size=24)
+    torch.manual_seed(3)
+    models.GPT(config)
+    after = torch.get_rng_state()
+    torch.manual_seed(3)
+    with torch.device("meta"):
+        model = models.GPT(config)
+    assert torch.equal(torch.get_rng_state(), after)
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+
+
+@distributed(world_size=2)
 def test_dropout_masks_and_recompute_give_the_same_gradients():
     mesh = tp.init_mesh(tp=2)
     config = models.GPTConfig(vocab_size=VOCAB, hidden_size=16, num_heads=4, ffn_hidden_size=24,

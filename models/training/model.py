@@ -24,7 +24,7 @@ def gpt_config_from_job(job: JobConfig) -> GPTConfig:
     attention_dropout = model.dropout if model.attention_dropout is None else model.attention_dropout
     runtime = dict(sequence_parallel=parallel.sequence_parallel, recompute=parallel.recompute, dropout=model.dropout,
                    attention_dropout=attention_dropout,
-                   sequence_parallel_grad_sync=parallel.dp_mode != "ddp" or job.training.precision != "fp32",
+                   sequence_parallel_grad_sync=parallel.dp_mode != "ddp" or job.training.precision == "bf16",
                    cp_mode=parallel.cp_mode, cp_a2a_size=parallel.cp_a2a_size)
     if model.from_hf:
         import transformers
