@@ -174,8 +174,9 @@ def test_held_out_windows_are_never_trained_on(num_tokens, seq_len):
 
 
 def test_the_sampler_draws_on_the_cpu_and_the_trainer_moves_the_batches_under_another_default_device():
-    """A GPU job sets a CUDA default device (meta here; CUDA's randperm would refuse the CPU generator, meta's does
-    not): the sampler draws the same order on the CPU, and the trainer moves the CPU-read micro-batches (and their documents' inputs) to the model's device."""
+    """A GPU job sets a CUDA default device (meta here; CUDA's randperm would refuse the CPU generator, meta's
+    does not): the sampler draws the same order on the CPU, and the trainer moves the CPU-read micro-batches (and
+    their documents' inputs) to the model's device."""
     from models.training.trainer import to_device
 
     train_windows, _ = data.split(torch.arange(701), 8)

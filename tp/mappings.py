@@ -28,7 +28,8 @@ def _mapping(name, fwd, bwd):
     def backward(ctx, grad):
         return bwd(grad, ctx.group), None
 
-    return type(name, (torch.autograd.Function,), {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+    methods = {"forward": staticmethod(forward), "backward": staticmethod(backward)}
+    return type(name, (torch.autograd.Function,), methods)
 
 
 def _identity(x, group):
