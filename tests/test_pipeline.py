@@ -267,3 +267,14 @@ def test_models_train_refuses_impossible_schedules_in_one_line(flags, message):
     with pytest.raises(ValueError, match=message) as info:
         validate(parser().parse_args(flags))
     assert "\n" not in str(info.value)
+
+
+def test_fsdp_parameter_groups_are_read_in_torch_2_11_and_later():
+    """FSDP2's per-state parameter groups: a list since torch 2.12, one group (or None) in torch 2.11."""
+    from types import SimpleNamespace
+
+    from tp.pipeline.runner import _param_groups
+
+    assert _param_groups(SimpleNamespace(_fsdp_param_groups=["a", "b"], _fsdp_param_group="a")) == ["a", "b"]
+    assert _param_groups(SimpleNamespace(_fsdp_param_group="a")) == ["a"]
+    assert _param_groups(SimpleNamespace(_fsdp_param_group=None)) == []

@@ -62,6 +62,16 @@ class PipelineStage(Protocol):
         parallelism), moved between ranks as it is."""
 
 
+def _param_groups(fsdp_state):
+    """An FSDP2 state's parameter groups: a list from torch 2.12 (`_fsdp_param_groups`), before it one group or None
+    (`_fsdp_param_group`, torch 2.11: the GPU machine's)."""
+    groups = getattr(fsdp_state, "_fsdp_param_groups", None)
+    if groups is None:
+        group = getattr(fsdp_state, "_fsdp_param_group", None)
+        groups = [] if group is None else [group]
+    return groups
+
+
 def batch_inputs(batch: Batch) -> dict[str, torch.Tensor]:
     """The micro-batch's tensors for every stage (its third item), {} for (tokens, targets)."""
     return batch[2] if len(batch) > 2 else {}
@@ -302,7 +312,7 @@ class PipelineRunner:
             module.set_requires_gradient_sync(True)
             state = fully_shard.state(module)
             for sub in state._state_ctx.all_states:
-                for group in sub._fsdp_param_groups:
+                for group in _param_groups(sub):
                     group.post_backward()
             state._root_post_backward_final_callback()
 
