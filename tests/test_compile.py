@@ -11,7 +11,7 @@ import tp
 from models import GPT, GPTConfig
 from tp.testing import distributed
 
-from .helpers import assert_close, randn
+from .helpers import assert_close, randn, rng
 
 SPLITS = [(1, False), (2, False), (2, True)]  # (tp, sequence_parallel)
 TOL = 1e-5
@@ -105,7 +105,7 @@ def test_vocab_embedding_and_loss_compile_without_breaks(tp_size, sp):
     """The range checks of the ids and targets are device asserts under compile: no host read."""
     tp.init_mesh(tp=tp_size)
     module = _VocabLoss(sp)
-    g = torch.Generator().manual_seed(3)
+    g = rng(3)
     ids, targets = torch.randint(0, 15, (4, 2), generator=g), torch.randint(0, 15, (4, 2), generator=g)
     targets[0, 0] = -100  # ignored
     assert graph_breaks(_vocab_loss, module, ids, targets) == []
@@ -149,7 +149,7 @@ def test_gpt_compiles_without_breaks(tp_size, sp):
     autograd's graphs)."""
     tp.init_mesh(tp=tp_size)
     model = GPT(tiny_config(sequence_parallel=sp))
-    g = torch.Generator().manual_seed(5)
+    g = rng(5)
     tokens, targets = (torch.randint(0, 50, (2, 8), generator=g) for _ in range(2))
     assert graph_breaks(_gpt_loss, model, tokens, targets) == []
     compiled_equals_eager(model, _gpt_loss, tokens, targets, backend="inductor" if tp_size == 2 and sp else "aot_eager")

@@ -14,11 +14,13 @@ from tests.helpers import assert_close, randn
 from tp.pipeline import PipelineRunner, defer_wgrad
 from tp.testing import distributed
 
+from .helpers import rng
+
 VOCAB, SEQ, MICRO, NUM_MICRO = 50, 8, 2, 4
 
 
 def micro_batches(seed=0, count=NUM_MICRO):
-    g = torch.Generator().manual_seed(seed)
+    g = rng(seed)
     return [(torch.randint(0, VOCAB, (MICRO, SEQ), generator=g), torch.randint(0, VOCAB, (MICRO, SEQ), generator=g))
             for _ in range(count)]
 

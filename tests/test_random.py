@@ -7,6 +7,8 @@ import torch.nn.functional as F
 import tp
 from tp.testing import distributed
 
+from .helpers import rng
+
 
 def _gather(t, group):
     out = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
@@ -62,7 +64,7 @@ def _dropout_in_tp_region(x, w):
 def test_checkpoint_recomputes_the_same_tp_dropout_mask(use_reentrant):
     """Plain torch.utils.checkpoint restores the default generators only; the tp stream must survive it too."""
     mesh = tp.init_mesh(tp=2)
-    g = torch.Generator().manual_seed(0)
+    g = rng(0)
     x0 = torch.randn(16, 16, generator=g, dtype=torch.float64)
     w0 = torch.randn(16, 16, generator=g, dtype=torch.float64)
 
