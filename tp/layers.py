@@ -295,6 +295,18 @@ class _ParallelLinear(nn.Module):
             f"tp={self.tp_size}, shard=dim{self.shard_dim}{fused} (local weight {local})"
         )
 
+    def tune_kernels(self, tokens: int, seen: set | None = None) -> bool:
+        """Tune this layer's Triton kernels for `tokens` rows per local matmul (kernels.tune_linear), unless `seen`
+        (a set shared over a model's layers) already holds a layer of the same shapes and flags; whether it launched.
+        """
+        act, main_grad = getattr(self, "activation", None), hasattr(self.weight, "main_grad")
+        key = (tuple(self.weight.shape), self.weight.dtype, self.weight.device, self.bias is None, act, main_grad)
+        if seen is not None:
+            if key in seen:
+                return False
+            seen.add(key)
+        return kernels.tune_linear(self.weight, self.bias, act, tokens=tokens, main_grad=main_grad)
+
 
 class ColumnParallelLinear(_ParallelLinear):
     """Y = act(X Aᵀ + b) with A split by rows (output features): weight [out/tp, in], bias [out/tp].
