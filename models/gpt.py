@@ -271,6 +271,15 @@ class GPT(nn.Module):
         micro-batches, times a loss scale); the data-parallel averaging is accounted for already."""
         tp.moe.set_aux_loss_scale(self, scale)
 
+    def compile_blocks(self, **options: Any) -> None:
+        """torch.compile each transformer block in place, as torchtitan does: one compiled graph per block, reused
+        by every layer of the same structure, and the embedding, the loss and the pipeline's transfers left eager.
+        Dense blocks with `fullgraph=True` (a graph break raises); mixture-of-experts blocks break where the routing
+        reads its per-expert counts on the host (the all-to-all's split sizes). The parameters' names do not change
+        (checkpoints and data parallelism see the same module); compile before wrapping for data parallelism."""
+        for i, block in zip(range(*self.layer_range), self.layers):
+            block.compile(**{"fullgraph": not self.config.is_moe_layer(i)} | options)
+
     def activation_shape(self, micro_batch_size: int, seq_len: int) -> tuple[int, int, int]:
         """[s(/cp)(/tp), b, h]: this rank's share of the activation between pipeline stages for a micro-batch of
         [micro_batch_size, seq_len] tokens (tp.pipeline.PipelineStage)."""

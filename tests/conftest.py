@@ -3,11 +3,13 @@
 - Triton kernels run under the interpreter (TRITON_INTERPRET=1 must precede every @triton.jit) unless the tests' tensors
   are on a GPU (TP_TEST_DEVICE=cuda or nccl, with CUDA: tp/testing.py): even with a GPU present, the default run's
   tensors are on the CPU, which only the interpreter takes.
+- Tests marked `slow` (expensive variants of a fast check) run only with TP_RUN_SLOW=1.
 - The layer tests use the torch backend for the local matmuls (the interpreter is slow); the kernel tests and a
   few layer tests force the Triton backend explicitly with `kernels.use_backend("triton")`.
 """
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available() or os.environ.get("TP_TEST_DEVICE", "cpu") in ("", "cpu"):
@@ -15,3 +17,17 @@ if not torch.cuda.is_available() or os.environ.get("TP_TEST_DEVICE", "cpu") in (
 os.environ.setdefault("TP_KERNELS_BACKEND", "torch")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # Hugging Face models are built from configs here: never ask the hub
 torch.set_num_threads(1)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: an expensive variant of a check the default run keeps a fast version "
+                                       "of; run with TP_RUN_SLOW=1")
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("TP_RUN_SLOW") == "1":
+        return
+    skip = pytest.mark.skip(reason="slow (TP_RUN_SLOW=1 runs it)")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)

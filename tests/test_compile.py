@@ -153,3 +153,66 @@ def test_gpt_compiles_without_breaks(tp_size, sp):
     tokens, targets = (torch.randint(0, 50, (2, 8), generator=g) for _ in range(2))
     assert graph_breaks(_gpt_loss, model, tokens, targets) == []
     compiled_equals_eager(model, _gpt_loss, tokens, targets, backend="inductor" if tp_size == 2 and sp else "aot_eager")
+
+
+def _moe_loss(moe, x):
+    return (moe(x) ** 2).sum()
+
+
+@distributed(world_size=2, timeout=300)
+def test_moe_layer_compiles_equal_to_eager_breaking_only_where_it_reads_the_expert_counts():
+    """The experts' all-to-all needs each expert's token count on the host (its split sizes): the graph breaks there,
+    in tp/moe/dispatch.py only, and the compiled layer equals eager (ep 2, tp 1)."""
+    tp.init_mesh(ep=2, dp=2)
+    moe, twin = (tp.moe.MoE(8, 12, 4, 2, data_parallel_size=1) for _ in range(2))
+    twin.load_state_dict(moe.state_dict())
+    x = randn(4, 2, 8, seed=tp.get_mesh().rank, dtype=torch.float32)
+    breaks = graph_breaks(_moe_loss, moe, x)
+    assert breaks and all("tp/moe/dispatch.py" in b for b in breaks), breaks
+    want, got = _moe_loss(moe, x), torch.compile(_moe_loss, backend="aot_eager")(twin, x)
+    want.backward()
+    got.backward()
+    assert_close(got, want, TOL, "loss")
+    for (name, p), q in zip(moe.named_parameters(), twin.parameters()):
+        assert_close(q.grad, p.grad, TOL, f"grad of {name}")
+
+
+@distributed(world_size=2, timeout=300)
+def test_compile_blocks_equals_eager():
+    """GPT.compile_blocks (models.train --compile): each block compiled in place, fullgraph, the parameters' names
+    kept; the step equals eager (tp 2 with SP; a dense and an MoE layer)."""
+    tp.init_mesh(tp=2)
+    config = tiny_config(sequence_parallel=True, num_experts=4, moe_layer_freq=[0, 1], moe_ffn_hidden_size=8)
+    model, twin = (GPT(config) for _ in range(2))
+    twin.load_state_dict(model.state_dict())
+    twin.compile_blocks(backend="aot_eager")
+    assert [n for n, _ in twin.named_parameters()] == [n for n, _ in model.named_parameters()]
+    tokens, targets = (torch.randint(0, 50, (2, 8), generator=rng(7)) for _ in range(2))
+    want, got = model(tokens, targets), twin(tokens, targets)
+    want.backward()
+    got.backward()
+    assert_close(got, want, TOL, "loss")
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert_close(q.grad, p.grad, TOL, f"grad of {name}")
+
+
+@pytest.mark.slow
+def test_models_train_compile_gives_the_eager_losses(tmp_path):
+    """`python -m models.train --compile` (inductor, per block) logs the losses of the eager run (tp 2)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                             "MASTER_PORT")} | {"OMP_NUM_THREADS": "1"}
+    losses = []
+    for extra in ([], ["--compile"]):
+        log = tmp_path / f"log{len(extra)}.jsonl"
+        result = subprocess.run([sys.executable, "-m", "models.train", "--tp", "2", "--pp", "1", "--dp", "1",
+                                 "--steps", "3", "--seq-len", "32", "--global-batch-size", "4", "--no-sample",
+                                 "--log-jsonl", str(log), *extra], capture_output=True, text=True, timeout=900,
+                                env=env)
+        assert result.returncode == 0, result.stderr[-3000:]
+        losses.append([json.loads(line)["loss"] for line in log.read_text().splitlines() if '"loss"' in line])
+    assert len(losses[0]) == 3 and losses[1] == pytest.approx(losses[0], abs=1e-5)

@@ -242,7 +242,7 @@ def test_invalid_arguments():
 
 def test_public_api():
     assert set(kernels.__all__) == {"linear", "swiglu_linear", "ACTIVATIONS", "use_backend", "get_backend",
-                                    "linear_forward", "linear_dgrad", "linear_wgrad", "grouped_linear",
+                                    "linear_forward", "linear_dgrad", "linear_wgrad", "tune_linear", "grouped_linear",
                                     "grouped_forward", "grouped_dgrad", "grouped_wgrad"}
     assert kernels.ACTIVATIONS == (None, "gelu", "gelu_tanh", "silu", "relu", "swiglu")
 

@@ -49,6 +49,9 @@ def build_model(job: JobConfig, config: GPTConfig, mesh: Mesh) -> tuple[list[GPT
     for chunk in chunks:  # the first stage's embedding, held again: its grad norm counted there
         if tied_embedding(chunk, mesh) is not None and not mesh.is_first_stage:
             tied_embedding(chunk, mesh).shared = True
+    if job.training.compile:  # --compile: each block, before data parallelism wraps the chunks (as torchtitan)
+        for chunk in chunks:
+            chunk.compile_blocks()
     wrapped = [wrap_data_parallel(chunk, mesh, job.parallelism.dp_mode, job.training.precision) for chunk in chunks]
     return chunks, wrapped[0] if len(wrapped) == 1 else torch.nn.ModuleList(wrapped)
 
