@@ -81,6 +81,7 @@ def test_on_gpus_the_job_is_sized_to_them_and_defaults_to_bf16(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.delenv("TP_DEVICE", raising=False)  # (tests/conftest.py sets it: the tests' jobs on the CPU)
     job = _job("--tp", "2", "--pp", "1", "--global-batch-size", "4")
     job.validate()
     assert (job.launch.device, job.parallelism.dp, job.training.precision) == ("cuda", 2, "bf16")
@@ -99,3 +100,8 @@ def test_on_gpus_the_job_is_sized_to_them_and_defaults_to_bf16(monkeypatch):
     job = _job()
     job.validate()
     assert (job.launch.device, job.parallelism.dp, job.training.precision) == ("cpu", 2, "fp32")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("TP_DEVICE", "cpu")  # --device auto follows it
+    job = _job()
+    job.validate()
+    assert (job.launch.device, job.parallelism.world_size, job.training.precision) == ("cpu", 8, "fp32")

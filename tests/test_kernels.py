@@ -189,7 +189,7 @@ def test_primitives_match_torch_ops(activation):
     assert rel_err(dx, dx_ref) < 1e-5 and rel_err(dz, dz_ref) < 1e-5
     dw = kernels.linear_wgrad(dz, x)
     assert rel_err(dw, torch_ops.linear_wgrad(dz_ref, x)) < 1e-5
-    main_grad = torch.ones(w.shape)
+    main_grad = torch.ones(w.shape, device=DEVICE)
     assert kernels.linear_wgrad(dz, x, main_grad=main_grad) is None
     assert rel_err(main_grad, 1 + dw) < 1e-5
 

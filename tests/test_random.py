@@ -90,3 +90,12 @@ def test_model_parallel_seed_without_a_mesh_raises_before_reseeding():
     with pytest.raises(RuntimeError, match="no tensor-parallel mesh"):
         tp.model_parallel_seed(5)
     assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_the_tracked_streams_draw_on_the_default_device_also_with_a_gpu_present(monkeypatch):
+    """(CUDA faked visible.) CPU tensors' dropout draws from the CPU generator: a stream tracked on the GPU would
+    leave it unforked and every tp rank would draw the same mask."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    tracker = tp.random.RNGStatesTracker()
+    tracker.add("stream", 3)
+    assert tracker.get_states()["stream"] == (torch.device("cpu"), 3)

@@ -255,11 +255,12 @@ class Mesh:
             )
         return self._device_mesh
 
-    def flat_device_mesh(self, axis: str) -> DeviceMesh:
+    def flat_device_mesh(self, axis: str, device_type: str | None = None) -> DeviceMesh:
         """A one-dimensional torch DeviceMesh over this rank's group along `axis` (an axis or a composite such as
-        "dp-cp"), its dim named `axis` with "_" for "-"."""
-        return DeviceMesh.from_group(self.group(axis), collective_device().type, mesh=torch.tensor(self.ranks(axis)),
-                                     mesh_dim_names=(axis.replace("-", "_"),))
+        "dp-cp"), its dim named `axis` with "_" for "-"; on `device_type` (default: the collectives' device), e.g.
+        "cpu" for CPU tensors under a cpu:gloo,cuda:nccl group (a DTensor on a CUDA mesh would copy them to the GPU)."""
+        return DeviceMesh.from_group(self.group(axis), device_type or collective_device().type,
+                                     mesh=torch.tensor(self.ranks(axis)), mesh_dim_names=(axis.replace("-", "_"),))
 
     def __repr__(self) -> str:
         coords = ", ".join(f"{a}={self.local_rank(a)}/{self.sizes[a]}" for a in self.order)

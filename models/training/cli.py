@@ -177,7 +177,7 @@ def _output_and_launch_flags(a):
       help="collective timeout: a rank that hangs ends the job after M minutes, and is named")
     a("--device", choices=("auto", "cpu", "cuda"), default="auto",
       help="cuda: one rank per GPU over NCCL (gloo for CPU tensors); cpu: gloo ranks on the CPU even with GPUs; "
-           "auto: cuda when a GPU is visible")
+           "auto: $TP_DEVICE when set, else cuda when a GPU is visible")
     a("--max-restarts", type=int, default=0, metavar="K",
       help="restart every rank up to K times after a failure (torchrun's flag, for our launcher); with --save DIR "
            "--load DIR the job resumes from DIR/latest")

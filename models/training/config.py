@@ -347,7 +347,7 @@ class LaunchConfig:
     distributed_timeout_minutes: float = 10.0
     max_restarts: int = 0
     print_layout: bool = False
-    device: str = "auto"  # auto: cuda when a GPU is visible (one rank per GPU, NCCL), else cpu (gloo)
+    device: str = "auto"  # auto: $TP_DEVICE if set, else cuda when a GPU is visible (one rank per GPU), else cpu
 
     def validate(self) -> None:
         _at_least(self, ("max_restarts",), 0)
@@ -431,13 +431,14 @@ class JobConfig:
         self._validate_watching()
 
     def resolve_device(self) -> int | None:
-        """--device auto -> cuda or cpu, --precision unset -> bf16 on cuda, fp32 on cpu; the GPUs one rank each can
-        use (None on the CPU)."""
+        """--device auto -> $TP_DEVICE (cpu or cuda) when set, else cuda or cpu; --precision unset -> bf16 on cuda,
+        fp32 on cpu; the GPUs one rank each can use (None on the CPU)."""
         import torch
 
         cuda = torch.cuda.is_available()
         if self.launch.device == "auto":
-            self.launch.device = "cuda" if cuda else "cpu"
+            self.launch.device = os.environ.get("TP_DEVICE") or ("cuda" if cuda else "cpu")
+            _one_of("$TP_DEVICE", self.launch.device, DEVICES[1:])
         if self.launch.device == "cuda" and not cuda:
             raise ValueError("--device cuda: no CUDA device is visible (torch.cuda.is_available() is False)")
         if self.training.precision is None:  # fp32 on a GPU runs the slow IEEE dot: bf16 there
