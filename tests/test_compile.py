@@ -13,7 +13,8 @@ from tp.testing import distributed
 
 from .helpers import assert_close, randn, rng
 
-SPLITS = [(1, False), (2, False), (2, True)]  # (tp, sequence_parallel)
+# (tp, sequence_parallel): tp 2 with SP by default (every collective kind), the others slow (TP_RUN_SLOW=1)
+SPLITS = [pytest.param(1, False, marks=pytest.mark.slow), pytest.param(2, False, marks=pytest.mark.slow), (2, True)]
 TOL = 1e-5
 
 
