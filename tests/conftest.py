@@ -17,6 +17,7 @@ if not torch.cuda.is_available() or os.environ.get("TP_TEST_DEVICE", "cpu") in (
     os.environ.setdefault("TRITON_INTERPRET", "1")
     os.environ.setdefault("TP_DEVICE", "cpu")  # the training jobs the tests start: gloo ranks on the CPU
 os.environ.setdefault("TP_KERNELS_BACKEND", "torch")
+os.environ.setdefault("TP_HOST_CHECKS", "1")  # bad ids raise their one-line ValueError on GPUs too (tp/debug.py)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # Hugging Face models are built from configs here: never ask the hub
 torch.set_num_threads(1)
 
