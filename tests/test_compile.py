@@ -143,17 +143,20 @@ def _gpt_loss(model, tokens, targets):
 
 
 @pytest.mark.parametrize("tp_size,sp,backend", [
-    *(pytest.param(*split, "aot_eager", marks=pytest.mark.slow) for split in ((1, False), (2, False))),
-    (2, True, "aot_eager"), pytest.param(2, True, "inductor", marks=pytest.mark.slow)])
+    (1, False, None), (2, False, None), (2, True, None),
+    *(pytest.param(*split, "aot_eager", marks=pytest.mark.slow) for split in ((1, False), (2, False), (2, True))),
+    pytest.param(2, True, "inductor", marks=pytest.mark.slow)])
 @distributed(world_size=2, timeout=600)
 def test_gpt_compiles_without_breaks(tp_size, sp, backend):
-    """The whole GPT: no break (explain counts them), and its compiled step equals eager."""
+    """The whole GPT: no break (explain counts them), and (with a backend: slow; test_compile_blocks_equals_eager and
+    the layers' tests check compiled = eager by default) its compiled step equals eager."""
     tp.init_mesh(tp=tp_size)
     model = GPT(tiny_config(sequence_parallel=sp))
     g = rng(5)
     tokens, targets = (torch.randint(0, 50, (2, 8), generator=g) for _ in range(2))
     assert graph_breaks(_gpt_loss, model, tokens, targets) == []
-    compiled_equals_eager(model, _gpt_loss, tokens, targets, backend=backend)
+    if backend is not None:
+        compiled_equals_eager(model, _gpt_loss, tokens, targets, backend=backend)
 
 
 def _moe_loss(moe, x):
