@@ -1,7 +1,8 @@
 """The GPT's fwd+bwd time per step and saved-activation bytes at TP = 1, 2, 4, sequence parallelism off and on, side
 by side with the same Hugging Face Llama under torch DTensor TP and, where installed, megatron-core's GPTModel.
 
-    python -m bench.gpt [--iters 20] [--tp 1 2 4] [--hidden 256 --layers 2 ...] [--out PATH]   (default: a temp folder)
+    python -m bench.gpt [--iters 20] [--tp 1 2 4] [--hidden 256 --layers 2 ...] [--compile] [--out PATH]
+    (--out default: a temp folder)
 
 One LlamaForCausalLM (random weights, no download) is built on every rank and parallelized three ways:
   ours      models.GPT.from_hf(llama, sequence_parallel=sp); under SP the norm/bias grads are summed in one coalesced
@@ -11,6 +12,8 @@ One LlamaForCausalLM (random weights, no download) is built on every rank and pa
             inputs gathered from Shard(1) once per module, o_proj/down_proj RowwiseParallel(output_layouts=Shard(1))
   megatron  megatron-core's GPTModel with the local layer spec (no Apex/TE), the Llama's weights copied in; a few
             CUDA-only spots patched for CPU (_megatron_on_cpu)
+  compiled  (--compile) ours with each block torch.compile'd by inductor, as models.train --compile: "ours/compiled"
+            is the eager step's time over the compiled one's (> 1: compiling pays)
 The losses of all three are checked against the dense Llama once per row (printed). fp32, gloo, one thread per rank.
 
 Time: each rank runs the models round-robin; a step (forward, mean cross-entropy, backward) is timed on rank 0 between
@@ -216,7 +219,7 @@ def _megatron(hf, sequence_parallel):
 # ---- one tp size on its ranks -------------------------------------------------------------------------------------
 
 
-def bench_rank(a, use_megatron):
+def bench_rank(a, use_megatron, compile_blocks=False):
     """On every rank of a tp group: per SP setting, rank 0's step times, saved bytes and losses of each model."""
     torch.set_num_threads(1)
     mesh = tp.init_mesh(tp=dist.get_world_size())
@@ -246,6 +249,10 @@ def bench_rank(a, use_megatron):
             ours = models.GPT.from_hf(hf, sequence_parallel=sp, sequence_parallel_grad_sync=False)
             dtensor = _dtensor(copy.deepcopy(hf), mesh, sp)
             steps = {"ours": (ours, lambda: ours(x, y)), "dtensor": (dtensor, lambda: hf_loss(dtensor))}
+            if compile_blocks:  # models.train --compile: each block torch.compile'd (inductor), the rest eager
+                compiled = models.GPT.from_hf(hf, sequence_parallel=sp, sequence_parallel_grad_sync=False)
+                compiled.compile_blocks()
+                steps["compiled"] = (compiled, lambda: compiled(x, y))
             if use_megatron:
                 megatron = _megatron(hf, sp)
                 steps["megatron"] = (megatron, lambda: megatron(x, positions, mask, labels=y).mean())
@@ -259,8 +266,8 @@ def bench_rank(a, use_megatron):
 
             def fwd_bwd(model, step):
                 step().backward()
-                if model is ours:
-                    tp.allreduce_sequence_parallel_grads(ours)
+                if model is ours or model is steps.get("compiled", (None,))[0]:
+                    tp.allreduce_sequence_parallel_grads(model)
                 model.zero_grad(set_to_none=True)
 
             times = round_robin_times({name: (lambda m=m, s=s: fwd_bwd(m, s)) for name, (m, s) in steps.items()},
@@ -287,6 +294,9 @@ def main(argv=None):
         p.add_argument(f"--{flag}", type=at_least(0 if flag == "warmup" else 1), default=default)
     p.add_argument("--tp", type=at_least(1), nargs="+", default=[1, 2, 4])
     p.add_argument("--no-megatron", action="store_true", help="leave megatron-core out even where it is installed")
+    p.add_argument("--compile", action="store_true",
+                   help="also ours with each block torch.compile'd (models.train --compile): 'compiled' columns, and "
+                        "ours/compiled, the eager step over the compiled one")
     p.add_argument("--out", default=scratch_path("gpt.json"), help="JSON (bench/results/gpt.json: the committed one)")
     a = p.parse_args(argv)
     megatron = "not installed" if importlib.util.find_spec("megatron") is None else (
@@ -304,14 +314,16 @@ def main(argv=None):
             p.error(f"megatron-core needs --vocab {a.vocab} divisible by --tp {tp_size} (or --no-megatron)")
     rows, raw = [], {}
     for tp_size in a.tp:
-        results = testing.run(bench_rank, world_size=tp_size, timeout=3600, a=a, use_megatron=megatron is None)[0]
+        results = testing.run(bench_rank, world_size=tp_size, timeout=3600, a=a, use_megatron=megatron is None,
+                              compile_blocks=a.compile)[0]
         for sp, r in results.items():
             rows.append(_row(tp_size, sp, r))
             raw[f"tp{tp_size}_sp{int(sp)}"] = r
     shape = (f"Llama hidden {a.hidden}, ffn {a.ffn}, {a.layers} layers, {a.heads} heads / {a.kv_heads} kv, vocab "
              f"{a.vocab}, batch {a.batch} x seq {a.seq}")
-    names = [n for n in ("ours", "dtensor", "megatron") if n != "megatron" or megatron is None]
-    headers = {"ours": "ours", "dtensor": "DTensor", "megatron": "megatron"}
+    names = [n for n in ("ours", "dtensor", "megatron", "compiled") if (n != "megatron" or megatron is None)
+             and (n != "compiled" or a.compile)]
+    headers = {"ours": "ours", "dtensor": "DTensor", "megatron": "megatron", "compiled": "compiled"}
     print(f"\nGPT fwd+bwd step, median of {a.iters}, {shape}, fp32, on {machine()}, gloo"
           + (f"\nmegatron-core: not available ({megatron})" if megatron else ""))
     times = print_table(rows, [("tp", "TP", "{}"), ("sp", "SP", "{}")]

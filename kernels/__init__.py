@@ -3,7 +3,7 @@ eager torch on CPU. The layers call the four primitives; models may call `linear
 experts of mixture-of-experts layers call `grouped_linear` (one weight per contiguous group of rows)."""
 from .grouped import grouped_dgrad, grouped_forward, grouped_linear, grouped_wgrad  # noqa: F401
 from .linear import linear, swiglu_linear  # noqa: F401
-from .ops import ACTIVATIONS, get_backend, linear_dgrad, linear_forward, linear_wgrad, use_backend  # noqa: F401
+from .ops import ACTIVATIONS, get_backend, linear_dgrad, linear_forward, linear_wgrad, tune_linear, use_backend  # noqa: F401
 
 __all__ = ["linear", "swiglu_linear", "ACTIVATIONS", "use_backend", "get_backend", "linear_forward", "linear_dgrad",
-           "linear_wgrad", "grouped_linear", "grouped_forward", "grouped_dgrad", "grouped_wgrad"]
+           "linear_wgrad", "tune_linear", "grouped_linear", "grouped_forward", "grouped_dgrad", "grouped_wgrad"]

@@ -33,7 +33,9 @@ def _ranges(counts):
 
 def _torch_gemm(a, b, counts):
     """a_e @ b_e per group, for b [E, K, N] (any strides): torch._grouped_mm where it runs, else a loop."""
-    if (hasattr(torch, "_grouped_mm") and a.device.type == "cpu" and a.dtype == b.dtype
+    # (not under torch.compile: its fake-tensor rule for _grouped_mm takes bf16 only, the CPU kernel fp32 too)
+    if (hasattr(torch, "_grouped_mm") and a.device.type == "cpu" and not torch.compiler.is_compiling()
+            and a.dtype == b.dtype
             and a.dtype in (torch.float32, torch.bfloat16, torch.float16) and _aligned(a) and _aligned(b)):
         return torch._grouped_mm(a, b, offs=_offsets(counts, a.device)[1:])
     out = a.new_empty(a.shape[0], b.shape[2])

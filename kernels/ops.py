@@ -138,3 +138,20 @@ def linear_wgrad(dz: torch.Tensor, x: torch.Tensor, *, main_grad: torch.Tensor |
     if hook is not None:
         hook()
     return out
+
+
+def tune_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, activation: str | None = None, *,
+                tokens: int, main_grad: bool = False) -> bool:
+    """Launch the forward, dgrad and wgrad kernels of a linear with this (local) weight once on `tokens` zero rows,
+    so that the autotuner picks their configs now, once per token bucket. A first launch inside a pipeline schedule
+    would benchmark 5-7 configs there, synchronising the device while a peer rank waits on this one in a receive.
+    Only where the Triton kernels run (not on the torch backend); returns whether it launched."""
+    if _impl(weight) is torch_ops or tokens < 1:
+        return False
+    with torch.no_grad():
+        x = weight.new_zeros(tokens, weight.shape[1])
+        y, preact = linear_forward(x, weight, bias, activation)
+        _, dz = linear_dgrad(torch.zeros_like(y), weight, preact, activation)
+        grad_dtype = torch.float64 if weight.dtype == torch.float64 else torch.float32
+        linear_wgrad(dz, x, main_grad=weight.new_zeros(weight.shape, dtype=grad_dtype) if main_grad else None)
+    return True

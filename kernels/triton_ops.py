@@ -88,10 +88,10 @@ def _gemm_tile(a_ptr, b_ptr, rows, cols, K, stride_am, stride_ak, stride_bk, str
 
 
 @triton.autotune(
-    configs=matmul_configs(), key=["M", "N", "K", "ACTIVATION", "HAS_BIAS"],
+    configs=matmul_configs(), key=["M_BUCKET", "N", "K", "ACTIVATION", "HAS_BIAS"],
     prune_configs_by=_PRUNE)
 @triton.jit
-def _linear_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, z_ptr, M, N, K,
+def _linear_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, z_ptr, M, N, K, M_BUCKET,
                        stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn, stride_zm, stride_zn,
                        ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, SAVE_PREACT: tl.constexpr,
                        ACC_DTYPE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -111,10 +111,10 @@ def _linear_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, z_ptr, M, N, K,
 
 
 @triton.autotune(
-    configs=matmul_configs(small_tiles=True), key=["M", "F", "K", "HAS_BIAS"],
+    configs=matmul_configs(small_tiles=True), key=["M_BUCKET", "F", "K", "HAS_BIAS"],
     prune_configs_by=_PRUNE_SWIGLU)
 @triton.jit
-def _swiglu_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, z_ptr, M, F, K,
+def _swiglu_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, z_ptr, M, F, K, M_BUCKET,
                        stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn, stride_zm, stride_zn,
                        HAS_BIAS: tl.constexpr, ACC_DTYPE: tl.constexpr, UPCAST: tl.constexpr,
                        DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -150,9 +150,9 @@ def _swiglu_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, z_ptr, M, F, K,
     tl.store(y_ptr + out_m * stride_ym + offs_n[None, :] * stride_yn, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.autotune(configs=matmul_configs(), key=["M", "N", "K"], prune_configs_by=_PRUNE)
+@triton.autotune(configs=matmul_configs(), key=["M_BUCKET", "N", "K"], prune_configs_by=_PRUNE)
 @triton.jit
-def _linear_dgrad_kernel(dz_ptr, w_ptr, dx_ptr, M, N, K, stride_dzm, stride_dzk, stride_wk, stride_wn,
+def _linear_dgrad_kernel(dz_ptr, w_ptr, dx_ptr, M, N, K, M_BUCKET, stride_dzm, stride_dzk, stride_wk, stride_wn,
                          stride_dxm, stride_dxn, ACC_DTYPE: tl.constexpr, UPCAST: tl.constexpr,
                          DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, GROUP_SIZE_M: tl.constexpr):
@@ -169,10 +169,10 @@ def _linear_dgrad_kernel(dz_ptr, w_ptr, dx_ptr, M, N, K, stride_dzm, stride_dzk,
 # restore_value: autotuning runs the kernel once per config; without restoring, main_grad would be accumulated into
 # once per trial. (Only the tuning runs pay for the copy.)
 @triton.autotune(
-    configs=matmul_configs(), key=["M", "N", "K", "ACCUMULATE"],
+    configs=matmul_configs(), key=["M", "N", "K_BUCKET", "ACCUMULATE"],
     prune_configs_by=_PRUNE, restore_value=["c_ptr"])
 @triton.jit
-def _linear_wgrad_kernel(dz_ptr, x_ptr, c_ptr, M, N, K,
+def _linear_wgrad_kernel(dz_ptr, x_ptr, c_ptr, M, N, K, K_BUCKET,
                          stride_dzk, stride_dzm, stride_xk, stride_xn, stride_cm, stride_cn,
                          ACCUMULATE: tl.constexpr, ACC_DTYPE: tl.constexpr, UPCAST: tl.constexpr,
                          DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -250,6 +250,13 @@ def _device_of(t):
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
+def token_bucket(tokens: int) -> int:
+    """The autotune key's token count: the next power of two (at least 64). Tuning once per bucket, not per count,
+    spares variable batches and generation a 5-7 config re-tune at every new length; a tile choice tuned for 2^k
+    tokens suits 2^(k-1)..2^k of them."""
+    return max(64, 1 << max(0, tokens - 1).bit_length())
+
+
 def _gemm_grid(M, N):
     return lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
 
@@ -287,13 +294,13 @@ def _launch_forward(x, weight, b, y, z, M, N, K, activation, save_preact, common
     if activation == "swiglu":
         LAUNCHES["swiglu_fwd"] += 1
         _swiglu_fwd_kernel[_gemm_grid(M, N)](
-            x, weight, b, y, z, M, N, K, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
-            y.stride(0), y.stride(1), z.stride(0), z.stride(1), **common)
+            x, weight, b, y, z, M, N, K, token_bucket(M), x.stride(0), x.stride(1), weight.stride(0),
+            weight.stride(1), y.stride(0), y.stride(1), z.stride(0), z.stride(1), **common)
     else:
         LAUNCHES["linear_fwd"] += 1
         _linear_fwd_kernel[_gemm_grid(M, N)](
-            x, weight, b, y, z, M, N, K, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
-            y.stride(0), y.stride(1), z.stride(0), z.stride(1),
+            x, weight, b, y, z, M, N, K, token_bucket(M), x.stride(0), x.stride(1), weight.stride(0),
+            weight.stride(1), y.stride(0), y.stride(1), z.stride(0), z.stride(1),
             ACTIVATION=activation or "none", SAVE_PREACT=save_preact, **common)
 
 
@@ -330,8 +337,8 @@ def linear_dgrad(grad_out, weight, preact=None, activation=None, *, need_input_g
     LAUNCHES["linear_dgrad"] += 1
     with _device_of(grad_out):
         _linear_dgrad_kernel[_gemm_grid(M, K)](
-            dz, weight, dx, M, K, n_rows, dz.stride(0), dz.stride(1), weight.stride(0), weight.stride(1),
-            dx.stride(0), dx.stride(1), ACC_DTYPE=acc, UPCAST=upcast, DOT_PRECISION=precision)
+            dz, weight, dx, M, K, n_rows, token_bucket(M), dz.stride(0), dz.stride(1), weight.stride(0),
+            weight.stride(1), dx.stride(0), dx.stride(1), ACC_DTYPE=acc, UPCAST=upcast, DOT_PRECISION=precision)
     return dx, dz
 
 
@@ -352,7 +359,7 @@ def linear_wgrad(dz, x, *, main_grad=None):
     LAUNCHES["linear_wgrad"] += 1
     with _device_of(dz):
         _linear_wgrad_kernel[_gemm_grid(M, N)](
-            dz, x, out, M, N, tokens,
+            dz, x, out, M, N, tokens, token_bucket(tokens),
             dz.stride(0), dz.stride(1), x.stride(0), x.stride(1), out.stride(0), out.stride(1),
             ACCUMULATE=main_grad is not None, ACC_DTYPE=acc, UPCAST=upcast, DOT_PRECISION=precision)
     return None if main_grad is not None else out

@@ -18,9 +18,10 @@ without position resets, or positions alone). Both describe the whole window on 
 and cp rank), as the tokens do.
 
 Initialisation is TP- and PP-invariant: the embedding, every block and the output layer draw their full master
-weights from their own seed, derived from one draw of the default generator, so `torch.manual_seed(s); GPT(cfg)`
+weights from their own seed, derived from one draw of the CPU generator, so `torch.manual_seed(s); GPT(cfg)`
 holds at any tp the slices of the TP=1 weights, and a pipeline stage holding layers i..j holds exactly those layers
-of the one-stage model.
+of the one-stage model. It is device-invariant too: the weights are drawn on the CPU and moved to the default device,
+so a GPU run starts from a CPU run's weights.
 """
 import contextlib
 import os
@@ -56,9 +57,11 @@ if TYPE_CHECKING:
 
 @contextlib.contextmanager
 def _seeded(base, index):
-    """Draw a module's init from its own stream: the same weights whichever stage builds it."""
+    """Draw a module's init from its own stream: the same weights whichever stage builds it. Only the CPU generator
+    is reseeded (and restored): the draws are on the CPU (see GPT.__init__), and the GPUs' generators stay as they
+    were."""
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(derive_seed(base, index))
+        torch.default_generator.manual_seed(derive_seed(base, index))
         yield
 
 
@@ -75,6 +78,13 @@ class GPT(nn.Module):
                  cp_group: dist.ProcessGroup | None = None, layers: tuple[int, int] | None = None,
                  pre_process: bool = True, post_process: bool = True, _init: bool = True) -> None:
         super().__init__()
+        device = torch.get_default_device()  # built and drawn on the CPU, then moved: the weights of any device
+        with torch.device("cpu"):
+            self._build(config, group, cp_group, layers, pre_process, post_process, _init)
+        if device.type != "cpu":
+            self.to(device)
+
+    def _build(self, config, group, cp_group, layers, pre_process, post_process, _init):
         self.config, self.group, self.cp_group = config, resolve_group(group), resolve_cp_group(cp_group)
         self.tp_size = dist.get_world_size(self.group)
         self.cp_size = 1 if self.cp_group is None else dist.get_world_size(self.cp_group)
@@ -86,7 +96,8 @@ class GPT(nn.Module):
             raise ValueError(f"layers={layers} must lie within [0, {config.num_layers}]")
         self.pre_process, self.post_process = pre_process, post_process
         sp, h = config.sequence_parallel, config.hidden_size
-        base = int(torch.randint(0, 2**62, (1,)).item()) if _init else 0  # the model's seed
+        # the model's seed, from the CPU generator (that `torch.manual_seed` sets), whatever the default device
+        base = int(torch.randint(0, 2**62, (1,), generator=torch.default_generator).item()) if _init else 0
         if pre_process:
             self.embedding = tp.VocabParallelEmbedding(self.padded_vocab_size, h, sequence_parallel=sp,
                                                        group=self.group, _init=False)
@@ -133,9 +144,9 @@ class GPT(nn.Module):
                              + (f" / sliding_window={c.sliding_window} (not implemented)" if c.sliding_window else ""))
         if self.cp_size > 1:
             c.check_seq_len(seq, tp=self.tp_size, cp=self.cp_size)
-        low, high = torch.stack(torch.aminmax(tokens)).tolist()  # one host sync
-        if low < 0 or high >= c.vocab_size:  # the padded embedding rows exist, but are not tokens
-            raise ValueError(f"token id {low if low < 0 else high} is outside the vocabulary [0, {c.vocab_size})")
+        # (the padded embedding rows exist, but are not tokens; on a GPU a device assert: no host sync)
+        tp.debug.check_range(tokens, c.vocab_size,
+                             lambda bad: f"token id {bad} is outside the vocabulary [0, {c.vocab_size})")
         if self.cp_size > 1:
             if tp.is_debug():  # (a sampler over the global rank, or tokens already sharded, would pass silently)
                 tp.debug.check(tokens, self.cp_group, "the tokens of GPT (every cp rank passes the full [b, s])",
@@ -204,7 +215,7 @@ class GPT(nn.Module):
 
     def _check_documents(self, tokens, hidden, document_ids, position_ids, sample_ids=None):
         """document_ids and position_ids must be integer [b, s] like the window's tokens, positions in
-        [0, max_seq_len) (one host sync); sample_ids integer [b]."""
+        [0, max_seq_len) (tp.debug.check_range: no host sync on a GPU); sample_ids integer [b]."""
         if self.pre_process:
             shape = tuple(tokens.shape)
         else:
@@ -219,10 +230,9 @@ class GPT(nn.Module):
                 what = "the tokens' shape [batch, seq]" if len(want) == 2 else "shape [batch]"
                 raise ValueError(f"{name} must be integers of {what} {want}, got {ids.dtype} {tuple(ids.shape)}")
         if position_ids is not None:
-            low, high = torch.stack(torch.aminmax(position_ids)).tolist()
-            if low < 0 or high >= self.config.max_seq_len:
-                raise ValueError(f"position id {low if low < 0 else high} is outside [0, max_seq_len="
-                                 f"{self.config.max_seq_len})")
+            limit = self.config.max_seq_len
+            tp.debug.check_range(position_ids, limit,
+                                 lambda bad: f"position id {bad} is outside [0, max_seq_len={limit})")
 
     def forward(self, tokens: torch.Tensor | None = None, targets: torch.Tensor | None = None, *,
                 hidden: torch.Tensor | None = None, document_ids: torch.Tensor | None = None,
@@ -286,6 +296,15 @@ class GPT(nn.Module):
         """Scale the MoE aux losses' gradient as the LM loss is scaled before backward (1 / accumulated
         micro-batches, times a loss scale); the data-parallel averaging is accounted for already."""
         tp.moe.set_aux_loss_scale(self, scale)
+
+    def compile_blocks(self, **options: Any) -> None:
+        """torch.compile each transformer block in place, as torchtitan does: one compiled graph per block, reused
+        by every layer of the same structure, and the embedding, the loss and the pipeline's transfers left eager.
+        Dense blocks with `fullgraph=True` (a graph break raises); mixture-of-experts blocks break where the routing
+        reads its per-expert counts on the host (the all-to-all's split sizes). The parameters' names do not change
+        (checkpoints and data parallelism see the same module); compile before wrapping for data parallelism."""
+        for i, block in zip(range(*self.layer_range), self.layers):
+            block.compile(**{"fullgraph": not self.config.is_moe_layer(i)} | options)
 
     def activation_shape(self, micro_batch_size: int, seq_len: int) -> tuple[int, int, int]:
         """[s(/cp)(/tp), b, h]: this rank's share of the activation between pipeline stages for a micro-batch of

@@ -1,6 +1,10 @@
 """Suite-wide settings; they must run before any package module is imported.
 
-- Without CUDA, Triton kernels run under the interpreter (TRITON_INTERPRET=1 must precede every @triton.jit).
+- Triton kernels run under the interpreter (TRITON_INTERPRET=1 must precede every @triton.jit) unless the tests' tensors
+  are on a GPU (TP_TEST_DEVICE=cuda or nccl, with CUDA: tp/testing.py): even with a GPU present, the default run's
+  tensors are on the CPU, which only the interpreter takes; so are the training jobs' (TP_DEVICE=cpu: models.train's
+  --device auto).
+- Tests marked `slow` (expensive variants of a fast check) are left out by pytest.ini; `-m slow` runs them.
 - The layer tests use the torch backend for the local matmuls (the interpreter is slow); the kernel tests and a
   few layer tests force the Triton backend explicitly with `kernels.use_backend("triton")`.
 """
@@ -8,8 +12,11 @@ import os
 
 import torch
 
-if not torch.cuda.is_available():
+if not torch.cuda.is_available() or os.environ.get("TP_TEST_DEVICE", "cpu") in ("", "cpu"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    os.environ.setdefault("TP_DEVICE", "cpu")  # the training jobs the tests start: gloo ranks on the CPU
 os.environ.setdefault("TP_KERNELS_BACKEND", "torch")
+os.environ.setdefault("TP_HOST_CHECKS", "1")  # bad ids raise their one-line ValueError on GPUs too (tp/debug.py)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # Hugging Face models are built from configs here: never ask the hub
 torch.set_num_threads(1)
+

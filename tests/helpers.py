@@ -8,6 +8,12 @@ _C10D_OPS = {ALL_REDUCE: torch.ops.c10d.allreduce_, ALL_GATHER: torch.ops.c10d._
              REDUCE_SCATTER: torch.ops.c10d._reduce_scatter_base_, ALL_TO_ALL: torch.ops.c10d.alltoall_base_}
 
 
+def rng(seed: int) -> torch.Generator:
+    """A generator on the default device (the CPU; a GPU under TP_TEST_DEVICE=cuda, where a CPU generator cannot
+    draw a tensor on the default device): the same numbers on every rank."""
+    return torch.Generator(torch.get_default_device()).manual_seed(seed)
+
+
 def randn(*shape, seed, dtype=torch.float64, requires_grad=False):
     g = torch.Generator().manual_seed(seed)  # drawn on the CPU so every backend sees the same numbers
     x = torch.randn(*shape, generator=g, dtype=dtype, device="cpu").to(torch.get_default_device())

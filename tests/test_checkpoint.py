@@ -23,6 +23,8 @@ from tp.optim import DataParallel, DistributedOptimizer
 from tp.pipeline import PipelineRunner
 from tp.testing import distributed
 
+from .helpers import rng
+
 # kv heads 2 < tp 4: replicated k/v chunks; no tp divides the vocabulary.
 LLAMA = models.GPTConfig(vocab_size=50, hidden_size=16, num_layers=4, num_heads=4, num_kv_heads=2,
                          ffn_hidden_size=24, max_seq_len=16)
@@ -74,7 +76,7 @@ def _tied_copy(stage, mesh):
 
 def train_step(model, opt, mesh, step):
     """One AdamW step on the global batch `step` (split over dp), through a two-stage pipeline when pp = 2."""
-    g = torch.Generator().manual_seed(step)
+    g = rng(step)
     x, y = (torch.randint(0, LLAMA.vocab_size, (BATCH, SEQ), generator=g).chunk(mesh.dp_size)[mesh.dp_rank]
             for _ in range(2))
     stage = getattr(model, "module", model)

@@ -17,7 +17,7 @@ import tp
 from tp.context import blocks
 from tp.testing import distributed
 
-from .helpers import assert_close, comm_counts, randn
+from .helpers import assert_close, comm_counts, randn, rng
 
 C, D = 3, 6  # tokens per chunk (s = 2·cp·C) and head dim: odd-ish sizes
 HEADS = [(4, 4), (4, 2), (3, 1)]  # MHA, GQA, MQA
@@ -250,7 +250,7 @@ def test_every_rank_does_the_same_work(causal):
 
 
 def test_a_fully_masked_block_gives_no_nan():
-    g = torch.Generator().manual_seed(0)
+    g = rng(0)
     q, k, v, dout = (torch.randn(1, 1, 2, *shape, generator=g, dtype=torch.float64)
                      for shape in ((3, 4), (2, 4), (2, 4), (3, 4)))
     k, v = k[:, :, 0], v[:, :, 0]  # [b, kv_heads, n, d]
@@ -333,7 +333,7 @@ def documents(s, cp, seed):
     """[2, s] document ids covering the edge cases: row 0 a window that starts mid-document (its first id is 7),
     one-token documents and random lengths; row 1 one document longer than the window, but for boundaries inside
     chunk 0 only (so every other rank's share holds no document start)."""
-    g = torch.Generator().manual_seed(seed)
+    g = rng(seed)
     starts = (torch.rand(s, generator=g) < 0.3).long()
     starts[1:3] = 1  # a one-token document at position 1
     c = s // (2 * cp)

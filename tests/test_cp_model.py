@@ -14,6 +14,8 @@ from models.block import token_positions
 from models.hf import hf_state_dict
 from tp.testing import distributed
 
+from .helpers import rng
+
 transformers = pytest.importorskip("transformers")
 
 VOCAB, SEQ, BATCH = 50, 24, 2  # s/(2cp) = 3 tokens per chunk at cp = 4; no tp divides the vocabulary
@@ -32,7 +34,7 @@ def hf_model(family, kv_heads):
 
 
 def batch(seed):
-    g = torch.Generator().manual_seed(seed)
+    g = rng(seed)
     return torch.randint(0, VOCAB, (BATCH, SEQ), generator=g), torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
 
 

@@ -173,6 +173,21 @@ def test_held_out_windows_are_never_trained_on(num_tokens, seq_len):
     assert min(held) == held_out.span(0)[0] and max(held) < num_tokens
 
 
+def test_the_sampler_draws_on_the_cpu_and_the_trainer_moves_the_batches_under_another_default_device():
+    """A GPU job sets a CUDA default device (meta here; CUDA's randperm would refuse the CPU generator, meta's
+    does not): the sampler draws the same order on the CPU, and the trainer moves the CPU-read micro-batches (and
+    their documents' inputs) to the model's device."""
+    from models.training.trainer import to_device
+
+    train_windows, _ = data.split(torch.arange(701), 8)
+    cpu = next(data.batches(train_windows, dp=1, dp_rank=0, global_batch_size=4, micro_batch_size=2, seed=3))
+    with torch.device("meta"):
+        other = next(data.batches(train_windows, dp=1, dp_rank=0, global_batch_size=4, micro_batch_size=2, seed=3))
+    assert all(torch.equal(a, b) for pa, pb in zip(cpu, other) for a, b in zip(pa, pb))
+    moved = to_device([(*cpu[0], {"position_ids": cpu[0][0]}), cpu[1]], torch.device("meta"))
+    assert [t.device.type for t in (*moved[0][:2], moved[0][2]["position_ids"], *moved[1])] == ["meta"] * 5
+    assert to_device(cpu, torch.device("cpu")) is cpu
+
 @pytest.mark.parametrize("dp", [2, 4])
 def test_eval_batches_are_the_same_global_batches_for_any_dp(dp):
     _, held_out = data.split(torch.arange(20001), 16)  # 13 held-out windows: 3 batches of 8 wrap round

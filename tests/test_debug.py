@@ -5,7 +5,7 @@ import torch
 import tp
 from tp.testing import distributed
 
-from .helpers import comm_counts
+from .helpers import comm_counts, rng
 
 
 def _mlp(sequence_parallel=False):
@@ -37,7 +37,7 @@ def test_divergent_replicated_input_raises_on_every_rank_naming_the_ranks():
 def test_non_finite_values_are_compared_by_position():
     """NaN/inf: the same on every rank passes; a NaN/inf at another place, or a divergence beside one, is caught."""
     mesh = tp.init_mesh(tp=2)
-    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(4, 8, generator=rng(0))
     x[0, 0], x[2, 3] = float("nan"), float("inf")
     with tp.set_debug(True):
         tp.copy_to_tp_region(x)  # replicated, non-finite values included

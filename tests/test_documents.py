@@ -14,6 +14,8 @@ from models.stages import build_chunks
 from tp.pipeline import PipelineRunner
 from tp.testing import distributed
 
+from .helpers import rng
+
 VOCAB, SEQ, BATCH = 50, 24, 2  # 3 tokens per chunk at cp = 4
 ROPE = dict(vocab_size=VOCAB, hidden_size=16, num_layers=2, num_heads=4, num_kv_heads=2, ffn_hidden_size=24,
             max_seq_len=32)
@@ -25,7 +27,7 @@ def window(seed, seq=SEQ, batch=BATCH):
     """(tokens, targets, document_ids) [batch, seq]: row 0 starts mid-document (ids from 5), holds one-token
     documents and random lengths; row 1 is one document longer than the window but for two short ones inside its
     first 3 tokens (at cp = 4 only rank 0's share holds a document start)."""
-    g = torch.Generator().manual_seed(seed)
+    g = rng(seed)
     tokens, targets = (torch.randint(0, VOCAB, (batch, seq), generator=g) for _ in range(2))
     starts = (torch.rand(batch, seq, generator=g) < 0.25).long()
     starts[0, 1:3] = 1  # one-token documents at 1 and 2
@@ -205,7 +207,7 @@ def megatron_masks(tokens, eod):
 def test_documents_come_from_the_eod_token_as_megatron_finds_them():
     from models.training.documents import window_inputs
 
-    g = torch.Generator().manual_seed(0)
+    g = rng(0)
     tokens = torch.randint(0, 6, (3, 16), generator=g)  # EOD (5) ~1 in 6: one-token documents, EOD first or last
     tokens[2] = 1  # no EOD at all: the window inside one document longer than it
     tokens[0, 0] = tokens[1, -1] = 5

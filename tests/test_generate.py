@@ -16,6 +16,8 @@ from models.generate import main
 from models.generation import next_tokens
 from tp.testing import distributed
 
+from .helpers import rng
+
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 50
@@ -38,7 +40,7 @@ def hf_model(family, kv_heads=2, seed=0, positions=48):
 
 
 def prompts():
-    return torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(3))
+    return torch.randint(0, VOCAB, (2, 5), generator=rng(3))
 
 
 @pytest.mark.parametrize("tp_size", [1, 2])
@@ -67,7 +69,7 @@ def test_sampling_is_seeded_and_the_same_on_every_tp_rank():
     tp.init_mesh(tp=2)
     model = models.GPT.from_hf(hf_model("llama"))
     x = prompts()
-    draws = [model.generate(x, 10, temperature=0.8, top_k=20, top_p=0.9, generator=torch.Generator().manual_seed(s))
+    draws = [model.generate(x, 10, temperature=0.8, top_k=20, top_p=0.9, generator=rng(s))
              for s in (1, 1, 2)]
     assert torch.equal(draws[0], draws[1]) and not torch.equal(draws[0], draws[2])
     gathered = [torch.empty_like(draws[0]) for _ in range(2)]
@@ -75,13 +77,13 @@ def test_sampling_is_seeded_and_the_same_on_every_tp_rank():
     assert torch.equal(gathered[0], gathered[1])  # the same tokens on both tp ranks
     stop = int(draws[0][0, 6])  # the eos: sequence 0 stops there, padded with it; generation ends when both have
     out = model.generate(x, 10, temperature=0.8, top_k=20, top_p=0.9, eos_token_id=stop,
-                         generator=torch.Generator().manual_seed(1))
+                         generator=rng(1))
     assert torch.equal(out[0, :7], draws[0][0, :7]) and (out[0, 7:] == stop).all()
 
 
 def test_top_k_and_top_p_keep_the_likeliest_tokens():
     logits = torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0]])
-    g = torch.Generator().manual_seed(0)
+    g = rng(0)
     for _ in range(50):
         assert next_tokens(logits, temperature=1.0, top_k=2, top_p=None, generator=g).item() in (0, 1)
         assert next_tokens(logits, temperature=1.0, top_k=None, top_p=0.5, generator=g).item() == 0  # p(0) = 0.64

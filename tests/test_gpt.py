@@ -11,7 +11,7 @@ import tp
 from models.hf import hf_state_dict
 from tp.testing import distributed
 
-from .helpers import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, comm_counts
+from .helpers import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, comm_counts, rng
 
 transformers = pytest.importorskip("transformers")
 
@@ -34,7 +34,7 @@ def hf_model(family, kv_heads, seed=0):
 
 
 def tokens(seed):
-    g = torch.Generator().manual_seed(seed)
+    g = rng(seed)
     return torch.randint(0, VOCAB, (BATCH, SEQ), generator=g), torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
 
 
@@ -146,6 +146,22 @@ def test_init_is_tp_invariant_and_padding_never_wins(tp_size):
 
 
 @distributed(world_size=2)
+def test_init_draws_on_the_cpu_and_moves_to_the_default_device():
+    """(A GPU's default device: meta here.) The same CPU draws as a CPU build, the CPU generator left where a CPU
+    build leaves it, the parameters on the default device: a GPU run starts from a CPU run's weights."""
+    tp.init_mesh(tp=2)
+    config = models.GPTConfig(vocab_size=VOCAB, hidden_size=16, num_heads=4, num_kv_heads=2, ffn_hidden_size=24)
+    torch.manual_seed(3)
+    models.GPT(config)
+    after = torch.get_rng_state()
+    torch.manual_seed(3)
+    with torch.device("meta"):
+        model = models.GPT(config)
+    assert torch.equal(torch.get_rng_state(), after)
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+
+
+@distributed(world_size=2)
 def test_dropout_masks_and_recompute_give_the_same_gradients():
     mesh = tp.init_mesh(tp=2)
     config = models.GPTConfig(vocab_size=VOCAB, hidden_size=16, num_heads=4, ffn_hidden_size=24,
@@ -246,7 +262,7 @@ def test_hugging_face_round_trip_is_bit_exact_and_reads_only_shards(family, kv_h
 def test_sequence_parallel_grads_can_wait_for_one_coalesced_all_reduce():
     """sequence_parallel_grad_sync=False: no all-reduce per norm/bias in backward, one after it, same grads."""
     mesh = tp.init_mesh(tp=2)
-    x = torch.randn(SEQ, BATCH, 16, generator=torch.Generator().manual_seed(0)).chunk(2)[mesh.tp_rank]
+    x = torch.randn(SEQ, BATCH, 16, generator=rng(0)).chunk(2)[mesh.tp_rank]
     grads, counts = {}, {}
     for sync in (True, False):
         config = models.GPTConfig(vocab_size=VOCAB, hidden_size=16, num_heads=4, ffn_hidden_size=24, bias=True,

@@ -11,6 +11,8 @@ import tp
 from models import hf as hf_io
 from tp.testing import distributed
 
+from .helpers import rng
+
 transformers = pytest.importorskip("transformers")
 
 TINY = dict(vocab_size=100, hidden_size=32, num_layers=1, num_heads=4, ffn_hidden_size=64, max_seq_len=16)
@@ -126,7 +128,7 @@ def test_inferred_gpt2_saves_and_loads_with_valid_token_ids():
     torch.manual_seed(0)
     model = models.GPT(cfg(**GPT2_LIKE)).eval()
     model.save_hf(root[0])
-    x = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(1))
+    x = torch.randint(0, 100, (2, 8), generator=rng(1))
     ours = model(x)
     torch.distributed.barrier()
     with warnings.catch_warnings():
@@ -156,7 +158,7 @@ def test_save_hf_replaces_an_earlier_export_in_the_same_directory():
     root = [tempfile.mkdtemp(prefix="tp-hf-reexport-") if torch.distributed.get_rank() == 0 else None]
     torch.distributed.broadcast_object_list(root)
     config = cfg(num_layers=2)
-    x = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(1))
+    x = torch.randint(0, 100, (2, 8), generator=rng(1))
     weight_files = lambda: sorted(f for f in os.listdir(root[0]) if f.startswith("model"))  # noqa: E731
     if mesh.pp_rank == 0:  # an earlier export: the one-file model of another seed
         torch.manual_seed(0)
@@ -209,7 +211,7 @@ def test_scaled_rope_loads_matches_and_saves(scaling, tmp_path):
     dense = transformers.LlamaForCausalLM(config).eval()
     model = models.GPT.from_hf(dense).eval()
     assert model.config.rope_scaling == scaling
-    x = torch.randint(0, 100, (2, 24), generator=torch.Generator().manual_seed(1))
+    x = torch.randint(0, 100, (2, 24), generator=rng(1))
     expected = dense(x).logits
     assert torch.allclose(model(x), expected, atol=1e-5)
     assert not torch.allclose(models.GPT.from_hf(dense, rope_scaling=None).eval()(x), expected, atol=1e-3)

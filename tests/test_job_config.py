@@ -69,5 +69,39 @@ def test_a_run_writes_its_resolved_config_beside_its_logs(tmp_path):
     start = next(line for line in result.stdout.splitlines() if " ranks: " in line)
     assert start.endswith(f"; config: {written}")  # the start line says where
     expected = _job(*flags)
-    expected.parallelism.dp = 2  # resolved
+    expected.parallelism.dp, expected.launch.device, expected.training.precision = 2, "cpu", "fp32"  # resolved
     assert JobConfig.from_toml(str(written)) == expected
+
+
+def test_on_gpus_the_job_is_sized_to_them_and_defaults_to_bf16(monkeypatch):
+    """(CUDA faked.) One rank per GPU: dp fills the GPUs, a layout that needs more is refused in one line that offers
+    --device cpu; bf16 by default on CUDA, fp32 on the CPU; --precision wins."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.delenv("TP_DEVICE", raising=False)  # (tests/conftest.py sets it: the tests' jobs on the CPU)
+    job = _job("--tp", "2", "--pp", "1", "--global-batch-size", "4")
+    job.validate()
+    assert (job.launch.device, job.parallelism.dp, job.training.precision) == ("cuda", 2, "bf16")
+    with pytest.raises(ValueError, match=r"^8 ranks on this machine \(--tp\*--cp\*--pp\*--dp = 2\*1\*2\*2\) but it "
+                                         r"has 4 GPUs: NCCL needs one GPU per rank; .* or --device cpu for 8 gloo"):
+        _job("--dp", "2").validate()
+    job = _job("--dp", "2", "--device", "cpu")
+    job.validate()
+    assert (job.launch.device, job.parallelism.world_size, job.training.precision) == ("cpu", 8, "fp32")
+    job = _job("--tp", "1", "--pp", "1", "--dp", "4", "--precision", "tf32")
+    job.validate()
+    assert (job.launch.device, job.training.precision) == ("cuda", "tf32")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"--device cuda: no CUDA device is visible"):
+        _job("--device", "cuda").validate()
+    job = _job()
+    job.validate()
+    assert (job.launch.device, job.parallelism.dp, job.training.precision) == ("cpu", 2, "fp32")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("TP_DEVICE", "cpu")  # --device auto follows it
+    job = _job()
+    job.validate()
+    assert (job.launch.device, job.parallelism.world_size, job.training.precision) == ("cpu", 8, "fp32")

@@ -4,6 +4,8 @@ Without CUDA the real Triton kernels run under TRITON_INTERPRET=1 (set by confte
 test forces the Triton backend; shapes stay small and odd (the interpreter is numpy, ~0.5 s for 256³). Tests that
 need compiled kernels or autotuning are skipped without CUDA.
 """
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,7 +13,7 @@ import torch.nn.functional as F
 import kernels
 from kernels import ops, torch_ops, triton_ops
 
-CUDA = torch.cuda.is_available()
+CUDA = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"  # compiled kernels on the GPU
 DEVICE = "cuda" if CUDA else "cpu"
 requires_cuda = pytest.mark.skipif(not CUDA, reason="compiled Triton kernels / autotune need a CUDA GPU")
 
@@ -200,7 +202,7 @@ def test_primitives_match_torch_ops(activation):
     assert rel_err(dx, dx_ref) < 1e-5 and rel_err(dz, dz_ref) < 1e-5
     dw = kernels.linear_wgrad(dz, x)
     assert rel_err(dw, torch_ops.linear_wgrad(dz_ref, x)) < 1e-5
-    main_grad = torch.ones(w.shape, device=w.device)
+    main_grad = torch.ones(w.shape, device=DEVICE)
     assert kernels.linear_wgrad(dz, x, main_grad=main_grad) is None
     assert rel_err(main_grad, 1 + dw) < 1e-5
 
@@ -253,7 +255,7 @@ def test_invalid_arguments():
 
 def test_public_api():
     assert set(kernels.__all__) == {"linear", "swiglu_linear", "ACTIVATIONS", "use_backend", "get_backend",
-                                    "linear_forward", "linear_dgrad", "linear_wgrad", "grouped_linear",
+                                    "linear_forward", "linear_dgrad", "linear_wgrad", "tune_linear", "grouped_linear",
                                     "grouped_forward", "grouped_dgrad", "grouped_wgrad"}
     assert kernels.ACTIVATIONS == (None, "gelu", "gelu_tanh", "silu", "relu", "swiglu")
 
@@ -344,3 +346,40 @@ def test_empty_dimensions(activation):
         y.backward(torch.ones_like(y))
         assert x.grad.shape == x.shape and w.grad.shape == w.shape and b.grad.shape == b.shape
         assert torch.count_nonzero(w.grad) == 0 and (tokens == 0) == (torch.count_nonzero(b.grad) == 0)
+
+
+def test_autotune_buckets_the_token_count_and_a_linear_is_tuned_by_one_launch_of_each_kernel():
+    """The autotune key holds the token count's power-of-two bucket (a new batch or generation length re-tunes only in
+    a new bucket); kernels.tune_linear launches the forward, dgrad and wgrad once (none on the torch backend)."""
+    import collections
+
+    from kernels.triton_ops import LAUNCHES, token_bucket
+
+    assert [token_bucket(m) for m in (1, 64, 65, 128, 129, 4096, 4097)] == [64, 64, 128, 128, 256, 4096, 8192]
+    w, b = torch.randn(24, 16, device=DEVICE), torch.randn(24, device=DEVICE)
+    with kernels.use_backend("torch"):
+        assert not kernels.tune_linear(w, b, "gelu", tokens=37)
+    with kernels.use_backend("triton"):
+        before = collections.Counter(LAUNCHES)
+        assert kernels.tune_linear(w, b, "gelu", tokens=37, main_grad=True)
+        assert LAUNCHES - before == collections.Counter(linear_fwd=1, linear_dgrad=1, linear_wgrad=1)
+
+
+def test_layers_tune_each_shape_once(monkeypatch):
+    """tp.pipeline.runner.tune_kernels: every tensor-parallel linear's kernels, each distinct shape and flags once."""
+    import tp
+    from tp.pipeline.runner import tune_kernels
+
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    tp.init_mesh(backend="gloo")
+    try:
+        model = torch.nn.Sequential(tp.ColumnParallelLinear(8, 12, activation="gelu"), tp.RowParallelLinear(12, 8),
+                                    tp.ColumnParallelLinear(8, 12, activation="gelu"), tp.ColumnParallelLinear(8, 12))
+        calls = []
+        monkeypatch.setattr(kernels, "tune_linear", lambda w, b, act, *, tokens, main_grad: calls.append(
+            (tuple(w.shape), act, tokens, main_grad)) or True)
+        assert tune_kernels(model, 6) == 3
+        assert calls == [((12, 8), "gelu", 6, False), ((8, 12), None, 6, False), ((12, 8), None, 6, False)]
+    finally:
+        tp.destroy_mesh()

@@ -121,20 +121,20 @@ def _runtime_args(kernel, dtype, accumulate, aligned):
     p = f"*{dtype}"
     a = _A if aligned else _U
     if kernel == FWD:
-        return dict(x_ptr=p, w_ptr=p, b_ptr=p, y_ptr=p, z_ptr=p, M=_U, N=a, K=a,
+        return dict(x_ptr=p, w_ptr=p, b_ptr=p, y_ptr=p, z_ptr=p, M=_U, N=a, K=a, M_BUCKET=_A,
                     stride_xm=a, stride_xk=1, stride_wn=a, stride_wk=1, stride_ym=a, stride_yn=1, stride_zm=a,
                     stride_zn=1)
     if kernel == SWIGLU:
-        return dict(x_ptr=p, w_ptr=p, b_ptr=p, y_ptr=p, z_ptr=p, M=_U, F=a, K=a,
+        return dict(x_ptr=p, w_ptr=p, b_ptr=p, y_ptr=p, z_ptr=p, M=_U, F=a, K=a, M_BUCKET=_A,
                     stride_xm=a, stride_xk=1, stride_wn=a, stride_wk=1, stride_ym=a, stride_yn=1, stride_zm=a,
                     stride_zn=1)
     if kernel == DGRAD:
-        return dict(dz_ptr=p, w_ptr=p, dx_ptr=p, M=_U, N=a, K=a, stride_dzm=a, stride_dzk=1, stride_wk=a,
-                    stride_wn=1, stride_dxm=a, stride_dxn=1)
+        return dict(dz_ptr=p, w_ptr=p, dx_ptr=p, M=_U, N=a, K=a, M_BUCKET=_A, stride_dzm=a, stride_dzk=1,
+                    stride_wk=a, stride_wn=1, stride_dxm=a, stride_dxn=1)
     if kernel == WGRAD:
         # main_grad is fp32 (fp64 for fp64 operands) when accumulating, else the output has the operands' dtype.
         c = ("*fp64" if dtype == "fp64" else "*fp32") if accumulate else p
-        return dict(dz_ptr=p, x_ptr=p, c_ptr=c, M=a, N=a, K=_U,
+        return dict(dz_ptr=p, x_ptr=p, c_ptr=c, M=a, N=a, K=_U, K_BUCKET=_A,
                     stride_dzk=a, stride_dzm=1, stride_xk=a, stride_xn=1, stride_cm=a, stride_cn=1)
     if kernel == ACT_BWD:
         return dict(g_ptr=p, z_ptr=p, dz_ptr=p, M=_U, N=a, F=a,

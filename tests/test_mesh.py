@@ -313,6 +313,32 @@ def test_init_mesh_single_process_without_launcher(monkeypatch):
     assert not dist.is_initialized()  # the mesh created the default group, so it destroyed it too
 
 
+
+def test_with_cuda_the_default_group_is_gloo_for_cpu_tensors_and_nccl_for_cuda_ones(monkeypatch):
+    """An NCCL-only default group fails on every CPU tensor (a loader's indices, an optimizer's scalars): with CUDA
+    visible the default is one group with both backends. (CUDA faked: the group's creation is intercepted.)"""
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    asked = []
+
+    def init_process_group(backend, **kwargs):
+        asked.append(backend)
+        raise RuntimeError("intercepted")
+
+    monkeypatch.setattr(dist, "init_process_group", init_process_group)
+    with pytest.raises(RuntimeError, match="intercepted"):
+        tp.init_mesh()
+    assert asked == ["cpu:gloo,cuda:nccl"]
+    monkeypatch.undo()
+    mesh = tp.init_mesh(backend="cpu:gloo")  # a per-device backend string: collectives on CPU tensors
+    try:
+        assert tp.mesh.collective_device() == torch.device("cpu")
+        assert tp.ColumnParallelLinear(3, 4)(torch.ones(2, 3)).shape == (2, 4)
+        assert mesh.world_size == 1
+    finally:
+        tp.destroy_mesh()
+
 @distributed(world_size=4)
 def test_destroy_mesh_can_keep_groups_for_the_next_mesh():
     mesh = tp.init_mesh(tp=2)

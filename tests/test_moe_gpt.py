@@ -13,6 +13,8 @@ import tp
 from models.hf import hf_state_dict
 from tp.testing import distributed
 
+from .helpers import rng
+
 VOCAB, SEQ, BATCH = 50, 8, 2
 BASE = dict(vocab_size=VOCAB, hidden_size=16, num_layers=3, num_heads=4, num_kv_heads=2, ffn_hidden_size=24,
             max_seq_len=32, num_experts=6, moe_router_topk=2, moe_ffn_hidden_size=8, moe_aux_loss_coeff=0.1,
@@ -61,7 +63,7 @@ def test_moe_gpt_matches_the_one_rank_model(case):
     mesh = tp.init_mesh(tp=tp_size, cp=cp, ep=ep, etp=etp)
     torch.manual_seed(0)
     model = models.GPT(config.replace(sequence_parallel=sp))
-    g = torch.Generator().manual_seed(1)
+    g = rng(1)
     X = torch.randint(0, VOCAB, (mesh.dp_size * BATCH * micro_batches, SEQ), generator=g)
     Y = torch.randint(0, VOCAB, X.shape, generator=g)
     rows = torch.arange(X.shape[0]).view(micro_batches, mesh.dp_size, BATCH)[:, mesh.dp_rank].flatten()

@@ -15,6 +15,8 @@ import tp
 from models.hf import hf_state_dict
 from tp.testing import distributed
 
+from .helpers import rng
+
 transformers = pytest.importorskip("transformers")
 
 VOCAB, SEQ, BATCH = 50, 8, 2  # per dp rank; the sequence splits over tp (SP) and cp (2·cp chunks)
@@ -39,7 +41,7 @@ def hf_moe(family, *, experts=6, seed=0, dtype=torch.float64):
 
 
 def batch(dp, seed=0):
-    g = torch.Generator().manual_seed(seed)
+    g = rng(seed)
     return torch.randint(0, VOCAB, (dp * BATCH, SEQ), generator=g), torch.randint(0, VOCAB, (dp * BATCH, SEQ),
                                                                                   generator=g)
 

@@ -20,6 +20,8 @@ from tests.helpers import comm_counts
 from tp.optim import DataParallel, DistributedOptimizer, clip_grad_norm_, keep_param_tags, memory_bytes, reduced_grad
 from tp.testing import distributed
 
+from .helpers import rng
+
 ROWS, MICRO, STEPS = 8, 2, 3  # global batch rows, micro-batches per step, steps
 
 
@@ -60,7 +62,7 @@ def _late_row(row):
 
 
 def batch(step, dp_rank, dp_size):
-    g = torch.Generator().manual_seed(step)
+    g = rng(step)
     return torch.randn(ROWS, 5, generator=g, dtype=torch.float64).chunk(dp_size)[dp_rank]
 
 
@@ -396,7 +398,7 @@ GPT = models.GPTConfig(vocab_size=50, hidden_size=16, num_layers=2, num_heads=4,
 
 
 def gpt_batch(mesh):
-    g = torch.Generator().manual_seed(3)
+    g = rng(3)
     x, y = (torch.randint(0, GPT.vocab_size, (4, 8), generator=g) for _ in range(2))
     return x.chunk(mesh.dp_size)[mesh.dp_rank], y.chunk(mesh.dp_size)[mesh.dp_rank], x, y
 

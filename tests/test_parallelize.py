@@ -19,7 +19,7 @@ from tp import default_plan  # noqa: E402
 from tp.parallelize import describe, parallelize  # noqa: E402
 from tp.testing import distributed  # noqa: E402
 
-from .helpers import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, assert_close, comm_counts  # noqa: E402
+from .helpers import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, assert_close, comm_counts, rng  # noqa: E402
 
 ATOL = 1e-4
 V, S, B, LAYERS = 64, 8, 2, 2
@@ -50,7 +50,7 @@ def tiny(family, **overrides):
 
 
 def tokens(seed):
-    return torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(seed))
+    return torch.randint(0, V, (B, S), generator=rng(seed))
 
 
 def expected_grad(model, dense, name):
@@ -338,7 +338,7 @@ def test_plain_module_plan():
     dense = torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.GELU(), torch.nn.Linear(10, 6))
     model = parallelize(copy.deepcopy(dense), {"0": "colwise", "2": "rowwise"})
     assert isinstance(model[0], tp.ColumnParallelLinear) and isinstance(model[2], tp.RowParallelLinear)
-    x = torch.randn(3, 5, 6, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(3, 5, 6, generator=rng(1))
     assert_close(model(x), dense(x), 1e-6, "output")
     model(x).square().sum().backward()
     dense(x).square().sum().backward()

@@ -14,11 +14,13 @@ from tests.helpers import assert_close, randn
 from tp.pipeline import PipelineRunner, defer_wgrad
 from tp.testing import distributed
 
+from .helpers import rng
+
 VOCAB, SEQ, MICRO, NUM_MICRO = 50, 8, 2, 4
 
 
 def micro_batches(seed=0, count=NUM_MICRO):
-    g = torch.Generator().manual_seed(seed)
+    g = rng(seed)
     return [(torch.randint(0, VOCAB, (MICRO, SEQ), generator=g), torch.randint(0, VOCAB, (MICRO, SEQ), generator=g))
             for _ in range(count)]
 
@@ -267,3 +269,34 @@ def test_models_train_refuses_impossible_schedules_in_one_line(flags, message):
     with pytest.raises(ValueError, match=message) as info:
         validate(parser().parse_args(flags))
     assert "\n" not in str(info.value)
+
+
+def test_fsdp_parameter_groups_are_read_in_torch_2_11_and_later():
+    """FSDP2's per-state parameter groups: a list since torch 2.12, one group (or None) in torch 2.11."""
+    from types import SimpleNamespace
+
+    from tp.pipeline.runner import _param_groups
+
+    assert _param_groups(SimpleNamespace(_fsdp_param_groups=["a", "b"], _fsdp_param_group="a")) == ["a", "b"]
+    assert _param_groups(SimpleNamespace(_fsdp_param_group="a")) == ["a"]
+    assert _param_groups(SimpleNamespace(_fsdp_param_group=None)) == []
+
+
+@distributed(world_size=2)
+def test_the_kernels_are_tuned_once_before_the_first_schedule_each_shape_once():
+    """A first-time autotune inside the schedule would synchronise the GPU while a peer waits in a receive: the runner
+    tunes every linear's kernels before its first schedule, for a micro-batch's tokens (b·s/cp), each shape once.
+    (The calls are counted here; tests/test_kernels.py launches them.)"""
+    mesh = tp.init_mesh(tp=2)
+    config = models.GPTConfig(vocab_size=VOCAB, hidden_size=16, num_layers=2, num_heads=4, ffn_hidden_size=24)
+    stage = build_chunks(config, mesh, 1)[0]
+    calls, schedules_run = [], []
+    for layer in (m for m in stage.modules() if hasattr(m, "tune_kernels")):
+        layer.tune_kernels = lambda tokens, seen, layer=layer: calls.append((layer, tokens, len(schedules_run))) or 0
+    runner = PipelineRunner(stage, mesh, micro_batch_size=MICRO, seq_len=SEQ)
+    execute = runner._execute
+    runner._execute = lambda *args: (schedules_run.append(1), execute(*args))[1]
+    runner.run(micro_batches())
+    runner.run(micro_batches(1))
+    linears = [m for m in stage.modules() if isinstance(m, (tp.ColumnParallelLinear, tp.RowParallelLinear))]
+    assert [c[0] for c in calls] == linears and {c[1:] for c in calls} == {(MICRO * SEQ, 0)}

@@ -7,6 +7,8 @@ import torch.nn.functional as F
 import tp
 from tp.testing import distributed
 
+from .helpers import rng
+
 
 def _gather(t, group):
     out = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
@@ -62,7 +64,7 @@ def _dropout_in_tp_region(x, w):
 def test_checkpoint_recomputes_the_same_tp_dropout_mask(use_reentrant):
     """Plain torch.utils.checkpoint restores the default generators only; the tp stream must survive it too."""
     mesh = tp.init_mesh(tp=2)
-    g = torch.Generator().manual_seed(0)
+    g = rng(0)
     x0 = torch.randn(16, 16, generator=g, dtype=torch.float64)
     w0 = torch.randn(16, 16, generator=g, dtype=torch.float64)
 
@@ -88,3 +90,12 @@ def test_model_parallel_seed_without_a_mesh_raises_before_reseeding():
     with pytest.raises(RuntimeError, match="no tensor-parallel mesh"):
         tp.model_parallel_seed(5)
     assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_the_tracked_streams_draw_on_the_default_device_also_with_a_gpu_present(monkeypatch):
+    """(CUDA faked visible.) CPU tensors' dropout draws from the CPU generator: a stream tracked on the GPU would
+    leave it unforked and every tp rank would draw the same mask."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    tracker = tp.random.RNGStatesTracker()
+    tracker.add("stream", 3)
+    assert tracker.get_states()["stream"] == (torch.device("cpu"), 3)

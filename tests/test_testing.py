@@ -7,6 +7,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from tp import testing
@@ -175,3 +176,24 @@ def test_a_call_may_wait_longer_than_twice_the_default_timeout(monkeypatch):
 def test_no_ranks_is_refused():
     with pytest.raises(ValueError, match=r"world_size=0 must be >= 1"):
         testing.run(_rank, world_size=0)
+
+
+def test_tp_test_device_puts_the_ranks_tensors_on_the_gpu_over_gloo_and_is_a_no_op_without_cuda(monkeypatch):
+    """(CUDA faked for the choice only.) cuda: gloo, ranks sharing the GPUs; nccl: one GPU per rank or one line;
+    without CUDA every mode is the CPU's."""
+    monkeypatch.delenv("TP_TEST_DEVICE", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert testing.device_mode() == "cpu" and testing._backend(4) == "gloo"
+    monkeypatch.setenv("TP_TEST_DEVICE", "cuda")
+    assert testing.device_mode() == "cpu" and testing.device() == torch.device("cpu")  # no CUDA: a no-op
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert testing.device_mode() == "cuda" and testing._backend(4) == "gloo"  # 4 ranks share the GPU over gloo
+    monkeypatch.setenv("TP_TEST_DEVICE", "nccl")
+    with pytest.raises(ValueError, match=r"TP_TEST_DEVICE=nccl needs one GPU per rank: 4 ranks, 1 GPUs"):
+        testing._backend(4)
+    monkeypatch.setenv("TP_TEST_DEVICE", "gpu")
+    with pytest.raises(ValueError, match=r"TP_TEST_DEVICE='gpu' must be one of cpu, cuda, nccl"):
+        testing.device_mode()
+    monkeypatch.delenv("TP_TEST_DEVICE")
+    assert testing._backend(1) == "gloo"  # the default run: CPU tensors even with a GPU

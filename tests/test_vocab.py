@@ -12,14 +12,14 @@ from tp.cross_entropy import vocab_parallel_cross_entropy
 from tp.embedding import VocabParallelEmbedding
 from tp.testing import distributed
 
-from .helpers import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, assert_close, comm_counts, noncontiguous, randn
+from .helpers import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, assert_close, comm_counts, noncontiguous, randn, rng
 
 S, B = 8, 3  # sequence (divisible by every tp size, for SP) / batch: odd
 V, H = 20, 5  # at tp=4: 5 rows per rank; hidden odd
 
 
 def token_ids(*shape, seed, vocab=V):
-    g = torch.Generator().manual_seed(seed)
+    g = rng(seed)
     return torch.randint(0, vocab, shape, generator=g).to(torch.get_default_device())
 
 

@@ -13,7 +13,21 @@ from einops import rearrange
 all_gather_into_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
-Async = tuple[torch.Tensor, dist.Work]  # (the output, the collective's handle) of an async_op call
+# (the output, the collective's handle) of an async_op call; the handle is None under torch.compile, where the call
+# runs as a functional collective: the compiler waits on its result where it is first used, and schedules the overlap
+Async = tuple[torch.Tensor, dist.Work | None]
+
+
+def _async(async_op: bool) -> bool:
+    """Whether to issue the c10d call with async_op: not while compiling (async_op=True breaks the graph; a plain
+    c10d call is traced as a functional collective)."""
+    return async_op and not torch.compiler.is_compiling()
+
+
+def wait(handle: dist.Work | None) -> None:
+    """Wait for an async collective's handle (None: nothing to wait for, e.g. under torch.compile)."""
+    if handle is not None:
+        handle.wait()
 
 
 def _check_divisible(size: int, parts: int, what: str) -> None:
@@ -27,7 +41,7 @@ def all_reduce(x: torch.Tensor, group: dist.ProcessGroup, *, inplace: bool = Fal
     out = x.contiguous()
     if out is x and not inplace:
         out = x.clone()
-    handle = dist.all_reduce(out, group=group, async_op=async_op)
+    handle = dist.all_reduce(out, group=group, async_op=_async(async_op))
     return (out, handle) if async_op else out
 
 
@@ -57,7 +71,7 @@ def gather_first(x: torch.Tensor, group: dist.ProcessGroup, *,
                  async_op: bool = False) -> torch.Tensor | Async:
     """Concatenate every rank's x along dim 0."""
     out = x.new_empty((dist.get_world_size(group) * x.shape[0], *x.shape[1:]))
-    handle = all_gather_into_tensor(out, x.contiguous(), group=group, async_op=async_op)
+    handle = all_gather_into_tensor(out, x.contiguous(), group=group, async_op=_async(async_op))
     return (out, handle) if async_op else out
 
 
@@ -67,7 +81,7 @@ def reduce_scatter_first(x: torch.Tensor, group: dist.ProcessGroup, *,
     parts = dist.get_world_size(group)
     _check_divisible(x.shape[0], parts, "the sequence dim (dim 0)")
     out = x.new_empty((x.shape[0] // parts, *x.shape[1:]))
-    handle = reduce_scatter_tensor(out, x.contiguous(), group=group, async_op=async_op)
+    handle = reduce_scatter_tensor(out, x.contiguous(), group=group, async_op=_async(async_op))
     return (out, handle) if async_op else out
 
 

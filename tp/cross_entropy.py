@@ -90,10 +90,9 @@ def _check(logits_shard, targets, label_smoothing, ignore_index, reduction, voca
                          f"{tuple(logits_shard.shape[:-1])}")
     if not 0 < vocab_size <= padded:
         raise ValueError(f"vocab_size={vocab_size} must be in [1, {padded}] (the tp group's logits cover {padded})")
-    bad = (targets != ignore_index) & ((targets < 0) | (targets >= vocab_size))
-    if bad.any():  # targets are replicated: every rank raises here, before any collective
-        raise ValueError(f"target id {targets[bad][0].item()} is outside the vocabulary [0, {vocab_size}) "
-                         f"and is not ignore_index={ignore_index}")
+    # targets are replicated: every rank raises here, before any collective (on a GPU: a device assert)
+    debug.check_range(targets, vocab_size, lambda bad: f"target id {bad} is outside the vocabulary [0, {vocab_size}) "
+                      f"and is not ignore_index={ignore_index}", ignore=ignore_index)
 
 
 def vocab_parallel_cross_entropy(

@@ -8,6 +8,7 @@ ValueError naming the ranks that differ. Finite values may differ by ~1e-9 of th
 Off (the default) it costs one boolean test per call and adds no collective.
 """
 import os
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -16,6 +17,9 @@ from .collectives import gather_first
 
 _MAX_DIMS = 8
 _enabled = os.environ.get("TP_DEBUG", "0") not in ("", "0")
+# TP_HOST_CHECKS=1: the id range checks read the host on GPUs too (one sync per check; a bad id then raises the
+# one-line ValueError instead of a device assert, which ends the process's CUDA context): the test suite's choice
+_host_checks = os.environ.get("TP_HOST_CHECKS", "0") not in ("", "0")
 
 
 class set_debug:
@@ -37,6 +41,27 @@ class set_debug:
 def is_debug() -> bool:
     """Whether the cross-rank checks are on."""
     return _enabled
+
+
+def check_range(ids: torch.Tensor, limit: int, message: Callable[[int | str], str], *,
+                ignore: int | None = None) -> None:
+    """Every id (but `ignore`) in [0, limit), else ValueError(message(the first bad id)).
+
+    On CPU tensors the check reads two numbers on the host (no device to wait for). On a GPU and under torch.compile
+    it is a device-side assert instead (`torch._assert_async`: no host sync, so the launch queue never stalls and the
+    graph does not break; a bad id stops the process); debug mode or TP_HOST_CHECKS=1 make it the host check on a GPU
+    too (not under torch.compile).
+    """
+    if not ids.numel():
+        return
+    bad = (ids < 0) | (ids >= limit)
+    if ignore is not None:
+        bad &= ids != ignore
+    if torch.compiler.is_compiling() or (ids.device.type != "cpu" and not (_enabled or _host_checks)):
+        torch._assert_async(~bad.any(), message("(an id)"))
+        return
+    if bad.any():
+        raise ValueError(message(ids[bad][0].item()))
 
 
 def _summary(x):

@@ -106,11 +106,9 @@ class VocabParallelEmbedding(nn.Module):
         if self.sequence_parallel and (ids.dim() == 0 or ids.shape[0] % self.tp_size):
             raise ValueError(f"sequence_parallel VocabParallelEmbedding needs [s, b] ids with s divisible by "
                              f"tp = {self.tp_size}, got shape {tuple(ids.shape)}")
-        if ids.numel():  # every rank holds the same ids, so every rank raises here, before the collective
-            low, high = torch.stack(torch.aminmax(ids)).tolist()  # one host sync
-            if low < 0 or high >= self.num_embeddings:
-                bad = low if low < 0 else high
-                raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.num_embeddings})")
+        # every rank holds the same ids, so every rank raises here, before the collective (on a GPU: a device assert)
+        debug.check_range(ids, self.num_embeddings,
+                          lambda bad: f"token id {bad} is outside the vocabulary [0, {self.num_embeddings})")
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [s, b]
         self._check_input(ids)

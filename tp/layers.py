@@ -13,7 +13,7 @@ from torch import nn
 import kernels
 
 from . import debug
-from .collectives import gather_first, reduce_scatter_first
+from .collectives import all_reduce, gather_first, reduce_scatter_first, wait
 from .grads import main_grad_of, sync_grads_over_tp
 from .mappings import gather_from_tp_region, reduce_from_tp_region, reduce_scatter_to_sp_region, scatter_to_tp_region
 from .mesh import SharedGroup, resolve_group
@@ -53,13 +53,12 @@ class _ParallelLinearFn(torch.autograd.Function):
         dy = grad_out.reshape(-1, grad_out.shape[-1]).to(weight.dtype)  # [s*b, out/tp]
         need_dx = ctx.needs_input_grad[0]
         dx, dz = kernels.linear_dgrad(dy, weight, preact, ctx.activation, need_input_grad=need_dx)
-        if gather is not None:
-            gather.wait()
+        wait(gather)
         pending = None
         if need_dx:
             dx = dx.view(*x_total.shape)  # [s, b, in]
             if comm == "all-reduce":
-                pending = dist.all_reduce(dx, group=group, async_op=True)
+                dx, pending = all_reduce(dx, group, inplace=True, async_op=True)
             elif comm == "sequence":
                 dx, pending = reduce_scatter_first(dx, group, async_op=True)  # [s/tp, b, in]
         dw = None
@@ -67,8 +66,7 @@ class _ParallelLinearFn(torch.autograd.Function):
         if ctx.needs_input_grad[1] and not defer_weight_grad(ctx, 1, dz, x_2d):  # (W later, under defer_wgrad)
             dw = kernels.linear_wgrad(dz, x_2d, main_grad=ctx.main_grad)
         db = kernels.ops.bias_grad(dz, dz.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        if pending is not None:
-            pending.wait()
+        wait(pending)
         return dx, dw, db, None, None, None
 
 
@@ -296,6 +294,18 @@ class _ParallelLinear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
             f"tp={self.tp_size}, shard=dim{self.shard_dim}{fused} (local weight {local})"
         )
+
+    def tune_kernels(self, tokens: int, seen: set | None = None) -> bool:
+        """Tune this layer's Triton kernels for `tokens` rows per local matmul (kernels.tune_linear), unless `seen`
+        (a set shared over a model's layers) already holds a layer of the same shapes and flags; whether it launched.
+        """
+        act, main_grad = getattr(self, "activation", None), hasattr(self.weight, "main_grad")
+        key = (tuple(self.weight.shape), self.weight.dtype, self.weight.device, self.bias is None, act, main_grad)
+        if seen is not None:
+            if key in seen:
+                return False
+            seen.add(key)
+        return kernels.tune_linear(self.weight, self.bias, act, tokens=tokens, main_grad=main_grad)
 
 
 class ColumnParallelLinear(_ParallelLinear):

@@ -16,28 +16,24 @@ from .mesh import resolve_group
 # ---- autograd Functions: one per conjugate pair ------------------------------------------------------------------
 
 
-class _Mapping(torch.autograd.Function):
-    """forward(x) = fwd(x), backward(g) = bwd(g). Only applied to groups of more than one rank."""
+def _mapping(name, fwd, bwd):
+    """An autograd Function: forward(x) = fwd(x, group), backward(g) = bwd(g, group). Only applied to groups of more
+    than one rank. (Static methods closing over fwd and bwd: torch.compile traces those, not class methods.)"""
 
-    fwd = bwd = None
-
-    @classmethod
-    def forward(cls, ctx, x, group):
+    def forward(ctx, x, group):
         ctx.group = group
-        return cls.fwd(x, group)
+        return fwd(x, group)
 
-    @classmethod
     @torch.autograd.function.once_differentiable
-    def backward(cls, ctx, grad):
-        return cls.bwd(grad, ctx.group), None
+    def backward(ctx, grad):
+        return bwd(grad, ctx.group), None
+
+    methods = {"forward": staticmethod(forward), "backward": staticmethod(backward)}
+    return type(name, (torch.autograd.Function,), methods)
 
 
 def _identity(x, group):
     return x
-
-
-def _mapping(name, fwd, bwd):
-    return type(name, (_Mapping,), {"fwd": staticmethod(fwd), "bwd": staticmethod(bwd)})
 
 
 _CopyToTP = _mapping("_CopyToTP", _identity, all_reduce)
@@ -89,7 +85,9 @@ def copy_to_tp_region(x: torch.Tensor, group: dist.ProcessGroup | None = None) -
 
 def reduce_from_tp_region(x: torch.Tensor, group: dist.ProcessGroup | None = None, *, in_place: bool = False,
                           check: bool = True) -> torch.Tensor:
-    """forward: all-reduce (`in_place`: into x's storage, for a fresh output nobody else holds) · backward: identity."""
+    """forward: all-reduce (`in_place`: into x's storage, for a fresh output nobody else holds; not under
+    torch.compile, whose functional all-reduce writes a new buffer the compiler may reuse) · backward: identity."""
+    in_place = in_place and not torch.compiler.is_compiling()
     return _apply(_ReduceFromTPInPlace if in_place else _ReduceFromTP, x, group, replicated=False, check=check)
 
 

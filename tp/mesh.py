@@ -255,11 +255,12 @@ class Mesh:
             )
         return self._device_mesh
 
-    def flat_device_mesh(self, axis: str) -> DeviceMesh:
+    def flat_device_mesh(self, axis: str, device_type: str | None = None) -> DeviceMesh:
         """A one-dimensional torch DeviceMesh over this rank's group along `axis` (an axis or a composite such as
-        "dp-cp"), its dim named `axis` with "_" for "-"."""
-        return DeviceMesh.from_group(self.group(axis), collective_device().type, mesh=torch.tensor(self.ranks(axis)),
-                                     mesh_dim_names=(axis.replace("-", "_"),))
+        "dp-cp"), its dim named `axis` with "_" for "-"; on `device_type` (default: the collectives' device), e.g.
+        "cpu" for CPU tensors under a cpu:gloo,cuda:nccl group (a DTensor on a CUDA mesh would copy them to the GPU)."""
+        return DeviceMesh.from_group(self.group(axis), device_type or collective_device().type,
+                                     mesh=torch.tensor(self.ranks(axis)), mesh_dim_names=(axis.replace("-", "_"),))
 
     def __repr__(self) -> str:
         coords = ", ".join(f"{a}={self.local_rank(a)}/{self.sizes[a]}" for a in self.order)
@@ -295,10 +296,16 @@ def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def default_backend() -> str:
+    """The default group's backend when none is given: with CUDA, NCCL for CUDA tensors and gloo for CPU tensors in
+    the same group (so CPU tensors, such as a loader's indices or an optimizer's scalars, still reduce), else gloo."""
+    return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+
+
 def collective_device() -> torch.device:
     """Where the default group's collectives take their tensors: this rank's GPU under NCCL, else the CPU (also
     before any process group exists)."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
+    if dist.is_initialized() and "nccl" in str(dist.get_backend()):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -330,9 +337,9 @@ def _lone_process_error(tp, cp, pp, dp):
 
 
 def _init_default_group(backend, timeout):
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    backend = backend or default_backend()
     if launched_by_torchrun():
-        if backend == "nccl":
+        if "nccl" in backend:  # one rank per GPU: this rank's (NCCL refuses two ranks on one device)
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         # torchrun's agent keeps one TCPStore across restarts of the worker group (--max-restarts): keys under a
         # per-attempt prefix, or a restarted rank can read the previous attempt's addresses (pytorch#135712)
@@ -351,7 +358,8 @@ def init_mesh(*, tp: int = 1, cp: int = 1, pp: int = 1, dp: int | None = None, e
     `ep` and `etp` (default: tp) lay out the experts of mixture-of-experts layers over the same ranks.
 
     Uses the default process group if one exists (then `backend` and `timeout` are those it was created with),
-    else initialises it from torchrun's environment (gloo on CPU, NCCL on GPU unless `backend` says otherwise);
+    else initialises it from torchrun's environment (gloo on CPU; with CUDA "cpu:gloo,cuda:nccl", NCCL for CUDA tensors
+    and gloo for CPU ones, unless `backend` says otherwise);
     a lone process gets a one-rank group.
     """
     global _current

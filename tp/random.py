@@ -29,7 +29,13 @@ _MASK64 = (1 << 64) - 1
 
 
 def _default_device():
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    """The default device's generator draws the tracked streams: a GPU job's (its default device), else the CPU's,
+    also on a machine with a GPU (CPU tensors' dropout draws from the CPU generator: a CUDA stream would leave it
+    unforked, the same mask on every tp rank)."""
+    device = torch.get_default_device()
+    if device.type != "cuda":
+        return torch.device("cpu")
+    return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
 
 
 def derive_seed(seed: int, position: int) -> int:

@@ -1,4 +1,4 @@
-"""Multi-rank test harness: run a function on N ranks as real processes (gloo on CPU, NCCL with >= N GPUs).
+"""Multi-rank test harness: run a function on N ranks as real processes (gloo on CPU; see TP_TEST_DEVICE).
 
 Workers are spawned once per world size and reused across calls (spawning is the slow part). A failure on any
 rank raises `RankError` with every failing rank's traceback; a hang raises `RankTimeout` with the Python stack of
@@ -19,6 +19,11 @@ In pytest, decorate a module-level function; its parameters can be parametrized 
         ...                                  # runs on 4 ranks; asserts fail the test with the rank's traceback
 
 Outside pytest: `run(fn, world_size=4, **kwargs)` returns the list of per-rank return values.
+
+`TP_TEST_DEVICE` picks where the ranks' tensors live: `cpu` (the default) gloo on CPU tensors; `cuda` gloo on CUDA
+tensors, every rank's default device a GPU (ranks share the GPUs round-robin: gloo takes CUDA tensors for all-reduce,
+broadcast and all-gather, and several ranks may share one GPU, which NCCL refuses); `nccl` NCCL, one GPU per rank.
+Without CUDA every mode is the CPU's.
 """
 import ast
 import atexit
@@ -61,13 +66,28 @@ class RankTimeout(TimeoutError):
     """Some ranks did not finish in time (a hang, usually a collective another rank never joined)."""
 
 
+TEST_DEVICES = ("cpu", "cuda", "nccl")
+
+
+def device_mode() -> str:
+    """TP_TEST_DEVICE (cpu, cuda or nccl; see the module's docstring), "cpu" without CUDA."""
+    mode = os.environ.get("TP_TEST_DEVICE", "cpu") or "cpu"
+    if mode not in TEST_DEVICES:
+        raise ValueError(f"TP_TEST_DEVICE={mode!r} must be one of {', '.join(TEST_DEVICES)}")
+    return mode if torch.cuda.is_available() else "cpu"
+
+
 def _backend(world_size):
-    return "nccl" if torch.cuda.device_count() >= world_size else "gloo"
+    mode = device_mode()
+    if mode == "nccl" and torch.cuda.device_count() < world_size:
+        raise ValueError(f"TP_TEST_DEVICE=nccl needs one GPU per rank: {world_size} ranks, "
+                         f"{torch.cuda.device_count()} GPUs (TP_TEST_DEVICE=cuda shares them over gloo)")
+    return "nccl" if mode == "nccl" else "gloo"
 
 
 def device() -> torch.device:
-    """The device tests on this rank should use: its own GPU under NCCL, else the CPU."""
-    return collective_device()
+    """The device tests on this rank should use: its GPU under TP_TEST_DEVICE=cuda or nccl, else the CPU."""
+    return torch.get_default_device() if device_mode() != "cpu" else collective_device()
 
 
 class _AssertRewriter(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -115,9 +135,10 @@ def _worker(rank, world_size, workdir, tasks, results, collective_timeout):
     sys.meta_path.insert(0, rewriter := _AssertRewriter())
     torch.set_num_threads(1)
     backend = _backend(world_size)
-    if backend == "nccl":  # test bodies that build tensors without a device get this rank's GPU
-        torch.cuda.set_device(rank)
-        torch.set_default_device(f"cuda:{rank}")
+    if device_mode() != "cpu":  # test bodies that build tensors without a device get this rank's GPU
+        gpu = rank % torch.cuda.device_count()
+        torch.cuda.set_device(gpu)
+        torch.set_default_device(f"cuda:{gpu}")
     dist.init_process_group(
         backend, init_method=f"file://{os.path.join(workdir, 'store')}", rank=rank, world_size=world_size,
         # beyond any call's timeout: the harness reports a hang, with every stuck rank's stack, before gloo would

@@ -265,7 +265,9 @@ def save(path: str, model: Model, optimizer: torch.optim.Optimizer | None, *, me
     for chunk in model_chunks(model):
         if hasattr(chunk, "finish_param_sync"):  # tp.optim.DataParallel: its parameters' all-gathers complete
             chunk.finish_param_sync()
-    device_mesh = mesh.device_mesh["tp"]
+    # on the tensors' device: a DTensor on a mesh of another device would copy them (async: staged on the CPU)
+    device = "cpu" if async_group is not None else next(stages[0].parameters()).device.type
+    device_mesh = mesh.flat_device_mesh("tp", device)
     state = {}
     whole = optimizer.full_state() if _distributed(optimizer) else None  # fp32 masters and state, dp-gathered
     staged = (lambda t: t.detach().to("cpu", copy=True)) if async_group is not None else (lambda t: t)
@@ -363,7 +365,8 @@ def load(path: str, model: Model, optimizer: torch.optim.Optimizer | None, *, me
     stages = _check(model, optimizer, mesh)
     meta = _read_meta(path, stages[0], optimizer)
     stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    device_mesh = mesh.device_mesh["tp"]
+    # on the parameters' device: a DTensor of CPU buffers on a CUDA mesh reads into a GPU copy, never into them
+    device_mesh = mesh.flat_device_mesh("tp", next(stages[0].parameters()).device.type)
     distributed = _distributed(optimizer)
     groups = {} if optimizer is None else {id(p): g for p, g in optimizer.group_of.items()} if distributed else \
         {id(p): g for g in optimizer.param_groups for p in g["params"]}

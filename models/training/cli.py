@@ -97,9 +97,12 @@ def _split_and_training_flags(a):
       help="data parallelism: torch DDP on the dp group, FSDP2 (fully_shard) on the dp mesh dim, or zero1: the "
            "distributed optimizer (fp32 grads reduce-scattered in buckets during backward, each rank stepping 1/dp "
            "of the fp32 masters and AdamW state, parameters all-gathered)")
-    a("--precision", default="fp32", metavar="{fp32,bf16}",
+    a("--precision", default=None, metavar="{fp32,tf32,bf16}",
       help="bf16: bf16 parameters and activations, fp32 master weights, fp32 gradient accumulation and reduction "
-           "(the GPU default; fp32 on CPU, where bf16 matmuls are slow)")
+           "(the GPU default; fp32 on CPU, where bf16 matmuls are slow); tf32: fp32 with TensorFloat-32 matmuls on "
+           "GPUs (fp32 there is the exact, slow IEEE dot)")
+    a("--compile", action="store_true",
+      help="torch.compile each transformer block (fullgraph, as torchtitan): no graph break, the same loss")
     a("--ep", type=int, default=1,
       help="expert-parallel size: the experts of each MoE layer split over ep ranks of a stage's tp*cp*dp (which "
            "exchange tokens by all-to-all); ep*etp must divide tp*cp*dp")
@@ -202,6 +205,9 @@ def _output_and_launch_flags(a):
       help="print which global ranks sit on which node, each rank's local rank and tp/cp/pp/dp coordinates, and exit")
     a("--distributed-timeout-minutes", type=float, default=10.0, metavar="M",
       help="collective timeout: a rank that hangs ends the job after M minutes, and is named")
+    a("--device", choices=("auto", "cpu", "cuda"), default="auto",
+      help="cuda: one rank per GPU over NCCL (gloo for CPU tensors); cpu: gloo ranks on the CPU even with GPUs; "
+           "auto: $TP_DEVICE when set, else cuda when a GPU is visible")
     a("--max-restarts", type=int, default=0, metavar="K",
       help="restart every rank up to K times after a failure (torchrun's flag, for our launcher); with --save DIR "
            "--load DIR the job resumes from DIR/latest")
@@ -260,7 +266,7 @@ def validate(args: argparse.Namespace | JobConfig, world_size: int | None = None
     job = args if isinstance(args, JobConfig) else job_config(args)
     config = preflight.check(job, world_size)
     if not isinstance(args, JobConfig):
-        args.dp = job.parallelism.dp
+        args.dp, args.device, args.precision = job.parallelism.dp, job.launch.device, job.training.precision
     return config
 
 

@@ -24,6 +24,7 @@ are models/training/preflight.py's.
 import dataclasses
 import json
 import math
+import os
 import types
 import typing
 from collections.abc import Mapping
@@ -42,7 +43,8 @@ MOE_TRAINING_FIELDS = ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_capacity_f
 MOE_SCORES, MOE_DISPATCHERS = ("softmax", "sigmoid"), ("alltoall", "allgather")
 PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb")
 DP_MODES = ("ddp", "fsdp", "zero1")
-PRECISIONS = ("fp32", "bf16")
+PRECISIONS = ("fp32", "tf32", "bf16")
+DEVICES = ("auto", "cpu", "cuda")
 LR_DECAY_STYLES = ("cosine", "linear", "constant", "wsd")
 
 
@@ -175,12 +177,13 @@ class ParallelismConfig:
             raise ValueError(f"--cp-mode a2a+ring needs --cp-a2a-size, a divisor of --cp={self.cp} (the all-to-all "
                              f"sub-groups' size); got {self.cp_a2a_size}")
 
-    def resolve_dp(self, world_size: int | None) -> int:
-        """--dp when given; else WORLD_SIZE / (tp·cp·pp) under torchrun (as Megatron), 2 on our own launcher."""
+    def resolve_dp(self, world_size: int | None, *, gpus: int | None = None) -> int:
+        """--dp when given; else WORLD_SIZE / (tp·cp·pp) under torchrun (as Megatron); on our own launcher, the GPUs
+        over tp·cp·pp (one rank per GPU; at least 1), 2 on the CPU."""
         if self.dp is not None:
             return self.dp
         if world_size is None:
-            return 2
+            return 2 if gpus is None else max(1, gpus // (self.tp * self.cp * self.pp))
         model_parallel = self.tp * self.cp * self.pp
         if model_parallel < 1 or world_size % model_parallel:
             raise ValueError(f"WORLD_SIZE={world_size} is not divisible by --tp*--cp*--pp = {self.tp}*{self.cp}*"
@@ -222,17 +225,18 @@ class TrainingConfig:
     micro_batch_size: int = 2
     seq_len: int = 64
     seed: int = 1234
-    precision: str = "fp32"
+    precision: str | None = None  # None: bf16 on CUDA, fp32 on the CPU (resolved by JobConfig.validate)
     clip_grad: float = 1.0
     check_inputs: bool = False
+    compile: bool = False  # torch.compile each transformer block (fullgraph)
 
     def validate(self) -> None:
         _at_least(self, ("global_batch_size", "micro_batch_size", "seq_len", "steps"), 1)
         if not math.isfinite(self.clip_grad) or self.clip_grad < 0:
             raise ValueError(f"--clip-grad={self.clip_grad} must be a finite number >= 0 (0: no clipping)")
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"--precision={self.precision} is not supported: fp32 or bf16 (fp16 would need loss "
-                             "scaling)")
+        if self.precision is not None and self.precision not in PRECISIONS:
+            raise ValueError(f"--precision={self.precision} is not supported: fp32, tf32 or bf16 (fp16 would need "
+                             "loss scaling)")
 
 
 @dataclasses.dataclass
@@ -416,9 +420,11 @@ class LaunchConfig:
     distributed_timeout_minutes: float = 10.0
     max_restarts: int = 0
     print_layout: bool = False
+    device: str = "auto"  # auto: $TP_DEVICE if set, else cuda when a GPU is visible (one rank per GPU), else cpu
 
     def validate(self) -> None:
         _at_least(self, ("max_restarts",), 0)
+        _one_of("--device", self.device, DEVICES)
         if not self.distributed_timeout_minutes > 0:
             raise ValueError(f"--distributed-timeout-minutes={self.distributed_timeout_minutes} must be > 0")
 
@@ -465,7 +471,9 @@ class JobConfig:
     def validate(self, world_size: int | None = None) -> None:
         """Every check of the values alone, one ValueError line naming the flag: resolves parallelism.dp (from
         `world_size`, torchrun's WORLD_SIZE, when not given), then each section's checks, then those across them."""
-        self.parallelism.dp = self.parallelism.resolve_dp(world_size)
+        self.launch.validate()
+        gpus = self.resolve_device()
+        self.parallelism.dp = self.parallelism.resolve_dp(world_size, gpus=gpus)
         for section in self.sections().values():
             section.validate()
         parallel, training = self.parallelism, self.training
@@ -474,6 +482,12 @@ class JobConfig:
             raise ValueError(f"WORLD_SIZE={world_size} but --tp*--cp*--pp*--dp = {parallel.tp}*{parallel.cp}*"
                              f"{parallel.pp}*{parallel.dp} = {world}")
         parallel.check_experts()
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world if world_size is None else 1))
+        if gpus is not None and local > gpus:
+            raise ValueError(f"{local} ranks on this machine (--tp*--cp*--pp*--dp = {parallel.tp}*{parallel.cp}*"
+                             f"{parallel.pp}*{parallel.dp}) but it has {gpus} GPU{'s' * (gpus > 1)}: NCCL needs one "
+                             f"GPU per rank; use a layout of at most {gpus} ranks, or --device cpu for {local} gloo "
+                             "ranks on the CPU")
         if training.global_batch_size % (parallel.dp * training.micro_batch_size):
             raise ValueError(f"--global-batch-size={training.global_batch_size} is not divisible by --dp * "
                              f"--micro-batch-size = {parallel.dp}*{training.micro_batch_size}")
@@ -489,6 +503,21 @@ class JobConfig:
             raise ValueError(f"--seq-len={training.seq_len} is not divisible by --tp={parallel.tp} (sequence "
                              "parallelism)")
         self._validate_watching()
+
+    def resolve_device(self) -> int | None:
+        """--device auto -> $TP_DEVICE (cpu or cuda) when set, else cuda or cpu; --precision unset -> bf16 on cuda,
+        fp32 on cpu; the GPUs one rank each can use (None on the CPU)."""
+        import torch
+
+        cuda = torch.cuda.is_available()
+        if self.launch.device == "auto":
+            self.launch.device = os.environ.get("TP_DEVICE") or ("cuda" if cuda else "cpu")
+            _one_of("$TP_DEVICE", self.launch.device, DEVICES[1:])
+        if self.launch.device == "cuda" and not cuda:
+            raise ValueError("--device cuda: no CUDA device is visible (torch.cuda.is_available() is False)")
+        if self.training.precision is None:  # fp32 on a GPU runs the slow IEEE dot: bf16 there
+            self.training.precision = "bf16" if self.launch.device == "cuda" else "fp32"
+        return torch.cuda.device_count() if self.launch.device == "cuda" else None
 
     def _validate_watching(self) -> None:
         """The profile window within the run, the profiled ranks within the world."""

@@ -42,11 +42,11 @@ def gpt_config_from_job(job: JobConfig) -> GPTConfig:
 
 
 def uses_torch_ddp(job: JobConfig) -> bool:
-    """Whether dp is torch's DistributedDataParallel (--dp-mode ddp in fp32, experts not apart); otherwise FSDP2 or
+    """Whether dp is torch's DistributedDataParallel (--dp-mode ddp in fp32/tf32, experts not apart); otherwise FSDP2 or
     tp.optim.DataParallel (zero1, bf16, and experts laid out apart from the dense weights: torch DDP reduces every
     parameter over one group)."""
     parallel = job.parallelism
-    return parallel.dp_mode == "ddp" and job.training.precision == "fp32" and not parallel.experts_apart
+    return parallel.dp_mode == "ddp" and job.training.precision != "bf16" and not parallel.experts_apart
 
 
 def build_model(job: JobConfig, config: GPTConfig, mesh: Mesh) -> tuple[list[GPT], torch.nn.Module]:
@@ -63,6 +63,9 @@ def build_model(job: JobConfig, config: GPTConfig, mesh: Mesh) -> tuple[list[GPT
     for chunk in chunks:  # the first stage's embedding, held again: its grad norm counted there
         if tied_embedding(chunk, mesh) is not None and not mesh.is_first_stage:
             tied_embedding(chunk, mesh).shared = True
+    if job.training.compile:  # --compile: each block, before data parallelism wraps the chunks (as torchtitan)
+        for chunk in chunks:
+            chunk.compile_blocks()
     wrapped = [wrap_data_parallel(chunk, mesh, job.parallelism.dp_mode, job.training.precision) for chunk in chunks]
     return chunks, wrapped[0] if len(wrapped) == 1 else torch.nn.ModuleList(wrapped)
 

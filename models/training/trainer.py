@@ -40,16 +40,39 @@ def set_hyperparameters(optimizer: torch.optim.Optimizer, job: JobConfig, step: 
 
 
 def build_mesh(job: JobConfig) -> tp.Mesh:
-    """The tp x cp x pp x dp mesh (nccl on GPUs, else gloo); rank 0 prints the layout."""
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    """The tp x cp x pp x dp mesh (--device cuda: NCCL for CUDA tensors and gloo for CPU ones, one rank per GPU;
+    cpu: gloo); rank 0 prints the layout."""
+    cuda = job.launch.device == "cuda"
     parallel = job.parallelism
     mesh = tp.init_mesh(tp=parallel.tp, cp=parallel.cp, pp=parallel.pp, dp=parallel.dp, ep=parallel.ep,
-                        etp=parallel.etp, backend=backend,
+                        etp=parallel.etp, backend="cpu:gloo,cuda:nccl" if cuda else "gloo",
                         timeout=datetime.timedelta(minutes=job.launch.distributed_timeout_minutes))
+    if cuda and mesh.rank == 0:  # the log's first line: what runs where, at which precision
+        print(device_line(job, mesh.world_size), flush=True)
     launch.announce_layout(mesh)  # rank 0 prints which ranks sit on which node, and their coordinates
-    if backend == "nccl":
+    if cuda:  # (the weights are drawn on the CPU and moved: the same as a CPU run's)
         torch.set_default_device(f"cuda:{torch.cuda.current_device()}")
+        tf32 = job.training.precision == "tf32"
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
     return mesh
+
+
+def device_line(job: JobConfig, world_size: int) -> str:
+    """What a GPU job runs on, and at which precision (fp32 there is the exact IEEE dot: bf16 is the default)."""
+    precision = {"bf16": "bf16 (the GPU default; --precision tf32 or fp32 for fp32 parameters)",
+                 "tf32": "tf32 (fp32 parameters, TensorFloat-32 matmuls)",
+                 "fp32": "fp32 (exact IEEE matmuls, slow on GPUs: --precision tf32 or bf16 are faster)"}
+    return (f"cuda: {world_size} rank{'s' * (world_size > 1)}, one per GPU ({torch.cuda.get_device_name()}; NCCL "
+            f"for CUDA tensors, gloo for CPU ones), precision {precision[job.training.precision]}")
+
+
+def to_device(micro_batches: list, device: torch.device) -> list:
+    """The micro-batches (read on the CPU: from_numpy, frombuffer) on the model's device."""
+    if device.type == "cpu":
+        return micro_batches
+    return [(*(t.to(device, non_blocking=True) for t in micro[:2]),
+             *({k: v.to(device, non_blocking=True) for k, v in extra.items()} for extra in micro[2:]))
+            for micro in micro_batches]
 
 
 def build_optimizer(module: torch.nn.Module, job: JobConfig, micro_batches: int) -> torch.optim.Optimizer:
@@ -71,6 +94,7 @@ class Trainer:
 
     def __init__(self, job: JobConfig, *, config_file: str | None = None):
         torch.set_num_threads(1)
+        job.resolve_device()  # (a JobConfig not validated here: --device and --precision still "auto")
         training = job.training
         self.job, self.mesh = job, build_mesh(job)
         self.rank0 = dist.get_rank() == 0
@@ -87,7 +111,7 @@ class Trainer:
                                 capacity=self.config.moe_capacity_factor is not None)
         self.extra: dict = {}  # what the resumed checkpoint's run kept (the W&B run id, the tokenizer)
         self.start_step = self.resume()
-        device = next(self.stage.parameters()).device
+        self.device = device = next(self.stage.parameters()).device
         self.clock, self.work_s = StepClock(device), 0.0
         self.stragglers = Stragglers(interval=job.logging.log_interval, factor=job.logging.straggler_factor,
                                      rank0=self.rank0, device=device)
@@ -202,8 +226,11 @@ class Trainer:
         return _mean_over(self.runner.forward_only(micro_batches), self.mesh.dp_group)
 
     def with_documents(self, micro_batches: list) -> list:
-        """The micro-batches with their documents' inputs and loss mask (documents.py), when the job asks."""
-        return micro_batches if self.documents is None else [self.documents(*micro) for micro in micro_batches]
+        """The micro-batches with their documents' inputs and loss mask (documents.py), when the job asks, on the
+        model's device."""
+        if self.documents is not None:
+            micro_batches = [self.documents(*micro) for micro in micro_batches]
+        return to_device(micro_batches, self.device)
 
     def with_samples(self, micro_batches: list, step: int) -> list:
         """The micro-batches with their samples' global indices in the run, `sample_ids` [mb] (step·B + the place in

@@ -64,6 +64,24 @@ class PipelineStage(Protocol):
         parallelism), moved between ranks as it is."""
 
 
+def tune_kernels(module: nn.Module, tokens: int) -> int:
+    """Tune the Triton kernels of every tensor-parallel linear in `module` (each distinct shape once) for `tokens`
+    rows per local matmul (a micro-batch's b·s/cp: with sequence parallelism too, the matmuls see the gathered
+    sequence); how many linears launched (0 on the torch backend)."""
+    seen: set = set()
+    return sum(m.tune_kernels(tokens, seen) for m in module.modules() if hasattr(m, "tune_kernels"))
+
+
+def _param_groups(fsdp_state):
+    """An FSDP2 state's parameter groups: a list from torch 2.12 (`_fsdp_param_groups`), before it one group or None
+    (`_fsdp_param_group`, torch 2.11: the GPU machine's)."""
+    groups = getattr(fsdp_state, "_fsdp_param_groups", None)
+    if groups is None:
+        group = getattr(fsdp_state, "_fsdp_param_group", None)
+        groups = [] if group is None else [group]
+    return groups
+
+
 def batch_inputs(batch: Batch) -> dict[str, torch.Tensor]:
     """The micro-batch's tensors for every stage (its third item), {} for (tokens, targets)."""
     return batch[2] if len(batch) > 2 else {}
@@ -169,6 +187,7 @@ class PipelineRunner:
         self.batch_shape = (micro_batch_size, seq_len)
         self.dtype = next(self.stage.parameters()).dtype
         self._plans, self._pairs = {}, {}  # (name, m) -> Schedule; Schedule -> its link order (pair_order)
+        self._tuned = False
 
     def _device(self):
         return next(self.stage.parameters()).device
@@ -219,6 +238,11 @@ class PipelineRunner:
             raise ValueError(f"schedule {plan.name!r} is for pp={plan.pp}, {plan.micro_batches} micro-batches, "
                              f"{plan.virtual_stages} chunks; this run has pp={p}, {m}, {len(self.chunks)}")
         stats = ScheduleStats(times=dict.fromkeys(schedules.KINDS, 0.0))
+        if not self._tuned:  # the kernels' first-time autotuning, here rather than inside the schedule's receives
+            self._tuned = True
+            tokens = self.batch_shape[0] * self.batch_shape[1] // self.mesh.cp_size
+            for stage in self.stages:
+                tune_kernels(stage, tokens)
         self._start_data_parallel()
         start = time.perf_counter()
         self._execute(plan, batches, stats)
@@ -310,7 +334,7 @@ class PipelineRunner:
             module.set_requires_gradient_sync(True)
             state = fully_shard.state(module)
             for sub in state._state_ctx.all_states:
-                for group in sub._fsdp_param_groups:
+                for group in _param_groups(sub):
                     group.post_backward()
             state._root_post_backward_final_callback()
 

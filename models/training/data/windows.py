@@ -113,7 +113,7 @@ def batches(dataset: Dataset, *, dp: int, dp_rank: int, global_batch_size: int, 
         epoch, position = divmod(step, steps_per_epoch)
         if epoch != order_epoch:  # one permutation per epoch (O(windows)), not per step
             generator = torch.Generator().manual_seed(seed + epoch)  # (DistributedSampler's, at any dp)
-            order_epoch, order = epoch, torch.randperm(len(dataset), generator=generator).tolist()
+            order_epoch, order = epoch, torch.randperm(len(dataset), generator=generator, device="cpu").tolist()
         yield _micro_batches(dataset, order[position * global_batch_size:(position + 1) * global_batch_size], **split)
 
 

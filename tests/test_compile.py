@@ -1,0 +1,224 @@
+"""torch.compile: the layers, mappings, vocab-parallel embedding and loss, attention (dense and cp all-gather) and the
+GPT trace with zero graph breaks at tp 1 and 2, with and without sequence parallelism (compiled with fullgraph=True,
+which raises at any break; the GPT's breaks also counted by torch._dynamo.explain), and the compiled forward +
+backward equals eager (fp32, 1e-5); the MoE layer breaks only where it reads its expert counts. Shapes are tiny and
+the default run keeps tp 2 with SP through AOT autograd's graphs: compiling is the slow part on CPU (`-m slow`
+adds the other splits, inductor and the command line)."""
+import copy
+
+import pytest
+import torch
+import torch._dynamo as dynamo
+
+import tp
+from models import GPT, GPTConfig
+from tp.testing import distributed
+
+from .helpers import assert_close, randn, rng
+
+# (tp, sequence_parallel): tp 2 with SP by default (every collective kind), the others slow (-m slow)
+SPLITS = [pytest.param(1, False, marks=pytest.mark.slow), pytest.param(2, False, marks=pytest.mark.slow), (2, True)]
+TOL = 1e-5
+
+
+def graph_breaks(fn, *args):
+    """The reasons torch._dynamo.explain gives for each graph break of fn(*args) (none: [])."""
+    dynamo.reset()
+    explained = dynamo.explain(fn)(*args)
+    reasons = [f"{b.reason}".split("\n")[0] + (f" at {b.user_stack[-1]}" if b.user_stack else "")
+               for b in explained.break_reasons]
+    assert explained.graph_break_count == len(reasons) or reasons, explained
+    return reasons
+
+
+def compiled_equals_eager(module, loss_fn, *inputs, backend="aot_eager"):
+    """loss_fn(module, *inputs) and every parameter's grad: a deep copy of module compiled with fullgraph=True (no
+    break allowed) against module itself, eager."""
+    twin = copy.deepcopy(module)
+    compiled = torch.compile(lambda *a: loss_fn(twin, *a), fullgraph=True, backend=backend)
+    dynamo.reset()
+    want, got = loss_fn(module, *inputs), compiled(*inputs)
+    want.backward()
+    got.backward()
+    assert_close(got, want, TOL, "loss")
+    for (name, p), q in zip(module.named_parameters(), twin.parameters()):
+        assert_close(q.grad, p.grad, TOL, f"grad of {name}")
+
+
+class _MLP(torch.nn.Module):
+    def __init__(self, sp):
+        super().__init__()
+        self.fc1 = tp.ColumnParallelLinear(8, 12, activation="gelu", sequence_parallel=sp)
+        self.fc2 = tp.RowParallelLinear(12, 8, sequence_parallel=sp)
+
+    def forward(self, x):
+        return self.fc2(self.fc1(x))
+
+
+def _mlp_loss(mlp, x):
+    return (mlp(x) ** 2).sum()
+
+
+def _mappings_loss(x):
+    """Every conjugate mapping once: the forward/backward collectives of each."""
+    y = tp.copy_to_tp_region(x)
+    y = tp.gather_from_tp_region(tp.scatter_to_tp_region(y)) + tp.reduce_from_tp_region(y * 2)
+    y = tp.gather_from_sp_region(tp.scatter_to_sp_region(y))
+    y = tp.reduce_scatter_to_sp_region(y) + tp.scatter_to_sp_region(y)
+    return (tp.gather_from_sp_region(y, tensor_parallel_output_grad=False) ** 2).sum()
+
+
+@pytest.mark.parametrize("tp_size,sp", SPLITS)
+@distributed(world_size=2, timeout=300)
+def test_layers_and_mappings_compile_without_breaks(tp_size, sp):
+    tp.init_mesh(tp=tp_size)
+    mlp = _MLP(sp)
+    x = randn(4, 2, 8, seed=1, dtype=torch.float32)  # [s, b, h], replicated
+    x_in = x.chunk(tp_size)[tp.get_mesh().tp_rank] if sp else x
+    compiled_equals_eager(mlp, _mlp_loss, x_in)
+    x = x.clone().requires_grad_()
+    eager = _mappings_loss(x)
+    grad, = torch.autograd.grad(eager, x)
+    y = x.detach().clone().requires_grad_()
+    compiled = torch.compile(_mappings_loss, fullgraph=True, backend="aot_eager")(y)
+    compiled.backward()
+    assert_close(compiled, eager, TOL, "mappings")
+    assert_close(y.grad, grad, TOL, "mappings' input grad")
+
+
+class _VocabLoss(torch.nn.Module):
+    def __init__(self, sp):
+        super().__init__()
+        self.embedding = tp.VocabParallelEmbedding(16, 8, sequence_parallel=sp)
+        self.output = tp.ColumnParallelLinear(8, 16, bias=False, sequence_parallel=sp)
+
+    def forward(self, ids, targets):
+        return tp.vocab_parallel_cross_entropy(self.output(self.embedding(ids)), targets, label_smoothing=0.1,
+                                               vocab_size=15)
+
+
+def _vocab_loss(module, ids, targets):
+    return module(ids, targets)
+
+
+@pytest.mark.parametrize("tp_size,sp", SPLITS)
+@distributed(world_size=2, timeout=300)
+def test_vocab_embedding_and_loss_compile_without_breaks(tp_size, sp):
+    """The range checks of the ids and targets are device asserts under compile: no host read."""
+    tp.init_mesh(tp=tp_size)
+    module = _VocabLoss(sp)
+    g = rng(3)
+    ids, targets = torch.randint(0, 15, (4, 2), generator=g), torch.randint(0, 15, (4, 2), generator=g)
+    targets[0, 0] = -100  # ignored
+    compiled_equals_eager(module, _vocab_loss, ids, targets)
+    with pytest.raises(RuntimeError, match=r"token id \(an id\) is outside the vocabulary \[0, 16\)"):
+        torch.compile(_vocab_loss, fullgraph=True, backend="aot_eager")(module, ids + 16, targets)
+
+
+def _attention_loss(q, k, v):
+    return (tp.context_parallel_attention(q, k, v, causal=True, mode="allgather") ** 2).sum()
+
+
+@distributed(world_size=2, timeout=300)
+def test_cp_allgather_attention_compiles_without_breaks():
+    tp.init_mesh(cp=2)
+    q, k, v = (randn(1, h, 4, 4, seed=i, dtype=torch.float32, requires_grad=True) for i, h in enumerate((4, 2, 2)))
+    eager = _attention_loss(q, k, v)
+    grads = torch.autograd.grad(eager, (q, k, v))
+    twins = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    compiled = torch.compile(_attention_loss, fullgraph=True, backend="aot_eager")(*twins)
+    compiled.backward()
+    assert_close(compiled, eager, TOL, "loss")
+    for name, t, g in zip("qkv", twins, grads):
+        assert_close(t.grad, g, TOL, f"d{name}")
+
+
+def tiny_config(**overrides):
+    return GPTConfig(**dict(vocab_size=50, hidden_size=16, num_layers=2, num_heads=4, num_kv_heads=2,
+                            ffn_hidden_size=32, max_seq_len=16) | overrides)
+
+
+def _gpt_loss(model, tokens, targets):
+    return model(tokens, targets)
+
+
+@pytest.mark.parametrize("tp_size,sp,backend", [
+    (1, False, None), (2, False, None), (2, True, None),
+    *(pytest.param(*split, "aot_eager", marks=pytest.mark.slow) for split in ((1, False), (2, False), (2, True))),
+    pytest.param(2, True, "inductor", marks=pytest.mark.slow)])
+@distributed(world_size=2, timeout=600)
+def test_gpt_compiles_without_breaks(tp_size, sp, backend):
+    """The whole GPT: no break (explain counts them), and (with a backend: slow; test_compile_blocks_equals_eager and
+    the layers' tests check compiled = eager by default) its compiled step equals eager."""
+    tp.init_mesh(tp=tp_size)
+    model = GPT(tiny_config(sequence_parallel=sp))
+    g = rng(5)
+    tokens, targets = (torch.randint(0, 50, (2, 8), generator=g) for _ in range(2))
+    assert graph_breaks(_gpt_loss, model, tokens, targets) == []
+    if backend is not None:
+        compiled_equals_eager(model, _gpt_loss, tokens, targets, backend=backend)
+
+
+def _moe_loss(moe, x):
+    return (moe(x) ** 2).sum()
+
+
+@distributed(world_size=2, timeout=300)
+def test_moe_layer_compiles_equal_to_eager_breaking_only_where_it_reads_the_expert_counts():
+    """The experts' all-to-all needs each expert's token count on the host (its split sizes): the graph breaks there,
+    in tp/moe/dispatch.py only, and the compiled layer equals eager (ep 2, tp 1)."""
+    tp.init_mesh(ep=2, dp=2)
+    moe, twin = (tp.moe.MoE(8, 12, 4, 2, data_parallel_size=1) for _ in range(2))
+    twin.load_state_dict(moe.state_dict())
+    x = randn(4, 2, 8, seed=tp.get_mesh().rank, dtype=torch.float32)
+    breaks = graph_breaks(_moe_loss, moe, x)
+    assert breaks and all("tp/moe/dispatch.py" in b for b in breaks), breaks
+    want, got = _moe_loss(moe, x), torch.compile(_moe_loss, backend="aot_eager")(twin, x)
+    want.backward()
+    got.backward()
+    assert_close(got, want, TOL, "loss")
+    for (name, p), q in zip(moe.named_parameters(), twin.parameters()):
+        assert_close(q.grad, p.grad, TOL, f"grad of {name}")
+
+
+@pytest.mark.parametrize("moe", [False, pytest.param(True, marks=pytest.mark.slow)])
+@distributed(world_size=2, timeout=300)
+def test_compile_blocks_equals_eager(moe):
+    """GPT.compile_blocks (models.train --compile): each block compiled in place, fullgraph, the parameters' names
+    kept; the step equals eager (tp 2 with SP; slow: a dense and an MoE layer)."""
+    tp.init_mesh(tp=2)
+    experts = dict(num_experts=4, moe_layer_freq=[0, 1], moe_ffn_hidden_size=8) if moe else dict(num_layers=1)
+    config = tiny_config(sequence_parallel=True, **experts)
+    model, twin = (GPT(config) for _ in range(2))
+    twin.load_state_dict(model.state_dict())
+    twin.compile_blocks(backend="aot_eager")
+    assert [n for n, _ in twin.named_parameters()] == [n for n, _ in model.named_parameters()]
+    tokens, targets = (torch.randint(0, 50, (2, 8), generator=rng(7)) for _ in range(2))
+    want, got = model(tokens, targets), twin(tokens, targets)
+    want.backward()
+    got.backward()
+    assert_close(got, want, TOL, "loss")
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert_close(q.grad, p.grad, TOL, f"grad of {name}")
+
+
+@pytest.mark.slow
+def test_models_train_compile_gives_the_eager_losses(tmp_path):
+    """`python -m models.train --compile` (inductor, per block) logs the losses of the eager run (tp 2)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                             "MASTER_PORT")} | {"OMP_NUM_THREADS": "1"}
+    losses = []
+    for extra in ([], ["--compile"]):
+        log = tmp_path / f"log{len(extra)}.jsonl"
+        result = subprocess.run([sys.executable, "-m", "models.train", "--tp", "2", "--pp", "1", "--dp", "1",
+                                 "--steps", "3", "--seq-len", "32", "--global-batch-size", "4", "--no-sample",
+                                 "--log-jsonl", str(log), *extra], capture_output=True, text=True, timeout=900,
+                                env=env)
+        assert result.returncode == 0, result.stderr[-3000:]
+        losses.append([json.loads(line)["loss"] for line in log.read_text().splitlines() if '"loss"' in line])
+    assert len(losses[0]) == 3 and losses[1] == pytest.approx(losses[0], abs=1e-5)
