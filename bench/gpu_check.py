@@ -13,7 +13,7 @@ Sections, in order of value (`--only` reruns some and keeps the others' earlier 
   bench_kernels  bench.kernels on MLP shard shapes, and the Triton GEMM vs cuBLAS on square bf16 matrices
   intensity    bench.intensity measured on the device (achieved bf16 TFLOP/s per shard shape) and its plot
   multirank    multi-rank tests with 2 and 4 ranks sharing the GPU over gloo, tensors on the GPU (TP_TEST_DEVICE=cuda)
-  suite        the rest of the suite's GPU-relevant files
+  suite        the rest of the suite's GPU-relevant files, tensors on the GPU
 
 DIR gets summary.json ({"device", "torch", "triton", "sections": [{"name", "status": "pass"|"fail"|"skipped",
 "seconds", "details"}]}, rewritten after every section), summary.md at the end, log.txt (every section's output),
@@ -146,8 +146,9 @@ def section_kernels(out: Path, on_gpu: bool) -> dict:
     if not on_gpu:  # the suite runs these files in full on CPU; here one interpreter test keeps the path alive
         result = pytest([files[0], "-k", "test_weight_only_gradient_skips_dgrad and gelu"], 120)
         return {"interpreter": result, "gpu_only": "skipped (no CUDA)", "ok": passed(result)}
-    one = pytest([*files, *parallel(4), "-k", "not test_gpu_"], 90, {"TP_KERNELS_TUNE": "one"})
-    full = pytest([files[0], "-k", "test_gpu_"], 80)
+    on_device = {"TP_TEST_DEVICE": "cuda"}  # (the default run's tensors are on the CPU, under the interpreter)
+    one = pytest([*files, *parallel(4), "-k", "not test_gpu_"], 90, {**on_device, "TP_KERNELS_TUNE": "one"})
+    full = pytest([files[0], "-k", "test_gpu_"], 80, on_device)
     return {"one_config": one, "full_tuning": full, "ok": passed(one) and passed(full)}
 
 
@@ -155,7 +156,8 @@ def section_job(out: Path, on_gpu: bool) -> dict:
     log_dir = tempfile.mkdtemp(prefix="gpu_check_job_")
     flags = ["--tp", "1", "--pp", "1", "--dp", "1", "--steps", "2", "--global-batch-size", "2",
              "--micro-batch-size", "2", "--log-interval", "1", "--no-sample", "--log-dir", log_dir,
-             *(["--precision", "bf16", "--model", "small", "--seq-len", "512"] if on_gpu else ["--seq-len", "32"])]
+             *(["--device", "cuda", "--precision", "bf16", "--model", "small", "--seq-len", "512"] if on_gpu
+               else ["--seq-len", "32"])]
     rc, text = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
                     "-m", "models.train", *flags], 70)
     print(text[-20000:])
@@ -212,7 +214,7 @@ SUITE = ["tests/test_mappings.py", "tests/test_gpt.py", "tests/test_generate.py"
 def section_suite(out: Path, on_gpu: bool) -> dict:
     if not on_gpu:
         return {"skipped": "the suite runs in CI on CPU", "ok": True}
-    result = pytest([*SUITE, *parallel(8), "--timeout", "90", "--maxfail", "40"], 95)
+    result = pytest([*SUITE, *parallel(8), "--timeout", "90", "--maxfail", "40"], 95, {"TP_TEST_DEVICE": "cuda"})
     return {"tests": result, "ok": passed(result)}
 
 
