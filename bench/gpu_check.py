@@ -10,7 +10,8 @@ Sections, in order of value (`--only` reruns some and keeps the others' earlier 
   gpt_step     one GPU, bf16: a GPT (hidden 2048, 8 layers, GQA 16/4 heads, vocab 32000, seq 2048) fwd+bwd on the
                Triton and the torch backends: loss and grad-norm difference, tokens/s, MFU, peak memory
   job          `python -m models.train` for 2 steps under torchrun with one rank
-  bench_kernels  bench.kernels on MLP shard shapes, and the Triton GEMM vs cuBLAS on square bf16 matrices
+  bench_kernels  bench.kernels on MLP shard shapes and the fused dropout + residual add, and the Triton GEMM vs
+               cuBLAS on square bf16 matrices
   intensity    bench.intensity measured on the device (achieved bf16 TFLOP/s per shard shape) and its plot
   multirank    multi-rank tests with 2 and 4 ranks sharing the GPU over gloo, tensors on the GPU (TP_TEST_DEVICE=cuda)
   suite        the rest of the suite's GPU-relevant files, tensors on the GPU
@@ -168,7 +169,8 @@ def section_job(out: Path, on_gpu: bool) -> dict:
 def section_bench_kernels(out: Path, on_gpu: bool) -> dict:
     shapes = ["--hidden", "4096", "--tokens", "8192", "--tp", "1"] if on_gpu else \
         ["--quick", "--layers", "fc1", "--tp", "2", "--reps", "1"]
-    rc, text = run([sys.executable, "-m", "bench.kernels", *shapes, "--out", str(out / "kernels.json")], 80)
+    rc, text = run([sys.executable, "-m", "bench.kernels", *shapes, "--kernels", "linear", "dropout", "--out",
+                    str(out / "kernels.json")], 80)
     print(text[-20000:])
     details = {"returncode": rc, "table": text[-3000:], "ok": rc == 0}
     if on_gpu:
