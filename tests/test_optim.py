@@ -543,7 +543,8 @@ def test_a_non_finite_gradient_skips_the_step(tmp_path):
 @pytest.mark.parametrize("flags,message", [
     (["--clip-grad", "-1"], r"--clip-grad=-1.0 must be a finite number >= 0 \(0: no clipping\)"),
     (["--clip-grad", "nan"], r"--clip-grad=nan must be a finite number >= 0"),
-    (["--precision", "fp16"], r"--precision=fp16 is not supported: fp32 or bf16 \(fp16 would need loss scaling\)"),
+    (["--precision", "fp16"],
+     r"--precision=fp16 is not supported: fp32, tf32 or bf16 \(fp16 would need loss scaling\)"),
 ])
 def test_bad_training_flags_are_refused_naming_them(flags, message):
     from models.training.cli import parser, validate
