@@ -84,8 +84,8 @@ def pytest(args: list[str], timeout: float, env: dict | None = None) -> dict:
     """Run pytest on args; counts from its JUnit XML, and the failed tests' names."""
     with tempfile.TemporaryDirectory() as tmp:
         xml = Path(tmp, "junit.xml")
-        rc, out = run([sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-p", "no:cacheprovider", "-rfE",
-                       f"--junitxml={xml}", *args], timeout, env)
+        rc, out = run([sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-p", "no:cacheprovider", "-m",
+                       "not slow", "-rfE", f"--junitxml={xml}", *args], timeout, env)
         print(out)
         if not xml.exists():
             return {"returncode": rc, "error": "no report (crashed or timed out)", "tail": out[-1500:]}
