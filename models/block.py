@@ -151,8 +151,14 @@ def _rope_angles(positions, inv_freq, dtype):
 @functools.lru_cache(maxsize=16)
 def _rope_tables(seq, head_dim, theta, scaling, device, dtype):
     """cos and sin [s, d], once per shape: every layer and step reuses them."""
-    inv_freq = _inverse_frequencies(head_dim, theta, scaling, device)
+    inv_freq = _cached(_inverse_frequencies)(head_dim, theta, scaling, device)
     return _rope_angles(torch.arange(seq, device=device), inv_freq, dtype)
+
+
+def _cached(table):
+    """The lru_cache'd table function, or the function itself while torch.compile traces (Dynamo skips the cache
+    anyway, and warns that it does): the compiled graph computes the table once per graph."""
+    return table.__wrapped__ if torch.compiler.is_compiling() else table
 
 
 def rope(x: torch.Tensor, theta: float, scaling: dict | None = None,
@@ -163,11 +169,11 @@ def rope(x: torch.Tensor, theta: float, scaling: dict | None = None,
     "linear" or "llama3" scaling (None: plain)."""
     key = tuple(sorted(scaling.items())) if scaling else None
     if isinstance(positions, torch.Tensor):  # [b, s]: each token's angles, as the table's rows (same fp32 products)
-        inv_freq = _inverse_frequencies(x.shape[-1], theta, key, x.device)
+        inv_freq = _cached(_inverse_frequencies)(x.shape[-1], theta, key, x.device)
         cos, sin = (t.unsqueeze(1) for t in _rope_angles(positions, inv_freq, x.dtype))  # [b, 1, s, d]
         return x * cos + rotate_half(x) * sin
     positions, length = (None, x.shape[-2]) if positions is None else positions
-    cos, sin = _rope_tables(length, x.shape[-1], theta, key, x.device, x.dtype)
+    cos, sin = _cached(_rope_tables)(length, x.shape[-1], theta, key, x.device, x.dtype)
     if positions is not None:
         cos, sin = cos[positions], sin[positions]
     return x * cos + rotate_half(x) * sin
