@@ -24,19 +24,32 @@ class Cluster:
     op_overhead: float  # seconds per eager op and kernel launch not hidden behind the device queue
     source: str
     cores: int = 0  # CPU: ranks share this many cores (0: one device per rank)
+    cudnn_attention_efficiency: float = 0.0  # of device.flops, by cuDNN's fused attention (Software "cudnn"); 0: as
+    # attention_efficiency
 
 
+# The H100's achieved fractions (sources in the profile's `source`); bench/plan/validation.py checks them against
+# published H100 runs without refitting them.
+H100_GEMM = 0.615
+H100_COMM = 0.82
+H100_CUDNN_ATTENTION = 0.62
 CLUSTERS = {
     "h100-sxm": Cluster(
         "h100-sxm", HARDWARE["h100-nvlink"], memory=80e9, reserved=3e9,
-        gemm_efficiency=0.76, comm_efficiency=0.5, attention_efficiency=0.35, op_overhead=0.0,
+        gemm_efficiency=H100_GEMM, comm_efficiency=H100_COMM, attention_efficiency=0.35,
+        cudnn_attention_efficiency=H100_CUDNN_ATTENTION, op_overhead=0.0,
         source="device: bench.roofline's h100-nvlink (NVIDIA H100 SXM datasheet: 989 TFLOP/s bf16 dense, 3.35 "
                "TB/s, NVLink 450 GB/s per direction, 80 GB HBM3); between nodes one ConnectX-7 NDR 400 Gb/s = 50 GB/s "
-               "per GPU (DGX H100: 8 per node); attention 0.35: FlashAttention-3 paper (Shah et al. 2024, abstract) — "
-               "FlashAttention-2, torch SDPA's flash kernel, reaches 35 % of the H100's peak; gemm 0.76 and comm 0.5: "
-               "the a100-80g fractions (no H100 run with a full published configuration to calibrate on: not "
-               "validated); reserved 3 GB: an allowance, not measured; launch overhead hidden (asynchronous "
-               "launches, kernels >> 5 us here)"),
+               "per GPU (DGX H100: 8 per node). Achieved fractions, each measured or published, none fitted to a "
+               "validation row: gemm 0.615 — the median torch (cuBLAS) bf16 TFLOP/s of bench.kernels' 15 training "
+               "GEMMs (hidden 4096, 8192 tokens, tp 1 and 4; forward, backward, wgrad) on an H200 (same GH100 compute "
+               "at 700 W), 608 of 989 (bench/results/gpu/h200-run2, bench/RESULTS.md); comm 0.82 — NCCL's effective "
+               "NVLink bandwidth on H100, 370 of 450 GB/s after ~20 % protocol overhead (S. Jeaugey, NVIDIA, "
+               "nccl-tests issue #212), used for the NIC too; attention 0.35 — FlashAttention-2 (torch SDPA's flash "
+               "kernel) on H100 (FlashAttention-3 paper, Shah et al. 2024, abstract); cuDNN/FA3-class fused attention "
+               "0.62 — FlashAttention-3 forward at sequence 8192, head dim 128, 614 TFLOP/s on H100 (pytorch/benchmark "
+               "PR #2391; the paper's best is 740, 75 %); reserved 3 GB: an allowance, not measured; launch overhead "
+               "hidden (asynchronous launches, kernels >> 5 us here)"),
     "a100-80g": Cluster(
         "a100-80g", HARDWARE["a100-nvlink"], memory=80e9, reserved=3e9,
         gemm_efficiency=0.76, comm_efficiency=0.5, attention_efficiency=0.5, op_overhead=0.0,

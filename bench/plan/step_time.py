@@ -81,12 +81,26 @@ class Software:
     dp_overlap: bool = True  # the gradient reduce overlaps the last micro-batch's backward (bucketed)
     p2p_scatter_gather: bool = False  # Megatron: each tp rank sends 1/tp of the activation between stages
     backend: str = "triton"  # bench.plan.memory's: "torch" on CPU (autograd's own ops at tp = 1)
+    tp_overlap: bool = False  # TE userbuffers (--tp-comm-overlap): tp collectives pipelined with their GEMMs
+    param_gather_overlap: bool = False  # --overlap-param-gather: zero1's parameter all-gather behind the forward
+    p2p_overlap: bool = False  # --overlap-p2p-comm (interleaved): stage sends behind another chunk's compute
 
 
 OURS = Software("tp-layers")
 OURS_CPU = Software("tp-layers on CPU", precision="fp32", backend="torch")
 MEGATRON_2021 = Software("Megatron-LM 2021-22", precision="fp16", attention="materialized", elementwise="fused",
                          grad_bytes=2, dp_overlap=False, p2p_scatter_gather=True)
+# NVIDIA's 2024 H100 recipes (NeMo on Megatron-Core + Transformer Engine): cuDNN fused attention, fused element-wise
+# kernels, the distributed optimizer with --overlap-grad-reduce and --overlap-param-gather, TE's tp-comm overlap and
+# overlapped p2p (NeMo-Framework-Launcher's llama3_1_70b.yaml: ub_tp_comm_overlap, overlap_grad_sync,
+# overlap_param_sync, overlap_p2p_comm all true)
+NEMO_2024 = Software("NeMo 24.x / Megatron-Core (TE)", attention="cudnn", elementwise="fused", dp_overlap=True,
+                     tp_overlap=True, param_gather_overlap=True, p2p_overlap=True)
+# Megatron-LM's own 2024 runs (Nemotron-4 15B): the distributed optimizer with its overlaps; the paper does not say
+# that tp communication was overlapped, so it is not
+MEGATRON_2024 = replace(NEMO_2024, name="Megatron-LM 2024 (TE)", tp_overlap=False)
+# torchtitan (Dec 2024): eager PyTorch ops, SDPA's flash kernel (FlashAttention-2), FSDP2 prefetching its all-gathers
+TORCHTITAN = Software("torchtitan eager (FSDP2, SDPA)")
 ELEMENT_SIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
 OPS_PER_LAYER = 24  # forward ops of one block (norms 2x4, qkv, rope 5, core, proj, 2 adds, fc1, fc2, collectives 2+)
 
@@ -168,9 +182,10 @@ def _attention_times(config, plan, seq_len, cluster, software, e):
     """(forward, backward) seconds of one layer's attention core per micro-batch."""
     heads = plan.micro_batch_size * config.num_heads // plan.tp  # (batch × local heads) independent problems
     s_q, s_k, d = seq_len // plan.cp, seq_len, config.head_dim
-    if software.attention == "flash":
+    if software.attention in ("flash", "cudnn"):
         flops = 2 * heads * s_q * s_k * d  # QKᵀ and PV, causal: half of 4·s_q·s_k·d
-        rate = cluster.attention_efficiency * cluster.device.flops
+        efficiency = cluster.cudnn_attention_efficiency if software.attention == "cudnn" else 0.0
+        rate = (efficiency or cluster.attention_efficiency) * cluster.device.flops
         return flops / rate, 2.5 * flops / rate
     qk, pv = rl.Gemm("qk", "fwd", s_q, d, s_k), rl.Gemm("pv", "fwd", s_q, s_k, d)
     gemm = heads * (_gemm_time(qk, cluster, e) + _gemm_time(pv, cluster, e))
@@ -257,6 +272,8 @@ def _layer_times(config, plan, seq_len, cluster, software, moe):
     attention = _attention_times(config, plan, seq_len, cluster, software, e)
     elementwise = _elementwise_bytes(config, plan, tokens, software, e) / cluster.device.hbm
     tp_fwd, tp_bwd = _tp_comm(config, plan, tokens, cluster, e)
+    if software.tp_overlap:  # each collective pipelined in chunks with the GEMM it feeds or follows: what exceeds them
+        tp_fwd, tp_bwd = max(0.0, tp_fwd - g["fwd"]), max(0.0, tp_bwd - g["dgrad"] - g["wgrad"])
     cp_fwd, cp_bwd = _cp_comm(config, plan, seq_len, cluster, e, attention)
     a2a = _a2a_time(config, plan, tokens, cluster, e) if moe else 0.0
     overhead = OPS_PER_LAYER * cluster.op_overhead
@@ -333,8 +350,8 @@ def _dp_time(config, plan, cluster, software, stage, times, micro_batches):
         return max(0.0, _collective_time(rl.ALL_REDUCE, grads, shards, bandwidth, cluster) - window)
     scatter = max(0.0, _collective_time(rl.REDUCE_SCATTER, grads, shards, bandwidth, cluster) - window)
     gather = _collective_time(rl.ALL_GATHER, e * n, shards, bandwidth, cluster)
-    if plan.dp_mode == "zero1":
-        return scatter + gather
+    if plan.dp_mode == "zero1":  # the gather prefetched bucket by bucket during the first micro-batch's forward
+        return scatter + (max(0.0, gather - times.fwd) if software.param_gather_overlap else gather)
     # fsdp: every micro-batch gathers the parameters for its forward and again for its backward, prefetched
     return scatter + micro_batches * max(0.0, 2 * gather - times.total)
 
@@ -378,6 +395,8 @@ def step_time(config, plan, *, seq_len, global_batch_size, cluster, software=OUR
     distinct = [(s, stage_times(config, plan, seq_len, cluster, software, s)) for s in sorted({0, plan.pp - 1})]
     slowest, t = max(distinct, key=lambda item: item[1].total)
     p2p = _p2p_time(config, plan, seq_len, cluster, software)
+    if software.p2p_overlap and plan.virtual_stages > 1:  # each send behind another model chunk's compute
+        p2p = max(0.0, p2p - t.total / plan.virtual_stages)
     per_micro = t.total + 2 * p2p * plan.virtual_stages if plan.pp > 1 else t.total
     busy = m * per_micro  # span = busy / (1 − bubble fraction): (p − 1)/v micro-batch times of idling
     idle = bubble_fraction(plan.pp, m, plan.virtual_stages)

@@ -25,7 +25,10 @@ from .hardware import CLUSTERS, cpu_cluster
 from .search import evaluate
 from .step_time import (
     MEGATRON_2021,
+    MEGATRON_2024,
+    NEMO_2024,
     OURS_CPU,
+    TORCHTITAN,
     Plan,
     Software,
     model_flops_per_token,
@@ -101,20 +104,107 @@ PUBLISHED = [
     *_korthikanti("1T", 160, 25600, 128, 64, 512, 512, 1, 1, 56.3, 57.0, 94.42, 71.49),
 ]
 
-# H100 runs with a full published configuration that the model does not reach within 20 % (shown by --validate
-# beside the rows above, outside their statistics and the calibration), each with why.
-TORCHTITAN = ("torchtitan's docs/performance.md (the TorchTitan paper's setup, Liang et al. 2024, arXiv:2410.06511), "
-              "Table 1, row FSDP: Llama 3.1 8B, 8 H100, local batch 2, global 16, selective AC, 5,762 tokens/s/GPU")
-UNREACHED = [
-    (Row("Llama 3.1 8B FSDP (H100)", TORCHTITAN, "h100-sxm", PUBLISHED_MODELS["llama3-8b"], 8192, 16,
-         Plan(1, 1, 1, 1, 8, 2, "selective", False, "fsdp"), Software("torchtitan eager (FSDP2, SDPA)"),
-         {"tokens_per_s": 5762}, "sequence 8192: torchtitan's llama3_8b default (5,762 tokens/s is then 34 % "
-                                 "MFU, as the page's 33-39 % says)"),
-     "its H100s run at a 500 W power limit with 2.4 TB/s HBM2e (Grand Teton), the h100-sxm profile is the 700 W, "
-     "3.35 TB/s SXM5 with the A100's GEMM efficiency; eager torch ops between the GEMMs; the model's FSDP memory "
-     "(the runner's unsharded stage) says the plan does not fit, torchtitan reshards after forward"),
+# ---- H100, bf16 ----------------------------------------------------------------------------------------------------
+# Every figure below was read in its source; what a source leaves out is said in the row's note. Throughputs in
+# tokens/s are the whole job's (the sources' "Throughput in tokens per second", or batch · sequence / iteration time).
+DGXC = "NVIDIA/dgxc-benchmarking (DGX Cloud benchmarking recipes, NeMo on DGX H100)"
+NEMOTRON4_340B = dict(vocab_size=256000, hidden_size=18432, num_layers=96, num_heads=96, num_kv_heads=8,
+                      ffn_hidden_size=73728, activation="gelu", norm="layernorm", max_seq_len=4096)
+NEMOTRON4_15B = dict(vocab_size=256000, hidden_size=6144, num_layers=32, num_heads=48, num_kv_heads=8,
+                     ffn_hidden_size=24576, activation="gelu", norm="layernorm", max_seq_len=4096)
+GROK1 = dict(vocab_size=131072, hidden_size=6144, num_layers=64, num_heads=48, num_kv_heads=8, ffn_hidden_size=32768,
+             max_seq_len=8192, num_experts=8, moe_router_topk=2)
+SQUARED_RELU = ("squared ReLU priced as GELU (one up-projection, the same GEMMs); LayerNorm1p as LayerNorm; shape: "
+                "Nemotron-4 340B's model_config.yaml (96 layers, hidden 18432, FFN 73728, 96 heads, 8 query groups)")
+NEMOTRON15_SHAPE = ("Parmar et al. 2024 (arXiv:2402.16819) Table 1: 32 layers, hidden 6144, 48 heads, 8 KV heads, "
+                    "sequence 4096, vocabulary 256,000; FFN 24576 = 4h (12.5B non-embedding parameters, §2); squared "
+                    "ReLU priced as GELU")
+
+
+def _dgxc(name, path, model, seq_len, gpus, batch, plan, tokens_per_s, note, software=NEMO_2024):
+    return Row(f"{name} ({gpus} H100)", f"{DGXC}, {path}: {gpus} GPUs, GBS {batch}, {tokens_per_s:,} tokens/s",
+               "h100-sxm", model, seq_len, batch, plan, software, {"tokens_per_s": tokens_per_s}, note)
+
+
+def _nemotron15(dp, iteration_s, mfu_percent, batch):
+    return Row(f"Nemotron-4 15B ({8 * dp} H100)",
+               f"Parmar et al. 2024 (arXiv:2402.16819), Table 2, data-parallel size {dp}: {8 * dp} GPUs, batch "
+               f"{batch}, iteration {iteration_s} s, MFU {mfu_percent} %", "h100-sxm", NEMOTRON4_15B, 4096, batch,
+               Plan(8, 1, 1, 1, dp, 1, "none", True, "zero1"), MEGATRON_2024,
+               {"tokens_per_s": batch * 4096 / iteration_s},
+               f"tp 8 + dp with the distributed optimizer (§2); micro-batch not published: 1 assumed (Megatron's "
+               f"default), batch/dp = {batch // dp} micro-batches; SP assumed with tp; {NEMOTRON15_SHAPE}")
+
+
+LLAMA31_70B_NOTE = ("llama3.1/README_70b.md: 24.09 BF16, TP 4, PP 4, CP 2, VP 5, MBS 1, sequence 8192; the NeMo "
+                    "recipe (NeMo-Framework-Launcher llama3_1_70b.yaml): SP, no recompute, distributed optimizer "
+                    "with overlapped grad/param sync, ub_tp_comm_overlap, overlap_p2p_comm")
+NEMOTRON340_NOTE = ("nemotron/README_340b.md: 24.11 BF16, TP 8, PP 8, VP 12, MBS 1, sequence 4096; SP, no recompute "
+                    "and the 70B recipe's overlaps assumed (the README gives only the parallel sizes); " + SQUARED_RELU)
+MIXTRAL = ("Megatron-LM megatron/core/transformer/moe/README.md: \"468 TFLOPS for Mixtral 8X7B bf16 training\" "
+           "(MCore v0.9) and its reference mapping for Mixtral 8x7B (dropless, all-to-all, BF16): 64 H100, sequence "
+           "4096, TP 1, EP 8, PP 4, VP 8, MBS 1, GBS 256")
+GROK_NOTE = ("Dev BF16, sequence 8192, TP 4, PP 8, CP 2, EP 8, VP 8, MBS 1, 64 layers (the full model from 512 GPUs "
+             "up); shape: xai-org/grok-1 run.py (64 layers, 48 q / 8 kv heads of 128, 8 experts top-2, vocabulary "
+             "128·1024, FFN 32768 from its ffn_size(6144, 8)); the table's DP (1 at 512, 4 at 2048 GPUs) is the "
+             "experts' data-parallel size: GPUs / (TP·CP·PP) = dp 8 and 32 = EP 8 × DP, Megatron's layout before MoE "
+             "parallel folding with experts at etp = tp = 4, so the all-to-all group (ep·etp = 32 ranks) spans 4 "
+             "nodes; the NeMo overlaps as the 70B recipe (assumed)")
+H100_PUBLISHED = [
+    _dgxc("Llama 3.1 70B", "llama3.1/README_70b.md", PUBLISHED_MODELS["llama3-70b"], 8192, 64, 128,
+          Plan(4, 2, 4, 5, 2, 1, "none", True, "zero1"), 71235, LLAMA31_70B_NOTE),
+    _dgxc("Llama 3.1 70B", "llama3.1/README_70b.md", PUBLISHED_MODELS["llama3-70b"], 8192, 2048, 4096,
+          Plan(4, 2, 4, 5, 64, 1, "none", True, "zero1"), 2248957, LLAMA31_70B_NOTE),
+    _dgxc("Nemotron-4 340B", "nemotron/README_340b.md", NEMOTRON4_340B, 4096, 128, 32,
+          Plan(8, 1, 8, 12, 2, 1, "none", True, "zero1"), 28432, NEMOTRON340_NOTE),
+    _dgxc("Nemotron-4 340B", "nemotron/README_340b.md", NEMOTRON4_340B, 4096, 2048, 512,
+          Plan(8, 1, 8, 12, 32, 1, "none", True, "zero1"), 433296, NEMOTRON340_NOTE),
+    _nemotron15(96, 0.57, 34.3, 384),
+    _nemotron15(192, 0.58, 33.3, 768),
+    _nemotron15(288, 0.64, 30.5, 1152),
+    _dgxc("Grok-1 314B", "grok1/README_314b.md", GROK1, 8192, 512, 1024,
+          Plan(4, 2, 8, 8, 8, 1, "none", True, "zero1", ep=8, etp=4), 402718, GROK_NOTE),
+    _dgxc("Grok-1 314B", "grok1/README_314b.md", GROK1, 8192, 2048, 4096,
+          Plan(4, 2, 8, 8, 32, 1, "none", True, "zero1", ep=8, etp=4), 1591011, GROK_NOTE),
+    Row("Mixtral 8x7B (64 H100, ep 8)", MIXTRAL, "h100-sxm", PUBLISHED_MODELS["mixtral-8x7b"], 4096, 256,
+        Plan(1, 1, 4, 8, 16, 1, "none", False, "zero1", ep=8, etp=1), MEGATRON_2024, {"tflops_per_gpu": 468},
+        "the README states the 468 TFLOP/s and the mapping in separate sections (same model, precision and "
+        "hardware); etp 1 (tp 1); the README's example script's --overlap-grad-reduce --overlap-param-gather and "
+        "--use-distributed-optimizer; MFU counted as Megatron does (active experts, full attention square)"),
 ]
 
+# H100 runs with a full published configuration the model does not reach within 20 % (shown by --validate beside the
+# rows above, outside their statistics), each with why.
+TORCHTITAN_PAGE = ("torchtitan's docs/performance.md (the TorchTitan paper's setup, Liang et al. 2024, "
+                   "arXiv:2410.06511)")
+POWER_CAPPED = ("its H100s are capped at 500 W with 96 GB HBM2e at 2.4 TB/s (Grand Teton; the page: \"the actual "
+                "peak TFLOPs number is between SXM and NVL, and we don't know its exact value\"), the h100-sxm profile "
+                "is the 700 W, 3.35 TB/s SXM5; eager torch ops between the GEMMs; FSDP2 reshards after forward and "
+                "re-gathers, the model's FSDP memory (the runner's unsharded stage) says the plan does not fit")
+LLAMA3 = "Dubey et al. 2024, The Llama 3 Herd of Models (arXiv:2407.21783), Table 4"
+LLAMA3_WHY = ("the paper's interleaved schedule has V stages per rank and a tunable number of contiguous "
+              "micro-batches, neither published, and 126 layers (one fewer on the first and last stage) do not split "
+              "into equal interleaved chunks: priced at V = 1, the 1F1B bubble alone is (p-1)/(m+p-1) of the step "
+              "(a third at m = 32), which the paper's (p-1)/(V·m) removes; the rows cannot be pinned")
+UNREACHED = [
+    (Row("Llama 3.1 8B FSDP (8 H100)", f"{TORCHTITAN_PAGE}, Table 1, row FSDP: 8 GPUs, local batch 2, global 16, "
+         "selective AC, 5,762 tokens/s/GPU", "h100-sxm", PUBLISHED_MODELS["llama3-8b"], 8192, 16,
+         Plan(1, 1, 1, 1, 8, 2, "selective", False, "fsdp"), TORCHTITAN, {"tokens_per_s": 8 * 5762},
+         "sequence 8192: torchtitan's llama3_8b default (5,762 tokens/s is then 34 % MFU, as the page's 33-39 % says)"),
+     POWER_CAPPED),
+    (Row("Llama 3.1 8B FSDP (128 H100)", f"{TORCHTITAN_PAGE}, Table 3, row FSDP: 128 GPUs, local batch 2, global "
+         "256, selective AC, 5,605 tokens/s/GPU", "h100-sxm", PUBLISHED_MODELS["llama3-8b"], 8192, 256,
+         Plan(1, 1, 1, 1, 128, 2, "selective", False, "fsdp"), TORCHTITAN, {"tokens_per_s": 128 * 5605},
+         "sequence 8192 as Table 1"), POWER_CAPPED),
+    (Row("Llama 3 405B (8,192 H100)", f"{LLAMA3}, row 1: TP 8, CP 1, PP 16, DP 64, sequence 8,192, batch/DP 32, "
+         "430 TFLOPs/GPU, BF16 MFU 43 %", "h100-sxm", PUBLISHED_MODELS["llama3-405b"], 8192, 64 * 32,
+         Plan(8, 1, 16, 1, 64, 1, "none", True, "zero1"), MEGATRON_2024, {"mfu": 0.43},
+         "no activation checkpointing (§3.3.2); FSDP sharding optimizer states and gradients, parameters kept after "
+         "forward: zero1's traffic; micro-batch 1 and V = 1 assumed"), LLAMA3_WHY),
+    (Row("Llama 3 405B (16,384 H100)", f"{LLAMA3}, row 2: TP 8, CP 1, PP 16, DP 128, sequence 8,192, batch/DP 16, "
+         "400 TFLOPs/GPU, BF16 MFU 41 %", "h100-sxm", PUBLISHED_MODELS["llama3-405b"], 8192, 128 * 16,
+         Plan(8, 1, 16, 1, 128, 1, "none", True, "zero1"), MEGATRON_2024, {"mfu": 0.41}, "as row 1"), LLAMA3_WHY),
+]
 # What calibrate() fitted, rounded, lives in the profiles (bench.plan.hardware.CLUSTERS).
 A100_GEMM, A100_COMM = CLUSTERS["a100-80g"].gemm_efficiency, CLUSTERS["a100-80g"].comm_efficiency
 TRAIN_JSON = os.path.join(RESULTS, "train.json")
@@ -125,7 +215,7 @@ def clusters(a100_gemm=None, a100_comm=None):
     """{hardware: Cluster} of the published rows, the A100's efficiencies replaced where given (calibration)."""
     a100 = replace(CLUSTERS["a100-80g"], gemm_efficiency=a100_gemm or A100_GEMM,
                    comm_efficiency=a100_comm or A100_COMM)
-    return {"a100-80g": a100}
+    return {"a100-80g": a100, "h100-sxm": CLUSTERS["h100-sxm"]}
 
 
 def predict(row, cluster):
@@ -134,35 +224,43 @@ def predict(row, cluster):
                     global_batch_size=row.global_batch_size, cluster=cluster, software=row.software)
 
 
-def published_rows(cluster_map=None):
-    """Each published run: its plan as published, the estimated memory, and published vs predicted MFU/HFU."""
+def _figures(got, cluster):
+    """The modelled figures a source may publish: MFU, HFU (fractions of peak), the job's tokens/s, TFLOP/s per GPU."""
+    return {"mfu": got["mfu"], "hfu": got["hfu"], "tokens_per_s": got["tokens_per_s"],
+            "tflops_per_gpu": got["mfu"] * cluster.device.flops / 1e12}
+
+
+def plan_label(got):
+    """A row's plan as the table prints it."""
+    label = (f"tp{got['tp']} cp{got['cp']} pp{got['pp']} vp{got['vp']} dp{got['dp']} mbs{got['mbs']} "
+             f"{got['recompute']} sp-{got['sp']}" + (f" {got['dp_mode']}" if got['dp'] > 1 else ""))
+    return label + (f" ep{got['ep']} etp{got['etp']}" if got["ep"] > 1 else "")
+
+
+def _compare(row, cluster):
+    got = predict(row, cluster)
+    figures = _figures(got, cluster)
+    result = {"row": row.name, "source": row.source, "hardware": row.hardware, "note": row.note,
+              "software": row.software.name, "plan": plan_label(got), "memory_gb": got["memory_per_gpu_gb"],
+              "fits": got["fits"], "step_s": got["step_s"], "gpus": row.plan.gpus, "ep": got["ep"],
+              "etp": got["etp"]}
+    for metric, value in row.published.items():
+        result[f"published_{metric}"] = value
+        result[f"predicted_{metric}"] = figures[metric]
+        result[f"error_{metric}"] = figures[metric] / value - 1
+    return result
+
+
+def published_rows(cluster_map=None, rows=None):
+    """Each published run (the A100 ones, then the H100 ones): its plan as published, the estimated memory, and
+    published vs predicted figures."""
     cluster_map = cluster_map or clusters()
-    out = []
-    for row in PUBLISHED:
-        got = predict(row, cluster_map[row.hardware])
-        result = {"row": row.name, "source": row.source, "hardware": row.hardware, "note": row.note}
-        result.update(plan=f"tp{got['tp']} cp{got['cp']} pp{got['pp']} vp{got['vp']} dp{got['dp']} mbs{got['mbs']} "
-                           f"{got['recompute']} sp-{got['sp']}" + (f" {got['dp_mode']}" if got['dp'] > 1 else ""),
-                      memory_gb=got["memory_per_gpu_gb"], fits=got["fits"], step_s=got["step_s"])
-        for metric, value in row.published.items():
-            result[f"published_{metric}"] = value
-            result[f"predicted_{metric}"] = got[metric]
-            result[f"error_{metric}"] = got[metric] / value - 1
-        out.append(result)
-    return out
+    return [_compare(row, cluster_map[row.hardware]) for row in (PUBLISHED + H100_PUBLISHED if rows is None else rows)]
 
 
 def unreached_rows():
-    """The UNREACHED runs: published vs predicted tokens/s per GPU, and why they miss."""
-    out = []
-    for row, why in UNREACHED:
-        got = predict(row, CLUSTERS[row.hardware])
-        published = row.published["tokens_per_s"]
-        predicted = got["tokens_per_s"] / row.plan.gpus
-        out.append({"row": row.name, "source": row.source, "note": row.note, "why": why,
-                    "published_tokens_per_s_per_gpu": published, "predicted_tokens_per_s_per_gpu": predicted,
-                    "miss_tokens_per_s": predicted / published - 1})
-    return out
+    """The UNREACHED runs: published vs predicted, and why they miss."""
+    return [_compare(row, CLUSTERS[row.hardware]) | {"why": why} for row, why in UNREACHED]
 
 
 def cpu_op_overhead(path=TRAIN_JSON):
@@ -207,8 +305,8 @@ def calibrate():
     best = None
     for gemm in [x / 100 for x in range(50, 100)]:
         for comm in [x / 20 for x in range(4, 21)]:
-            cl = clusters(gemm, comm)["a100-80g"]
-            errors = [abs(predict(r, cl)[m] / v - 1) for r in a100 for m, v in r.published.items()]
+            rows = published_rows(clusters(gemm, comm), a100)
+            errors = _errors(rows)
             score = sum(errors) / len(errors)
             if best is None or score < best[0]:
                 best = (score, gemm, comm)
@@ -221,8 +319,33 @@ TABLE = [("row", "run", "{}"), ("plan", "plan (as published)", "{}"),
          ("predicted_mfu", "MFU pred", "{:.1%}"), ("error_mfu", "err", "{:+.1%}"),
          ("published_hfu", "HFU pub", "{:.1%}"),
          ("predicted_hfu", "HFU pred", "{:.1%}"), ("error_hfu", "err", "{:+.1%}")]
+FIGURE_TABLE = [("row", "run", "{}"), ("plan", "plan (as published)", "{}"), ("memory_gb", "mem GB", "{:.1f}"),
+                ("figure", "figure", "{}"), ("published", "published", "{}"), ("predicted", "predicted", "{}"),
+                ("error", "err", "{:+.1%}")]
 CPU_TABLE = [("row", "run", "{}"), ("measured_tokens_per_s", "measured tokens/s", "{:,.0f}"),
              ("predicted_tokens_per_s", "predicted", "{:,.0f}"), ("error_tokens_per_s", "err", "{:+.1%}")]
+FIGURE_FORMAT = {"mfu": ("MFU", "{:.1%}"), "hfu": ("HFU", "{:.1%}"), "tokens_per_s": ("tokens/s/GPU", "{:,.0f}"),
+                 "tflops_per_gpu": ("TFLOP/s/GPU", "{:.0f}")}
+
+
+def figure_lines(rows):
+    """One line per published figure of each row (tokens/s shown per GPU), for FIGURE_TABLE."""
+    out = []
+    for r in rows:
+        gpus = r["gpus"]
+        for metric, (label, fmt) in FIGURE_FORMAT.items():
+            if f"published_{metric}" in r:
+                scale = 1 / gpus if metric == "tokens_per_s" else 1
+                out.append({"row": r["row"], "plan": r["plan"], "memory_gb": r["memory_gb"], "figure": label,
+                            "published": fmt.format(r[f"published_{metric}"] * scale),
+                            "predicted": fmt.format(r[f"predicted_{metric}"] * scale), "error": r[f"error_{metric}"]})
+    return out
+
+
+def _summary(rows):
+    errors = _errors(rows)
+    return (f"|error| over {len(errors)} figures: mean {sum(errors) / len(errors):.1%}, max {max(errors):.1%}; "
+            f"within 20 %: {sum(e <= 0.2 for e in errors)} of {len(errors)}")
 
 
 def validate(*, json_out=False, out=None):
@@ -231,21 +354,30 @@ def validate(*, json_out=False, out=None):
     overhead = cpu_op_overhead()
     published, cpu = published_rows(), cpu_rows(op_overhead=overhead)
     unreached = unreached_rows()
+    h100 = CLUSTERS["h100-sxm"]
     payload = {"calibrated": {"a100_gemm": A100_GEMM, "a100_comm": A100_COMM, "cpu_op_overhead": overhead},
+               "h100": {"gemm": h100.gemm_efficiency, "comm": h100.comm_efficiency,
+                        "cudnn_attention": h100.cudnn_attention_efficiency,
+                        "flash_attention": h100.attention_efficiency, "source": h100.source},
                "published": published, "unreached": unreached, "cpu": cpu}
     if json_out:
         print(json.dumps(payload, indent=1))
     else:
-        print(f"Published runs (calibrated: A100 GEMMs at {A100_GEMM:.2f} of peak, collectives at {A100_COMM:.2f} of "
-              "the link; nothing per row)")
-        print_table(published, TABLE)
-        errors = _errors(published)
-        print(f"|error| over {len(errors)} published figures: mean {sum(errors) / len(errors):.1%}, max "
-              f"{max(errors):.1%}; within 20 %: {sum(e <= 0.2 for e in errors)} of {len(errors)}")
-        print("\nH100 runs not reached within 20 % (no H100 number is calibrated: the profile is unvalidated)")
+        a100 = [r for r in published if r["hardware"] == "a100-80g"]
+        h100_rows = [r for r in published if r["hardware"] == "h100-sxm"]
+        print(f"Published A100 runs (calibrated: A100 GEMMs at {A100_GEMM:.2f} of peak, collectives at "
+              f"{A100_COMM:.2f} of the link; nothing per row)")
+        print_table(a100, TABLE)
+        print(_summary(a100))
+        print(f"\nPublished H100 bf16 runs (h100-sxm, measured or published fractions, none fitted: GEMMs at "
+              f"{h100.gemm_efficiency:.3f} of peak, collectives at {h100.comm_efficiency:.2f} of the link, cuDNN "
+              f"attention at {h100.cudnn_attention_efficiency:.2f})")
+        print_table(figure_lines(h100_rows), FIGURE_TABLE)
+        print(_summary(h100_rows))
+        print("\nH100 runs not reached within 20 % (outside the statistics above)")
+        print_table(figure_lines(unreached), FIGURE_TABLE)
         for r in unreached:
-            print(f"  {r['row']}: published {r['published_tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, predicted "
-                  f"{r['predicted_tokens_per_s_per_gpu']:,.0f} ({r['miss_tokens_per_s']:+.0%}): {r['why']}")
+            print(f"  {r['row']}: {r['why']}")
         print(f"\nThis package on this CPU (cpu-measured profile; per-op overhead {overhead * 1e6:.0f} us "
               "fitted to 1x1x1, the rest predicted)")
         print_table(cpu, CPU_TABLE)
