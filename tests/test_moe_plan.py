@@ -126,13 +126,3 @@ def test_bad_moe_requests_are_one_line(argv, message, capsys):
     except SystemExit as e:
         code = e.code
     assert code in (1, 2) and message in capsys.readouterr().err.strip().splitlines()[-1]
-
-
-def test_the_unreached_h100_run_is_listed_with_its_miss():
-    """--validate's H100 row stays apart from the 20 % statistics, with its published figure and why it misses (if
-    the model reaches it one day, this test says to move it among the validated rows)."""
-    from bench.plan import validation
-
-    (row,) = validation.unreached_rows()
-    assert row["published_tokens_per_s_per_gpu"] == 5762 and "500 W" in row["why"]
-    assert row["miss_tokens_per_s"] > 0.2

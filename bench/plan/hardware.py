@@ -30,9 +30,9 @@ class Cluster:
 
 # The H100's achieved fractions (sources in the profile's `source`); bench/plan/validation.py checks them against
 # published H100 runs without refitting them.
-H100_GEMM = 0.615
-H100_COMM = 0.82
-H100_CUDNN_ATTENTION = 0.62
+H100_GEMM = 608 / 989
+H100_COMM = 370 / 450
+H100_CUDNN_ATTENTION = 614 / 989
 CLUSTERS = {
     "h100-sxm": Cluster(
         "h100-sxm", HARDWARE["h100-nvlink"], memory=80e9, reserved=3e9,
@@ -41,9 +41,9 @@ CLUSTERS = {
         source="device: bench.roofline's h100-nvlink (NVIDIA H100 SXM datasheet: 989 TFLOP/s bf16 dense, 3.35 "
                "TB/s, NVLink 450 GB/s per direction, 80 GB HBM3); between nodes one ConnectX-7 NDR 400 Gb/s = 50 GB/s "
                "per GPU (DGX H100: 8 per node). Achieved fractions, each measured or published, none fitted to a "
-               "validation row: gemm 0.615 — the median torch (cuBLAS) bf16 TFLOP/s of bench.kernels' 15 training "
-               "GEMMs (hidden 4096, 8192 tokens, tp 1 and 4; forward, backward, wgrad) on an H200 (same GH100 compute "
-               "at 700 W), 608 of 989 (bench/results/gpu/h200-run2, bench/RESULTS.md); comm 0.82 — NCCL's effective "
+               "validation row: gemm 0.615 (608 of 989) — the median torch (cuBLAS) bf16 TFLOP/s of bench.kernels' 15 "
+               "training GEMMs (hidden 4096, 8192 tokens, tp 1 and 4; forward, backward, wgrad) on an H200 (same "
+               "GH100 compute at 700 W) (bench/results/gpu/h200-run2, bench/RESULTS.md); comm 0.822 — NCCL's effective "
                "NVLink bandwidth on H100, 370 of 450 GB/s after ~20 % protocol overhead (S. Jeaugey, NVIDIA, "
                "nccl-tests issue #212), used for the NIC too; attention 0.35 — FlashAttention-2 (torch SDPA's flash "
                "kernel) on H100 (FlashAttention-3 paper, Shah et al. 2024, abstract); cuDNN/FA3-class fused attention "
