@@ -141,6 +141,10 @@ LLAMA31_70B_NOTE = ("llama3.1/README_70b.md: 24.09 BF16, TP 4, PP 4, CP 2, VP 5,
                     "with overlapped grad/param sync, ub_tp_comm_overlap, overlap_p2p_comm")
 NEMOTRON340_NOTE = ("nemotron/README_340b.md: 24.11 BF16, TP 8, PP 8, VP 12, MBS 1, sequence 4096; SP, no recompute "
                     "and the 70B recipe's overlaps assumed (the README gives only the parallel sizes); " + SQUARED_RELU)
+LLAMA31_405B_NOTE = ("llama3.1/README_405b.md: 24.09 BF16, TP 8, PP 9, CP 2, VP 7, MBS 1, sequence 8192, 126 layers "
+                     "(the full model from 576 GPUs up); SP, no recompute and the 70B recipe's overlaps assumed")
+NEMOTRON15_NEMO_NOTE = ("nemotron/README_15b.md: BF16, TP 4, PP 1, MBS 4, GA 4, sequence 4096; SP, no recompute and "
+                        f"the 70B recipe's overlaps assumed; {NEMOTRON15_SHAPE}")
 MIXTRAL = ("Megatron-LM megatron/core/transformer/moe/README.md: \"468 TFLOPS for Mixtral 8X7B bf16 training\" "
            "(MCore v0.9) and its reference mapping for Mixtral 8x7B (dropless, all-to-all, BF16): 64 H100, sequence "
            "4096, TP 1, EP 8, PP 4, VP 8, MBS 1, GBS 256")
@@ -159,6 +163,14 @@ H100_PUBLISHED = [
           Plan(8, 1, 8, 12, 2, 1, "none", True, "zero1"), 28432, NEMOTRON340_NOTE),
     _dgxc("Nemotron-4 340B", "nemotron/README_340b.md", NEMOTRON4_340B, 4096, 2048, 512,
           Plan(8, 1, 8, 12, 32, 1, "none", True, "zero1"), 433296, NEMOTRON340_NOTE),
+    _dgxc("Llama 3.1 405B", "llama3.1/README_405b.md", PUBLISHED_MODELS["llama3-405b"], 8192, 576, 252,
+          Plan(8, 2, 9, 7, 4, 1, "none", True, "zero1"), 120022, LLAMA31_405B_NOTE),
+    _dgxc("Llama 3.1 405B", "llama3.1/README_405b.md", PUBLISHED_MODELS["llama3-405b"], 8192, 2304, 1008,
+          Plan(8, 2, 9, 7, 16, 1, "none", True, "zero1"), 468646, LLAMA31_405B_NOTE),
+    _dgxc("Nemotron-4 15B", "nemotron/README_15b.md", NEMOTRON4_15B, 4096, 64, 256,
+          Plan(4, 1, 1, 1, 16, 4, "none", True, "zero1"), 366635, NEMOTRON15_NEMO_NOTE),
+    _dgxc("Nemotron-4 15B", "nemotron/README_15b.md", NEMOTRON4_15B, 4096, 2048, 8192,
+          Plan(4, 1, 1, 1, 512, 4, "none", True, "zero1"), 11335957, NEMOTRON15_NEMO_NOTE),
     _nemotron15(96, 0.57, 34.3, 384),
     _nemotron15(192, 0.58, 33.3, 768),
     _nemotron15(288, 0.64, 30.5, 1152),
@@ -185,7 +197,8 @@ LLAMA3 = "Dubey et al. 2024, The Llama 3 Herd of Models (arXiv:2407.21783), Tabl
 LLAMA3_WHY = ("the paper's interleaved schedule has V stages per rank and a tunable number of contiguous "
               "micro-batches, neither published, and 126 layers (one fewer on the first and last stage) do not split "
               "into equal interleaved chunks: priced at V = 1, the 1F1B bubble alone is (p-1)/(m+p-1) of the step "
-              "(a third at m = 32), which the paper's (p-1)/(V·m) removes; the rows cannot be pinned")
+              "(a third at m = 32), which the paper's (p-1)/(V·m) removes; the rows cannot be pinned (NVIDIA's "
+              "Llama 3.1 405B recipe, whose VP 7 is published, is reached above)")
 UNREACHED = [
     (Row("Llama 3.1 8B FSDP (8 H100)", f"{TORCHTITAN_PAGE}, Table 1, row FSDP: 8 GPUs, local batch 2, global 16, "
          "selective AC, 5,762 tokens/s/GPU", "h100-sxm", PUBLISHED_MODELS["llama3-8b"], 8192, 16,
