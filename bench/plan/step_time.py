@@ -7,13 +7,15 @@ Per micro-batch and stage (T = b·s/cp tokens per rank, T' = T/tp under SP, e by
   dgrad, wgrad) and the output layer, each at bench.roofline's Gemm roofline with the profile's achieved GEMM rate:
   max(FLOPs / (η_gemm·C), bytes / HBM) — one efficiency curve per profile, never per run.
 - Attention core: "flash" (SDPA, this package): causal forward 2·b·s²·d·a/tp/cp FLOPs (QKᵀ and PV, half the square),
-  backward 2.5× (it recomputes the scores), at η_attn·C. "materialized" (Megatron 2021-22): QKᵀ and PV as batched
+  backward 2.5× (it recomputes the scores), at η_attn·C; "cudnn" (Transformer Engine's fused attention): the same
+  FLOPs at the profile's cuDNN rate. "materialized" (Megatron 2021-22): QKᵀ and PV as batched
   GEMMs over the whole square, plus softmax, mask and dropout streaming the b·a/tp·s² scores through HBM.
 - Element-wise ops (memory-bound, at HBM): "eager" — this package's norms, RoPE and residual adds as separate torch
   ops; "fused" — Megatron's fused LayerNorm, bias-GeLU and bias-dropout-add kernels. Backward streams twice forward.
 - TP collectives: bench.roofline.pair_collectives for the two column→row pairs (ring bytes, SP's extra re-gather),
   plus the embedding's and output layer's; NVLink inside a node, the NIC across nodes, at η_comm, plus the profile's
-  latency per collective; not overlapped (Megatron 2022 and this package run them on the critical path).
+  latency per collective; not overlapped (Megatron 2022 and this package run them on the critical path), except
+  under Software.tp_overlap (TE's userbuffers): then only what exceeds the phase's GEMMs is exposed.
 - cp: ring mode moves (cp−1)·2·b·s/cp·kv·d elements of K/V per layer forward, K/V again plus fp32 dK/dV backward,
   hidden behind the attention blocks it feeds (exposed: what exceeds them); all-gather mode: one all-gather forward
   and a reduce-scatter backward, exposed.
@@ -27,8 +29,9 @@ Per step: m micro-batches through the slowest stage plus the schedule's bubble (
 1F1B and interleaved over v virtual stages: bubble_fraction, equal to tp.pipeline.schedules' simulation; plans use
 1F1B, or interleaved when v > 1), pp p2p of each micro-batch's activation (×v interleaved), the dp
 gradient reduce (ddp all-reduce; zero1 reduce-scatter + parameter all-gather; fsdp per-micro-batch parameter
-all-gathers and one gradient reduce-scatter), overlapped with the last backward where the implementation does, and
-the optimizer step (memory-bound over its local state).
+all-gathers and one gradient reduce-scatter), overlapped with the last backward where the implementation does (and
+zero1's parameter all-gather with the first forward under Software.param_gather_overlap; interleaved p2p with another
+chunk's compute under Software.p2p_overlap), and the optimizer step (memory-bound over its local state).
 MFU = model FLOPs (6·N + attention 12·L·h·s + logits 6·h·V per token, Narayanan et al. 2021 §5.1, full attention as
 the papers count it) / (step time × peak × GPUs); HFU adds the recomputed FLOPs.
 """

@@ -1,19 +1,20 @@
 """`python -m bench.plan --validate`: the step-time model against published large runs and this package's CPU runs.
 
-Published rows (each cited: paper, table, row), their configuration pinned; what a paper does not state is said in
-the row's note. The implementation each run used is a fact of the row (Software): Megatron-LM 2021-22 ran fp16 with
-materialized attention, fused element-wise kernels, an fp16 gradient all-reduce after the backward (no overlap) and
-scatter-gather p2p. Left out: runs without a full configuration (Llama 3 405B, Dubey et al. 2024 Table 4, gives no
-micro-batch size, virtual stages or recomputation, and its 8-layer stages of 1F1B micro-batches do not fit 80 GB
-without some recomputation our activation count cannot know); NVIDIA NeMo's performance tables give full H100
-configurations, dense and Mixtral (tp/pp/cp/vp/ep, micro and global batch, tokens/s/GPU), but of FP8 runs, which this
-model does not price. The one BF16 H100 run with a full configuration found (torchtitan's Table 1) is in UNREACHED:
-the h100-sxm profile reuses the A100's calibrated fractions, unvalidated.
+Published rows (each cited: paper or repository, table, row), their configuration pinned; what a source does not
+state is said in the row's note. The implementation each run used is a fact of the row (Software): Megatron-LM
+2021-22 ran fp16 with materialized attention, fused element-wise kernels, an fp16 gradient all-reduce after the
+backward (no overlap) and scatter-gather p2p; NeMo / Megatron-Core 2024 on H100 run cuDNN fused attention and overlap
+their tp, dp and p2p communication (the recipes' flags).
 
-Calibrated (hardware level, never per row; `calibrate()` reproduces them): the A100's GEMM and collective
-efficiency, minimising the mean |error| over the 22 A100 figures; the CPU's per-op overhead on bench.train's 1x1x1
-run alone (cpu_op_overhead(), fitted whenever the cpu-measured profile is used: the other splits are predictions).
+Calibrated (hardware level, never per row; `calibrate()` reproduces them): the A100's GEMM and collective efficiency,
+minimising the mean |error| over the 22 A100 figures; the CPU's per-op overhead on bench.train's 1x1x1 run alone
+(cpu_op_overhead(), fitted whenever the cpu-measured profile is used: the other splits are predictions). The H100's
+fractions are not fitted: each is a measurement or a published figure (bench.plan.hardware), and the H100 rows
+check them. Runs with a full configuration the model does not reach within 20 % are listed apart (UNREACHED), with
+why; runs without one are left out: NVIDIA's NeMo / Megatron-Bridge performance tables (their H100 rows are FP8,
+which the model does not price, but for GPT-OSS, whose sliding-window attention the config cannot express).
 """
+
 import json
 import os
 from dataclasses import dataclass, replace
