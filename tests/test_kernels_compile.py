@@ -25,7 +25,8 @@ what the autotuner would benchmark on an H100 / A100. The kernel arguments are s
 contiguous tensors specialises them: unit strides become constexpr 1, feature dimensions, leading strides and
 pointers carry tt.divisibility=16, token counts carry nothing; the other constexprs come from triton_ops._flags.
 
-Matrix (about 90 compiles over both archs, ~60 s wall on 2 cores): every candidate for the bf16 gelu forward, the bf16
+Matrix (about 90 compiles over both archs, ~60 s wall on 2 cores; the default run compiles the sm90 half, and
+`-m slow` adds sm80): every candidate for the bf16 gelu forward, the bf16
 wgrad with ACCUMULATE (fp32 main_grad), the bf16 dgrad and the fp64 wgrad; the largest candidate for the rest
 (every forward activation, fp16, swiglu forward, fp16 dgrad, wgrad without ACCUMULATE, a forward whose feature dims are
 not multiples of 16); the smallest candidate for the fp32 (IEEE FMA dot: torch's default allow_tf32=False) forward and
@@ -50,6 +51,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 ARCHS = (90, 80)
+DEFAULT_ARCHS = (90,)  # the default run compiles for Hopper (the GPUs this package is run on); -m slow adds Ampere
 MAX_SHARED = {90: 232448, 80: 166912}  # cudaDevAttrMaxSharedMemoryPerBlockOptin, H100 / A100
 FAMILY = {90: "HOPPER_CONFIGS", 80: "AMPERE_CONFIGS"}
 WORKER_TIMEOUT_S = 600
@@ -204,11 +206,11 @@ def _smallest(configs):
                                        c.kwargs["BLOCK_K"] * c.num_stages, c.kwargs["BLOCK_M"]))
 
 
-def _expand(specs):
+def _expand(specs, archs):
     jobs = []
     for spec in specs:
         obj = _kernel(spec["kernel"])
-        for arch in ARCHS:
+        for arch in archs:
             if hasattr(obj, "configs"):  # autotuned GEMM
                 cands = _candidates(obj, spec["kernel"], spec["dtype"], spec["constexprs"], arch)
                 chosen = {"all": lambda: cands, "first": lambda: cands[:1],
@@ -306,7 +308,7 @@ def _compile_one(job):
     return result
 
 
-def _worker_main(out_path):
+def _worker_main(out_path, archs):
     sys.path.insert(0, ROOT)
     t0 = time.perf_counter()
     assert os.environ.get("TRITON_INTERPRET") in (None, "", "0"), "the worker must run without the interpreter"
@@ -323,7 +325,7 @@ def _worker_main(out_path):
                           for k in (FWD, SWIGLU, DGRAD, WGRAD)},
                 n_pruned={k: {a: len(_candidates(getattr(ops, k), k, "bf16", {}, a)) for a in ARCHS}
                           for k in (FWD, SWIGLU, DGRAD, WGRAD)})
-    jobs = sorted(_expand(SPECS), key=_cost, reverse=True)  # biggest first: better packing of the pool
+    jobs = sorted(_expand(SPECS, archs), key=_cost, reverse=True)  # biggest first: better packing of the pool
     workers = max(1, min(len(os.sched_getaffinity(0)), 8, len(jobs)))
     with multiprocessing.get_context("fork").Pool(workers) as pool:
         results = list(pool.imap_unordered(_compile_one, jobs))
@@ -357,15 +359,23 @@ _MISSING = _toolchain_missing()
 pytestmark = pytest.mark.skipif(_MISSING is not None, reason=f"no AOT toolchain: {_MISSING}")
 
 
+def _selected_archs(items):
+    """The archs the selected test_compiles_and_fits cases need (Hopper at least, for the other tests)."""
+    wanted = {item.callspec.params["arch"] for item in items
+              if item.originalname == "test_compiles_and_fits" and hasattr(item, "callspec")}
+    return sorted(wanted | set(DEFAULT_ARCHS), reverse=True)
+
+
 @pytest.fixture(scope="module")
-def compiled(tmp_path_factory):
+def compiled(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("aot")
+    archs = _selected_archs(request.session.items)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(TRITON_CACHE_DIR=str(tmp / "cache"), TRITON_DUMP_PTXAS_LOG="1", CUDA_VISIBLE_DEVICES="",
                PYTHONPATH=os.pathsep.join([ROOT, env.get("PYTHONPATH", "")]).rstrip(os.pathsep))
     out = tmp / "results.json"
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), str(out)], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), str(out), ",".join(map(str, archs))], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=WORKER_TIMEOUT_S)
     if proc.returncode != 0 or not out.exists():
         pytest.fail(f"AOT compile worker failed (rc={proc.returncode}) -- it imports kernels.triton_ops without a GPU "
@@ -400,7 +410,7 @@ def test_worker_imports_kernels_without_gpu_or_interpreter(compiled):
 def _cases():
     for spec in SPECS:
         for arch in ARCHS:
-            marks = []
+            marks = [] if arch in DEFAULT_ARCHS else [pytest.mark.slow]
             if arch in spec["xfail"]:
                 marks.append(pytest.mark.xfail(strict=True, reason=f"known finding (sm{arch}): {spec['xfail'][arch]}"))
             yield pytest.param(spec, arch, id=f"{spec['name']}-sm{arch}", marks=marks)
@@ -461,4 +471,4 @@ def test_summary_table(compiled):
 
 
 if __name__ == "__main__":
-    _worker_main(sys.argv[1])
+    _worker_main(sys.argv[1], [int(arch) for arch in sys.argv[2].split(",")])
