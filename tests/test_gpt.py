@@ -223,7 +223,7 @@ def test_hugging_face_round_trip_is_bit_exact_and_reads_only_shards(family, kv_h
 
     from safetensors.torch import load_file
 
-    from models import hf as hf_io
+    from models import hf_load
 
     mesh = tp.init_mesh(tp=2)
     root = [tempfile.mkdtemp(prefix="tp-roundtrip-") if mesh.rank == 0 else None]
@@ -233,12 +233,12 @@ def test_hugging_face_round_trip_is_bit_exact_and_reads_only_shards(family, kv_h
         hf_model(family, kv_heads).save_pretrained(source)
     torch.distributed.barrier()
     reads = []
-    read = hf_io._SafetensorsReader.read
-    hf_io._SafetensorsReader.read = lambda self, name, *a: reads.append((name, *a)) or read(self, name, *a)
+    read = hf_load._SafetensorsReader.read
+    hf_load._SafetensorsReader.read = lambda self, name, *a: reads.append((name, *a)) or read(self, name, *a)
     try:
         model = models.GPT.from_hf(source)
     finally:
-        hf_io._SafetensorsReader.read = read
+        hf_load._SafetensorsReader.read = read
     sharded = [r for r in reads if "mlp" in r[0] and r[0].endswith("weight")]
     assert sharded and all(len(r) == 4 for r in sharded)  # slices, never whole sharded tensors
     model.save_hf(target)

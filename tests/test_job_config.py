@@ -1,4 +1,4 @@
-"""The training job's typed configuration (models/training/config.py): TOML written and read back equal, --config
+"""The training job's typed configuration (models/training/config/): TOML written and read back equal, --config
 with the command line's flags winning, unknown keys refused in one line, the resolved configuration each run writes
 beside its logs."""
 import os

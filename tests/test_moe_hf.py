@@ -117,7 +117,7 @@ def test_moe_hugging_face_round_trip_is_bit_exact_and_reads_only_its_experts(fam
 
     from safetensors.torch import load_file
 
-    from models import hf as hf_io
+    from models import hf_load
 
     mesh = tp.init_mesh(tp=2, ep=2)
     root = [tempfile.mkdtemp(prefix="tp-moe-roundtrip-") if mesh.rank == 0 else None]
@@ -127,12 +127,12 @@ def test_moe_hugging_face_round_trip_is_bit_exact_and_reads_only_its_experts(fam
         hf_moe(family, dtype=torch.float32).save_pretrained(source)
     dist.barrier()
     reads = []
-    read = hf_io._SafetensorsReader.read
-    hf_io._SafetensorsReader.read = lambda self, name, *a: reads.append(name) or read(self, name, *a)
+    read = hf_load._SafetensorsReader.read
+    hf_load._SafetensorsReader.read = lambda self, name, *a: reads.append(name) or read(self, name, *a)
     try:
         model = models.GPT.from_hf(source)
     finally:
-        hf_io._SafetensorsReader.read = read
+        hf_load._SafetensorsReader.read = read
     experts = {int(n.split(".experts.")[1].split(".")[0]) for n in reads if ".experts." in n}
     assert experts == set(range(mesh.ep_rank * 3, mesh.ep_rank * 3 + 3)), experts  # its own experts only
     model.save_hf(target)

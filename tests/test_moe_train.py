@@ -140,8 +140,8 @@ def test_zero1_expert_shards_over_edp_are_the_memory_models_bytes(split):
     equal bench.plan.memory's, which pairs each rank's dense shard with its expert shard through tp.mesh.layout."""
     from bench.plan import memory
     from models.training import config as job_config
+    from models.training.build import build_optimizer
     from models.training.model import wrap_data_parallel
-    from models.training.trainer import build_optimizer
 
     torch.set_default_dtype(torch.float32)
     config = models.GPTConfig(**BASE | dict(vocab_size=301, num_experts=4))  # (odd sizes: padded buckets)

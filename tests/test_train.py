@@ -183,8 +183,8 @@ def test_flags_win_over_the_checkpoints_hyperparameters():
     """A resumed run's optimizer takes --weight-decay (and the schedule's lr) from the flags, not the checkpoint."""
     import torch
 
+    from models.training.build import set_hyperparameters
     from models.training.cli import job_config
-    from models.training.trainer import set_hyperparameters
 
     args = job_config(parser().parse_args(["--weight-decay", "0.5", "--lr", "1e-3", "--warmup-steps", "0"]))
     weight, norm = torch.nn.Parameter(torch.ones(2, 2)), torch.nn.Parameter(torch.ones(2))

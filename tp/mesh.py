@@ -1,150 +1,42 @@
-"""The hybrid mesh: ranks grouped into tensor (tp), context (cp), data (dp) and pipeline (pp) groups in Megatron's
-rank order, and the same ranks grouped again for the experts of mixture-of-experts layers.
-
-`order` lists the axes fastest-varying first ("tp-cp-dp-pp" is Megatron's default, its "tp-cp-ep-dp-pp" without
-experts): with strides the prefix products of the sizes in that order, rank = Σ coord[axis]·stride[axis].
-Tensor-parallel groups are thus adjacent ranks (one node's NVLink domain) under the default order. An axis of size 1
-may be left out of `order` (it is appended, as Megatron's RankGenerator does): "tp-dp-pp" is the same layout as
-"tp-cp-dp-pp" when cp = 1.
-
-Experts (Megatron-Core's second RankGenerator over the same ranks): expert-tensor-parallel `etp` in the place of tp,
-expert-parallel `ep`, expert-data-parallel `edp` = world / (etp·ep·pp) in the place of dp, pp, and no cp, in the same
-order string. "ep" may be named in `order`; left out, it sits just before "dp" (Megatron's tp-cp-ep-dp-pp). The
-dense layout ignores ep, the expert layout ignores cp; both must give the same pipeline groups.
-"""
+"""The hybrid mesh (`tp.init_mesh`): every process group of one layout (tp/mesh_layout.py: the rank groups per
+axis, Megatron's rank order) created once, seen from this rank; the current mesh that layers use when no group is
+passed; `SharedGroup`, a module's process group that deep copies share."""
 import datetime
-import itertools
-import numbers
-import os
-import shlex
 import sys
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-AXES = ("tp", "cp", "dp", "pp")
-# "tp-pp": model-parallel (a parameter's shards); "dp-cp": the group gradients are reduced over; "tp-cp": the ranks
-# that share one micro-batch (the loss is equal on all of them); "tp-cp-dp": one pipeline stage's ranks, which hold
-# the tokens of all the data-parallel micro-batches of a step (a mixture of experts' load statistics cover them)
-COMPOSITES = ("tp-pp", "tp-dp", "tp-cp", "dp-cp", "tp-cp-dp")
-# The expert layout's axes (Megatron-Core's expert RankGenerator: its "tp", "ep", "dp" are etp, ep, edp) and groups
-EXPERT_AXES = ("etp", "ep", "edp")
-EXPERT_GROUPS = ("ep", "etp", "edp", "etp-ep")
-_EXPERT_NAMES = {"tp": "etp", "dp": "edp", "ep": "ep", "pp": "pp"}  # order token -> expert axis
+from .default_group import (
+    collective_device,
+    default_backend,
+    default_group_timeout,
+    init_default_group,
+    launched_by_torchrun,
+    lone_process_error,
+)
+from .mesh_layout import (
+    AXES,
+    COMPOSITES,
+    DEFAULT_ORDER,
+    EXPERT_AXES,
+    EXPERT_GROUPS,
+    dense_sizes,
+    expert_order,
+    expert_sizes,
+    layout,
+    parse_order,
+)
+
+__all__ = ["AXES", "COMPOSITES", "DEFAULT_ORDER", "EXPERT_AXES", "EXPERT_GROUPS", "Mesh", "SharedGroup",
+           "collective_device", "current_mesh", "default_backend", "destroy_mesh", "get_mesh", "init_mesh",
+           "launched_by_torchrun", "layout", "resolve_cp_group", "resolve_group"]
 
 _current = None
 # Process groups kept by destroy_mesh(keep_groups=True) for the next init_mesh, keyed by their ranks, valid while
 # the default group they were made under (the first entry) lives.
 _kept_groups = [None, {}]
-
-
-def _parse_order(order, sizes=None):
-    """The dense axes of `order`, fastest first (an "ep" in it dropped: the dense layout has no ep), with the axes it
-    leaves out appended (each must have size 1 in `sizes`)."""
-    tokens = order.split("-") if isinstance(order, str) else []
-    repeated = sorted({a for a in tokens if tokens.count(a) > 1})
-    axes = [a for a in tokens if a != "ep"]
-    unknown = [a for a in axes if a not in AXES]
-    missing = [a for a in AXES if a not in axes and (sizes is None or sizes[a] > 1)]
-    if unknown or repeated or not axes or (sizes is not None and missing):
-        raise ValueError(
-            f"order={order!r} must list each of {'/'.join(AXES)}/ep at most once, and every axis of size > 1 "
-            f"(unknown: {unknown}, missing: {missing}, repeated: {repeated})"
-        )
-    return axes + [a for a in AXES if a not in axes]
-
-
-def _integer(name, value):
-    """value as an int, refused unless an integer (any integer type, numpy's too, not bool) >= 1."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"{name}={value!r} must be an integer >= 1")
-    return int(value)
-
-
-def _sizes(world_size, tp, pp, dp, cp=1):
-    world_size, tp, cp, pp = (_integer(n, v) for n, v in (("world_size", world_size), ("tp", tp), ("cp", cp),
-                                                          ("pp", pp)))
-    dp = None if dp is None else _integer("dp", dp)
-    # the messages name cp only when it is used, so a tp/pp/dp user reads the formula they know
-    names, values = ("tp*cp*pp", f"{tp}*{cp}*{pp}") if cp > 1 else ("tp*pp", f"{tp}*{pp}")
-    if world_size % (tp * cp * pp):
-        raise ValueError(f"world_size={world_size} is not divisible by {names}={values}={tp * cp * pp}")
-    if dp is None:
-        dp = world_size // (tp * cp * pp)
-    if tp * cp * dp * pp != world_size:
-        names, values = ("tp*cp*dp*pp", f"{tp}*{cp}*{dp}*{pp}") if cp > 1 else ("tp*dp*pp", f"{tp}*{dp}*{pp}")
-        raise ValueError(f"{names}={values}={tp * cp * dp * pp} does not equal world_size={world_size}")
-    return {"tp": tp, "cp": cp, "dp": dp, "pp": pp}
-
-
-def _expert_sizes(world_size, sizes, ep, etp):
-    """{etp, ep, edp, pp} of the expert layout: etp defaults to tp, edp = world / (etp·ep·pp)."""
-    ep = _integer("ep", ep)
-    etp = sizes["tp"] if etp is None else _integer("etp", etp)
-    pp = sizes["pp"]
-    if world_size % (etp * ep * pp):
-        raise ValueError(f"world_size={world_size} is not divisible by etp*ep*pp={etp}*{ep}*{pp}={etp * ep * pp} "
-                         "(the expert layout)")
-    return {"etp": etp, "ep": ep, "edp": world_size // (etp * ep * pp), "pp": pp}
-
-
-def _expert_order(order, esizes):
-    """The expert layout's axes, fastest first: `order` with tp read as etp, dp as edp, cp dropped and ep where it
-    is named (else just before dp); axes left out appended (each of size 1)."""
-    tokens = order.split("-")
-    if "ep" not in tokens:
-        tokens.insert(tokens.index("dp") if "dp" in tokens else len(tokens), "ep")
-    axes = [_EXPERT_NAMES[t] for t in tokens if t != "cp"]
-    missing = [a for a in ("etp", "ep", "edp", "pp") if a not in axes]
-    unnamed = [a for a in missing if esizes[a] > 1]
-    if unnamed:
-        token = {"etp": "tp", "edp": "dp"}
-        raise ValueError(f"order={order!r} must name {'/'.join(token.get(a, a) for a in unnamed)}: the expert layout "
-                         f"has {', '.join(f'{a}={esizes[a]}' for a in unnamed)}")
-    return axes + missing
-
-
-def _groups(sizes, order, axes):
-    """Rank groups varying `axes` (others fixed), members listed with the axes in order-string order."""
-    axes = [a for a in order if a in axes]
-    strides = dict(zip(order, itertools.accumulate([1] + [sizes[a] for a in order[:-1]], lambda s, n: s * n)))
-    others = [a for a in order if a not in axes]
-    groups = []
-    for fixed in itertools.product(*(range(sizes[a]) for a in others)):
-        base = sum(c * strides[a] for a, c in zip(others, fixed))
-        # itertools.product varies its last argument fastest, so feed the axes slowest first.
-        members = [
-            base + sum(c * strides[a] for a, c in zip(reversed(axes), coords))
-            for coords in itertools.product(*(range(sizes[a]) for a in reversed(axes)))
-        ]
-        groups.append(members)
-    return sorted(groups)
-
-
-DEFAULT_ORDER = "tp-cp-dp-pp"
-
-
-def layout(world_size: int, *, tp: int = 1, cp: int = 1, pp: int = 1, dp: int | None = None, ep: int = 1,
-           etp: int | None = None, order: str = DEFAULT_ORDER) -> dict[str, list[list[int]]]:
-    """Rank groups per axis ("tp", "cp", "dp", "pp") and composite ("tp-pp" model-parallel, "tp-dp", "tp-cp",
-    "dp-cp", "tp-cp-dp" one stage), each as megatron-core's RankGenerator lists them, and the expert layout's "ep",
-    "etp", "edp" and "etp-ep" (its RankGenerator(tp=etp, ep=ep, dp=edp, pp=pp, cp=1)'s "ep", "tp", "dp" and
-    "tp-ep"; with ep = 1 and etp = tp simply the singletons, "tp", "dp-cp" and "tp"); no process group needed."""
-    sizes = _sizes(world_size, tp, pp, dp, cp)
-    axes = _parse_order(order, sizes)
-    table = {name: _groups(sizes, axes, name.split("-")) for name in AXES + COMPOSITES}
-    esizes = _expert_sizes(world_size, sizes, ep, etp)
-    if esizes["ep"] == 1 and esizes["etp"] == sizes["tp"]:  # experts not split: the dense groups, whatever the order
-        return table | {"ep": [[r] for r in range(world_size)], "etp": table["tp"], "edp": table["dp-cp"],
-                        "etp-ep": table["tp"]}
-    eaxes = _expert_order(order, esizes)
-    expert = {name: _groups(esizes, eaxes, name.split("-")) for name in EXPERT_GROUPS + ("pp",)}
-    if expert["pp"] != table["pp"]:
-        raise ValueError(f"etp={esizes['etp']}, ep={esizes['ep']} with order={order!r}: the expert layout's pipeline "
-                         f"groups ({expert['pp'][0]}, ...) differ from the dense layout's ({table['pp'][0]}, ...); "
-                         "put pp last in the order (the default), or use etp = tp")
-    return table | {name: expert[name] for name in EXPERT_GROUPS}
 
 
 def _embedding_ranks(pp_ranks):
@@ -157,17 +49,17 @@ class Mesh:
     def __init__(self, *, tp: int, pp: int, dp: int | None, order: str, owns_default_group: bool,
                  cp: int = 1, ep: int = 1, etp: int | None = None) -> None:
         self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
-        self.sizes = _sizes(self.world_size, tp, pp, dp, cp)
-        self.order = _parse_order(order, self.sizes)
+        self.sizes = dense_sizes(self.world_size, tp, pp, dp, cp)
+        self.order = parse_order(order, self.sizes)
         self._owns_default_group, self._destroyed = owns_default_group, False
         table = layout(self.world_size, tp=tp, cp=cp, pp=pp, dp=self.sizes["dp"], ep=ep, etp=etp, order=order)
-        self.expert_sizes = _expert_sizes(self.world_size, self.sizes, ep, etp)  # {etp, ep, edp, pp}
-        self.expert_order = _expert_order(order, self.expert_sizes)
+        self.expert_sizes = expert_sizes(self.world_size, self.sizes, ep, etp)  # {etp, ep, edp, pp}
+        self.expert_order = expert_order(order, self.expert_sizes)
         table["embedding"] = [_embedding_ranks(g) for g in table["pp"]]
         if _kept_groups[0] is not dist.group.WORLD:
             _kept_groups[:] = [dist.group.WORLD, {}]
         kept = _kept_groups[1]
-        timeout = _default_group_timeout()  # new_group's own default is torch's (30 min on gloo), not the world's
+        timeout = default_group_timeout()  # new_group's own default is torch's (30 min on gloo), not the world's
         self._ranks, self._groups, created = {}, {}, {}
         # new_group is collective over the world: every rank creates every group, in the same order (and every
         # rank has kept the same groups, since all of them ran the same init/destroy calls).
@@ -291,66 +183,6 @@ def _forget_dtensor_sharding():
         getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", lambda: None)()  # and its C++ fast path
 
 
-def launched_by_torchrun() -> bool:
-    """Whether torchrun (or a launcher that sets its RANK and WORLD_SIZE) started this process."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
-def default_backend() -> str:
-    """The default group's backend when none is given: with CUDA, NCCL for CUDA tensors and gloo for CPU tensors in
-    the same group (so CPU tensors, such as a loader's indices or an optimizer's scalars, still reduce), else gloo."""
-    return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
-
-
-def collective_device() -> torch.device:
-    """Where the default group's collectives take their tensors: this rank's GPU under NCCL, else the CPU (also
-    before any process group exists)."""
-    if dist.is_initialized() and "nccl" in str(dist.get_backend()):
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _default_group_timeout():
-    """The default group's collective timeout (None where torch does not expose it: new_group's default then)."""
-    try:
-        return dist.group.WORLD._get_backend(collective_device()).options._timeout
-    except (AttributeError, RuntimeError):
-        return None
-
-
-def _lone_process_error(tp, cp, pp, dp):
-    """The error of a mesh that needs several processes asked for in one process started without torchrun."""
-    world = tp * cp * pp * (dp or 1)
-    given = {k: v for k, v in dict(tp=tp, cp=cp, pp=pp, dp=dp).items() if v not in (1, None)}
-    call = ", ".join(f"{k}={v}" for k, v in given.items())
-    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
-    if spec is not None and spec.name and spec.name != "__main__":
-        target = ["-m", spec.name.removesuffix(".__main__")]
-    elif sys.argv and sys.argv[0] and sys.argv[0] != "-c":
-        target = [sys.argv[0]]
-    else:
-        target = ["your_script.py"]
-    command = shlex.join(["torchrun", "--nproc-per-node", str(world), *target, *sys.argv[1:]])
-    return RuntimeError(f"tp.init_mesh({call}) needs {world} processes, but this is one process started without "
-                        f"torchrun (RANK and WORLD_SIZE are not set): launch it with `{command}`, or use "
-                        + ", ".join(f"{k}=1" for k in given) + " in one process")
-
-
-def _init_default_group(backend, timeout):
-    backend = backend or default_backend()
-    if launched_by_torchrun():
-        if "nccl" in backend:  # one rank per GPU: this rank's (NCCL refuses two ranks on one device)
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        # torchrun's agent keeps one TCPStore across restarts of the worker group (--max-restarts): keys under a
-        # per-attempt prefix, or a restarted rank can read the previous attempt's addresses (pytorch#135712)
-        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
-        store = dist.PrefixStore(f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
-    else:  # a single process outside any launcher
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-
-
 def init_mesh(*, tp: int = 1, cp: int = 1, pp: int = 1, dp: int | None = None, ep: int = 1, etp: int | None = None,
               order: str = DEFAULT_ORDER, backend: str | None = None,
               timeout: datetime.timedelta = datetime.timedelta(minutes=10)) -> Mesh:
@@ -365,24 +197,24 @@ def init_mesh(*, tp: int = 1, cp: int = 1, pp: int = 1, dp: int | None = None, e
     global _current
     if _current is not None:
         raise RuntimeError(f"a mesh is already initialised ({_current!r}); call tp.destroy_mesh() first")
-    _parse_order(order)
+    parse_order(order)
     if not dist.is_initialized() and not launched_by_torchrun():  # one process: a mesh of several ranks cannot be made
         try:
             needed = tp * cp * pp * (dp or 1)
         except TypeError:
             needed = 1  # (the size check names the bad value)
         if needed > 1:
-            _sizes(needed, tp, pp, dp, cp)
-            raise _lone_process_error(tp, cp, pp, dp)
+            dense_sizes(needed, tp, pp, dp, cp)
+            raise lone_process_error(tp, cp, pp, dp)
     if not dist.is_initialized() and launched_by_torchrun():
         # kept when the mesh is destroyed: re-creating it from the same environment can hang inside torch (Megatron
         # keeps it too)
-        _init_default_group(backend, timeout)
+        init_default_group(backend, timeout)
     owns = not dist.is_initialized()  # a lone process: its one-rank group is made here and destroyed with the mesh
     if not owns:  # validate before any collective so that every rank raises the same error
         layout(dist.get_world_size(), tp=tp, cp=cp, pp=pp, dp=dp, ep=ep, etp=etp, order=order)
     else:
-        _init_default_group(backend, timeout)
+        init_default_group(backend, timeout)
     try:
         _current = Mesh(tp=tp, cp=cp, pp=pp, dp=dp, ep=ep, etp=etp, order=order, owns_default_group=owns)
     except Exception:

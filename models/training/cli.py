@@ -55,7 +55,7 @@ def parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m models.train", description=__doc__,
                 formatter_class=lambda prog: _HelpFormatter(prog, width=110))
     p.add_argument("--config", metavar="TOML", default=None,
-                   help="read the job from a TOML file: the sections of models/training/config.py, as every run "
+                   help="read the job from a TOML file: the sections of models/training/config/, as every run "
                         "writes its resolved one (LOG_DIR/config.toml); flags given on the command line win")
     _split_and_training_flags(p.add_argument)
     _model_and_data_flags(p.add_argument)

@@ -1,0 +1,142 @@
+"""Hugging Face weights in: each of our parameters read from the HF tensors it is made of, only the rows/columns
+this rank holds: from a live model's state_dict, or lazily from a `save_pretrained` directory with safetensors'
+`get_slice`."""
+import json
+import os
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tp.moe import GroupedExperts
+
+from .hf_config import config_from_hf, hf_family
+from .hf_moe import disk_name, read_experts
+from .hf_names import hf_sources, parameter_owners, tp_sharding
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+
+class _StateDictReader:
+    def __init__(self, state):
+        self.state = state
+
+    def has(self, name):
+        return name in self.state
+
+    def shape(self, name):
+        return tuple(self.state[name].shape)
+
+    def read(self, name, dim=None, start=None, stop=None):
+        t = self.state[name].detach()
+        return t if dim is None else t.narrow(dim, start, stop - start)
+
+
+class _SafetensorsReader:
+    """Lazy reads from a save_pretrained directory: only the requested rows/columns leave the file."""
+
+    def __init__(self, path):
+        from safetensors import safe_open
+
+        index = os.path.join(path, "model.safetensors.index.json")
+        if os.path.exists(index):
+            with open(index) as f:
+                files = json.load(f)["weight_map"]
+        else:
+            single = os.path.join(path, "model.safetensors")
+            if not os.path.exists(single):
+                raise ValueError(f"{path} holds no model.safetensors (or index): save it with safetensors")
+            with safe_open(single, "pt") as f:
+                files = dict.fromkeys(f.keys(), "model.safetensors")
+        self.files = {k: safe_open(os.path.join(path, v), "pt") for k, v in files.items()}
+
+    def has(self, name):
+        return name in self.files
+
+    def shape(self, name):
+        return tuple(self.files[name].get_slice(name).get_shape())
+
+    def read(self, name, dim=None, start=None, stop=None):
+        piece = self.files[name].get_slice(name)
+        if dim is None:
+            return piece[:]
+        return piece[start:stop] if dim == 0 else piece[:, start:stop]
+
+
+def index_runs(indices: torch.Tensor) -> list[list[int]]:
+    """Consecutive runs [(start, stop)] of a 1-D index tensor, in order."""
+    runs = []
+    for i in indices.tolist():
+        if runs and runs[-1][1] == i:
+            runs[-1][1] = i + 1
+        else:
+            runs.append([i, i + 1])
+    return runs
+
+
+def _read_dense_slice(reader, sources, dim, indices):
+    """The rows/columns `indices` (along our `dim`) of the concatenation of `sources`; indices past its end (a
+    padded vocabulary) give zeros."""
+    pieces, offset_of = [], []
+    offset = 0
+    for name, transposed in sources:
+        shape = reader.shape(name)
+        size = shape[(1 - dim) if transposed else dim]
+        offset_of.append((name, transposed, offset, size, shape))
+        offset += size
+    for start, stop in index_runs(indices):
+        for name, transposed, base, size, _shape in offset_of:
+            a, b = max(start, base), min(stop, base + size)
+            if a < b:
+                src_dim = (1 - dim) if transposed else dim
+                t = reader.read(name, src_dim, a - base, b - base)
+                pieces.append(t.t() if transposed else t)
+        if stop > offset:  # padding rows
+            ref = pieces[-1] if pieces else reader.read(sources[0][0])
+            width = ref.shape[1 - dim]
+            missing = stop - max(start, offset)
+            zeros = ref.new_zeros((missing, width) if dim == 0 else (width, missing))
+            pieces.append(zeros)
+    return torch.cat(pieces, dim)
+
+
+@torch.no_grad()
+def load_hf_weights(model: nn.Module, reader: Any) -> None:
+    """Copy this rank's shard of every parameter (of this stage's layers) from the HF tensors behind `reader`."""
+    family = hf_family(model.config)
+    for name, (module, attr) in parameter_owners(model).items():
+        param = getattr(module, attr)
+        sources = [(n if reader.has(n) else disk_name(n, family), t)
+                   for n, t in hf_sources(model.config, name, model.layer_range[0])]
+        sharding = tp_sharding(module, attr)
+        if isinstance(module, GroupedExperts):  # this rank's experts, then its etp slice
+            dense = read_experts(reader, sources[0][0], module.expert_range, family)
+            dense = module.shard_fc1(dense) if attr == module.names[0] else module.shard_fc2(dense)
+        elif sharding is None:
+            dense = torch.cat([reader.read(n).t() if t else reader.read(n) for n, t in sources])
+        else:
+            dim, _, indices = sharding
+            dense = _read_dense_slice(reader, sources, dim, indices)
+        if tuple(dense.shape) != tuple(param.shape):
+            raise ValueError(f"{name}: HF tensors {[n for n, _ in sources]} give shape {tuple(dense.shape)}, "
+                             f"expected {tuple(param.shape)}")
+        param.copy_(dense)
+
+
+def load_hf(cls: type[nn.Module], hf_model_or_path: "PreTrainedModel | str | os.PathLike", *,
+            group: dist.ProcessGroup | None = None, dtype: torch.dtype | None = None,
+            stage: dict[str, Any] | None = None, **overrides: Any) -> nn.Module:
+    """`stage`: GPT options of one pipeline stage (layers, pre_process, post_process); `overrides`: GPTConfig fields."""
+    if isinstance(hf_model_or_path, (str, os.PathLike)):
+        import transformers
+
+        config = config_from_hf(transformers.AutoConfig.from_pretrained(hf_model_or_path), **overrides)
+        reader = _SafetensorsReader(hf_model_or_path)
+    else:
+        config = config_from_hf(hf_model_or_path.config, **overrides)
+        reader = _StateDictReader(hf_model_or_path.state_dict())
+    model = cls(config, group=group, _init=False, **(stage or {}))
+    load_hf_weights(model, reader)
+    return model if dtype is None else model.to(dtype)

@@ -1,0 +1,77 @@
+"""[parallelism]: the tp x cp x pp x dp split, the pipeline schedule, data parallelism's mode, the experts' layout."""
+import dataclasses
+
+from ...config import CP_MODES, RECOMPUTE
+from .fields import at_least, one_of
+
+PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb")
+DP_MODES = ("ddp", "fsdp", "zero1")
+
+
+@dataclasses.dataclass
+class ParallelismConfig:
+    """[parallelism]: the tp x cp x pp x dp split, the pipeline schedule, data parallelism's mode."""
+
+    tp: int = 2
+    cp: int = 1
+    cp_mode: str = "ring"
+    cp_a2a_size: int | None = None  # --cp-mode a2a+ring: the all-to-all sub-groups' size
+    pp: int = 2
+    dp: int | None = None  # None: WORLD_SIZE / (tp*cp*pp) under torchrun, else 2 (see resolve_dp)
+    dp_mode: str = "ddp"
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    sequence_parallel: bool = False
+    recompute: str = "none"
+    ep: int = 1  # expert parallelism: the experts over ep ranks of tp·cp·dp (Megatron's expert layout)
+    etp: int | None = None  # expert tensor parallelism; None: tp
+
+    def validate(self) -> None:
+        at_least(self, ("tp", "cp", "pp", "dp", "virtual_stages", "cp_a2a_size", "ep", "etp"), 1)
+        for flag, value, allowed in (("--cp-mode", self.cp_mode, CP_MODES), ("--dp-mode", self.dp_mode, DP_MODES),
+                                     ("--schedule", self.schedule, PIPELINE_SCHEDULES),
+                                     ("--recompute", self.recompute, RECOMPUTE)):
+            one_of(flag, value, allowed)
+        if self.cp_a2a_size is not None and self.cp_mode != "a2a+ring":
+            raise ValueError(f"--cp-a2a-size={self.cp_a2a_size} is for --cp-mode a2a+ring, not {self.cp_mode}")
+        if self.cp_mode == "a2a+ring" and self.cp > 1 and (self.cp_a2a_size is None or self.cp % self.cp_a2a_size):
+            raise ValueError(f"--cp-mode a2a+ring needs --cp-a2a-size, a divisor of --cp={self.cp} (the all-to-all "
+                             f"sub-groups' size); got {self.cp_a2a_size}")
+
+    def resolve_dp(self, world_size: int | None, *, gpus: int | None = None) -> int:
+        """--dp when given; else WORLD_SIZE / (tp·cp·pp) under torchrun (as Megatron); on our own launcher, the GPUs
+        over tp·cp·pp (one rank per GPU; at least 1), 2 on the CPU."""
+        if self.dp is not None:
+            return self.dp
+        if world_size is None:
+            return 2 if gpus is None else max(1, gpus // (self.tp * self.cp * self.pp))
+        model_parallel = self.tp * self.cp * self.pp
+        if model_parallel < 1 or world_size % model_parallel:
+            raise ValueError(f"WORLD_SIZE={world_size} is not divisible by --tp*--cp*--pp = {self.tp}*{self.cp}*"
+                             f"{self.pp} = {model_parallel}: no data-parallel size fits")
+        return world_size // model_parallel
+
+    @property
+    def experts_apart(self) -> bool:
+        """Whether the experts are laid out otherwise than the dense weights (ep > 1 or etp != tp): their gradients
+        are then reduced over the expert-data-parallel group, not dp."""
+        return self.ep > 1 or self.etp not in (None, self.tp)
+
+    def check_experts(self) -> None:
+        """ep·etp must divide a stage's tp·cp·dp ranks (the expert layout re-groups them; Megatron-Core's rule)."""
+        etp = self.tp if self.etp is None else self.etp
+        stage = self.tp * self.cp * self.dp
+        if stage % (self.ep * etp):
+            raise ValueError(f"--ep={self.ep} * --etp={etp} = {self.ep * etp} does not divide --tp*--cp*--dp = "
+                             f"{self.tp}*{self.cp}*{self.dp} = {stage} (a pipeline stage's ranks, which the experts "
+                             "are laid over)")
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        """tp, cp, pp, dp, and ep, etp (the expert layout, for tp.init_mesh / tp.layout)."""
+        return dict(tp=self.tp, cp=self.cp, pp=self.pp, dp=self.dp, ep=self.ep,
+                    etp=self.tp if self.etp is None else self.etp)
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.cp * self.pp * self.dp
