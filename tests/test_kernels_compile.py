@@ -375,8 +375,8 @@ def compiled(request, tmp_path_factory):
                PYTHONPATH=os.pathsep.join([ROOT, env.get("PYTHONPATH", "")]).rstrip(os.pathsep))
     out = tmp / "results.json"
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), str(out), ",".join(map(str, archs))], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=WORKER_TIMEOUT_S)
+    command = [sys.executable, os.path.abspath(__file__), str(out), ",".join(map(str, archs))]
+    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S)
     if proc.returncode != 0 or not out.exists():
         pytest.fail(f"AOT compile worker failed (rc={proc.returncode}) -- it imports kernels.triton_ops without a GPU "
                     f"and without the interpreter, then compiles.\nstderr:\n{proc.stderr[-6000:]}")
