@@ -64,3 +64,13 @@ def build_tokenizer(path, text, vocab_size, *, eos="<|endoftext|>", special=(), 
         tokenizer.chat_template = chat_template
     tokenizer.save_pretrained(path)
     return str(path)
+
+
+def train_refusal(flags, capsys):
+    """`python -m models.train FLAGS`, refused in this process (main() returns before any process starts): its exit
+    code, stdout and stderr's lines (the subprocess form is checked once, in test_train's end-to-end test)."""
+    from models.training.cli import main
+
+    code = main(list(flags))
+    out, err = capsys.readouterr()
+    return code, out, err.strip().splitlines()

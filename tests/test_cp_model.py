@@ -14,7 +14,7 @@ from models.block import token_positions
 from models.hf import hf_state_dict
 from tp.testing import distributed
 
-from .helpers import rng
+from .helpers import rng, train_refusal
 
 transformers = pytest.importorskip("transformers")
 
@@ -180,6 +180,21 @@ def _close(curve, reference, what):
         assert abs(ours - expected) <= 1e-5 * expected, f"{what}, step {step + 1}: {ours} vs {expected}"
 
 
+@pytest.mark.slow
+def test_more_cp_splits_train_the_serial_curve(tmp_path):
+    """cp with SP and dp, and the all-gather cp mode under FSDP2 with selective recompute (the fast run: below)."""
+    serial = _run(*SMALL, "--tp", "1", "--pp", "1", "--dp", "1", "--log-jsonl", str(tmp_path / "serial.jsonl"))
+    assert serial.returncode == 0, serial.stderr[-3000:]
+    serial = _losses(tmp_path / "serial.jsonl")
+    splits = {  # tp x cp x pp x dp
+        "2x2x1x2 sp": ["--tp", "2", "--cp", "2", "--pp", "1", "--dp", "2", "--sequence-parallel"],
+        "1x4x1x2 allgather fsdp selective": ["--tp", "1", "--cp", "4", "--pp", "1", "--dp", "2", "--cp-mode",
+                                             "allgather", "--dp-mode", "fsdp", "--recompute", "selective"],
+    }
+    for name, flags in splits.items():
+        _close(_curve(str(tmp_path), name.replace(" ", "_"), *flags), serial, name)
+
+
 def test_cp_splits_train_the_serial_curve_and_reshard_across_cp(tmp_path):
     serial = _run(*SMALL, "--tp", "1", "--pp", "1", "--dp", "1", "--log-jsonl", str(tmp_path / "serial.jsonl"))
     assert serial.returncode == 0, serial.stderr[-3000:]
@@ -189,9 +204,6 @@ def test_cp_splits_train_the_serial_curve_and_reshard_across_cp(tmp_path):
                                      "--virtual-stages", "2"],
         "2x2x2x1 sp zb zero1": ["--tp", "2", "--cp", "2", "--pp", "2", "--dp", "1", "--sequence-parallel",
                                 "--schedule", "zb", "--dp-mode", "zero1"],
-        "2x2x1x2 sp": ["--tp", "2", "--cp", "2", "--pp", "1", "--dp", "2", "--sequence-parallel"],
-        "1x4x1x2 allgather fsdp selective": ["--tp", "1", "--cp", "4", "--pp", "1", "--dp", "2", "--cp-mode",
-                                             "allgather", "--dp-mode", "fsdp", "--recompute", "selective"],
     }
     for name, flags in splits.items():
         export = ["--export-hf", str(tmp_path / "exported")] if name.startswith("2x2") else []
@@ -213,9 +225,8 @@ def test_cp_splits_train_the_serial_curve_and_reshard_across_cp(tmp_path):
      r"--seq-len=36 with --cp=2 --tp=2 --sequence-parallel: .* not divisible by 8"),
     (["--cp", "0"], r"--cp=0 must be >= 1"),
 ])
-def test_bad_cp_configuration_is_one_line_before_any_process(flags, message):
+def test_bad_cp_configuration_is_one_line_before_any_process(flags, message, capsys):
     import re
 
-    result = _run(*flags)
-    lines = result.stderr.strip().splitlines()
-    assert result.returncode == 2 and len(lines) == 1 and re.search(message, lines[0]), lines
+    code, _, lines = train_refusal(flags, capsys)
+    assert code == 2 and len(lines) == 1 and re.search(message, lines[0]), lines

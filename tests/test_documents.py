@@ -14,7 +14,7 @@ from models.stages import build_chunks
 from tp.pipeline import PipelineRunner
 from tp.testing import distributed
 
-from .helpers import rng
+from .helpers import rng, train_refusal
 
 VOCAB, SEQ, BATCH = 50, 24, 2  # 3 tokens per chunk at cp = 4
 ROPE = dict(vocab_size=VOCAB, hidden_size=16, num_layers=2, num_heads=4, num_kv_heads=2, ffn_hidden_size=24,
@@ -278,9 +278,8 @@ def test_document_flags_train_the_serial_curve(tmp_path):
      r"--cp-mode a2a\+ring needs --cp-a2a-size, a divisor of --cp=4 .*; got 3"),
     (["--cp", "2", "--cp-a2a-size", "2"], r"--cp-a2a-size=2 is for --cp-mode a2a\+ring, not ring"),
 ])
-def test_bad_document_and_a2a_configuration_is_one_line_before_any_process(flags, message):
+def test_bad_document_and_a2a_configuration_is_one_line_before_any_process(flags, message, capsys):
     import re
 
-    result = _run(*flags)
-    lines = result.stderr.strip().splitlines()
-    assert result.returncode == 2 and len(lines) == 1 and re.search(message, lines[0]), lines
+    code, _, lines = train_refusal(flags, capsys)
+    assert code == 2 and len(lines) == 1 and re.search(message, lines[0]), lines

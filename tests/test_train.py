@@ -11,6 +11,8 @@ import pytest
 from models.training.cli import parser, train
 from tp.testing import distributed
 
+from .helpers import train_refusal
+
 SMALL = ["--model", "tiny", "--seq-len", "32", "--global-batch-size", "8", "--micro-batch-size", "2",
          "--steps", "3", "--check-inputs", "--seed", "7"]
 
@@ -55,23 +57,40 @@ def _hf_loss(path):
         return torch.nn.functional.cross_entropy(model(x[None]).logits[0], y).item()
 
 
-def test_every_split_trains_the_same_curve(tmp_path):
+def _serial_curve(tmp_path):
     single = _run(*SMALL, "--tp", "1", "--pp", "1", "--dp", "1", "--log-jsonl", str(tmp_path / "serial.jsonl"))
     assert single.returncode == 0, single.stderr[-3000:]
     assert "done: 3 steps" in single.stdout and "loss" in single.stdout
     serial = _losses(tmp_path / "serial.jsonl")
     assert len(serial) == 3 and serial[-1] < serial[0]
-    splits = {
-        "2x2x2 ddp 1f1b": ["--tp", "2", "--pp", "2", "--dp", "2"],
-        "2x2x2 fsdp gpipe sp": ["--tp", "2", "--pp", "2", "--dp", "2", "--dp-mode", "fsdp", "--schedule", "gpipe",
-                                "--sequence-parallel", "--export-hf", str(tmp_path / "exported")],
-        "4x1x2 sp recompute": ["--tp", "4", "--pp", "1", "--dp", "2", "--sequence-parallel", "--recompute", "full"],
-        "1x4x2": ["--tp", "1", "--pp", "4", "--dp", "2"],
-    }
+    return serial
+
+
+def _splits_train(tmp_path, serial, splits):
     curves = {name: _curve(str(tmp_path), name.replace(" ", "_"), *flags) for name, flags in splits.items()}
     for name, curve in curves.items():
         for step, (ours, reference) in enumerate(zip(curve, serial, strict=True)):
             assert abs(ours - reference) <= 1e-5 * reference, f"{name}, step {step + 1}: {ours} vs {reference}"
+    return curves
+
+
+@pytest.mark.slow
+def test_more_splits_train_the_same_curve(tmp_path):
+    """tp 4 with SP and full recompute, and pp 4 (the fast run: the two 2x2x2 splits below)."""
+    _splits_train(tmp_path, _serial_curve(tmp_path), {
+        "4x1x2 sp recompute": ["--tp", "4", "--pp", "1", "--dp", "2", "--sequence-parallel", "--recompute", "full"],
+        "1x4x2": ["--tp", "1", "--pp", "4", "--dp", "2"],
+    })
+
+
+def test_every_split_trains_the_same_curve(tmp_path):
+    serial = _serial_curve(tmp_path)
+    splits = {
+        "2x2x2 ddp 1f1b": ["--tp", "2", "--pp", "2", "--dp", "2"],
+        "2x2x2 fsdp gpipe sp": ["--tp", "2", "--pp", "2", "--dp", "2", "--dp-mode", "fsdp", "--schedule", "gpipe",
+                                "--sequence-parallel", "--export-hf", str(tmp_path / "exported")],
+    }
+    curves = _splits_train(tmp_path, serial, splits)
     exported = _hf_loss(tmp_path / "exported")  # FSDP2 shards gathered, two pipeline stages' files and an index
     assert abs(exported - curves["2x2x2 fsdp gpipe sp"][-1]) < 0.5 and exported < serial[0]
     again = _curve(str(tmp_path), "again", *splits["2x2x2 ddp 1f1b"])
@@ -107,13 +126,12 @@ def test_every_split_trains_the_same_curve(tmp_path):
     (["--seq-len", "100000"], r"--global-batch-size=16 exceeds the \d+ sequences of --seq-len=100000"),
     (["--from-hf", "/nonexistent"], r"--from-hf /nonexistent: no such directory"),
 ])
-def test_bad_configuration_is_one_line_before_any_process(flags, message):
+def test_bad_configuration_is_one_line_before_any_process(flags, message, capsys):
     import re
 
     start = time.perf_counter()
-    result = _run(*flags)
-    assert result.returncode == 2 and result.stdout == "", (result.stdout, result.stderr)
-    lines = result.stderr.strip().splitlines()
+    code, out, lines = train_refusal(flags, capsys)
+    assert code == 2 and out == "", (out, lines)
     assert len(lines) == 1 and re.search(message, lines[0]), lines
     assert time.perf_counter() - start < 60
 
