@@ -15,6 +15,7 @@ full training runs, multi-node launches). The README's first block, the set-up, 
 """
 import argparse
 import contextlib
+import json
 import os
 import re
 import runpy
@@ -165,11 +166,13 @@ def _bash_commands(marker):
 
 
 def test_bash_blocks_run(tmp_path):
+    """The commands in order, in one interpreter (its imports paid once), each as `python -m` runs it: its module
+    as `__main__` with its arguments in sys.argv."""
     commands = _bash_commands("run")
     assert commands
     for words in commands:
         assert words[:2] == ["python", "-m"], f"only `python -m ...` commands run here: {shlex.join(words)}"
-        _run([sys.executable, *words[1:]], tmp_path)
+    _run([sys.executable, str(Path(__file__)), "--modules", json.dumps([words[2:] for words in commands])], tmp_path)
 
 
 class _Parsed(Exception):
@@ -226,5 +229,20 @@ def _run_scripts(names):
             runpy.run_path(name, run_name="__main__")
 
 
+def _run_modules(commands):
+    """(Run by test_bash_blocks_run:) each `python -m MODULE ARGS` in turn; the first that exits non-zero ends the
+    run, named."""
+    for module, *args in commands:
+        sys.argv = [module, *args]
+        try:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        except SystemExit as e:
+            if e.code not in (None, 0):
+                sys.exit(f"`python -m {shlex.join([module, *args])}` exited with {e.code}")
+
+
 if __name__ == "__main__":
-    _run_scripts(sys.argv[1:])
+    if sys.argv[1] == "--modules":
+        _run_modules(json.loads(sys.argv[2]))
+    else:
+        _run_scripts(sys.argv[1:])
