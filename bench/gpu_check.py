@@ -66,6 +66,11 @@ def cuda() -> bool:
 
 # ---------------------------------------------------------------- helpers run inside a section's process
 
+def budget(seconds: float, on_gpu: bool) -> float:
+    """A command's timeout: its GPU seconds, or 3x on the CPU smoke (a loaded CI machine is slow at start-up)."""
+    return seconds if on_gpu else 3 * seconds
+
+
 def run(cmd: list[str], timeout: float, env: dict | None = None) -> tuple[int, str]:
     """Run cmd in its own process group (killed whole on timeout) -> (returncode, output); 124 on timeout."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
@@ -145,7 +150,7 @@ def section_env(out: Path, on_gpu: bool) -> dict:
 def section_kernels(out: Path, on_gpu: bool) -> dict:
     files = ["tests/test_kernels.py", "tests/test_moe_kernels.py"]
     if not on_gpu:  # the suite runs these files in full on CPU; here one interpreter test keeps the path alive
-        result = pytest([files[0], "-k", "test_weight_only_gradient_skips_dgrad and gelu"], 120)
+        result = pytest([files[0], "-k", "test_weight_only_gradient_skips_dgrad and gelu"], budget(120, on_gpu))
         return {"interpreter": result, "gpu_only": "skipped (no CUDA)", "ok": passed(result)}
     on_device = {"TP_TEST_DEVICE": "cuda"}  # (the default run's tensors are on the CPU, under the interpreter)
     one = pytest([*files, *parallel(4), "-k", "not test_gpu_"], 90, {**on_device, "TP_KERNELS_TUNE": "one"})
@@ -160,7 +165,7 @@ def section_job(out: Path, on_gpu: bool) -> dict:
              *(["--device", "cuda", "--precision", "bf16", "--model", "small", "--seq-len", "512"] if on_gpu
                else ["--seq-len", "32"])]
     rc, text = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-                    "-m", "models.train", *flags], 70)
+                    "-m", "models.train", *flags], budget(70, on_gpu))
     print(text[-20000:])
     logs = "".join(p.read_text(errors="replace")[-3000:] for p in sorted(Path(log_dir).rglob("*.log")))
     return {"returncode": rc, "flags": " ".join(flags[:-2]), "tail": (text + logs)[-2500:], "ok": rc == 0}
@@ -170,7 +175,7 @@ def section_bench_kernels(out: Path, on_gpu: bool) -> dict:
     shapes = ["--hidden", "4096", "--tokens", "8192", "--tp", "1"] if on_gpu else \
         ["--quick", "--layers", "fc1", "--tp", "2", "--reps", "1"]
     rc, text = run([sys.executable, "-m", "bench.kernels", *shapes, "--kernels", "linear", "dropout", "--out",
-                    str(out / "kernels.json")], 80)
+                    str(out / "kernels.json")], budget(80, on_gpu))
     print(text[-20000:])
     details = {"returncode": rc, "table": text[-3000:], "ok": rc == 0}
     if on_gpu:
@@ -186,7 +191,7 @@ def section_intensity(out: Path, on_gpu: bool) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="gpu_check_intensity_"))
     opts = ["--hidden", "4096", "--mlp", "swiglu", "--tokens", "4096", "--measure-tp", "2", "--max-message-mb", "8",
             "--min-seconds", "0.01"] if on_gpu else ["--no-measure", "--hidden", "1024", "--tokens", "1024"]
-    rc, text = run([sys.executable, "-m", "bench.intensity", *opts, "--out", str(tmp)], 80)
+    rc, text = run([sys.executable, "-m", "bench.intensity", *opts, "--out", str(tmp)], budget(80, on_gpu))
     print(text[-20000:])
     for name in ("intensity.json", "intensity.png"):
         if (tmp / name).exists():
@@ -202,7 +207,7 @@ MULTIRANK = ["tests/test_layers.py::test_mlp_matches_dense", "tests/test_vocab.p
 
 def section_multirank(out: Path, on_gpu: bool) -> dict:
     if not on_gpu:
-        result = pytest([MULTIRANK[3]], 55)
+        result = pytest([MULTIRANK[3]], budget(55, on_gpu))
         return {"cpu": result, "gpu": "skipped (no CUDA)", "ok": passed(result)}
     result = pytest([*MULTIRANK, "--timeout", "45"], 55, {"TP_TEST_DEVICE": "cuda"})
     return {"tests": result, "ok": passed(result)}
@@ -235,7 +240,7 @@ def run_section(section: Section, out: Path, smoke: bool) -> dict:
     cmd = [sys.executable, "-m", "bench.gpu_check", "--section", section.name, "--out", str(out)]
     start = time.perf_counter()
     env = {"PYTHONUNBUFFERED": "1", **({"TRITON_INTERPRET": "1"} if smoke else {})}  # interpreter without CUDA
-    rc, text = run(cmd, section.timeout * (3 if smoke else 1), env)  # (a loaded CI machine is slow at start-up)
+    rc, text = run(cmd, budget(section.timeout, not smoke), env)
     seconds = round(time.perf_counter() - start, 1)
     with open(out / "log.txt", "a") as log:
         log.write(f"\n===== {section.name} (rc {rc}, {seconds} s)\n{text}")

@@ -53,3 +53,13 @@ def test_a_section_past_its_timeout_fails_with_its_last_lines(tmp_path):
     result = gpu_check.run_section(gpu_check.Section("env", 0.2, "too short"), tmp_path, smoke=True)
     assert result["status"] == "fail" and "timed out after" in result["details"]["tail"]
     assert "===== env (rc 124" in (tmp_path / "log.txt").read_text()
+
+
+def test_the_cpu_smokes_inner_commands_get_the_cpu_budget(monkeypatch, tmp_path):
+    """Each CPU smoke's inner command gets 3x its GPU timeout, as its section does: a loaded 2-core machine once took
+    60 s for the multirank smoke's pytest, which had the GPU's 55 s."""
+    seen = []
+    monkeypatch.setattr(gpu_check, "run", lambda cmd, timeout, env=None: seen.append(timeout) or (0, ""))
+    gpu_check.section_multirank(tmp_path, on_gpu=False)
+    gpu_check.section_job(tmp_path, on_gpu=False)
+    assert seen == [3 * 55, 3 * 70]
