@@ -164,7 +164,7 @@ def test_bad_sequence_lengths_are_refused_on_every_rank():
 
 # ---- the training job ---------------------------------------------------------------------------------------------
 
-from .test_train import SMALL, _curve, _hf_loss, _losses, _run  # noqa: E402  (the training job's test helpers)
+from .test_train import SMALL, _curve, _hf_loss  # noqa: E402  (the training job's test helpers)
 
 
 @distributed(world_size=4, timeout=300)
@@ -183,9 +183,7 @@ def _close(curve, reference, what):
 @pytest.mark.slow
 def test_more_cp_splits_train_the_serial_curve(tmp_path):
     """cp with SP and dp, and the all-gather cp mode under FSDP2 with selective recompute (the fast run: below)."""
-    serial = _run(*SMALL, "--tp", "1", "--pp", "1", "--dp", "1", "--log-jsonl", str(tmp_path / "serial.jsonl"))
-    assert serial.returncode == 0, serial.stderr[-3000:]
-    serial = _losses(tmp_path / "serial.jsonl")
+    serial = _curve(str(tmp_path), "serial", "--tp", "1", "--pp", "1", "--dp", "1", world_size=1)
     splits = {  # tp x cp x pp x dp
         "2x2x1x2 sp": ["--tp", "2", "--cp", "2", "--pp", "1", "--dp", "2", "--sequence-parallel"],
         "1x4x1x2 allgather fsdp selective": ["--tp", "1", "--cp", "4", "--pp", "1", "--dp", "2", "--cp-mode",
@@ -196,9 +194,7 @@ def test_more_cp_splits_train_the_serial_curve(tmp_path):
 
 
 def test_cp_splits_train_the_serial_curve_and_reshard_across_cp(tmp_path):
-    serial = _run(*SMALL, "--tp", "1", "--pp", "1", "--dp", "1", "--log-jsonl", str(tmp_path / "serial.jsonl"))
-    assert serial.returncode == 0, serial.stderr[-3000:]
-    serial = _losses(tmp_path / "serial.jsonl")
+    serial = _curve(str(tmp_path), "serial", "--tp", "1", "--pp", "1", "--dp", "1", world_size=1)
     splits = {  # tp x cp x pp x dp
         "1x2x2x2 ring interleaved": ["--tp", "1", "--cp", "2", "--pp", "2", "--dp", "2", "--schedule", "interleaved",
                                      "--virtual-stages", "2"],

@@ -184,7 +184,7 @@ def test_every_schedule_passes_the_documents_to_every_stage(schedule):
 # ---- the training job ---------------------------------------------------------------------------------------------
 
 from .test_cp_model import _close, _train_on_4_ranks  # noqa: E402  (the training job's test helpers)
-from .test_train import SMALL, _curve, _losses, _run  # noqa: E402
+from .test_train import _curve, _losses  # noqa: E402
 
 EOD = 10  # "\n": the token file below makes every line of the bundled corpus a document
 
@@ -251,10 +251,8 @@ def test_document_flags_train_the_serial_curve(tmp_path):
     documents = ["--reset-attention-mask", "--reset-position-ids"]
     curves = {}
     for name, flags in (("plain", []), ("documents", documents), ("eod", [*documents, "--eod-mask-loss"])):
-        log = str(tmp_path / f"serial_{name}.jsonl")
-        result = _run(*SMALL, "--tp", "1", "--pp", "1", "--dp", "1", *data, *flags, "--log-jsonl", log)
-        assert result.returncode == 0, result.stderr[-3000:]
-        curves[name] = _losses(log)
+        curves[name] = _curve(str(tmp_path), f"serial_{name}", "--tp", "1", "--pp", "1", "--dp", "1", *data, *flags,
+                              world_size=1)
     assert all(abs(a - b) > 1e-3 for a, b in zip(curves["documents"], curves["plain"]))
     split = ["--tp", "2", "--cp", "2", "--pp", "2", "--dp", "1", "--cp-mode", "a2a", "--sequence-parallel",
              "--schedule", "zb"]

@@ -36,11 +36,13 @@ def _train_on_ranks(flags, log):
     return _losses(log) if os.path.exists(log) and int(os.environ.get("RANK", "0")) == 0 else None
 
 
-def _curve(tmp, name, *flags):
+def _curve(tmp, name, *flags, world_size=8):
+    """The curve of a job on the harness's warm ranks (world_size 1: the one-process run, without a new
+    interpreter; the subprocess form is test_every_split_trains_the_same_curve's)."""
     from tp.testing import run
 
     log = os.path.join(tmp, f"{name}.jsonl")
-    run(_train_on_ranks, 8, flags=list(flags), log=log, timeout=300)
+    run(_train_on_ranks, world_size, flags=list(flags), log=log, timeout=300)
     return _losses(log)
 
 
