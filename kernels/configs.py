@@ -127,6 +127,7 @@ def _major_minor(version: str) -> tuple[int, int]:
     return int(major), int(minor)
 
 
+@functools.cache  # (checked at every interpreted launch)
 def interpreter_numpy_problem(triton_version: str, numpy_version: str) -> str | None:
     """The one-line reason these Triton and NumPy versions cannot run the GEMM kernels under TRITON_INTERPRET=1,
     or None. Triton < 3.7's interpreter turns a loop bound (`range(tl.cdiv(K, BLOCK_K))`) into a Python int with
