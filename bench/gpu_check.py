@@ -68,7 +68,8 @@ def cuda() -> bool:
 
 def run(cmd: list[str], timeout: float, env: dict | None = None) -> tuple[int, str]:
     """Run cmd in its own process group (killed whole on timeout) -> (returncode, output); 124 on timeout."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    path = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])  # (the user's entries kept)
+    env = {**os.environ, "PYTHONPATH": path, **(env or {})}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
