@@ -73,7 +73,8 @@ def budget(seconds: float, on_gpu: bool) -> float:
 
 def run(cmd: list[str], timeout: float, env: dict | None = None) -> tuple[int, str]:
     """Run cmd in its own process group (killed whole on timeout) -> (returncode, output); 124 on timeout."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    path = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])  # (the user's entries kept)
+    env = {**os.environ, "PYTHONPATH": path, **(env or {})}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
@@ -133,11 +134,17 @@ def section_env(out: Path, on_gpu: bool) -> dict:
 
     details = {"python": sys.version.split()[0], "torch": torch.__version__, "triton": triton.__version__,
                "cuda": torch.version.cuda, "cpus": os.cpu_count()}
-    for name in ("transformers", "tensorboard", "pyarrow", "pytest", "einops", "safetensors", "tokenizers"):
+    for name in ("numpy", "transformers", "tensorboard", "pyarrow", "pytest", "einops", "safetensors", "tokenizers"):
         try:
             details[name] = __import__(name).__version__
         except Exception as e:  # noqa: BLE001 - record what is missing, carry on
             details[name] = f"missing ({type(e).__name__})"
+    import numpy
+
+    from kernels.configs import interpreter_numpy_problem
+
+    # (the suite's CPU tests run the kernels under the interpreter: Triton < 3.7 cannot with NumPy >= 2.4)
+    details["interpreter"] = interpreter_numpy_problem(triton.__version__, numpy.__version__) or "ok"
     if on_gpu:
         p = torch.cuda.get_device_properties(0)
         details.update(device=p.name, capability=f"{p.major}.{p.minor}", multiprocessors=p.multi_processor_count,

@@ -59,8 +59,11 @@ def _dtensor(model, mesh, vocab_parallel=False):
 def _hf(model, mesh):
     from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
-    plan = model._expand_parallel_plan(default_plan(model))  # wildcards -> layer numbers, weights included
-    return apply_tensor_parallelism(model, mesh.device_mesh["tp"], plan)
+    plan = default_plan(model)
+    if hasattr(model, "_expand_parallel_plan"):  # transformers 5.24: the plan is an argument, wildcards expanded
+        return apply_tensor_parallelism(model, mesh.device_mesh["tp"], model._expand_parallel_plan(plan))
+    model.tp_plan = plan  # transformers 5.17: the model's own plan, wildcards as they are
+    return apply_tensor_parallelism(model, mesh.device_mesh["tp"])
 
 
 def bench_rank(shape, iters, warmup):

@@ -27,7 +27,9 @@ exercised) while staying fast in numpy.
 """
 import functools
 import os
+import re
 
+import numpy
 import triton
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -118,6 +120,31 @@ def pruner(operand_tiles=lambda constexprs: (1, 1)):
         return fitting[:1] if os.environ.get("TP_KERNELS_TUNE") == "one" else fitting
 
     return prune
+
+
+def _major_minor(version: str) -> tuple[int, int]:
+    major, minor = re.match(r"(\d+)\.(\d+)", version).groups()
+    return int(major), int(minor)
+
+
+@functools.cache  # (checked at every interpreted launch)
+def interpreter_numpy_problem(triton_version: str, numpy_version: str) -> str | None:
+    """The one-line reason these Triton and NumPy versions cannot run the GEMM kernels under TRITON_INTERPRET=1,
+    or None. Triton < 3.7's interpreter turns a loop bound (`range(tl.cdiv(K, BLOCK_K))`) into a Python int with
+    int() of a one-element array, which NumPy 2.4 refuses ("only 0-dimensional arrays can be converted to Python
+    scalars", triton-lang/triton#9171; Triton 3.7.0 squeezes the array first). Compiled GPU kernels are unaffected."""
+    if _major_minor(triton_version) >= (3, 7) or _major_minor(numpy_version) < (2, 4):
+        return None
+    return (f"Triton {triton_version}'s interpreter (TRITON_INTERPRET=1) cannot run the GEMM kernels with NumPy "
+            f"{numpy_version} (its K loop raises 'only 0-dimensional arrays can be converted to Python scalars'; "
+            f"fixed in Triton 3.7): pip install 'numpy<2.4', or Triton >= 3.7, or use the torch backend")
+
+
+def check_interpreter() -> None:
+    """Raise interpreter_numpy_problem's line for the installed versions, before a GEMM kernel runs interpreted."""
+    problem = interpreter_numpy_problem(triton.__version__, numpy.__version__)
+    if problem:
+        raise RuntimeError(problem)
 
 
 def matmul_configs(small_tiles=False):

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from .activations import act_bwd, act_fwd, swiglu_bwd, swiglu_fwd
-from .configs import INTERPRET, matmul_configs, pruner
+from .configs import INTERPRET, check_interpreter, matmul_configs, pruner
 from .dtypes import TRITON_DTYPES
 from .torch_ops import check_activation
 
@@ -243,6 +243,8 @@ def _check_operands(*tensors):
     if not tensors[0].is_cuda and not INTERPRET:
         raise RuntimeError("Triton kernels on CPU tensors need TRITON_INTERPRET=1 set before kernels.triton_ops is "
                            "imported; use the torch backend instead")
+    if not tensors[0].is_cuda:
+        check_interpreter()
 
 
 def _device_of(t):

@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+import numpy
 import pytest
 
 from bench import gpu_check
@@ -28,6 +29,8 @@ def test_every_section_runs_its_cpu_smoke(smoke):
     assert list(sections) == [s.name for s in gpu_check.SECTIONS]
     assert {s["status"] for s in summary["sections"]} <= {"pass", "skipped"}
     assert sections["suite"]["status"] == "skipped"
+    env = sections["env"]["details"]
+    assert env["numpy"] == numpy.__version__ and env["interpreter"] == "ok"  # (else the kernels section fails too)
     assert sections["gpt_step"]["details"]["grad_norm_rel_diff"] < 1e-4  # Triton (interpreter) vs torch backends
     assert sections["kernels"]["details"]["gpu_only"].startswith("skipped")
     assert sections["bench_kernels"]["details"]["square_gemm"].startswith("skipped")

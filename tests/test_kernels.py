@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from kernels import ops, torch_ops, triton_ops
+from kernels import configs, ops, torch_ops, triton_ops
 
 CUDA = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"  # compiled kernels on the GPU
 DEVICE = "cuda" if CUDA else "cpu"
@@ -251,6 +251,29 @@ def test_invalid_arguments():
         kernels.linear_forward(x, w[:5], activation="swiglu")  # odd row count cannot be split into gate/up
     with pytest.raises(ValueError):
         kernels.linear_wgrad(torch.randn(4, 6), x, main_grad=torch.zeros(6, 8, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("triton_version,numpy_version,bad", [
+    ("3.6.0", "2.4.6", True), ("3.5.1", "2.4.0", True), ("3.6.0", "2.3.5", False), ("3.7.0", "2.4.6", False),
+    ("3.9.0+git1234", "2.5.0.dev0", False), ("3.6.0", "1.26.4", False)])
+def test_interpreter_names_a_triton_numpy_pair_it_cannot_run(monkeypatch, triton_version, numpy_version, bad):
+    """Triton < 3.7's interpreter raises deep inside every GEMM's K loop with NumPy >= 2.4: the launch says so first,
+    naming both versions and the fix."""
+    problem = configs.interpreter_numpy_problem(triton_version, numpy_version)
+    assert (problem is not None) == bad
+    if bad:
+        assert f"Triton {triton_version}" in problem and f"NumPy {numpy_version}" in problem
+        assert "pip install 'numpy<2.4'" in problem and "\n" not in problem
+    if CUDA:
+        return  # (compiled kernels: no interpreter to check)
+    monkeypatch.setattr(configs.triton, "__version__", triton_version)
+    monkeypatch.setattr(configs.numpy, "__version__", numpy_version)
+    x, w, _ = make_inputs((4,), 8, 6, torch.float32, None)
+    if bad:
+        with pytest.raises(RuntimeError, match=r"numpy<2\.4"):
+            triton_ops.linear_forward(x, w)
+        with pytest.raises(RuntimeError, match=r"numpy<2\.4"):
+            kernels.grouped_forward(x, w.unsqueeze(0), [4])
 
 
 def test_public_api():

@@ -366,6 +366,7 @@ def test_fsdp_holds_the_stages_unsharded_parameters_and_grads_during_the_schedul
 
     from models.training.model import wrap_data_parallel
     from tp.pipeline import PipelineRunner
+    from tp.pipeline.runner import _param_groups  # (torch 2.11 and 2.13 name FSDP2's groups differently)
 
     mesh = tp.init_mesh(dp=2)
     cfg = config("gpt2")  # a tied embedding: one parameter
@@ -378,7 +379,7 @@ def test_fsdp_holds_the_stages_unsharded_parameters_and_grads_during_the_schedul
         def measure():
             total = 0
             for state in fully_shard.state(module)._state_ctx.all_states:
-                for group in state._fsdp_param_groups:
+                for group in _param_groups(state):
                     for p in group.fsdp_params:
                         grad = p.unsharded_accumulated_grad
                         grad = p._unsharded_param.grad if grad is None else grad

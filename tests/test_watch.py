@@ -147,7 +147,7 @@ def test_the_slow_rank_is_named(watched):
     tmp, result = watched
     logged = rows(tmp / "run.jsonl")
     assert all(r["slowest_rank"] == 2 for r in logged), [r["slowest_rank"] for r in logged]
-    assert all(r["rank_step_s_max"] > 3 * r["rank_step_s_min"] for r in logged)  # (CPU time: under load, < 0.4 s)
+    assert all(r["rank_step_s_max"] > 3 * r["rank_step_s_min"] for r in logged)  # (CPU time: 0.4 s more on rank 2)
     warnings = [line for line in result.stderr.splitlines() if "straggler" in line]
     assert len(warnings) == 1 and warnings[0].startswith("warning: rank 2 is a straggler"), result.stderr[-2000:]
 

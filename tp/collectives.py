@@ -7,21 +7,24 @@ ones on the last dim (the tensor-parallel features).
 """
 import torch
 import torch.distributed as dist
-from einops import rearrange
+import torch.distributed._functional_collectives as funcol
 
 # torch >= 2.13 renames the tensor collectives (*_single); older releases (e.g. 2.11) only have the old names.
 all_gather_into_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# Under torch.compile the helpers call the functional collectives (out of place): the compiler waits on a result
+# where it is first used and schedules the overlap. (Traced in-place c10d calls are not enough: torch 2.11 then saves
+# the buffer as it was before the collective for backward, and the gradients are wrong.)
+_traced_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+_traced_reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
 
-# (the output, the collective's handle) of an async_op call; the handle is None under torch.compile, where the call
-# runs as a functional collective: the compiler waits on its result where it is first used, and schedules the overlap
+# (the output, the collective's handle) of an async_op call; the handle is None under torch.compile
 Async = tuple[torch.Tensor, dist.Work | None]
 
 
-def _async(async_op: bool) -> bool:
-    """Whether to issue the c10d call with async_op: not while compiling (async_op=True breaks the graph; a plain
-    c10d call is traced as a functional collective)."""
-    return async_op and not torch.compiler.is_compiling()
+def _traced(out: torch.Tensor, async_op: bool) -> torch.Tensor | Async:
+    """A functional collective's result as the c10d path returns it (no handle to wait for)."""
+    return (out, None) if async_op else out
 
 
 def wait(handle: dist.Work | None) -> None:
@@ -38,10 +41,12 @@ def _check_divisible(size: int, parts: int, what: str) -> None:
 def all_reduce(x: torch.Tensor, group: dist.ProcessGroup, *, inplace: bool = False,
                async_op: bool = False) -> torch.Tensor | Async:
     """Sum over the group. Reduces (and returns) a contiguous copy unless `inplace` and x is already contiguous."""
+    if torch.compiler.is_compiling():
+        return _traced(funcol.all_reduce(x, "sum", group), async_op)
     out = x.contiguous()
     if out is x and not inplace:
         out = x.clone()
-    handle = dist.all_reduce(out, group=group, async_op=_async(async_op))
+    handle = dist.all_reduce(out, group=group, async_op=async_op)
     return (out, handle) if async_op else out
 
 
@@ -55,9 +60,12 @@ def split_last(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
 def gather_last(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Concatenate every rank's x along the last dim."""
     parts = dist.get_world_size(group)
-    out = x.new_empty((parts * x.shape[0], *x.shape[1:]))
-    all_gather_into_tensor(out, x.contiguous(), group=group)
-    return rearrange(out.view(parts, *x.shape), "p ... h -> ... (p h)").contiguous()
+    if torch.compiler.is_compiling():
+        out = _traced_gather(x.contiguous(), 0, group)
+    else:
+        out = x.new_empty((parts * x.shape[0], *x.shape[1:]))
+        all_gather_into_tensor(out, x.contiguous(), group=group)
+    return torch.cat(out.chunk(parts), dim=-1)
 
 
 def split_first(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -70,8 +78,10 @@ def split_first(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
 def gather_first(x: torch.Tensor, group: dist.ProcessGroup, *,
                  async_op: bool = False) -> torch.Tensor | Async:
     """Concatenate every rank's x along dim 0."""
+    if torch.compiler.is_compiling():
+        return _traced(_traced_gather(x.contiguous(), 0, group), async_op)
     out = x.new_empty((dist.get_world_size(group) * x.shape[0], *x.shape[1:]))
-    handle = all_gather_into_tensor(out, x.contiguous(), group=group, async_op=_async(async_op))
+    handle = all_gather_into_tensor(out, x.contiguous(), group=group, async_op=async_op)
     return (out, handle) if async_op else out
 
 
@@ -80,8 +90,10 @@ def reduce_scatter_first(x: torch.Tensor, group: dist.ProcessGroup, *,
     """Sum over the group, keep this rank's chunk of dim 0."""
     parts = dist.get_world_size(group)
     _check_divisible(x.shape[0], parts, "the sequence dim (dim 0)")
+    if torch.compiler.is_compiling():
+        return _traced(_traced_reduce_scatter(x.contiguous(), "sum", 0, group), async_op)
     out = x.new_empty((x.shape[0] // parts, *x.shape[1:]))
-    handle = reduce_scatter_tensor(out, x.contiguous(), group=group, async_op=_async(async_op))
+    handle = reduce_scatter_tensor(out, x.contiguous(), group=group, async_op=async_op)
     return (out, handle) if async_op else out
 
 

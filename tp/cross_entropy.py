@@ -57,7 +57,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         ctx.save_for_backward(softmax, local_targets, on_rank, valid)
         ctx.label_smoothing, ctx.vocab_size, ctx.per_rank, ctx.logits_dtype = (
             label_smoothing, vocab_size, per_rank, logits.dtype)
-        return loss.masked_fill_(~valid, 0)
+        return loss.masked_fill(~valid, 0)  # not in place: torch 2.11's compile zeroes the grad of an in-place output
 
     @staticmethod
     @torch.autograd.function.once_differentiable

@@ -15,6 +15,7 @@ import dataclasses
 from torch import nn
 
 COLUMN_STYLES = ("colwise", "colwise_gather_output")
+EXPERTS_STYLES = ("moe_experts", "moe_tp_experts", "ep_dispatch_experts")  # (HF's names read as moe_experts)
 
 PHI3_PLAN = {  # relative to the base model; HF's own gathers qkv/gate_up ("colwise_gather_output")
     "layers.*.self_attn.qkv_proj": "colwise",
@@ -103,7 +104,24 @@ def _base_plan(module):
     family, config = family_of(module), getattr(module, "config", None)
     if family is not None and family.plan is not None:
         return family.plan, f"tp's plan for {model_type(module)}"
-    return getattr(config, "base_model_tp_plan", None), f"{type(config).__name__}.base_model_tp_plan"
+    return _config_plan(config), f"{type(config).__name__}.base_model_tp_plan"
+
+
+def _config_plan(config):
+    """The config's tensor-parallel plan, the same on transformers 5.17 and 5.24:
+    - 5.17 (not 5.24) adds "embed_tokens": "embedding_rowwise" to a tied-embedding config's plan at init (its loader
+      then also shards lm_head by the model's _tp_plan): the embedding alone sharded would break the tie, so tp's
+      default keeps both whole, as the class declares its plan;
+    - 5.17 names some families' fused experts only in base_model_ep_plan (Qwen2-MoE): taken from there."""
+    plan = getattr(config, "base_model_tp_plan", None)
+    if not plan:
+        return plan
+    if "embed_tokens" in plan and "embed_tokens" not in (getattr(type(config), "base_model_tp_plan", None) or {}):
+        plan = {pattern: style for pattern, style in plan.items() if pattern != "embed_tokens"}
+    if not any(style in EXPERTS_STYLES for style in plan.values()):
+        ep_plan = getattr(config, "base_model_ep_plan", None) or {}
+        plan = plan | {pattern: style for pattern, style in ep_plan.items() if style in EXPERTS_STYLES}
+    return plan
 
 
 def default_plan(module: nn.Module) -> dict[str, str]:

@@ -268,17 +268,20 @@ class SharedGroup:
 
     def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
+        # The handle's key differs from the attribute's: Dynamo (torch 2.11) reads `instance.__dict__[key]` as
+        # `instance.key`, which under the attribute's own name would call this descriptor again, without end.
+        self.key = f"_shared_{name}"
 
     def __get__(self, instance: object, owner: type | None = None) -> "dist.ProcessGroup | None | SharedGroup":
         if instance is None:  # (on the class: the descriptor itself)
             return self
         try:
-            return instance.__dict__[self.name].group
+            return instance.__dict__[self.key].group
         except KeyError:
             raise AttributeError(f"{type(instance).__name__!r} object has no attribute {self.name!r}") from None
 
     def __set__(self, instance: object, group: dist.ProcessGroup | None) -> None:
-        instance.__dict__[self.name] = _GroupHandle(group)
+        instance.__dict__[self.key] = _GroupHandle(group)
 
 
 class _GroupHandle:

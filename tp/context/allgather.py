@@ -52,7 +52,7 @@ class AllGatherAttention(torch.autograd.Function):
         out, lse = torch.zeros_like(qg), qg.new_full(qg.shape[:-1], -math.inf)
         for block in blocks:
             attend(out, lse, qg, kv, block, sides, scale, dropout)
-        out = out.flatten(1, 2).to(q.dtype)
+        out = out.to(q.dtype).flatten(1, 2)  # a view last: torch 2.11's compile zeroes the grad of a `.to` no-op
         ctx.scale, ctx.group, ctx.dtypes, ctx.plan = scale, group, (k.dtype, v.dtype), (sides, blocks)
         ctx.dropout, ctx.cp = dropout, cp
         ctx.save_for_backward(q, kv, out, lse)
