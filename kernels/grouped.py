@@ -1,14 +1,14 @@
 """kernels.grouped_linear: act(x_e @ W_eᵀ) over contiguous row groups, one weight per group (the experts of a
 mixture-of-experts layer, tokens sorted by expert).
 
-x [M, K] holds the groups' rows back to back, `counts` (E host integers, or an int tensor [E]) their sizes, weight [E, N, K] one nn.Linear
-orientation weight per group (HF's fused expert layout: gate_up_proj [E, 2F, H], down_proj [E, H, F]). Three
-primitives, dispatched like kernels.linear's (Triton on CUDA or under TRITON_INTERPRET=1, torch otherwise):
-forward (activation fused), dgrad (dz = g·act'(z), then dx_e = dz_e · W_e), wgrad (dW_e = dz_eᵀ · x_e, accumulated
-into an fp32 `weight.main_grad` [E, N, K] when it exists). The torch path uses `torch._grouped_mm` where this torch
-runs it (fp32 / bf16 / fp16 on the CPU, 16-byte aligned row strides), else a loop over the groups. Each primitive
-is a custom op (tp_kernels::grouped_*), so torch.compile traces a grouped GEMM whose rows and counts are only known
-at run time (an expert dispatch's output) without a graph break.
+x [M, K] holds the groups' rows back to back, `counts` (E host integers, or an int tensor [E]) their sizes, weight
+[E, N, K] one nn.Linear orientation weight per group (HF's fused expert layout: gate_up_proj [E, 2F, H], down_proj
+[E, H, F]). Three primitives, dispatched like kernels.linear's (Triton on CUDA or under TRITON_INTERPRET=1, torch
+otherwise): forward (activation fused), dgrad (dz = g·act'(z), then dx_e = dz_e · W_e), wgrad (dW_e = dz_eᵀ · x_e,
+accumulated into an fp32 `weight.main_grad` [E, N, K] when it exists). The torch path uses `torch._grouped_mm` where
+this torch runs it (fp32 / bf16 / fp16 on the CPU, 16-byte aligned row strides), else a loop over the groups. Under
+torch.compile each primitive runs as a custom op (tp_kernels::grouped_*): a grouped GEMM whose rows and counts are
+only known at run time (an expert dispatch's output) traces without a graph break.
 """
 import torch
 
@@ -67,12 +67,8 @@ def _triton():
     return grouped_triton
 
 
-# The primitives are custom ops (torch.library): torch.compile calls each whole, whatever its row count (a
-# data-dependent size after an expert dispatch), and never reads the counts, which the loop above needs on the host.
-
-@torch.library.custom_op("tp_kernels::grouped_forward", mutates_args=())
-def _forward_op(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
-                activation: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _forward(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
+             activation: str | None) -> tuple[torch.Tensor, torch.Tensor]:
     if ops.backend_for(x) == "triton":
         y, z = _triton().grouped_gemm(x, weight, _offsets(counts, x.device), activation)
     else:
@@ -81,47 +77,59 @@ def _forward_op(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
     return y, x.new_empty(0) if z is None else z  # (no pre-activation: an empty tensor)
 
 
-@_forward_op.register_fake
-def _(x, weight, counts, activation):
-    n = weight.shape[1] // 2 if activation == "swiglu" else weight.shape[1]
-    return x.new_empty(x.shape[0], n), x.new_empty(0 if activation is None else (x.shape[0], weight.shape[1]))
-
-
-@torch.library.custom_op("tp_kernels::grouped_dgrad", mutates_args=())
-def _dgrad_op(dz: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+def _dgrad(dz: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     if ops.backend_for(dz) == "triton":
         return _triton().grouped_gemm(dz, weight, _offsets(counts, dz.device), transpose_b=True)[0]
     return _torch_gemm(dz, weight, counts)
 
 
-@_dgrad_op.register_fake
-def _(dz, weight, counts):
-    return dz.new_empty(dz.shape[0], weight.shape[2])
-
-
-@torch.library.custom_op("tp_kernels::grouped_wgrad", mutates_args=())
-def _wgrad_op(dz: torch.Tensor, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+def _wgrad(dz: torch.Tensor, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     if ops.backend_for(dz) == "triton":
         return _triton().grouped_wgrad(dz, x, _offsets(counts, dz.device), len(counts))
     return _torch_wgrad(dz, x, counts, None)
 
 
-@_wgrad_op.register_fake
-def _(dz, x, counts):
-    return dz.new_empty(counts.shape[0], dz.shape[1], x.shape[1])
-
-
-@torch.library.custom_op("tp_kernels::grouped_wgrad_into", mutates_args=("main_grad",))
-def _wgrad_into_op(dz: torch.Tensor, x: torch.Tensor, counts: torch.Tensor, main_grad: torch.Tensor) -> None:
+def _wgrad_into(dz: torch.Tensor, x: torch.Tensor, counts: torch.Tensor, main_grad: torch.Tensor) -> None:
     if ops.backend_for(dz) == "triton":
         _triton().grouped_wgrad(dz, x, _offsets(counts, dz.device), len(counts), main_grad=main_grad)
     else:
         _torch_wgrad(dz, x, counts, main_grad)
 
 
-@_wgrad_into_op.register_fake
+# Under torch.compile the primitives run as custom ops (torch.library): the compiler calls each whole, whatever its
+# row count (a data-dependent size after an expert dispatch), and never reads the counts, which the loop above needs
+# on the host. Eager calls the functions directly (no op dispatch overhead).
+_OPS = {
+    _forward: torch.library.custom_op("tp_kernels::grouped_forward", _forward, mutates_args=()),
+    _dgrad: torch.library.custom_op("tp_kernels::grouped_dgrad", _dgrad, mutates_args=()),
+    _wgrad: torch.library.custom_op("tp_kernels::grouped_wgrad", _wgrad, mutates_args=()),
+    _wgrad_into: torch.library.custom_op("tp_kernels::grouped_wgrad_into", _wgrad_into, mutates_args=("main_grad",)),
+}
+
+
+@_OPS[_forward].register_fake
+def _(x, weight, counts, activation):
+    n = weight.shape[1] // 2 if activation == "swiglu" else weight.shape[1]
+    return x.new_empty(x.shape[0], n), x.new_empty(0 if activation is None else (x.shape[0], weight.shape[1]))
+
+
+@_OPS[_dgrad].register_fake
+def _(dz, weight, counts):
+    return dz.new_empty(dz.shape[0], weight.shape[2])
+
+
+@_OPS[_wgrad].register_fake
+def _(dz, x, counts):
+    return dz.new_empty(counts.shape[0], dz.shape[1], x.shape[1])
+
+
+@_OPS[_wgrad_into].register_fake
 def _(dz, x, counts, main_grad):
     return None
+
+
+def _run(fn, *args):
+    return (_OPS[fn] if torch.compiler.is_compiling() else fn)(*args)
 
 
 def grouped_forward(x: torch.Tensor, weight: torch.Tensor, counts: Counts,
@@ -130,7 +138,7 @@ def grouped_forward(x: torch.Tensor, weight: torch.Tensor, counts: Counts,
     (gate rows first) gives [M, F]."""
     ops.check_activation(activation)
     _check(x, weight, counts)
-    y, z = _forward_op(x, weight, _as_tensor(counts), activation)
+    y, z = _run(_forward, x, weight, _as_tensor(counts), activation)
     return y, None if activation is None else z
 
 
@@ -141,7 +149,7 @@ def grouped_dgrad(grad_out: torch.Tensor, weight: torch.Tensor, counts: Counts, 
     dz = torch_ops.activation_backward(grad_out, preact, activation)
     if not need_input_grad:
         return None, dz
-    return _dgrad_op(dz, weight, _as_tensor(counts)), dz
+    return _run(_dgrad, dz, weight, _as_tensor(counts)), dz
 
 
 def grouped_wgrad(dz: torch.Tensor, x: torch.Tensor, counts: Counts, *,
@@ -149,9 +157,9 @@ def grouped_wgrad(dz: torch.Tensor, x: torch.Tensor, counts: Counts, *,
     """dW [E, N, K], dW_e = dz_eᵀ @ x_e; with a main_grad (fp32 [E, N, K]), accumulated into it and None returned."""
     counts = _as_tensor(counts)
     if main_grad is None:
-        return _wgrad_op(dz, x, counts)
+        return _run(_wgrad, dz, x, counts)
     ops.check_main_grad(main_grad, (len(counts), dz.shape[1], x.shape[1]), dz.device)
-    _wgrad_into_op(dz, x, counts, main_grad)
+    _run(_wgrad_into, dz, x, counts, main_grad)
     hook = getattr(main_grad, "post_accumulate_hook", None)  # (as kernels.linear_wgrad: tp.optim counts arrivals)
     if hook is not None:
         hook()

@@ -12,7 +12,6 @@ import torch
 import torch.distributed as dist
 
 import tp
-from tp.moe import comm
 from tp.testing import distributed
 
 from .helpers import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER, assert_close, comm_counts, randn
@@ -95,28 +94,6 @@ def test_moe_layer_matches_the_dense_reference(split):
         assert _all_reduce(moe.dropped_slots.clone(), mesh.group("tp-cp-dp")) > 0
 
 
-def _comm_counts(fn, ops):
-    """comm_counts, the collectives inside the dispatch's custom ops included: a CommDebugMode sees each op
-    (tp_moe::dispatch / combine) whole, so the calls they make are counted here, where tp.moe.comm makes them."""
-    inside = dict.fromkeys(ops, 0)
-
-    def counting(name, f):
-        def call(*args, **kwargs):
-            inside[name] += 1
-            return f(*args, **kwargs)
-        return call
-
-    saved = {n: getattr(comm, n) for n in ("_all_to_all", "all_gather_into_tensor", "reduce_scatter_tensor")}
-    for (n, f), op in zip(saved.items(), (ALL_TO_ALL, ALL_GATHER, REDUCE_SCATTER)):
-        setattr(comm, n, counting(op, f))
-    try:
-        out, total = comm_counts(fn, ops)
-    finally:
-        for n, f in saved.items():
-            setattr(comm, n, f)
-    return out, {k: v + (inside[k] if k in inside else sum(inside.values())) for k, v in total.items()}
-
-
 @pytest.mark.parametrize("tp_size,ep,aux", [(1, 2, False), (1, 4, True), (2, 2, False)])
 @distributed(world_size=4)
 def test_communication_per_layer(tp_size, ep, aux):
@@ -127,8 +104,8 @@ def test_communication_per_layer(tp_size, ep, aux):
     moe = tp.moe.MoE(H, F, 8, 2, sequence_parallel=tp_size > 1, aux_loss_coeff=0.1 * aux)
     x = randn(R // tp_size, B, H, seed=mesh.rank, dtype=torch.float32, requires_grad=True)
     ops = (ALL_GATHER, ALL_TO_ALL, REDUCE_SCATTER, ALL_REDUCE)
-    y, fwd = _comm_counts(lambda: moe(x), ops)
-    _, bwd = _comm_counts(lambda: y.sum().backward(), ops)
+    y, fwd = comm_counts(lambda: moe(x), ops)
+    _, bwd = comm_counts(lambda: y.sum().backward(), ops)
     etp = int(mesh.etp_size > 1)
     assert fwd == {ALL_GATHER: 1 + etp, ALL_TO_ALL: 2, REDUCE_SCATTER: etp, ALL_REDUCE: int(aux),
                    "total": 3 + 2 * etp + int(aux)}, fwd

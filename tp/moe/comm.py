@@ -96,11 +96,7 @@ def _reduce_scatter_v(x, sizes, group):
     return out[:sizes[dist.get_rank(group)]]
 
 
-@torch.library.custom_op("tp_moe::dispatch", mutates_args=())
-def dispatch(x: torch.Tensor, table: torch.Tensor, ep_group: str, etp_group: str, rows: int) -> torch.Tensor:
-    """x [n, h]: this rank's slots sorted by global expert (the first Σ table[etp_rank, ep_rank] rows are sent) ->
-    [rows, h]: the rows of this rank's experts from every rank of the etp·ep group, sorted by local expert. `rows`:
-    that count when the caller knows it (backward), else -1."""
+def _dispatch(x: torch.Tensor, table: torch.Tensor, ep_group: str, etp_group: str, rows: int) -> torch.Tensor:
     ep, etp = _group(ep_group), _group(etp_group)
     plan = _plan(table, ep, etp)
     out = _all_to_all(x, plan.output_splits, plan.input_splits, ep) if ep else x[:sum(plan.input_splits)]
@@ -112,15 +108,7 @@ def dispatch(x: torch.Tensor, table: torch.Tensor, ep_group: str, etp_group: str
     return out if ep or etp else out.clone()  # (an op's output may not alias its input)
 
 
-@dispatch.register_fake
-def _(x, table, ep_group, etp_group, rows):
-    return x.new_empty(torch.library.get_ctx().new_dynamic_size() if rows < 0 else rows, x.shape[1])
-
-
-@torch.library.custom_op("tp_moe::combine", mutates_args=())
-def combine(y: torch.Tensor, table: torch.Tensor, ep_group: str, etp_group: str, rows: int) -> torch.Tensor:
-    """dispatch's inverse (and backward): y [m, h] (partial sums over etp), sorted by local expert -> [rows, h], the
-    outputs of this rank's slots in the order dispatch took them, zero rows past the ones it sent."""
+def _combine(y: torch.Tensor, table: torch.Tensor, ep_group: str, etp_group: str, rows: int) -> torch.Tensor:
     ep, etp = _group(ep_group), _group(etp_group)
     plan = _plan(table, ep, etp)
     order = plan.expert_major(y.device)
@@ -135,7 +123,42 @@ def combine(y: torch.Tensor, table: torch.Tensor, ep_group: str, etp_group: str,
     return out
 
 
-@combine.register_fake
+class _Dispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, table, ep_group, etp_group, rows):
+        ctx.args = (table, ep_group, etp_group, x.shape[0])
+        return _dispatch(x, table, ep_group, etp_group, rows)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        return _combine(grad, *ctx.args), None, None, None, None
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, table, ep_group, etp_group, rows):
+        ctx.args = (table, ep_group, etp_group, y.shape[0])
+        return _combine(y, table, ep_group, etp_group, rows)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        return _dispatch(grad.contiguous(), *ctx.args), None, None, None, None
+
+
+# Under torch.compile the same two functions run as custom ops (eager calls them directly: no op dispatch overhead,
+# and a CommDebugMode sees their collectives).
+_dispatch_op = torch.library.custom_op("tp_moe::dispatch", _dispatch, mutates_args=())
+_combine_op = torch.library.custom_op("tp_moe::combine", _combine, mutates_args=())
+
+
+@_dispatch_op.register_fake
+def _(x, table, ep_group, etp_group, rows):
+    return x.new_empty(torch.library.get_ctx().new_dynamic_size() if rows < 0 else rows, x.shape[1])
+
+
+@_combine_op.register_fake
 def _(y, table, ep_group, etp_group, rows):
     return y.new_empty(rows, y.shape[1])
 
@@ -147,12 +170,27 @@ def _save_rows(ctx, inputs, output):
 
 
 def _dispatch_backward(ctx, grad):
-    return combine(grad, *ctx.saved_tensors, *ctx.groups, ctx.rows), None, None, None, None
+    return _combine_op(grad, *ctx.saved_tensors, *ctx.groups, ctx.rows), None, None, None, None
 
 
 def _combine_backward(ctx, grad):
-    return dispatch(grad.contiguous(), *ctx.saved_tensors, *ctx.groups, ctx.rows), None, None, None, None
+    return _dispatch_op(grad.contiguous(), *ctx.saved_tensors, *ctx.groups, ctx.rows), None, None, None, None
 
 
-dispatch.register_autograd(_dispatch_backward, setup_context=_save_rows)
-combine.register_autograd(_combine_backward, setup_context=_save_rows)
+_dispatch_op.register_autograd(_dispatch_backward, setup_context=_save_rows)
+_combine_op.register_autograd(_combine_backward, setup_context=_save_rows)
+
+
+def dispatch(x: torch.Tensor, table: torch.Tensor, ep_group: str, etp_group: str) -> torch.Tensor:
+    """x [n, h]: this rank's slots sorted by global expert (the first Σ table[etp_rank, ep_rank] rows are sent) ->
+    [m, h]: the rows of this rank's experts from every rank of the etp·ep group, sorted by local expert
+    (backward: combine)."""
+    fn = _dispatch_op if torch.compiler.is_compiling() else _Dispatch.apply
+    return fn(x, table, ep_group, etp_group, -1)
+
+
+def combine(y: torch.Tensor, table: torch.Tensor, ep_group: str, etp_group: str, rows: int) -> torch.Tensor:
+    """dispatch's inverse (and backward): y [m, h] (partial sums over etp), sorted by local expert -> [rows, h], the
+    outputs of this rank's slots in the order dispatch took them, zero rows past the ones it sent."""
+    fn = _combine_op if torch.compiler.is_compiling() else _Combine.apply
+    return fn(y, table, ep_group, etp_group, rows)

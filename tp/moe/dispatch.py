@@ -58,7 +58,7 @@ def alltoall_dispatch(x: torch.Tensor, counts: torch.Tensor, local_experts: int,
     first = _rank(ep_group) * local_experts
     local = table[:, :, first:first + local_experts].sum((0, 1))
     groups = (group_name(ep_group), group_name(etp_group))
-    return dispatch(x, table, *groups, -1), local, (table, groups, x.shape[0])
+    return dispatch(x, table, *groups), local, (table, groups, x.shape[0])
 
 
 def alltoall_combine(y: torch.Tensor, state: tuple) -> torch.Tensor:
@@ -68,20 +68,27 @@ def alltoall_combine(y: torch.Tensor, state: tuple) -> torch.Tensor:
     return combine(y, table, *groups, rows)
 
 
-@torch.library.custom_op("tp_moe::local_slots", mutates_args=())
-def local_slots(indices: torch.Tensor, first: int, local_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """indices [T, k] (global experts, -1: dropped) -> (the slots t·k + j choosing experts [first, first +
-    local_experts), sorted by expert (stable) [N]; slots per expert [local_experts])."""
+def _local_slots(indices: torch.Tensor, first: int, local_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     local = indices.flatten() - first
     slots = ((local >= 0) & (local < local_experts)).nonzero().squeeze(1)
     experts = local[slots]
     return slots[experts.argsort(stable=True)], expert_counts(experts, local_experts)
 
 
-@local_slots.register_fake
+_local_slots_op = torch.library.custom_op("tp_moe::local_slots", _local_slots, mutates_args=())
+
+
+@_local_slots_op.register_fake
 def _(indices, first, local_experts):
     n = torch.library.get_ctx().new_dynamic_size()
     return indices.new_empty(n), indices.new_empty(local_experts)
+
+
+def local_slots(indices: torch.Tensor, first: int, local_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """indices [T, k] (global experts, -1: dropped) -> (the slots t·k + j choosing experts [first, first +
+    local_experts), sorted by expert (stable) [N]; slots per expert [local_experts]). Under torch.compile a custom
+    op: N is a data-dependent size."""
+    return (_local_slots_op if torch.compiler.is_compiling() else _local_slots)(indices, first, local_experts)
 
 
 def allgather_dispatch(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, local_experts: int, *,

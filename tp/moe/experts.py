@@ -64,7 +64,8 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int] | to
 class GroupedExperts(nn.Module):
     """`num_experts` FFNs of hidden size `ffn_hidden_size`; this rank holds experts [ep_rank·E/ep, ...) and slice
     `etp_rank` of their F. forward(x [N, h] sorted by local expert, rows per local expert (host integers or an int
-    tensor [E/ep])) -> [N, h], a partial sum over the etp group when etp > 1. `ep_group` / `etp_group` (set by the MoE layer) are what gather_dense gathers over."""
+    tensor [E/ep])) -> [N, h], a partial sum over the etp group when etp > 1. `ep_group` / `etp_group` (set by the
+    MoE layer) are what gather_dense gathers over."""
 
     ep_group, etp_group = SharedGroup(), SharedGroup()
     names = ("fc1", "fc2")  # the two weights' attribute names (tp.moe.ParallelExperts: Hugging Face's)
