@@ -38,6 +38,10 @@ def _check_divisible(size: int, parts: int, what: str) -> None:
 def all_reduce(x: torch.Tensor, group: dist.ProcessGroup, *, inplace: bool = False,
                async_op: bool = False) -> torch.Tensor | Async:
     """Sum over the group. Reduces (and returns) a contiguous copy unless `inplace` and x is already contiguous."""
+    if torch.compiler.is_compiling() and not inplace:  # (a new tensor: torch 2.11 lost the gradient of the copy)
+        from torch.distributed import _functional_collectives as funcol
+        out = funcol.all_reduce(x.contiguous(), "sum", group)
+        return (out, None) if async_op else out
     out = x.contiguous()
     if out is x and not inplace:
         out = x.clone()

@@ -435,18 +435,20 @@ class SharedGroup:
     over the same groups. `class Layer(nn.Module): group = SharedGroup()`, then `self.group = ...` as usual."""
 
     def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
+        # (the instance keeps it under another key: Dynamo in torch 2.11 reads instance.__dict__[name] as
+        # getattr(instance, name), which is this descriptor again, and recursed without end)
+        self.name, self.key = name, f"_shared_{name}"
 
     def __get__(self, instance: object, owner: type | None = None) -> "dist.ProcessGroup | None | SharedGroup":
         if instance is None:  # (on the class: the descriptor itself)
             return self
         try:
-            return instance.__dict__[self.name].group
+            return instance.__dict__[self.key].group
         except KeyError:
             raise AttributeError(f"{type(instance).__name__!r} object has no attribute {self.name!r}") from None
 
     def __set__(self, instance: object, group: dist.ProcessGroup | None) -> None:
-        instance.__dict__[self.name] = _GroupHandle(group)
+        instance.__dict__[self.key] = _GroupHandle(group)
 
 
 class _GroupHandle:
