@@ -183,6 +183,8 @@ class _GroupedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, counts, activation):
         ctx.main_grad = getattr(weight, "main_grad", None)  # on the parameter, not on an autocast copy of it
+        if torch.compiler.is_compiling() and getattr(weight, "folds_grad_into_main_grad", False):
+            ctx.main_grad = None  # (.grad's hook folds it in: a compiled backward cannot run main_grad's hook)
         x, weight, _ = ops.autocast_operands(x, weight)
         y, preact = grouped_forward(x, weight, counts, activation)
         ctx.save_for_backward(x, weight, preact, counts)

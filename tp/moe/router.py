@@ -42,8 +42,9 @@ def expert_counts(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
 
 
 def _recomputing():
-    """Whether this forward runs inside a backward pass (activation recomputation): count the loads once."""
-    return getattr(torch._C, "_current_graph_task_id", lambda: -1)() != -1
+    """Whether this forward runs inside a backward pass (activation recomputation): count the loads once. (Not
+    asked under torch.compile, which cannot trace it: a compiled layer counts every forward.)"""
+    return not torch.compiler.is_compiling() and getattr(torch._C, "_current_graph_task_id", lambda: -1)() != -1
 
 
 class TopKRouter(nn.Module):
