@@ -24,6 +24,19 @@ def _async(async_op: bool) -> bool:
     return async_op and not torch.compiler.is_compiling()
 
 
+def _funcol():
+    """Functional collectives: what a c10d call under torch.compile traces to, called directly there (a new output
+    tensor, no handle): torch 2.11 traced the in-place calls wrongly (zero gradients through a copy, a wait on a
+    tensor)."""
+    from torch.distributed import _functional_collectives
+
+    return _functional_collectives
+
+
+def _returned(out: torch.Tensor, async_op: bool) -> torch.Tensor | Async:
+    return (out, None) if async_op else out
+
+
 def wait(handle: dist.Work | None) -> None:
     """Wait for an async collective's handle (None: nothing to wait for, e.g. under torch.compile)."""
     if handle is not None:
@@ -38,10 +51,8 @@ def _check_divisible(size: int, parts: int, what: str) -> None:
 def all_reduce(x: torch.Tensor, group: dist.ProcessGroup, *, inplace: bool = False,
                async_op: bool = False) -> torch.Tensor | Async:
     """Sum over the group. Reduces (and returns) a contiguous copy unless `inplace` and x is already contiguous."""
-    if torch.compiler.is_compiling() and not inplace:  # (a new tensor: torch 2.11 lost the gradient of the copy)
-        from torch.distributed import _functional_collectives as funcol
-        out = funcol.all_reduce(x.contiguous(), "sum", group)
-        return (out, None) if async_op else out
+    if torch.compiler.is_compiling() and not inplace:
+        return _returned(_funcol().all_reduce(x.contiguous(), "sum", group), async_op)
     out = x.contiguous()
     if out is x and not inplace:
         out = x.clone()
@@ -59,8 +70,11 @@ def split_last(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
 def gather_last(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Concatenate every rank's x along the last dim."""
     parts = dist.get_world_size(group)
-    out = x.new_empty((parts * x.shape[0], *x.shape[1:]))
-    all_gather_into_tensor(out, x.contiguous(), group=group)
+    if torch.compiler.is_compiling():
+        out = _funcol().all_gather_tensor(x.contiguous(), 0, group)
+    else:
+        out = x.new_empty((parts * x.shape[0], *x.shape[1:]))
+        all_gather_into_tensor(out, x.contiguous(), group=group)
     return rearrange(out.view(parts, *x.shape), "p ... h -> ... (p h)").contiguous()
 
 
@@ -74,6 +88,8 @@ def split_first(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
 def gather_first(x: torch.Tensor, group: dist.ProcessGroup, *,
                  async_op: bool = False) -> torch.Tensor | Async:
     """Concatenate every rank's x along dim 0."""
+    if torch.compiler.is_compiling():
+        return _returned(_funcol().all_gather_tensor(x.contiguous(), 0, group), async_op)
     out = x.new_empty((dist.get_world_size(group) * x.shape[0], *x.shape[1:]))
     handle = all_gather_into_tensor(out, x.contiguous(), group=group, async_op=_async(async_op))
     return (out, handle) if async_op else out
@@ -84,6 +100,8 @@ def reduce_scatter_first(x: torch.Tensor, group: dist.ProcessGroup, *,
     """Sum over the group, keep this rank's chunk of dim 0."""
     parts = dist.get_world_size(group)
     _check_divisible(x.shape[0], parts, "the sequence dim (dim 0)")
+    if torch.compiler.is_compiling():
+        return _returned(_funcol().reduce_scatter_tensor(x.contiguous(), "sum", 0, group), async_op)
     out = x.new_empty((x.shape[0] // parts, *x.shape[1:]))
     handle = reduce_scatter_tensor(out, x.contiguous(), group=group, async_op=_async(async_op))
     return (out, handle) if async_op else out
