@@ -1,21 +1,30 @@
 """kernels.grouped_linear: act(x_e @ W_eᵀ) over contiguous row groups, one weight per group (the experts of a
 mixture-of-experts layer, tokens sorted by expert).
 
-x [M, K] holds the groups' rows back to back, `counts` (E host integers) their sizes, weight [E, N, K] one nn.Linear
-orientation weight per group (HF's fused expert layout: gate_up_proj [E, 2F, H], down_proj [E, H, F]). Three
-primitives, dispatched like kernels.linear's (Triton on CUDA or under TRITON_INTERPRET=1, torch otherwise):
-forward (activation fused), dgrad (dz = g·act'(z), then dx_e = dz_e · W_e), wgrad (dW_e = dz_eᵀ · x_e, accumulated
-into an fp32 `weight.main_grad` [E, N, K] when it exists). The torch path uses `torch._grouped_mm` where this torch
-runs it (fp32 / bf16 / fp16 on the CPU, 16-byte aligned row strides), else a loop over the groups.
+x [M, K] holds the groups' rows back to back, `counts` (E host integers, or an int tensor [E]) their sizes, weight
+[E, N, K] one nn.Linear orientation weight per group (HF's fused expert layout: gate_up_proj [E, 2F, H], down_proj
+[E, H, F]). Three primitives, dispatched like kernels.linear's (Triton on CUDA or under TRITON_INTERPRET=1, torch
+otherwise): forward (activation fused), dgrad (dz = g·act'(z), then dx_e = dz_e · W_e), wgrad (dW_e = dz_eᵀ · x_e,
+accumulated into an fp32 `weight.main_grad` [E, N, K] when it exists). The torch path uses `torch._grouped_mm` where
+this torch runs it (fp32 / bf16 / fp16 on the CPU, 16-byte aligned row strides), else a loop over the groups. Under
+torch.compile each primitive runs as a custom op (tp_kernels::grouped_*): a grouped GEMM whose rows and counts are
+only known at run time (an expert dispatch's output) traces without a graph break.
 """
 import torch
 
 from . import ops, torch_ops
 
+Counts = list[int] | torch.Tensor
+
+
+def _as_tensor(counts):
+    """Rows per group as an int64 tensor: host integers become a CPU tensor (reading it back costs no sync)."""
+    return counts if isinstance(counts, torch.Tensor) else torch.tensor(counts, dtype=torch.int64)
+
 
 def _offsets(counts, device):
-    """[E + 1] int32 group boundaries on the device (one small copy from the host integers)."""
-    return torch.tensor([0, *counts], dtype=torch.int64).cumsum(0).to(device=device, dtype=torch.int32)
+    """[E + 1] int32 group boundaries on the device (one small copy where the counts are on the host)."""
+    return torch.nn.functional.pad(counts.cumsum(0), (1, 0)).to(device=device, dtype=torch.int32)
 
 
 def _aligned(t):
@@ -26,16 +35,14 @@ def _aligned(t):
 
 def _ranges(counts):
     start = 0
-    for e, n in enumerate(counts):
+    for e, n in enumerate(counts.tolist()):  # (a device sync where the counts live on a GPU: the loop needs them)
         yield e, start, start + n
         start += n
 
 
 def _torch_gemm(a, b, counts):
     """a_e @ b_e per group, for b [E, K, N] (any strides): torch._grouped_mm where it runs, else a loop."""
-    # (not under torch.compile: its fake-tensor rule for _grouped_mm takes bf16 only, the CPU kernel fp32 too)
-    if (hasattr(torch, "_grouped_mm") and a.device.type == "cpu" and not torch.compiler.is_compiling()
-            and a.dtype == b.dtype
+    if (hasattr(torch, "_grouped_mm") and a.device.type == "cpu" and a.dtype == b.dtype
             and a.dtype in (torch.float32, torch.bfloat16, torch.float16) and _aligned(a) and _aligned(b)):
         return torch._grouped_mm(a, b, offs=_offsets(counts, a.device)[1:])
     out = a.new_empty(a.shape[0], b.shape[2])
@@ -60,50 +67,114 @@ def _triton():
     return grouped_triton
 
 
-def grouped_forward(x: torch.Tensor, weight: torch.Tensor, counts: list[int],
+def _forward(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
+             activation: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+    if ops.backend_for(x) == "triton":
+        y, z = _triton().grouped_gemm(x, weight, _offsets(counts, x.device), activation)
+    else:
+        z = _torch_gemm(x, weight.transpose(1, 2), counts)
+        y, z = (z, None) if activation is None else (torch_ops.activation_forward(z, activation), z)
+    return y, x.new_empty(0) if z is None else z  # (no pre-activation: an empty tensor)
+
+
+def _dgrad(dz: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    if ops.backend_for(dz) == "triton":
+        return _triton().grouped_gemm(dz, weight, _offsets(counts, dz.device), transpose_b=True)[0]
+    return _torch_gemm(dz, weight, counts)
+
+
+def _wgrad(dz: torch.Tensor, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    if ops.backend_for(dz) == "triton":
+        return _triton().grouped_wgrad(dz, x, _offsets(counts, dz.device), len(counts))
+    return _torch_wgrad(dz, x, counts, None)
+
+
+def _wgrad_into(dz: torch.Tensor, x: torch.Tensor, counts: torch.Tensor, main_grad: torch.Tensor) -> None:
+    if ops.backend_for(dz) == "triton":
+        _triton().grouped_wgrad(dz, x, _offsets(counts, dz.device), len(counts), main_grad=main_grad)
+    else:
+        _torch_wgrad(dz, x, counts, main_grad)
+
+
+# Under torch.compile the primitives run as custom ops (torch.library): the compiler calls each whole, whatever its
+# row count (a data-dependent size after an expert dispatch), and never reads the counts, which the loop above needs
+# on the host. Eager calls the functions directly (no op dispatch overhead).
+_OPS = {
+    _forward: torch.library.custom_op("tp_kernels::grouped_forward", _forward, mutates_args=()),
+    _dgrad: torch.library.custom_op("tp_kernels::grouped_dgrad", _dgrad, mutates_args=()),
+    _wgrad: torch.library.custom_op("tp_kernels::grouped_wgrad", _wgrad, mutates_args=()),
+    _wgrad_into: torch.library.custom_op("tp_kernels::grouped_wgrad_into", _wgrad_into, mutates_args=("main_grad",)),
+}
+
+
+@_OPS[_forward].register_fake
+def _(x, weight, counts, activation):
+    n = weight.shape[1] // 2 if activation == "swiglu" else weight.shape[1]
+    return x.new_empty(x.shape[0], n), x.new_empty(0 if activation is None else (x.shape[0], weight.shape[1]))
+
+
+@_OPS[_dgrad].register_fake
+def _(dz, weight, counts):
+    return dz.new_empty(dz.shape[0], weight.shape[2])
+
+
+@_OPS[_wgrad].register_fake
+def _(dz, x, counts):
+    return dz.new_empty(counts.shape[0], dz.shape[1], x.shape[1])
+
+
+@_OPS[_wgrad_into].register_fake
+def _(dz, x, counts, main_grad):
+    return None
+
+
+def _run(fn, *args):
+    return (_OPS[fn] if torch.compiler.is_compiling() else fn)(*args)
+
+
+def grouped_forward(x: torch.Tensor, weight: torch.Tensor, counts: Counts,
                     activation: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(act(x_e @ weight_eᵀ) [M, N], the pre-activation saved for backward or None); "swiglu": weight [E, 2F, K]
     (gate rows first) gives [M, F]."""
     ops.check_activation(activation)
     _check(x, weight, counts)
-    if ops.backend_for(x) == "triton":
-        return _triton().grouped_gemm(x, weight, _offsets(counts, x.device), activation)
-    z = _torch_gemm(x, weight.transpose(1, 2), counts)
-    return (z, None) if activation is None else (torch_ops.activation_forward(z, activation), z)
+    y, z = _run(_forward, x, weight, _as_tensor(counts), activation)
+    return y, None if activation is None else z
 
 
-def grouped_dgrad(grad_out: torch.Tensor, weight: torch.Tensor, counts: list[int], preact: torch.Tensor | None = None,
+def grouped_dgrad(grad_out: torch.Tensor, weight: torch.Tensor, counts: Counts, preact: torch.Tensor | None = None,
                   activation: str | None = None, *,
                   need_input_grad: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
     """(dx [M, K] = dz_e @ weight_e per group, or None; dz = grad_out · act'(preact))."""
     dz = torch_ops.activation_backward(grad_out, preact, activation)
     if not need_input_grad:
         return None, dz
-    if ops.backend_for(dz) == "triton":
-        return _triton().grouped_gemm(dz, weight, _offsets(counts, dz.device), transpose_b=True)[0], dz
-    return _torch_gemm(dz, weight, counts), dz
+    return _run(_dgrad, dz, weight, _as_tensor(counts)), dz
 
 
-def grouped_wgrad(dz: torch.Tensor, x: torch.Tensor, counts: list[int], *,
+def grouped_wgrad(dz: torch.Tensor, x: torch.Tensor, counts: Counts, *,
                   main_grad: torch.Tensor | None = None) -> torch.Tensor | None:
     """dW [E, N, K], dW_e = dz_eᵀ @ x_e; with a main_grad (fp32 [E, N, K]), accumulated into it and None returned."""
-    if main_grad is not None:
-        ops.check_main_grad(main_grad, (len(counts), dz.shape[1], x.shape[1]), dz.device)
-    if ops.backend_for(dz) == "triton":
-        out = _triton().grouped_wgrad(dz, x, _offsets(counts, dz.device), len(counts), main_grad=main_grad)
-    else:
-        out = _torch_wgrad(dz, x, counts, main_grad)
+    counts = _as_tensor(counts)
+    if main_grad is None:
+        return _run(_wgrad, dz, x, counts)
+    ops.check_main_grad(main_grad, (len(counts), dz.shape[1], x.shape[1]), dz.device)
+    _run(_wgrad_into, dz, x, counts, main_grad)
     hook = getattr(main_grad, "post_accumulate_hook", None)  # (as kernels.linear_wgrad: tp.optim counts arrivals)
     if hook is not None:
         hook()
-    return out
+    return None
 
 
 def _check(x, weight, counts):
     if x.dim() != 2 or weight.dim() != 3 or x.shape[1] != weight.shape[2]:
         raise ValueError(f"grouped linear needs x [M, K] and weight [E, N, K], got x {tuple(x.shape)}, weight "
                          f"{tuple(weight.shape)}")
-    if len(counts) != weight.shape[0] or sum(counts) != x.shape[0] or min(counts, default=0) < 0:
+    if isinstance(counts, torch.Tensor):  # (their sum is not read: that would be a host sync)
+        if counts.dim() != 1 or counts.shape[0] != weight.shape[0] or counts.is_floating_point():
+            raise ValueError(f"counts must be an integer tensor [{weight.shape[0]}], got {counts.dtype} "
+                             f"{tuple(counts.shape)}")
+    elif len(counts) != weight.shape[0] or sum(counts) != x.shape[0] or min(counts, default=0) < 0:
         raise ValueError(f"counts {list(counts)} must give the rows of each of the {weight.shape[0]} groups, "
                          f"summing to x's {x.shape[0]} rows")
 
@@ -112,27 +183,30 @@ class _GroupedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, counts, activation):
         ctx.main_grad = getattr(weight, "main_grad", None)  # on the parameter, not on an autocast copy of it
+        if torch.compiler.is_compiling() and getattr(weight, "folds_grad_into_main_grad", False):
+            ctx.main_grad = None  # (.grad's hook folds it in: a compiled backward cannot run main_grad's hook)
         x, weight, _ = ops.autocast_operands(x, weight)
         y, preact = grouped_forward(x, weight, counts, activation)
-        ctx.save_for_backward(x, weight, preact)
-        ctx.counts, ctx.activation = counts, activation
+        ctx.save_for_backward(x, weight, preact, counts)
+        ctx.activation = activation
         return y
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_y):
-        x, weight, preact = ctx.saved_tensors
-        dx, dz = grouped_dgrad(grad_y.to(weight.dtype).contiguous(), weight, ctx.counts, preact, ctx.activation,
+        x, weight, preact, counts = ctx.saved_tensors
+        dx, dz = grouped_dgrad(grad_y.to(weight.dtype).contiguous(), weight, counts, preact, ctx.activation,
                                need_input_grad=ctx.needs_input_grad[0])
-        dw = grouped_wgrad(dz, x, ctx.counts, main_grad=ctx.main_grad) if ctx.needs_input_grad[1] else None
+        dw = grouped_wgrad(dz, x, counts, main_grad=ctx.main_grad) if ctx.needs_input_grad[1] else None
         return dx, dw, None, None
 
 
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int], *,
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: Counts, *,
                    activation: str | None = None) -> torch.Tensor:
-    """act(x_e @ weight_eᵀ) for the row groups of x [M, K] (sizes `counts`) and weight [E, N, K]: [M, N] (SwiGLU:
-    weight [E, 2F, K], gate rows first, output [M, F]). With `weight.main_grad` (fp32 [E, N, K]) the weight gradient
-    is accumulated there and weight.grad is left untouched."""
+    """act(x_e @ weight_eᵀ) for the row groups of x [M, K] (sizes `counts`: host integers, or an int tensor [E] on
+    any device whose sum is not checked) and weight [E, N, K]: [M, N] (SwiGLU: weight [E, 2F, K], gate rows first,
+    output [M, F]). With `weight.main_grad` (fp32 [E, N, K]) the weight gradient is accumulated there and
+    weight.grad is left untouched."""
     ops.check_activation(activation)
     _check(x, weight, counts)
-    return _GroupedLinear.apply(x, weight, [int(c) for c in counts], activation)
+    return _GroupedLinear.apply(x, weight, _as_tensor(counts), activation)

@@ -124,3 +124,22 @@ def test_bad_input():
     w.main_grad = torch.zeros(3, 3)
     with pytest.raises(ValueError, match="main_grad must be an fp32/fp64 tensor of shape"):
         kernels.grouped_linear(x, w, COUNTS).sum().backward()
+
+
+def test_counts_as_a_tensor_and_under_torch_compile():
+    """Counts given as an int tensor (an expert dispatch's, never read on the host by the Triton kernels) give the
+    list's result; under torch.compile (fullgraph) the primitives are custom ops, forward and both gradients equal."""
+    x, w = inputs(COUNTS, 20, 18, torch.float32, "swiglu")
+    want = kernels.grouped_linear(x, w, COUNTS, activation="swiglu")
+    want.square().sum().backward()
+    grads = x.grad, w.grad
+    for counts in (torch.tensor(COUNTS), torch.tensor(COUNTS, device=DEVICE)):
+        fn = torch.compile(lambda x, w, c: kernels.grouped_linear(x, w, c, activation="swiglu"), fullgraph=True,
+                           backend="aot_eager")
+        for f in (kernels.grouped_linear, fn):
+            x.grad = w.grad = None
+            got = f(x, w, counts, activation="swiglu") if f is kernels.grouped_linear else f(x, w, counts)
+            got.square().sum().backward()
+            assert torch.equal(got, want) and torch.equal(x.grad, grads[0]) and torch.equal(w.grad, grads[1])
+    with pytest.raises(ValueError, match=r"counts must be an integer tensor \[4\], got torch.float32 \(4,\)"):
+        kernels.grouped_linear(x, w, torch.tensor(COUNTS, dtype=torch.float32))

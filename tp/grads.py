@@ -84,6 +84,8 @@ def main_grad_of(weight: torch.Tensor) -> torch.Tensor | None:
     Called in forward, where DDP marks itself active; parameters DDP was told to ignore are the caller's to reduce.
     """
     main_grad = getattr(weight, "main_grad", None)
+    if main_grad is not None and torch.compiler.is_compiling() and getattr(weight, "folds_grad_into_main_grad", False):
+        return None  # the wgrad goes to .grad, whose hook folds it in: a compiled backward cannot run that hook
     if main_grad is not None and not hasattr(weight, "_ddp_ignored"):
         from torch.nn.parallel import DistributedDataParallel
 

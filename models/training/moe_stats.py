@@ -19,11 +19,13 @@ from torch import nn
 
 import tp
 from tp.mesh import Mesh
+from tp.moe.router import expert_counts
 
 
 def _recomputing() -> bool:
-    """Inside a backward pass: activation recomputation's forward (its routing was counted the first time)."""
-    return torch._C._current_graph_task_id() != -1
+    """Inside a backward pass: activation recomputation's forward (its routing was counted the first time). Not
+    under torch.compile (--compile), which cannot trace the question: a compiled block counts every forward."""
+    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
 
 
 class MoEStats:
@@ -49,8 +51,7 @@ class MoEStats:
     def _routed(self, layer):
         def hook(module, args, routing):
             if self._counting(module):
-                self.counts[layer] += torch.bincount(routing.indices.flatten(), minlength=self.num_experts).to(
-                    self.counts)
+                self.counts[layer] += expert_counts(routing.indices, self.num_experts).to(self.counts)
         return hook
 
     def _moe(self, layer):

@@ -4,7 +4,11 @@
     moe = tp.moe.MoE(hidden, ffn, num_experts=8, topk=2, sequence_parallel=True, aux_loss_coeff=1e-2)
     y = moe(x)                                    # [s/tp, b, h] -> [s/tp, b, h]
     tp.moe.aux_losses(model)                      # the last forward's aux / z losses per layer, for logging
+    with tp.moe.dynamic_shapes():                 # torch.compile: the dispatch's sizes are data-dependent
+        loss = torch.compile(step, fullgraph=True)(batch)   # no graph break
 """
+import contextlib
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -19,7 +23,15 @@ from .router import SCORES, Routing, TopKRouter
 
 __all__ = ["MoE", "TopKRouter", "GroupedExperts", "ParallelExperts", "SharedExpert", "Routing", "AuxLosses",
            "DISPATCHERS", "SCORES", "capacity", "keep_mask", "aux_losses", "set_aux_loss_scale", "update_expert_bias",
-           "expert_parameters"]
+           "expert_parameters", "dynamic_shapes"]
+
+
+def dynamic_shapes() -> contextlib.AbstractContextManager:
+    """The Dynamo setting torch.compile needs to trace an MoE layer without a graph break, as a context manager (or
+    a decorator of the compiled function) active while it compiles: outputs whose size is data-dependent (the rows
+    an expert dispatch receives) become unbacked SymInts (`capture_dynamic_output_shape_ops`), scoped to the calls
+    it wraps. Without it Dynamo breaks the graph at the dispatch. GPT.compile_blocks applies it to its MoE blocks."""
+    return torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True)
 
 
 def aux_losses(module: nn.Module) -> list[AuxLosses]:

@@ -14,6 +14,8 @@ import math
 import torch
 import torch.distributed as dist
 
+from .router import expert_counts
+
 _BITS, _ROUNDS = 8, 4
 
 
@@ -25,12 +27,13 @@ def capacity(tokens: int, topk: int, num_experts: int, capacity_factor: float) -
 def _histogram(keys, experts, active, shift, num_experts):
     digits = (keys >> shift) & ((1 << _BITS) - 1)
     flat = torch.where(active, experts * (1 << _BITS) + digits, num_experts << _BITS)
-    return torch.bincount(flat, minlength=(num_experts + 1) << _BITS)[:num_experts << _BITS].view(num_experts, -1)
+    return expert_counts(flat, (num_experts + 1) << _BITS)[:num_experts << _BITS].view(num_experts, -1)
 
 
 def keep_mask(weights: torch.Tensor, indices: torch.Tensor, num_experts: int, capacity_factor: float,
-              group: dist.ProcessGroup | None) -> tuple[torch.Tensor, int]:
-    """(kept [T, k] bool, C): the slots each expert keeps under the policy above, and the capacity."""
+              group: dist.ProcessGroup | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kept [T, k] bool, C): the slots each expert keeps under the policy above, and the capacity (a 0-d int64
+    tensor on the device: computed there, nothing is read on the host)."""
     reduce = group is not None and dist.get_world_size(group) > 1
     tokens = torch.tensor([weights.shape[0]], dtype=torch.int64, device=weights.device)
     keys = weights.detach().float().contiguous().view(torch.int32).to(torch.int64).flatten()  # >= 0: order-preserving
@@ -46,9 +49,10 @@ def keep_mask(weights: torch.Tensor, indices: torch.Tensor, num_experts: int, ca
         if reduce:
             dist.all_reduce(hist, group=group)
         if r == 0:
-            hist, tokens = hist[:-1].view(num_experts, -1), int(hist[-1])
-            cap = capacity(tokens, indices.shape[-1], num_experts, capacity_factor)
-            need = torch.full((num_experts,), cap, dtype=torch.int64, device=weights.device)
+            hist, tokens = hist[:-1].view(num_experts, -1), hist[-1]
+            # capacity()'s float arithmetic in fp64 on the device (the same IEEE operations: the same C)
+            cap = (tokens.double() * indices.shape[-1] / num_experts * capacity_factor).ceil().long()
+            need = cap.expand(num_experts)
             total = hist.sum(1)
         above = hist.flip(1).cumsum(1).flip(1)  # slots with this digit or a larger one
         digit = (above >= need[:, None]).sum(1).clamp(min=1) - 1  # the largest digit reaching `need`

@@ -19,7 +19,8 @@ import torch.distributed as dist
 
 from ..collectives import all_gather_into_tensor
 from ..mappings import gather_from_sp_region, reduce_scatter_to_sp_region
-from .comm import all_to_all, gather_v, reduce_scatter_v
+from .comm import combine, dispatch, group_name
+from .router import expert_counts
 
 DISPATCHERS = ("alltoall", "allgather")
 
@@ -32,90 +33,75 @@ def _rank(group):
     return 0 if group is None else dist.get_rank(group)
 
 
-class Plan:
-    """Where this rank's routed slots go and come from (host integers, from the count exchange)."""
-
-    def __init__(self, table: list[list[list[int]]], ep_rank: int, etp_rank: int, local_experts: int) -> None:
-        # table[etp][ep][e]: how many slots the rank (etp, ep) routes to global expert e
-        L, mine = local_experts, slice(ep_rank * local_experts, (ep_rank + 1) * local_experts)
-        row = table[etp_rank][ep_rank]
-        self.input_splits = [sum(row[j * L:(j + 1) * L]) for j in range(len(row) // L)]
-        self.output_splits = [sum(table[etp_rank][i][mine]) for i in range(len(table[etp_rank]))]
-        self.etp_sizes = [sum(sum(src[mine]) for src in per_etp) for per_etp in table]
-        # the rows after the etp gather, chunk (etp r, source ep i, local expert e): their sizes, in that order
-        self.chunks = [n for per_etp in table for src in per_etp for n in src[mine]]
-        self.counts = [sum(per_etp[i][ep_rank * L + e] for per_etp in table for i in range(len(per_etp)))
-                       for e in range(L)]  # rows per local expert, after sorting
-
-
-def _exchange_counts(counts, group, etp_group, ep_group):
-    """table[etp][ep][e] of every rank of the etp·ep group (one all-gather of E + 2 integers)."""
-    coords = counts.new_tensor([_rank(etp_group), _rank(ep_group)])
-    mine = torch.cat([counts, coords])
+def count_table(counts: torch.Tensor, group: dist.ProcessGroup | None, etp_group: dist.ProcessGroup | None,
+                ep_group: dist.ProcessGroup | None) -> torch.Tensor:
+    """table [etp, ep, E] (CPU int64): every etp·ep rank's slots per global expert, from this rank's `counts` [E]
+    (one all-gather of E + 2 integers, each rank's with its coordinates; then the one copy to the host)."""
+    mine = torch.cat([counts, counts.new_tensor([_rank(etp_group), _rank(ep_group)])])
     size = _size(group)
-    every = mine.new_empty(size * mine.numel())
+    every = mine
     if size > 1:
+        every = mine.new_empty(size * mine.numel())
         all_gather_into_tensor(every, mine, group=group)
-    else:
-        every = mine
-    table = [[None] * _size(ep_group) for _ in range(_size(etp_group))]
-    for row in every.view(size, -1).tolist():
-        table[row[-2]][row[-1]] = row[:-2]
-    return table
+    every = every.view(size, -1).cpu()
+    table = every.new_zeros(_size(etp_group), _size(ep_group), counts.shape[0])
+    return table.index_put_((every[:, -2], every[:, -1]), every[:, :-2])
 
 
-def _expert_major(plan, etp, ep, local_experts, device):
-    """The permutation sorting the gathered rows (etp r, source i, expert e) by (e, r, i)."""
-    sizes = torch.tensor(plan.chunks, device=device)
-    r, i, e = torch.meshgrid(torch.arange(etp), torch.arange(ep), torch.arange(local_experts), indexing="ij")
-    key = (e * etp * ep + r * ep + i).flatten().to(device)
-    return torch.repeat_interleave(key, sizes, output_size=sum(plan.chunks)).argsort(stable=True)
-
-
-def alltoall_dispatch(x: torch.Tensor, experts: torch.Tensor, local_experts: int, *,
+def alltoall_dispatch(x: torch.Tensor, counts: torch.Tensor, local_experts: int, *,
                       ep_group: dist.ProcessGroup | None, etp_group: dist.ProcessGroup | None,
-                      expert_group: dist.ProcessGroup | None) -> tuple[torch.Tensor, list[int], object]:
-    """x [N, h]: this rank's routed slots, sorted by (global) expert `experts` [N] -> (the rows of this rank's
-    experts sorted by local expert, rows per local expert, state for alltoall_combine)."""
-    E = local_experts * _size(ep_group)
-    table = _exchange_counts(torch.bincount(experts, minlength=E), expert_group, etp_group, ep_group)
-    plan = Plan(table, _rank(ep_group), _rank(etp_group), local_experts)
-    received = all_to_all(x, plan.output_splits, plan.input_splits, ep_group)  # [(source i, expert e), h]
-    gathered = gather_v(received, plan.etp_sizes, etp_group)  # [(etp r, source i, expert e), h]
-    order = None
-    if _size(etp_group) * _size(ep_group) > 1 and local_experts > 1:
-        order = _expert_major(plan, _size(etp_group), _size(ep_group), local_experts, x.device)
-        gathered = gathered.index_select(0, order)
-    return gathered, plan.counts, (plan, order)
+                      expert_group: dist.ProcessGroup | None) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+    """x [n, h]: this rank's routed slots sorted by global expert, counts [E] of them per expert (the first Σ counts
+    rows are sent) -> (the rows of this rank's experts sorted by local expert [m, h], rows per local expert [L] (CPU),
+    state for alltoall_combine)."""
+    table = count_table(counts, expert_group, etp_group, ep_group)
+    first = _rank(ep_group) * local_experts
+    local = table[:, :, first:first + local_experts].sum((0, 1))
+    groups = (group_name(ep_group), group_name(etp_group))
+    return dispatch(x, table, *groups), local, (table, groups, x.shape[0])
 
 
-def alltoall_combine(y: torch.Tensor, state: object, *, ep_group: dist.ProcessGroup | None,
-                     etp_group: dist.ProcessGroup | None) -> torch.Tensor:
-    """The experts' outputs (partial over etp), sorted by local expert, back to the ranks their slots came from."""
-    plan, order = state
-    if order is not None:
-        y = y.new_zeros(y.shape).index_copy(0, order, y)  # the inverse permutation
-    y = reduce_scatter_v(y, plan.etp_sizes, etp_group)
-    return all_to_all(y, plan.input_splits, plan.output_splits, ep_group)
+def alltoall_combine(y: torch.Tensor, state: tuple) -> torch.Tensor:
+    """The experts' outputs (partial over etp), sorted by local expert, back to the ranks their slots came from:
+    [n, h] in alltoall_dispatch's order, zero rows for the slots it did not send."""
+    table, groups, rows = state
+    return combine(y, table, *groups, rows)
+
+
+def _local_slots(indices: torch.Tensor, first: int, local_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    local = indices.flatten() - first
+    slots = ((local >= 0) & (local < local_experts)).nonzero().squeeze(1)
+    experts = local[slots]
+    return slots[experts.argsort(stable=True)], expert_counts(experts, local_experts)
+
+
+_local_slots_op = torch.library.custom_op("tp_moe::local_slots", _local_slots, mutates_args=())
+
+
+@_local_slots_op.register_fake
+def _(indices, first, local_experts):
+    n = torch.library.get_ctx().new_dynamic_size()
+    return indices.new_empty(n), indices.new_empty(local_experts)
+
+
+def local_slots(indices: torch.Tensor, first: int, local_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """indices [T, k] (global experts, -1: dropped) -> (the slots t·k + j choosing experts [first, first +
+    local_experts), sorted by expert (stable) [N]; slots per expert [local_experts]). Under torch.compile a custom
+    op: N is a data-dependent size."""
+    return (_local_slots_op if torch.compiler.is_compiling() else _local_slots)(indices, first, local_experts)
 
 
 def allgather_dispatch(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, local_experts: int, *,
                        ep_rank: int, group: dist.ProcessGroup | None) -> tuple:
     """Every token of the group [G·T, h], then this rank's experts' slots -> (their rows sorted by local expert,
-    rows per local expert, their weights, the token of each row)."""
+    rows per local expert [L], their weights, the token of each row, G·T)."""
     if _size(group) > 1:
         x = gather_from_sp_region(x, group)  # backward: reduce-scatter
         weights = gather_from_sp_region(weights, group)
         every = indices.new_empty(_size(group) * indices.shape[0], indices.shape[1])
         all_gather_into_tensor(every, indices.contiguous(), group=group)
         indices = every
-    first = ep_rank * local_experts
-    local = indices - first
-    slots = ((local >= 0) & (local < local_experts)).flatten().nonzero().squeeze(1)  # [N] slot = token·k + j
-    experts = local.flatten()[slots]
-    order = experts.argsort(stable=True)
-    slots = slots[order]
-    counts = torch.bincount(experts, minlength=local_experts).tolist()
+    slots, counts = local_slots(indices, ep_rank * local_experts, local_experts)
     tokens = slots // indices.shape[1]
     return x.index_select(0, tokens), counts, weights.flatten()[slots], tokens, x.shape[0]
 
@@ -130,21 +116,25 @@ def allgather_combine(y: torch.Tensor, tokens: torch.Tensor, total: int,
 def dispatch_and_combine(tokens: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, experts: Callable, *,
                          dispatcher: str = "alltoall", ep_group: dist.ProcessGroup | None,
                          etp_group: dist.ProcessGroup | None, expert_group: dist.ProcessGroup | None,
-                         pad_to: int | None = None) -> torch.Tensor:
+                         dropping: bool = False) -> torch.Tensor:
     """Σ_j weights[t, j] · expert_{indices[t, j]}(tokens[t]) for every token t of this rank (indices -1: a dropped
-    slot), `experts(x sorted by local expert, rows per local expert, pad_to)` computing this ep rank's
+    slot, only where `dropping`), `experts(x sorted by local expert, rows per local expert)` computing this ep rank's
     `local_experts` experts (a GroupedExperts or a bound method of one)."""
     local, topk = getattr(experts, "__self__", experts).local_experts, indices.shape[1]
     if dispatcher == "allgather":
         x, counts, w, rows, total = allgather_dispatch(tokens, weights, indices, local, ep_rank=_rank(ep_group),
                                                        group=expert_group)
-        return allgather_combine(experts(x, counts, pad_to) * w[:, None], rows, total, expert_group)
-    slots = (indices >= 0).flatten().nonzero().squeeze(1)  # kept slots, token·k + j
-    chosen = indices.flatten()[slots]
+        return allgather_combine(experts(x, counts) * w[:, None], rows, total, expert_group)
+    E = local * _size(ep_group)
+    chosen = torch.where(indices >= 0, indices, E).flatten()  # [T·k], the dropped slots last
     order = chosen.argsort(stable=True)
-    slots, chosen = slots[order], chosen[order]
-    x, counts, state = alltoall_dispatch(tokens.index_select(0, slots // topk), chosen, local, ep_group=ep_group,
-                                         etp_group=etp_group, expert_group=expert_group)
-    y = alltoall_combine(experts(x, counts, pad_to), state, ep_group=ep_group, etp_group=etp_group)
-    y = y * weights.flatten()[slots][:, None]  # [slots, h], this rank's slots in their sorted order
-    return tokens.new_zeros(tokens.shape).index_add(0, slots // topk, y)
+    counts = expert_counts(chosen, E + 1)[:E]
+    x = tokens.index_select(0, order // topk)  # [T·k, h] sorted by expert
+    if _size(ep_group) * _size(etp_group) == 1 and not dropping:  # every slot stays here: no dispatch
+        y = experts(x, counts)
+    else:
+        x, counts, state = alltoall_dispatch(x, counts, local, ep_group=ep_group, etp_group=etp_group,
+                                             expert_group=expert_group)
+        y = alltoall_combine(experts(x, counts), state)  # [T·k, h], zero rows for the dropped slots
+    y = y * weights.flatten()[order][:, None]
+    return tokens.new_zeros(tokens.shape).index_add(0, order // topk, y)

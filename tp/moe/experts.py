@@ -51,21 +51,21 @@ def _grouped_wgrad(counts, dz, x, *, main_grad=None):
     return kernels.grouped_wgrad(dz, x, counts, main_grad=main_grad)
 
 
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int], *,
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int] | torch.Tensor, *,
                    activation: str | None = None) -> torch.Tensor:
     """kernels.grouped_linear (act(x_e @ weight_eᵀ) per row group), its weight gradient deferrable by
     tp.pipeline.defer_wgrad."""
     if not deferring():
         return kernels.grouped_linear(x, weight, counts, activation=activation)
     kernels.ops.check_activation(activation)
-    return _GroupedLinearFn.apply(x, weight, [int(c) for c in counts], activation)
+    return _GroupedLinearFn.apply(x, weight, counts, activation)
 
 
 class GroupedExperts(nn.Module):
     """`num_experts` FFNs of hidden size `ffn_hidden_size`; this rank holds experts [ep_rank·E/ep, ...) and slice
-    `etp_rank` of their F. forward(x [N, h] sorted by local expert, rows per local expert) -> [N, h], a partial sum
-    over the etp group when etp > 1. `pad_to`: each expert's rows padded to that many (static GEMM shapes).
-    `ep_group` / `etp_group` (set by the MoE layer) are what gather_dense gathers over."""
+    `etp_rank` of their F. forward(x [N, h] sorted by local expert, rows per local expert (host integers or an int
+    tensor [E/ep])) -> [N, h], a partial sum over the etp group when etp > 1. `ep_group` / `etp_group` (set by the
+    MoE layer) are what gather_dense gathers over."""
 
     ep_group, etp_group = SharedGroup(), SharedGroup()
     names = ("fc1", "fc2")  # the two weights' attribute names (tp.moe.ParallelExperts: Hugging Face's)
@@ -143,22 +143,10 @@ class GroupedExperts(nn.Module):
                 w1[e - self.expert_range.start].copy_(self.shard_fc1(fc1))
                 w2[e - self.expert_range.start].copy_(self.shard_fc2(fc2))
 
-    def forward(self, x: torch.Tensor, counts: list[int], pad_to: int | None = None) -> torch.Tensor:  # [N, h]
-        if pad_to is not None:
-            return self._padded(x, counts, pad_to)
+    def forward(self, x: torch.Tensor, counts: list[int] | torch.Tensor) -> torch.Tensor:  # [N, h]
         w1, w2 = self.weights
         hidden = grouped_linear(x, w1, counts, activation=self.activation)  # [N, F/etp]
         return grouped_linear(hidden, w2, counts)  # [N, h]
-
-    def _padded(self, x, counts, pad_to):
-        """Each expert's rows placed at the start of a block of max(pad_to, rows) zero rows."""
-        blocks = [max(pad_to, n) for n in counts]
-        starts = torch.tensor([0, *blocks[:-1]]).cumsum(0)
-        within = torch.arange(sum(counts)) - torch.repeat_interleave(torch.tensor([0, *counts[:-1]]).cumsum(0),
-                                                                     torch.tensor(counts), output_size=sum(counts))
-        rows = (torch.repeat_interleave(starts, torch.tensor(counts), output_size=sum(counts)) + within).to(x.device)
-        padded = x.new_zeros(sum(blocks), x.shape[1]).index_copy(0, rows, x)
-        return self.forward(padded, blocks).index_select(0, rows)
 
     def extra_repr(self) -> str:
         return (f"{self.num_experts} experts ({self.local_experts} here: {self.expert_range.start}.."

@@ -141,14 +141,13 @@ class MoE(nn.Module):
             weights = attach_aux_grad(weights, aux, self.data_parallel_size * self.aux_loss_scale)
         else:
             self.last = None
-        pad_to = None
         if self.capacity_factor is not None:
-            kept, pad_to = keep_mask(weights, indices, self.num_experts, self.capacity_factor, self.token_group)
+            kept, _ = keep_mask(weights, indices, self.num_experts, self.capacity_factor, self.token_group)
             indices = torch.where(kept, indices, -1)
             self.dropped_slots = (~kept).sum()
         out = dispatch_and_combine(tokens, weights.to(tokens.dtype), indices, self.experts, dispatcher=self.dispatcher,
                                    ep_group=self.ep_group, etp_group=self.etp_group, expert_group=self.expert_group,
-                                   pad_to=pad_to)
+                                   dropping=self.capacity_factor is not None)
         if replicated:
             out = gather_from_sp_region(out, self.group, tensor_parallel_output_grad=False)  # backward: split
         out = out.view(x.shape)

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..mappings import reduce_from_tp_region
+from .router import expert_counts
 
 
 class AuxLosses:
@@ -35,7 +36,7 @@ def aux_losses(probs: torch.Tensor, logits: torch.Tensor, indices: torch.Tensor,
     """(aux + z for backward, the values) from this rank's probs [T, E], logits [T, E] and choices [T, k]: the
     statistics summed over `group` (one all-reduce of 2E + 2 numbers in fp64)."""
     E, k = probs.shape[-1], indices.shape[-1]
-    counts = torch.bincount(indices.flatten(), minlength=E).double()  # [E]
+    counts = expert_counts(indices, E).double()  # [E]
     stats = torch.cat([counts, probs.double().sum(0),
                        torch.logsumexp(logits.double(), dim=-1).square().sum().reshape(1),
                        counts.new_tensor([probs.shape[0]])])

@@ -78,9 +78,9 @@ class ParallelExperts(GroupedExperts):
                                    ep_group=self.ep_group, etp_group=self.etp_group, expert_group=self.expert_group)
         return gather_from_sp_region(out, self.group, tensor_parallel_output_grad=False) if split else out
 
-    def grouped(self, x: torch.Tensor, counts: list[int], pad_to: int | None = None) -> torch.Tensor:
+    def grouped(self, x: torch.Tensor, counts: list[int] | torch.Tensor) -> torch.Tensor:
         """The experts on rows sorted by local expert (GroupedExperts.forward, which this module's forward hides)."""
-        return GroupedExperts.forward(self, x, counts, pad_to)
+        return GroupedExperts.forward(self, x, counts)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, ep={self.ep_size}, dispatcher={self.dispatcher}"

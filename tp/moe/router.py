@@ -33,9 +33,18 @@ class Routing(NamedTuple):
     logits: torch.Tensor  # [T, E], for the z-loss (both fp32, fp64 for fp64 inputs)
 
 
+def expert_counts(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """How many of `indices` (any shape, each in [0, num_experts)) name each expert: [num_experts] int64.
+    (torch.bincount's output size depends on the values: torch.compile cannot trace it without a break.)"""
+    flat = indices.flatten()
+    return flat.new_zeros(num_experts, dtype=torch.int64).scatter_add_(0, flat, torch.ones_like(flat,
+                                                                                                dtype=torch.int64))
+
+
 def _recomputing():
-    """Whether this forward runs inside a backward pass (activation recomputation): count the loads once."""
-    return getattr(torch._C, "_current_graph_task_id", lambda: -1)() != -1
+    """Whether this forward runs inside a backward pass (activation recomputation): count the loads once. (Not
+    asked under torch.compile, which cannot trace it: a compiled layer counts every forward.)"""
+    return not torch.compiler.is_compiling() and getattr(torch._C, "_current_graph_task_id", lambda: -1)() != -1
 
 
 class TopKRouter(nn.Module):
@@ -44,7 +53,7 @@ class TopKRouter(nn.Module):
     `sequence_parallel` for tp.allreduce_sequence_parallel_grads); `check_group`: where debug mode checks the weight
     is equal (the ranks of one pipeline stage)."""
 
-    group, check_group = SharedGroup(), SharedGroup()
+    group, check_group, token_group = SharedGroup(), SharedGroup(), SharedGroup()  # (token_group: set by MoE)
 
     def __init__(self, hidden_size: int, num_experts: int, topk: int, *, score: str = "softmax",
                  norm_topk_prob: bool = True, group: dist.ProcessGroup | None = None, grad_sync: bool = True,
@@ -57,7 +66,7 @@ class TopKRouter(nn.Module):
         if not 1 <= topk <= num_experts:
             raise ValueError(f"moe_router_topk={topk} must be between 1 and num_experts={num_experts}")
         self.num_experts, self.topk, self.score, self.norm_topk_prob = num_experts, topk, score, norm_topk_prob
-        self.group, self.check_group = group, check_group
+        self.group, self.check_group, self.token_group = group, check_group, None
         self.sync = grad_sync and group is not None and dist.get_world_size(group) > 1
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype, device=device))
         self.weight.sequence_parallel = group is not None and dist.get_world_size(group) > 1 and not grad_sync
@@ -85,7 +94,7 @@ class TopKRouter(nn.Module):
         if self.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
         if self.expert_load is not None and self.training and not _recomputing():
-            self.expert_load += torch.bincount(indices.flatten(), minlength=self.num_experts)
+            self.expert_load += expert_counts(indices, self.num_experts)
         # The aux losses see the logits at the input's precision, fp32 at least: an fp64 model's are then exact
         # whatever the split (fp32 reductions over a row are not batch-invariant on every backend).
         hi = raw if raw.dtype == torch.float64 else logits
