@@ -71,6 +71,7 @@ def train_refusal(flags, capsys):
     code, stdout and stderr's lines (the subprocess form is checked once, in test_train's end-to-end test)."""
     from models.training.cli import main
 
+    capsys.readouterr()  # (what the test printed before)
     code = main(list(flags))
     out, err = capsys.readouterr()
     return code, out, err.strip().splitlines()

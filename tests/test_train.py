@@ -85,7 +85,7 @@ def test_more_splits_train_the_same_curve(tmp_path):
     })
 
 
-def test_every_split_trains_the_same_curve(tmp_path):
+def test_every_split_trains_the_same_curve(tmp_path, capsys):
     serial = _serial_curve(tmp_path)
     splits = {
         "2x2x2 ddp 1f1b": ["--tp", "2", "--pp", "2", "--dp", "2"],
@@ -112,10 +112,10 @@ def test_every_split_trains_the_same_curve(tmp_path):
         assert len(curve) == 1 and abs(curve[0] - serial[2]) <= 1e-5 * serial[2], (curve, serial)
     reseeded = _run(*SMALL, "--tp", "1", "--pp", "1", "--dp", "1", "--load", ckpt, "--seed", "8")
     assert reseeded.returncode == 0 and "note: the checkpoint's run had --seed=7: the data order" in reseeded.stderr
-    nothing = _run(*SMALL, "--load", ckpt, "--steps", "2")
-    assert nothing.returncode == 2 and "--steps=2 does not go beyond the checkpoint's step 2" in nothing.stderr
-    other = _run(*SMALL, "--load", ckpt, "--hidden-size", "128")  # refused before any process, not in every rank
-    assert other.returncode == 2 and "saved with another GPTConfig: hidden_size=64 (model: 128)" in other.stderr
+    code, _, lines = train_refusal([*SMALL, "--load", ckpt, "--steps", "2"], capsys)
+    assert code == 2 and "--steps=2 does not go beyond the checkpoint's step 2" in lines[-1]
+    code, _, lines = train_refusal([*SMALL, "--load", ckpt, "--hidden-size", "128"], capsys)
+    assert code == 2 and "saved with another GPTConfig: hidden_size=64 (model: 128)" in lines[-1]  # (not per rank)
 
 
 @pytest.mark.parametrize("flags,message", [
