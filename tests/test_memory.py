@@ -234,8 +234,8 @@ def test_saved_activations_within_5_percent_of_the_estimate():
 @distributed(world_size=2)
 def test_moe_layer_activations_within_5_percent_of_the_estimate():
     """A dense and an MoE layer (dropless, top-2 of 8 experts, ep 1) at tp 1, tp 2 and tp 2 with SP: the tensors
-    autograd saves equal the estimate within 5 % (the routed slots at tp = ep = 1 are exactly tokens·k; with a
-    capacity factor the estimate counts the balanced slots only, the dispatch's padded layout is not modelled)."""
+    autograd saves equal the estimate within 5 % (the routed slots at tp = ep = 1 are exactly tokens·k; at tp 2
+    without SP each rank routes a scattered copy of its half and the norm's output is not saved)."""
     for tp_size, sp in ((1, False), (2, False), (2, True)):
         mesh = tp.init_mesh(tp=tp_size)
         cfg = config(num_layers=2, num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=48, moe_layer_freq=[0, 1],

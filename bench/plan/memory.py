@@ -353,21 +353,29 @@ def layer_activation_bytes(config, *, tp, cp=1, micro_batch_size, seq_len, seque
 
 
 def moe_activation_bytes(config, *, tp, tokens, rows, precision, etp=None):
-    """An MoE layer's MLP activations per micro-batch on one rank (in place of the dense MLP's): the router's fp32
-    logits and probabilities over the E experts for the `rows` tokens it routes, and per routed slot on this rank
-    the dispatched input (twice: as received, and sorted by expert for the grouped GEMM), the experts'
-    pre-activation and activation, their output before the weighted combine (e bytes each) and its int64 index.
-    Slots per rank: the micro-batch's b·s·k over the tp·cp ranks holding it, each slot processed by etp ranks
-    (slices of its expert), so b·s·k·etp / (tp·cp) = tokens·k·etp/tp on average, dropless (the mean: imbalance moves
-    it), or that times the capacity factor with one (the dispatch's padded capacity layout keeps more than this: not
-    modelled). The shared expert as a dense MLP of its size."""
+    """An MoE layer's MLP activations per micro-batch on one rank (in place of the dense MLP's), as the alltoall
+    dispatcher's layer saves them. Each tp rank routes its r = tokens/tp share (under SP its sequence shard, else a
+    copy it scatters: then the norm's output, counted with the norm, is not saved, the copy is): the router keeps
+    fp32 [r, E] probabilities and the top-k's int64 indices, sums and weights. The grouped GEMMs keep per expert row
+    (r·k·etp slots, each processed by etp ranks holding slices of its expert: the balanced mean when dropless,
+    imbalance moves it; at most the capacity factor times it with one) the input, the pre-activation and the
+    activation (e bytes each). Back on the routing rank, per slot (r·k, dropped ones as zero rows): the combined
+    output and the weighted output (the index_add's source), the weight and three int64 indices. The dispatch and
+    combine keep no tensor (their backward is each other, from the count table). The shared expert as a dense MLP
+    of its size."""
     e, h, experts, f = PRECISIONS[precision], config.hidden_size, config.num_experts, config.moe_ffn_hidden_size
     etp = tp if etp is None else etp
-    glu = 2 if config.activation == "swiglu" else 1
-    slots = tokens * config.moe_router_topk * etp / tp * (config.moe_capacity_factor or 1.0)
-    routed = int(slots * (e * (3 * h + (glu + 1) * f // etp) + 8))
+    glu, k = (2 if config.activation == "swiglu" else 1), config.moe_router_topk
+    routed = tokens // tp
+    router = 4 * routed * experts + routed * (12 * k + 4)
+    copy = e * routed * h if tp > 1 and rows == tokens else 0  # the replicated tokens' scattered share
+    if copy and not config.moe_shared_expert_size:  # then nothing keeps the norm's output (the shared expert would)
+        copy -= e * tokens * h
+    slots = routed * k
+    gemms = int(slots * etp * min(config.moe_capacity_factor or 1.0, 1.0)) * e * (h + (glu + 1) * f // etp)
+    combine = slots * (2 * e * h + e + 24)
     shared = e * tokens * (glu + 1) * config.moe_shared_expert_size // tp
-    return 8 * rows * experts + routed + shared
+    return router + copy + gemms + combine + shared
 
 
 def layer_wgrad_bytes(config, *, tp, cp=1, micro_batch_size, seq_len, precision):
