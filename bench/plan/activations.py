@@ -1,0 +1,128 @@
+"""Activation memory per rank: what one transformer block saves for backward per micro-batch (dense and MoE), what
+a deferred W holds under ZB-H1, the tensors outside the blocks, and how many micro-batches each schedule keeps in
+flight on a pipeline stage (bench.plan.memory adds the parameters, gradients and optimizer states)."""
+import functools
+
+from tp.pipeline.schedules import build
+
+PRECISIONS = {"fp32": 4, "bf16": 2}  # activation / parameter bytes
+MAIN_GRAD = {"bf16": True, "fp32": False}  # the training job keeps an fp32 main_grad under bf16 (as ZeRO's table)
+
+
+def local_kv_heads(config, tp):
+    """kv heads on one tp rank: k/tp, or 1 when fewer than tp (each held by tp/k ranks)."""
+    return config.num_kv_heads * (tp // config.num_kv_heads if config.num_kv_heads < tp else 1) // tp
+
+
+def layer_activation_bytes(config, *, tp, cp=1, micro_batch_size, seq_len, sequence_parallel, recompute,
+                           precision, backend="triton", layer=0, etp=None):
+    """Bytes TransformerBlock `layer` saves for backward per micro-batch on one rank (the module docstring)."""
+    e = PRECISIONS[precision]
+    h, d, f = config.hidden_size, config.head_dim, config.ffn_hidden_size
+    tokens = micro_batch_size * seq_len // cp
+    rows = tokens // tp if sequence_parallel else tokens  # the residual stream's tokens
+    if recompute == "full":
+        return e * rows * h
+    heads, kv = config.num_heads // tp, local_kv_heads(config, tp)
+    if config.norm == "rmsnorm":  # fp32 input copy, rstd, normed, weighted (the next linear's input)
+        norm = (4 + 2 * e) * rows * h + 4 * rows
+    else:  # F.layer_norm: input, mean and rstd, and the output the next linear keeps
+        norm = 2 * e * rows * h + 8 * rows
+    roped = heads + kv if config.position == "rope" else 0  # RoPE writes q and k anew; else they view qkv
+    attention = e * tokens * d * ((heads + 2 * kv) + roped + heads)
+    attention += 0 if recompute == "selective" else 4 * tokens * heads
+    if cp > 1 and config.position == "rope":  # cos/sin gathered at this rank's positions, per layer
+        attention += 2 * e * tokens // micro_batch_size * d
+    native = backend == "torch" and tp == 1 and not MAIN_GRAD[precision]
+    if config.is_moe_layer(layer):
+        mlp = moe_activation_bytes(config, tp=tp, tokens=tokens, rows=rows, precision=precision, etp=etp)
+    elif config.activation == "swiglu" and native:  # autograd's SwiGLU at accumulator precision
+        mlp = 4 * tokens * 3 * f + e * tokens * f
+    else:
+        mlp = e * tokens * ((2 if config.activation == "swiglu" else 1) * f // tp + f // tp)
+    masks = 2 * rows * h if config.dropout else 0
+    return 2 * norm + attention + mlp + masks
+
+
+def moe_activation_bytes(config, *, tp, tokens, rows, precision, etp=None):
+    """An MoE layer's MLP activations per micro-batch on one rank (in place of the dense MLP's), as the alltoall
+    dispatcher's layer saves them. Each tp rank routes its r = tokens/tp share (under SP its sequence shard, else a
+    copy it scatters: then the norm's output, counted with the norm, is not saved, the copy is): the router keeps
+    fp32 [r, E] probabilities and the top-k's int64 indices, sums and weights. The grouped GEMMs keep per expert row
+    (r·k·etp slots, each processed by etp ranks holding slices of its expert: the balanced mean when dropless,
+    imbalance moves it; at most the capacity factor times it with one) the input, the pre-activation and the
+    activation (e bytes each). Back on the routing rank, per slot (r·k, dropped ones as zero rows): the combined
+    output and the weighted output (the index_add's source), the weight and three int64 indices. The dispatch and
+    combine keep no tensor (their backward is each other, from the count table). The shared expert as a dense MLP
+    of its size."""
+    e, h, experts, f = PRECISIONS[precision], config.hidden_size, config.num_experts, config.moe_ffn_hidden_size
+    etp = tp if etp is None else etp
+    glu, k = (2 if config.activation == "swiglu" else 1), config.moe_router_topk
+    routed = tokens // tp
+    router = 4 * routed * experts + routed * (12 * k + 4)
+    copy = e * routed * h if tp > 1 and rows == tokens else 0  # the replicated tokens' scattered share
+    if copy and not config.moe_shared_expert_size:  # then nothing keeps the norm's output (the shared expert would)
+        copy -= e * tokens * h
+    slots = routed * k
+    gemms = int(slots * etp * min(config.moe_capacity_factor or 1.0, 1.0)) * e * (h + (glu + 1) * f // etp)
+    combine = slots * (2 * e * h + e + 24)
+    shared = e * tokens * (glu + 1) * config.moe_shared_expert_size // tp
+    return router + copy + gemms + combine + shared
+
+
+def layer_wgrad_bytes(config, *, tp, cp=1, micro_batch_size, seq_len, precision):
+    """Bytes a deferred W (ZB-H1) holds per layer and micro-batch from its B on: each linear's input (the column
+    layers' whole, re-gathered under SP) and output gradient, as tp.pipeline.DeferredWgrads queues them."""
+    e = PRECISIONS[precision]
+    h, d, f = config.hidden_size, config.head_dim, config.ffn_hidden_size
+    heads, kv = config.num_heads // tp, local_kv_heads(config, tp)
+    fc1 = (2 if config.activation == "swiglu" else 1) * f // tp
+    #                                 qkv: x, dz           proj: x, dz     fc1: x, dz   fc2: x, dz
+    return e * micro_batch_size * seq_len // cp * (h + (heads + 2 * kv) * d + heads * d + h + h + fc1 + f // tp + h)
+
+
+@functools.lru_cache(maxsize=4096)
+def zb_states(pp, stage, micro_batches):
+    """[(micro-batches awaiting B, awaiting W)] after each action of pipeline rank `stage` under ZB-H1."""
+    states, alive, deferred = [], 0, 0
+    for action in build("zb", pp, micro_batches, 1).actions[stage]:
+        alive += {"F": 1, "B": -1}.get(action.kind, 0)
+        deferred += {"B": 1, "W": -1}.get(action.kind, 0)
+        states.append((alive, deferred))
+    return tuple(states)
+
+
+def edge_activation_bytes(config, *, tp, cp=1, micro_batch_size, seq_len, sequence_parallel, precision,
+                          first, last):
+    """Per micro-batch bytes outside the blocks: embedding (first stage), final norm and loss (last stage), or the
+    output held for the backward send (other stages)."""
+    e = PRECISIONS[precision]
+    h = config.hidden_size
+    tokens = micro_batch_size * seq_len // cp
+    rows = tokens // tp if sequence_parallel else tokens
+    total = 0
+    if first:
+        total += 8 * tokens + (tokens if tp > 1 else 0)  # ids, and the out-of-shard mask
+        total += rows * h if config.dropout else 0
+    if last:
+        real = min(config.padded_vocab_size(tp) // tp, config.vocab_size)  # rank 0's columns: the most
+        total += (4 + 2 * e) * rows * h + 4 * rows if config.norm == "rmsnorm" else 2 * e * rows * h + 8 * rows
+        total += 4 * tokens * real + 10 * tokens + 8  # fp32 softmax, targets (int64), two masks, the token count
+    else:
+        total += e * rows * h  # the stage output, kept until its gradient arrives
+    return total
+
+
+def in_flight(schedule, pp, stage, virtual_stages=1, micro_batches=None):
+    """Micro-batches of whole-stage activations alive at once on pipeline rank `stage` (module docstring)."""
+    m = micro_batches
+    if schedule == "gpipe":
+        if m is None:
+            raise ValueError("schedule='gpipe' keeps every micro-batch alive: give micro_batches")
+        return m
+    if schedule == "interleaved":
+        chunks = (pp - stage - 1) * 2 + (virtual_stages - 1) * pp + 1
+        if m is not None:
+            chunks = min(chunks, m * virtual_stages)
+        return chunks / virtual_stages
+    return pp - stage if m is None else min(pp - stage, m)
