@@ -153,6 +153,25 @@ def test_a_dead_rank_is_reported_and_the_next_call_gets_fresh_ranks():
     assert testing.run(_rank, world_size=2) == [0, 1]
 
 
+def _count_a_group_on_rank_zero_only():
+    if dist.get_rank() == 0:  # as a new_group call reached by rank 0 alone (a body that failed on the others)
+        dist.distributed_c10d._world.group_count += 1
+
+
+def _new_group_works():
+    group = dist.new_group([0, 1])
+    out = torch.zeros(2, dtype=torch.int64)
+    dist.all_gather_into_tensor(out, torch.tensor([dist.get_rank()]), group=group)
+    return out.tolist()
+
+
+def test_ranks_out_of_step_on_their_groups_fail_the_call_and_get_fresh_workers():
+    """Otherwise the next test's new_group pairs the ranks' groups wrongly: a gloo connection error or a hang."""
+    with pytest.raises(testing.RankError, match=r"created different numbers of process groups \(\{0: \d+, 1: \d+\}"):
+        testing.run(_count_a_group_on_rank_zero_only, world_size=2)
+    assert testing.run(_new_group_works, world_size=2) == [[0, 1], [0, 1]]
+
+
 def test_each_call_starts_from_a_clean_rank():
     fresh = testing.WorkerPool(2)
     try:

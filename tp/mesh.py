@@ -37,6 +37,11 @@ _current = None
 # Process groups kept by destroy_mesh(keep_groups=True) for the next init_mesh, keyed by their ranks, valid while
 # the default group they were made under (the first entry) lives.
 _kept_groups = [None, {}]
+# Set when a mesh destroyed its groups: the next mesh synchronises every rank before creating its own. Gloo groups
+# torn down or created while another rank is still at the other step sometimes fail the next group's connection
+# ("Gloo connectFullMesh failed ... Connection closed by peer": about 1 in 40 destroy/init cycles on a loaded 2-core
+# machine; none in 320 with a barrier before the teardown and one before the next groups).
+_destroyed_groups = [False]
 
 
 def _embedding_ranks(pp_ranks):
@@ -60,6 +65,9 @@ class Mesh:
             _kept_groups[:] = [dist.group.WORLD, {}]
         kept = _kept_groups[1]
         timeout = default_group_timeout()  # new_group's own default is torch's (30 min on gloo), not the world's
+        if _destroyed_groups[0]:  # (creating groups is collective anyway: this barrier adds no new wait)
+            dist.barrier()
+            _destroyed_groups[0] = False
         self._ranks, self._groups, created = {}, {}, {}
         # new_group is collective over the world: every rank creates every group, in the same order (and every
         # rank has kept the same groups, since all of them ran the same init/destroy calls).
@@ -165,8 +173,12 @@ class Mesh:
         if keep_groups and not self._owns_default_group:
             _kept_groups[1].update(self._created)
         else:
+            tearing_down = bool(self._created) and not self._owns_default_group
+            if tearing_down:  # no rank still connecting or using them (a collective call: every rank destroys)
+                dist.barrier()
             for group in self._created.values():
                 dist.destroy_process_group(group)
+            _destroyed_groups[0] = tearing_down
         self._created, self._groups, self._destroyed = {}, {}, True
         _forget_dtensor_sharding()
         if self._owns_default_group:
@@ -234,6 +246,7 @@ def get_mesh() -> Mesh:
 def destroy_mesh(*, keep_groups: bool = False) -> None:
     """Destroy the current mesh's groups (and the default group if init_mesh created it for a lone process; one made
     from torchrun's environment is kept for the next init_mesh: `torch.distributed.destroy_process_group()` at exit).
+    Collective, as init_mesh: every rank calls it (it synchronises the ranks before tearing the groups down).
 
     keep_groups=True keeps the process groups for a later init_mesh that needs the same rank lists (creating
     groups is the slow part; the test harness reuses them across tests, as a training job would keep them).

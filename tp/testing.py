@@ -2,7 +2,9 @@
 
 Workers are spawned once per world size and reused across calls (spawning is the slow part). A failure on any
 rank raises `RankError` with every failing rank's traceback; a hang raises `RankTimeout` with the Python stack of
-every rank that did not answer (where it is stuck), and the workers are killed (the next call spawns fresh ones).
+every rank that did not answer (where it is stuck), and the workers are killed (the next call spawns fresh ones). A
+call after which the ranks have created different numbers of process groups fails too, and respawns them: their next
+groups would pair up wrongly (a gloo connection error, or a hang, in some later test).
 Each call gets `timeout` seconds (default: `TP_TEST_TIMEOUT`, else 60) and starts from a clean rank: no mesh,
 `torch.manual_seed(0)` on every rank, debug mode and the tracked RNG streams as at start-up. Under pytest, the ranks
 import test modules with pytest's assertion rewriting, so a bare `assert` reports its values as it would in the
@@ -148,7 +150,7 @@ def _worker(rank, world_size, workdir, tasks, results, collective_timeout):
 
     fresh_debug = tp.is_debug()
 
-    results.put((0, rank, True, "ready"))  # call timeouts start counting once every rank is up
+    results.put((0, rank, True, "ready", None))  # call timeouts start counting once every rank is up
 
     while (task := tasks.get()) is not None:
         task_id, module, qualname, rewrite_asserts, kwargs = task
@@ -156,16 +158,21 @@ def _worker(rank, world_size, workdir, tasks, results, collective_timeout):
             rewriter.modules.add(module)
         try:
             torch.manual_seed(0)  # every call, on every rank: results never depend on the tests run before
-            value = _resolve(module, qualname)(**kwargs)
+            ok, value = True, _resolve(module, qualname)(**kwargs)
             pickle.dumps(value)  # fail here, with a traceback, rather than silently in the queue's feeder thread
-            results.put((task_id, rank, True, value))
         except BaseException:  # noqa: BLE001 - reported to the parent, which fails the test
-            results.put((task_id, rank, False, traceback.format_exc()))
+            ok, value = False, traceback.format_exc()
         finally:  # the next test starts from a clean rank (but keeps the process groups: creating them is slow)
             tp.destroy_mesh(keep_groups=True)
             torch.set_default_dtype(torch.float32)
             tp.set_debug(fresh_debug)
             tp.get_rng_tracker().reset()
+        results.put((task_id, rank, ok, value, _groups_made()))
+
+
+def _groups_made():
+    """How many process groups this rank has created: equal on every rank unless a call left them out of step."""
+    return getattr(dist.distributed_c10d._world, "group_count", None)
 
 
 class WorkerPool:
@@ -208,7 +215,7 @@ class WorkerPool:
                 raise RankError(f"ranks {dead or sorted(set(range(self.world_size)) - started)} of "
                                 f"{self.world_size} {what} while starting the worker pool")
             try:
-                task_id, rank, _, _ = self._results.get(timeout=1.0)
+                task_id, rank, *_ = self._results.get(timeout=1.0)
                 if task_id == 0:
                     started.add(rank)
             except queue.Empty:
@@ -228,7 +235,7 @@ class WorkerPool:
         task = (self._task_id, fn.__module__, fn.__qualname__, _rewritten_by_pytest(fn.__module__), kwargs or {})
         for q in self._tasks:
             q.put(task)
-        outcome, deadline = {}, time.monotonic() + timeout
+        outcome, groups_made, deadline = {}, {}, time.monotonic() + timeout
         while len(outcome) < self.world_size:
             failed = any(not ok for ok, _ in outcome.values())
             now = time.monotonic()
@@ -237,9 +244,9 @@ class WorkerPool:
             if now >= deadline:
                 break
             try:
-                task_id, rank, ok, value = self._results.get(timeout=min(1.0, deadline - now))
+                task_id, rank, ok, value, groups = self._results.get(timeout=min(1.0, deadline - now))
                 if task_id == self._task_id:  # never mistake a late answer to an earlier call for this one
-                    outcome[rank] = (ok, value)
+                    outcome[rank], groups_made[rank] = (ok, value), groups
             except queue.Empty:
                 dead = [r for r, p in enumerate(self._procs) if not p.is_alive() and r not in outcome]
                 for r in dead:
@@ -250,7 +257,10 @@ class WorkerPool:
             stacks = self._stacks(missing)
             for r in missing:
                 self._procs[r].kill()
-        if missing or not all(p.is_alive() for p in self._procs):  # a dead rank breaks the group: respawn next time
+        # a rank that created process groups the others did not (a body that failed on some ranks between two
+        # new_group calls) would pair its next group with the wrong one of theirs: respawn, as for a dead rank
+        out_of_step = len(set(groups_made.values())) > 1
+        if missing or out_of_step or not all(p.is_alive() for p in self._procs):
             self.close()
         errors = {r: v for r, (ok, v) in sorted(outcome.items()) if not ok}
         report = "".join([f"\n---- rank {r} ----\n{tb}" for r, tb in errors.items()] +
@@ -259,6 +269,10 @@ class WorkerPool:
         if errors:
             hung = f"\nranks {missing} did not report and were killed" if missing else ""
             raise RankError(f"{name} failed on ranks {sorted(errors)} of {self.world_size}{hung}{report}")
+        if out_of_step:
+            counts = dict(sorted(groups_made.items()))
+            raise RankError(f"{name}: the ranks created different numbers of process groups ({counts}; a new_group "
+                            "call left out on some ranks): the workers were respawned")
         if missing:
             raise RankTimeout(f"{name}: ranks {missing} of {self.world_size} did not finish within {timeout:.0f}s "
                               f"(set by timeout= or TP_TEST_TIMEOUT){report}")
