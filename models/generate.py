@@ -184,5 +184,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def entry() -> None:
+    """`python -m models.generate`: main(), then the process's exit (models.training.launch.exit_process)."""
+    from .training.launch import exit_process
+
+    exit_process(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -153,3 +153,19 @@ def test_bad_input_is_one_line_before_any_process(byte_model, flags, message, ca
     assert out == "" and len(err.strip().splitlines()) == 1 and re.search(message, err), err
     assert main(["--from-hf", str(tmp_path / "nowhere"), "--prompt", "x"]) == 2
     assert "--from-hf" in capsys.readouterr().err
+
+
+
+def test_a_torchrun_rank_exits_without_tearing_its_process_groups_down(monkeypatch):
+    """At interpreter exit a live gloo group's destructor sometimes aborted the rank ("terminate called without an
+    active exception", exit -6: test_the_command_prints_the_prompt_then_the_greedy_continuation[2] once): a rank
+    launched by torchrun flushes and leaves through os._exit, as the training job's ranks do."""
+    from models import generate
+
+    exits = []
+    monkeypatch.setenv("RANK", "0")  # as torchrun's ranks see it
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(generate, "main", lambda: 3)
+    monkeypatch.setattr(os, "_exit", exits.append)
+    generate.entry()
+    assert exits == [3]

@@ -311,11 +311,4 @@ def main(argv: list[str] | None = None) -> int:
 
 def entry() -> None:
     """`python -m models.train`: main(), then the process's exit."""
-    code = main()
-    if launched_by_torchrun():
-        # One of torchrun's ranks, done: exit without tearing the process groups down (a gloo group destroyed from
-        # Python joins its worker thread with the GIL held, and that thread may need the GIL: a deadlock at exit).
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    sys.exit(code)
+    launch.exit_process(main())

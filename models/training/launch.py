@@ -10,7 +10,7 @@ import socket
 import sys
 import tempfile
 
-from tp.mesh import Mesh
+from tp.mesh import Mesh, launched_by_torchrun
 
 from . import failures
 from .config import JobConfig
@@ -193,6 +193,18 @@ def write_config(job: JobConfig, logs: str) -> str:
     with open(path, "w") as f:
         f.write(resolved.to_toml())
     return path
+
+
+def exit_process(code: int) -> None:
+    """Exit with `code`; one of torchrun's ranks without tearing its process groups down: a gloo group destroyed
+    from Python joins its worker thread with the GIL held, and that thread may need the GIL (a deadlock), and one
+    left to the interpreter's exit sometimes aborts the rank ("terminate called without an active exception")."""
+    if launched_by_torchrun():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    else:
+        sys.exit(code)
 
 
 def quiet_torchelastic() -> None:
