@@ -153,12 +153,17 @@ def _nemotron15(dp, iteration_s, mfu_percent, batch):
 
 
 LLAMA31_70B_NOTE = ("llama3.1/README_70b.md: 24.09 BF16, TP 4, PP 4, CP 2, VP 5, MBS 1, sequence 8192; the NeMo "
-                    "recipe (NeMo-Framework-Launcher llama3_1_70b.yaml): SP, no recompute, distributed optimizer "
-                    "with overlapped grad/param sync, ub_tp_comm_overlap, overlap_p2p_comm")
+                    "recipe (NeMo-Framework-Launcher llama3_1_70b.yaml): SP, no recompute, distributed_fused_adam "
+                    "(fp32 state) with overlapped grad/param sync, ub_tp_comm_overlap, overlap_p2p_comm")
 NEMOTRON340_NOTE = ("nemotron/README_340b.md: 24.11 BF16, TP 8, PP 8, VP 12, MBS 1, sequence 4096; SP, no recompute "
-                    "and the 70B recipe's overlaps assumed (the README gives only the parallel sizes); " + SQUARED_RELU)
+                    "and the 70B recipe's overlaps assumed (the README gives only the parallel sizes); its config "
+                    "(dgxc-benchmarking nemotron4-340b-synth.yaml, configure.sh): distributed_fused_adam with bf16 "
+                    "state and gradients (priced), selective recompute and NVTE_FUSED_ATTN=0 (not priced); "
+                    + SQUARED_RELU)
 LLAMA31_405B_NOTE = ("llama3.1/README_405b.md: 24.09 BF16, TP 8, PP 9, CP 2, VP 7, MBS 1, sequence 8192, 126 layers "
-                     "(the full model from 576 GPUs up); SP, no recompute and the 70B recipe's overlaps assumed")
+                     "(the full model from 576 GPUs up); SP, no recompute and the 70B recipe's overlaps assumed; "
+                     "distributed_fused_adam (fp32 state) as the launcher's llama3_1_405b.yaml, whose "
+                     "num_query_groups is 16 (priced: Llama 3.1's 8)")
 NEMOTRON15_NEMO_NOTE = ("nemotron/README_15b.md: BF16, TP 4, PP 1, MBS 4, GA 4, sequence 4096; SP, no recompute and "
                         f"the 70B recipe's overlaps assumed; {NEMOTRON15_SHAPE}")
 MIXTRAL = ("Megatron-LM megatron/core/transformer/moe/README.md: \"468 TFLOPS for Mixtral 8X7B bf16 training\" "
