@@ -1,5 +1,7 @@
 """Per-rank memory of a GPTConfig under a tp × cp × pp × dp split: parameters, gradients, optimizer state and
-activations of the largest pipeline stage, counted as this package's code allocates and saves them.
+activations of the largest pipeline stage, counted as this package's code allocates and saves them (or, to price
+another implementation's run: backend "te", what Megatron-Core layers on Transformer Engine save, and
+optimizer_bytes / grad_bytes, its optimizer's state per parameter: state_memory).
 
     estimate(config, tp=8, pp=4, dp=16, micro_batch_size=1, seq_len=4096, sequence_parallel=True,
              recompute="selective", dp_mode="zero1", precision="bf16")  -> MemoryEstimate (bytes)
@@ -341,6 +343,7 @@ def state_memory(config, *, tp, pp, stage, virtual_stages, dp_mode, precision, s
     else:
         state = optimizer_bytes * n
     return PRECISIONS[precision] * n, grad_bytes * n, int(state), 0
+
 
 # ---- the estimate ----------------------------------------------------------------------------------------------------
 

@@ -132,8 +132,8 @@ NEMOTRON15_SHAPE = ("Parmar et al. 2024 (arXiv:2402.16819) Table 1: 32 layers, h
 # optimizer's dtype is the model's), bf16 moments (4 bytes sharded) and a bf16 gradient buffer (2). Its
 # nemotron4-15b-synth.yaml runs `mcore_distributed_optim` (Megatron-Core's distributed optimizer: fp32 master and
 # moments, and fp32 gradients, NeMo's grad_reduce_in_fp32 for the default grad_sync_dtype): NEMO_2024's default.
-NEMO_FUSED_ADAM = replace(NEMO_2024, name="NeMo 24.09 (TE, distributed_fused_adam)", optimizer_bytes=10)
-NEMO_FUSED_ADAM_BF16 = replace(NEMO_2024, name="NeMo 24.09 (TE, distributed_fused_adam in bf16)", grad_bytes=2,
+NEMO_FUSED_ADAM = replace(NEMO_2024, name="NeMo 24.x (TE, distributed_fused_adam)", optimizer_bytes=10)
+NEMO_FUSED_ADAM_BF16 = replace(NEMO_2024, name="NeMo 24.x (TE, distributed_fused_adam in bf16)", grad_bytes=2,
                                optimizer_bytes=4)
 
 
