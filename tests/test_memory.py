@@ -13,6 +13,7 @@ import tp
 import tp.optim
 from bench.plan import memory
 from models.block import TransformerBlock
+from models.config import PUBLISHED_MODELS
 from tp.testing import distributed
 
 # kv heads 2 of 8: replicated at tp = 4 (GQA); vocab 300 padded per tp; ffn 80 splits over 1, 2, 4.
@@ -40,6 +41,62 @@ def test_bytes_per_parameter_by_hand():
     assert sum(memory.bytes_per_parameter("fp32", "ddp")) == 16
     assert sum(memory.bytes_per_parameter("fp32", "zero1", 4)) == 8 + 8 / 4
     assert sum(memory.bytes_per_parameter("bf16", "fsdp", 16)) == 16 / 16  # fp32 sharded master, grads, moments
+
+
+def test_te_layer_is_korthikantis_34_sbh_over_t():
+    """Korthikanti et al. 2022 (arXiv:2205.05198) §4.2.2, Table 2 (tp + SP): a GPT-3 layer (LayerNorm, 4h GELU MLP,
+    MHA, dropout) saves sbh·(34 + 5as/h)/t bytes, 34·sbh/t without the s×s scores (flash / cuDNN attention). The
+    Transformer Engine count equals it plus what the paper leaves out, the fp32 statistics: the two LayerNorms'
+    mean and rstd (2·8·sb/t) and the attention's log-sum-exp (4·sb·a/t, dropped by selective recompute) — 0.1 % here.
+    Megatron-LM's theoretical_memory_usage.py's sbh·(18 + 4·ffn/h)/t for another ffn."""
+    s, b, t = 2048, 2, 8
+    gpt3 = PUBLISHED_MODELS["gpt3-175b"] | dict(dropout=0.1)
+    h, a = gpt3["hidden_size"], gpt3["num_heads"]
+    shape = dict(tp=t, micro_batch_size=b, seq_len=s, sequence_parallel=True, precision="bf16", backend="te")
+    for ffn in (4 * h, 3 * h):
+        cfg = models.GPTConfig(**gpt3, ffn_hidden_size=ffn)
+        paper = (18 + 4 * ffn // h) * s * b * h // t
+        for recompute, lse in (("none", 4 * s * b * a // t), ("selective", 0)):
+            got = memory.layer_activation_bytes(cfg, recompute=recompute, **shape)
+            assert got == paper + 2 * 8 * s * b // t + lse, (ffn, recompute)
+            assert 0 < got / paper - 1 < 0.01
+    assert paper == 30 * s * b * h // t and (18 + 4 * 4) == 34
+
+
+def test_te_drops_what_this_package_saves_beyond_it():
+    """Against this package's count (RMSNorm, RoPE, SwiGLU, GQA): TE keeps no fp32 copy of each norm's input (4·T'h
+    per norm), no rotated q and k (e·T·(a/tp + k')·d) and under cp no per-layer cos/sin (2e·s/cp·d)."""
+    cfg = config("llama")
+    for tp_size, cp in ((1, 1), (2, 1), (4, 2)):
+        sp = tp_size > 1
+        shape = dict(tp=tp_size, cp=cp, micro_batch_size=2, seq_len=64, sequence_parallel=sp, recompute="none",
+                     precision="bf16")
+        tokens = 2 * 64 // cp
+        rows = tokens // tp_size if sp else tokens
+        heads, kv = cfg.num_heads // tp_size, memory.local_kv_heads(cfg, tp_size)
+        extra = 2 * 4 * rows * cfg.hidden_size + 2 * tokens * (heads + kv) * cfg.head_dim
+        extra += 2 * 2 * 64 // cp * cfg.head_dim if cp > 1 else 0
+        ours, te = (memory.layer_activation_bytes(cfg, backend=backend, **shape) for backend in ("triton", "te"))
+        assert ours - te == extra, (tp_size, cp)
+
+
+def test_another_optimizers_bytes_per_parameter():
+    """estimate(optimizer_bytes=, grad_bytes=): the parameter in e bytes, a whole gradient buffer of grad_bytes and
+    optimizer_bytes of state sharded over dp·cp: Megatron-Core's distributed optimizer 6 + 12/d (Megatron-LM's
+    compute_weight_and_optimizer_memory), NeMo's distributed_fused_adam 6 + 10/d (fp32 moments, 16-bit master
+    remainders) or, in bf16, 4 + 4/d."""
+    cfg = models.GPTConfig(vocab_size=32000, hidden_size=1024, num_layers=8, num_heads=16, num_kv_heads=4)
+    args = dict(tp=2, pp=4, dp=4, cp=2, micro_batch_size=1, seq_len=1024, sequence_parallel=True, recompute="none",
+                dp_mode="zero1", precision="bf16", backend="te")
+    n = memory.stage_numel(cfg, 2, 4, 0)
+    for grad_bytes, optimizer_bytes in ((4, 12), (4, 10), (2, 4)):
+        est = memory.estimate(cfg, **args, grad_bytes=grad_bytes, optimizer_bytes=optimizer_bytes)
+        assert (est.params, est.grads, est.optimizer, est.stage) == (2 * n, grad_bytes * n,
+                                                                      optimizer_bytes * -(-n // 8), 0)
+    ddp = memory.estimate(cfg, **(args | dict(dp_mode="ddp")), optimizer_bytes=12)
+    assert ddp.params + ddp.grads + ddp.optimizer == 18 * n
+    with pytest.raises(ValueError, match="optimizer_bytes=12 prices a dp-sharded optimizer"):
+        memory.estimate(cfg, **(args | dict(dp_mode="fsdp")), optimizer_bytes=12)
 
 
 def test_in_flight_micro_batches_by_hand():

@@ -1,6 +1,22 @@
 """Activation memory per rank: what one transformer block saves for backward per micro-batch (dense and MoE), what
 a deferred W holds under ZB-H1, the tensors outside the blocks, and how many micro-batches each schedule keeps in
-flight on a pipeline stage (bench.plan.memory adds the parameters, gradients and optimizer states)."""
+flight on a pipeline stage (bench.plan.memory adds the parameters, gradients and optimizer states).
+
+Backends "triton" and "torch" count this package's layers (byte-exact against the training job: tests). Backend "te"
+counts a Megatron-Core layer on Transformer Engine, as NVIDIA's NeMo / Megatron-LM recipes run it, from
+Korthikanti et al. 2022 (arXiv:2205.05198) §4.1 and Table 2 redone without the s×s terms: per layer with tp + SP,
+sbh·34/t bytes for a GPT-3 layer (LayerNorm, 4h GELU MLP, dropout) once the 5as/h attention term is gone (flash /
+cuDNN attention keeps no scores) — LayerNorm inputs 4, QKV input (the first norm's output) 2, Q and K 4, V 2, the
+projection's input 2, its dropout mask 1; fc1's input (the second norm's output) 2, GELU's input 8, fc2's input 8,
+dropout mask 1 — which Megatron-LM's megatron/training/theoretical_memory_usage.py writes sbh·(18 + 4·ffn/h)/t.
+Counted per tensor, so GQA, SwiGLU and no dropout follow: each fused norm (TE's LayerNormLinear / LayerNormMLP)
+keeps its input and its output (the GEMM's input, the local T' rows under SP, re-gathered in backward) plus fp32
+statistics (mean and rstd, RMSNorm rstd); fused RoPE keeps no rotated copy (its backward needs only the angles,
+computed once per forward); the attention kernel keeps q, k, v, its output (also the projection's input) and the
+fp32 log-sum-exp per head and token (dropped by selective recompute); the MLP its pre-activation and activation
+output. What this package saves beyond that: an fp32 copy of each RMSNorm input, RoPE's rotated q and k, and under
+cp per-layer cos/sin. The MoE layer and the loss are counted as this package's (not re-derived for Megatron's).
+"""
 import functools
 
 from tp.pipeline.schedules import build
@@ -14,9 +30,20 @@ def local_kv_heads(config, tp):
     return config.num_kv_heads * (tp // config.num_kv_heads if config.num_kv_heads < tp else 1) // tp
 
 
+def norm_activation_bytes(config, rows, precision, backend="triton"):
+    """What one norm over `rows` tokens saves with the next linear's input (its output): this package's RMSNorm
+    an fp32 copy of its input (it upcasts), rstd, the normed and the weighted output; F.layer_norm and TE's fused
+    norms (LayerNormLinear / LayerNormMLP) the input and the output, with fp32 mean and rstd (RMSNorm: rstd)."""
+    e, h = PRECISIONS[precision], config.hidden_size
+    if config.norm == "rmsnorm" and backend != "te":
+        return (4 + 2 * e) * rows * h + 4 * rows
+    return 2 * e * rows * h + (8 if config.norm == "layernorm" else 4) * rows
+
+
 def layer_activation_bytes(config, *, tp, cp=1, micro_batch_size, seq_len, sequence_parallel, recompute,
                            precision, backend="triton", layer=0, etp=None):
-    """Bytes TransformerBlock `layer` saves for backward per micro-batch on one rank (the module docstring)."""
+    """Bytes TransformerBlock `layer` saves for backward per micro-batch on one rank (the module docstring), or with
+    `backend` "te" what a Megatron-Core layer on Transformer Engine saves in its place."""
     e = PRECISIONS[precision]
     h, d, f = config.hidden_size, config.head_dim, config.ffn_hidden_size
     tokens = micro_batch_size * seq_len // cp
@@ -24,14 +51,12 @@ def layer_activation_bytes(config, *, tp, cp=1, micro_batch_size, seq_len, seque
     if recompute == "full":
         return e * rows * h
     heads, kv = config.num_heads // tp, local_kv_heads(config, tp)
-    if config.norm == "rmsnorm":  # fp32 input copy, rstd, normed, weighted (the next linear's input)
-        norm = (4 + 2 * e) * rows * h + 4 * rows
-    else:  # F.layer_norm: input, mean and rstd, and the output the next linear keeps
-        norm = 2 * e * rows * h + 8 * rows
-    roped = heads + kv if config.position == "rope" else 0  # RoPE writes q and k anew; else they view qkv
+    te = backend == "te"
+    norm = norm_activation_bytes(config, rows, precision, backend)
+    roped = heads + kv if config.position == "rope" and not te else 0  # RoPE writes q and k anew; TE's fused not
     attention = e * tokens * d * ((heads + 2 * kv) + roped + heads)
     attention += 0 if recompute == "selective" else 4 * tokens * heads
-    if cp > 1 and config.position == "rope":  # cos/sin gathered at this rank's positions, per layer
+    if cp > 1 and config.position == "rope" and not te:  # cos/sin gathered at this rank's positions, per layer
         attention += 2 * e * tokens // micro_batch_size * d
     native = backend == "torch" and tp == 1 and not MAIN_GRAD[precision]
     if config.is_moe_layer(layer):
@@ -93,7 +118,7 @@ def zb_states(pp, stage, micro_batches):
 
 
 def edge_activation_bytes(config, *, tp, cp=1, micro_batch_size, seq_len, sequence_parallel, precision,
-                          first, last):
+                          first, last, backend="triton"):
     """Per micro-batch bytes outside the blocks: embedding (first stage), final norm and loss (last stage), or the
     output held for the backward send (other stages)."""
     e = PRECISIONS[precision]
@@ -106,7 +131,7 @@ def edge_activation_bytes(config, *, tp, cp=1, micro_batch_size, seq_len, sequen
         total += rows * h if config.dropout else 0
     if last:
         real = min(config.padded_vocab_size(tp) // tp, config.vocab_size)  # rank 0's columns: the most
-        total += (4 + 2 * e) * rows * h + 4 * rows if config.norm == "rmsnorm" else 2 * e * rows * h + 8 * rows
+        total += norm_activation_bytes(config, rows, precision, backend)
         total += 4 * tokens * real + 10 * tokens + 8  # fp32 softmax, targets (int64), two masks, the token count
     else:
         total += e * rows * h  # the stage output, kept until its gradient arrives

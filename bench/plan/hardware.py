@@ -33,13 +33,19 @@ class Cluster:
 H100_GEMM = 608 / 989
 H100_COMM = 370 / 450
 H100_CUDNN_ATTENTION = 614 / 989
+# Device memory as the driver reports it (nvidia-smi's total): the "80 GB" of both datasheets is 80 GiB of HBM, less
+# what the driver keeps on the H100 — "NVIDIA H100 80GB HBM3 ... 81559MiB" (nvidia-smi in NVIDIA/nccl issue #1264),
+# A100 80GB 81920MiB (modal-labs/modal-client PR #2797's nvidia-smi totals)
+H100_MEMORY = 81559 * 2**20  # 85.5e9 bytes
+A100_MEMORY = 81920 * 2**20  # 85.9e9 bytes
 CLUSTERS = {
     "h100-sxm": Cluster(
-        "h100-sxm", HARDWARE["h100-nvlink"], memory=80e9, reserved=3e9,
+        "h100-sxm", HARDWARE["h100-nvlink"], memory=H100_MEMORY, reserved=3e9,
         gemm_efficiency=H100_GEMM, comm_efficiency=H100_COMM, attention_efficiency=0.35,
         cudnn_attention_efficiency=H100_CUDNN_ATTENTION, op_overhead=0.0,
         source="device: bench.roofline's h100-nvlink (NVIDIA H100 SXM datasheet: 989 TFLOP/s bf16 dense, 3.35 "
-               "TB/s, NVLink 450 GB/s per direction, 80 GB HBM3); between nodes one ConnectX-7 NDR 400 Gb/s = 50 GB/s "
+               "TB/s, NVLink 450 GB/s per direction, 80 GB HBM3: 81559 MiB as nvidia-smi reports it); "
+               "between nodes one ConnectX-7 NDR 400 Gb/s = 50 GB/s "
                "per GPU (DGX H100: 8 per node). Achieved fractions, each measured or published, none fitted to a "
                "validation row: gemm 0.615 (608 of 989) — the median torch (cuBLAS) bf16 TFLOP/s of bench.kernels' 15 "
                "training GEMMs (hidden 4096, 8192 tokens, tp 1 and 4; forward, backward, wgrad) on an H200 (same "
@@ -51,10 +57,11 @@ CLUSTERS = {
                "PR #2391; the paper's best is 740, 75 %); reserved 3 GB: an allowance, not measured; launch overhead "
                "hidden (asynchronous launches, kernels >> 5 us here)"),
     "a100-80g": Cluster(
-        "a100-80g", HARDWARE["a100-nvlink"], memory=80e9, reserved=3e9,
+        "a100-80g", HARDWARE["a100-nvlink"], memory=A100_MEMORY, reserved=3e9,
         gemm_efficiency=0.76, comm_efficiency=0.5, attention_efficiency=0.5, op_overhead=0.0,
         source="device: bench.roofline's a100-nvlink (NVIDIA A100 80GB SXM datasheet: 312 TFLOP/s bf16/fp16 "
-               "dense, 2.039 TB/s, NVLink 300 GB/s per direction, 80 GB HBM2e); between nodes one HDR 200 Gb/s = 25 "
+               "dense, 2.039 TB/s, NVLink 300 GB/s per direction, 80 GB HBM2e: 81920 MiB as nvidia-smi reports "
+               "it); between nodes one HDR 200 Gb/s = 25 "
                "GB/s per GPU (DGX A100 / Selene: 8 compute HDR NICs per node, Narayanan et al. 2021 §5); attention "
                "0.5: FlashAttention-2 paper (Dao 2023): 50-73 % of A100 peak; gemm 0.76 and comm 0.5: calibrated on "
                "the 18 published A100 figures (Narayanan et al. 2021 Table 1, Korthikanti et al. 2022 Table 5; "

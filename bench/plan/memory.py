@@ -1,5 +1,7 @@
 """Per-rank memory of a GPTConfig under a tp × cp × pp × dp split: parameters, gradients, optimizer state and
-activations of the largest pipeline stage, counted as this package's code allocates and saves them.
+activations of the largest pipeline stage, counted as this package's code allocates and saves them (or, to price
+another implementation's run: backend "te", what Megatron-Core layers on Transformer Engine save, and
+optimizer_bytes / grad_bytes, its optimizer's state per parameter: state_memory).
 
     estimate(config, tp=8, pp=4, dp=16, micro_batch_size=1, seq_len=4096, sequence_parallel=True,
              recompute="selective", dp_mode="zero1", precision="bf16")  -> MemoryEstimate (bytes)
@@ -79,7 +81,7 @@ from .activations import (
 DP_MODES = ("ddp", "zero1", "fsdp")
 RECOMPUTE = ("none", "selective", "full")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
-BACKENDS = ("triton", "torch")
+BACKENDS = ("triton", "torch", "te")
 STEP_BYTES = 4  # torch.optim.AdamW's per-tensor step counter (a float32 scalar tensor)
 _CACHE = {}  # memoized stage parameter counts and bytes (the planner asks for the same stages often)
 
@@ -324,6 +326,25 @@ def _parameter_memory(config, tp, pp, stage, virtual_stages, dp_mode, precision,
     return 4 * n, 4 * n, 8 * n + STEP_BYTES * len(shapes), ddp_buckets
 
 
+def state_memory(config, *, tp, pp, stage, virtual_stages, dp_mode, precision, shards, ep=1, etp=None,
+                 grad_bytes, optimizer_bytes):
+    """(params, grads, optimizer, 0) bytes of pipeline rank `stage` under another implementation's data-parallel
+    optimizer, per parameter: e for the parameter, `grad_bytes` for its gradient buffer (whole), `optimizer_bytes`
+    of state sharded over the dp·cp ranks (the experts' over edp) under zero1, whole under ddp. Megatron-LM's
+    compute_weight_and_optimizer_memory (megatron/training/theoretical_memory_usage.py) counts Megatron-Core's
+    distributed optimizer so: 6 + 12/dp (bf16 parameter, fp32 gradient, fp32 master and Adam moments)."""
+    chunks = stage_chunks(config.num_layers, pp, stage, virtual_stages)
+    items = _registration(config, tp, chunks, ep, etp)
+    n = sum(numel for numel, *_ in items)
+    expert = sum(numel for numel, _, is_expert in items if is_expert) if experts_apart(config, tp, ep, etp) else 0
+    edp = tp * shards // (ep * (tp if etp is None else etp))
+    if dp_mode == "zero1":
+        state = optimizer_bytes * (-(-(n - expert) // shards) + -(-expert // edp))
+    else:
+        state = optimizer_bytes * n
+    return PRECISIONS[precision] * n, grad_bytes * n, int(state), 0
+
+
 # ---- the estimate ----------------------------------------------------------------------------------------------------
 
 
@@ -370,12 +391,19 @@ def _check_experts(config, tp, cp, dp, ep, etp):
 
 
 def estimate(config, *, tp, cp=1, pp, dp, micro_batch_size, seq_len, sequence_parallel, recompute, dp_mode,
-             precision, virtual_stages=1, schedule="1f1b", micro_batches=None, backend="triton", ep=1, etp=None):
+             precision, virtual_stages=1, schedule="1f1b", micro_batches=None, backend="triton", ep=1, etp=None,
+             optimizer_bytes=None, grad_bytes=4):
     """Per-rank bytes of the pipeline stage that needs the most (MemoryEstimate). `micro_batches` per step (None:
-    at least pp, 1F1B's worst case; GPipe needs it); `backend` "triton" (the fused layers, GPUs) or "torch" (CPU
-    eager: at tp = 1 autograd's own activation ops); `ep`, `etp` (default tp): the experts' split (MoE)."""
+    at least pp, 1F1B's worst case; GPipe needs it); `backend` "triton" (the fused layers, GPUs), "torch" (CPU
+    eager: at tp = 1 autograd's own activation ops) or "te" (Megatron-Core on Transformer Engine:
+    bench.plan.activations); `ep`, `etp` (default tp): the experts' split (MoE). `optimizer_bytes` (per parameter,
+    sharded over dp·cp under zero1) with `grad_bytes` (per parameter, whole): another implementation's optimizer
+    (state_memory); None: tp.optim's layout (parameter_memory)."""
     _check(config, tp, cp, pp, dp, micro_batch_size, seq_len, sequence_parallel, recompute, dp_mode, precision,
            virtual_stages, schedule, backend)
+    if optimizer_bytes is not None and dp_mode == "fsdp":
+        raise ValueError(f"optimizer_bytes={optimizer_bytes!r} prices a dp-sharded optimizer (dp_mode 'zero1' or "
+                         "'ddp'), not dp_mode='fsdp'")
     _check_experts(config, tp, cp, dp, ep, etp)
     shape = dict(tp=tp, cp=cp, micro_batch_size=micro_batch_size, seq_len=seq_len,
                  sequence_parallel=sequence_parallel, precision=precision)
@@ -397,7 +425,8 @@ def estimate(config, *, tp, cp=1, pp, dp, micro_batch_size, seq_len, sequence_pa
         layers = sum(stop - start for start, stop, _, _ in chunks)
         saved = sum(layer_bytes[i] for start, stop, _, _ in chunks for i in range(start, stop))
         alive = in_flight(schedule, pp, stage, virtual_stages, micro_batches)
-        edges = sum(edge_activation_bytes(config, first=first, last=last, **shape) for _, _, first, last in chunks)
+        edges = sum(edge_activation_bytes(config, first=first, last=last, backend=backend, **shape)
+                    for _, _, first, last in chunks)
         activations = int(alive * (saved + edges)) + rope_tables
         if schedule == "zb":  # a micro-batch past its B keeps what its W needs until the W (ZB-H1 defers them)
             held = layers * layer_wgrad_bytes(config, **{k: shape[k] for k in ("tp", "cp", "micro_batch_size",
@@ -407,9 +436,10 @@ def estimate(config, *, tp, cp=1, pp, dp, micro_batch_size, seq_len, sequence_pa
                         for _, _, _, last in chunks if last)  # the output layer's input and vocabulary gradient
             activations = max(int(a * (saved + edges)) + w * held
                               for a, w in zb_states(pp, stage, micro_batches or pp)) + rope_tables
-        params, grads, optimizer, transient = parameter_memory(
-            config, tp=tp, pp=pp, stage=stage, virtual_stages=virtual_stages, dp_mode=dp_mode,
-            precision=precision, shards=dp * cp, ep=ep, etp=etp)
+        split = dict(tp=tp, pp=pp, stage=stage, virtual_stages=virtual_stages, dp_mode=dp_mode, precision=precision,
+                     shards=dp * cp, ep=ep, etp=etp)
+        params, grads, optimizer, transient = parameter_memory(config, **split) if optimizer_bytes is None else \
+            state_memory(config, grad_bytes=grad_bytes, optimizer_bytes=optimizer_bytes, **split)
         transient += full_layer if recompute == "full" else 0
         total = params + grads + optimizer + activations + transient
         if best is None or total > best.total:

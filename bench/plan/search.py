@@ -123,7 +123,8 @@ def plan_memory(config, plan, *, seq_len, global_batch_size, software):
                            recompute=plan.recompute, dp_mode=plan.dp_mode, precision=precision,
                            virtual_stages=plan.virtual_stages, schedule=plan.schedule,
                            micro_batches=global_batch_size // (plan.dp * plan.micro_batch_size),
-                           backend=software.backend, ep=plan.ep, etp=plan.etp)
+                           backend=software.backend, ep=plan.ep, etp=plan.etp,
+                           optimizer_bytes=software.optimizer_bytes, grad_bytes=software.grad_bytes)
 
 
 def evaluate(config, plan, *, seq_len, global_batch_size, cluster, software, with_time=True):

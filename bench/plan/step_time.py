@@ -83,7 +83,11 @@ class Software:
     grad_bytes: int = 4  # per gradient element reduced over dp (fp32 main_grad; Megatron's fp16 runs: 2)
     dp_overlap: bool = True  # the gradient reduce overlaps the last micro-batch's backward (bucketed)
     p2p_scatter_gather: bool = False  # Megatron: each tp rank sends 1/tp of the activation between stages
-    backend: str = "triton"  # bench.plan.memory's: "torch" on CPU (autograd's own ops at tp = 1)
+    backend: str = "triton"  # bench.plan.memory's: "torch" on CPU (autograd's own ops at tp = 1), "te" (Megatron-Core
+    # on Transformer Engine: what its layers save, bench.plan.activations)
+    optimizer_bytes: float | None = None  # optimizer state per parameter sharded over dp·cp, with a grad_bytes
+    # gradient buffer (bench.plan.memory.state_memory); None: tp.optim's layout (fp32 master and Adam moments, 12 B
+    # under bf16: Megatron-Core's distributed optimizer's too)
     tp_overlap: bool = False  # TE userbuffers (--tp-comm-overlap): tp collectives pipelined with their GEMMs
     param_gather_overlap: bool = False  # --overlap-param-gather: zero1's parameter all-gather behind the forward
     p2p_overlap: bool = False  # --overlap-p2p-comm (interleaved): stage sends behind another chunk's compute
@@ -96,9 +100,9 @@ MEGATRON_2021 = Software("Megatron-LM 2021-22", precision="fp16", attention="mat
 # NVIDIA's 2024 H100 recipes (NeMo on Megatron-Core + Transformer Engine): cuDNN fused attention, fused element-wise
 # kernels, the distributed optimizer with --overlap-grad-reduce and --overlap-param-gather, TE's tp-comm overlap and
 # overlapped p2p (NeMo-Framework-Launcher's llama3_1_70b.yaml: ub_tp_comm_overlap, overlap_grad_sync,
-# overlap_param_sync, overlap_p2p_comm all true)
+# overlap_param_sync, overlap_p2p_comm all true); activations as Transformer Engine's layers save them
 NEMO_2024 = Software("NeMo 24.x / Megatron-Core (TE)", attention="cudnn", elementwise="fused", dp_overlap=True,
-                     tp_overlap=True, param_gather_overlap=True, p2p_overlap=True)
+                     tp_overlap=True, param_gather_overlap=True, p2p_overlap=True, backend="te")
 # Megatron-LM's own 2024 runs (Nemotron-4 15B): the distributed optimizer with its overlaps; the paper does not say
 # that tp communication was overlapped, so it is not
 MEGATRON_2024 = replace(NEMO_2024, name="Megatron-LM 2024 (TE)", tp_overlap=False)

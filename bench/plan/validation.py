@@ -122,6 +122,21 @@ NEMOTRON15_SHAPE = ("Parmar et al. 2024 (arXiv:2402.16819) Table 1: 32 layers, h
                     "ReLU priced as GELU")
 
 
+# The optimizer each recipe's config names (what its state costs per parameter; the NeMo 24.09 container runs them):
+# NeMo-Framework-Launcher's llama3_1_70b.yaml and llama3_1_405b.yaml run `distributed_fused_adam` (Apex's
+# DistributedFusedAdam through NeMo) at its default fp32 `dtype`: NeMo's MegatronBaseModel.setup_optimization then
+# keeps, under bf16 parameters, only their 16-bit remainders (store_param_remainders) beside the fp32 moments: 2 + 8
+# bytes sharded over the data-parallel (with context-parallel) ranks; the gradient buffer is in grad_sync_dtype,
+# which Apex defaults to `dtype` (fp32: 4 bytes, whole). dgxc-benchmarking's nemotron4-340b-synth.yaml (the 340B
+# runs' config) sets grad_sync_dtype and dtype to bf16: no master copy (setup_optimization stores none when the
+# optimizer's dtype is the model's), bf16 moments (4 bytes sharded) and a bf16 gradient buffer (2). Its
+# nemotron4-15b-synth.yaml runs `mcore_distributed_optim` (Megatron-Core's distributed optimizer: fp32 master and
+# moments, and fp32 gradients, NeMo's grad_reduce_in_fp32 for the default grad_sync_dtype): NEMO_2024's default.
+NEMO_FUSED_ADAM = replace(NEMO_2024, name="NeMo 24.x (TE, distributed_fused_adam)", optimizer_bytes=10)
+NEMO_FUSED_ADAM_BF16 = replace(NEMO_2024, name="NeMo 24.x (TE, distributed_fused_adam in bf16)", grad_bytes=2,
+                               optimizer_bytes=4)
+
+
 def _dgxc(name, path, model, seq_len, gpus, batch, plan, tokens_per_s, note, software=NEMO_2024):
     return Row(f"{name} ({gpus} H100)", f"{DGXC}, {path}: {gpus} GPUs, GBS {batch}, {tokens_per_s:,} tokens/s",
                "h100-sxm", model, seq_len, batch, plan, software, {"tokens_per_s": tokens_per_s}, note)
@@ -138,12 +153,17 @@ def _nemotron15(dp, iteration_s, mfu_percent, batch):
 
 
 LLAMA31_70B_NOTE = ("llama3.1/README_70b.md: 24.09 BF16, TP 4, PP 4, CP 2, VP 5, MBS 1, sequence 8192; the NeMo "
-                    "recipe (NeMo-Framework-Launcher llama3_1_70b.yaml): SP, no recompute, distributed optimizer "
-                    "with overlapped grad/param sync, ub_tp_comm_overlap, overlap_p2p_comm")
+                    "recipe (NeMo-Framework-Launcher llama3_1_70b.yaml): SP, no recompute, distributed_fused_adam "
+                    "(fp32 state) with overlapped grad/param sync, ub_tp_comm_overlap, overlap_p2p_comm")
 NEMOTRON340_NOTE = ("nemotron/README_340b.md: 24.11 BF16, TP 8, PP 8, VP 12, MBS 1, sequence 4096; SP, no recompute "
-                    "and the 70B recipe's overlaps assumed (the README gives only the parallel sizes); " + SQUARED_RELU)
+                    "and the 70B recipe's overlaps assumed (the README gives only the parallel sizes); its config "
+                    "(dgxc-benchmarking nemotron4-340b-synth.yaml, configure.sh): distributed_fused_adam with bf16 "
+                    "state and gradients (priced), selective recompute and NVTE_FUSED_ATTN=0 (not priced); "
+                    + SQUARED_RELU)
 LLAMA31_405B_NOTE = ("llama3.1/README_405b.md: 24.09 BF16, TP 8, PP 9, CP 2, VP 7, MBS 1, sequence 8192, 126 layers "
-                     "(the full model from 576 GPUs up); SP, no recompute and the 70B recipe's overlaps assumed")
+                     "(the full model from 576 GPUs up); SP, no recompute and the 70B recipe's overlaps assumed; "
+                     "distributed_fused_adam (fp32 state) as the launcher's llama3_1_405b.yaml, whose "
+                     "num_query_groups is 16 (priced: Llama 3.1's 8)")
 NEMOTRON15_NEMO_NOTE = ("nemotron/README_15b.md: BF16, TP 4, PP 1, MBS 4, GA 4, sequence 4096; SP, no recompute and "
                         f"the 70B recipe's overlaps assumed; {NEMOTRON15_SHAPE}")
 MIXTRAL = ("Megatron-LM megatron/core/transformer/moe/README.md: \"468 TFLOPS for Mixtral 8X7B bf16 training\" "
@@ -157,17 +177,17 @@ GROK_NOTE = ("Dev BF16, sequence 8192, TP 4, PP 8, CP 2, EP 8, VP 8, MBS 1, 64 l
              "nodes; the NeMo overlaps as the 70B recipe (assumed)")
 H100_PUBLISHED = [
     _dgxc("Llama 3.1 70B", "llama3.1/README_70b.md", PUBLISHED_MODELS["llama3-70b"], 8192, 64, 128,
-          Plan(4, 2, 4, 5, 2, 1, "none", True, "zero1"), 71235, LLAMA31_70B_NOTE),
+          Plan(4, 2, 4, 5, 2, 1, "none", True, "zero1"), 71235, LLAMA31_70B_NOTE, NEMO_FUSED_ADAM),
     _dgxc("Llama 3.1 70B", "llama3.1/README_70b.md", PUBLISHED_MODELS["llama3-70b"], 8192, 2048, 4096,
-          Plan(4, 2, 4, 5, 64, 1, "none", True, "zero1"), 2248957, LLAMA31_70B_NOTE),
+          Plan(4, 2, 4, 5, 64, 1, "none", True, "zero1"), 2248957, LLAMA31_70B_NOTE, NEMO_FUSED_ADAM),
     _dgxc("Nemotron-4 340B", "nemotron/README_340b.md", NEMOTRON4_340B, 4096, 128, 32,
-          Plan(8, 1, 8, 12, 2, 1, "none", True, "zero1"), 28432, NEMOTRON340_NOTE),
+          Plan(8, 1, 8, 12, 2, 1, "none", True, "zero1"), 28432, NEMOTRON340_NOTE, NEMO_FUSED_ADAM_BF16),
     _dgxc("Nemotron-4 340B", "nemotron/README_340b.md", NEMOTRON4_340B, 4096, 2048, 512,
-          Plan(8, 1, 8, 12, 32, 1, "none", True, "zero1"), 433296, NEMOTRON340_NOTE),
+          Plan(8, 1, 8, 12, 32, 1, "none", True, "zero1"), 433296, NEMOTRON340_NOTE, NEMO_FUSED_ADAM_BF16),
     _dgxc("Llama 3.1 405B", "llama3.1/README_405b.md", PUBLISHED_MODELS["llama3-405b"], 8192, 576, 252,
-          Plan(8, 2, 9, 7, 4, 1, "none", True, "zero1"), 120022, LLAMA31_405B_NOTE),
+          Plan(8, 2, 9, 7, 4, 1, "none", True, "zero1"), 120022, LLAMA31_405B_NOTE, NEMO_FUSED_ADAM),
     _dgxc("Llama 3.1 405B", "llama3.1/README_405b.md", PUBLISHED_MODELS["llama3-405b"], 8192, 2304, 1008,
-          Plan(8, 2, 9, 7, 16, 1, "none", True, "zero1"), 468646, LLAMA31_405B_NOTE),
+          Plan(8, 2, 9, 7, 16, 1, "none", True, "zero1"), 468646, LLAMA31_405B_NOTE, NEMO_FUSED_ADAM),
     _dgxc("Nemotron-4 15B", "nemotron/README_15b.md", NEMOTRON4_15B, 4096, 64, 256,
           Plan(4, 1, 1, 1, 16, 4, "none", True, "zero1"), 366635, NEMOTRON15_NEMO_NOTE),
     _dgxc("Nemotron-4 15B", "nemotron/README_15b.md", NEMOTRON4_15B, 4096, 2048, 8192,
