@@ -134,6 +134,7 @@ def test_a_worker_killed_mid_save_resumes_from_the_previous_checkpoint(tmp_path,
                                                      "step-000006", "step-000008"]
 
 
+@pytest.mark.slow  # (the synchronous save's kill mid-write is the fast run's: test_a_worker_killed_mid_save_...)
 def test_an_async_save_killed_during_its_background_write_never_leaves_latest_on_it(tmp_path, uninterrupted):
     """--async-save: step 4's shards are written in the background (a first attempt's writes pause there, a test
     hook) while training goes on; the kill lands then. `latest` still names step-000002, the job resumes from it
