@@ -390,6 +390,17 @@ def _check_experts(config, tp, cp, dp, ep, etp):
         config.check_experts(ep, etp)
 
 
+def _per_layer(config, **kwargs):
+    """layer_activation_bytes of every layer, counted once per kind of layer (dense, MoE): the planner asks often."""
+    if not config.num_experts:
+        return [layer_activation_bytes(config, **kwargs)] * config.num_layers
+    kinds = {}
+    for i in range(config.num_layers):
+        if config.is_moe_layer(i) not in kinds:
+            kinds[config.is_moe_layer(i)] = layer_activation_bytes(config, layer=i, **kwargs)
+    return [kinds[config.is_moe_layer(i)] for i in range(config.num_layers)]
+
+
 def estimate(config, *, tp, cp=1, pp, dp, micro_batch_size, seq_len, sequence_parallel, recompute, dp_mode,
              precision, virtual_stages=1, schedule="1f1b", micro_batches=None, backend="triton", ep=1, etp=None,
              optimizer_bytes=None, grad_bytes=4):
@@ -407,11 +418,9 @@ def estimate(config, *, tp, cp=1, pp, dp, micro_batch_size, seq_len, sequence_pa
     _check_experts(config, tp, cp, dp, ep, etp)
     shape = dict(tp=tp, cp=cp, micro_batch_size=micro_batch_size, seq_len=seq_len,
                  sequence_parallel=sequence_parallel, precision=precision)
-    layer_bytes = [layer_activation_bytes(config, recompute=recompute, backend=backend, layer=i, etp=etp, **shape)
-                   for i in range(config.num_layers)]
+    layer_bytes = _per_layer(config, recompute=recompute, backend=backend, etp=etp, **shape)
     per_layer = max(layer_bytes)
-    full_layer = max(layer_activation_bytes(config, recompute="none", backend=backend, layer=i, etp=etp, **shape)
-                     for i in range(config.num_layers))
+    full_layer = max(_per_layer(config, recompute="none", backend=backend, etp=etp, **shape))
     e = PRECISIONS[precision]
     # RoPE's cos/sin [s, d], cached across layers (under cp each layer indexes its own: in layer_activation_bytes)
     rope_tables = 2 * e * seq_len * config.head_dim if config.position == "rope" and recompute != "full" and \

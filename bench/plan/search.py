@@ -127,15 +127,16 @@ def plan_memory(config, plan, *, seq_len, global_batch_size, software):
                            optimizer_bytes=software.optimizer_bytes, grad_bytes=software.grad_bytes)
 
 
-def evaluate(config, plan, *, seq_len, global_batch_size, cluster, software, with_time=True):
-    """One row: the plan, its memory, and (if it fits, or with_time) its modelled step."""
+def evaluate(config, plan, *, seq_len, global_batch_size, cluster, software, with_time=True, counts=None):
+    """One row: the plan, its memory, and (if it fits, or with_time) its modelled step. `counts`: the config's
+    parameter_counts, when the caller has them (a search evaluates thousands of plans of one config)."""
     estimate = plan_memory(config, plan, seq_len=seq_len, global_batch_size=global_batch_size, software=software)
     usable = cluster.memory - cluster.reserved
     row = {"tp": plan.tp, "cp": plan.cp, "pp": plan.pp, "vp": plan.virtual_stages, "dp": plan.dp,
            "mbs": plan.micro_batch_size, "recompute": plan.recompute, "sp": "on" if plan.sp else "off",
            "dp_mode": plan.dp_mode, "ep": plan.ep, "etp": plan.expert_tp, "memory_per_gpu_gb": estimate.total / 1e9,
            "fits": estimate.total <= usable, "memory": estimate.as_dict()}
-    row["active_params"], row["total_params"] = parameter_counts(config)
+    row["active_params"], row["total_params"] = counts or parameter_counts(config)
     if row["fits"] or with_time:
         row.update(step_time(config, plan, seq_len=seq_len, global_batch_size=global_batch_size, cluster=cluster,
                              software=software))
@@ -145,12 +146,12 @@ def evaluate(config, plan, *, seq_len, global_batch_size, cluster, software, wit
 def search(config, *, gpus, seq_len, global_batch_size, cluster, fixed=(), software=None):
     """(feasible rows best first, the smallest-memory infeasible row or None, number of candidate plans)."""
     software = software or software_of(cluster)
-    rows, smallest, count = [], None, 0
+    rows, smallest, count, counts = [], None, 0, parameter_counts(config)
     for plan in candidate_plans(config, gpus=gpus, seq_len=seq_len, global_batch_size=global_batch_size,
                                 cluster=cluster, fixed=fixed):
         count += 1
         row = evaluate(config, plan, seq_len=seq_len, global_batch_size=global_batch_size, cluster=cluster,
-                       software=software, with_time=False)
+                       software=software, with_time=False, counts=counts)
         if row["fits"]:
             rows.append(row)
         elif smallest is None or row["memory_per_gpu_gb"] < smallest["memory_per_gpu_gb"]:
