@@ -4,7 +4,8 @@ time, ranked; validated on published runs.
     cli.py        the command line: flags, the model it names, the table, the JSON and the plot
     search.py     candidate plans, evaluate (memory, then step time), search and ranking
     step_time.py  the step-time model of one plan (Plan, Software)
-    memory.py     the per-rank memory model of a split: parameters, gradients, optimizer states, the estimate
+    memory.py     the per-rank memory model of a split: the estimate (and the names of the two below)
+    parameters.py   parameter shapes per stage; parameter, gradient and optimizer-state bytes per dp mode
     activations.py  what a block saves per micro-batch, the edges, the micro-batches in flight per schedule
     hardware.py   the node profiles (Cluster: a bench.roofline device plus memory and achieved efficiencies)
     validation.py published runs and bench.train's CPU runs against the model, and its calibration

@@ -1,0 +1,260 @@
+"""Parameters, gradients and optimizer states per rank of a pipeline stage (bench.plan.memory's other half): each
+parameter's shape on a tp rank as models.block and tp.moe build it, the stage's registration order, and the bytes the
+training job's data parallelism (tp.optim.DataParallel / DistributedOptimizer buckets, torch DDP, FSDP2) or another
+implementation's optimizer keeps per rank (bench.plan.memory's docstring has the accounting)."""
+import math
+from types import SimpleNamespace
+
+from models.stages import stage_options
+from tp.mesh import layout
+
+from .activations import PRECISIONS, local_kv_heads
+
+STEP_BYTES = 4  # torch.optim.AdamW's per-tensor step counter (a float32 scalar tensor)
+_CACHE = {}  # memoized stage parameter counts and bytes (the planner asks for the same stages often)
+
+
+def experts_apart(config, tp, ep=1, etp=None):
+    """Whether the experts' replicas (edp) are not the dense weights' (dp·cp): their buckets are then their own."""
+    return bool(config.num_experts) and (ep > 1 or (tp if etp is None else etp) != tp)
+
+
+def expert_replicas(tp, shards, ep=1, etp=None):
+    """edp: the ranks of one stage holding the same expert slice, of its tp·shards (shards: dp·cp)."""
+    return tp * shards // (ep * (tp if etp is None else etp))
+
+
+def layer_parameter_shapes(config, tp, layer=0, *, ep=1, etp=None):
+    """[(name, shape)] of TransformerBlock `layer` on a tp rank, as models.block builds it; an MoE layer's MLP is
+    tp.moe.MoE's: the router [E, h] whole, E/ep experts sliced F/etp wide (fc1 [E/ep, (2)F/etp, h], fc2 [E/ep, h,
+    F/etp], registered `mlp.experts.*`), the shared expert tp-split like the dense MLP (its gate [1, h] whole)."""
+    h, d, ffn = config.hidden_size, config.head_dim, config.ffn_hidden_size
+    qkv_rows = (config.num_heads // tp + 2 * local_kv_heads(config, tp)) * d
+    fc1_rows = (2 if config.activation == "swiglu" else 1) * ffn // tp
+    def norm(name):
+        return [(f"{name}.weight", (h,))] + ([(f"{name}.bias", (h,))] if config.norm == "layernorm" else [])
+
+    shapes = norm("norm1") + [("attention.qkv.weight", (qkv_rows, h))]
+    if config.bias or config.qkv_bias:
+        shapes.append(("attention.qkv.bias", (qkv_rows,)))
+    shapes.append(("attention.proj.weight", (h, config.num_heads * d // tp)))
+    shapes += [("attention.proj.bias", (h,))] if config.bias else []
+    shapes += norm("norm2")
+    if config.is_moe_layer(layer):
+        return shapes + _moe_shapes(config, tp, ep, tp if etp is None else etp)
+    shapes += [("mlp.fc1.weight", (fc1_rows, h))]
+    shapes += [("mlp.fc1.bias", (fc1_rows,))] if config.bias else []
+    shapes.append(("mlp.fc2.weight", (h, ffn // tp)))
+    shapes += [("mlp.fc2.bias", (h,))] if config.bias else []
+    return shapes
+
+
+def _moe_shapes(config, tp, ep, etp):
+    h, experts, f, shared = config.hidden_size, config.num_experts, config.moe_ffn_hidden_size, \
+        config.moe_shared_expert_size
+    glu = 2 if config.activation == "swiglu" else 1
+    shapes = [("mlp.router.weight", (experts, h)), ("mlp.experts.fc1", (experts // ep, glu * f // etp, h)),
+              ("mlp.experts.fc2", (experts // ep, h, f // etp))]
+    if shared:
+        shapes += [("mlp.shared.gate", (1, h))] if config.moe_shared_expert_gate else []
+        shapes += [("mlp.shared.fc1.weight", (glu * shared // tp, h)), ("mlp.shared.fc2.weight", (h, shared // tp))]
+    return shapes
+
+
+def _is_expert(name):
+    return ".experts." in f".{name}"
+
+
+def stage_chunks(num_layers, pp, stage, virtual_stages=1):
+    """[(first layer, stop, pre_process, post_process)] of the model chunks pipeline rank `stage` holds, as
+    models.stages.stage_options places them on a mesh (it reads only the model's num_layers and the mesh's pp size and
+    rank)."""
+    model, mesh = SimpleNamespace(num_layers=num_layers), SimpleNamespace(pp_size=pp, pp_rank=stage)
+    chunks = (stage_options(model, mesh, c, virtual_stages) for c in range(virtual_stages))
+    return [(*options["layers"], options["pre_process"], options["post_process"]) for options in chunks]
+
+
+def _edge_shapes(config, tp, first):
+    """[(name, shape)] of a chunk's embeddings (none unless it is the first)."""
+    h, padded = config.hidden_size, config.padded_vocab_size(tp)
+    shapes = []
+    if first:
+        shapes.append(("embedding.weight", (padded // tp, h)))
+        if config.position == "learned":
+            shapes.append(("position_embedding.weight", (config.max_seq_len, h)))
+    return shapes
+
+
+def _head_shapes(config, tp, first):
+    h, padded = config.hidden_size, config.padded_vocab_size(tp)
+    shapes = [("final_norm.weight", (h,))] + ([("final_norm.bias", (h,))] if config.norm == "layernorm" else [])
+    if not (config.tie_embeddings and first):  # tied on one stage: the embedding's own parameter
+        shapes.append(("output.weight", (padded // tp, h)))
+    return shapes
+
+
+def stage_parameter_shapes(config, tp, pp=1, stage=0, virtual_stages=1, *, ep=1, etp=None):
+    """[(name, shape)] of every parameter pipeline rank `stage` holds on one tp rank (a tied weight once)."""
+    shapes = []
+    for c, (start, stop, first, last) in enumerate(stage_chunks(config.num_layers, pp, stage, virtual_stages)):
+        prefix = f"chunk{c}." if virtual_stages > 1 else ""
+        shapes += [(prefix + name, shape) for name, shape in _edge_shapes(config, tp, first)]
+        for i in range(start, stop):
+            shapes += [(f"{prefix}layers.{i - start}.{name}", shape)
+                       for name, shape in layer_parameter_shapes(config, tp, i, ep=ep, etp=etp)]
+        shapes += [(prefix + name, shape) for name, shape in _head_shapes(config, tp, first)] if last else []
+    return shapes
+
+
+def bytes_per_parameter(precision, dp_mode, shards=1):
+    """(params, grads, optimizer) bytes per parameter on one rank; `shards` ranks share what the mode shards."""
+    e = PRECISIONS[precision]
+    master = 4 if precision == "bf16" else 0
+    if dp_mode == "fsdp":  # FSDP2 keeps the fp32 sharded parameter (it is the master) and sharded fp32 grads
+        return 4 / shards, 4 / shards, 8 / shards
+    optimizer = (master + 8) / (shards if dp_mode == "zero1" else 1)
+    return e, 4, optimizer
+
+
+def _sharded_numel(shape, shards):
+    """Elements FSDP2 allocates per rank for one parameter: dim 0 padded to a multiple of the shards."""
+    return -(-shape[0] // shards) * math.prod(shape[1:])
+
+
+def _registration(config, tp, chunks, ep=1, etp=None):
+    """[(numel, alone, expert)] of a stage's parameters in registration order; `alone`: a tied embedding/output
+    weight, which tp.optim.DataParallel reduces in a bucket of its own; `expert`: an expert weight (tp.moe's)."""
+    items = []
+    for start, stop, first, last in chunks:
+        items += [(math.prod(s), config.tie_embeddings and name == "embedding.weight", False)
+                  for name, s in _edge_shapes(config, tp, first)]
+        for i in range(start, stop):
+            items += [(math.prod(s), False, _is_expert(name))
+                      for name, s in layer_parameter_shapes(config, tp, i, ep=ep, etp=etp)]
+        if last:
+            items += [(math.prod(s), config.tie_embeddings and name == "output.weight", False)
+                      for name, s in _head_shapes(config, tp, first)]
+    return items
+
+
+def stage_numel(config, tp, pp=1, stage=0, virtual_stages=1, *, ep=1, etp=None):
+    """Parameters pipeline rank `stage` holds on one tp rank (a tied weight once). Memoized."""
+    chunks = stage_chunks(config.num_layers, pp, stage, virtual_stages)
+    return _memoized(("numel", repr(config), tp, pp, stage, virtual_stages, ep, etp),
+                     lambda: sum(n for n, *_ in _registration(config, tp, chunks, ep, etp)))
+
+
+def _memoized(key, compute):
+    if key not in _CACHE:
+        if len(_CACHE) > 100_000:  # bounded: a long-lived process sweeping many models
+            _CACHE.clear()
+        _CACHE[key] = compute()
+    return _CACHE[key]
+
+
+def _bucket_bytes(items, shards, *, shard, precision, bucket_numel=None):
+    """(params, grads, [optimizer bytes per dp rank]) under tp.optim.DataParallel (+ DistributedOptimizer when
+    `shard`): buckets of max(4e7, 1e6·dp) parameters in reverse registration order, each padded to a multiple of the
+    dp size when sharded; fp32 gradients; fp32 masters (a copy under bf16) and AdamW's moments over this rank's
+    shard, one step counter per parameter piece in it. `bucket_numel`: the dense group's (for the experts' buckets)."""
+    bucket_numel = bucket_numel or max(40_000_000, 1_000_000 * shards)
+    groups, current = [], []
+    for numel, alone, *_ in reversed(items):
+        if alone:
+            groups.append([numel])
+            continue
+        current.append(numel)
+        if sum(current) >= bucket_numel:
+            groups, current = groups + [current], []
+    groups += [current] if current else []
+    padded_total, per_rank = 0, [0] * (shards if shard else 1)
+    for group in groups:
+        numel = sum(group)
+        size = -(-numel // shards) * shards if shard else numel
+        padded_total += size
+        n = size // shards if shard else size
+        offsets = [0]
+        for x in group:
+            offsets.append(offsets[-1] + x)
+        for r in range(len(per_rank)):
+            lo, hi = r * n, min((r + 1) * n, numel)
+            real = max(0, hi - lo)
+            pieces = sum(1 for i in range(len(group)) if offsets[i] < hi and offsets[i + 1] > lo)
+            masters = 4 * n if precision == "bf16" else 0  # a copy of the shard (padding included) under bf16
+            per_rank[r] += masters + 8 * real + STEP_BYTES * pieces
+    return PRECISIONS[precision] * padded_total, 4 * padded_total, per_rank
+
+
+def _rank_pairs(tp, shards, ep, etp):
+    """[(dp·cp rank, edp rank)] of every rank of one stage (tp.mesh.layout's groups): which dense shard and which
+    expert shard each rank holds. Memoized."""
+    def pairs():
+        table = layout(tp * shards, tp=tp, dp=shards, ep=ep, etp=etp)
+        dense = {r: g.index(r) for g in table["dp-cp"] for r in g}
+        return sorted({(dense[r], g.index(r)) for g in table["edp"] for r in g})
+    return _memoized(("pairs", tp, shards, ep, etp), pairs)
+
+
+def parameter_memory(config, *, tp, pp, stage, virtual_stages, dp_mode, precision, shards, ep=1, etp=None):
+    """(params, grads, optimizer, transient) bytes of pipeline rank `stage` under the training job's data
+    parallelism: fp32 "ddp" is torch DDP (+ its bucket copy of the gradients, transient) and AdamW; bf16, "zero1"
+    and experts apart from the dense weights (ep > 1 or etp != tp), tp.optim.DataParallel (+ DistributedOptimizer;
+    the experts in buckets of their own over edp = tp·shards / (ep·etp)); "fsdp" FSDP2 (each parameter's dim 0
+    split over the ranks, the experts' over edp) and AdamW. `shards`: dp·cp. The optimizer bytes are the largest
+    rank's. Memoized: the planner asks for the same stages many times."""
+    return _memoized((repr(config), tp, pp, stage, virtual_stages, dp_mode, precision, shards, ep, etp),
+                     lambda: _parameter_memory(config, tp, pp, stage, virtual_stages, dp_mode, precision, shards,
+                                               ep, etp))
+
+
+def _parameter_memory(config, tp, pp, stage, virtual_stages, dp_mode, precision, shards, ep, etp):
+    chunks = stage_chunks(config.num_layers, pp, stage, virtual_stages)
+    items = _registration(config, tp, chunks, ep, etp)
+    named = stage_parameter_shapes(config, tp, pp, stage, virtual_stages, ep=ep, etp=etp)
+    shapes, experts = [s for _, s in named], [_is_expert(n) for n, _ in named]
+    apart = experts_apart(config, tp, ep, etp)
+    edp = expert_replicas(tp, shards, ep, etp) if apart else shards
+    if dp_mode == "fsdp":
+        local = sum(_sharded_numel(s, edp if x else shards) for s, x in zip(shapes, experts))
+        # the runner keeps resharding and gradient sync off until the schedule's last backward (as torch's
+        # pipelining does): the whole stage's unsharded compute copy and fp32 gradients are alive at its end
+        transient = (PRECISIONS[precision] + 4) * sum(n for n, *_ in items)
+        return 4 * local, 4 * local, 8 * local + STEP_BYTES * len(shapes), transient
+    if dp_mode == "zero1" or precision == "bf16" or apart:  # one DataParallel per model chunk (models.training)
+        shard, params, grads = dp_mode == "zero1", 0, 0
+        dense, expert = [0] * (shards if shard else 1), [0] * (edp if shard else 1)
+        for chunk in chunks:
+            chunk_items = _registration(config, tp, [chunk], ep, etp)
+            for kind, per_rank, n in ((False, dense, shards), (True, expert, edp)):
+                kind_items = [i for i in chunk_items if apart and i[2] == kind or not apart and not kind]
+                if kind_items:
+                    p, g, o = _bucket_bytes(kind_items, n, shard=shard, precision=precision,
+                                            bucket_numel=max(40_000_000, 1_000_000 * shards))
+                    params, grads, per_rank[:] = params + p, grads + g, [a + b for a, b in zip(per_rank, o)]
+        if not (apart and shard):
+            return params, grads, max(dense) + max(expert), 0
+        return params, grads, max(dense[i] + expert[j] for i, j in _rank_pairs(tp, shards, ep, etp)), 0
+    n = sum(math.prod(s) for s in shapes)
+    ddp_buckets = 4 * n if shards > 1 else 0  # torch DDP reduces through its own copy of the gradients
+    return 4 * n, 4 * n, 8 * n + STEP_BYTES * len(shapes), ddp_buckets
+
+
+def state_memory(config, *, tp, pp, stage, virtual_stages, dp_mode, precision, shards, ep=1, etp=None,
+                 grad_bytes, optimizer_bytes):
+    """(params, grads, optimizer, 0) bytes of pipeline rank `stage` under another implementation's data-parallel
+    optimizer, per parameter: e for the parameter, `grad_bytes` for its gradient buffer (whole), `optimizer_bytes`
+    of state sharded over the dp·cp ranks (the experts' over edp) under zero1, whole under ddp. Megatron-LM's
+    compute_weight_and_optimizer_memory (megatron/training/theoretical_memory_usage.py) counts Megatron-Core's
+    distributed optimizer so: 6 + 12/dp (bf16 parameter, fp32 gradient, fp32 master and Adam moments). Memoized."""
+    def compute():
+        items = _registration(config, tp, stage_chunks(config.num_layers, pp, stage, virtual_stages), ep, etp)
+        n = sum(numel for numel, *_ in items)
+        apart = experts_apart(config, tp, ep, etp)
+        expert = sum(numel for numel, _, is_expert in items if is_expert) if apart else 0
+        if dp_mode == "zero1":
+            state = optimizer_bytes * (-(-(n - expert) // shards) + -(-expert // expert_replicas(tp, shards, ep, etp)))
+        else:
+            state = optimizer_bytes * n
+        return PRECISIONS[precision] * n, grad_bytes * n, int(state), 0
+    return _memoized(("state", repr(config), tp, pp, stage, virtual_stages, dp_mode, precision, shards, ep, etp,
+                      grad_bytes, optimizer_bytes), compute)
