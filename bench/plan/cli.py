@@ -20,8 +20,9 @@ import os
 import sys
 from dataclasses import replace
 
-from models.config import MODELS, GPTConfig
+from models.config import GPTConfig
 from models.hf import config_from_hf
+from models.presets import MODELS
 
 from ..common import check_out, print_table
 from .hardware import CLUSTERS, CPU_MEASURED, PROFILES, cpu_cluster
@@ -113,7 +114,8 @@ def parser():
     p.add_argument("--hardware", choices=PROFILES, default="h100-sxm")
     p.add_argument("--gpus", type=int, help="GPUs (CPU ranks on cpu-measured); required (but with --validate)")
     p.add_argument("--gpus-per-node", type=int, help="default: the profile's (8 for GPUs)")
-    p.add_argument("--model", choices=sorted(MODELS), help="a named shape")
+    p.add_argument("--model", choices=sorted(MODELS), help="a named shape (models/presets.py; models.train takes the "
+                                                            "same names)")
     p.add_argument("--hf-config", metavar="PATH", help="a Hugging Face config.json (or its directory)")
     p.add_argument("--hidden", type=int)
     p.add_argument("--layers", type=int)

@@ -51,7 +51,9 @@ def build_optimizer(module: torch.nn.Module, job: JobConfig, micro_batches: int)
     tp.optim.DataParallel chunks (zero1, bf16), one DistributedOptimizer over their fp32 masters' shards."""
     groups = [{"params": [p for p in module.parameters() if p.dim() > 1]},
               {"params": [p for p in module.parameters() if p.dim() <= 1], "weight_decay": 0.0}]
-    hyperparameters = dict(lr=job.optimizer.lr, betas=(0.9, 0.95), weight_decay=job.optimizer.weight_decay)
+    optimizer = job.optimizer
+    hyperparameters = dict(lr=optimizer.lr, betas=(optimizer.adam_beta1, optimizer.adam_beta2), eps=optimizer.adam_eps,
+                           weight_decay=optimizer.weight_decay)
     buffered = data_parallel_chunks(module)
     if not buffered:
         return torch.optim.AdamW(groups, **hyperparameters)

@@ -7,18 +7,20 @@ import tp
 from tp.mesh import Mesh
 from tp.pipeline import model_chunks
 
-from ..config import PRESETS, GPTConfig
+from ..config import GPTConfig
 from ..gpt import GPT
+from ..presets import DEFAULT_MODEL, MODELS
 from ..stages import build_chunks, tied_embedding
 from . import data
-from .config import SIZE_FIELDS, JobConfig
+from .config import JobConfig
+from .config.model import SHAPE_FIELDS
 
 
 def gpt_config_from_job(job: JobConfig) -> GPTConfig:
-    """The GPTConfig the job describes: a preset (or a Hugging Face config) with the job's overrides, its vocabulary
-    following the data's tokenizer, max_seq_len at least seq_len."""
+    """The GPTConfig the job describes: a named shape (or a Hugging Face config) with the job's overrides, its
+    vocabulary the data's tokenizer's unless --vocab-size says, max_seq_len at least seq_len."""
     model, parallel = job.model, job.parallelism
-    overrides = {f: getattr(model, f) for f in SIZE_FIELDS if getattr(model, f) is not None} | model.moe_fields()
+    overrides = {f: getattr(model, f) for f in SHAPE_FIELDS if getattr(model, f) is not None} | model.moe_fields()
     # torch DDP (or no dp) in fp32: SP grads summed in one all-reduce after the schedule; FSDP2 drops the tags that
     # needs, and tp.optim.DataParallel (zero1, bf16, experts apart) reduces buckets during backward: summed inside
     # backward there.
@@ -33,8 +35,8 @@ def gpt_config_from_job(job: JobConfig) -> GPTConfig:
         from ..hf import config_from_hf
 
         return config_from_hf(transformers.AutoConfig.from_pretrained(model.from_hf), **runtime, **overrides)
-    fields = PRESETS[model.preset or "tiny"] | overrides | runtime
-    vocab_size = data.vocab_size(job)
+    fields = MODELS[model.preset or DEFAULT_MODEL] | overrides | runtime
+    vocab_size = None if model.vocab_size else data.vocab_size(job)  # (preflight checks the data fit a given one)
     if vocab_size is not None:  # a tokenizer's (or a token file's) vocabulary; GPTConfig pads it for tp
         fields["vocab_size"] = vocab_size
     fields["max_seq_len"] = max(fields.get("max_seq_len", job.training.seq_len), job.training.seq_len)

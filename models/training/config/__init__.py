@@ -1,12 +1,13 @@
 """The training job's configuration, typed (torchtitan's JobConfig): one dataclass per section, each checking its own
 values, and `JobConfig.validate` for what spans sections.
 
-Every flag of `python -m models.train` is the field of the same name (dashes as underscores) in one section, except
-`--model` (`model.preset`), `--data` (`data.path`, a list), `--data-column` and `--data-cache-dir` (`data.column`,
-`data.cache_dir`). `--config job.toml` reads the same sections from TOML, keys
-being the field names; flags given on the command line win over the file. `python -m models.train` writes the
-resolved configuration the same way into the ranks' log directory (config.toml), and starts the ranks from it; a run
-repeats with `--config` alone:
+Every field declares its command-line flag with `fields.option` (its help, choices, metavar, Megatron-LM's name as an
+alias): `python -m models.train`'s parser is built from them (models/training/flags.py). A flag is the field's name
+with dashes, except `--model` (`model.preset`), `--data` (`data.path`, a list), `--data-column` and `--data-cache-dir`
+(`data.column`, `data.cache_dir`). `--config job.toml` reads the same sections from TOML, keys being the field names;
+flags given on the command line win over the file. `python -m models.train` writes the resolved configuration the
+same way into the ranks' log directory (config.toml: every field, paths absolute), and starts the ranks from it; a run
+repeats with `--config` alone, from any directory:
 
     [parallelism]
     tp = 2
@@ -22,7 +23,7 @@ Checks that read files or build the model (paths, the data, the model's fit to t
 are models/training/preflight.py's.
 
 The sections live in model.py, parallelism.py, training.py ([training], [optimizer]), data.py ([data],
-[evaluation]) and run.py (the rest); fields.py holds their shared checks, toml_io.py the TOML plumbing.
+[evaluation]) and run.py (the rest); fields.py holds `option` and the shared checks, toml_io.py the TOML plumbing.
 """
 import dataclasses
 import os
@@ -32,7 +33,7 @@ from typing import Any
 from tp.pipeline import schedules
 
 from .data import DataConfig, EvaluationConfig
-from .fields import dest, one_of
+from .fields import absolute, dest, one_of
 from .model import MOE_DISPATCHERS, MOE_SCORES, MOE_SHAPE_FIELDS, MOE_TRAINING_FIELDS, SIZE_FIELDS, ModelConfig
 from .parallelism import DP_MODES, PIPELINE_SCHEDULES, ParallelismConfig
 from .run import DEVICES, CheckpointConfig, FaultsConfig, LaunchConfig, LoggingConfig, ProfilingConfig
@@ -164,13 +165,16 @@ class JobConfig:
         return cls.from_dict(read_toml(path), f"--config {path}")
 
     def to_toml(self) -> str:
-        """TOML that `from_toml` reads back equal: every field, but those at None (TOML has no null: they are left
-        out, and read back as their default, None); [faults] only when a fault is set."""
+        """TOML that `from_toml` reads back equal, paths made absolute (against this process's directory, so that the
+        file runs from any other): every field, those at None as a comment (TOML has no null: they read back as
+        their default, None); [faults] only when a fault is set."""
         lines = ["# models.train's configuration: python -m models.train --config THIS_FILE"]
         for name, section in self.sections().items():
             if name == "faults" and section == FaultsConfig():
                 continue
             lines.append(f"\n[{name}]")
-            lines += [f"{f.name} = {toml_value(getattr(section, f.name))}" for f in dataclasses.fields(section)
-                      if getattr(section, f.name) is not None]
+            for f in dataclasses.fields(section):
+                value = getattr(section, f.name)
+                lines.append(f"# {f.name} (unset)" if value is None else
+                             f"{f.name} = {toml_value(absolute(value) if f.metadata.get('path') else value)}")
         return "\n".join(lines) + "\n"

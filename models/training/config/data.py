@@ -3,7 +3,7 @@ loss on the held-out windows."""
 import dataclasses
 import math
 
-from .fields import at_least, flag_field
+from .fields import at_least, option
 
 
 @dataclasses.dataclass
@@ -12,15 +12,32 @@ class DataConfig:
     `--data 0.3 A 0.7 B`), its tokenizer (None: bytes), the column of rows to read, chat fine-tuning, the token
     cache's directory (None: the user's cache); the documents inside each window."""
 
-    path: list[str] | None = flag_field(None, flag="data")
-    tokenizer: str | None = None
-    column: str | None = flag_field(None, flag="data_column")  # None: "text" ("messages" with --sft)
-    sft: bool = False
-    cache_dir: str | None = flag_field(None, flag="data_cache_dir")
-    # documents inside a window, ended by the EOD token (Megatron's flags; models/training/documents.py)
-    reset_position_ids: bool = False
-    reset_attention_mask: bool = False
-    eod_mask_loss: bool = False
+    path: list[str] | None = option(
+        None, "training data: a Megatron indexed dataset PREFIX (PREFIX.bin + PREFIX.idx); a .txt, .jsonl or .json "
+              "(JSON lines) or .parquet file, a directory of them, or a Hugging Face save_to_disk directory, "
+              "tokenized once into the token cache; a flat token file PREFIX.bin with its PREFIX.json; or a blend of "
+              "them, Megatron's WEIGHT PATH pairs (--data 0.3 A 0.7 B); default: the bundled corpus",
+        flag="data", metavar="PATH", aliases=("--data-path",), path=True)
+    tokenizer: str | None = option(
+        None, "a local Hugging Face tokenizer directory (AutoTokenizer): text is tokenized once, documents ended by "
+              "its EOS; the model's vocabulary follows it (a Megatron dataset's ids are checked against it); "
+              "default: bytes", metavar="DIR", path=True)
+    column: str | None = option(None, "the JSON field or parquet/Arrow column to read (default: text; messages with "
+                                      "--sft)", flag="data_column", metavar="NAME")
+    sft: bool = option(False, "chat fine-tuning: rows of \"messages\" rendered by the tokenizer's chat template, only "
+                              "the assistant's tokens in the loss; conversations packed whole into windows, a longer "
+                              "one left out and counted")
+    cache_dir: str | None = option(
+        None, "where tokenized data is cached (default: $XDG_CACHE_HOME/tp-layers/tokens, else "
+              "~/.cache/tp-layers/tokens; on several nodes, a directory they share)", flag="data_cache_dir",
+        metavar="DIR", path=True)
+    # documents inside a window, ended by the EOD token (Megatron's flags; models/training/documents.py): the
+    # tokenizer's EOS, or a token file's eos_id
+    reset_position_ids: bool = option(False, "positions restart at each document's first token")
+    reset_attention_mask: bool = option(
+        False, "attention stays inside each document (block-diagonal causal); positions restart too only with "
+               "--reset-position-ids")
+    eod_mask_loss: bool = option(False, "no loss on the token predicted from an end-of-document token")
 
     def validate(self) -> None:
         """The blend's syntax and weights (the paths are read by preflight.py)."""
@@ -55,9 +72,10 @@ class DataConfig:
 class EvaluationConfig:
     """[evaluation]: validation loss on the held-out data."""
 
-    eval_every: int = 0
-    eval_iters: int = 10
-    eval_only: bool = False
+    eval_every: int = option(0, "validation loss (val_loss) on the held-out last ~1% of the data every N steps and "
+                                "at the end (0: never)", metavar="N", aliases=("--eval-interval",))
+    eval_iters: int = option(10, "global batches per validation", metavar="K")
+    eval_only: bool = option(False, "evaluate the --load checkpoint (or the --from-hf model) and exit")
 
     def validate(self) -> None:
         at_least(self, ("eval_every",), 0)

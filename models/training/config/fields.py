@@ -1,12 +1,30 @@
-"""What every section of the job config shares: a field whose flag is named otherwise, the flag of a field, and the
-value checks whose one-line errors name that flag."""
+"""What every section of the job config shares: `option`, a field with its command-line flag described in its metadata
+(models/training/flags.py builds `python -m models.train`'s parser from them), the flag of a field, and the value
+checks whose one-line errors name that flag."""
 import dataclasses
+import os
+from collections.abc import Iterable, Mapping
 from typing import Any
+
+
+def option(default: Any = None, help: str = "", *, flag: str | None = None, aliases: tuple[str, ...] = (),
+           consts: Mapping[str, Any] | None = None, choices: Iterable | None = None, metavar: str | None = None,
+           path: bool = False, hidden: bool = False) -> Any:
+    """A field of a job-config section and its flag: --FLAG (default: the field's name, dashes for underscores) taking
+    a value of the field's type, `default` shown by --help unless None or False. `aliases`: other flags of the same
+    meaning (Megatron-LM's names); `consts`: flags that set one value ({"--bf16": "bf16"}); `choices`: the allowed
+    values (a tuple, or a registry whose keys are); `path`: a file or directory, written absolute into the config a
+    run saves; `hidden`: left out of --help (the tests' fault injection)."""
+    metadata = {"help": help, "aliases": aliases, "consts": dict(consts or {}), "choices": choices,
+                "metavar": metavar, "path": path, "hidden": hidden}
+    if flag is not None:
+        metadata["flag"] = flag
+    return dataclasses.field(default=default, metadata=metadata)
 
 
 def flag_field(default: Any, *, flag: str) -> Any:
     """A field whose command-line flag is named otherwise (--FLAG)."""
-    return dataclasses.field(default=default, metadata={"flag": flag})
+    return option(default, flag=flag)
 
 
 def dest(field: dataclasses.Field) -> str:
@@ -17,6 +35,14 @@ def dest(field: dataclasses.Field) -> str:
 def flag_of(name: str) -> str:
     """The command-line flag of a field name (dashes for underscores)."""
     return f"--{name.replace('_', '-')}"
+
+
+def absolute(path: str | list[str]) -> str | list[str]:
+    """A path field's value with its relative paths made absolute: a path, or a list of them (--data's: one PATH, or
+    WEIGHT PATH pairs, whose weights stay as they are)."""
+    if isinstance(path, str):
+        return os.path.abspath(path)
+    return [os.path.abspath(item) if len(path) == 1 or i % 2 else item for i, item in enumerate(path)]
 
 
 def at_least(section: Any, names: tuple[str, ...], low: int) -> None:

@@ -2,7 +2,7 @@
 import dataclasses
 
 from ...config import CP_MODES, RECOMPUTE
-from .fields import at_least, one_of
+from .fields import at_least, one_of, option
 
 PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb")
 DP_MODES = ("ddp", "fsdp", "zero1")
@@ -12,19 +12,40 @@ DP_MODES = ("ddp", "fsdp", "zero1")
 class ParallelismConfig:
     """[parallelism]: the tp x cp x pp x dp split, the pipeline schedule, data parallelism's mode."""
 
-    tp: int = 2
-    cp: int = 1
-    cp_mode: str = "ring"
-    cp_a2a_size: int | None = None  # --cp-mode a2a+ring: the all-to-all sub-groups' size
-    pp: int = 2
-    dp: int | None = None  # None: WORLD_SIZE / (tp*cp*pp) under torchrun, else 2 (see resolve_dp)
-    dp_mode: str = "ddp"
-    schedule: str = "1f1b"
-    virtual_stages: int = 1
-    sequence_parallel: bool = False
-    recompute: str = "none"
-    ep: int = 1  # expert parallelism: the experts over ep ranks of tp·cp·dp (Megatron's expert layout)
-    etp: int | None = None  # expert tensor parallelism; None: tp
+    tp: int = option(2, "tensor-parallel size", aliases=("--tensor-model-parallel-size",))
+    cp: int = option(1, "context-parallel size: each sequence split over cp ranks (ring attention)",
+                     aliases=("--context-parallel-size",))
+    cp_mode: str = option(
+        "ring", "context-parallel attention: K/V ringed with p2p (overlapped), all-gathered once (Llama 3's), a2a "
+                "(DeepSpeed-Ulysses: all-to-alls trade the sequence split for a head split; heads divisible by "
+                "tp*cp), or a2a+ring (a2a inside sub-groups of --cp-a2a-size ranks, a ring across them)",
+        choices=CP_MODES)
+    cp_a2a_size: int | None = option(
+        None, "--cp-mode a2a+ring: ranks per all-to-all sub-group (consecutive cp ranks, e.g. one node), a divisor of "
+              "--cp", metavar="A")
+    pp: int = option(2, "pipeline-parallel size (stages)", aliases=("--pipeline-model-parallel-size",))
+    dp: int | None = option(
+        None, "data-parallel size (default: WORLD_SIZE / (tp*cp*pp) under torchrun, as Megatron; else the GPUs over "
+              "tp*cp*pp, or 2 on the CPU)")
+    dp_mode: str = option(
+        "ddp", "data parallelism: torch DDP on the dp group, FSDP2 (fully_shard) on the dp mesh dim, or zero1: the "
+               "distributed optimizer (fp32 grads reduce-scattered in buckets during backward, each rank stepping "
+               "1/dp of the fp32 masters and AdamW state, parameters all-gathered)",
+        choices=DP_MODES, consts={"--use-distributed-optimizer": "zero1"})
+    schedule: str = option(
+        "1f1b", "pipeline schedule (tp/pipeline/schedules.py): interleaved is Megatron's, with --virtual-stages "
+                "model chunks per rank; zb is ZB-H1, the backward split into input and weight gradients",
+        choices=PIPELINE_SCHEDULES)
+    virtual_stages: int = option(
+        1, "model chunks per pipeline rank (--schedule interleaved; Megatron's virtual pipeline size)", metavar="V")
+    sequence_parallel: bool = option(False, "Megatron sequence parallelism inside each tp group")
+    recompute: str = option("none", "activation recomputation: the attention core (selective) or every block (full)",
+                            choices=RECOMPUTE, aliases=("--recompute-granularity",))
+    ep: int = option(
+        1, "expert-parallel size: the experts of each MoE layer split over ep ranks of a stage's tp*cp*dp (which "
+           "exchange tokens by all-to-all); ep*etp must divide tp*cp*dp", aliases=("--expert-model-parallel-size",))
+    etp: int | None = option(None, "expert-tensor-parallel size: each expert's FFN split over etp ranks (default: "
+                                   "--tp)", aliases=("--expert-tensor-parallel-size",))
 
     def validate(self) -> None:
         at_least(self, ("tp", "cp", "pp", "dp", "virtual_stages", "cp_a2a_size", "ep", "etp"), 1)

@@ -2,7 +2,7 @@
 import dataclasses
 import math
 
-from .fields import at_least, one_of
+from .fields import at_least, one_of, option
 
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -11,11 +11,17 @@ DEVICES = ("auto", "cpu", "cuda")
 class CheckpointConfig:
     """[checkpoint]: resharding checkpoints written, resumed from, and the Hugging Face export."""
 
-    save: str | None = None
-    save_every: int = 0
-    load: str | None = None
-    export_hf: str | None = None
-    async_save: bool = False  # DCP's async_save: staged to CPU, written in the background
+    save: str | None = option(None, "write resharding checkpoints DIR/step-N (at the end, and every --save-every "
+                                    "steps); DIR/latest names the newest", metavar="DIR", path=True)
+    save_every: int = option(0, "checkpoint every N steps (0: only at the end)", metavar="N",
+                             aliases=("--save-interval",))
+    load: str | None = option(None, "resume from the newest checkpoint in DIR (or the step directory DIR), written "
+                                    "at any tp/pp/dp split", metavar="DIR", path=True)
+    export_hf: str | None = option(None, "write the trained model in Hugging Face format at the end", metavar="DIR",
+                                   path=True)
+    async_save: bool = option(
+        False, "checkpoints staged to CPU and written in the background (torch.distributed.checkpoint.async_save) "
+               "while training goes on; DIR/latest moves once every rank's write is complete")
 
     def validate(self) -> None:
         at_least(self, ("save_every",), 0)
@@ -26,14 +32,25 @@ class LoggingConfig:
     """[logging]: the JSONL log (and its plot), TensorBoard, W&B, the progress lines, stragglers, the final sample,
     the ranks' log directory."""
 
-    log_jsonl: str | None = None
-    log_interval: int = 10
-    log_dir: str | None = None
-    tensorboard_dir: str | None = None
-    wandb_project: str | None = None
-    wandb_run_name: str | None = None
-    straggler_factor: float = 1.5  # warn when a rank's step takes this many times the median, 3 gathers running
-    no_sample: bool = False
+    log_jsonl: str | None = option(None, "one JSON object per step: step, loss, tokens_per_s, ...", metavar="PATH",
+                                   path=True)
+    log_interval: int = option(10, "when stdout is not a terminal (a file, a pipe): one progress line every N steps "
+                                   "instead of a tqdm bar", metavar="N")
+    log_dir: str | None = option(
+        None, "each rank's log DIR/rank-N.log: all the output of ranks other than 0, a failing rank's traceback; the "
+              "run's config.toml (default: DIR/logs of --save, else a new temporary directory)", metavar="DIR",
+        path=True)
+    tensorboard_dir: str | None = option(
+        None, "TensorBoard scalars (the JSONL log's) and the configuration, written by rank 0 (pip install "
+              "tensorboard)", metavar="DIR", path=True)
+    wandb_project: str | None = option(
+        None, "log the same rows to Weights & Biases (pip install wandb); offline without credentials "
+              "(WANDB_API_KEY or a wandb login); a resumed job continues the checkpoint's W&B run", metavar="NAME")
+    wandb_run_name: str | None = option(None, "the W&B run's display name", metavar="NAME")
+    straggler_factor: float = option(
+        1.5, "every --log-interval steps each rank's step time is gathered (slowest_rank, rank_step_s_max/min in "
+             "the log); warn when a rank takes F times the median 3 times running", metavar="F")
+    no_sample: bool = option(False, "skip the greedy sample from the trained model printed at the end")
 
     def validate(self) -> None:
         at_least(self, ("log_interval",), 1)
@@ -47,9 +64,13 @@ class LoggingConfig:
 class ProfilingConfig:
     """[profiling]: torch.profiler over a window of optimizer steps, one trace per rank."""
 
-    profile_steps: str | None = None  # "A:B": optimizer steps A..B (from 1), both included
-    profile_dir: str | None = None  # None: profile/ beside the ranks' logs
-    profile_ranks: str | None = None  # "0,3": those global ranks (None: every rank)
+    profile_steps: str | None = option(
+        None, "torch.profiler over optimizer steps A..B (from 1, both included): one Chrome/Perfetto trace per rank "
+              "(pipeline actions and collectives named), CUDA memory snapshots on GPUs", metavar="A:B")
+    profile_dir: str | None = option(None, "where the traces go (default: LOG_DIR/profile)", metavar="DIR",
+                                     path=True)
+    profile_ranks: str | None = option(None, "profile these global ranks only, e.g. 0,3 (default: every rank)",
+                                       metavar="R,R")
 
     def validate(self) -> None:
         if self.profile_steps is None:
@@ -83,10 +104,17 @@ class ProfilingConfig:
 class LaunchConfig:
     """[launch]: the collectives' timeout, restarts, the layout printed instead of training."""
 
-    distributed_timeout_minutes: float = 10.0
-    max_restarts: int = 0
-    print_layout: bool = False
-    device: str = "auto"  # auto: $TP_DEVICE if set, else cuda when a GPU is visible (one rank per GPU), else cpu
+    distributed_timeout_minutes: float = option(
+        10.0, "collective timeout: a rank that hangs ends the job after M minutes, and is named", metavar="M")
+    max_restarts: int = option(
+        0, "restart every rank up to K times after a failure (torchrun's flag, for our launcher); with --save DIR "
+           "--load DIR the job resumes from DIR/latest", metavar="K")
+    print_layout: bool = option(
+        False, "print which global ranks sit on which node, each rank's local rank and tp/cp/pp/dp coordinates, and "
+               "exit")
+    device: str = option(
+        "auto", "cuda: one rank per GPU over NCCL (gloo for CPU tensors); cpu: gloo ranks on the CPU even with GPUs; "
+                "auto: $TP_DEVICE when set, else cuda when a GPU is visible", choices=DEVICES)
 
     def validate(self) -> None:
         at_least(self, ("max_restarts",), 0)
@@ -99,12 +127,13 @@ class LaunchConfig:
 class FaultsConfig:
     """[faults]: failures the tests inject (hidden flags; models/training/faults.py), all on rank `fail_rank`."""
 
-    fail_at_step: int | None = None  # raises there
-    hang_at_step: int | None = None  # sleeps there
-    slow_save_at_step: int | None = None  # a first attempt's save pauses (every rank; async: its write)
-    nan_grad_at_step: int | None = None  # a NaN in a reduced gradient
-    slow_step_s: float | None = None  # every step works this much longer (a straggler)
-    fail_rank: int = 0
+    fail_at_step: int | None = option(None, "raises there", hidden=True)
+    hang_at_step: int | None = option(None, "sleeps there", hidden=True)
+    slow_save_at_step: int | None = option(None, "a first attempt's save pauses (every rank; async: its write)",
+                                           hidden=True)
+    nan_grad_at_step: int | None = option(None, "a NaN in a reduced gradient", hidden=True)
+    slow_step_s: float | None = option(None, "every step works this much longer (a straggler)", hidden=True)
+    fail_rank: int = option(0, "the rank the faults above happen on", hidden=True)
 
     def validate(self) -> None:
         """(test-only: any value does what it says)"""

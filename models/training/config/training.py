@@ -3,7 +3,7 @@ rate schedule."""
 import dataclasses
 import math
 
-from .fields import at_least, flag_of, one_of
+from .fields import at_least, flag_of, one_of, option
 
 PRECISIONS = ("fp32", "tf32", "bf16")
 LR_DECAY_STYLES = ("cosine", "linear", "constant", "wsd")
@@ -13,15 +13,23 @@ LR_DECAY_STYLES = ("cosine", "linear", "constant", "wsd")
 class TrainingConfig:
     """[training]: steps, batch sizes, sequence length, seed, precision, gradient clipping."""
 
-    steps: int = 100
-    global_batch_size: int = 16
-    micro_batch_size: int = 2
-    seq_len: int = 64
-    seed: int = 1234
-    precision: str | None = None  # None: bf16 on CUDA, fp32 on the CPU (resolved by JobConfig.validate)
-    clip_grad: float = 1.0
-    check_inputs: bool = False
-    compile: bool = False  # torch.compile each transformer block (fullgraph)
+    steps: int = option(100, "optimizer steps", aliases=("--train-iters",))
+    global_batch_size: int = option(16, "sequences per optimizer step, over all dp ranks")
+    micro_batch_size: int = option(2, "sequences per micro-batch")
+    seq_len: int = option(64, "tokens per sequence", aliases=("--seq-length",))
+    seed: int = option(1234, "seed of the weights, the data order and dropout")
+    precision: str | None = option(
+        None, "bf16: bf16 parameters and activations, fp32 master weights, fp32 gradient accumulation and reduction "
+              "(the GPU default; fp32 on the CPU, where bf16 matmuls are slow); tf32: fp32 with TensorFloat-32 "
+              "matmuls on GPUs (fp32 there is the exact, slow IEEE dot)",
+        metavar="{" + ",".join(PRECISIONS) + "}",  # (checked by validate, which says why fp16 is not)
+        consts={"--bf16": "bf16"})
+    clip_grad: float = option(1.0, "clip the global gradient norm (over tp, pp and dp) to C (0: no clipping); a "
+                                   "non-finite norm skips the step", metavar="C")
+    check_inputs: bool = option(False, "assert every step that all tp ranks of a group read the same tokens (a "
+                                       "checksum all-gather)")
+    compile: bool = option(False, "torch.compile each transformer block (fullgraph, as torchtitan): no graph break, "
+                                  "the same loss")
 
     def validate(self) -> None:
         at_least(self, ("global_batch_size", "micro_batch_size", "seq_len", "steps"), 1)
@@ -34,20 +42,35 @@ class TrainingConfig:
 
 @dataclasses.dataclass
 class OptimizerConfig:
-    """[optimizer]: AdamW's peak learning rate, its warm-up and decay (Megatron's flags), and weight decay."""
+    """[optimizer]: AdamW's peak learning rate, its warm-up and decay (Megatron's flags), weight decay, betas and
+    epsilon."""
 
-    lr: float = 3e-3
-    warmup_steps: int = 5
-    weight_decay: float = 0.01
-    lr_decay_style: str = "cosine"
-    min_lr: float | None = None  # None: lr / 10
-    lr_decay_steps: int | None = None  # None: --steps
-    lr_wsd_decay_steps: int | None = None  # wsd's final decay; None: the last 10% of the decay steps
+    lr: float = option(3e-3, "peak learning rate (AdamW; linear warm-up, then --lr-decay-style)")
+    warmup_steps: int = option(5, "learning-rate warm-up steps", aliases=("--lr-warmup-iters",))
+    weight_decay: float = option(0.01, "AdamW weight decay (not on norms and biases)")
+    adam_beta1: float = option(0.9, "AdamW's beta1")
+    adam_beta2: float = option(0.95, "AdamW's beta2")
+    adam_eps: float = option(1e-8, "AdamW's epsilon")
+    lr_decay_style: str = option(
+        "cosine", "learning-rate decay after the warm-up, from --lr to --min-lr (Megatron's); wsd: "
+                  "warmup-stable-decay", choices=LR_DECAY_STYLES)
+    min_lr: float | None = option(None, "the learning rate the decay ends at (default: --lr / 10)")
+    lr_decay_steps: int | None = option(
+        None, "steps (from 0) over which the learning rate decays, --min-lr after (default: --steps)", metavar="N",
+        aliases=("--lr-decay-iters",))
+    lr_wsd_decay_steps: int | None = option(
+        None, "wsd: the last N of the decay steps fall linearly to --min-lr (default: 10% of the decay steps)",
+        metavar="N", aliases=("--lr-wsd-decay-iters",))
 
     def validate(self) -> None:
         for name, value in (("lr", self.lr), ("weight_decay", self.weight_decay)):
             if not math.isfinite(value) or value < 0 or (name == "lr" and value == 0):
                 raise ValueError(f"{flag_of(name)}={value} must be a finite number {'> 0' if name == 'lr' else '>= 0'}")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"{flag_of(name)}={getattr(self, name)} must be in [0, 1)")
+        if not (math.isfinite(self.adam_eps) and self.adam_eps > 0):
+            raise ValueError(f"--adam-eps={self.adam_eps} must be a finite number > 0")
         at_least(self, ("warmup_steps",), 0)
         at_least(self, ("lr_decay_steps", "lr_wsd_decay_steps"), 1)
         one_of("--lr-decay-style", self.lr_decay_style, LR_DECAY_STYLES)
