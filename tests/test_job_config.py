@@ -1,18 +1,42 @@
-"""The training job's typed configuration (models/training/config/): TOML written and read back equal, --config
-with the command line's flags winning, unknown keys refused in one line, the resolved configuration each run writes
-beside its logs."""
+"""The training job's typed configuration (models/training/config/) and its command line: TOML written and read back
+equal, --config with the command line's flags winning, unknown keys refused in one line, the resolved configuration
+each run writes beside its logs (and reruns from anywhere); the flags built from the fields, Megatron-LM's names as
+aliases, an unknown flag refused in one line with suggestions; the named shapes, shared with the planner."""
+import argparse
+import dataclasses
+import json
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+from models.presets import MODELS
 from models.training.cli import job_config, main, parser, validate
 from models.training.config import JobConfig
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _job(*flags):
     return job_config(parser().parse_args(list(flags)))
+
+
+def _run_job(flags, cwd=None):
+    """`python -m models.train FLAGS` in a user's environment (no torchrun variables), from `cwd`; it succeeds."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                             "MASTER_PORT")}
+    env |= {"OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])}
+    result = subprocess.run([sys.executable, "-m", "models.train", *flags], capture_output=True, text=True,
+                            timeout=600, env=env, cwd=cwd)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def _losses(path):
+    return [row["loss"] for row in map(json.loads, Path(path).read_text().splitlines()) if "loss" in row]
 
 
 def test_toml_round_trip(tmp_path):
@@ -22,6 +46,7 @@ def test_toml_round_trip(tmp_path):
                "--distributed-timeout-minutes", "0.5", "--fail-at-step", "3")
     path = tmp_path / "job.toml"
     path.write_text(job.to_toml())
+    job.checkpoint.save = os.path.abspath("ckpt")  # (written absolute: the file runs from any directory)
     assert JobConfig.from_toml(str(path)) == job
     assert "[faults]" in path.read_text() and "[faults]" not in JobConfig().to_toml()  # (test-only: when set)
     path.write_text(JobConfig().to_toml())
@@ -48,8 +73,6 @@ def test_flags_given_on_the_command_line_win_over_the_file(tmp_path):
     ("[training\n", r"not TOML"),
 ])
 def test_a_bad_file_is_refused_in_one_line(tmp_path, capsys, text, message):
-    import re
-
     path = tmp_path / "job.toml"
     path.write_text(text)
     assert main(["--config", str(path)]) == 2
@@ -60,11 +83,7 @@ def test_a_bad_file_is_refused_in_one_line(tmp_path, capsys, text, message):
 def test_a_run_writes_its_resolved_config_beside_its_logs(tmp_path):
     flags = ["--model", "tiny", "--seq-len", "32", "--global-batch-size", "4", "--micro-batch-size", "2",
              "--steps", "2", "--tp", "1", "--pp", "1", "--lr", "0.002", "--log-dir", str(tmp_path / "logs")]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                             "MASTER_PORT")} | {"OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, "-m", "models.train", *flags], capture_output=True, text=True,
-                            timeout=300, env=env)
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = _run_job(flags)
     written = tmp_path / "logs" / "config.toml"
     start = next(line for line in result.stdout.splitlines() if " ranks: " in line)
     assert start.endswith(f"; config: {written}")  # the start line says where
@@ -105,3 +124,162 @@ def test_on_gpus_the_job_is_sized_to_them_and_defaults_to_bf16(monkeypatch):
     job = _job()
     job.validate()
     assert (job.launch.device, job.parallelism.world_size, job.training.precision) == ("cpu", 8, "fp32")
+
+
+# ---- the command line built from the fields ------------------------------------------------------------------------
+
+MEGATRON_JOB = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--train-iters", "3",
+                "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "8"]
+OUR_JOB = ["--tp", "2", "--pp", "2", "--steps", "3", "--seq-len", "64", "--micro-batch-size", "2",
+           "--global-batch-size", "8"]
+
+
+@pytest.mark.parametrize("megatron,ours", [
+    (MEGATRON_JOB, OUR_JOB),
+    (["--context-parallel-size", "2", "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1",
+      "--sequence-parallel", "--recompute-granularity", "selective"],
+     ["--cp", "2", "--ep", "2", "--etp", "1", "--sequence-parallel", "--recompute", "selective"]),
+    (["--num-layers", "2", "--hidden-size", "96", "--num-attention-heads", "6", "--num-query-groups", "2",
+      "--ffn-hidden-size", "128", "--kv-channels", "16", "--rotary-base", "5e5", "--init-method-std", "0.01",
+      "--norm-epsilon", "1e-6", "--hidden-dropout", "0.1"],
+     ["--num-layers", "2", "--hidden-size", "96", "--num-heads", "6", "--num-kv-heads", "2", "--ffn-hidden-size",
+      "128", "--head-dim", "16", "--rope-theta", "500000", "--init-std", "0.01", "--norm-eps", "1e-6", "--dropout",
+      "0.1"]),
+    (["--lr", "1e-3", "--min-lr", "1e-5", "--lr-warmup-iters", "2", "--lr-decay-style", "linear", "--lr-decay-iters",
+      "50", "--weight-decay", "0.1", "--clip-grad", "0.5", "--bf16", "--use-distributed-optimizer", "--seed", "7"],
+     ["--lr", "1e-3", "--min-lr", "1e-5", "--warmup-steps", "2", "--lr-decay-style", "linear", "--lr-decay-steps",
+      "50", "--weight-decay", "0.1", "--clip-grad", "0.5", "--precision", "bf16", "--dp-mode", "zero1", "--seed",
+      "7"]),
+    (["--save", "/c", "--load", "/c", "--save-interval", "5", "--eval-interval", "4", "--eval-iters", "2",
+      "--log-interval", "1", "--tensorboard-dir", "/tb", "--wandb-project", "p", "--data-path", "0.3", "/a", "0.7",
+      "/b"],
+     ["--save", "/c", "--load", "/c", "--save-every", "5", "--eval-every", "4", "--eval-iters", "2", "--log-interval",
+      "1", "--tensorboard-dir", "/tb", "--wandb-project", "p", "--data", "0.3", "/a", "0.7", "/b"]),
+    (["--pp", "2", "--num-layers-per-virtual-pipeline-stage", "1"], ["--pp", "2", "--virtual-stages", "2",
+                                                                     "--schedule", "interleaved"]),
+    (["--virtual-pipeline-model-parallel-size", "2", "--schedule", "zb"], ["--virtual-stages", "2", "--schedule",
+                                                                          "zb"]),
+])
+def test_megatron_flags_are_the_same_fields(megatron, ours):
+    """Megatron-LM's flag names set our fields with Megatron's meaning: the same JobConfig (hence the same run)."""
+    assert _job(*megatron) == _job(*ours)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--num-layers-per-virtual-pipeline-stage", "3"],  # tiny: 4 layers, 2 per stage at --pp 2
+     r"^--num-layers-per-virtual-pipeline-stage=3 does not divide the 4 layers' 2 per pipeline stage \(--pp=2\)$"),
+    (["--num-layers-per-virtual-pipeline-stage", "1", "--virtual-pipeline-model-parallel-size", "2"],
+     r"^give one of --num-layers-per-virtual-pipeline-stage and --virtual-pipeline-model-parallel-size$"),
+])
+def test_megatron_virtual_pipeline_flags_refuse_what_does_not_divide(flags, message):
+    with pytest.raises(ValueError, match=message):
+        _job(*flags)
+
+
+@pytest.mark.parametrize("flag,line", [
+    ("--tensor-parallel-size", "error: unknown flag --tensor-parallel-size: did you mean --tensor-model-parallel-size"),
+    ("--trainiters", "error: unknown flag --trainiters: did you mean --train-iters"),
+    ("--xyzzy", "error: unknown flag --xyzzy: python -m models.train --help lists the flags"),
+])
+def test_an_unknown_flag_is_one_line_naming_the_closest_flags(capsys, flag, line):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--tp", "1", flag, "3"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.startswith(line) and err.count("\n") == 1, err
+
+
+def test_every_flag_comes_from_its_field_and_help_shows_each_default_once():
+    """Each field's flag parses to the field's type with its default (the dataclass's); --help groups them by
+    section and shows a default once, the dataclass's, never written into the help by hand."""
+    p = parser()
+    text = re.sub(r"\s+", " ", p.format_help())
+    by_dest = {a.dest: a for a in p._actions if a.default is not argparse.SUPPRESS}
+    for name, section in JobConfig().sections().items():
+        assert name == "faults" or f" [{name}]: " in f" {text}"  # (the tests' faults are hidden)
+        for field in dataclasses.fields(section):
+            action = by_dest[field.metadata.get("flag", field.name)]
+            assert action.default == field.default, field.name
+            assert "(default: " not in field.metadata["help"] or field.default is None, field.name
+            shown = p._get_formatter()._expand_help(action) if field.metadata.get("help") else ""
+            if name != "faults" and field.default is not None and field.default is not False:
+                assert shown.count("(default: ") == 1 and shown.endswith(f"(default: {field.default})"), shown
+
+
+def test_the_written_config_holds_every_field_with_absolute_paths(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    job = _job("--save", "ckpt", "--data", "0.3", "a", "0.7", "sub/b", "--log-jsonl", "log.jsonl")
+    text = job.to_toml()
+    for name, section in job.sections().items():
+        for field in dataclasses.fields(section) if name != "faults" else ():
+            assert re.search(rf"^(# )?{field.name} ", text, re.M), field.name  # (None: a comment)
+    assert f'save = "{tmp_path / "ckpt"}"' in text and f'log_jsonl = "{tmp_path / "log.jsonl"}"' in text
+    assert f'path = ["0.3", "{tmp_path / "a"}", "0.7", "{tmp_path / "sub" / "b"}"]' in text
+
+
+def test_the_optimizer_takes_the_adam_fields():
+    import torch
+
+    from models.training.build import build_optimizer
+
+    job = _job("--adam-beta1", "0.8", "--adam-beta2", "0.99", "--adam-eps", "1e-6", "--lr", "0.5")
+    group = build_optimizer(torch.nn.Linear(2, 2), job, 1).param_groups[0]
+    assert (group["betas"], group["eps"], group["lr"]) == ((0.8, 0.99), 1e-6, 0.5)
+    assert JobConfig().optimizer.adam_beta2 == 0.95  # (as before these fields: the same runs)
+
+
+# ---- the named shapes: one registry for the job and the planner ---------------------------------------------------
+
+def test_the_job_and_the_planner_take_the_same_model_names():
+    from bench.plan.cli import parser as plan_parser
+
+    def choices(p):
+        return set(next(a.choices for a in p._actions if "--model" in a.option_strings))
+
+    assert choices(parser()) == choices(plan_parser()) == set(MODELS)
+
+
+SHRINK = ["--num-layers", "2", "--hidden-size", "256", "--ffn-hidden-size", "512", "--num-attention-heads", "4",
+          "--num-query-groups", "2", "--vocab-size", "1000"]
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_every_named_shape_trains_shrunk_by_the_flags(name):
+    """Every shape the planner knows is a job the trainer takes, its fields overridden to fit (checked in process:
+    the GPTConfig the ranks would build)."""
+    experts = ["--moe-ffn-hidden-size", "128", "--moe-layer-freq", "1"] if MODELS[name].get("num_experts") else []
+    config = validate(_job("--model", name, *SHRINK, *experts, "--tp", "1", "--pp", "1", "--dp", "1"))
+    assert (config.num_layers, config.hidden_size, config.ffn_hidden_size, config.num_heads, config.num_kv_heads,
+            config.vocab_size) == (2, 256, 512, 4, 2, 1000)
+    for field in ("rope_theta", "activation", "norm", "position", "num_experts", "qk_norm"):  # the rest: the shape's
+        assert getattr(config, field) == MODELS[name].get(field, getattr(type(config)(), field)), field
+
+
+def test_a_given_vocab_size_must_hold_the_data():
+    with pytest.raises(ValueError, match=r"^vocab_size=100 cannot hold the 256 byte tokens$"):
+        validate(_job("--vocab-size", "100", "--tp", "1", "--pp", "1", "--dp", "1"))
+
+
+def test_llama3_8b_shrunk_trains_on_the_cpu(tmp_path):
+    result = _run_job(["--model", "llama3-8b", *SHRINK, "--tp", "1", "--pp", "1", "--dp", "1", "--steps", "2",
+                       "--global-batch-size", "2", "--seq-len", "32", "--no-sample", "--log-jsonl",
+                       str(tmp_path / "log.jsonl"), "--log-dir", str(tmp_path / "logs")])
+    assert "model llama3-8b (2 layers, hidden 256," in result.stdout
+    losses = _losses(tmp_path / "log.jsonl")
+    assert len(losses) == 2 and all(0 < loss < 10 for loss in losses)
+
+
+@pytest.mark.parametrize("megatron", [
+    ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2", "--dp", "1", "--train-iters", "3",
+     "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "4"],  # 2 ranks
+    pytest.param(MEGATRON_JOB, marks=pytest.mark.slow),  # the issue's command: 8 ranks
+])
+def test_megatron_flags_run_and_the_written_config_reruns_them_from_another_directory(tmp_path, megatron):
+    """The Megatron-named command runs (the same JobConfig as ours: test_megatron_flags_are_the_same_fields); its
+    LOGDIR/config.toml, its paths given relative, reruns it from another directory: the same losses."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir(), second.mkdir()
+    (first / "corpus.txt").write_text(Path(json.__file__).read_text() * 2)
+    _run_job([*megatron, "--data-path", "corpus.txt", "--data-cache-dir", "cache", "--log-dir", "logs",
+              "--log-jsonl", "log.jsonl", "--no-sample"], cwd=first)
+    _run_job(["--config", "../first/logs/config.toml", "--log-dir", "logs", "--log-jsonl", "log.jsonl"], cwd=second)
+    assert _losses(second / "log.jsonl") == _losses(first / "log.jsonl") and len(_losses(first / "log.jsonl")) == 3
