@@ -227,6 +227,19 @@ def test_the_optimizer_takes_the_adam_fields():
     assert JobConfig().optimizer.adam_beta2 == 0.95  # (as before these fields: the same runs)
 
 
+def test_the_docs_table_of_megatron_names_is_the_parsers():
+    """docs/job-config.md's table: each Megatron-LM name and the flag of ours it sets, as the fields declare them."""
+    declared = {}
+    for section in JobConfig().sections().values():
+        for field in dataclasses.fields(section):
+            ours = "--" + field.metadata.get("flag", field.name).replace("_", "-")
+            declared |= dict.fromkeys(field.metadata["aliases"], ours)
+            declared |= {flag: f"{ours} {value}" for flag, value in field.metadata["consts"].items()}
+    rows = re.findall(r"\| `(--[\w-]+)` \| `(--[\w -]+)` ", (ROOT / "docs" / "job-config.md").read_text())
+    rows += re.findall(r"\| `--[\w-]+` \| `--[\w -]+` \| `(--[\w-]+)` \| `(--[\w -]+)` \|",
+                       (ROOT / "docs" / "job-config.md").read_text())
+    assert dict(rows) == declared
+
 # ---- the named shapes: one registry for the job and the planner ---------------------------------------------------
 
 def test_the_job_and_the_planner_take_the_same_model_names():
