@@ -76,7 +76,7 @@ def add_field_flag(group: Any, field: dataclasses.Field) -> None:
     group.add_argument(*flags, dest=name, default=field.default, help=help_of(field), **options)
     for flag, value in meta.get("consts", {}).items():
         group.add_argument(flag, dest=name, action="store_const", const=value, default=argparse.SUPPRESS,
-                           help=argparse.SUPPRESS if meta.get("hidden") else f"{flags[0]} {value} (Megatron's flag)")
+                           help=f"{flags[0]} {value} (Megatron's flag)")
 
 
 def value_type(annotation: Any) -> type:

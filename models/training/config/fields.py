@@ -22,11 +22,6 @@ def option(default: Any = None, help: str = "", *, flag: str | None = None, alia
     return dataclasses.field(default=default, metadata=metadata)
 
 
-def flag_field(default: Any, *, flag: str) -> Any:
-    """A field whose command-line flag is named otherwise (--FLAG)."""
-    return option(default, flag=flag)
-
-
 def dest(field: dataclasses.Field) -> str:
     """The argparse dest of a section's field: its own name unless it says otherwise."""
     return field.metadata.get("flag", field.name)
