@@ -171,7 +171,7 @@ def _batch_environment(tmp_path, script):
 
 
 def _sbatch_scripts():
-    text = (ROOT / "docs" / "training.md").read_text()
+    text = (ROOT / "docs" / "launching.md").read_text()
     return re.findall(r"<!-- test: sbatch -->\n```bash\n(.*?)```", text, re.S)
 
 
