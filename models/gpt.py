@@ -9,7 +9,8 @@ targets); the model keeps its load-balanced share (tp.cp_shard: s/cp tokens), po
 position, attention covers the whole sequence, `model(tokens)` returns the full logits (tp.cp_unshard) and
 `model(tokens, targets)` the global mean over the non-ignored tokens of the whole sequence, equal on every rank of
 tp×cp. Each cp rank's backward then yields its share of the gradient: the sum over the cp group (not the mean) is the
-gradient of that loss, so data parallelism reduces over dp×cp summing over cp (models.training.trainer does).
+gradient of that loss, so data parallelism reduces over dp×cp summing over cp (models.training.model.wrap_data_parallel
+does).
 
 Documents (a window packing several): `model(tokens, targets, document_ids=ids)` with ids [b, s] (equal ids: one
 document) keeps attention inside each document and restarts the positions at each document's first token, so the

@@ -11,7 +11,8 @@ A comment `# prints: TEXT` (or `# rank R prints: TEXT`) says what rank 0 (rank R
 Bash blocks follow a marker: `<!-- test: run -->` runs every command for real, in order, in one temporary directory
 (cheap ones only: `--help`, a planner call, a 2-step job); `<!-- test: parse -->` hands each command's arguments to
 the program's own argument parser (torchrun's too) and stops there, for commands too slow to run here (benchmarks,
-full training runs, multi-node launches). The README's first block, the set-up, is checked against .ci/run instead.
+full training runs, multi-node launches); `<!-- test: sbatch -->` marks an sbatch script, which tests/test_slurm.py
+runs on two simulated nodes of this machine. The README's first block, the set-up, is checked against .ci/run instead.
 """
 import argparse
 import contextlib
@@ -125,7 +126,8 @@ def test_every_block_says_how_it_is_tested():
         for i, (lang, marker, code) in enumerate(blocks):
             assert lang in ("python", "bash"), f"{page.name}: a ```{lang} block cannot be run:\n{code}"
             if lang == "bash" and not (page.name == "README.md" and i == 0):
-                assert marker in ("run", "parse"), f"{page.name}: mark the bash block <!-- test: run|parse -->:\n{code}"
+                assert marker in ("run", "parse", "sbatch"), \
+                    f"{page.name}: mark the bash block <!-- test: run|parse|sbatch -->:\n{code}"
     assert _python_blocks()  # every python block opens with its `# run:` line
 
 

@@ -28,6 +28,7 @@ from .mesh_layout import (
     layout,
     parse_order,
 )
+from .slurm import use_srun_environment
 
 __all__ = ["AXES", "COMPOSITES", "DEFAULT_ORDER", "EXPERT_AXES", "EXPERT_GROUPS", "Mesh", "SharedGroup",
            "collective_device", "current_mesh", "default_backend", "destroy_mesh", "get_mesh", "init_mesh",
@@ -203,13 +204,15 @@ def init_mesh(*, tp: int = 1, cp: int = 1, pp: int = 1, dp: int | None = None, e
 
     Uses the default process group if one exists (then `backend` and `timeout` are those it was created with),
     else initialises it from torchrun's environment (gloo on CPU; with CUDA "cpu:gloo,cuda:nccl", NCCL for CUDA tensors
-    and gloo for CPU ones, unless `backend` says otherwise);
+    and gloo for CPU ones, unless `backend` says otherwise), or from SLURM's in a task of `srun` (tp/slurm.py);
     a lone process gets a one-rank group.
     """
     global _current
     if _current is not None:
         raise RuntimeError(f"a mesh is already initialised ({_current!r}); call tp.destroy_mesh() first")
     parse_order(order)
+    if not dist.is_initialized():
+        use_srun_environment()  # srun's tasks: torchrun's variables from SLURM's
     if not dist.is_initialized() and not launched_by_torchrun():  # one process: a mesh of several ranks cannot be made
         try:
             needed = tp * cp * pp * (dp or 1)

@@ -2,10 +2,35 @@
 a deferred W holds under ZB-H1, the tensors outside the blocks, and how many micro-batches each schedule keeps in
 flight on a pipeline stage (bench.plan.memory adds the parameters, gradients and optimizer states).
 
-Backends "triton" and "torch" count this package's layers (byte-exact against the training job: tests). Backend "te"
-counts a Megatron-Core layer on Transformer Engine, as NVIDIA's NeMo / Megatron-LM recipes run it, from
-Korthikanti et al. 2022 (arXiv:2205.05198) §4.1 and Table 2 redone without the s×s terms: per layer with tp + SP,
-sbh·34/t bytes for a GPT-3 layer (LayerNorm, 4h GELU MLP, dropout) once the 5as/h attention term is gone (flash /
+Backends "triton" and "torch" count this package's layers (byte-exact against the training job: tests), per layer
+and micro-batch (T = b·s/cp tokens on this rank, T' = T/tp under SP, e = 2 bf16 / 4 fp32 bytes, h hidden, a heads,
+k kv heads (local k' = max(k/tp, 1)), d head dim, f ffn). Korthikanti et al. 2022's count
+(arXiv:2205.05198, activation memory per layer) redone for this code: SDPA keeps no s×s scores, SwiGLU, GQA,
+RMSNorm's fp32 statistics:
+  norm (×2)  RMSNorm: input in fp32 (4·T'h: it upcasts), rstd 4·T', normed and weighted output e·2·T'h;
+             LayerNorm: input and output e·2·T'h, mean and rstd 8·T'
+  attention  fused qkv e·T(a/tp + 2k')d, roped q,k e·T(a/tp + k')d (RoPE only: else views of qkv), output
+             e·T·a/tp·d, log-sum-exp 4·T·a/tp
+             (selective recompute drops the lse only: with SDPA there are no scores to drop)
+  mlp        pre-activation e·T·(2)f/tp, output e·T·f/tp; at tp = 1 on the torch backend without main_grad,
+             autograd's own SwiGLU keeps an fp32 pre-activation and silu(gate) instead (4·3T·f + e·T·f)
+  dropout    p > 0: a 1-byte mask per residual dropout (2·T'h)
+  cp > 1     the same tensors on s/cp tokens (ring and all-gather attention keep q, k, v, output and lse of this
+             rank's share), plus cos/sin gathered at its positions per layer (2·e·s/cp·d)
+  full recompute: the block input only, e·T'h (plus one block recomputed at a time: `transient`)
+Per micro-batch and stage: token ids (8 B) and the embedding's mask; on the last stage the final norm, the loss's
+fp32 softmax over this rank's real vocabulary columns, targets and masks; on other stages the output kept for the
+backward send (e·T'h, not a saved tensor but held by the runner). RoPE's cos/sin tables once per stage.
+In flight (micro-batches whose activations are alive at once, stage i of p): 1F1B and ZB-H1 min(p − i, m), GPipe m,
+interleaved (p − i − 1)·2 + (v − 1)·p + 1 chunks of 1/v stage each (Megatron's warm-up; rank 0: p + (p − 1)/v);
+each equal to tp.pipeline.schedules' simulated peak (tests). ZB-H1 also keeps, from a micro-batch's B to its W, every
+linear's input and output gradient (layer_wgrad_bytes; the last stage's output layer its vocabulary gradient too),
+and its ranks hold W's back: the peak over the schedule's actions of awaiting-B micro-batches × their activations +
+awaiting-W ones × that (the last of p ranks: up to p W's, against 1F1B's one micro-batch there).
+
+Backend "te" counts a Megatron-Core layer on Transformer Engine, as NVIDIA's NeMo / Megatron-LM recipes run it,
+from Korthikanti et al. 2022 (arXiv:2205.05198) §4.1 and Table 2 redone without the s×s terms: per layer with tp +
+SP, sbh·34/t bytes for a GPT-3 layer (LayerNorm, 4h GELU MLP, dropout) once the 5as/h attention term is gone (flash /
 cuDNN attention keeps no scores) — LayerNorm inputs 4, QKV input (the first norm's output) 2, Q and K 4, V 2, the
 projection's input 2, its dropout mask 1; fc1's input (the second norm's output) 2, GELU's input 8, fc2's input 8,
 dropout mask 1 — which Megatron-LM's megatron/training/theoretical_memory_usage.py writes sbh·(18 + 4·ffn/h)/t.

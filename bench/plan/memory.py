@@ -1,64 +1,18 @@
-"""Per-rank memory of a GPTConfig under a tp × cp × pp × dp split: parameters, gradients, optimizer state and
-activations of the largest pipeline stage, counted as this package's code allocates and saves them (or, to price
-another implementation's run: backend "te", what Megatron-Core layers on Transformer Engine save, and
-optimizer_bytes / grad_bytes, its optimizer's state per parameter: state_memory).
+"""Per-rank memory of a GPTConfig under a tp × cp × pp × dp (× ep × etp) split: the estimate that adds up the
+parameters, gradients and optimizer state and the activations of the largest pipeline stage, counted as this
+package's code allocates and saves them (or, to price another implementation's run: backend "te", what
+Megatron-Core layers on Transformer Engine save, and optimizer_bytes / grad_bytes, its optimizer's state per
+parameter: state_memory).
 
     estimate(config, tp=8, pp=4, dp=16, micro_batch_size=1, seq_len=4096, sequence_parallel=True,
              recompute="selective", dp_mode="zero1", precision="bf16")  -> MemoryEstimate (bytes)
 
-Parameters: the exact shapes models.GPT builds on a stage (tests compare them with a real stage): fused QKV with
-kv heads replicated when fewer than tp, SwiGLU's fused gate/up, the vocabulary padded to a multiple of
-tp·make_vocab_size_divisible_by, norms and row biases whole on every tp rank, a tied output weight counted once where
-both ends share a stage. Under cp every rank holds them all. Stages hold the layers and chunks models.stages places:
-with v virtual stages rank r holds chunks c·pp + r (Megatron's interleaving).
-
-Bytes per parameter (the mixed-precision table of the ZeRO paper, Rajbhandari et al. 2020 §3.1, as Megatron's
-distributed-optimizer doc gives it; d = dp·cp ranks share the optimizer, as Megatron's distributed optimizer shards
-over the dp-cp group):
-  fp32: params 4, grads 4, Adam moments 8;  bf16: params 2, fp32 main_grad 4, fp32 master 4 + moments 8;
-  and AdamW's step counter, 4 bytes per parameter tensor (per piece of one under the distributed optimizer).
-  ddp: all of it on every rank (18 B bf16, 16 B fp32; fp32 runs torch DDP, whose bucket copy of the gradients is
-  counted as transient; bf16 an unsharded tp.optim.DataParallel per model chunk); zero1: the optimizer state / d
-  (6 + 12/d, 8 + 8/d), exactly as tp.optim.DataParallel and DistributedOptimizer lay it out (buckets padded to a
-  multiple of d, one DataParallel per model chunk); fsdp: everything / d, each parameter sharded
-  on dim 0 as FSDP2 does (ceil(rows / d) rows per rank), its master kept as the sharded fp32 parameter (16/d), plus
-  (transient) the whole stage's unsharded compute copy and fp32 gradients: the pipeline runner keeps resharding and
-  gradient sync off until the schedule's last backward, as torch.distributed.pipelining does (e + 4 bytes per
-  parameter at the end of the backward, whatever the micro-batch count).
-
-Mixtures of experts (ep, etp; etp defaults to tp): an MoE layer holds the router [E, h], E/ep experts F/etp wide
-and the shared expert split over tp; when the experts' replicas (edp = tp·cp·dp / (ep·etp) ranks) are not the dense
-weights' (ep > 1 or etp != tp), tp.optim.DataParallel keeps them in buckets of their own over edp (sharded over edp by
-zero1; the optimizer bytes are the largest rank's sum of its dense and expert shards, paired through tp.mesh.layout)
-and FSDP2 shards them over edp; fp32 ddp then runs DataParallel's all-reduce form instead of torch DDP.
-
-Activations per layer and micro-batch (T = b·s/cp tokens on this rank, T' = T/tp under SP, e = 2 bf16 / 4 fp32
-bytes, h hidden, a heads, k kv heads (local k' = max(k/tp, 1)), d head dim, f ffn). Korthikanti et al. 2022's
-count (arXiv:2205.05198, activation memory per layer) redone for this code: SDPA keeps no s×s scores, SwiGLU, GQA,
-RMSNorm's fp32 statistics:
-  norm (×2)  RMSNorm: input in fp32 (4·T'h: it upcasts), rstd 4·T', normed and weighted output e·2·T'h;
-             LayerNorm: input and output e·2·T'h, mean and rstd 8·T'
-  attention  fused qkv e·T(a/tp + 2k')d, roped q,k e·T(a/tp + k')d (RoPE only: else views of qkv), output
-             e·T·a/tp·d, log-sum-exp 4·T·a/tp
-             (selective recompute drops the lse only: with SDPA there are no scores to drop)
-  mlp        pre-activation e·T·(2)f/tp, output e·T·f/tp; at tp = 1 on the torch backend without main_grad,
-             autograd's own SwiGLU keeps an fp32 pre-activation and silu(gate) instead (4·3T·f + e·T·f)
-  dropout    p > 0: a 1-byte mask per residual dropout (2·T'h)
-  cp > 1     the same tensors on s/cp tokens (ring and all-gather attention keep q, k, v, output and lse of this
-             rank's share), plus cos/sin gathered at its positions per layer (2·e·s/cp·d)
-  full recompute: the block input only, e·T'h (plus one block recomputed at a time: `transient`)
-Per micro-batch and stage: token ids (8 B) and the embedding's mask; on the last stage the final norm, the loss's
-fp32 softmax over this rank's real vocabulary columns, targets and masks; on other stages the output kept for the
-backward send (e·T'h, not a saved tensor but held by the runner). RoPE's cos/sin tables once per stage.
-In flight (micro-batches whose activations are alive at once, stage i of p): 1F1B and ZB-H1 min(p − i, m), GPipe m,
-interleaved (p − i − 1)·2 + (v − 1)·p + 1 chunks of 1/v stage each (Megatron's warm-up; rank 0: p + (p − 1)/v);
-each equal to tp.pipeline.schedules' simulated peak (tests). ZB-H1 also keeps, from a micro-batch's B to its W, every
-linear's input and output gradient (layer_wgrad_bytes; the last stage's output layer its vocabulary gradient too),
-and its ranks hold W's back: the peak over the schedule's actions of awaiting-B micro-batches × their activations +
-awaiting-W ones × that (the last of p ranks: up to p W's, against 1F1B's one micro-batch there).
-
-The activation counts described above are computed in bench/plan/activations.py, the parameters, gradients and
-optimizer states in bench/plan/parameters.py; this module adds them up in the estimate.
+This module holds the estimate: its argument checks, the choice of stage (only the first and the last pipeline rank
+can be the largest), what a stage keeps beside its layers (RoPE's cos/sin tables, ZB-H1's deferred W inputs,
+full recompute's one recomputed block) and MemoryEstimate. The counts it adds up live beside it, each module's
+docstring with its accounting: bench/plan/parameters.py (each parameter's shape on a stage, bytes per parameter for
+ddp, zero1 and fsdp, the experts' buckets) and bench/plan/activations.py (what a layer saves per micro-batch, the
+tensors outside the layers, micro-batches in flight per schedule). It re-exports their public names.
 """
 from dataclasses import dataclass
 

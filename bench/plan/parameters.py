@@ -1,7 +1,34 @@
 """Parameters, gradients and optimizer states per rank of a pipeline stage (bench.plan.memory's other half): each
 parameter's shape on a tp rank as models.block and tp.moe build it, the stage's registration order, and the bytes the
 training job's data parallelism (tp.optim.DataParallel / DistributedOptimizer buckets, torch DDP, FSDP2) or another
-implementation's optimizer keeps per rank (bench.plan.memory's docstring has the accounting)."""
+implementation's optimizer keeps per rank.
+
+Parameters: the exact shapes models.GPT builds on a stage (tests compare them with a real stage): fused QKV with
+kv heads replicated when fewer than tp, SwiGLU's fused gate/up, the vocabulary padded to a multiple of
+tp·make_vocab_size_divisible_by, norms and row biases whole on every tp rank, a tied output weight counted once where
+both ends share a stage. Under cp every rank holds them all. Stages hold the layers and chunks models.stages places:
+with v virtual stages rank r holds chunks c·pp + r (Megatron's interleaving).
+
+Bytes per parameter (the mixed-precision table of the ZeRO paper, Rajbhandari et al. 2020 §3.1, as Megatron's
+distributed-optimizer doc gives it; d = dp·cp ranks share the optimizer, as Megatron's distributed optimizer shards
+over the dp-cp group):
+  fp32: params 4, grads 4, Adam moments 8;  bf16: params 2, fp32 main_grad 4, fp32 master 4 + moments 8;
+  and AdamW's step counter, 4 bytes per parameter tensor (per piece of one under the distributed optimizer).
+  ddp: all of it on every rank (18 B bf16, 16 B fp32; fp32 runs torch DDP, whose bucket copy of the gradients is
+  counted as transient; bf16 an unsharded tp.optim.DataParallel per model chunk); zero1: the optimizer state / d
+  (6 + 12/d, 8 + 8/d), exactly as tp.optim.DataParallel and DistributedOptimizer lay it out (buckets padded to a
+  multiple of d, one DataParallel per model chunk); fsdp: everything / d, each parameter sharded
+  on dim 0 as FSDP2 does (ceil(rows / d) rows per rank), its master kept as the sharded fp32 parameter (16/d), plus
+  (transient) the whole stage's unsharded compute copy and fp32 gradients: the pipeline runner keeps resharding and
+  gradient sync off until the schedule's last backward, as torch.distributed.pipelining does (e + 4 bytes per
+  parameter at the end of the backward, whatever the micro-batch count).
+
+Mixtures of experts (ep, etp; etp defaults to tp): an MoE layer holds the router [E, h], E/ep experts F/etp wide
+and the shared expert split over tp; when the experts' replicas (edp = tp·cp·dp / (ep·etp) ranks) are not the dense
+weights' (ep > 1 or etp != tp), tp.optim.DataParallel keeps them in buckets of their own over edp (sharded over edp by
+zero1; the optimizer bytes are the largest rank's sum of its dense and expert shards, paired through tp.mesh.layout)
+and FSDP2 shards them over edp; fp32 ddp then runs DataParallel's all-reduce form instead of torch DDP.
+"""
 import math
 from types import SimpleNamespace
 

@@ -359,6 +359,91 @@ def _read_meta(path, model, optimizer):
     return meta
 
 
+class _Reads:
+    """What `load` asks DCP for (`state`: key -> the buffer DCP reads into) and where each read goes after: the blocks
+    of each target tensor (`fills`), the optimizer state per parameter (`new_states`) and, for a DistributedOptimizer,
+    the fp32 master each parameter is loaded into (`masters`)."""
+
+    def __init__(self, device_mesh):
+        self.device_mesh = device_mesh
+        self.state, self.fills, self.new_states, self.masters = {}, [], {}, {}
+
+    def request(self, target, parts, prefix, suffix, dtype):
+        """Ask for this rank's blocks of `target` (a tp-local tensor made of `parts`); copied in by `copy_in`."""
+        fill = []
+        for part in parts:
+            if part.held():
+                buffers = [torch.empty(v.shape, dtype=dtype, device=target.device)
+                           for v in part.views(torch.empty(target.shape, device="meta"))]
+                self.state[f"{prefix}.{part.key}{suffix}"] = part.stored(buffers, self.device_mesh)
+                fill.append((part, buffers))
+        self.fills.append((target, fill))
+
+    @torch.no_grad()
+    def copy_in(self):
+        """Assemble each target from its blocks read by DCP (the padding rows stay zero) and assign it."""
+        for target, fill in self.fills:
+            value = torch.zeros(target.shape, dtype=target.dtype, device=target.device)
+            for part, buffers in fill:
+                for view, buffer in zip(part.views(value), buffers):
+                    view.copy_(buffer)
+            _assign(target, value)
+
+
+def _groups_by_parameter(optimizer):
+    """id(parameter) -> its optimizer param_group, for every parameter the optimizer steps."""
+    if optimizer is None:
+        return {}
+    if _distributed(optimizer):
+        return {id(p): g for p, g in optimizer.group_of.items()}
+    return {id(p): g for g in optimizer.param_groups for p in g["params"]}
+
+
+def _request_optimizer_state(reads, param, target, parts, group, stored):
+    """Ask for every stored optimizer-state entry of `param` into new zero tensors, which `reads.new_states` keeps."""
+    new = reads.new_states[param] = {}
+    prefix = f"optim.{parts[0].key}."
+    for key in (k for k in stored if k.startswith(prefix)):
+        entry, md = key[len(prefix):], stored[key]
+        if tuple(md.size) == parts[0].shape:  # split like the parameter
+            new[entry] = torch.zeros_like(target, memory_format=torch.preserve_format)
+            reads.request(new[entry], parts, "optim", f".{entry}", md.properties.dtype)
+        else:  # whole (AdamW's step: on the parameter's device only when capturable or fused, as torch does)
+            device = param.device if group.get("capturable") or group.get("fused") else "cpu"
+            new[entry] = torch.zeros(md.size, dtype=md.properties.dtype, device=device)
+            reads.state[key] = new[entry]
+
+
+def _request_parameters(stages, optimizer, stored, device_mesh):
+    """The _Reads of every parameter of the stages and of its optimizer state."""
+    reads, groups = _Reads(device_mesh), _groups_by_parameter(optimizer)
+    for stage, name, module, attr, param in _stage_parameters(stages):
+        parts = _parts(stage, name, module, attr, param.shape)
+        target = param
+        if _distributed(optimizer):  # the fp32 master (and, through it, a bf16 parameter) from the stored fp32 values
+            target = reads.masters[param] = torch.zeros(param.shape, dtype=optimizer.masters_dtype,
+                                                        device=param.device)
+        reads.request(target, parts, "model", "", target.dtype)
+        if id(param) in groups:
+            _request_optimizer_state(reads, param, target, parts, groups[id(param)], stored)
+    return reads
+
+
+def _restore_optimizer(optimizer, reads, saved_groups):
+    """Hand the read state to the optimizer (a DistributedOptimizer keeps its shard of the masters and state) and
+    restore its param_groups' saved hyperparameters."""
+    if _distributed(optimizer):
+        for param, master in reads.masters.items():
+            optimizer.load_full_state(param, {"param": master, **reads.new_states.get(param, {})})
+    elif optimizer is not None:
+        for param, new in reads.new_states.items():
+            optimizer.state.pop(param, None)
+            if new:
+                optimizer.state[param] = new
+    for group, saved in zip(optimizer.param_groups if optimizer is not None else (), saved_groups or []):
+        group.update(saved)
+
+
 def load(path: str, model: Model, optimizer: torch.optim.Optimizer | None, *, mesh: tp.Mesh) -> tuple[int, Any]:
     """Fill this GPT stage and its optimizer from the checkpoint in `path`, written at any split (collective over
     every rank). Returns (step, extra). Optimizer state is created as torch would have it after `step` steps."""
@@ -367,70 +452,21 @@ def load(path: str, model: Model, optimizer: torch.optim.Optimizer | None, *, me
     stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     # on the parameters' device: a DTensor of CPU buffers on a CUDA mesh reads into a GPU copy, never into them
     device_mesh = mesh.flat_device_mesh("tp", next(stages[0].parameters()).device.type)
-    distributed = _distributed(optimizer)
-    groups = {} if optimizer is None else {id(p): g for p, g in optimizer.group_of.items()} if distributed else \
-        {id(p): g for g in optimizer.param_groups for p in g["params"]}
-    state, fills, new_states, masters = {}, [], {}, {}
-
-    def request(target, parts, prefix, suffix, dtype):
-        """Ask for this rank's blocks of `target` (a tp-local tensor made of `parts`); copied in after the load."""
-        fill = []
-        for part in parts:
-            if part.held():
-                buffers = [torch.empty(v.shape, dtype=dtype, device=target.device)
-                           for v in part.views(torch.empty(target.shape, device="meta"))]
-                state[f"{prefix}.{part.key}{suffix}"] = part.stored(buffers, device_mesh)
-                fill.append((part, buffers))
-        fills.append((target, fill))
-
-    for stage, name, module, attr, param in _stage_parameters(stages):
-        parts = _parts(stage, name, module, attr, param.shape)
-        target = param
-        if distributed:  # the fp32 master (and, through it, a bf16 parameter) from the stored fp32 values
-            target = masters[param] = torch.zeros(param.shape, dtype=optimizer.masters_dtype, device=param.device)
-        request(target, parts, "model", "", target.dtype)
-        if id(param) not in groups:
-            continue
-        group, new = groups[id(param)], {}
-        prefix = f"optim.{parts[0].key}."
-        for key in (k for k in stored if k.startswith(prefix)):
-            entry, md = key[len(prefix):], stored[key]
-            if tuple(md.size) == parts[0].shape:  # split like the parameter
-                new[entry] = torch.zeros_like(target, memory_format=torch.preserve_format)
-                request(new[entry], parts, "optim", f".{entry}", md.properties.dtype)
-            else:  # whole (AdamW's step: on the parameter's device only when capturable or fused, as torch does)
-                device = param.device if group.get("capturable") or group.get("fused") else "cpu"
-                new[entry] = torch.zeros(md.size, dtype=md.properties.dtype, device=device)
-                state[key] = new[entry]
-        new_states[param] = new
+    reads = _request_parameters(stages, optimizer, stored, device_mesh)
     biases = [(key, bias) for key, bias in _expert_biases(stages) if key in stored]
     for key, bias in biases:
-        state[key] = torch.empty_like(bias)
+        reads.state[key] = torch.empty_like(bias)
     rng_key = f"rng.{mesh.rank}"
-    same_split = meta["split"] == _split(mesh)
+    same_split = meta["split"] == _split(mesh)  # only then does each rank's saved stream still belong to it
     if same_split:
-        state[rng_key] = None
-    dcp.load(state, checkpoint_id=path)
+        reads.state[rng_key] = None
+    dcp.load(reads.state, checkpoint_id=path)
 
     with torch.no_grad():
         for key, bias in biases:
-            bias.copy_(state[key])
-        for target, fill in fills:
-            value = torch.zeros(target.shape, dtype=target.dtype, device=target.device)  # padding rows stay zero
-            for part, buffers in fill:
-                for view, buffer in zip(part.views(value), buffers):
-                    view.copy_(buffer)
-            _assign(target, value)
-    if distributed:  # each rank keeps its shard of the masters and state
-        for param, master in masters.items():
-            optimizer.load_full_state(param, {"param": master, **new_states.get(param, {})})
-    elif optimizer is not None:
-        for param, new in new_states.items():
-            optimizer.state.pop(param, None)
-            if new:
-                optimizer.state[param] = new
-    for group, saved in zip(optimizer.param_groups if optimizer is not None else (), meta["param_groups"] or []):
-        group.update(saved)
+            bias.copy_(reads.state[key])
+    reads.copy_in()
+    _restore_optimizer(optimizer, reads, meta["param_groups"])
     if same_split:
-        tp.set_rng_state(pickle.loads(state[rng_key]))
+        tp.set_rng_state(pickle.loads(reads.state[rng_key]))
     return meta["step"], meta["extra"]

@@ -11,6 +11,7 @@ import sys
 import tempfile
 
 from tp.mesh import Mesh, launched_by_torchrun
+from tp.slurm import use_srun_environment
 
 from . import failures
 from .config import JobConfig
@@ -82,6 +83,20 @@ def check_paths(job: JobConfig) -> None:
     save, load = job.checkpoint.save, job.checkpoint.load
     if load and not (save and os.path.realpath(save) == os.path.realpath(load)):
         check_readable("--load", load, "dir")  # (the same directory as --save may not exist yet)
+
+
+# ---- srun's tasks ------------------------------------------------------------------------------------------------
+
+def use_srun_tasks() -> None:
+    """`srun python -m models.train`, one task per GPU: torchrun's variables from SLURM's (tp/slurm.py) before the
+    job reads them. SLURM variables that do not agree: one line naming one (from the first task), exit code 2."""
+    try:
+        use_srun_environment()
+    except ValueError as e:
+        task = os.environ.get("SLURM_PROCID", "0")
+        if not task.isdigit() or int(task) == 0:  # (every task refuses; the first says why)
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
 
 
 # ---- layout ------------------------------------------------------------------------------------------------------
