@@ -87,7 +87,7 @@ class FullQKNorm(nn.Module):
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
         super().__init__()
         self.width, self.eps, self.group = width, eps, group
-        self.rows = rows  # the dense features this rank holds, contiguous (hf.py reads and writes the weight by them)
+        self.rows = rows  # the dense features this rank holds, contiguous (models.hf reads/writes the weight by them)
         self.weight = nn.Parameter(torch.ones(len(rows), dtype=dtype, device=device))
         self.weight.tensor_parallel, self.weight.partition_dim = True, 0
 

@@ -4,14 +4,14 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import tp.hf
+
 from .presets import MODELS, PRESETS, PUBLISHED_MODELS  # noqa: F401 (the named shapes, importable here as before)
 
 ACTIVATIONS = ("swiglu", "gelu", "gelu_tanh")
 NORMS = ("rmsnorm", "layernorm")
 POSITIONS = ("rope", "learned")
 RECOMPUTE = ("none", "selective", "full")
-# the Hugging Face families save_hf writes
-HF_FAMILIES = ("llama", "mistral", "qwen2", "gpt2", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 MOE_SCORES = ("softmax", "sigmoid")
 MOE_DISPATCHERS = ("alltoall", "allgather")
 QK_NORMS = ("head", "full")
@@ -23,6 +23,14 @@ CP_MODES = ("ring", "allgather", "a2a", "a2a+ring")
 
 ROPE_SCALING_FIELDS = {"linear": ("factor",),
                        "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+
+
+def hf_families() -> tuple[str, ...]:
+    """The Hugging Face families models.GPT reads and writes (hf_model_type): tp.hf.FAMILIES' with a config class."""
+    return tuple(name for name, family in tp.hf.FAMILIES.items() if family.config_class)
+
+
+HF_FAMILIES = hf_families()  # (as at import; hf_families() also sees a family registered later)
 
 
 def _check_rope_scaling(scaling: Any, position: str) -> None:
@@ -82,8 +90,8 @@ class GPTConfig:
     make_vocab_size_divisible_by: int = 128
     init_std: float = 0.02
     sliding_window: int | None = None  # not implemented: sequences longer than this are refused
-    # "llama" | "mistral" | "qwen2" | "gpt2" | "mixtral" | "qwen2_moe" | "qwen3_moe" | "olmoe": the family save_hf
-    # writes; None: GPT-2 for learned positions, else Mixtral with experts, else Llama
+    # the family save_hf writes, one of hf_families() (tp.hf.FAMILIES); None: GPT-2 for learned positions, else
+    # Mixtral with experts, else Llama
     hf_model_type: str | None = None
     # q/k RMSNorm before RoPE: "head" (Qwen3: over each head's head_dim, one weight shared by the heads), "full"
     # (OLMoE: over the whole q and k projections); None: none
@@ -123,8 +131,8 @@ class GPTConfig:
                                              or not isinstance(self.cp_a2a_size, int) or self.cp_a2a_size < 1):
             raise ValueError(f"cp_a2a_size={self.cp_a2a_size!r} must be an integer >= 1, with cp_mode='a2a+ring' "
                              f"(cp_mode={self.cp_mode!r})")
-        if self.hf_model_type is not None and self.hf_model_type not in HF_FAMILIES:
-            raise ValueError(f"hf_model_type={self.hf_model_type!r} must be one of {HF_FAMILIES} (or None: "
+        if self.hf_model_type is not None and self.hf_model_type not in hf_families():
+            raise ValueError(f"hf_model_type={self.hf_model_type!r} must be one of {hf_families()} (or None: "
                              "inferred)")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not divisible by num_kv_heads={self.num_kv_heads}")

@@ -223,7 +223,7 @@ def test_hugging_face_round_trip_is_bit_exact_and_reads_only_shards(family, kv_h
 
     from safetensors.torch import load_file
 
-    from models import hf_load
+    from models.hf import load as hf_load
 
     mesh = tp.init_mesh(tp=2)
     root = [tempfile.mkdtemp(prefix="tp-roundtrip-") if mesh.rank == 0 else None]

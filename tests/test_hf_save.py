@@ -94,6 +94,30 @@ def test_unknown_hf_model_type_is_refused():
         cfg(hf_model_type="bert")
 
 
+def test_a_family_is_its_registry_entry(monkeypatch):
+    """GPTConfig's check, config_from_hf / config_to_hf, the tensor names and tp.parallelize's lookup all read the
+    family from tp.hf.FAMILIES: one entry adds a family everywhere, and only families with a config class convert."""
+    from tp.hf.mistral import Mistral
+
+    class Renamed(Mistral):
+        layers = "blocks"
+
+    assert models.config.hf_families() == models.config.HF_FAMILIES
+    assert "phi3" in tp.hf.FAMILIES and "phi3" not in models.config.HF_FAMILIES  # tp.parallelize only
+    with pytest.raises(ValueError, match=r"hf_model_type='phi3' must be one of"):
+        cfg(hf_model_type="phi3")
+    monkeypatch.setitem(tp.hf.FAMILIES, "renamed", Renamed("renamed"))
+    config = cfg(hf_model_type="renamed", sliding_window=8)
+    assert hf_io.check_hf(config) == "renamed" and hf_io.config_to_hf(config).model_type == "mistral"
+    sources = hf_io.hf_sources(config, "layers.0.attention.proj.weight", 2)
+    assert sources == [("model.blocks.2.self_attn.o_proj.weight", False)]
+    hf = transformers.MistralConfig(**hf_io.config_to_hf(config).to_dict())
+    hf.model_type = "renamed"
+    assert hf_io.config_from_hf(hf) == config
+    model = transformers.MistralForCausalLM(hf)
+    assert tp.hf.family_of(model).name == "renamed" and tp.hf.family_of(model).checked
+
+
 @distributed(world_size=2)
 def test_save_hf_refuses_on_every_rank_before_writing():
     import tempfile

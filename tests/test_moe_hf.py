@@ -117,7 +117,7 @@ def test_moe_hugging_face_round_trip_is_bit_exact_and_reads_only_its_experts(fam
 
     from safetensors.torch import load_file
 
-    from models import hf_load
+    from models.hf import load as hf_load
 
     mesh = tp.init_mesh(tp=2, ep=2)
     root = [tempfile.mkdtemp(prefix="tp-moe-roundtrip-") if mesh.rank == 0 else None]

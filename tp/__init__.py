@@ -10,7 +10,7 @@ from .cross_entropy import vocab_parallel_cross_entropy
 from .debug import is_debug, set_debug
 from .embedding import VocabParallelEmbedding
 from .grads import allreduce_main_grads, allreduce_sequence_parallel_grads, ddp_ignore_main_grads, sync_grads_over_tp
-from .hf_families import default_plan
+from .hf import default_plan
 from .layers import ColumnParallelLinear, RowParallelLinear
 from .mappings import (
     copy_to_tp_region,

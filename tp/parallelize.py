@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from . import debug, hf_families
+from . import debug, hf
 from .cross_entropy import vocab_parallel_cross_entropy
 from .embedding import VocabParallelEmbedding
 from .grads import sync_grads_over_tp
@@ -73,17 +73,16 @@ def parallelize(module: nn.Module, plan: dict[str, str] | None = None, *, group:
     if hasattr(module, _RECORD):
         raise ValueError(f"{type(module).__name__} is already parallelized (tp.describe shows how)")
     group = resolve_group(group)
-    family = hf_families.family_of(module)
+    family = hf.family_of(module)
     if family is not None and not family.checked:
-        warnings.warn(f"tp.parallelize: model_type {hf_families.model_type(module)!r} is not among the families tp "
-                      f"checked ({', '.join(hf_families.FAMILIES)}); its plan is applied with Hugging Face's semantics",
-                      stacklevel=2)
-    styles = _match(module, hf_families.default_plan(module) if plan is None else plan, strict=plan is not None)
+        warnings.warn(f"tp.parallelize: model_type {hf.model_type(module)!r} is not among the families tp checked "
+                      f"({', '.join(hf.FAMILIES)}); its plan is applied with Hugging Face's semantics", stacklevel=2)
+    styles = _match(module, hf.default_plan(module) if plan is None else plan, strict=plan is not None)
     modules = dict(module.named_modules())
     for name, style in styles.items():
         _check_kind(name, modules[name], style)
     tp_size = dist.get_world_size(group)
-    options, local_heads = hf_families.shard_options(module, modules, styles, family, tp_size)
+    options, local_heads = hf.shard_options(module, modules, styles, family, tp_size)
     if family is not None:
         _check_local_outputs_consumed(module, modules, styles)
     ties = _ties(modules, styles, options)
@@ -111,8 +110,7 @@ def parallelize(module: nn.Module, plan: dict[str, str] | None = None, *, group:
     for linear, embedding in ties.items():
         built[linear].weight = built[embedding].weight
     for name, (heads, kv_heads, replicas) in local_heads.items():
-        if family.localize is not None:  # (an unchecked family: kv heads never replicated, so no count changes)
-            family.localize(modules[name], heads, kv_heads)
+        family.localize(modules[name], heads, kv_heads)
         _HeadsRngFork(modules[name], built.get(f"{name}.{family.out}"))
         spread = f" (each kv head on {replicas} ranks)" if replicas > 1 else ""
         record.append((name, "heads", f"{heads} heads, {kv_heads} kv heads per rank{spread}"))
@@ -127,7 +125,7 @@ def parallelize(module: nn.Module, plan: dict[str, str] | None = None, *, group:
         record.append(("save_pretrained", "gathered", "writes the dense model: shards gathered, tp rank 0 writes"))
     module.register_forward_pre_hook(shared_input.clear)
     module.register_forward_hook(shared_input.clear, always_call=True)
-    source = "plan=" if plan is not None else hf_families.plan_source(module)
+    source = "plan=" if plan is not None else hf.plan_source(module)
     setattr(module, _RECORD, {"tp": tp_size, "tp_rank": dist.get_rank(group), "plan": source,
                                "entries": sorted(record)})
     return module

@@ -66,8 +66,16 @@ from tp.pipeline import model_chunks
 
 from ..config import RUNTIME_FIELDS, GPTConfig
 from ..gpt import GPT
-from ..hf import fused_part_size, hf_family, hf_sources, index_runs, parameter_owners, tp_sharding
-from ..hf_moe import disk_name, expert_names
+from ..hf import (
+    disk_name,
+    expert_names,
+    fused_part_size,
+    hf_family,
+    hf_sources,
+    index_runs,
+    parameter_owners,
+    tp_sharding,
+)
 
 _VOCAB_PARAMS = ("embedding.weight", "output.weight")
 Model = torch.nn.Module | list[torch.nn.Module]  # a GPT stage (DDP / FSDP2-wrapped or not), or model chunks

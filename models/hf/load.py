@@ -11,9 +11,9 @@ from torch import nn
 
 from tp.moe import GroupedExperts
 
-from .hf_config import config_from_hf, hf_family
-from .hf_moe import disk_name, read_experts
-from .hf_names import hf_sources, parameter_owners, tp_sharding
+from .convert import config_from_hf, hf_family
+from .experts import disk_name, read_experts
+from .names import hf_sources, parameter_owners, tp_sharding
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

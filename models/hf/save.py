@@ -11,12 +11,13 @@ import torch.distributed as dist
 from torch import nn
 
 import tp
+import tp.hf
 from tp.moe import GroupedExperts
 from tp.pipeline import model_chunks
 
-from .hf_config import check_hf, config_to_hf, hf_family
-from .hf_moe import to_disk
-from .hf_names import fused_part_size, hf_sources, parameter_owners, tp_sharding
+from .convert import check_hf, config_to_hf, hf_family
+from .experts import to_disk
+from .names import fused_part_size, hf_sources, parameter_owners, tp_sharding
 
 
 def _gather_dense(module, attr, group, grads=False):
@@ -46,7 +47,8 @@ def hf_state_dict(model: nn.Module, group: dist.ProcessGroup | None = None, *,
     tp): {hf name: tensor}."""
     group = tp.mesh.resolve_group(group)
     config, out = model.config, {}
-    if hf_family(config) != "gpt2" and config.activation != "swiglu":  # no gate|up to split fc1 into
+    gated = len(tp.hf.FAMILIES[hf_family(config)].layer_modules["mlp.fc1"]) > 1  # fc1 is gate|up in HF's
+    if gated and config.activation != "swiglu":  # no gate to split fc1 into
         check_hf(config)  # raises, naming the activation (before any gather)
     offset = model.layer_range[0]
     for name, (module, attr) in parameter_owners(model).items():
