@@ -249,7 +249,8 @@ class DataPlan:
             share = o.source.weight / total
             epochs = self.steps * self.global_batch_size * share / len(o.train) if self.blended else \
                 self.steps / (len(o.train) // self.global_batch_size)  # (whole global batches per epoch: batches())
-            documents = "no document index" if o.documents is None else f"{o.documents:,} documents"
+            documents = "no document index" if o.documents is None else \
+                f"{o.documents:,} document{'s' * (o.documents != 1)}"
             lines.append(f"data: {o.source.name} ({o.source.kind}): {documents}, {o.tokens:,} tokens"
                          + (f", {share:.1%} of the blend" if self.blended else "")
                          + f"; {self.steps} steps take {epochs:.3g} epochs of its {len(o.train):,} training windows")
