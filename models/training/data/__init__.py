@@ -5,10 +5,12 @@ Each source is of one format (formats.py, registered in FORMATS): a Megatron ind
 read in place, or text, JSON lines, parquet or a save_to_disk directory (sources.py), tokenized once into the token
 cache (build.py); `--sft` reads chat rows instead (sft.py). A job's data is resolved once per process into a
 DataPlan (plan.py: `DataPlan.of(job)`), which every step after takes: the launcher checks everything before any
-process starts (`plan.check`, `check_vocab`, `check_sizes`), then tokenizes and says what it found (`plan.prepare`);
-each rank opens the same windows (`plan.shared_datasets`), its split held out per dataset, and takes its slice of
-every global batch (windows.py).
+process starts (the plan's `check`, `check_vocab`, `check_sizes`), then tokenizes and says what it found (`prepare`);
+each rank opens the same windows (`shared_datasets`), its split held out per dataset, and takes its slice of every
+global batch (windows.py). The functions below that take a JobConfig plan it and ask the plan.
 """
+from torch.utils.data import Dataset
+
 from ..config import JobConfig
 from . import flat, indexed
 from .blend import Blend
@@ -46,7 +48,7 @@ def load(token_file: str | None) -> Tokens:
     return flat.read(token_file)[0]
 
 
-# ---- a JobConfig's plan asked one question (for callers holding a job, not its plan) ----------------------------
+# ---- for callers holding a JobConfig, not its plan -------------------------------------------------------------------
 
 
 def data_sources(job: JobConfig) -> list[Source]:
@@ -70,7 +72,7 @@ def resolve(job: JobConfig, *, build_missing: bool = True, progress: bool = True
     return DataPlan.of(job).resolve(build_missing=build_missing, progress=progress)
 
 
-def datasets(job: JobConfig, resolved: list[str | None]) -> tuple:
+def datasets(job: JobConfig, resolved: list[str | None]) -> tuple[Dataset, Dataset, list[str]]:
     return DataPlan.of(job).datasets(resolved)
 
 
