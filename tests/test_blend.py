@@ -122,7 +122,7 @@ def test_a_blend_through_the_job_and_its_bad_values(two_sources, tmp_path):
     a, b = two_sources
     job = job_config(parser().parse_args([*FLAGS, "--tp", "1", "--pp", "1", "--dp", "1", "--data", "0.3", a, "0.7",
                                           b, "--data-cache-dir", str(tmp_path / "cache")]))
-    assert [(s.weight, s.kind) for s in data.data_sources(job)] == [(0.3, "indexed"), (0.7, "files")]
+    assert [(s.weight, s.kind) for s in data.data_sources(job)] == [(0.3, "indexed"), (0.7, "text")]
     (tmp_path / "job.toml").write_text(job.to_toml())  # the blend in TOML: [data] path = ["0.3", "A", "0.7", "B"]
     assert JobConfig.from_toml(str(tmp_path / "job.toml")) == job and f'path = ["0.3", "{a}", "0.7",' in job.to_toml()
     (tmp_path / "by_hand.toml").write_text(f'[data]\npath = [0.3, "{a}", 0.7, "{b}"]\n')

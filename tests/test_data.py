@@ -14,7 +14,7 @@ import torch
 
 from models.training import data, tokens
 from models.training.cli import job_config, parser, train, validate
-from models.training.data import flat, indexed
+from models.training.data import flat, formats, indexed
 from tp.testing import distributed, run
 
 from .helpers import build_tokenizer as _build_tokenizer
@@ -75,7 +75,7 @@ def test_text_is_tokenized_once_into_a_cache_keyed_by_tokenizer_and_data(corpus,
     def no_rebuild(*a, **k):
         raise AssertionError("tokenized again")
 
-    monkeypatch.setattr(data, "build", no_rebuild)
+    monkeypatch.setattr(formats, "build", no_rebuild)  # (the formats tokenize into the cache)
     assert data.resolve(args) == [prefix]  # the same tokenizer and data: the cache
     monkeypatch.undo()
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))

@@ -188,7 +188,8 @@ def test_two_torchrun_agents_train_the_single_agent_curve(tmp_path):
     with open(tmp_path / "single.jsonl") as f:
         assert [json.loads(line)["bubble"] for line in f] == [None] * 3  # no pipeline: no bubble in the log either
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["latest", "logs", "step-000003"]
-    assert sorted(os.listdir(tmp_path / "ckpt" / "logs")) == ["config.toml", *(f"rank-{r}.log" for r in range(4))]
+    assert sorted(os.listdir(tmp_path / "ckpt" / "logs")) == ["config.toml", "data.txt",
+                                                              *(f"rank-{r}.log" for r in range(4))]
 
 
 def test_two_agents_through_c10d_rendezvous_print_the_layout_and_warn_of_a_tp_group_across_nodes():
@@ -262,7 +263,7 @@ def test_ctrl_c_ends_the_job_in_one_line():
                             "1", "--dp", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(),
                            start_new_session=True)
     try:
-        assert job.stdout.readline().startswith("layout:")
+        assert job.stdout.readline().startswith("data: the corpus")  # (what the launcher found, then the ranks')
         while not job.stdout.readline().startswith("step "):  # training
             pass
         os.killpg(job.pid, signal.SIGINT)

@@ -102,7 +102,7 @@ def test_a_save_to_disk_directory_streams_its_shards_in_order(tmp_path, tokenize
     _saved_to_disk(tmp_path / "dd", [ROWS[:40]], dict_splits=["train", "test"])
     for name, rows in (("ds", ROWS), ("dd", ROWS[:40])):
         job = _job("--data", str(tmp_path / name), "--tokenizer", tokenizer)
-        assert data.data_sources(job)[0].kind == "arrow"
+        assert data.data_sources(job)[0].kind == "save_to_disk"
         validate(job)
         (prefix,) = data.resolve(job, progress=False)
         assert data.load(prefix).tolist() == _expected(tokenizer, rows)

@@ -17,18 +17,18 @@ from collections.abc import Callable
 import torch
 
 from ..block import document_positions
-from . import data
-from .config import JobConfig
+from .config import DataConfig
 
 IGNORE_INDEX = -100  # the loss's ignore_index
 FLAGS = ("reset_position_ids", "reset_attention_mask", "eod_mask_loss")
 
 
-def check(job: JobConfig) -> None:
-    """One line if a document flag is given but the data has no end-of-document token to find documents by."""
-    given = [f"--{f.replace('_', '-')}" for f in FLAGS if getattr(job.data, f)]
-    if given and data.eod_id(job) is None:
-        source = " ".join(job.data.path or ["the bundled corpus"])
+def check(flags: DataConfig, eod: int | None) -> None:
+    """One line if a document flag is given but the data has no end-of-document token (`eod`, the data plan's) to
+    find documents by."""
+    given = [f"--{f.replace('_', '-')}" for f in FLAGS if getattr(flags, f)]
+    if given and eod is None:
+        source = " ".join(flags.path or ["the bundled corpus"])
         raise ValueError(f"{' '.join(given)}: documents are found by an end-of-document token, and {source} as bytes "
                          "has none: give --tokenizer DIR (its EOS ends each document) or a token file whose sidecar "
                          "names eos_id")
@@ -53,9 +53,9 @@ def window_inputs(tokens: torch.Tensor, targets: torch.Tensor, *, eod: int, rese
     return tokens, targets, inputs
 
 
-def from_job(job: JobConfig) -> Callable | None:
-    """window_inputs with the job's EOD and flags, or None when no document flag is given."""
-    flags = {f: getattr(job.data, f) for f in FLAGS}
-    if not any(flags.values()):
+def from_flags(flags: DataConfig, eod: int | None) -> Callable | None:
+    """window_inputs with the data's EOD and the document flags, or None when no document flag is given."""
+    given = {f: getattr(flags, f) for f in FLAGS}
+    if not any(given.values()):
         return None
-    return functools.partial(window_inputs, eod=data.eod_id(job), **flags)
+    return functools.partial(window_inputs, eod=eod, **given)

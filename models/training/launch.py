@@ -71,8 +71,8 @@ def check_readable(flag: str, path: str, kind: str = "any") -> None:
 
 
 def check_paths(job: JobConfig) -> None:
-    """Every path flag of models.train (--from-hf, --data and --tokenizer: models/training/preflight.py and data.py's
-    check_source, which may call these helpers too)."""
+    """Every path flag of models.train (--from-hf, --data and --tokenizer: models/training/preflight.py and the data
+    plan's check, which may call these helpers too)."""
     for flag, path in (("--save", job.checkpoint.save), ("--export-hf", job.checkpoint.export_hf),
                        ("--log-dir", job.logging.log_dir), ("--tensorboard-dir", job.logging.tensorboard_dir),
                        ("--profile-dir", job.profiling.profile_dir)):

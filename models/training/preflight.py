@@ -20,13 +20,14 @@ def check(job: JobConfig, world_size: int | None = None) -> GPTConfig:
     launch.check_paths(job)  # --save, --load, --export-hf, --log-jsonl, --log-dir: before any process
     if job.model.from_hf and not os.path.isdir(job.model.from_hf):
         raise ValueError(f"--from-hf {job.model.from_hf}: no such directory (a save_pretrained directory)")
-    data.check_source(job)  # --data / --tokenizer / --sft: paths, headers, schemas, text, a loadable tokenizer
-    documents.check(job)  # --reset-attention-mask etc.: an end-of-document token to find documents by
+    plan = data.DataPlan.of(job)  # the data, resolved: each source's format, the tokenizer
+    plan.check()  # --data / --tokenizer / --sft: paths, headers, schemas, text, a loadable tokenizer
+    documents.check(job.data, plan.eod_id())  # --reset-attention-mask etc.: an end-of-document token to find them by
     config = gpt_config_from_job(job)
     check_model_fits(job, config)
-    data.check_vocab(job, config.vocab_size)
+    plan.check_vocab(config.vocab_size)
     check_resume(job, config)
-    data.check_sizes(job)  # (text: checked once the launcher has tokenized it, data.prepare)
+    plan.check_sizes()  # (text: checked once the launcher has tokenized it, DataPlan.prepare)
     return config
 
 

@@ -7,6 +7,7 @@ import sys
 
 from . import data
 from .config import DataConfig, JobConfig
+from .data import indexed
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,18 +24,20 @@ def main(argv: list[str] | None = None) -> int:
                    help="chat rows: also write the assistant tokens' loss mask, PREFIX_loss_mask.bin/.idx")
     p.add_argument("--data-cache-dir", default=None, metavar="DIR", help="the token cache (models.train's flag)")
     args = p.parse_args(argv)
-    job = JobConfig(data=DataConfig(path=[args.data], tokenizer=args.tokenizer, column=args.data_column,
-                                    sft=args.sft, cache_dir=args.data_cache_dir))
+    plan = data.DataPlan.of(JobConfig(data=DataConfig(path=[args.data], tokenizer=args.tokenizer,
+                                                      column=args.data_column, sft=args.sft,
+                                                      cache_dir=args.data_cache_dir)))
+    (source,), reading = plan.sources, plan.reading
     try:
         out = args.out[:-4] if args.out and args.out.endswith((".bin", ".idx")) else args.out
-        if data.Source(args.data).kind in ("indexed", "flat"):
+        if not source.format.tokenized(reading):
             raise ValueError(f"--data {args.data} is a token file already")
-        data.check_source(job)
+        plan.check()
         if out is None:
-            (out,) = data.resolve(job)
-            index = data.indexed.read_index(out)
+            out = source.format.token_file(reading)
+            index = indexed.read_index(out)
         else:
-            index = data.build(args.data, data.tokenizer_dir(job), out, column=data.column(job), sft=args.sft)
+            index = data.build(args.data, reading.tokenizer_dir, out, column=reading.column, sft=args.sft)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

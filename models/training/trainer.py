@@ -74,14 +74,16 @@ class Trainer:
         self.sinks = None
         self.runner = PipelineRunner(self.module, self.mesh, micro_batch_size=training.micro_batch_size,
                                      seq_len=training.seq_len)
-        # rank 0 tokenizes a user's text if the launcher has not (own torchrun); the last ~1% of each dataset's
-        # windows: validation only
-        dataset, self.held_out = data.shared_datasets(job)
+        # rank 0 tokenizes a user's text if the launcher has not (own torchrun), and logs what it found; the last
+        # ~1% of each dataset's windows: validation only
+        self.data = data.DataPlan.of(job)
+        dataset, self.held_out = self.data.shared_datasets(log_dir=job.logging.log_dir)
         self.stream = data.batches(dataset, dp=self.mesh.dp_size, dp_rank=self.mesh.dp_rank,
                                    global_batch_size=training.global_batch_size,
                                    micro_batch_size=training.micro_batch_size, seed=training.seed,
                                    start_step=self.start_step)
-        self.documents = documents.from_job(job)  # --reset-attention-mask etc.: per-token inputs from the EODs
+        # --reset-attention-mask etc.: per-token inputs from the EODs
+        self.documents = documents.from_flags(job.data, self.data.eod_id())
         if self.rank0:
             print(self.start_line(micro_batches, config_file), flush=True)
 
@@ -216,7 +218,7 @@ class Trainer:
                       file=sys.stderr, flush=True)
         dist.barrier()
         extra = {k: getattr(self.job.training, k) for k in DATA_ORDER}
-        extra.update(tokenizer=_absolute(data.tokenizer_dir(self.job)),
+        extra.update(tokenizer=_absolute(self.data.reading.tokenizer_dir),
                      wandb_run_id=self.sinks.run_id if self.sinks else self.extra.get("wandb_run_id"))
         future = checkpoint.save(os.path.join(root, name), self.module, self.optimizer, mesh=self.mesh, step=step,
                                  extra=extra, async_group=self.save_group,
@@ -251,15 +253,13 @@ class Trainer:
         """The model in Hugging Face format to --export-hf (a rank's model chunks: one file per virtual stage), with
         the tokenizer the data was tokenized with."""
         from ..hf import save_hf
-        from .data.tokenizer import load_tokenizer
 
         mesh = self.mesh
         for chunk in self.buffered:  # zero1: the last step's all-gathers
             chunk.finish_param_sync()
-        directory = data.tokenizer_dir(self.job)  # its files and token ids go with the model
         save_hf(self.chunks, self.job.checkpoint.export_hf, group=mesh.tp_group,
                 pp_group=mesh.pp_group if mesh.pp_size > 1 else None, dp_group=mesh.group("dp-cp"),
-                tokenizer=load_tokenizer(directory) if directory else None)
+                tokenizer=self.data.reading.tokenizer())  # its files and token ids go with the model
 
     def fit(self) -> None:
         """The steps from start_step to --steps: profiled, evaluated, saved and logged as the job says; then the
@@ -327,13 +327,9 @@ class Trainer:
 
     def sample(self) -> str:
         """The greedy sample (sample.py): the prompt and its continuation (collective over every rank)."""
-        from .data.tokenizer import load_tokenizer
-
         for chunk in self.buffered:  # zero1: the last step's all-gathers
             chunk.finish_param_sync()
-        directory = data.tokenizer_dir(self.job)
-        return greedy_sample(self.chunks, self.mesh, load_tokenizer(directory) if directory else None,
-                             dtype=self.runner.dtype)
+        return greedy_sample(self.chunks, self.mesh, self.data.reading.tokenizer(), dtype=self.runner.dtype)
 
     def done_line(self, first_loss: float, last: dict, plotted: str | None = None) -> str:
         job, mesh = self.job, self.mesh

@@ -1,13 +1,14 @@
-"""What a `--data PATH` names, and its documents read in pieces (a corpus larger than memory streams through).
+"""The files of a `--data PATH` of documents (the formats of formats.py that tokenize into the cache), and their
+documents read in pieces (a corpus larger than memory streams through).
 
-- A Megatron indexed dataset: PREFIX where PREFIX.idx and PREFIX.bin exist (indexed.py), read in place.
-- A flat token file PREFIX.bin with its PREFIX.json sidecar (flat.py), read in place.
 - A directory written by Hugging Face datasets' `save_to_disk` (state.json and Arrow stream files; a DatasetDict's
   "train" split), rows read with pyarrow (arrow.py).
 - Text: a .txt file (one document), a .jsonl file (one document per line, field "text" or --data-column; a .json file
   given as --data reads the same way: Megatron's loose JSON), a .parquet file (one document per row, streamed in row
   groups), or a directory of them (searched recursively, sorted, hidden entries skipped). Text must be UTF-8 without
   NUL bytes: anything else (a binary file given by mistake) is refused in one line, never trained on.
+
+Also the names a Megatron dataset goes by (prefix_of) and the line for a path that is not there (missing).
 """
 import codecs
 import json
@@ -22,17 +23,6 @@ ROW_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow")
 CHUNK_CHARS = 1 << 20  # a long document is tokenized in pieces of ~1M characters cut at line ends
 _SNIFF = 1 << 16  # bytes of a single text file checked before any process starts
 DEFAULT_COLUMN, SFT_COLUMN = "text", "messages"
-
-
-def kind(path: str) -> str:
-    """"indexed", "flat", "arrow" (a save_to_disk directory) or "files" (text, JSON lines, parquet)."""
-    if indexed.exists(prefix_of(path)):
-        return "indexed"
-    if path.endswith(".bin") and os.path.isfile(path):
-        return "flat"
-    if arrow.is_saved_dataset(path):
-        return "arrow"
-    return "files"
 
 
 def prefix_of(path: str) -> str:

@@ -17,9 +17,10 @@ from torch.utils.data import Dataset
 
 from .blend import Blend
 
-# Plain-text modules present in every CPython install; ~1 MB of bytes.
-_MODULES = ("argparse", "textwrap", "json.decoder", "json.encoder", "string", "difflib", "pprint", "calendar",
-            "fractions", "statistics", "shlex", "csv", "configparser", "heapq", "bisect", "functools")
+# Plain-text modules present in every CPython install (one document each); ~1 MB of bytes.
+CORPUS_MODULES = ("argparse", "textwrap", "json.decoder", "json.encoder", "string", "difflib", "pprint",
+                  "calendar", "fractions", "statistics", "shlex", "csv", "configparser", "heapq", "bisect",
+                  "functools")
 VOCAB_SIZE = 256  # bytes
 HOLDOUT = 0.01  # the fraction of token windows held out for validation
 Tokens = torch.Tensor | np.ndarray  # a token stream: the corpus in memory, or a token file's memmap
@@ -27,7 +28,7 @@ MicroBatch = tuple[torch.Tensor, torch.Tensor]  # (tokens [mb, s], targets [mb, 
 
 
 def corpus_text() -> str:
-    return "\n\n".join(inspect.getsource(__import__(name, fromlist=["_"])) for name in _MODULES)
+    return "\n\n".join(inspect.getsource(__import__(name, fromlist=["_"])) for name in CORPUS_MODULES)
 
 
 def corpus() -> torch.Tensor:
