@@ -4,7 +4,7 @@ import dataclasses
 import math
 from typing import Any
 
-from ...config import PRESETS
+from ...config import MOE_DISPATCHERS, MOE_SCORES, PRESETS
 from .fields import at_least, flag_field, flag_of, one_of
 
 SIZE_FIELDS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_hidden_size")
@@ -13,7 +13,6 @@ SIZE_FIELDS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_hi
 MOE_SHAPE_FIELDS = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq",
                     "moe_shared_expert_size", "moe_router_score")
 MOE_TRAINING_FIELDS = ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_capacity_factor", "moe_dispatcher")
-MOE_SCORES, MOE_DISPATCHERS = ("softmax", "sigmoid"), ("alltoall", "allgather")
 
 
 @dataclasses.dataclass
