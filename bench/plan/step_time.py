@@ -367,7 +367,7 @@ def _dp_time(config, plan, cluster, software, stage, times, micro_batches):
 
 def _optimizer_time(config, plan, cluster, software, stage):
     n = _stage_params(config, plan, stage)
-    local = n / (plan.dp * plan.cp) if plan.dp_mode in ("zero1", "fsdp") else n
+    local = n / (plan.dp * plan.cp) if plan.dp_mode != "ddp" else n  # zero1 and fsdp: a dp·cp shard
     touched = 32 if software.precision in ("bf16", "fp16") else 28  # Adam: read and write param, master, moments
     return local * touched / cluster.device.hbm
 
