@@ -66,7 +66,7 @@ def label(t, c, p, d):
 
 SCHEDULES = tuple(schedules.SCHEDULES)
 VIRTUAL_STAGES = 2  # model chunks per rank of the schedules that interleave
-NAMES = {name: kind.title + (f" V={VIRTUAL_STAGES}" if kind.virtual_stages else "")
+NAMES = {name: kind.title + (f" V={VIRTUAL_STAGES}" if kind.interleaves else "")
          for name, kind in schedules.SCHEDULES.items()}
 
 
@@ -76,12 +76,12 @@ def theory(p, m):
 
 def chunks(schedule):
     """Model chunks per rank the bubble part runs `schedule` with."""
-    return VIRTUAL_STAGES if schedules.SCHEDULES[schedule].virtual_stages else 1
+    return VIRTUAL_STAGES if schedules.SCHEDULES[schedule].interleaves else 1
 
 
 def runnable(schedule, p, m, layers, virtual_stages=VIRTUAL_STAGES):
     """Whether the schedule can run these sizes (interleaved: m a multiple of p, layers a multiple of p*V)."""
-    if not schedules.SCHEDULES[schedule].virtual_stages:
+    if not schedules.SCHEDULES[schedule].interleaves:
         return True
     return m >= p and m % p == 0 and layers % (p * virtual_stages) == 0
 

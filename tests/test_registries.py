@@ -145,7 +145,7 @@ def test_the_schedule_kinds_say_what_their_schedules_do():
 
     for name, kind in SCHEDULES.items():
         for p, m in ((2, 4), (4, 8), (3, 3)):
-            v = 2 if kind.virtual_stages else 1
+            v = 2 if kind.interleaves else 1
             timeline = simulate(build(name, p, m, v))
             assert timeline.schedule.split_backward == kind.split_backward, name
             assert [kind.in_flight(p, r, v, m) for r in range(p)] == pytest.approx(timeline.peaks), name
@@ -153,7 +153,7 @@ def test_the_schedule_kinds_say_what_their_schedules_do():
             assert timeline.bubble_fraction <= bubble + 1e-12 if kind.bubble_bound else \
                 timeline.bubble_fraction == pytest.approx(bubble), name
         with pytest.raises(ScheduleError):
-            build(name, 2, 4, 1 if kind.virtual_stages else 2)
+            build(name, 2, 4, 1 if kind.interleaves else 2)
 
 
 def test_the_attention_model_covers_every_mode():

@@ -139,8 +139,8 @@ def _check(config, tp, cp, pp, dp, micro_batch_size, seq_len, sequence_parallel,
     if pp * virtual_stages > config.num_layers:
         raise ValueError(f"pp={pp} x virtual_stages={virtual_stages} stages need at least that many layers, the "
                          f"model has num_layers={config.num_layers}")
-    if (virtual_stages > 1) != schedules.SCHEDULES[schedule].virtual_stages:
-        chunked = " or ".join(repr(name) for name, kind in schedules.SCHEDULES.items() if kind.virtual_stages)
+    if (virtual_stages > 1) != schedules.SCHEDULES[schedule].interleaves:
+        chunked = " or ".join(repr(name) for name, kind in schedules.SCHEDULES.items() if kind.interleaves)
         raise ValueError(f"virtual_stages={virtual_stages} goes with schedule={chunked} (got {schedule!r})")
     if virtual_stages > 1 and config.num_layers % (pp * virtual_stages):
         raise ValueError(f"num_layers={config.num_layers} is not divisible by pp*virtual_stages = {pp}*"

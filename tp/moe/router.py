@@ -31,6 +31,7 @@ class Score:
     selection_bias = False  # a per-expert bias added for the choice only, updated from the loads (update_expert_bias)
 
     def scores(self, logits: torch.Tensor) -> torch.Tensor:
+        """Every expert's score [T, E] from the fp32 logits [T, E]."""
         raise NotImplementedError
 
     def choose(self, scores: torch.Tensor, topk: int,

@@ -17,6 +17,10 @@ Closed forms for unit costs (F = B = W = 1), which the simulator reproduces (tes
 - gpipe, 1f1b: bubble (p-1)/(m+p-1); peak m (GPipe) and min(p, m) (1F1B).
 - interleaved: (p-1)/(V·m+p-1); peak <= p + (p-1)/V.
 - zb (ZB-H1, Qi et al. 2024): <= (p-1)/(3m+p-1) for m >= p, i.e. an idle (p-1)(F+B-W) per rank; peak <= p.
+
+SCHEDULES is the one list of schedules (the job's --schedule, the planner and the benchmarks read it): name ->
+ScheduleKind, the generator with what the others need to know of it (whether it interleaves or splits backward, its
+closed forms). A new schedule is its generator and its line there.
 """
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -103,10 +107,10 @@ def check_arguments(name: str, pp: int, micro_batches: int, virtual_stages: int 
     for what, value in (("pp", pp), ("micro_batches", micro_batches), ("virtual_stages", virtual_stages)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ScheduleError(f"{what}={value!r} must be an integer >= 1")
-    if SCHEDULES[name].virtual_stages:
+    if SCHEDULES[name].interleaves:
         _check_chunks(name, pp, micro_batches, virtual_stages)
     elif virtual_stages != 1:
-        chunked = " or ".join(repr(n) for n, kind in SCHEDULES.items() if kind.virtual_stages)
+        chunked = " or ".join(repr(n) for n, kind in SCHEDULES.items() if kind.interleaves)
         raise ScheduleError(f"virtual_stages={virtual_stages}: schedule {name!r} runs one model chunk per rank "
                             f"(virtual stages are for {chunked})")
 
@@ -239,14 +243,14 @@ class ScheduleKind:
 
     generate: Callable[[int, int, int], Schedule]  # (pp, micro_batches, virtual_stages) -> Schedule
     title: str  # as the literature names it
-    virtual_stages: bool  # V >= 2 model chunks per rank (else exactly one)
-    split_backward: bool  # backward as B and W (the layers defer their weight gradients to W)
     # the unit-cost bubble fraction (pp, micro_batches, virtual_stages), None where there is no closed form; exact
     # unless `bubble_bound` (then an upper bound)
     bubble: Callable[[int, int, int], float | None]
     # micro-batches of whole-stage activations alive at once on one rank (pp, stage, virtual_stages, micro_batches
     # or None: the worst case over m), as the simulator's peaks count them
     in_flight: Callable[[int, int, int, int | None], float]
+    interleaves: bool = False  # runs V >= 2 model chunks per rank (virtual stages; else exactly one)
+    split_backward: bool = False  # backward as B and W (the layers defer their weight gradients to W)
     bubble_bound: bool = False
 
     def __call__(self, pp: int, micro_batches: int, virtual_stages: int = 1) -> Schedule:
@@ -255,10 +259,10 @@ class ScheduleKind:
 
 # name -> schedule: the one list of schedules (the job's --schedule, bench.schedule, bench.train, the planner)
 SCHEDULES = {
-    "gpipe": ScheduleKind(gpipe, "GPipe", False, False, _bubble, _all_in_flight),
-    "1f1b": ScheduleKind(one_f_one_b, "1F1B", False, False, _bubble, _one_chunk_in_flight),
-    "interleaved": ScheduleKind(interleaved, "interleaved", True, False, _bubble, _interleaved_in_flight),
-    "zb": ScheduleKind(zero_bubble, "ZB-H1", False, True, _zero_bubble_bound, _one_chunk_in_flight,
+    "gpipe": ScheduleKind(gpipe, "GPipe", _bubble, _all_in_flight),
+    "1f1b": ScheduleKind(one_f_one_b, "1F1B", _bubble, _one_chunk_in_flight),
+    "interleaved": ScheduleKind(interleaved, "interleaved", _bubble, _interleaved_in_flight, interleaves=True),
+    "zb": ScheduleKind(zero_bubble, "ZB-H1", _zero_bubble_bound, _one_chunk_in_flight, split_backward=True,
                        bubble_bound=True),
 }
 
