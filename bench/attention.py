@@ -53,12 +53,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import tp
-from tp import testing
+from tp import context, testing
 
 from .common import at_least, check_out, machine, print_table, round_robin_times, scratch_path, write_json
 from .roofline import HARDWARE
 
-MODES = ("ring", "allgather", "a2a", "a2a+ring")
+MODES = tuple(context.MODES)
 # A cp ring across nodes sends over each GPU's own NIC: roofline's h100-ib is a node's 8 NICs (400 GB/s), one is 50.
 PROFILES = {"h100-nvlink": HARDWARE["h100-nvlink"], "a100-nvlink": HARDWARE["a100-nvlink"],
             "h100-ib-gpu": dataclasses.replace(HARDWARE["h100-ib"], name="h100-ib-gpu", link=50e9)}
@@ -66,14 +66,15 @@ NODE_LINK = {"h100-ib-gpu": HARDWARE["h100-nvlink"].link}  # a2a+ring's all-to-a
 
 
 def measured_modes(cp, heads, kv_heads, a2a_size):
-    """{mode: a2a_size} of the modes that run at this cp: a2a where the heads split over cp, a2a+ring where cp is a
-    larger multiple of a2a_size and the heads split over it."""
-    splits = lambda size: heads % size == 0 and (kv_heads % size == 0 or size % kv_heads == 0)  # noqa: E731
-    modes = {"ring": None, "allgather": None}
-    if splits(cp):
-        modes["a2a"] = None
-    if cp > a2a_size and cp % a2a_size == 0 and splits(a2a_size):
-        modes["a2a+ring"] = a2a_size
+    """{mode: a2a_size} of the modes that run at this cp: those that keep the heads whole, a2a where the heads split
+    over cp, a2a+ring where cp is a larger multiple of a2a_size and the heads split over it."""
+    modes = {}
+    for name, mode in context.MODES.items():
+        if mode.sub_groups and (cp <= a2a_size or cp % a2a_size):
+            continue
+        size = context.heads_split(name, cp, a2a_size)
+        if size is None or (heads % size == 0 and (kv_heads % size == 0 or size % kv_heads == 0)):
+            modes[name] = a2a_size if mode.sub_groups else None
     return modes
 
 

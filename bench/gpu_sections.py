@@ -57,7 +57,7 @@ def gpt_step(on_gpu: bool) -> dict:
     tokens = torch.randint(0, config.vocab_size, (batch, seq + 1), device=device)
     tokens, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     rows, per_token = {}, flops_per_token(model.config, seq)
-    for backend in ("torch", "triton"):
+    for backend in kernels.ops.BACKENDS:
         if on_gpu:
             torch.cuda.reset_peak_memory_stats()
         with kernels.use_backend(backend):

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
+from kernels.ops import BACKENDS
 
 from .common import print_table as print_rows
 from .common import write_json
@@ -213,7 +214,7 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="CPU-sized shapes even on a GPU (smoke run)")
     parser.add_argument("--shrink", type=int, default=32, help="divide hidden and tokens by this without a GPU")
     parser.add_argument("--reps", type=int, default=5, help="CPU repetitions per timing")
-    parser.add_argument("--candidate-backend", choices=("triton", "torch"), default=None,
+    parser.add_argument("--candidate-backend", choices=tuple(BACKENDS), default=None,
                         help="backend for kernels.linear (default: triton on GPU, torch on CPU); on CPU 'triton' needs "
                              "TRITON_INTERPRET=1 and only smoke-tests the code path, its timings mean nothing")
     parser.add_argument("--out", default=None, help="write the results as JSON here")

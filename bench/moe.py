@@ -29,15 +29,26 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tp
+from models.presets import PUBLISHED_MODELS
 from tp import testing
+from tp.moe import DISPATCHERS
 
 from .common import at_least, machine, print_table, round_robin_times, scratch_path, write_json
 from .roofline import HARDWARE
 
 HIDDEN, FFN, EXPERTS, TOPK, TOKENS = 256, 256, 8, 2, 256  # measured shape: small enough for a loaded 2-core box
 LATENCY = 10e-6
-MODELS = {  # hidden, expert FFN, experts, top-k (Mixtral 8x7B, Qwen3-30B-A3B, DeepSeek-V3 routed experts)
-    "mixtral-8x7b": (4096, 14336, 8, 2), "qwen3-30b-a3b": (2048, 768, 128, 8), "deepseek-v3": (7168, 2048, 256, 8)}
+
+
+def _expert_shape(fields: dict) -> tuple[int, int, int, int]:
+    """hidden, expert FFN, experts, top-k of a named shape's fields."""
+    ffn = fields.get("moe_ffn_hidden_size") or fields["ffn_hidden_size"]
+    return fields["hidden_size"], ffn, fields["num_experts"], fields.get("moe_router_topk", 2)
+
+
+# the published mixtures of experts of models/presets.py, and DeepSeek-V3's routed experts (not a named shape yet)
+MODELS = {name: _expert_shape(fields) for name, fields in PUBLISHED_MODELS.items() if fields.get("num_experts")}
+MODELS["deepseek-v3"] = (7168, 2048, 256, 8)
 
 
 class _Bytes(TorchDispatchMode):
@@ -81,7 +92,7 @@ def bench_rank(ep, iters, warmup):
     torch.set_num_threads(1)
     tp.init_mesh(ep=ep)
     torch.manual_seed(0)
-    layers = {d: tp.moe.MoE(HIDDEN, FFN, EXPERTS, TOPK, dispatcher=d) for d in ("alltoall", "allgather")}
+    layers = {d: tp.moe.MoE(HIDDEN, FFN, EXPERTS, TOPK, dispatcher=d) for d in DISPATCHERS}
     layers["dense"] = _dense(TOPK * FFN)
     x = torch.randn(TOKENS, 1, HIDDEN, generator=torch.Generator().manual_seed(dist.get_rank()), requires_grad=True)
     g = torch.randn(TOKENS, 1, HIDDEN)
@@ -102,11 +113,10 @@ def bench_rank(ep, iters, warmup):
 
 
 def model_bytes(ep, h, k, e, dispatcher):
-    """Bytes per token one fwd+bwd step sends off a GPU: alltoall under uniform routing (the slots of (ep-1)/ep of
-    the experts leave); allgather exactly (+ the routing: k fp32 weights each way, k int64 expert ids)."""
-    if dispatcher == "alltoall":
-        return 4 * k * h * e * (ep - 1) / ep
-    return (ep - 1) * (4 * h * e + k * (4 + 4 + 8))
+    """Bytes per token one fwd+bwd step sends off a GPU (the dispatcher's sent_bytes): alltoall under uniform
+    routing (the slots of (ep-1)/ep of the experts leave); allgather exactly (+ the routing: k fp32 weights each
+    way, k int64 expert ids)."""
+    return DISPATCHERS[dispatcher].sent_bytes(ep, h, k, e)
 
 
 def model_row(name, ep, tokens, hw_name="h100-nvlink"):
@@ -116,7 +126,7 @@ def model_row(name, ep, tokens, hw_name="h100-nvlink"):
     e = hw.element_size
     compute = 18 * tokens * k * h * F / hw.flops
     row = {"model": name, "h": h, "F": F, "E": E, "k": k, "ep": ep, "tokens": tokens, "compute_ms": 1e3 * compute}
-    for dispatcher in ("alltoall", "allgather"):
+    for dispatcher in DISPATCHERS:
         sent = model_bytes(ep, h, k, e, dispatcher) * tokens
         local = min(ep, hw.gpus_per_node)
         nvlink, ib = sent * (local - 1) / max(ep - 1, 1), sent * (ep - local) / max(ep - 1, 1)
@@ -194,7 +204,7 @@ def main(argv=None):
     for ep in args.ep:
         out = testing.run(bench_rank, world_size=ep, timeout=1800, ep=ep, iters=args.iters, warmup=args.warmup)
         times = out[0][0]
-        for layer in ("dense", "alltoall", "allgather"):
+        for layer in ("dense", *DISPATCHERS):
             sent = [per_rank[1][layer] for per_rank in out]
             total = sum(sum(s.values()) for s in sent) / ep
             by_op = {k: round(sum(s.get(k, 0) for s in sent) / ep) for k in sorted({k for s in sent for k in s})}

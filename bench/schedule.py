@@ -22,12 +22,8 @@ COLOURS = {"F": "#4c72b0", "B": "#55a868", "W": "#dd8452", "BW": "#2e7d4f"}
 
 
 def closed_form(name, p, m, virtual_stages):
-    """The unit-cost bubble fraction the literature gives (zb: an upper bound, for m >= p)."""
-    if name == "interleaved":
-        return (p - 1) / (virtual_stages * m + p - 1)
-    if name == "zb":
-        return (p - 1) / (3 * m + p - 1) if m >= p else None
-    return (p - 1) / (m + p - 1)
+    """The unit-cost bubble fraction the literature gives (an upper bound for some: SCHEDULES[name].bubble_bound)."""
+    return SCHEDULES[name].bubble(p, m, virtual_stages)
 
 
 def costs(text):
@@ -112,7 +108,7 @@ def main(argv=None):
     print(f"{a.schedule}: p={a.pp}, m={a.micro_batches}, V={a.virtual_stages}, costs F,B,W = "
           f"{','.join(f'{c:g}' for c in a.costs)}")
     print(f"  bubble fraction  {timeline.bubble_fraction:.4f}" + (
-        f"   (closed form {result['closed_form']:.4f}{' upper bound' if a.schedule == 'zb' else ''})"
+        f"   (closed form {result['closed_form']:.4f}{' upper bound' if SCHEDULES[a.schedule].bubble_bound else ''})"
         if result["closed_form"] is not None else ""))
     print(f"  peak activations {timeline.peak_activations:.3f} micro-batches   (per stage: "
           f"{', '.join(f'{x:g}' for x in timeline.peaks)})")

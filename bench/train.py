@@ -35,8 +35,9 @@ import tp
 from models.stages import build_chunks
 from models.training.cli import parser as train_parser
 from models.training.cli import train, validate
+from models.training.config import DP_MODES
 from tp import testing
-from tp.pipeline import PipelineRunner
+from tp.pipeline import PipelineRunner, schedules
 from tp.pipeline.schedules import build, simulate
 
 from .common import at_least, check_out, machine, median, print_table, scratch_path, write_json
@@ -63,17 +64,24 @@ def label(t, c, p, d):
     return f"{t}x{p}x{d}" if c == 1 else f"{t}x{c}x{p}x{d}"
 
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
-NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "interleaved V=2", "zb": "ZB-H1"}
+SCHEDULES = tuple(schedules.SCHEDULES)
+VIRTUAL_STAGES = 2  # model chunks per rank of the schedules that interleave
+NAMES = {name: kind.title + (f" V={VIRTUAL_STAGES}" if kind.interleaves else "")
+         for name, kind in schedules.SCHEDULES.items()}
 
 
 def theory(p, m):
     return (p - 1) / (m + p - 1)
 
 
-def runnable(schedule, p, m, layers, virtual_stages=2):
+def chunks(schedule):
+    """Model chunks per rank the bubble part runs `schedule` with."""
+    return VIRTUAL_STAGES if schedules.SCHEDULES[schedule].interleaves else 1
+
+
+def runnable(schedule, p, m, layers, virtual_stages=VIRTUAL_STAGES):
     """Whether the schedule can run these sizes (interleaved: m a multiple of p, layers a multiple of p*V)."""
-    if schedule != "interleaved":
+    if not schedules.SCHEDULES[schedule].interleaves:
         return True
     return m >= p and m % p == 0 and layers % (p * virtual_stages) == 0
 
@@ -104,9 +112,9 @@ def bubble_rank(config, micro_batches, micro_batch_size, seq_len, reps):
     torch.manual_seed(0)
     runners = {1: PipelineRunner(build_chunks(config, mesh, 1)[0], mesh, micro_batch_size=micro_batch_size,
                                  seq_len=seq_len)}
-    if runnable("interleaved", mesh.pp_size, mesh.pp_size, config.num_layers):
-        runners[2] = PipelineRunner(build_chunks(config, mesh, 2), mesh, micro_batch_size=micro_batch_size,
-                                    seq_len=seq_len)
+    if config.num_layers % (mesh.pp_size * VIRTUAL_STAGES) == 0:  # (the chunks of an interleaved schedule)
+        runners[VIRTUAL_STAGES] = PipelineRunner(build_chunks(config, mesh, VIRTUAL_STAGES), mesh,
+                                                 micro_batch_size=micro_batch_size, seq_len=seq_len)
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, config.vocab_size, (2, max(micro_batches), micro_batch_size, seq_len), generator=g)
     result = {}
@@ -114,7 +122,7 @@ def bubble_rank(config, micro_batches, micro_batch_size, seq_len, reps):
         for m in micro_batches:
             if not runnable(schedule, mesh.pp_size, m, config.num_layers):
                 continue
-            runner = runners[2 if schedule == "interleaved" else 1]
+            runner = runners[chunks(schedule)]
             batches = list(zip(tokens[0, :m], tokens[1, :m]))
             bubbles, stages, costs = [], [], []
             for rep in range(reps + 1):  # the first is a warm-up
@@ -182,7 +190,7 @@ def bench_bubble(a):
                 if (schedule, m) not in measured:
                     continue
                 bubble, row[f"{schedule}_stages"], (f, b, w) = measured[schedule, m]
-                plan = build(schedule, p, m, 2 if schedule == "interleaved" else 1)
+                plan = build(schedule, p, m, chunks(schedule))
                 row[schedule], row[f"{schedule}_sim"] = bubble, simulate(plan, (f, b, w)).bubble_fraction
                 row[f"{schedule}_ms"] = [1e3 * f, 1e3 * b, 1e3 * w]
             rows.append(row)
@@ -229,7 +237,7 @@ def main(argv=None):
     p.add_argument("--global-batch-size", type=int, default=16)
     p.add_argument("--micro-batch-size", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--dp-mode", nargs="+", choices=("ddp", "fsdp", "zero1"), default=["ddp"],
+    p.add_argument("--dp-mode", nargs="+", choices=DP_MODES, default=["ddp"],
                    help="data-parallel modes of the throughput part (RESULTS.md: ddp zero1)")
     p.add_argument("--precision", nargs="+", choices=("fp32", "bf16"), default=["fp32"],
                    help="precisions of the throughput part (RESULTS.md: fp32 bf16)")

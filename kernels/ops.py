@@ -1,7 +1,8 @@
 """Dispatch of the local-matmul primitives: Triton on CUDA (or under TRITON_INTERPRET=1), torch otherwise.
 
 The tensor-parallel layers call only these four functions, so a backend can be swapped without touching them.
-`use_backend("torch" | "triton" | "auto")` overrides the choice (also via the env var TP_KERNELS_BACKEND).
+`use_backend("torch" | "triton" | "auto")` overrides the choice (also via the env var TP_KERNELS_BACKEND); BACKENDS
+names the backends.
 """
 import os
 
@@ -11,7 +12,6 @@ from . import torch_ops
 from .dtypes import TRITON_DTYPES
 from .torch_ops import ACTIVATIONS, check_activation  # noqa: F401
 
-_BACKENDS = ("auto", "torch", "triton")
 _backend = os.environ.get("TP_KERNELS_BACKEND", "auto")
 
 
@@ -30,8 +30,8 @@ class use_backend:
 
     def __init__(self, name: str) -> None:
         global _backend
-        if name not in _BACKENDS:
-            raise ValueError(f"unknown kernels backend {name!r}; expected one of {_BACKENDS}")
+        if name != "auto" and name not in BACKENDS:
+            raise ValueError(f"unknown kernels backend {name!r}; expected one of {('auto', *BACKENDS)}")
         self.previous, _backend = _backend, name
 
     def __enter__(self):
@@ -83,18 +83,24 @@ def _load_triton_ops():
     return _triton_ops
 
 
+# name -> the module implementing the primitives, loaded on first use (triton is optional, and slow to import; None
+# when it cannot be): the backends use_backend forces ("auto" picks one per tensor)
+BACKENDS = {"torch": lambda: torch_ops, "triton": _load_triton_ops}
+
+
 def _impl(x):
     """The module implementing the primitives for tensor x."""
-    if _backend == "torch" or (_backend == "auto" and not (x.is_cuda or _interpreting())):
-        return torch_ops
-    module = _load_triton_ops()
     if _backend == "auto":
+        if not (x.is_cuda or _interpreting()):
+            return torch_ops
         # Dtypes the kernels do not cover, and CPU tensors when TRITON_INTERPRET was set only after
         # kernels.triton_ops had been imported (its kernels were then built for a GPU), stay on torch.
+        module = _load_triton_ops()
         usable = module is not None and x.dtype in TRITON_DTYPES
         return module if usable and (x.is_cuda or module.INTERPRET) else torch_ops
+    module = BACKENDS[_backend]()
     if module is None:
-        raise RuntimeError(f"kernels backend 'triton' was forced but triton cannot be imported: "
+        raise RuntimeError(f"kernels backend {_backend!r} was forced but triton cannot be imported: "
                            f"{_triton_import_error!r}")
     return module
 

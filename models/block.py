@@ -31,6 +31,7 @@ from tp.dropout import CounterDropout
 from tp.mesh import SharedGroup, resolve_cp_group, resolve_group
 
 from .config import GPTConfig
+from .recompute import recomputes
 
 if TYPE_CHECKING:
     from .generation import LayerCache
@@ -317,7 +318,7 @@ class Attention(nn.Module):
             return self.proj(rearrange(cache.attend(q, k, v), "b n s d -> s b (n d)"))
         if self.training and self.config.attention_dropout:  # (drawn here, not again in a recomputation)
             sample_ids = sample_ids_or_drawn(sample_ids, q.shape[0], q.device)
-        if self.config.recompute == "selective" and torch.is_grad_enabled():  # keep q, k, v; the masks are redrawn
+        if recomputes(self.config.recompute, "core") and torch.is_grad_enabled():  # keep q, k, v; masks redrawn
             context = checkpoint(self.core, q, k, v, document_ids, sample_ids, use_reentrant=False,
                                  preserve_rng_state=False)
         else:
@@ -427,7 +428,7 @@ class TransformerBlock(nn.Module):
         c = self.config
         if self.training and (c.dropout or c.attention_dropout):  # (drawn here, not again in a recomputation)
             sample_ids = sample_ids_or_drawn(sample_ids, x.shape[1], x.device)
-        if c.recompute == "full" and torch.is_grad_enabled():  # keep the block's input only; the masks are redrawn
+        if recomputes(c.recompute, "block") and torch.is_grad_enabled():  # keep the block's input; masks redrawn
             return checkpoint(self._forward, x, document_ids, position_ids, None, sample_ids, use_reentrant=False,
                               preserve_rng_state=False)
         return self._forward(x, document_ids, position_ids, None, sample_ids)

@@ -5,20 +5,24 @@ from dataclasses import dataclass
 from typing import Any
 
 import tp.hf
+from tp import context
+from tp.moe.dispatch import DISPATCHERS
+from tp.moe.router import SCORES
 
 from .presets import MODELS, PRESETS, PUBLISHED_MODELS  # noqa: F401 (the named shapes, importable here as before)
+from .recompute import GRANULARITIES
 
 ACTIVATIONS = ("swiglu", "gelu", "gelu_tanh")
 NORMS = ("rmsnorm", "layernorm")
 POSITIONS = ("rope", "learned")
-RECOMPUTE = ("none", "selective", "full")
-MOE_SCORES = ("softmax", "sigmoid")
-MOE_DISPATCHERS = ("alltoall", "allgather")
+RECOMPUTE = tuple(GRANULARITIES)
+MOE_SCORES = tuple(SCORES)
+MOE_DISPATCHERS = tuple(DISPATCHERS)
 QK_NORMS = ("head", "full")
 # Fields that change how a model runs, not its weights: free to differ between a checkpoint and its resumption.
 RUNTIME_FIELDS = ("sequence_parallel", "sequence_parallel_grad_sync", "recompute", "dropout",
                   "attention_dropout", "dropout_seed", "cp_mode", "cp_a2a_size", "moe_dispatcher")
-CP_MODES = ("ring", "allgather", "a2a", "a2a+ring")
+CP_MODES = tuple(context.MODES)
 
 
 ROPE_SCALING_FIELDS = {"linear": ("factor",),
@@ -213,11 +217,13 @@ class GPTConfig:
     def check_cp(self, cp: int, tp: int = 1) -> None:
         """Raise a ValueError naming the value if this model cannot run on a context-parallel group of `cp` ranks
         (with `tp` tensor-parallel ranks: the a2a modes split each rank's heads)."""
-        if cp == 1 or self.cp_mode not in ("a2a", "a2a+ring"):
+        mode = context.MODES[self.cp_mode]
+        if cp == 1 or not mode.splits_heads:
             return
-        if self.cp_mode == "a2a+ring" and (self.cp_a2a_size is None or cp % self.cp_a2a_size):
-            raise ValueError(f"cp_mode='a2a+ring' needs cp_a2a_size, a divisor of cp={cp}; got {self.cp_a2a_size}")
-        size = cp if self.cp_mode == "a2a" else self.cp_a2a_size
+        if mode.sub_groups and (self.cp_a2a_size is None or cp % self.cp_a2a_size):
+            raise ValueError(f"cp_mode={self.cp_mode!r} needs cp_a2a_size, a divisor of cp={cp}; got "
+                             f"{self.cp_a2a_size}")
+        size = context.heads_split(self.cp_mode, cp, self.cp_a2a_size)
         heads, kv_heads = self.num_heads // tp, max(self.num_kv_heads // tp, 1)  # per tp rank (kv replicated)
         if heads % size or (kv_heads % size and size % kv_heads):
             raise ValueError(f"cp_mode={self.cp_mode!r} splits each tp rank's num_heads/tp={heads} (kv heads "

@@ -44,7 +44,8 @@ cp per-layer cos/sin. The MoE layer and the loss are counted as this package's (
 """
 import functools
 
-from tp.pipeline.schedules import build
+from models.recompute import recomputes
+from tp.pipeline.schedules import SCHEDULES, build
 
 PRECISIONS = {"fp32": 4, "bf16": 2}  # activation / parameter bytes
 MAIN_GRAD = {"bf16": True, "fp32": False}  # the training job keeps an fp32 main_grad under bf16 (as ZeRO's table)
@@ -73,14 +74,14 @@ def layer_activation_bytes(config, *, tp, cp=1, micro_batch_size, seq_len, seque
     h, d, f = config.hidden_size, config.head_dim, config.ffn_hidden_size
     tokens = micro_batch_size * seq_len // cp
     rows = tokens // tp if sequence_parallel else tokens  # the residual stream's tokens
-    if recompute == "full":
+    if recomputes(recompute, "block"):
         return e * rows * h
     heads, kv = config.num_heads // tp, local_kv_heads(config, tp)
     te = backend == "te"
     norm = norm_activation_bytes(config, rows, precision, backend)
     roped = heads + kv if config.position == "rope" and not te else 0  # RoPE writes q and k anew; TE's fused not
     attention = e * tokens * d * ((heads + 2 * kv) + roped + heads)
-    attention += 0 if recompute == "selective" else 4 * tokens * heads
+    attention += 0 if recomputes(recompute, "core") else 4 * tokens * heads
     if cp > 1 and config.position == "rope" and not te:  # cos/sin gathered at this rank's positions, per layer
         attention += 2 * e * tokens // micro_batch_size * d
     native = backend == "torch" and tp == 1 and not MAIN_GRAD[precision]
@@ -132,14 +133,20 @@ def layer_wgrad_bytes(config, *, tp, cp=1, micro_batch_size, seq_len, precision)
 
 
 @functools.lru_cache(maxsize=4096)
-def zb_states(pp, stage, micro_batches):
-    """[(micro-batches awaiting B, awaiting W)] after each action of pipeline rank `stage` under ZB-H1."""
+def split_backward_states(schedule, pp, stage, micro_batches):
+    """[(micro-batches awaiting B, awaiting W)] after each action of pipeline rank `stage` under a schedule that runs
+    backward as B and W (ZB-H1)."""
     states, alive, deferred = [], 0, 0
-    for action in build("zb", pp, micro_batches, 1).actions[stage]:
+    for action in build(schedule, pp, micro_batches, 1).actions[stage]:
         alive += {"F": 1, "B": -1}.get(action.kind, 0)
         deferred += {"B": 1, "W": -1}.get(action.kind, 0)
         states.append((alive, deferred))
     return tuple(states)
+
+
+def zb_states(pp, stage, micro_batches):
+    """split_backward_states of ZB-H1."""
+    return split_backward_states("zb", pp, stage, micro_batches)
 
 
 def edge_activation_bytes(config, *, tp, cp=1, micro_batch_size, seq_len, sequence_parallel, precision,
@@ -164,15 +171,6 @@ def edge_activation_bytes(config, *, tp, cp=1, micro_batch_size, seq_len, sequen
 
 
 def in_flight(schedule, pp, stage, virtual_stages=1, micro_batches=None):
-    """Micro-batches of whole-stage activations alive at once on pipeline rank `stage` (module docstring)."""
-    m = micro_batches
-    if schedule == "gpipe":
-        if m is None:
-            raise ValueError("schedule='gpipe' keeps every micro-batch alive: give micro_batches")
-        return m
-    if schedule == "interleaved":
-        chunks = (pp - stage - 1) * 2 + (virtual_stages - 1) * pp + 1
-        if m is not None:
-            chunks = min(chunks, m * virtual_stages)
-        return chunks / virtual_stages
-    return pp - stage if m is None else min(pp - stage, m)
+    """Micro-batches of whole-stage activations alive at once on pipeline rank `stage`: the schedule's closed form
+    (tp.pipeline.schedules.SCHEDULES; equal to its simulated peak)."""
+    return SCHEDULES[schedule].in_flight(pp, stage, virtual_stages, micro_batches)

@@ -114,7 +114,7 @@ def parser():
     p.add_argument("--hardware", choices=PROFILES, default="h100-sxm")
     p.add_argument("--gpus", type=int, help="GPUs (CPU ranks on cpu-measured); required (but with --validate)")
     p.add_argument("--gpus-per-node", type=int, help="default: the profile's (8 for GPUs)")
-    p.add_argument("--model", choices=sorted(MODELS), help="a named shape (models/presets.py; models.train takes the "
+    p.add_argument("--model", choices=tuple(MODELS), help="a named shape (models/presets.py; models.train takes the "
                                                             "same names)")
     p.add_argument("--hf-config", metavar="PATH", help="a Hugging Face config.json (or its directory)")
     p.add_argument("--hidden", type=int)

@@ -16,7 +16,11 @@ tensors outside the layers, micro-batches in flight per schedule). It re-exports
 """
 from dataclasses import dataclass
 
+from kernels.ops import BACKENDS as KERNEL_BACKENDS
 from models.config import GPTConfig
+from models.recompute import GRANULARITIES, recomputes
+from models.training import data_parallel
+from tp.pipeline import schedules
 
 from .activations import (
     PRECISIONS,
@@ -25,6 +29,7 @@ from .activations import (
     layer_activation_bytes,
     layer_wgrad_bytes,
     local_kv_heads,
+    split_backward_states,
     zb_states,
 )
 from .parameters import (
@@ -42,12 +47,13 @@ from .parameters import (
 __all__ = ["BACKENDS", "DP_MODES", "PRECISIONS", "RECOMPUTE", "SCHEDULES", "STEP_BYTES", "MemoryEstimate",
            "bytes_per_parameter", "edge_activation_bytes", "estimate", "experts_apart", "in_flight",
            "layer_activation_bytes", "layer_parameter_shapes", "layer_wgrad_bytes", "local_kv_heads",
-           "parameter_memory", "stage_chunks", "stage_numel", "stage_parameter_shapes", "state_memory", "zb_states"]
+           "parameter_memory", "split_backward_states", "stage_chunks", "stage_numel", "stage_parameter_shapes",
+           "state_memory", "zb_states"]
 
-DP_MODES = ("ddp", "zero1", "fsdp")
-RECOMPUTE = ("none", "selective", "full")
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
-BACKENDS = ("triton", "torch", "te")
+DP_MODES = tuple(data_parallel.MODES)
+RECOMPUTE = tuple(GRANULARITIES)
+SCHEDULES = tuple(schedules.SCHEDULES)
+BACKENDS = (*KERNEL_BACKENDS, "te")  # this package's layers on each kernels backend, or Megatron-Core on TE
 
 
 @dataclass(frozen=True)
@@ -87,8 +93,9 @@ def _check(config, tp, cp, pp, dp, micro_batch_size, seq_len, sequence_parallel,
     if pp * virtual_stages > config.num_layers:
         raise ValueError(f"pp={pp} x virtual_stages={virtual_stages} stages need at least that many layers, the "
                          f"model has num_layers={config.num_layers}")
-    if (virtual_stages > 1) != (schedule == "interleaved"):
-        raise ValueError(f"virtual_stages={virtual_stages} goes with schedule='interleaved' (got {schedule!r})")
+    if (virtual_stages > 1) != schedules.SCHEDULES[schedule].interleaves:
+        chunked = " or ".join(repr(name) for name, kind in schedules.SCHEDULES.items() if kind.interleaves)
+        raise ValueError(f"virtual_stages={virtual_stages} goes with schedule={chunked} (got {schedule!r})")
     if virtual_stages > 1 and config.num_layers % (pp * virtual_stages):
         raise ValueError(f"num_layers={config.num_layers} is not divisible by pp*virtual_stages = {pp}*"
                          f"{virtual_stages} (interleaved chunks hold equal numbers of layers)")
@@ -145,8 +152,8 @@ def estimate(config, *, tp, cp=1, pp, dp, micro_batch_size, seq_len, sequence_pa
     full_layer = max(_per_layer(config, recompute="none", backend=backend, etp=etp, **shape))
     e = PRECISIONS[precision]
     # RoPE's cos/sin [s, d], cached across layers (under cp each layer indexes its own: in layer_activation_bytes)
-    rope_tables = 2 * e * seq_len * config.head_dim if config.position == "rope" and recompute != "full" and \
-        cp == 1 else 0
+    kept = config.position == "rope" and not recomputes(recompute, "block") and cp == 1
+    rope_tables = 2 * e * seq_len * config.head_dim if kept else 0
     best = None
     # Only the ends can be the largest: pipeline rank 0 holds at least any middle rank's layers (models.stages gives the
     # extra ones to the first stages; with interleaving its chunks are the first of each round), at least as many
@@ -159,19 +166,20 @@ def estimate(config, *, tp, cp=1, pp, dp, micro_batch_size, seq_len, sequence_pa
         edges = sum(edge_activation_bytes(config, first=first, last=last, backend=backend, **shape)
                     for _, _, first, last in chunks)
         activations = int(alive * (saved + edges)) + rope_tables
-        if schedule == "zb":  # a micro-batch past its B keeps what its W needs until the W (ZB-H1 defers them)
+        # a micro-batch past its B keeps what its W needs until the W (ZB-H1 defers them)
+        if schedules.SCHEDULES[schedule].split_backward:
             held = layers * layer_wgrad_bytes(config, **{k: shape[k] for k in ("tp", "cp", "micro_batch_size",
                                                                            "seq_len", "precision")})
             held += sum(e * shape["micro_batch_size"] * seq_len // cp * (config.hidden_size +
                                                                          config.padded_vocab_size(tp) // tp)
                         for _, _, _, last in chunks if last)  # the output layer's input and vocabulary gradient
             activations = max(int(a * (saved + edges)) + w * held
-                              for a, w in zb_states(pp, stage, micro_batches or pp)) + rope_tables
+                              for a, w in split_backward_states(schedule, pp, stage, micro_batches or pp)) + rope_tables
         split = dict(tp=tp, pp=pp, stage=stage, virtual_stages=virtual_stages, dp_mode=dp_mode, precision=precision,
                      shards=dp * cp, ep=ep, etp=etp)
         params, grads, optimizer, transient = parameter_memory(config, **split) if optimizer_bytes is None else \
             state_memory(config, grad_bytes=grad_bytes, optimizer_bytes=optimizer_bytes, **split)
-        transient += full_layer if recompute == "full" else 0
+        transient += full_layer if recomputes(recompute, "block") else 0
         total = params + grads + optimizer + activations + transient
         if best is None or total > best.total:
             best = MemoryEstimate(params, grads, optimizer, activations, transient, total, stage, alive, per_layer)

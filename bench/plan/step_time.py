@@ -38,6 +38,7 @@ the papers count it) / (step time × peak × GPUs); HFU adds the recomputed FLOP
 from dataclasses import dataclass, replace
 
 from models.flops import flops_per_token
+from models.recompute import recomputes
 
 from .. import roofline as rl
 from . import memory
@@ -123,9 +124,9 @@ def recompute_flops_per_token(config, seq_len, recompute):
     """FLOPs recomputed per token: full — every block's forward (a third of its 6·N and attention); selective —
     the attention core's forward (QKᵀ, PV over the full square, as Korthikanti et al. count it)."""
     attention = 4 * config.num_layers * config.num_heads * config.head_dim * seq_len
-    if recompute == "full":
+    if recomputes(recompute, "block"):
         return (model_flops_per_token(config, seq_len) - 6 * config.hidden_size * config.vocab_size) / 3
-    return attention if recompute == "selective" else 0
+    return attention if recomputes(recompute, "core") else 0
 
 
 # ---- pieces ---------------------------------------------------------------------------------------------------------
@@ -286,7 +287,8 @@ def _layer_times(config, plan, seq_len, cluster, software, moe):
     overhead = OPS_PER_LAYER * cluster.op_overhead
     layer_fwd = g["fwd"] + attention[0] + elementwise + tp_fwd + cp_fwd + a2a + overhead
     layer_bwd = g["dgrad"] + attention[1] + 2 * elementwise + tp_bwd + cp_bwd + a2a + 2 * overhead
-    recompute = {"full": layer_fwd, "selective": attention[0]}.get(plan.recompute, 0.0)
+    recompute = layer_fwd if recomputes(plan.recompute, "block") else \
+        attention[0] if recomputes(plan.recompute, "core") else 0.0
     parts = {"gemm": sum(g.values()), "attention": sum(attention), "elementwise": 3 * elementwise,
              "tp_comm": tp_fwd + tp_bwd, "cp_comm": cp_fwd + cp_bwd, "ep_a2a": 2 * a2a, "recompute": recompute,
              "overhead": 3 * overhead}
@@ -365,7 +367,7 @@ def _dp_time(config, plan, cluster, software, stage, times, micro_batches):
 
 def _optimizer_time(config, plan, cluster, software, stage):
     n = _stage_params(config, plan, stage)
-    local = n / (plan.dp * plan.cp) if plan.dp_mode in ("zero1", "fsdp") else n
+    local = n / (plan.dp * plan.cp) if plan.dp_mode != "ddp" else n  # zero1 and fsdp: a dp·cp shard
     touched = 32 if software.precision in ("bf16", "fp16") else 28  # Adam: read and write param, master, moments
     return local * touched / cluster.device.hbm
 

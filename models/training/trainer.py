@@ -148,7 +148,7 @@ class Trainer:
                 self.optimizer.step()
         elif self.rank0:  # Megatron's behaviour: no update from a non-finite gradient, the model stays as it was
             print(f"skipped step {step + 1}: grad norm {grad_norm}", file=sys.stderr, flush=True)
-        if self.config.moe_router_score == "sigmoid":  # DeepSeek-V3's bias update from the step's global loads
+        if tp.moe.SCORES[self.config.moe_router_score].selection_bias:  # (DeepSeek-V3) from the step's global loads
             tp.moe.update_expert_bias(self.stage, EXPERT_BIAS_RATE, group=mesh.group("tp-cp-dp"))
         memory = self.max_memory_bytes() if step == self.start_step else {}  # grads and state exist now
         self.optimizer.zero_grad(set_to_none=True)

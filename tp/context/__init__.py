@@ -18,6 +18,8 @@ Attention dropout (`dropout`, a tp.dropout.CounterDropout): every mode applies t
 and backward (no mask saved, none of the whole sequence materialised). `local_attention` is the same on one rank.
 """
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -29,13 +31,42 @@ from .layout import cp_group_or_mesh, cp_positions, cp_shard, cp_unshard
 from .ring import RingAttention, whole_ring
 from .ulysses import ulysses_attention
 
-MODES = ("ring", "allgather", "a2a", "a2a+ring")
-
 if TYPE_CHECKING:
     from ..dropout import CounterDropout
 
-__all__ = ["MODES", "context_parallel_attention", "cp_positions", "cp_shard", "cp_unshard", "document_attention_mask",
-           "local_attention"]
+__all__ = ["MODES", "Mode", "context_parallel_attention", "cp_positions", "cp_shard", "cp_unshard",
+           "document_attention_mask", "heads_split", "local_attention"]
+
+
+@dataclass(frozen=True)
+class Mode:
+    """One way to attend over the cp group: its implementation, and whether (and over which ranks) it trades the
+    sequence split for a head split."""
+
+    # (q, k, v, causal, scale, group, heads_split or None, document_ids, dropout) -> this rank's output, cp > 1
+    attention: Callable
+    splits_heads: bool = False  # all-to-alls hand each rank a share of the heads
+    sub_groups: bool = False  # ... within sub-groups of `a2a_size` ranks (else the whole group)
+
+
+def _ring(q, k, v, causal, scale, group, split, document_ids, dropout):
+    return RingAttention.apply(q, k, v, causal, scale, whole_ring(group), document_ids, dropout)
+
+
+def _allgather(q, k, v, causal, scale, group, split, document_ids, dropout):
+    return AllGatherAttention.apply(q, k, v, causal, scale, group, document_ids, dropout)
+
+
+# mode -> its implementation: the one list of modes (GPTConfig's cp_mode, the job's --cp-mode, bench.attention)
+MODES = {"ring": Mode(_ring), "allgather": Mode(_allgather), "a2a": Mode(ulysses_attention, splits_heads=True),
+         "a2a+ring": Mode(ulysses_attention, splits_heads=True, sub_groups=True)}
+
+
+def heads_split(mode: str, cp: int, a2a_size: int | None = None) -> int | None:
+    """The ranks `mode` splits each rank's heads over on a cp group of `cp` (None: it keeps them whole)."""
+    if not MODES[mode].splits_heads:
+        return None
+    return a2a_size if MODES[mode].sub_groups else cp
 
 
 def _check_shapes(q, k, v, cp, where):
@@ -55,13 +86,14 @@ def _check_shapes(q, k, v, cp, where):
 
 
 def _check_a2a(heads, kv_heads, mode, a2a_size, cp, where):
-    """The sub-group size the mode's all-to-alls run over (None for ring and allgather)."""
-    if mode != "a2a+ring" and a2a_size is not None:
-        raise ValueError(f"{where}: a2a_size={a2a_size} is for mode 'a2a+ring', not {mode!r}")
-    if mode == "a2a+ring" and (isinstance(a2a_size, bool) or not isinstance(a2a_size, int) or a2a_size < 1
-                               or cp % a2a_size):
-        raise ValueError(f"{where}: mode 'a2a+ring' needs a2a_size, a divisor of cp = {cp}; got {a2a_size!r}")
-    size = cp if mode == "a2a" else a2a_size
+    """The heads split over heads_split(mode, cp, a2a_size) ranks (and a2a_size given exactly where it is used)."""
+    if not MODES[mode].sub_groups and a2a_size is not None:
+        users = " or ".join(repr(name) for name, m in MODES.items() if m.sub_groups)
+        raise ValueError(f"{where}: a2a_size={a2a_size} is for mode {users}, not {mode!r}")
+    if MODES[mode].sub_groups and (isinstance(a2a_size, bool) or not isinstance(a2a_size, int) or a2a_size < 1
+                                   or cp % a2a_size):
+        raise ValueError(f"{where}: mode {mode!r} needs a2a_size, a divisor of cp = {cp}; got {a2a_size!r}")
+    size = heads_split(mode, cp, a2a_size)
     if size is None or cp == 1:
         return
     if heads % size:
@@ -113,7 +145,7 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     group = cp_group_or_mesh(group)
     cp, where = dist.get_world_size(group), "context_parallel_attention"
     if mode not in MODES:  # every rank sees the same shapes and options: every rank raises, before any communication
-        raise ValueError(f"{where}: unknown mode {mode!r}; expected one of {MODES}")
+        raise ValueError(f"{where}: unknown mode {mode!r}; expected one of {tuple(MODES)}")
     _check_shapes(q, k, v, cp, where)
     _check_a2a(q.shape[1], k.shape[1], mode, a2a_size, cp, where)
     _check_documents(document_ids, q, cp, where)
@@ -121,8 +153,5 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     if cp == 1:
         return local_attention(q, k, v, causal, scale, document_ids, dropout)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    if mode == "ring":
-        return RingAttention.apply(q, k, v, causal, scale, whole_ring(group), document_ids, dropout)
-    if mode == "allgather":
-        return AllGatherAttention.apply(q, k, v, causal, scale, group, document_ids, dropout)
-    return ulysses_attention(q, k, v, causal, scale, group, cp if mode == "a2a" else a2a_size, document_ids, dropout)
+    return MODES[mode].attention(q, k, v, causal, scale, group, heads_split(mode, cp, a2a_size), document_ids,
+                                 dropout)

@@ -14,16 +14,16 @@ import torch.distributed as dist
 from torch import nn
 
 from .capacity import capacity, keep_mask
-from .dispatch import DISPATCHERS
+from .dispatch import DISPATCHERS, TokenDispatcher
 from .experts import GroupedExperts
 from .layer import MoE, SharedExpert
 from .losses import AuxLosses
 from .parallel_experts import ParallelExperts
-from .router import SCORES, Routing, TopKRouter
+from .router import SCORES, Routing, Score, TopKRouter
 
 __all__ = ["MoE", "TopKRouter", "GroupedExperts", "ParallelExperts", "SharedExpert", "Routing", "AuxLosses",
-           "DISPATCHERS", "SCORES", "capacity", "keep_mask", "aux_losses", "set_aux_loss_scale", "update_expert_bias",
-           "expert_parameters", "dynamic_shapes"]
+           "DISPATCHERS", "SCORES", "Score", "TokenDispatcher", "capacity", "keep_mask", "aux_losses",
+           "set_aux_loss_scale", "update_expert_bias", "expert_parameters", "dynamic_shapes"]
 
 
 def dynamic_shapes() -> contextlib.AbstractContextManager:

@@ -22,8 +22,6 @@ from ..mappings import gather_from_sp_region, reduce_scatter_to_sp_region
 from .comm import combine, dispatch, group_name
 from .router import expert_counts
 
-DISPATCHERS = ("alltoall", "allgather")
-
 
 def _size(group):
     return 1 if group is None else dist.get_world_size(group)
@@ -113,28 +111,81 @@ def allgather_combine(y: torch.Tensor, tokens: torch.Tensor, total: int,
     return reduce_scatter_to_sp_region(out, group, check=False) if _size(group) > 1 else out
 
 
+class TokenDispatcher:
+    """How the routed slots reach the ranks holding their experts and come back (Megatron-Core's
+    MoETokenDispatcher): `dispatch` hands this rank's experts their rows sorted by local expert, `combine` returns
+    each token the weighted sum of its k slots' outputs. A subclass and its line in DISPATCHERS add one."""
+
+    def dispatch(self, tokens: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, local_experts: int, *,
+                 ep_group: dist.ProcessGroup | None, etp_group: dist.ProcessGroup | None,
+                 expert_group: dist.ProcessGroup | None, dropping: bool) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+        """(rows for this rank's experts sorted by local expert, rows per local expert, state for `combine`)."""
+        raise NotImplementedError
+
+    def combine(self, y: torch.Tensor, state: tuple) -> torch.Tensor:
+        """The experts' outputs `y` (dispatch's rows) back into this rank's tokens [T, h], weighted."""
+        raise NotImplementedError
+
+    def sent_bytes(self, ep: int, hidden: int, topk: int, element_size: int) -> float:
+        """Bytes per token one forward and backward send off a rank at etp = 1 (uniform routing)."""
+        raise NotImplementedError
+
+
+class AllToAllDispatcher(TokenDispatcher):
+    """Slots sorted by expert, one all-to-all-v over ep each way (module docstring)."""
+
+    def dispatch(self, tokens, weights, indices, local_experts, *, ep_group, etp_group, expert_group, dropping):
+        experts, topk = local_experts * _size(ep_group), indices.shape[1]
+        chosen = torch.where(indices >= 0, indices, experts).flatten()  # [T·k], the dropped slots last
+        order = chosen.argsort(stable=True)
+        counts = expert_counts(chosen, experts + 1)[:experts]
+        x = tokens.index_select(0, order // topk)  # [T·k, h] sorted by expert
+        exchange = None
+        if _size(ep_group) * _size(etp_group) > 1 or dropping:  # else every slot stays here: no dispatch
+            x, counts, exchange = alltoall_dispatch(x, counts, local_experts, ep_group=ep_group, etp_group=etp_group,
+                                                    expert_group=expert_group)
+        return x, counts, (tokens, weights, order, exchange)
+
+    def combine(self, y, state):
+        tokens, weights, order, exchange = state
+        if exchange is not None:
+            y = alltoall_combine(y, exchange)  # [T·k, h], zero rows for the dropped slots
+        y = y * weights.flatten()[order][:, None]
+        return tokens.new_zeros(tokens.shape).index_add(0, order // weights.shape[1], y)
+
+    def sent_bytes(self, ep, hidden, topk, element_size):
+        return 4 * topk * hidden * element_size * (ep - 1) / ep  # the slots of (ep-1)/ep of the experts leave
+
+
+class AllGatherDispatcher(TokenDispatcher):
+    """Every token of the etp·ep group gathered, one reduce-scatter back (module docstring)."""
+
+    def dispatch(self, tokens, weights, indices, local_experts, *, ep_group, etp_group, expert_group, dropping):
+        x, counts, w, rows, total = allgather_dispatch(tokens, weights, indices, local_experts,
+                                                       ep_rank=_rank(ep_group), group=expert_group)
+        return x, counts, (w, rows, total, expert_group)
+
+    def combine(self, y, state):
+        w, rows, total, group = state
+        return allgather_combine(y * w[:, None], rows, total, group)
+
+    def sent_bytes(self, ep, hidden, topk, element_size):
+        return (ep - 1) * (4 * hidden * element_size + topk * (4 + 4 + 8))  # + the routing: weights, expert ids
+
+
+# name -> dispatcher: the one list (tp.moe.MoE's dispatcher, GPTConfig's moe_dispatcher, the job's --moe-dispatcher)
+DISPATCHERS = {"alltoall": AllToAllDispatcher(), "allgather": AllGatherDispatcher()}
+
+
 def dispatch_and_combine(tokens: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, experts: Callable, *,
                          dispatcher: str = "alltoall", ep_group: dist.ProcessGroup | None,
                          etp_group: dist.ProcessGroup | None, expert_group: dist.ProcessGroup | None,
                          dropping: bool = False) -> torch.Tensor:
     """Σ_j weights[t, j] · expert_{indices[t, j]}(tokens[t]) for every token t of this rank (indices -1: a dropped
     slot, only where `dropping`), `experts(x sorted by local expert, rows per local expert)` computing this ep rank's
-    `local_experts` experts (a GroupedExperts or a bound method of one)."""
-    local, topk = getattr(experts, "__self__", experts).local_experts, indices.shape[1]
-    if dispatcher == "allgather":
-        x, counts, w, rows, total = allgather_dispatch(tokens, weights, indices, local, ep_rank=_rank(ep_group),
-                                                       group=expert_group)
-        return allgather_combine(experts(x, counts) * w[:, None], rows, total, expert_group)
-    E = local * _size(ep_group)
-    chosen = torch.where(indices >= 0, indices, E).flatten()  # [T·k], the dropped slots last
-    order = chosen.argsort(stable=True)
-    counts = expert_counts(chosen, E + 1)[:E]
-    x = tokens.index_select(0, order // topk)  # [T·k, h] sorted by expert
-    if _size(ep_group) * _size(etp_group) == 1 and not dropping:  # every slot stays here: no dispatch
-        y = experts(x, counts)
-    else:
-        x, counts, state = alltoall_dispatch(x, counts, local, ep_group=ep_group, etp_group=etp_group,
-                                             expert_group=expert_group)
-        y = alltoall_combine(experts(x, counts), state)  # [T·k, h], zero rows for the dropped slots
-    y = y * weights.flatten()[order][:, None]
-    return tokens.new_zeros(tokens.shape).index_add(0, order // topk, y)
+    `local_experts` experts (a GroupedExperts or a bound method of one), through DISPATCHERS[dispatcher]."""
+    chosen = DISPATCHERS[dispatcher]
+    x, counts, state = chosen.dispatch(tokens, weights, indices, getattr(experts, "__self__", experts).local_experts,
+                                       ep_group=ep_group, etp_group=etp_group, expert_group=expert_group,
+                                       dropping=dropping)
+    return chosen.combine(experts(x, counts), state)

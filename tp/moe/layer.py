@@ -176,7 +176,7 @@ def _check(num_experts, topk, ffn, dispatcher, capacity_factor, ep_group, etp_gr
     if ffn % _size(etp_group):
         raise ValueError(f"moe_ffn_hidden_size={ffn} is not divisible by etp={_size(etp_group)}")
     if dispatcher not in DISPATCHERS:
-        raise ValueError(f"moe_dispatcher={dispatcher!r} must be one of {DISPATCHERS}")
+        raise ValueError(f"moe_dispatcher={dispatcher!r} must be one of {tuple(DISPATCHERS)}")
     if capacity_factor is not None and not (isinstance(capacity_factor, (int, float)) and 0 < capacity_factor
                                             < math.inf):
         raise ValueError(f"moe_capacity_factor={capacity_factor!r} must be a positive number (or None: dropless)")

@@ -48,7 +48,7 @@ class ParallelExperts(GroupedExperts):
         if act not in ("SiLU", "SiLUActivation"):
             raise ValueError(f"{type(module).__name__}: expert activation {act} is not supported (SwiGLU: SiLU)")
         if dispatcher not in DISPATCHERS:
-            raise ValueError(f"dispatcher={dispatcher!r} must be one of {DISPATCHERS}")
+            raise ValueError(f"dispatcher={dispatcher!r} must be one of {tuple(DISPATCHERS)}")
         ep_group = ep_group if ep_group is not None else _mesh_group("ep")
         etp_group = etp_group if etp_group is not None else _mesh_group("etp")
         E, rows, h = gate_up.shape

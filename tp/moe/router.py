@@ -1,9 +1,10 @@
 """The router: top-k experts per token, scores in fp32.
 
-logits = x·Wᵀ with W [E, h] replicated on every rank. "softmax" (Mixtral, Qwen, OLMoE): probabilities over all E
-experts in fp32, the k largest chosen, renormalised over the k when `norm_topk_prob` (Mixtral and Qwen3-MoE do,
-Qwen2-MoE and OLMoE do not by default). "sigmoid" (DeepSeek-V3): per-expert sigmoid scores, a per-expert bias added
-for the choice only (auxiliary-loss-free balancing, `update_expert_bias`), the chosen unbiased scores normalised.
+logits = x·Wᵀ with W [E, h] replicated on every rank, scored by one of SCORES. "softmax" (Mixtral, Qwen, OLMoE):
+probabilities over all E experts in fp32, the k largest chosen, renormalised over the k when `norm_topk_prob`
+(Mixtral and Qwen3-MoE do, Qwen2-MoE and OLMoE do not by default). "sigmoid" (DeepSeek-V3): per-expert sigmoid
+scores, a per-expert bias added for the choice only (auxiliary-loss-free balancing, `update_expert_bias`), the chosen
+unbiased scores normalised.
 
 Every rank routes its own tokens (under tensor parallelism the MoE layer gives each tp rank a different share), so
 no token is routed twice. The weight stays equal on every rank because it starts from the same seed and its gradient
@@ -21,7 +22,54 @@ from .. import debug
 from ..grads import sync_grads_over_tp
 from ..mesh import SharedGroup
 
-SCORES = ("softmax", "sigmoid")
+
+class Score:
+    """How a router scores the experts (Megatron-Core's --moe-router-score-function): the scores of every expert
+    from the logits, the top-k choice from them, and the probabilities the load-balancing loss reads. A subclass
+    and its line in SCORES add one."""
+
+    selection_bias = False  # a per-expert bias added for the choice only, updated from the loads (update_expert_bias)
+
+    def scores(self, logits: torch.Tensor) -> torch.Tensor:
+        """Every expert's score [T, E] from the fp32 logits [T, E]."""
+        raise NotImplementedError
+
+    def choose(self, scores: torch.Tensor, topk: int,
+               bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k], indices [T, k]) of the chosen experts: the k largest scores."""
+        return scores.topk(topk, dim=-1)
+
+    def probabilities(self, scores: torch.Tensor) -> torch.Tensor:
+        """Every expert's probability [T, E] for the aux loss: the scores themselves."""
+        return scores
+
+
+class SoftmaxScore(Score):
+    """Probabilities over all E experts (Mixtral, Qwen, OLMoE)."""
+
+    def scores(self, logits: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(logits, dim=-1)
+
+
+class SigmoidScore(Score):
+    """Per-expert sigmoids, chosen with a selection bias and normalised over E for the aux loss (DeepSeek-V3)."""
+
+    selection_bias = True
+
+    def scores(self, logits: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(logits)
+
+    def choose(self, scores: torch.Tensor, topk: int,
+               bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        indices = (scores.detach() + bias).topk(topk, dim=-1).indices
+        return scores.gather(-1, indices), indices
+
+    def probabilities(self, scores: torch.Tensor) -> torch.Tensor:
+        return scores / scores.sum(-1, keepdim=True)
+
+
+# name -> score function: the one list (GPTConfig's moe_router_score, the job's --moe-router-score)
+SCORES = {"softmax": SoftmaxScore(), "sigmoid": SigmoidScore()}
 
 
 class Routing(NamedTuple):
@@ -62,7 +110,7 @@ class TopKRouter(nn.Module):
                  _init: bool = True) -> None:
         super().__init__()
         if score not in SCORES:
-            raise ValueError(f"moe_router_score={score!r} must be one of {SCORES}")
+            raise ValueError(f"moe_router_score={score!r} must be one of {tuple(SCORES)}")
         if not 1 <= topk <= num_experts:
             raise ValueError(f"moe_router_topk={topk} must be between 1 and num_experts={num_experts}")
         self.num_experts, self.topk, self.score, self.norm_topk_prob = num_experts, topk, score, norm_topk_prob
@@ -70,10 +118,11 @@ class TopKRouter(nn.Module):
         self.sync = grad_sync and group is not None and dist.get_world_size(group) > 1
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype, device=device))
         self.weight.sequence_parallel = group is not None and dist.get_world_size(group) > 1 and not grad_sync
-        # sigmoid: the selection bias (not a gradient-trained parameter) and the loads it is updated from
-        self.register_buffer("expert_bias", torch.zeros(num_experts, device=device) if score == "sigmoid" else None)
+        # the selection bias (not a gradient-trained parameter) and the loads it is updated from
+        biased = SCORES[score].selection_bias
+        self.register_buffer("expert_bias", torch.zeros(num_experts, device=device) if biased else None)
         self.register_buffer("expert_load", torch.zeros(num_experts, dtype=torch.float64, device=device)
-                             if score == "sigmoid" else None, persistent=False)
+                             if biased else None, persistent=False)
         if _init:
             with torch.no_grad():
                 nn.init.normal_(self.weight, mean=0.0, std=init_std)
@@ -84,13 +133,9 @@ class TopKRouter(nn.Module):
         weight = sync_grads_over_tp(self.weight, group=self.group)[0] if self.sync else self.weight
         raw = F.linear(x, weight)  # [T, E] in x's dtype
         logits = raw.float()  # the choice and the weights in fp32 (Hugging Face's routers' rounding)
-        if self.score == "softmax":
-            probs = torch.softmax(logits, dim=-1)
-            weights, indices = probs.topk(self.topk, dim=-1)
-        else:
-            scores = torch.sigmoid(logits)
-            indices = (scores.detach() + self.expert_bias).topk(self.topk, dim=-1).indices
-            weights = scores.gather(-1, indices)
+        score = SCORES[self.score]
+        scores = score.scores(logits)
+        weights, indices = score.choose(scores, self.topk, self.expert_bias)
         if self.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
         if self.expert_load is not None and self.training and not _recomputing():
@@ -98,11 +143,7 @@ class TopKRouter(nn.Module):
         # The aux losses see the logits at the input's precision, fp32 at least: an fp64 model's are then exact
         # whatever the split (fp32 reductions over a row are not batch-invariant on every backend).
         hi = raw if raw.dtype == torch.float64 else logits
-        if self.score == "softmax":
-            aux_probs = probs if hi is logits else torch.softmax(hi, dim=-1)
-        else:
-            aux_scores = scores if hi is logits else torch.sigmoid(hi)
-            aux_probs = aux_scores / aux_scores.sum(-1, keepdim=True)
+        aux_probs = score.probabilities(scores if hi is logits else score.scores(hi))
         return Routing(weights, indices, aux_probs, hi)
 
     def extra_repr(self) -> str:

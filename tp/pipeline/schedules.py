@@ -17,8 +17,12 @@ Closed forms for unit costs (F = B = W = 1), which the simulator reproduces (tes
 - gpipe, 1f1b: bubble (p-1)/(m+p-1); peak m (GPipe) and min(p, m) (1F1B).
 - interleaved: (p-1)/(V·m+p-1); peak <= p + (p-1)/V.
 - zb (ZB-H1, Qi et al. 2024): <= (p-1)/(3m+p-1) for m >= p, i.e. an idle (p-1)(F+B-W) per rank; peak <= p.
+
+SCHEDULES is the one list of schedules (the job's --schedule, the planner and the benchmarks read it): name ->
+ScheduleKind, the generator with what the others need to know of it (whether it interleaves or splits backward, its
+closed forms). A new schedule is its generator and its line there.
 """
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -103,21 +107,27 @@ def check_arguments(name: str, pp: int, micro_batches: int, virtual_stages: int 
     for what, value in (("pp", pp), ("micro_batches", micro_batches), ("virtual_stages", virtual_stages)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ScheduleError(f"{what}={value!r} must be an integer >= 1")
-    if name != "interleaved" and virtual_stages != 1:
+    if SCHEDULES[name].interleaves:
+        _check_chunks(name, pp, micro_batches, virtual_stages)
+    elif virtual_stages != 1:
+        chunked = " or ".join(repr(n) for n, kind in SCHEDULES.items() if kind.interleaves)
         raise ScheduleError(f"virtual_stages={virtual_stages}: schedule {name!r} runs one model chunk per rank "
-                            "(virtual stages are for 'interleaved')")
-    if name == "interleaved":
-        if pp < 2:
-            raise ScheduleError(f"schedule 'interleaved' needs pp >= 2 pipeline stages, got pp={pp}")
-        if virtual_stages < 2:
-            raise ScheduleError(f"schedule 'interleaved' needs virtual_stages >= 2 model chunks per rank, got "
-                                f"virtual_stages={virtual_stages} (one chunk per rank is '1f1b')")
-        if micro_batches < pp:  # Megatron: the micro-batch group (p) must lie in [p, m]
-            raise ScheduleError(f"schedule 'interleaved' needs micro_batches >= pp: micro_batches={micro_batches} < "
-                                f"pp={pp}")
-        if micro_batches % pp:  # Megatron: the last group of m mod p < p micro-batches would stall the pipeline
-            raise ScheduleError(f"schedule 'interleaved' needs micro_batches divisible by pp: micro_batches="
-                                f"{micro_batches} is not a multiple of pp={pp}")
+                            f"(virtual stages are for {chunked})")
+
+
+def _check_chunks(name, pp, micro_batches, virtual_stages):
+    """Megatron's conditions on an interleaved schedule's sizes."""
+    if pp < 2:
+        raise ScheduleError(f"schedule {name!r} needs pp >= 2 pipeline stages, got pp={pp}")
+    if virtual_stages < 2:
+        raise ScheduleError(f"schedule {name!r} needs virtual_stages >= 2 model chunks per rank, got "
+                            f"virtual_stages={virtual_stages} (one chunk per rank is '1f1b')")
+    if micro_batches < pp:  # Megatron: the micro-batch group (p) must lie in [p, m]
+        raise ScheduleError(f"schedule {name!r} needs micro_batches >= pp: micro_batches={micro_batches} < "
+                            f"pp={pp}")
+    if micro_batches % pp:  # Megatron: the last group of m mod p < p micro-batches would stall the pipeline
+        raise ScheduleError(f"schedule {name!r} needs micro_batches divisible by pp: micro_batches="
+                            f"{micro_batches} is not a multiple of pp={pp}")
 
 
 def gpipe(pp: int, micro_batches: int, virtual_stages: int = 1) -> Schedule:
@@ -194,11 +204,71 @@ def forward_only(pp: int, micro_batches: int, virtual_stages: int = 1) -> Schedu
     return _schedule("forward", p, micro_batches, v, [[Action("F", c, k) for k, c in table] for _ in range(p)])
 
 
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved, "zb": zero_bubble}
+# ---- the registry: each schedule's generator and the closed forms planners and benchmarks read ------------------
+
+
+def _all_in_flight(pp, stage, virtual_stages, micro_batches):
+    """GPipe: every micro-batch's activations alive before the first backward."""
+    if micro_batches is None:
+        raise ValueError("schedule='gpipe' keeps every micro-batch alive: give micro_batches")
+    return micro_batches
+
+
+def _one_chunk_in_flight(pp, stage, virtual_stages, micro_batches):
+    """1F1B's warm-up: rank r holds p - r micro-batches (fewer when m < p)."""
+    return pp - stage if micro_batches is None else min(pp - stage, micro_batches)
+
+
+def _interleaved_in_flight(pp, stage, virtual_stages, micro_batches):
+    """Rank r warms up with 2(p-r-1) + (V-1)p chunk forwards, and holds one more at its first backward."""
+    chunks = (pp - stage - 1) * 2 + (virtual_stages - 1) * pp + 1
+    if micro_batches is not None:
+        chunks = min(chunks, micro_batches * virtual_stages)
+    return chunks / virtual_stages
+
+
+def _bubble(pp, micro_batches, virtual_stages):
+    """(p-1)/(V·m+p-1): GPipe and 1F1B at V = 1 (Huang et al. 2019), interleaved (Narayanan et al. 2021)."""
+    return (pp - 1) / (virtual_stages * micro_batches + pp - 1)
+
+
+def _zero_bubble_bound(pp, micro_batches, virtual_stages):
+    """ZB-H1's bound (p-1)/(3m+p-1) for m >= p (Qi et al. 2024); None below."""
+    return (pp - 1) / (3 * micro_batches + pp - 1) if micro_batches >= pp else None
+
+
+@dataclass(frozen=True)
+class ScheduleKind:
+    """One schedule of the registry: its generator, and what a planner or benchmark needs to know of it."""
+
+    generate: Callable[[int, int, int], Schedule]  # (pp, micro_batches, virtual_stages) -> Schedule
+    title: str  # as the literature names it
+    # the unit-cost bubble fraction (pp, micro_batches, virtual_stages), None where there is no closed form; exact
+    # unless `bubble_bound` (then an upper bound)
+    bubble: Callable[[int, int, int], float | None]
+    # micro-batches of whole-stage activations alive at once on one rank (pp, stage, virtual_stages, micro_batches
+    # or None: the worst case over m), as the simulator's peaks count them
+    in_flight: Callable[[int, int, int, int | None], float]
+    interleaves: bool = False  # runs V >= 2 model chunks per rank (virtual stages; else exactly one)
+    split_backward: bool = False  # backward as B and W (the layers defer their weight gradients to W)
+    bubble_bound: bool = False
+
+    def __call__(self, pp: int, micro_batches: int, virtual_stages: int = 1) -> Schedule:
+        return self.generate(pp, micro_batches, virtual_stages)
+
+
+# name -> schedule: the one list of schedules (the job's --schedule, bench.schedule, bench.train, the planner)
+SCHEDULES = {
+    "gpipe": ScheduleKind(gpipe, "GPipe", _bubble, _all_in_flight),
+    "1f1b": ScheduleKind(one_f_one_b, "1F1B", _bubble, _one_chunk_in_flight),
+    "interleaved": ScheduleKind(interleaved, "interleaved", _bubble, _interleaved_in_flight, interleaves=True),
+    "zb": ScheduleKind(zero_bubble, "ZB-H1", _zero_bubble_bound, _one_chunk_in_flight, split_backward=True,
+                       bubble_bound=True),
+}
 
 
 def build(name: str, pp: int, micro_batches: int, virtual_stages: int = 1) -> Schedule:
-    """The schedule `name` ('gpipe' | '1f1b' | 'interleaved' | 'zb') for p ranks, m micro-batches, V chunks."""
+    """The schedule `name` (one of SCHEDULES) for p ranks, m micro-batches, V chunks."""
     check_arguments(name, pp, micro_batches, virtual_stages)
     return SCHEDULES[name](pp, micro_batches, virtual_stages)
 

@@ -4,6 +4,7 @@ import dataclasses
 import math
 from typing import Any
 
+from ...config import MOE_DISPATCHERS, MOE_SCORES
 from ...presets import DEFAULT_MODEL, MODELS
 from .fields import at_least, flag_of, one_of, option
 
@@ -16,7 +17,6 @@ SHAPE_FIELDS = SIZE_FIELDS + ("rope_theta", "norm_eps", "init_std", "make_vocab_
 MOE_SHAPE_FIELDS = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq",
                     "moe_shared_expert_size", "moe_router_score")
 MOE_TRAINING_FIELDS = ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_capacity_factor", "moe_dispatcher")
-MOE_SCORES, MOE_DISPATCHERS = ("softmax", "sigmoid"), ("alltoall", "allgather")
 _PRESETS = "the preset's"  # what a shape field left unset means
 
 

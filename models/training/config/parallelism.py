@@ -1,11 +1,14 @@
 """[parallelism]: the tp x cp x pp x dp split, the pipeline schedule, data parallelism's mode, the experts' layout."""
 import dataclasses
 
+from tp.pipeline.schedules import SCHEDULES
+
 from ...config import CP_MODES, RECOMPUTE
+from .. import data_parallel
 from .fields import at_least, one_of, option
 
-PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb")
-DP_MODES = ("ddp", "fsdp", "zero1")
+PIPELINE_SCHEDULES = tuple(SCHEDULES)
+DP_MODES = tuple(data_parallel.MODES)
 
 
 @dataclasses.dataclass

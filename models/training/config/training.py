@@ -3,10 +3,11 @@ rate schedule."""
 import dataclasses
 import math
 
+from ..lr_decay import DECAY_STYLES, Decay
 from .fields import at_least, flag_of, one_of, option
 
 PRECISIONS = ("fp32", "tf32", "bf16")
-LR_DECAY_STYLES = ("cosine", "linear", "constant", "wsd")
+LR_DECAY_STYLES = tuple(DECAY_STYLES)
 
 
 @dataclasses.dataclass
@@ -84,16 +85,10 @@ class OptimizerConfig:
         --lr-wsd-decay-steps of the decay, then falls linearly."""
         if step < self.warmup_steps:
             return self.lr * (step + 1) / self.warmup_steps
-        if self.lr_decay_style == "constant":
-            return self.lr
-        floor = 0.1 if self.min_lr is None else self.min_lr / self.lr
         decay_steps = self.lr_decay_steps or steps
         progress = min(1.0, max(0.0, (step - self.warmup_steps) / max(1, decay_steps - self.warmup_steps)))
-        if self.lr_decay_style == "cosine":
-            coeff = 0.5 * (1 + math.cos(math.pi * progress))
-        elif self.lr_decay_style == "linear":
-            coeff = 1.0 - progress
-        else:  # wsd
-            anneal = self.lr_wsd_decay_steps or max(1, math.ceil(0.1 * decay_steps))
-            coeff = min(1.0, max(0.0, (decay_steps - step) / anneal))
+        coeff = DECAY_STYLES[self.lr_decay_style](Decay(progress, step, decay_steps, self.lr_wsd_decay_steps))
+        if coeff is None:
+            return self.lr
+        floor = 0.1 if self.min_lr is None else self.min_lr / self.lr
         return self.lr * (floor + (1 - floor) * coeff)
