@@ -231,3 +231,20 @@ def test_bad_slurm_variables_stop_the_job_in_one_line(tmp_path):
     other = subprocess.run([sys.executable, "-m", "models.train"], env=env | {"SLURM_PROCID": "1"},
                            capture_output=True, text=True, timeout=120)
     assert other.returncode == 2 and other.stdout == other.stderr == ""
+
+
+def test_a_split_that_does_not_match_srun_tasks_names_slurm_ntasks(monkeypatch):
+    """Under srun the world's size is SLURM_NTASKS (made WORLD_SIZE by tp/slurm.py): the refusal names the variable
+    the user set, not one srun's tasks never saw."""
+    from models.training.config import JobConfig
+
+    monkeypatch.setenv("SLURM_STEP_ID", "0")
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    job = JobConfig()
+    job.parallelism.tp, job.parallelism.pp, job.parallelism.dp = 2, 1, 1
+    job.launch.device = "cpu"
+    with pytest.raises(ValueError, match=r"^SLURM_NTASKS=4 but --tp\*--cp\*--pp\*--dp = 2\*1\*1\*1 = 2$"):
+        job.validate(world_size=4)
+    monkeypatch.delenv("SLURM_STEP_ID")
+    with pytest.raises(ValueError, match=r"^WORLD_SIZE=4 but"):
+        job.validate(world_size=4)

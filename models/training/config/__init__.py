@@ -46,6 +46,13 @@ __all__ = ["DEVICES", "DP_MODES", "LR_DECAY_STYLES", "MOE_DISPATCHERS", "MOE_SCO
            "OptimizerConfig", "ParallelismConfig", "ProfilingConfig", "TrainingConfig"]
 
 
+def world_size_variable(world_size: int) -> str:
+    """The variable the world's size came from, for error lines: srun's SLURM_NTASKS (tp/slurm.py turned it into
+    WORLD_SIZE) or torchrun's WORLD_SIZE."""
+    srun = "SLURM_STEP_ID" in os.environ and os.environ.get("SLURM_NTASKS") == str(world_size)
+    return "SLURM_NTASKS" if srun else "WORLD_SIZE"
+
+
 @dataclasses.dataclass
 class JobConfig:
     """The whole job: its sections, each a dataclass of this package's modules."""
@@ -81,8 +88,8 @@ class JobConfig:
         parallel, training = self.parallelism, self.training
         world = parallel.world_size
         if world_size is not None and world_size != world:
-            raise ValueError(f"WORLD_SIZE={world_size} but --tp*--cp*--pp*--dp = {parallel.tp}*{parallel.cp}*"
-                             f"{parallel.pp}*{parallel.dp} = {world}")
+            raise ValueError(f"{world_size_variable(world_size)}={world_size} but --tp*--cp*--pp*--dp = "
+                             f"{parallel.tp}*{parallel.cp}*{parallel.pp}*{parallel.dp} = {world}")
         parallel.check_experts()
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world if world_size is None else 1))
         if gpus is not None and local > gpus:
