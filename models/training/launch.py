@@ -20,7 +20,8 @@ CONFIG_FILE = "config.toml"  # the resolved configuration, in the ranks' log dir
 
 # ---- path flags, checked before any process ---------------------------------------------------------------------
 
-def _nearest_existing(path):
+def nearest_existing(path: str) -> str:
+    """`path` (absolute) if it exists, else its nearest existing parent."""
     path = os.path.abspath(path)
     while not os.path.exists(path):
         path = os.path.dirname(path)
@@ -50,7 +51,7 @@ def check_writable_file(flag: str, path: str) -> None:
 
 
 def _check_creatable(flag, path):
-    parent = _nearest_existing(path)
+    parent = nearest_existing(path)
     if not os.path.isdir(parent):
         raise ValueError(f"{flag} {path}: {parent} is not a directory, so {path} cannot be created")
     if not os.access(parent, os.W_OK | os.X_OK):

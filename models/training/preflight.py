@@ -6,18 +6,18 @@ import os
 
 from ..config import GPTConfig
 from ..stages import stage_layers
-from . import data, documents, launch, sinks
+from . import data, destinations, documents, sinks
 from .checkpoint_dirs import resume_path
 from .config import JobConfig
 from .model import gpt_config_from_job
 
 
-def check(job: JobConfig, world_size: int | None = None) -> GPTConfig:
+def check(job: JobConfig, world_size: int | None = None, *, config_file: str | None = None) -> GPTConfig:
     """The GPTConfig the job trains, once every check passed. Resolves job.parallelism.dp (from `world_size`,
-    torchrun's WORLD_SIZE, when not given)."""
+    torchrun's WORLD_SIZE, when not given). `config_file`: the --config file the job was read from (an input)."""
     job.validate(world_size)
     sinks.check_packages(job)  # --tensorboard-dir, --wandb-project: their optional packages installed
-    launch.check_paths(job)  # --save, --load, --export-hf, --log-jsonl, --log-dir: before any process
+    destinations.check(job, config_file=config_file)  # every output: not an input, not foreign, writable
     if job.model.from_hf and not os.path.isdir(job.model.from_hf):
         raise ValueError(f"--from-hf {job.model.from_hf}: no such directory (a save_pretrained directory)")
     data.check_source(job)  # --data / --tokenizer / --sft: paths, headers, schemas, text, a loadable tokenizer

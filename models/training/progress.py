@@ -72,25 +72,25 @@ def exclude(bar: Any, seconds: float) -> None:
 def open_log(path: str, start_step: int) -> TextIO:
     """The JSONL log opened for appending by a run that starts after step `start_step`: rows of later steps (a run
     that died after its last checkpoint and redoes them) are dropped, so the file reads as one run; earlier rows are
-    kept as written. A fresh run (start_step 0) starts an empty file."""
+    kept as written. A fresh run (start_step 0) starts an empty file. The file is cut where it is, never replaced by
+    another (preflight made sure it is the job's own log: destinations.py)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    kept, dropped = [], not start_step
-    if start_step and os.path.exists(path):
-        with open(path) as f:
-            lines = f.readlines()
-        for line in lines:
-            try:
-                row = json.loads(line)
-            except ValueError:
-                row = None  # a row cut by the kill
-            if row is None or row.get("step", 0) > start_step or not line.endswith("\n"):
-                dropped = True
-            else:
-                kept.append(line)
-    if not dropped:
-        return open(path, "a")  # appended as it is
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        f.writelines(kept)
-    os.replace(tmp, path)
+    if not start_step or not os.path.exists(path):
+        return open(path, "w")
+    with open(path, "rb") as f:
+        lines = f.readlines()
+    kept = [line for line in lines if line.endswith(b"\n") and _step_of(line) is not None
+            and _step_of(line) <= start_step]  # (a row cut by the kill has no newline, or does not parse)
+    if kept != lines:
+        with open(path, "r+b") as f:
+            f.writelines(kept)
+            f.truncate()
     return open(path, "a")
+
+
+def _step_of(line: bytes) -> int | None:
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return None
+    return row.get("step", 0) if isinstance(row, dict) else None
