@@ -379,3 +379,23 @@ def test_non_finite_weights_in_a_checkpoint_are_refused_naming_the_tensor(tmp_pa
             checkpoint.load(path, model, opt, mesh=mesh)
     finally:
         tp.destroy_mesh()
+
+
+def test_weights_only_loads_leave_the_optimizer_and_the_generators_as_they_are(tmp_path):
+    """The loads of --finetune, --no-load-optim and --no-load-rng: the weights, without the AdamW moments or the
+    generators' states."""
+    path = str(tmp_path / "step-000001")
+    try:
+        model, opt, mesh = _saved_alone(path)
+        weights = {name: p.detach().clone() for name, p in model.named_parameters()}
+        for load_rng in (False, True):
+            fresh, fresh_opt = build(LLAMA, mesh, None, seed=5)
+            torch.manual_seed(99)
+            expected = torch.rand(4)
+            torch.manual_seed(99)
+            assert checkpoint.load(path, fresh, fresh_opt, mesh=mesh, load_optimizer=False, load_rng=load_rng)[0] == 1
+            assert all(torch.equal(p, weights[name]) for name, p in fresh.named_parameters())
+            assert len(fresh_opt.state) == 0
+            assert torch.equal(torch.rand(4), expected) != load_rng  # (the saved state is not seed 99's)
+    finally:
+        tp.destroy_mesh()
