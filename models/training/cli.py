@@ -115,6 +115,7 @@ def train(args: argparse.Namespace | JobConfig) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parser().parse_args(argv)
+    launch.keep_caches_out_of_tmp()
     under_torchrun = launched_by_torchrun()
     try:
         job = job_config(args)
@@ -140,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     written = os.path.join(logs, launch.CONFIG_FILE)
     if os.environ["RANK"] == "0" and not (config_file and os.path.realpath(config_file) == os.path.realpath(written)):
         config_file = launch.write_config(job, logs)  # under your own torchrun (ours wrote it and passed --config)
+        launch.remove_stale_rank_logs(logs, int(os.environ["WORLD_SIZE"]))
     run = functools.partial(trainer.train, config_file=config_file)
     return failures.run_rank(run, job, logs, timeout.total_seconds())
 
