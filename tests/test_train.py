@@ -117,7 +117,7 @@ def test_every_split_trains_the_same_curve(tmp_path, capsys):
     code, _, lines = train_refusal([*SMALL, "--load", ckpt, "--steps", "2"], capsys)
     assert code == 2 and "--steps=2 does not go beyond the checkpoint's step 2" in lines[-1]
     code, _, lines = train_refusal([*SMALL, "--load", ckpt, "--hidden-size", "128"], capsys)
-    assert code == 2 and "saved with another GPTConfig: hidden_size=64 (model: 128)" in lines[-1]  # (not per rank)
+    assert code == 2 and "the checkpoint's model has --hidden-size 64 (this job: 128)" in lines[-1]  # (once)
 
 
 @pytest.mark.parametrize("flags,message", [
@@ -233,7 +233,7 @@ def test_load_without_latest_takes_the_newest_step_directory(tmp_path):
 # ---- resuming as a Megatron-LM user does (issue 35) ----------------------------------------------------------------
 
 RESUME = ["--seq-len", "32", "--global-batch-size", "4", "--micro-batch-size", "2", "--seed", "7", "--pp", "1",
-          "--dp", "1", "--log-interval", "1", "--no-sample"]
+          "--dp", "1", "--log-interval", "1", "--no-sample", "--warmup-steps", "1"]
 
 
 def _params(stdout):
@@ -291,12 +291,13 @@ def test_resuming_another_model_names_the_flags(moe_bpe_run, capsys):
 
 def test_use_checkpoint_args_resumes_with_the_checkpoints_model_tokenizer_and_documents(moe_bpe_run):
     """The command line gives the layout (tp 2 now), the steps (4: a new schedule, said in one line) and the paths;
-    the model, tokenizer and data format come from the checkpoint. Its manifest removed: an older checkpoint, which
-    loads with a note. The start line counts the whole model at either split."""
+    the model, tokenizer and data format come from the checkpoint (here without its AdamW moments and generators:
+    --no-load-optim, --no-load-rng). Its manifest removed: an older checkpoint, which loads with a note. The start
+    line counts the whole model at either split."""
     tmp, first = moe_bpe_run
     os.remove(tmp / "A" / "step-000002" / "manifest.json")
     result = _run(*RESUME, "--tp", "2", "--data", str(tmp / "data.txt"), "--steps", "4", "--load", str(tmp / "A"),
-                  "--save", str(tmp / "A"), "--use-checkpoint-args")
+                  "--save", str(tmp / "A"), "--use-checkpoint-args", "--no-load-optim", "--no-load-rng")
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"resuming from {tmp / 'A' / 'step-000002'} (step 2)" in result.stdout
     assert "done: 2 steps (3..4)" in result.stdout and _params(result.stdout) == _params(first.stdout)
@@ -327,3 +328,20 @@ def test_finetune_starts_at_step_0_from_the_weights_and_leaves_nothing_in_tmp(mo
     logs = re.search(r"; rank logs: (\S+)$", result.stdout.strip())[1]
     assert logs.startswith(str(tmp_path / "state" / "tp-layers" / "runs") + "/")
     assert os.listdir(tmp_path / "tmp") == []
+
+
+def test_a_resume_at_another_schedule_says_so_with_the_lr_before_and_after():
+    from models.training import resuming
+    from models.training.config import JobConfig
+
+    job = JobConfig()
+    job.optimizer.warmup_steps, job.training.steps = 1, 4
+    saved = {k: getattr(job.optimizer, k) for k in resuming.SCHEDULE} | {"steps": 2}
+    assert resuming.schedule_change(job, saved, 2, None) == ("note: the learning-rate schedule changed (--steps 2 -> "
+                                                             "4): step 3's lr 0.0003 -> 0.002325")
+    assert resuming.schedule_change(job, saved | {"steps": 4}, 2, None) is None
+    job.optimizer.warmup_steps = saved["warmup_steps"] = 5  # still warming up: the same rates from here on
+    assert resuming.schedule_change(job, saved, 2, None) is None
+    assert resuming.schedule_change(job, None, 2, 7e-3) == (  # a checkpoint that kept no schedule: its last lr
+        "note: the learning-rate schedule differs from the checkpoint's run: its step 2 ran at lr 0.007, this schedule "
+        "gives 0.0012 (step 3: 0.0018)")

@@ -502,7 +502,8 @@ def load(path: str, model: Model, optimizer: torch.optim.Optimizer | None, *, me
     First every file is checked against the checkpoint's manifest.json (verify_files, the reading shared by the
     ranks), then what was read is checked finite: a corrupt checkpoint raises ValueError (one line, the same on every
     rank) before the model or the optimizer changes. `load_optimizer=False`: the weights only (a DistributedOptimizer's
-    fp32 masters too), the optimizer's state and hyperparameters left fresh; `load_rng=False`: the generators kept."""
+    fp32 masters too, its state emptied), a torch optimizer's state and hyperparameters left as they are;
+    `load_rng=False`: the generators kept."""
     stages = _check(model, optimizer, mesh)
     verify_files(path, mesh)
     meta = _read_meta(path, stages[0], optimizer if load_optimizer else None)

@@ -148,20 +148,22 @@ def notes(job: JobConfig, extra: dict[str, Any], start: int, saved_lr: float | N
 
 
 def schedule_change(job: JobConfig, saved: dict[str, Any] | None, start: int, saved_lr: float | None) -> str | None:
-    """One line when this run's learning-rate schedule differs from the checkpoint's run's, with the lr of step
-    start + 1 before and after; None when it does not."""
+    """One line when this run's learning rates differ from those the checkpoint's run would have used from step
+    start + 1 on, giving the first step that differs and its lr before and after; None when none does."""
     steps, optimizer = job.training.steps, job.optimizer
-    after = optimizer.learning_rate(start, steps)
     if saved:
         mine = {k: getattr(optimizer, k) for k in SCHEDULE} | {"steps": steps}
         differ = [f"{flag_of(k)} {saved.get(k)} -> {v}" for k, v in mine.items() if saved.get(k) != v]
-        if not differ:
-            return None
-        before = dataclasses.replace(optimizer, **{k: saved[k] for k in SCHEDULE}).learning_rate(start, saved["steps"])
-        return (f"note: the learning-rate schedule changed ({', '.join(differ)}): step {start + 1}'s lr "
-                f"{before:.4g} -> {after:.4g}")
-    now = optimizer.learning_rate(start - 1, steps)
+        theirs = dataclasses.replace(optimizer, **{k: saved[k] for k in SCHEDULE})
+        for step in range(start, steps) if differ else ():
+            before, after = theirs.learning_rate(step, saved["steps"]), optimizer.learning_rate(step, steps)
+            if not math.isclose(before, after, rel_tol=1e-9):
+                return (f"note: the learning-rate schedule changed ({', '.join(differ)}): step {step + 1}'s lr "
+                        f"{before:.4g} -> {after:.4g}")
+        return None
+    now = optimizer.learning_rate(start - 1, steps)  # (a checkpoint that kept no schedule: its last step's lr)
     if saved_lr is None or start == 0 or math.isclose(saved_lr, now, rel_tol=1e-9):
         return None
     return (f"note: the learning-rate schedule differs from the checkpoint's run: its step {start} ran at lr "
-            f"{saved_lr:.4g}, this schedule gives {now:.4g} (step {start + 1}: {after:.4g})")
+            f"{saved_lr:.4g}, this schedule gives {now:.4g} (step {start + 1}: "
+            f"{optimizer.learning_rate(start, steps):.4g})")
