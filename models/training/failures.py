@@ -32,7 +32,6 @@ _PEER = re.compile(r"Connection (closed|reset) by peer|Broken pipe|ECONNRESET|EP
 _TIMEOUT = re.compile(r"[Tt]imed out|Timeout waiting|timeout of \d+|wait timeout after")  # (the last: the store)
 
 
-
 class JobStopped(Exception):
     """The job stops on purpose, decided the same on every rank (a non-finite loss, a full device): the message, one
     line naming the step or the path and the rank, is what the user reads, exit code 1."""
