@@ -2,7 +2,10 @@
 1->4, DDP, FSDP2, the distributed optimizer (zero1, also over two model chunks per rank), bf16 with fp32 masters, tied
 embeddings across stages) and check that (a) the loaded parameters (fp32 masters) and AdamW states, gathered dense,
 equal the saved ones bit for bit, and (b) one more step gives what the uninterrupted run gives (bit for bit at the
-same split; not compared when the precision changes)."""
+same split; not compared when the precision changes). A checkpoint corrupted in place, or holding non-finite
+values, never loads."""
+import json
+import os
 import warnings
 
 import pytest
@@ -292,3 +295,107 @@ def test_max_seq_len_defines_weights_only_for_learned_positions():
         checkpoint.check_config(dataclasses.asdict(learned), learned.replace(max_seq_len=64), "ckpt")
     with pytest.raises(ValueError, match=r"hidden_size=16 \(model: 32\)"):
         checkpoint.check_config(dataclasses.asdict(rope), rope.replace(hidden_size=32), "ckpt")
+
+
+# ---- integrity: a manifest of every file, checked before any byte is used (issue 35) -------------------------------
+
+def _saved_alone(path, *, poison=False):
+    """LLAMA after one AdamW step, saved by this lone process into `path` (`poison`: a NaN in a weight first);
+    returns (model, optimizer, mesh)."""
+    mesh = tp.init_mesh()
+    model, opt = build(LLAMA, mesh, None, seed=0)
+    train_step(model, opt, mesh, 0)
+    if poison:
+        with torch.no_grad():
+            model.layers[1].mlp.fc2.weight.view(-1)[3] = float("nan")
+    checkpoint.save(path, model, opt, mesh=mesh, step=1)
+    return model, opt, mesh
+
+
+def _overwrite_inside(file, size=4096):
+    """4 KiB of other bytes in the middle of `file`, in place: its size unchanged (a disk's or a copy's fault)."""
+    length = os.path.getsize(file)
+    with open(file, "r+b") as f:
+        f.seek(length // 2 - size // 2)
+        f.write(bytes(255 - b for b in f.read(size)))
+        f.seek(length // 2 - size // 2)
+    assert os.path.getsize(file) == length
+
+
+def test_a_checkpoint_corrupted_in_place_never_loads(tmp_path):
+    """4 KiB overwritten inside a .distcp (its size unchanged) used to load silently: every later step was skipped
+    for a NaN grad norm and the job ended `loss 3.1351 -> nan`, exit 0. The save's manifest (every file's size and
+    CRC-32) names the file."""
+    path = str(tmp_path / "step-000001")
+    try:
+        model, opt, mesh = _saved_alone(path)
+        manifest = json.loads((tmp_path / "step-000001" / "manifest.json").read_text())
+        on_disk = set(os.listdir(path)) - {"manifest.json"}
+        assert set(manifest["files"]) == on_disk and manifest["algorithm"] == "crc32"
+        assert all(manifest["files"][name]["size"] == os.path.getsize(os.path.join(path, name)) for name in on_disk)
+        shard = os.path.join(path, "__0_0.distcp")
+        _overwrite_inside(shard)
+        with pytest.raises(ValueError, match=rf"^{shard} is corrupt: its CRC-32 is [0-9a-f]{{8}}, the checkpoint's "
+                                             r"manifest.json says [0-9a-f]{8}"):
+            checkpoint.load(path, model, opt, mesh=mesh)
+    finally:
+        tp.destroy_mesh()
+
+
+def test_a_checkpoint_corrupted_in_place_is_one_line_before_any_process(tmp_path, capsys):
+    from .helpers import train_refusal
+
+    path = str(tmp_path / "step-000001")
+    try:
+        _saved_alone(path)
+    finally:
+        tp.destroy_mesh()
+    shard = os.path.join(path, "__0_0.distcp")
+    _overwrite_inside(shard)
+    code, out, err = train_refusal(["--model", "tiny", "--tp", "1", "--pp", "1", "--dp", "1", "--steps", "3",
+                                    "--load", path], capsys)
+    assert code == 2 and out == "" and len(err) == 1, err
+    assert err[0].startswith(f"error: --load {path}: {shard} is corrupt: its CRC-32 is "), err
+
+
+def test_a_checkpoint_without_a_manifest_still_loads(tmp_path):
+    """Checkpoints written before the manifest: nothing to verify them by, so they load as they did."""
+    path = str(tmp_path / "step-000001")
+    try:
+        model, opt, mesh = _saved_alone(path)
+        os.remove(os.path.join(path, "manifest.json"))
+        assert checkpoint.load(path, model, opt, mesh=mesh)[0] == 1
+        assert not checkpoint.has_manifest(path)
+    finally:
+        tp.destroy_mesh()
+
+
+def test_non_finite_weights_in_a_checkpoint_are_refused_naming_the_tensor(tmp_path):
+    path = str(tmp_path / "step-000001")
+    try:
+        model, opt, mesh = _saved_alone(path, poison=True)
+        with pytest.raises(ValueError, match=rf"^checkpoint {path}: model\.\S+mlp.down_proj.weight holds non-finite "
+                                             r"values \(nan or inf\)"):
+            checkpoint.load(path, model, opt, mesh=mesh)
+    finally:
+        tp.destroy_mesh()
+
+
+def test_weights_only_loads_leave_the_optimizer_and_the_generators_as_they_are(tmp_path):
+    """The loads of --finetune, --no-load-optim and --no-load-rng: the weights, without the AdamW moments or the
+    generators' states."""
+    path = str(tmp_path / "step-000001")
+    try:
+        model, opt, mesh = _saved_alone(path)
+        weights = {name: p.detach().clone() for name, p in model.named_parameters()}
+        for load_rng in (False, True):
+            fresh, fresh_opt = build(LLAMA, mesh, None, seed=5)
+            torch.manual_seed(99)
+            expected = torch.rand(4)
+            torch.manual_seed(99)
+            assert checkpoint.load(path, fresh, fresh_opt, mesh=mesh, load_optimizer=False, load_rng=load_rng)[0] == 1
+            assert all(torch.equal(p, weights[name]) for name, p in fresh.named_parameters())
+            assert len(fresh_opt.state) == 0
+            assert torch.equal(torch.rand(4), expected) != load_rng  # (the saved state is not seed 99's)
+    finally:
+        tp.destroy_mesh()

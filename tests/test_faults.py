@@ -1,7 +1,9 @@
 """Faults, for real under torchrun: a worker SIGKILLed after a step or in the middle of a save, torchrun restarts the
 group (--max-restarts), the job resumes from the newest complete checkpoint with the curve of an uninterrupted run,
 the JSONL log appended; a hung rank ends the job within the collective timeout, named; a failure inside the ranks is
-one line naming the first failing rank. Plus the checkpoint-directory rules those rely on."""
+one line naming the first failing rank; a non-finite loss, or steps skipped for a non-finite gradient norm, stop the
+job in one line; a full device during a save is one line, `latest` kept. Plus the checkpoint-directory rules those
+rely on."""
 import json
 import os
 import re
@@ -12,6 +14,7 @@ import time
 
 import pytest
 
+import tp.testing
 from models.training import checkpoint_dirs, failures, progress
 
 JOB = ["--model", "tiny", "--seq-len", "32", "--global-batch-size", "8", "--micro-batch-size", "2", "--seed", "7",
@@ -265,3 +268,113 @@ def test_the_jsonl_log_keeps_one_run_across_resumes(tmp_path):
         pass
     assert [r["step"] for r in rows(path)] == [1, 2, 3, 4] and path.read_text() == "".join(
         first.splitlines(keepends=True)[:4])
+
+
+# ---- a run that diverges, a device that fills (issue 35) ----------------------------------------------------------
+
+def _run(*flags):
+    return subprocess.run([sys.executable, "-m", "models.train", *flags], capture_output=True, text=True,
+                          timeout=300, env=env())
+
+
+SHORT = [*JOB[:JOB.index("--tp")], "--tp", "1", "--pp", "1", "--dp", "2", "--steps", "3", "--log-interval", "1",
+         "--no-sample"]
+
+
+def test_a_non_finite_loss_stops_the_job_naming_the_step_and_the_rank(tmp_path):
+    """Megatron's --check-for-nan-in-loss-and-grad (on by default): a NaN in rank 1's weights before step 2 (a test
+    hook) makes that step's loss NaN; the job stops there, one line, exit 1, nothing of step 2 saved or logged."""
+    ckpt, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
+    result = _run(*SHORT, "--save", str(ckpt), "--save-every", "1", "--log-jsonl", str(log),
+                  "--nan-weights-at-step", "2", "--fail-rank", "1")
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: stopped at step 2: the loss is nan on rank 1 of 2 (--check-for-nan-in-loss-and-grad); the "
+        "checkpoints and latest are as the last save left them"), result.stderr[-3000:]
+    assert "Traceback" not in result.stdout + result.stderr
+    assert sorted(os.listdir(ckpt)) == ["latest", "logs", "step-000001"]
+    assert (ckpt / "latest").read_text() == "step-000001" and [r["step"] for r in rows(log)] == [1]
+
+
+@tp.testing.distributed(world_size=2)
+def test_consecutive_skipped_steps_stop_the_job_naming_the_first_rank():
+    import math
+
+    import torch
+    import torch.distributed as dist
+
+    from models.training.failures import JobStopped
+    from models.training.nan_check import NanCheck
+
+    layer = torch.nn.Linear(2, 2)
+    layer.weight.grad = torch.ones(2, 2)
+    check = NanCheck(enabled=True, max_skipped=2)
+    for step, norm in ((1, math.nan), (2, 1.0)):  # a finite step ends a run of skipped ones
+        check.after_gradients(step, norm, layer)
+        check.after_loss(step, 1.0, 1.0)
+    if dist.get_rank() == 1:
+        layer.weight.grad[0, 1] = math.inf  # rank 1's gradient is where the non-finite norm comes from
+    check.after_gradients(3, math.nan, layer)
+    check.after_loss(3, 1.0, 1.0)
+    check.after_gradients(4, math.nan, layer)
+    with pytest.raises(JobStopped, match=r"^stopped at step 4: 2 consecutive steps \(3\.\.4\) skipped for a "
+                                         r"non-finite gradient norm, first on rank 1 of 2 \(--max-skipped-steps 2\)"):
+        check.after_loss(4, 1.0, 1.0)
+    off = NanCheck(enabled=False, max_skipped=1)
+    for step in (1, 2, 3):
+        off.after_gradients(step, math.nan, layer)
+        off.after_loss(step, math.nan, math.nan)  # --no-check-for-nan-in-loss-and-grad: trains on, as before
+
+
+def test_a_full_device_during_a_save_is_one_line_and_keeps_latest(tmp_path):
+    """ENOSPC in the middle of rank 1's shard of step 2 (a test hook: its writes fail past 4 KiB): one line naming
+    the step directory and the size a save needs (step 1's checkpoint), exit 1; the partial step directory removed,
+    `latest` still on step 1."""
+    ckpt = tmp_path / "ckpt"
+    result = _run(*SHORT, "--save", str(ckpt), "--save-every", "1", "--no-space-at-step", "2", "--fail-rank", "1")
+    assert result.returncode == 1, result.stderr[-3000:]
+    size = sum(os.path.getsize(ckpt / "step-000001" / name) for name in os.listdir(ckpt / "step-000001")
+               if name != "manifest.json") / 1e9
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"error: no space left on device at {ckpt}/step-000002 (this save needs about {size:.2g} GB)")
+    assert "inline_container" not in result.stderr and "Traceback" not in result.stderr
+    assert sorted(os.listdir(ckpt)) == ["latest", "logs", "step-000001"]
+    assert (ckpt / "latest").read_text() == "step-000001"
+
+
+def test_torch_saves_full_device_error_is_known_as_one():
+    """torch.save into a full device raises `enforce fail at inline_container.cc:672 ... unexpected pos`, the OSError
+    only in its context: the save's writer names it (an OSError(ENOSPC) survives DCP's gathering of errors)."""
+    import errno
+    import io
+
+    import torch
+
+    from models.training import manifest
+
+    class Full(io.RawIOBase):
+        written = 0
+
+        def writable(self):
+            return True
+
+        def write(self, data):
+            self.written += len(data)
+            if self.written > 1000:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return len(data)
+
+    with pytest.raises(RuntimeError, match="inline_container") as caught:
+        torch.save(torch.zeros(10_000), Full())
+    assert manifest.no_space(caught.value) and not manifest.no_space(RuntimeError("unexpected pos 704 vs 598"))
+
+
+def test_keep_last_removes_older_step_directories_never_latest(tmp_path):
+    for step in (1, 2, 3, 4):
+        _checkpoint(tmp_path, step)
+    os.makedirs(tmp_path / "step-000005")  # half-written: not this rule's (the next save removes it)
+    checkpoint_dirs.commit(str(tmp_path), "step-000003")  # (step 4: complete, after latest: a kill before its commit)
+    assert checkpoint_dirs.keep_last(str(tmp_path), 2) == ["step-000001"]
+    assert sorted(os.listdir(tmp_path)) == ["latest", "step-000002", "step-000003", "step-000004", "step-000005"]
+    assert checkpoint_dirs.committed(str(tmp_path)) == str(tmp_path / "step-000003")
+    assert checkpoint_dirs.committed(str(tmp_path / "nowhere")) is None

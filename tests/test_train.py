@@ -1,7 +1,9 @@
 """The training job end to end: any tp x pp x dp split (DDP or FSDP2, 1F1B or GPipe, SP) trains the same loss curve
-as one process; runs repeat bit for bit; bad configurations stop before any process starts; a failing rank is named."""
+as one process; runs repeat bit for bit; bad configurations stop before any process starts; a failing rank is named;
+a run resumes as a Megatron-LM user resumes one (--use-checkpoint-args, --finetune, --keep-last)."""
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -115,7 +117,7 @@ def test_every_split_trains_the_same_curve(tmp_path, capsys):
     code, _, lines = train_refusal([*SMALL, "--load", ckpt, "--steps", "2"], capsys)
     assert code == 2 and "--steps=2 does not go beyond the checkpoint's step 2" in lines[-1]
     code, _, lines = train_refusal([*SMALL, "--load", ckpt, "--hidden-size", "128"], capsys)
-    assert code == 2 and "saved with another GPTConfig: hidden_size=64 (model: 128)" in lines[-1]  # (not per rank)
+    assert code == 2 and "the checkpoint's model has --hidden-size 64 (this job: 128)" in lines[-1]  # (once)
 
 
 @pytest.mark.parametrize("flags,message", [
@@ -226,3 +228,120 @@ def test_load_without_latest_takes_the_newest_step_directory(tmp_path):
     (tmp_path / "latest").write_text("step-000002")
     assert _latest(str(tmp_path)) == str(tmp_path / "step-000002")
     assert _latest(str(tmp_path / "step-000009")) == str(tmp_path / "step-000009")  # a step directory itself
+
+
+# ---- resuming as a Megatron-LM user does (issue 35) ----------------------------------------------------------------
+
+RESUME = ["--seq-len", "32", "--global-batch-size", "4", "--micro-batch-size", "2", "--seed", "7", "--pp", "1",
+          "--dp", "1", "--log-interval", "1", "--no-sample", "--warmup-steps", "1"]
+
+
+def _params(stdout):
+    """The parameters the start line reports."""
+    return re.search(r"hidden \d+, ([\d,]+) params\)", stdout)[1]
+
+
+@pytest.fixture(scope="module")
+def moe_bpe_run(tmp_path_factory):
+    """An MoE model on a BPE tokenizer with documents (--reset-position-ids), 2 steps saved every step into A with
+    --keep-last 1; A/logs held an earlier 4-rank run's logs."""
+    import inspect
+
+    from .helpers import build_tokenizer
+
+    tmp = tmp_path_factory.mktemp("resume")
+    text = "\n\n".join(inspect.getsource(__import__(m)) for m in ("textwrap", "shlex", "bisect"))
+    (tmp / "data.txt").write_text(text)
+    tokenizer = build_tokenizer(tmp / "tok", text, 300)
+    (tmp / "A" / "logs").mkdir(parents=True)
+    for rank in range(4):
+        (tmp / "A" / "logs" / f"rank-{rank}.log").write_text("an earlier run's\n")
+    result = _run("--model", "tiny-moe", "--tokenizer", tokenizer, "--reset-position-ids", *RESUME, "--tp", "1",
+                  "--data", str(tmp / "data.txt"), "--steps", "2", "--save", str(tmp / "A"), "--save-every", "1",
+                  "--keep-last", "1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return tmp, result
+
+
+def test_keep_last_and_stale_rank_logs(moe_bpe_run):
+    tmp, _ = moe_bpe_run
+    assert sorted(os.listdir(tmp / "A")) == ["latest", "logs", "step-000002"]  # step 1 removed after step 2's save
+    assert sorted(os.listdir(tmp / "A" / "logs")) == ["config.toml", "rank-0.log"]  # (and torchrun's own removed)
+
+
+def test_resuming_another_model_names_the_flags(moe_bpe_run, capsys):
+    """Resumed without restating --model tiny-moe and --tokenizer: one line naming the flags that differ."""
+    tmp, _ = moe_bpe_run
+    code, _, err = train_refusal([*RESUME, "--tp", "1", "--data", str(tmp / "data.txt"), "--steps", "3", "--load",
+                                  str(tmp / "A"), "--save", str(tmp / "A")], capsys)
+    assert code == 2 and len(err) == 1, err
+    assert "--num-experts 8 (this job: 0)" in err[0] and "--vocab-size 300 (this job: 256)" in err[0], err
+    assert err[0].endswith("give the same flags, or --use-checkpoint-args to take them from the checkpoint"), err
+    code, _, err = train_refusal([*RESUME, "--tp", "1", "--data", str(tmp / "data.txt"), "--steps", "3", "--load",
+                                  str(tmp / "A"), "--save", str(tmp / "A"), "--use-checkpoint-args",
+                                  "--num-experts", "4"], capsys)
+    assert code == 2 and err == ["error: --num-experts=4: the checkpoint's model has 8 (--use-checkpoint-args takes "
+                                 "the model from it: drop the flag)"], err
+    code, _, err = train_refusal(["--model", "tiny-moe", "--tokenizer", str(tmp / "tok"), *RESUME, "--tp", "1",
+                                  "--data", str(tmp / "data.txt"), "--steps", "5", "--save", str(tmp / "A")], capsys)
+    assert code == 2 and err == [f"error: --save {tmp / 'A'} holds step 2, later than this run's start (step 0): "
+                                 f"its saves would move {tmp / 'A' / 'latest'} back; resume it (--load "
+                                 f"{tmp / 'A'}) or give another --save"], err
+
+
+def test_use_checkpoint_args_resumes_with_the_checkpoints_model_tokenizer_and_documents(moe_bpe_run):
+    """The command line gives the layout (tp 2 now), the steps (4: a new schedule, said in one line) and the paths;
+    the model, tokenizer and data format come from the checkpoint (here without its AdamW moments and generators:
+    --no-load-optim, --no-load-rng). Its manifest removed: an older checkpoint, which loads with a note. The start
+    line counts the whole model at either split."""
+    tmp, first = moe_bpe_run
+    os.remove(tmp / "A" / "step-000002" / "manifest.json")
+    result = _run(*RESUME, "--tp", "2", "--data", str(tmp / "data.txt"), "--steps", "4", "--load", str(tmp / "A"),
+                  "--save", str(tmp / "A"), "--use-checkpoint-args", "--no-load-optim", "--no-load-rng")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"resuming from {tmp / 'A' / 'step-000002'} (step 2)" in result.stdout
+    assert "done: 2 steps (3..4)" in result.stdout and _params(result.stdout) == _params(first.stdout)
+    notes = [line for line in result.stderr.splitlines() if line.startswith("note:")]
+    assert notes[0] == f"note: {tmp / 'A' / 'step-000002'} has no manifest.json (saved before manifests): its files " \
+                       "were not verified"
+    assert re.fullmatch(r"note: the learning-rate schedule changed \(--steps 2 -> 4\): step 3's lr \S+ -> \S+",
+                        notes[1]), notes
+    config = (tmp / "A" / "logs" / "config.toml").read_text()
+    assert f'tokenizer = "{tmp / "tok"}"' in config and "reset_position_ids = true" in config
+
+
+def test_finetune_starts_at_step_0_from_the_weights_and_leaves_nothing_in_tmp(moe_bpe_run, tmp_path):
+    """--finetune: the weights alone, steps 1..2 again. Without --save or --log-dir the ranks' logs go to
+    $XDG_STATE_HOME/tp-layers/runs/...; nothing is left in the temporary directory (torchrun's, torch's caches)."""
+    tmp, _ = moe_bpe_run
+    env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp_path / "tmp"), XDG_STATE_HOME=str(tmp_path / "state"),
+               XDG_CACHE_HOME=str(tmp_path / "cache"))
+    (tmp_path / "tmp").mkdir()
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    result = subprocess.run([sys.executable, "-m", "models.train", *RESUME, "--tp", "1", "--data",
+                             str(tmp / "data.txt"), "--steps", "2", "--load", str(tmp / "A"), "--finetune",
+                             "--use-checkpoint-args"], capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert re.search(r"\(step \d\): its weights, fine-tuned from step 0 \(--finetune\)", result.stdout), result.stdout
+    assert "done: 2 steps (1..2)" in result.stdout and "learning-rate" not in result.stderr
+    logs = re.search(r"; rank logs: (\S+)$", result.stdout.strip())[1]
+    assert logs.startswith(str(tmp_path / "state" / "tp-layers" / "runs") + "/")
+    assert os.listdir(tmp_path / "tmp") == []
+
+
+def test_a_resume_at_another_schedule_says_so_with_the_lr_before_and_after():
+    from models.training import resuming
+    from models.training.config import JobConfig
+
+    job = JobConfig()
+    job.optimizer.warmup_steps, job.training.steps = 1, 4
+    saved = {k: getattr(job.optimizer, k) for k in resuming.SCHEDULE} | {"steps": 2}
+    assert resuming.schedule_change(job, saved, 2, None) == ("note: the learning-rate schedule changed (--steps 2 -> "
+                                                             "4): step 3's lr 0.0003 -> 0.002325")
+    assert resuming.schedule_change(job, saved | {"steps": 4}, 2, None) is None
+    job.optimizer.warmup_steps = saved["warmup_steps"] = 5  # still warming up: the same rates from here on
+    assert resuming.schedule_change(job, saved, 2, None) is None
+    assert resuming.schedule_change(job, None, 2, 7e-3) == (  # a checkpoint that kept no schedule: its last lr
+        "note: the learning-rate schedule differs from the checkpoint's run: its step 2 ran at lr 0.007, this schedule "
+        "gives 0.0012 (step 3: 0.0018)")

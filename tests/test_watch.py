@@ -253,3 +253,23 @@ def test_a_missing_optional_package_is_one_line(monkeypatch, capsys):
     assert main(["--tensorboard-dir", "tb"]) == 2
     assert capsys.readouterr().err == ("error: --tensorboard-dir needs the tensorboard package: pip install "
                                        "tensorboard (or tp-layers[tensorboard])\n")
+
+
+def test_the_progress_line_shows_lr_tokens_throughput_peak_memory_and_elapsed_time():
+    """Issue 35: the console line showed loss, grad_norm, tok_s and s/step only."""
+    import io
+    import re
+
+    from models.training import progress
+
+    stream = io.StringIO()
+    bar = progress.progress(True, 0, 2, interval=1, stream=stream)
+    record = {"loss": 4.5, "grad_norm": 1.25, "lr": 3e-4, "tokens_per_s": 1234.4, "bubble": 0.25}
+    bar.update(1)
+    bar.set_postfix(**progress.postfix(record, tokens=131072, peak_bytes=3 * 2**30, bubble=True))
+    assert re.fullmatch(r"step 1/2 \| loss 4\.5000 \| grad_norm 1\.250 \| lr 0\.0003 \| tokens 131K \| tok_s 1234 \| "
+                        r"bubble 0\.25 \| peak_mem 3\.00 GiB \| elapsed 0:00:00 \| [\d.e-]+ s/step\n",
+                        stream.getvalue()), stream.getvalue()
+    assert progress.peak_memory_bytes(None) > 2**20  # (this process's resident high-water mark, on the CPU)
+    assert progress.postfix({**record, "grad_norm": None, "skipped": True}, tokens=5, peak_bytes=0,
+                            bubble=False)["grad_norm"] == "skipped"

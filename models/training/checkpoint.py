@@ -76,6 +76,7 @@ from ..hf import (
     parameter_owners,
     tp_sharding,
 )
+from . import manifest
 
 _VOCAB_PARAMS = ("embedding.weight", "output.weight")
 Model = torch.nn.Module | list[torch.nn.Module]  # a GPT stage (DDP / FSDP2-wrapped or not), or model chunks
@@ -178,6 +179,14 @@ def _parameters(model):
             yield name, module, attr, param
 
 
+def parameter_shapes(model: Model) -> dict[str, tuple]:
+    """{key: dense shape} of every Hugging Face tensor behind this rank's parameters (held or not; the vocabulary
+    without tp's padding rows): over every rank, the union is the whole model's parameters."""
+    return {f"model.{part.key}": part.shape for stage in _check(model, None, None)
+            for part in (p for name, module, attr, param in _parameters(stage)
+                         for p in _parts(stage, name, module, attr, param.shape))}
+
+
 def _tp_local(tensor):
     """The whole tp-local tensor: FSDP2's dp shards gathered."""
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
@@ -215,7 +224,7 @@ def _check(model, optimizer, mesh):
         if not isinstance(model, GPT):
             raise TypeError(f"model must be a models.GPT stage (or a DDP / FSDP2 wrapping of one), or a list of "
                             f"them, got {type(model).__name__}")
-        if model.tp_size != mesh.tp_size:
+        if mesh is not None and model.tp_size != mesh.tp_size:
             raise ValueError(f"the model is split over tp={model.tp_size} ranks but mesh has tp={mesh.tp_size}")
     if _distributed(optimizer):  # (over the chunks' DataParallel modules, in the chunks' order)
         if [m.module for m in optimizer.modules] != stages:
@@ -266,7 +275,8 @@ def save(path: str, model: Model, optimizer: torch.optim.Optimizer | None, *, me
     With `async_group` (a gloo group over every rank, used by the writing thread alone): the tensors are copied to
     CPU here, then written in the background by DCP's async_save; returns its Future, done on a rank once every
     rank's shards and the `.metadata` (written last, by rank 0) are on disk. `storage_writer`: DCP's, instead of a
-    FileSystemWriter for `path`."""
+    manifest.ManifestWriter for `path` (DCP's FileSystemWriter, which also writes manifest.json: every file's size
+    and CRC-32, which `load` checks)."""
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step={step!r} must be an integer >= 0")
     stages = _check(model, optimizer, mesh)
@@ -303,6 +313,7 @@ def save(path: str, model: Model, optimizer: torch.optim.Optimizer | None, *, me
                     optimizer=None if optimizer is None else _optimizer_name(optimizer), param_groups=groups)
         state["meta"] = pickle.dumps(meta)
     state[f"rng.{mesh.rank}"] = pickle.dumps(tp.get_rng_state())
+    storage_writer = storage_writer or manifest.ManifestWriter(path)
     if async_group is None:
         dcp.save(state, checkpoint_id=path, storage_writer=storage_writer)
         return None
@@ -310,12 +321,16 @@ def save(path: str, model: Model, optimizer: torch.optim.Optimizer | None, *, me
                           async_stager=_Staged())
 
 
-def check_config(saved: dict, config: GPTConfig, path: str) -> None:
-    """Raise unless GPTConfig `config` builds the same weights as the checkpoint's saved config (a dict): runtime
+def config_differences(saved: dict, config: GPTConfig) -> dict[str, tuple[Any, Any]]:
+    """{field: (the checkpoint's value, `config`'s)} of the GPTConfig fields that define weights and differ: runtime
     fields may differ, and max_seq_len too unless positions are learned (RoPE holds no position weights)."""
     free = RUNTIME_FIELDS + (() if config.position == "learned" else ("max_seq_len",))
-    differ = [f"{k}={saved.get(k)!r} (model: {v!r})" for k, v in dataclasses.asdict(config).items()
-              if k not in free and saved.get(k) != v]
+    return {k: (saved.get(k), v) for k, v in dataclasses.asdict(config).items() if k not in free and saved.get(k) != v}
+
+
+def check_config(saved: dict, config: GPTConfig, path: str) -> None:
+    """Raise unless GPTConfig `config` builds the same weights as the checkpoint's saved config (a dict)."""
+    differ = [f"{k}={theirs!r} (model: {ours!r})" for k, (theirs, ours) in config_differences(saved, config).items()]
     if differ:
         raise ValueError(f"checkpoint {path!r} was saved with another GPTConfig: {', '.join(differ)}")
 
@@ -341,6 +356,30 @@ def check_files(path: str) -> None:
                              f"says {size}")
 
 
+def has_manifest(path: str) -> bool:
+    """Whether the checkpoint in `path` has a manifest.json to verify its files by (saved before them: not)."""
+    return os.path.isfile(os.path.join(path, manifest.MANIFEST))
+
+
+def verify_files(path: str, mesh: tp.Mesh | None = None) -> None:
+    """Raise ValueError (one line naming the file) unless every file of the checkpoint has the size and CRC-32 its
+    manifest.json lists (without one: nothing to verify). With `mesh`, collective: each rank reads 1/world of the
+    files and every rank raises the first error found."""
+    if mesh is None:
+        manifest.verify(path)
+        return
+    try:
+        manifest.verify(path, part=mesh.rank, parts=mesh.world_size)
+        error = None
+    except ValueError as e:
+        error = str(e)
+    errors = [None] * mesh.world_size
+    dist.all_gather_object(errors, error)
+    first = next((e for e in errors if e), None)
+    if first:
+        raise ValueError(first)
+
+
 def read_meta(path: str) -> dict:
     """The checkpoint's meta (step, split, config, optimizer hyperparameters), read by this process alone; a
     corrupt or truncated checkpoint raises ValueError naming the file (check_files)."""
@@ -355,7 +394,8 @@ def read_meta(path: str) -> dict:
 
 
 def _read_meta(path, model, optimizer):
-    """The checkpoint's meta, read by this rank alone; raises if it does not fit the model and optimizer."""
+    """The checkpoint's meta, read by this rank alone; raises if it does not fit the model and optimizer (None: the
+    optimizer's state is not loaded)."""
     meta = read_meta(path)
     check_config(meta["config"], model.config, path)
     if optimizer is not None and meta["optimizer"] is not None:
@@ -375,6 +415,7 @@ class _Reads:
     def __init__(self, device_mesh):
         self.device_mesh = device_mesh
         self.state, self.fills, self.new_states, self.masters = {}, [], {}, {}
+        self.blocks = {}  # key -> the buffers DCP reads its blocks into
 
     def request(self, target, parts, prefix, suffix, dtype):
         """Ask for this rank's blocks of `target` (a tp-local tensor made of `parts`); copied in by `copy_in`."""
@@ -384,8 +425,17 @@ class _Reads:
                 buffers = [torch.empty(v.shape, dtype=dtype, device=target.device)
                            for v in part.views(torch.empty(target.shape, device="meta"))]
                 self.state[f"{prefix}.{part.key}{suffix}"] = part.stored(buffers, self.device_mesh)
+                self.blocks[f"{prefix}.{part.key}{suffix}"] = buffers
                 fill.append((part, buffers))
         self.fills.append((target, fill))
+
+    def non_finite(self) -> str | None:
+        """The first key read (in request order) holding a NaN or an infinity on this rank, or None."""
+        for key, value in self.state.items():
+            pieces = self.blocks.get(key, [value] if torch.is_tensor(value) else [])
+            if any(p.is_floating_point() and not torch.isfinite(p).all() for p in pieces):
+                return key
+        return None
 
     @torch.no_grad()
     def copy_in(self):
@@ -422,9 +472,9 @@ def _request_optimizer_state(reads, param, target, parts, group, stored):
             reads.state[key] = new[entry]
 
 
-def _request_parameters(stages, optimizer, stored, device_mesh):
-    """The _Reads of every parameter of the stages and of its optimizer state."""
-    reads, groups = _Reads(device_mesh), _groups_by_parameter(optimizer)
+def _request_parameters(stages, optimizer, stored, device_mesh, *, states=True):
+    """The _Reads of every parameter of the stages and (`states`) of its optimizer state."""
+    reads, groups = _Reads(device_mesh), _groups_by_parameter(optimizer) if states else {}
     for stage, name, module, attr, param in _stage_parameters(stages):
         parts = _parts(stage, name, module, attr, param.shape)
         target = param
@@ -452,29 +502,48 @@ def _restore_optimizer(optimizer, reads, saved_groups):
         group.update(saved)
 
 
-def load(path: str, model: Model, optimizer: torch.optim.Optimizer | None, *, mesh: tp.Mesh) -> tuple[int, Any]:
+def load(path: str, model: Model, optimizer: torch.optim.Optimizer | None, *, mesh: tp.Mesh,
+         load_optimizer: bool = True, load_rng: bool = True) -> tuple[int, Any]:
     """Fill this GPT stage and its optimizer from the checkpoint in `path`, written at any split (collective over
-    every rank). Returns (step, extra). Optimizer state is created as torch would have it after `step` steps."""
+    every rank). Returns (step, extra). Optimizer state is created as torch would have it after `step` steps.
+
+    First every file is checked against the checkpoint's manifest.json (verify_files, the reading shared by the
+    ranks), then what was read is checked finite: a corrupt checkpoint raises ValueError (one line, the same on every
+    rank) before the model or the optimizer changes. `load_optimizer=False`: the weights only (a DistributedOptimizer's
+    fp32 masters too, its state emptied), a torch optimizer's state and hyperparameters left as they are;
+    `load_rng=False`: the generators kept."""
     stages = _check(model, optimizer, mesh)
-    meta = _read_meta(path, stages[0], optimizer)
+    verify_files(path, mesh)
+    meta = _read_meta(path, stages[0], optimizer if load_optimizer else None)
     stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     # on the parameters' device: a DTensor of CPU buffers on a CUDA mesh reads into a GPU copy, never into them
     device_mesh = mesh.flat_device_mesh("tp", next(stages[0].parameters()).device.type)
-    reads = _request_parameters(stages, optimizer, stored, device_mesh)
+    reads = _request_parameters(stages, optimizer, stored, device_mesh, states=load_optimizer)
     biases = [(key, bias) for key, bias in _expert_biases(stages) if key in stored]
     for key, bias in biases:
         reads.state[key] = torch.empty_like(bias)
     rng_key = f"rng.{mesh.rank}"
     same_split = meta["split"] == _split(mesh)  # only then does each rank's saved stream still belong to it
-    if same_split:
+    if same_split and load_rng:
         reads.state[rng_key] = None
     dcp.load(reads.state, checkpoint_id=path)
+    _check_finite(path, reads, mesh)
 
     with torch.no_grad():
         for key, bias in biases:
             bias.copy_(reads.state[key])
     reads.copy_in()
-    _restore_optimizer(optimizer, reads, meta["param_groups"])
-    if same_split:
+    _restore_optimizer(optimizer, reads, meta["param_groups"] if load_optimizer else None)
+    if same_split and load_rng:
         tp.set_rng_state(pickle.loads(reads.state[rng_key]))
     return meta["step"], meta["extra"]
+
+
+def _check_finite(path, reads, mesh):
+    """Raise ValueError on every rank, naming the first tensor any rank read with a NaN or an infinity in it."""
+    found = [None] * mesh.world_size
+    dist.all_gather_object(found, reads.non_finite())
+    key = next((k for k in found if k), None)
+    if key:
+        raise ValueError(f"checkpoint {path}: {key} holds non-finite values (nan or inf): a run that diverged, or "
+                         "files damaged before manifests")

@@ -51,6 +51,12 @@ def latest(root: str) -> str:
     return os.path.join(root, complete[-1]) if complete else root
 
 
+def committed(root: str) -> str | None:
+    """The newest checkpoint ROOT holds (what `latest` names, else its newest complete step-N), or None."""
+    path = latest(root)
+    return path if path != root and is_complete(path) else None
+
+
 def resume_path(load: str | None, save: str | None = None) -> str | None:
     """The checkpoint a job with --load LOAD (--save SAVE) starts from, or None to start fresh: with --save and
     --load the same directory (Megatron's convention for a job that restarts itself), a directory holding no
@@ -97,3 +103,16 @@ def commit(root: str, name: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, os.path.join(root, "latest"))
+
+
+def keep_last(root: str, keep: int) -> list[str]:
+    """After a save committed: remove ROOT's complete step directories older than the `keep` newest (never the one
+    `latest` names, nor one after it). Returns the removed names."""
+    named = _pointer(root)
+    newest = saved_step(named) if named else None
+    complete = [(step, name) for step, name in sorted(_steps(root).items())
+                if is_complete(os.path.join(root, name)) and (newest is None or step <= newest)]
+    removed = [name for _, name in complete[:-keep]]
+    for name in removed:
+        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    return removed

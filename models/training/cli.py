@@ -90,12 +90,16 @@ def megatron_virtual_pipeline(job: JobConfig, args: argparse.Namespace, *, sched
     return job
 
 
-def validate(args: argparse.Namespace | JobConfig, world_size: int | None = None) -> GPTConfig:
+def validate(args: argparse.Namespace | JobConfig, world_size: int | None = None, *,
+             config_file: str | None = None) -> GPTConfig:
     """Every check that needs no process (preflight.py): raises ValueError with one line naming the bad value;
     returns the GPTConfig. Resolves dp when not given (from `world_size`, torchrun's WORLD_SIZE), in the JobConfig,
-    or in the parsed flags `args`."""
+    or in the parsed flags `args`. `config_file`: the --config file a JobConfig was read from (parsed flags name
+    their own)."""
     job = args if isinstance(args, JobConfig) else job_config(args)
-    config = preflight.check(job, world_size)
+    if not isinstance(args, JobConfig):
+        config_file = args.config
+    config = preflight.check(job, world_size, config_file=config_file)
     if not isinstance(args, JobConfig):
         args.dp, args.device, args.precision = job.parallelism.dp, job.launch.device, job.training.precision
     return config
@@ -111,10 +115,11 @@ def train(args: argparse.Namespace | JobConfig) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parser().parse_args(argv)
+    launch.keep_caches_out_of_tmp()
     under_torchrun = launched_by_torchrun()
     try:
         job = job_config(args)
-        validate(job, int(os.environ["WORLD_SIZE"]) if under_torchrun else None)
+        validate(job, int(os.environ["WORLD_SIZE"]) if under_torchrun else None, config_file=args.config)
         if job.launch.print_layout and not under_torchrun:  # this machine, one node: no process needed
             sizes = job.parallelism.sizes
             print("\n".join(launch.layout_lines(sizes, DEFAULT_ORDER, launch.this_machine(job.parallelism.world_size))))
@@ -136,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     written = os.path.join(logs, launch.CONFIG_FILE)
     if os.environ["RANK"] == "0" and not (config_file and os.path.realpath(config_file) == os.path.realpath(written)):
         config_file = launch.write_config(job, logs)  # under your own torchrun (ours wrote it and passed --config)
+        launch.remove_stale_rank_logs(logs, int(os.environ["WORLD_SIZE"]))
     run = functools.partial(trainer.train, config_file=config_file)
     return failures.run_rank(run, job, logs, timeout.total_seconds())
 

@@ -3,8 +3,10 @@
 Each rank of `models.train` under torchrun writes DIR/rank-N.log (ranks other than 0 send all their output there;
 rank 0 keeps the terminal for the progress bar). A rank that raises writes its traceback to that file and a record
 to torchrun's error file (TORCHELASTIC_ERROR_FILE): the summary line, which torchrun's own failure report shows,
-and the facts our launcher picks the first failing rank from. Three kinds of failure:
+and the facts our launcher picks the first failing rank from. Four kinds of failure:
 
+- "stopped": the job stopped on purpose (JobStopped, raised the same on every rank: a non-finite loss, a full
+  device): its message is the line, no traceback to read;
 - "error": the rank's own exception (for torch's CheckpointException, the error of its first failing rank);
 - "peer": a collective failed because another rank is gone (connection closed or reset): this rank waits a moment
   before exiting, so that the agent sees the rank that failed first;
@@ -28,6 +30,12 @@ PEER_GRACE_S = 2.0  # a "peer" failure waits this long before exiting: the first
 _PEER = re.compile(r"Connection (closed|reset) by peer|Broken pipe|ECONNRESET|EPIPE|Socket closed|"
                    r"Connection refused|NCCL communicator was aborted")
 _TIMEOUT = re.compile(r"[Tt]imed out|Timeout waiting|timeout of \d+|wait timeout after")  # (the last: the store)
+
+
+class JobStopped(Exception):
+    """The job stops on purpose, decided the same on every rank (a non-finite loss, a full device): the message, one
+    line naming the step or the path and the rank, is what the user reads, exit code 1."""
+
 
 _places = None  # (node, local rank, host) of every global rank, once gathered
 _step = None  # the step this rank is running (for messages)
@@ -128,6 +136,8 @@ def summary_of(record: dict) -> str:
                 f": the other ranks timed out after {record['timeout_s']:g} s waiting for "
                 f"{'it' if len(hung) == 1 else 'them'} in a collective (--distributed-timeout-minutes); "
                 f"each rank's log: {os.path.dirname(record['log'])}")
+    if record["kind"] == "stopped":
+        return record["error"]
     return (f"rank {record['rank']} of {record['world']} failed ({record['where']}): {record['error']} "
             f"(traceback: {record['log']})")
 
@@ -188,9 +198,10 @@ def run_rank(fn: Callable[[Job], int], job: Job, log_dir: str, timeout_s: float)
     except BaseException as e:  # noqa: B036 (torch's CheckpointException is a BaseException)
         log.write(f"== failed at {time.strftime('%H:%M:%S')}, step {_step}:\n{''.join(traceback.format_exception(e))}")
         first = origin(e, rank)  # (a CheckpointException: the same on every rank, naming its first failing rank)
-        record = dict(rank=first, world=world, where=where(first),
-                      time=time.time(), kind=kind(e), error=describe(e), step=_step, attempt=attempt,
-                      log=os.path.join(log_dir, f"rank-{first}.log"))
+        stopped = isinstance(e, JobStopped)
+        record = dict(rank=first, world=world, where=where(first), time=time.time(),
+                      kind="stopped" if stopped else kind(e), error=str(e) if stopped else describe(e),
+                      step=_step, attempt=attempt, log=os.path.join(log_dir, f"rank-{first}.log"))
         if record["kind"] == "timeout":
             try:
                 record.update(hung=_hung_ranks(rank, world, min(30.0, max(2.0, timeout_s / 4))), timeout_s=timeout_s,
@@ -228,7 +239,7 @@ def summary(process_failures: dict, world: int, logs: str) -> str:
             records.append(record)
         elif failure.exitcode < 0 and failure.exitcode != -signal.SIGTERM:  # (SIGTERM: the agent stopped it)
             killed.append((rank, failure))
-    for kinds in (("error",), ("timeout",)):
+    for kinds in (("stopped", "error"), ("timeout",)):
         chosen = sorted((r for r in records if r["kind"] in kinds and (r["kind"] != "timeout" or r.get("hung"))),
                         key=lambda r: r["time"])
         if chosen:

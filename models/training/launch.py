@@ -5,10 +5,11 @@ import dataclasses
 import datetime
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
-import tempfile
+import time
 
 from tp.mesh import Mesh, launched_by_torchrun
 from tp.slurm import use_srun_environment
@@ -20,7 +21,8 @@ CONFIG_FILE = "config.toml"  # the resolved configuration, in the ranks' log dir
 
 # ---- path flags, checked before any process ---------------------------------------------------------------------
 
-def _nearest_existing(path):
+def nearest_existing(path: str) -> str:
+    """`path` (absolute) if it exists, else its nearest existing parent."""
     path = os.path.abspath(path)
     while not os.path.exists(path):
         path = os.path.dirname(path)
@@ -50,7 +52,7 @@ def check_writable_file(flag: str, path: str) -> None:
 
 
 def _check_creatable(flag, path):
-    parent = _nearest_existing(path)
+    parent = nearest_existing(path)
     if not os.path.isdir(parent):
         raise ValueError(f"{flag} {path}: {parent} is not a directory, so {path} cannot be created")
     if not os.access(parent, os.W_OK | os.X_OK):
@@ -187,17 +189,40 @@ def print_layout_under_torchrun(sizes: dict[str, int], timeout: datetime.timedel
 
 # ---- our own launcher --------------------------------------------------------------------------------------------
 
+def runs_dir() -> str:
+    """Where a run's logs go without --log-dir or --save: $XDG_STATE_HOME/tp-layers/runs, else
+    ~/.local/state/tp-layers/runs (not the temporary directory: a run leaves nothing in /tmp)."""
+    state = os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
+    return os.path.join(state, "tp-layers", "runs")
+
+
 def log_dir(job: JobConfig) -> str:
-    """Where each rank's log goes: --log-dir, else DIR/logs of --save, else a directory per torchrun run (its run id
-    and port, the same on every rank); outside torchrun (our launcher, which hands it to the ranks as their
-    --log-dir), a new temporary directory."""
+    """Where each rank's log goes: --log-dir, else DIR/logs of --save, else RUNS/torchrun-RUNID-PORT under torchrun
+    (its run id and port, the same on every rank), else RUNS/DATE-TIME-PID (RUNS: runs_dir())."""
     if job.logging.log_dir:
         return job.logging.log_dir
     if job.checkpoint.save:
         return os.path.join(job.checkpoint.save, "logs")
     run = "-".join(os.environ.get(k, "") for k in ("TORCHELASTIC_RUN_ID", "MASTER_PORT")).strip("-")
-    return os.path.join(tempfile.gettempdir(), f"models.train-{run}") if run else \
-        tempfile.mkdtemp(prefix="models.train-")
+    name = f"torchrun-{run}" if run else f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    return os.path.join(runs_dir(), name)
+
+
+def remove_stale_rank_logs(logs: str, world: int) -> None:
+    """Remove LOGS/rank-N.log of ranks this run does not have (an earlier, larger run's in the same directory)."""
+    if not os.path.isdir(logs):
+        return
+    for name in os.listdir(logs):
+        number = name[5:-4] if name.startswith("rank-") and name.endswith(".log") else ""
+        if number.isdigit() and int(number) >= world:
+            os.remove(os.path.join(logs, name))
+
+
+def keep_caches_out_of_tmp() -> None:
+    """torch's compile cache (which importing torch._dynamo creates) in $XDG_CACHE_HOME/tp-layers/torchinductor,
+    else ~/.cache/tp-layers/torchinductor, unless TORCHINDUCTOR_CACHE_DIR says where: not /tmp/torchinductor_USER."""
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(cache, "tp-layers", "torchinductor"))
 
 
 def write_config(job: JobConfig, logs: str) -> str:
@@ -241,9 +266,12 @@ def launch(job: JobConfig) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # c10d's socket warnings: rank 0 keeps the terminal
     logs = log_dir(job)
-    launcher = get_args_parser().parse_args([f"--nproc-per-node={world}", "--standalone",
+    config = write_config(job, logs)
+    remove_stale_rank_logs(logs, world)
+    agent_logs = os.path.join(logs, "torchrun")  # torchrun's error files (else a /tmp/torchelastic_* left behind)
+    launcher = get_args_parser().parse_args([f"--nproc-per-node={world}", "--standalone", "--log-dir", agent_logs,
                                              f"--max-restarts={job.launch.max_restarts}", "-m", "models.train",
-                                             "--config", write_config(job, logs)])
+                                             "--config", config])
     quiet_torchelastic()
     try:
         run(launcher)
@@ -257,4 +285,6 @@ def launch(job: JobConfig) -> int:
         print(f"interrupted by {signal.Signals(number).name}: every rank stopped (their logs: {logs})",
               file=sys.stderr, flush=True)
         return 128 + number
+    finally:
+        shutil.rmtree(agent_logs, ignore_errors=True)  # (what it said is in the ranks' logs and our summary)
     return 0

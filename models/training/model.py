@@ -1,6 +1,9 @@
 """The job's model on one rank: the GPTConfig a JobConfig describes, this rank's model chunks, and each chunk wrapped
 for data parallelism (data_parallel.py: torch DDP, FSDP2, or tp.optim.DataParallel: zero1 and bf16)."""
+import math
+
 import torch
+import torch.distributed as dist
 
 import tp
 from tp.mesh import Mesh
@@ -9,7 +12,7 @@ from ..config import GPTConfig
 from ..gpt import GPT
 from ..presets import DEFAULT_MODEL, MODELS
 from ..stages import build_chunks, tied_embedding
-from . import data
+from . import data, resuming
 from .config import JobConfig
 from .config.model import SHAPE_FIELDS
 from .data_parallel import data_parallel_chunks, experts_apart, wrap_data_parallel  # noqa: F401 (also this module's)
@@ -28,6 +31,10 @@ def gpt_config_from_job(job: JobConfig) -> GPTConfig:
                    attention_dropout=attention_dropout, dropout_seed=job.training.seed,
                    sequence_parallel_grad_sync=not uses_torch_ddp(job),
                    cp_mode=parallel.cp_mode, cp_a2a_size=parallel.cp_a2a_size)
+    saved = resuming.use_checkpoint_args(job)  # --use-checkpoint-args: the checkpoint's GPTConfig
+    if saved is not None:
+        dispatcher = {"moe_dispatcher": model.moe_dispatcher} if model.moe_dispatcher else {}
+        return resuming.checkpoint_model(saved, runtime | dispatcher, job.training.seq_len)
     if model.from_hf:
         import transformers
 
@@ -40,6 +47,16 @@ def gpt_config_from_job(job: JobConfig) -> GPTConfig:
         fields["vocab_size"] = vocab_size
     fields["max_seq_len"] = max(fields.get("max_seq_len", job.training.seq_len), job.training.seq_len)
     return GPTConfig(**fields)
+
+
+def total_parameters(chunks: list[GPT]) -> int:
+    """The whole model's parameters, each weight once and the vocabulary without tp's padding rows, from every rank's
+    model chunks (collective over every rank): what the start line reports, the same at any split."""
+    from . import checkpoint
+
+    shapes = [None] * dist.get_world_size()
+    dist.all_gather_object(shapes, checkpoint.parameter_shapes(chunks))
+    return sum(math.prod(shape) for shape in {k: v for rank in shapes for k, v in rank.items()}.values())
 
 
 def uses_torch_ddp(job: JobConfig) -> bool:

@@ -3,9 +3,19 @@ optimizer steps, the learning rate under them), so a run can be looked at withou
 import json
 import os
 
+SOFTWARE = "models.train (tp-layers)"  # the PNG's Software entry: how a later run knows the picture is its own
+
+
 
 def plot_path(log: str) -> str:
     return os.path.splitext(log)[0] + ".png"
+
+
+def drawn_by_models_train(path: str) -> bool:
+    """Whether the file at `path` is a PNG that plot_log drew (its Software text entry, before the image data)."""
+    with open(path, "rb") as f:
+        head = f.read(4096)
+    return head.startswith(b"\x89PNG") and b"Software\x00" + SOFTWARE.encode() in head
 
 
 def plot_log(log: str) -> str:
@@ -34,6 +44,6 @@ def plot_log(log: str) -> str:
     top.set_title(os.path.basename(log))
     fig.tight_layout()
     path = plot_path(log)
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=100, metadata={"Software": SOFTWARE})
     plt.close(fig)
     return path

@@ -4,20 +4,23 @@ Face directory, the data and its tokenizer, the model's fit to the split, the ch
 Each refusal is one ValueError line naming the flag."""
 import os
 
+from tp.mesh import launched_by_torchrun
+
 from ..config import GPTConfig
 from ..stages import stage_layers
-from . import data, documents, launch, sinks
+from . import data, destinations, documents, resuming, sinks
 from .checkpoint_dirs import resume_path
 from .config import JobConfig
 from .model import gpt_config_from_job
 
 
-def check(job: JobConfig, world_size: int | None = None) -> GPTConfig:
+def check(job: JobConfig, world_size: int | None = None, *, config_file: str | None = None) -> GPTConfig:
     """The GPTConfig the job trains, once every check passed. Resolves job.parallelism.dp (from `world_size`,
-    torchrun's WORLD_SIZE, when not given)."""
+    torchrun's WORLD_SIZE, when not given). `config_file`: the --config file the job was read from (an input)."""
     job.validate(world_size)
     sinks.check_packages(job)  # --tensorboard-dir, --wandb-project: their optional packages installed
-    launch.check_paths(job)  # --save, --load, --export-hf, --log-jsonl, --log-dir: before any process
+    resuming.use_checkpoint_args(job)  # the checkpoint's tokenizer and data format, before they are checked
+    destinations.check(job, config_file=config_file)  # every output: not an input, not foreign, writable
     if job.model.from_hf and not os.path.isdir(job.model.from_hf):
         raise ValueError(f"--from-hf {job.model.from_hf}: no such directory (a save_pretrained directory)")
     plan = data.DataPlan.of(job)  # the data, resolved: each source's format, the tokenizer
@@ -76,19 +79,24 @@ def check_experts(job: JobConfig, config: GPTConfig) -> None:
 
 
 def check_resume(job: JobConfig, config: GPTConfig) -> None:
-    """The checkpoint --load resumes (if any) holds this model, and --steps goes beyond it."""
+    """The checkpoint --load resumes (if any) is whole and holds this model, --steps goes beyond it, and --save's
+    newest checkpoint is not later than the run's start (resuming.py)."""
     load, save = job.checkpoint.load, job.checkpoint.save
     path = resume_path(load, save)  # None: nothing to load (--save and --load the same, still empty)
-    if not path:
-        return
-    from . import checkpoint
+    start = 0
+    if path:
+        from . import checkpoint
 
-    try:
-        meta = checkpoint.read_meta(path)
-    except ValueError as e:
-        raise ValueError(f"--load {load}: {e}") from None
-    checkpoint.check_config(meta["config"], config, path)
-    restarted = os.path.realpath(save or "") == os.path.realpath(load)  # (the trainer says it is done)
-    if job.training.steps <= meta["step"] and not job.evaluation.eval_only and not restarted:
-        raise ValueError(f"--steps={job.training.steps} does not go beyond the checkpoint's step {meta['step']}: "
-                         "nothing to train")
+        try:
+            if not launched_by_torchrun():  # (torchrun's ranks share the reading, in checkpoint.load)
+                checkpoint.verify_files(path)  # every file's size and CRC-32, before a byte of it is used
+            meta = checkpoint.read_meta(path)
+        except ValueError as e:
+            raise ValueError(f"--load {load}: {e}") from None
+        resuming.check_model(job, meta["config"], config)
+        start = resuming.start_step(job, meta["step"])
+        restarted = os.path.realpath(save or "") == os.path.realpath(load)  # (the trainer says it is done)
+        if job.training.steps <= start and not job.evaluation.eval_only and not restarted:
+            raise ValueError(f"--steps={job.training.steps} does not go beyond the checkpoint's step {start}: "
+                             "nothing to train")
+    resuming.check_save_forward(job, start)

@@ -1,5 +1,9 @@
 """What rank 0 shows while training: a tqdm bar on a terminal; one plain line every --log-interval steps when stdout
-is a file or a pipe (Megatron's style: no carriage returns); and the JSONL log, kept as one run across resumes."""
+is a file or a pipe (Megatron's style: no carriage returns); and the JSONL log, kept as one run across resumes.
+
+The line (`postfix`): the loss, the gradient norm, the learning rate, the tokens consumed so far, tokens/s, the
+pipeline's bubble, rank 0's peak memory (the GPU's allocated bytes; on the CPU the process's resident high-water
+mark), the elapsed time and the time per step."""
 import json
 import os
 import sys
@@ -31,13 +35,48 @@ class _Quiet:
         pass
 
 
+def postfix(record: dict, *, tokens: int, peak_bytes: int, bubble: bool) -> dict[str, str]:
+    """The fields of a step's progress line, in order, from its log record, the `tokens` trained on so far and rank
+    0's `peak_bytes`."""
+    fields = {"loss": f"{record['loss']:.4f}",
+              "grad_norm": "skipped" if record.get("skipped") else f"{record['grad_norm']:.3f}",
+              "lr": f"{record['lr']:.3g}", "tokens": amount(tokens), "tok_s": f"{record['tokens_per_s']:.0f}"}
+    if bubble:
+        fields["bubble"] = f"{record['bubble']:.2f}"
+    fields["peak_mem"] = f"{peak_bytes / 2**30:.2f} GiB"
+    if "val_loss" in record:
+        fields["val_loss"] = f"{record['val_loss']:.4f}"
+    return fields
+
+
+def amount(n: int) -> str:
+    """12345678 -> 12.3M (K, M, B, T)."""
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return str(n)
+
+
+def peak_memory_bytes(device: Any) -> int:
+    """This process's peak memory: on a GPU the bytes torch allocated there at most, else the resident set's
+    high-water mark."""
+    if getattr(device, "type", "cpu") == "cuda":
+        import torch
+
+        return torch.cuda.max_memory_allocated(device)
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # (Linux: KiB)
+
+
 class PlainLines:
-    """`step 10/100 | loss 4.8123 | tok_s 1884 | 0.35 s/step`: printed when set_postfix follows an update that
-    reached a multiple of `interval` (or the last step)."""
+    """`step 10/100 | loss 4.8123 | ... | tok_s 1884 | elapsed 0:00:04 | 0.35 s/step`: printed when set_postfix follows
+    an update that reached a multiple of `interval` (or the last step)."""
 
     def __init__(self, start: int, total: int, *, interval: int, stream: TextIO):
         self.n, self.total, self.interval, self.stream = start, total, max(1, interval), stream
         self._since, self._steps, self._printed = time.perf_counter(), 0, start
+        self._started = self._since
 
     def update(self, n: int = 1) -> None:
         self.n += n
@@ -51,7 +90,9 @@ class PlainLines:
         now = time.perf_counter()
         per_step = (now - self._since) / max(1, self._steps)
         width = len(str(self.total))
+        elapsed = int(now - self._started)
         line = " | ".join([f"step {self.n:>{width}}/{self.total}", *(f"{k} {v}" for k, v in fields.items()),
+                           f"elapsed {elapsed // 3600}:{elapsed // 60 % 60:02d}:{elapsed % 60:02d}",
                            f"{per_step:.3g} s/step"])
         print(line, file=self.stream, flush=True)
         self._since, self._steps, self._printed = now, 0, self.n
@@ -72,25 +113,25 @@ def exclude(bar: Any, seconds: float) -> None:
 def open_log(path: str, start_step: int) -> TextIO:
     """The JSONL log opened for appending by a run that starts after step `start_step`: rows of later steps (a run
     that died after its last checkpoint and redoes them) are dropped, so the file reads as one run; earlier rows are
-    kept as written. A fresh run (start_step 0) starts an empty file."""
+    kept as written. A fresh run (start_step 0) starts an empty file. The file is cut where it is, never replaced by
+    another (preflight made sure it is the job's own log: destinations.py)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    kept, dropped = [], not start_step
-    if start_step and os.path.exists(path):
-        with open(path) as f:
-            lines = f.readlines()
-        for line in lines:
-            try:
-                row = json.loads(line)
-            except ValueError:
-                row = None  # a row cut by the kill
-            if row is None or row.get("step", 0) > start_step or not line.endswith("\n"):
-                dropped = True
-            else:
-                kept.append(line)
-    if not dropped:
-        return open(path, "a")  # appended as it is
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        f.writelines(kept)
-    os.replace(tmp, path)
+    if not start_step or not os.path.exists(path):
+        return open(path, "w")
+    with open(path, "rb") as f:
+        lines = f.readlines()
+    kept = [line for line in lines if line.endswith(b"\n") and _step_of(line) is not None
+            and _step_of(line) <= start_step]  # (a row cut by the kill has no newline, or does not parse)
+    if kept != lines:
+        with open(path, "r+b") as f:
+            f.writelines(kept)
+            f.truncate()
     return open(path, "a")
+
+
+def _step_of(line: bytes) -> int | None:
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return None
+    return row.get("step", 0) if isinstance(row, dict) else None

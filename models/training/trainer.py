@@ -17,18 +17,21 @@ from tp.pipeline import PipelineRunner
 
 from ..flops import flops_per_token
 from ..stages import allreduce_tied_embedding_grads
-from . import checkpoint_dirs, data, documents, failures, faults, plot, progress
+from . import data, documents, failures, faults, plot, progress, resuming
 from .build import build_mesh, build_optimizer, set_hyperparameters
 from .checkpoint_dirs import resume_path
 from .config import JobConfig
-from .model import build_model, data_parallel_chunks, gpt_config_from_job
+from .model import build_model, data_parallel_chunks, gpt_config_from_job, total_parameters
 from .moe_stats import MoEStats
+from .nan_check import NanCheck
 from .profiling import StepProfiler
+from .resuming import DATA_ORDER  # noqa: F401 (its name here before resuming.py)
 from .sample import PROMPT, greedy_sample
+from .saves import Saves
 from .sinks import Sinks
 from .stragglers import StepClock, Stragglers
 
-DATA_ORDER = ("global_batch_size", "seed", "seq_len")  # [training] fields the data stream's position depends on
+CHECKPOINT_BYTES_PER_PARAMETER = 12  # fp32 weights and AdamW's two moments: what a save writes, about
 EXPERT_BIAS_RATE = 1e-3  # sigmoid routers' bias update per step (DeepSeek-V3's gamma, Megatron's default)
 
 
@@ -50,8 +53,9 @@ class Trainer:
         training = job.training
         self.job, self.mesh = job, build_mesh(job)
         self.rank0 = dist.get_rank() == 0
-        self.config = gpt_config_from_job(job)
+        self.config = gpt_config_from_job(job)  # (--use-checkpoint-args: the checkpoint's, its tokenizer into job)
         self.chunks, self.module = build_model(job, self.config, self.mesh)
+        self.total_params = total_parameters(self.chunks)
         # the unwrapped chunks, one module: their grads summed over sequence parallelism and the tied embedding
         self.stage = self.chunks[0] if len(self.chunks) == 1 else torch.nn.ModuleList(self.chunks)
         micro_batches = training.global_batch_size // (self.mesh.dp_size * training.micro_batch_size)
@@ -67,10 +71,10 @@ class Trainer:
         self.clock, self.work_s = StepClock(device), 0.0
         self.stragglers = Stragglers(interval=job.logging.log_interval, factor=job.logging.straggler_factor,
                                      rank0=self.rank0, device=device)
-        # --async-save: DCP's writing thread runs its collectives on a gloo group of its own (never the training's)
-        self.save_group = dist.new_group(backend="gloo") if job.checkpoint.async_save and job.checkpoint.save \
-            else None
-        self.pending = None  # (the Future of an async save in flight, its step directory's name)
+        self.nan_check = NanCheck(enabled=training.check_for_nan_in_loss_and_grad,
+                                  max_skipped=training.max_skipped_steps)
+        self.saves = Saves(job, self.mesh, size_bytes=CHECKPOINT_BYTES_PER_PARAMETER * self.total_params) \
+            if job.checkpoint.save else None
         self.sinks = None
         self.runner = PipelineRunner(self.module, self.mesh, micro_batch_size=training.micro_batch_size,
                                      seq_len=training.seq_len)
@@ -89,37 +93,48 @@ class Trainer:
 
     def resume(self) -> int:
         """Load the checkpoint --load names (none: a fresh start); the step to start from."""
-        job = self.job
-        path = resume_path(job.checkpoint.load, job.checkpoint.save)
+        job, flags = self.job, self.job.checkpoint
+        path = resume_path(flags.load, flags.save)
         if not path:  # a fresh start (also with --save and --load the same directory, still empty)
             if self.rank0 and restart_note():
                 print(f"{restart_note()}no checkpoint yet: starting from step 0", flush=True)
             return 0
         from . import checkpoint
 
-        start_step, extra = checkpoint.load(path, self.module, self.optimizer, mesh=self.mesh)
+        optimizer_state, rng = not (flags.finetune or flags.no_load_optim), not (flags.finetune or flags.no_load_rng)
+        saved, extra = checkpoint.load(path, self.module, self.optimizer, mesh=self.mesh,
+                                       load_optimizer=optimizer_state, load_rng=rng)
         self.extra = extra or {}
+        start_step = resuming.start_step(job, saved)
         if self.rank0:
-            print(f"{restart_note()}resuming from {path} (step {start_step})", flush=True)
-            changed = [f"--{k.replace('_', '-')}={v}" for k, v in (extra or {}).items()
-                       if k in DATA_ORDER and getattr(job.training, k) != v]
-            if changed:
-                print(f"note: the checkpoint's run had {', '.join(changed)}: the data order from here differs from "
-                      "that run's", file=sys.stderr, flush=True)
+            print(f"{restart_note()}resuming from {path} (step {saved})"
+                  + (": its weights, fine-tuned from step 0 (--finetune)" if flags.finetune else ""), flush=True)
+            lines = [] if checkpoint.has_manifest(path) else [
+                f"note: {path} has no manifest.json (saved before manifests): its files were not verified"]
+            if not flags.finetune:
+                saved_lr = self.optimizer.param_groups[0].get("lr") if optimizer_state else None
+                lines += resuming.notes(job, self.extra, start_step, saved_lr)
+            for line in lines:
+                print(line, file=sys.stderr, flush=True)
         return start_step
 
     def start_line(self, micro_batches: int, config_file: str | None) -> str:
         job, mesh, config = self.job, self.mesh, self.config
-        params = sum(p.numel() for p in self.stage.parameters())
         parallel = job.parallelism
         return (f"{mesh.world_size} ranks: tp={mesh.tp_size} cp={mesh.cp_size} pp={mesh.pp_size} dp={mesh.dp_size} "
                 f"({parallel.dp_mode}, {job.training.precision}), "
                 + (f"schedule={parallel.schedule}, " if mesh.pp_size > 1 else "no pipeline, ")
                 + (f"ep={mesh.ep_size} etp={mesh.etp_size} edp={mesh.edp_size}, " if config.num_experts else "")
                 + f"micro-batches/step={micro_batches}, sequence_parallel={parallel.sequence_parallel}; model "
-                f"{job.model.from_hf or job.model.preset or 'tiny'} ({config.num_layers} layers, hidden "
-                f"{config.hidden_size}, {params:,} params on rank 0)"
+                f"{self.model_name()} ({config.num_layers} layers, hidden {config.hidden_size}, "
+                f"{self.total_params:,} params)"
                 + (f"; config: {config_file}" if config_file else ""))
+
+    def model_name(self) -> str:
+        model = self.job.model
+        if self.job.checkpoint.use_checkpoint_args:
+            return "from the checkpoint"
+        return model.from_hf or model.preset or "tiny"
 
     def step(self, step: int) -> tuple[dict, float]:
         """Optimizer step `step` (from 0) on the next global batch: (its log record, the global gradient norm)."""
@@ -133,6 +148,7 @@ class Trainer:
                                replicated=True, group_name="tp-cp")
         failures.note_step(step + 1)
         faults.before_step(job.faults, step + 1)
+        faults.before_forward(job.faults, step + 1, self.module)
         set_hyperparameters(self.optimizer, job, step)
         stats = self.runner.run(micro_batches, job.parallelism.schedule)
         if not self.config.sequence_parallel_grad_sync:
@@ -148,12 +164,14 @@ class Trainer:
                 self.optimizer.step()
         elif self.rank0:  # Megatron's behaviour: no update from a non-finite gradient, the model stays as it was
             print(f"skipped step {step + 1}: grad norm {grad_norm}", file=sys.stderr, flush=True)
+        self.nan_check.after_gradients(step + 1, grad_norm, self.module)  # (the gradients are still there)
         if tp.moe.SCORES[self.config.moe_router_score].selection_bias:  # (DeepSeek-V3) from the step's global loads
             tp.moe.update_expert_bias(self.stage, EXPERT_BIAS_RATE, group=mesh.group("tp-cp-dp"))
         memory = self.max_memory_bytes() if step == self.start_step else {}  # grads and state exist now
         self.optimizer.zero_grad(set_to_none=True)
         with record_function("loss all-reduce"):
             loss = _mean_over(stats.loss, mesh.dp_group)
+        self.nan_check.after_loss(step + 1, stats.loss, loss)  # (a non-finite loss: the job stops, nothing saved)
         elapsed = time.perf_counter() - started
         self.work_s = self.clock.stop(stats)[0]  # this rank's own work in the step (stragglers.py)
         tokens = training.global_batch_size * training.seq_len
@@ -201,53 +219,11 @@ class Trainer:
         return out
 
     def save(self, step: int) -> float:
-        """Write --save's DIR/step-N, then point DIR/latest at it (checkpoint_dirs.py): a kill mid-save never spoils
-        the previous checkpoint, and what it half wrote is removed here, at the next save. With --async-save the
-        tensors are staged to CPU here and written in the background; `latest` moves when rank 0's write is done
-        (poll_save), which DCP completes only after every rank's. Returns the seconds the step loop was blocked."""
-        from . import checkpoint
-
-        started = time.perf_counter()
-        self.finish_save()  # (one save in flight at a time)
-        root = self.job.checkpoint.save
-        name = checkpoint_dirs.step_name(step)
-        if self.rank0:
-            removed = checkpoint_dirs.remove_unfinished(root, step)
-            if removed:
-                print(f"removed unfinished checkpoint{'s' * (len(removed) > 1)} {', '.join(removed)} in {root}",
-                      file=sys.stderr, flush=True)
-        dist.barrier()
-        extra = {k: getattr(self.job.training, k) for k in DATA_ORDER}
-        extra.update(tokenizer=_absolute(self.data.reading.tokenizer_dir),
-                     wandb_run_id=self.sinks.run_id if self.sinks else self.extra.get("wandb_run_id"))
-        future = checkpoint.save(os.path.join(root, name), self.module, self.optimizer, mesh=self.mesh, step=step,
-                                 extra=extra, async_group=self.save_group,
-                                 storage_writer=faults.storage_writer(self.job.faults, step, os.path.join(root, name),
-                                                                      self.save_group is not None))
-        if future is not None:
-            self.pending = future, name
-            return time.perf_counter() - started
-        faults.during_save(self.job.faults, step)
-        dist.barrier()
-        if self.rank0:
-            checkpoint_dirs.commit(root, name)
-        dist.barrier()
-        return time.perf_counter() - started
-
-    def poll_save(self) -> None:
-        """An async save whose write is done on this rank: (rank 0) point `latest` at it."""
-        if self.pending and self.pending[0].done():
-            self.finish_save()
-
-    def finish_save(self) -> None:
-        """Wait for the async save in flight (if any) and, on rank 0, commit it."""
-        if not self.pending:
-            return
-        future, name = self.pending
-        self.pending = None
-        future.result()  # (raises the write's error, on every rank: DCP spreads it)
-        if self.rank0:
-            checkpoint_dirs.commit(self.job.checkpoint.save, name)
+        """The checkpoint of step `step` into --save (saves.py), with what the run keeps there (resuming.py); the
+        seconds the step loop was blocked."""
+        extra = resuming.run_record(self.job, tokenizer=_absolute(self.data.reading.tokenizer_dir),
+                                    wandb_run_id=self.sinks.run_id if self.sinks else self.extra.get("wandb_run_id"))
+        return self.saves.save(step, self.module, self.optimizer, extra)
 
     def export_hf(self) -> None:
         """The model in Hugging Face format to --export-hf (a rank's model chunks: one file per virtual stage), with
@@ -270,21 +246,22 @@ class Trainer:
         bar = progress.progress(self.rank0, self.start_step, steps, interval=job.logging.log_interval)
         profiler = StepProfiler(job)
         first_loss = record = None
+        tokens_per_step = job.training.global_batch_size * job.training.seq_len
         try:
             for step in range(self.start_step, steps):
                 with profiler.step(step + 1):
-                    record, grad_norm = self.step(step)
+                    record, _ = self.step(step)
                     record |= self.stragglers.gather(step + 1, self.work_s, record["step_s"], steps)
                 first_loss = record["loss"] if first_loss is None else first_loss
                 self.evaluate_and_save(step + 1, record, bar)
                 if self.sinks:
                     self.sinks.write(record)
                 bar.update(1)
-                bar.set_postfix(loss=f"{record['loss']:.4f}", grad_norm=f"{grad_norm:.3f}",
-                                tok_s=f"{record['tokens_per_s']:.0f}",
-                                **({"bubble": f"{record['bubble']:.2f}"} if self.mesh.pp_size > 1 else {}),
-                                **({"val_loss": f"{record['val_loss']:.4f}"} if "val_loss" in record else {}))
-            self.finish_save()
+                bar.set_postfix(**progress.postfix(record, tokens=(step + 1) * tokens_per_step,
+                                                   peak_bytes=progress.peak_memory_bytes(self.device),
+                                                   bubble=self.mesh.pp_size > 1))
+            if self.saves:
+                self.saves.finish()
             if job.checkpoint.export_hf:
                 self.export_hf()
         finally:
@@ -307,7 +284,8 @@ class Trainer:
         if job.checkpoint.save and (step == steps or (save_every and step % save_every == 0)):
             record["save_blocking_s"] = self.save(step)
             progress.exclude(bar, record["save_blocking_s"])
-        self.poll_save()
+        if self.saves:
+            self.saves.poll()
 
     def finish(self, first_loss: float, last: dict) -> None:
         """The end of a run: the greedy sample (every rank), the plot of the log and the summary line (rank 0)."""

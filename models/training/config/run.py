@@ -1,6 +1,7 @@
 """The run around the training: [checkpoint], [logging], [profiling], [launch] and the tests' [faults]."""
 import dataclasses
 import math
+import os
 
 from .fields import at_least, one_of, option
 
@@ -22,9 +23,27 @@ class CheckpointConfig:
     async_save: bool = option(
         False, "checkpoints staged to CPU and written in the background (torch.distributed.checkpoint.async_save) "
                "while training goes on; DIR/latest moves once every rank's write is complete")
+    keep_last: int | None = option(None, "after each completed save, remove --save's step directories but the K "
+                                         "newest (default: keep every one)", metavar="K")
+    use_checkpoint_args: bool = option(
+        False, "the model, the tokenizer and the data format from --load's checkpoint (the command line gives the "
+               "layout, the steps and the paths)")
+    finetune: bool = option(False, "load --load's weights only: step 0, a fresh optimizer, schedule and data order, "
+                                   "the generators kept")
+    no_load_optim: bool = option(False, "resume without the checkpoint's optimizer state (fresh AdamW moments)")
+    no_load_rng: bool = option(False, "resume without the checkpoint's random generators' states")
 
     def validate(self) -> None:
         at_least(self, ("save_every",), 0)
+        at_least(self, ("keep_last",), 1)
+        given = [flag for flag, on in (("--use-checkpoint-args", self.use_checkpoint_args),
+                                       ("--finetune", self.finetune), ("--no-load-optim", self.no_load_optim),
+                                       ("--no-load-rng", self.no_load_rng)) if on]
+        if given and not self.load:
+            raise ValueError(f"{given[0]} goes with --load DIR (the checkpoint it reads)")
+        if self.finetune and self.save and os.path.realpath(self.save) == os.path.realpath(self.load):
+            raise ValueError("--finetune starts a new run from --load's weights: give --save another directory (a "
+                             "restart of the fine-tuning resumes with --load set to that one)")
 
 
 @dataclasses.dataclass
@@ -132,6 +151,9 @@ class FaultsConfig:
     slow_save_at_step: int | None = option(None, "a first attempt's save pauses (every rank; async: its write)",
                                            hidden=True)
     nan_grad_at_step: int | None = option(None, "a NaN in a reduced gradient", hidden=True)
+    nan_weights_at_step: int | None = option(None, "a NaN in a weight before the step (a corrupted update)",
+                                             hidden=True)
+    no_space_at_step: int | None = option(None, "the save's writes find the device full", hidden=True)
     slow_step_s: float | None = option(None, "every step works this much longer (a straggler)", hidden=True)
     fail_rank: int = option(0, "the rank the faults above happen on", hidden=True)
 

@@ -31,9 +31,15 @@ class TrainingConfig:
                                        "checksum all-gather)")
     compile: bool = option(False, "torch.compile each transformer block (fullgraph, as torchtitan): no graph break, "
                                   "the same loss")
+    check_for_nan_in_loss_and_grad: bool = option(
+        True, "stop the job (one line naming the step and the rank, exit code 1; the checkpoints untouched) at a "
+              "non-finite loss or after --max-skipped-steps consecutive steps skipped for a non-finite gradient norm")
+    max_skipped_steps: int = option(3, "consecutive steps skipped for a non-finite gradient norm that stop the job "
+                                       "(0: never)", metavar="N")
 
     def validate(self) -> None:
         at_least(self, ("global_batch_size", "micro_batch_size", "seq_len", "steps"), 1)
+        at_least(self, ("max_skipped_steps",), 0)
         if not math.isfinite(self.clip_grad) or self.clip_grad < 0:
             raise ValueError(f"--clip-grad={self.clip_grad} must be a finite number >= 0 (0: no clipping)")
         if self.precision is not None and self.precision not in PRECISIONS:
