@@ -26,11 +26,18 @@ class Cluster:
     cores: int = 0  # CPU: ranks share this many cores (0: one device per rank)
     cudnn_attention_efficiency: float = 0.0  # of device.flops, by cuDNN's fused attention (Software "cudnn"); 0: as
     # attention_efficiency
+    sms: int = 0  # streaming multiprocessors: GEMM tiles fill them in waves (bench.plan.gemm); 0: no tiles (CPU)
+    launch_overhead: float = 0.0  # host seconds per kernel launch, exposed only where the host cannot run ahead
+    # (after a host sync: bench.plan.moe_time)
 
 
 # The H100's achieved fractions (sources in the profile's `source`); bench/plan/validation.py checks them against
 # published H100 runs without refitting them.
-H100_GEMM = 608 / 989
+H100_GEMM = 0.641  # bench.plan.gemm.fit_efficiency() over the committed GPU runs (tests/test_plan.py checks it)
+H100_SMS, A100_SMS = 132, 108  # NVIDIA H100 (SXM5) and A100 Tensor Core GPU architecture whitepapers
+# Host time per eager op and kernel launch on an H100 node: "~5–25 µs of CPU-side work per op" (Python, autograd,
+# the ATen dispatcher and cudaLaunchKernel, jiahuanglin.xyz "From PyTorch op to kernel launch"): the lower end
+LAUNCH_OVERHEAD = 5e-6
 H100_COMM = 370 / 450
 H100_CUDNN_ATTENTION = 614 / 989
 # Device memory as the driver reports it (nvidia-smi's total): the "80 GB" of both datasheets is 80 GiB of HBM, less
@@ -42,23 +49,26 @@ CLUSTERS = {
     "h100-sxm": Cluster(
         "h100-sxm", HARDWARE["h100-nvlink"], memory=H100_MEMORY, reserved=3e9,
         gemm_efficiency=H100_GEMM, comm_efficiency=H100_COMM, attention_efficiency=0.35,
-        cudnn_attention_efficiency=H100_CUDNN_ATTENTION, op_overhead=0.0,
+        cudnn_attention_efficiency=H100_CUDNN_ATTENTION, op_overhead=0.0, sms=H100_SMS,
+        launch_overhead=LAUNCH_OVERHEAD,
         source="device: bench.roofline's h100-nvlink (NVIDIA H100 SXM datasheet: 989 TFLOP/s bf16 dense, 3.35 "
                "TB/s, NVLink 450 GB/s per direction, 80 GB HBM3: 81559 MiB as nvidia-smi reports it); "
                "between nodes one ConnectX-7 NDR 400 Gb/s = 50 GB/s "
-               "per GPU (DGX H100: 8 per node). Achieved fractions, each measured or published, none fitted to a "
-               "validation row: gemm 0.615 (608 of 989) — the median torch (cuBLAS) bf16 TFLOP/s of bench.kernels' 15 "
-               "training GEMMs (hidden 4096, 8192 tokens, tp 1 and 4; forward, backward, wgrad) on an H200 (same "
-               "GH100 compute at 700 W) (bench/results/gpu/h200-run2, bench/RESULTS.md); comm 0.822 — NCCL's effective "
+               "per GPU (DGX H100: 8 per node); 132 SMs. Achieved fractions, each measured or published, none fitted to a "
+               "validation row: gemm 0.641 — the median over bench.kernels' 18 training GEMMs (hidden 4096, 8192 "
+               "tokens, tp 1 and 4; forward, backward, wgrad) of torch's (cuBLAS) bf16 TFLOP/s on an H200 (same "
+               "GH100 compute at 700 W, 132 SMs) over 989 times the shape's useful tile-wave fraction "
+               "(bench.plan.gemm; bench/results/gpu/h200-run2, bench/RESULTS.md); comm 0.822 — NCCL's effective "
                "NVLink bandwidth on H100, 370 of 450 GB/s after ~20 % protocol overhead (S. Jeaugey, NVIDIA, "
                "nccl-tests issue #212), used for the NIC too; attention 0.35 — FlashAttention-2 (torch SDPA's flash "
                "kernel) on H100 (FlashAttention-3 paper, Shah et al. 2024, abstract); cuDNN/FA3-class fused attention "
                "0.62 — FlashAttention-3 forward at sequence 8192, head dim 128, 614 TFLOP/s on H100 (pytorch/benchmark "
-               "PR #2391; the paper's best is 740, 75 %); reserved 3 GB: an allowance, not measured; launch overhead "
-               "hidden (asynchronous launches, kernels >> 5 us here)"),
+               "PR #2391; the paper's best is 740, 75 %); reserved 3 GB: an allowance, not measured; launches "
+               "hidden (asynchronous, kernels >> 5 us) but after a host sync (MoE dispatch), 5 us each"),
     "a100-80g": Cluster(
         "a100-80g", HARDWARE["a100-nvlink"], memory=A100_MEMORY, reserved=3e9,
-        gemm_efficiency=0.76, comm_efficiency=0.5, attention_efficiency=0.5, op_overhead=0.0,
+        gemm_efficiency=0.76, comm_efficiency=0.5, attention_efficiency=0.5, op_overhead=0.0, sms=A100_SMS,
+        launch_overhead=LAUNCH_OVERHEAD,
         source="device: bench.roofline's a100-nvlink (NVIDIA A100 80GB SXM datasheet: 312 TFLOP/s bf16/fp16 "
                "dense, 2.039 TB/s, NVLink 300 GB/s per direction, 80 GB HBM2e: 81920 MiB as nvidia-smi reports "
                "it); between nodes one HDR 200 Gb/s = 25 "

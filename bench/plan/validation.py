@@ -24,18 +24,8 @@ from models.config import PRESETS, PUBLISHED_MODELS, GPTConfig
 from ..common import RESULTS, print_table
 from .hardware import CLUSTERS, cpu_cluster
 from .search import evaluate
-from .step_time import (
-    MEGATRON_2021,
-    MEGATRON_2024,
-    NEMO_2024,
-    OURS_CPU,
-    TORCHTITAN,
-    Plan,
-    Software,
-    model_flops_per_token,
-    recompute_flops_per_token,
-    step_time,
-)
+from .software import MEGATRON_2021, MEGATRON_2024, NEMO_2024, OURS_CPU, TORCHTITAN, Software
+from .step_time import Plan, model_flops_per_token, recompute_flops_per_token, step_time
 
 GPT3_SHAPE = dict(vocab_size=51200, activation="gelu", norm="layernorm", bias=True, position="learned",
                   max_seq_len=2048)
