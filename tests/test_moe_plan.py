@@ -13,6 +13,7 @@ from bench.plan import cli as plan
 from bench.plan import hardware as rl
 from bench.plan import memory
 from bench.plan import step_time as pm
+from tests.helpers import quiet
 
 MOE = models.GPTConfig(vocab_size=256, hidden_size=64, num_layers=4, num_heads=8, num_kv_heads=4, ffn_hidden_size=128,
                        num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=48, moe_layer_freq=[0, 1, 1, 1],
@@ -74,7 +75,7 @@ def test_the_search_covers_ep_and_etp_and_reports_active_and_total_parameters(ca
              "--global-batch-size", "16", "--json", "--top", "0"]
     code, out, err = _run(capsys, *flags, "--fix", "pp=1,recompute=none,mbs=2,sp=off")
     plans = json.loads(out)["plans"]
-    assert code == 0 and not err
+    assert code == 0 and not quiet(err)
     splits = {(p["tp"], p["ep"], p["etp"]) for p in plans}
     assert {(1, 8, 1), (2, 4, 2), (2, 8, 1), (4, 2, 4), (1, 1, 1)} <= splits
     assert all((p["tp"] * p["cp"] * p["dp"]) % (p["ep"] * p["etp"]) == 0 and p["etp"] in (1, p["tp"]) for p in plans)

@@ -1,6 +1,6 @@
 """Why a --fix leaves no plan: the first constraint the pinned values break (bench.plan.search's rules), as one line."""
 from .search import stage_split
-from .stages import EVEN, layer_counts
+from .stages import ACCOUNTED, EVEN, layer_counts
 
 
 def _degree_conflict(config, gpus, seq_len, global_batch_size, fixed):
@@ -41,18 +41,29 @@ def _batch_conflict(config, gpus, seq_len, global_batch_size, fixed):
     return None
 
 
+def _split_conflict(config, pp, vp, splits):
+    """Why none of `splits` divides the layers over pp·vp stages (each split's reason), or None."""
+    reasons = []
+    for split in splits:
+        try:
+            layer_counts(config.num_layers, pp, vp, split)
+            return None
+        except ValueError as e:
+            reasons.append(str(e) if split.even or len(splits) == 1 else f"with the {split.label()} accounted: {e}")
+    return "; ".join(reasons)
+
+
 def _pipeline_conflict(config, gpus, seq_len, global_batch_size, fixed):
-    split = stage_split(fixed) or EVEN
+    split = stage_split(fixed)
     vp = fixed.get("vp", 1)
-    if "pp" not in fixed:
-        return None if (vp == 1 and split.even) else "vp and an uneven split need pp pinned too (--fix pp=N)"
+    if "pp" not in fixed:  # (some pp may still fit them)
+        return None
     pp = fixed["pp"]
     if vp > 1 and pp == 1:
         return f"vp={vp} interleaves pipeline stages: it needs pp > 1"
-    try:
-        layer_counts(config.num_layers, pp, vp, split)
-    except ValueError as e:
-        return str(e)
+    conflict = _split_conflict(config, pp, vp, [split] if split else [EVEN, ACCOUNTED])
+    if conflict:
+        return conflict
     if vp > 1 and all(k in fixed for k in ("tp", "cp", "mbs")):
         dp = fixed.get("dp", gpus // (fixed["tp"] * fixed["cp"] * pp))
         micro_batches = global_batch_size // (dp * fixed["mbs"])

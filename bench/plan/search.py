@@ -202,10 +202,14 @@ def search(config, *, gpus, seq_len, global_batch_size, cluster, fixed=(), softw
 PROGRESS_EVERY = 5.0  # seconds between progress reports of a long search
 
 
+def recompute_order(recompute):
+    """How much `recompute` recomputes, for ranking: the granularities in order, modules (no whole layer) after none."""
+    return memory.RECOMPUTE.index(recompute) if recompute in memory.RECOMPUTE else 0.5
+
+
 def rank_key(row):
     """Fastest first; plans the model times alike (to 9 digits: e.g. recompute hidden behind an exposed reduce, or
     cp·mbs constant) rank the simpler first — without cp, with less recompute, without interleaving, an even split,
     less memory."""
-    recompute = memory.RECOMPUTE.index(row["recompute"]) if row["recompute"] in memory.RECOMPUTE else 0.5
-    return (-float(f"{row['tokens_per_s']:.9g}"), row["cp"], recompute, row["vp"], row["split"] != "even",
-            row["memory_per_gpu_gb"])
+    return (-float(f"{row['tokens_per_s']:.9g}"), row["cp"], recompute_order(row["recompute"]), row["vp"],
+            row["split"] != "even", row["memory_per_gpu_gb"])

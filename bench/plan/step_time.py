@@ -35,6 +35,7 @@ chunk's compute under Software.p2p_overlap), and the optimizer step (memory-boun
 MFU = model FLOPs (6·N + attention 12·L·h·s + logits 6·h·V per token, Narayanan et al. 2021 §5.1, full attention as
 the papers count it) / (step time × peak × GPUs); HFU adds the recomputed FLOPs.
 """
+import math
 from dataclasses import dataclass, replace
 
 from models.flops import flops_per_token
@@ -155,13 +156,29 @@ def _attention_times(config, plan, seq_len, cluster, software, e):
         flops = 2 * heads * s_q * s_k * d  # QKᵀ and PV, causal: half of 4·s_q·s_k·d
         efficiency = cluster.cudnn_attention_efficiency if software.attention == "cudnn" else 0.0
         rate = (efficiency or cluster.attention_efficiency) * cluster.device.flops
-        return flops / rate, 2.5 * flops / rate
+        measured = (cluster.attention_rates or {}).get(software.attention, {})
+        # the kernel's problem: s/cp queries against each block of s/cp keys (ring) or all s (all-gather)
+        fwd, bwd = (_rate(measured[way], s_q) if way in measured else rate for way in ("fwd", "bwd"))
+        return flops / fwd, 2.5 * flops / bwd
     qk, pv = rl.Gemm("qk", "fwd", s_q, d, s_k), rl.Gemm("pv", "fwd", s_q, s_k, d)
     gemm = gemm_time(qk, cluster, e, heads) + gemm_time(pv, cluster, e, heads)
     scores = heads * s_q * s_k
     # forward: softmax (read, write), dropout (read, write, 1-byte mask); backward: dropout and softmax grads
     stream = cluster.device.hbm
     return gemm + scores * (4 * e + 1) / stream, 2 * gemm + scores * (6 * e + 1) / stream
+
+
+def _rate(points, seq_len):
+    """FLOP/s at `seq_len` from measured (sequence length, TFLOP/s) points: linear in log s between them, flat beyond."""
+    x = math.log2(seq_len)
+    (x0, y0), *rest = [(math.log2(s), t * 1e12) for s, t in points]
+    if x <= x0:
+        return y0
+    for x1, y1 in rest:
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+        x0, y0 = x1, y1
+    return y0
 
 
 def _elementwise_bytes(config, plan, tokens, software, e):
