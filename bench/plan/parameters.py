@@ -266,15 +266,18 @@ def _parameter_memory(config, tp, pp, stage, virtual_stages, dp_mode, precision,
 
 
 def _resharded_peak(config, tp, chunks, ep, etp, e):
-    """FSDP2 resharding after forward and backward (torchtitan; fully_shard per block, then the stage): at the peak,
-    the stage's own parameters (embedding, final norm, output layer: the root unit, gathered for the whole step) and
-    two blocks unsharded (the running one and the prefetched next) in the compute dtype, plus one block's unsharded
-    gradient in it and in fp32 for the reduce-scatter."""
+    """FSDP2 resharding after forward and backward (torchtitan; fully_shard per block, then the stage), its peak as a
+    CPU run measures it (tests/test_memory.py), at a block's backward: the stage's own parameters (embedding, final
+    norm, output layer: the root unit, gathered for the whole step) and their gradients but the embedding's (it comes
+    last), and the block's unsharded parameters and gradients in the compute dtype, plus under bf16 the fp32 copy
+    of its gradients the reduce-scatter takes (FSDP2 gathers the next block only once this one's backward is done)."""
     blocks = [sum(math.prod(s) for _, s in layer_parameter_shapes(config, tp, i, ep=ep, etp=etp))
               for start, stop, _, _ in chunks for i in range(start, stop)]
     root = sum(n for n, *_ in _registration(config, tp, chunks, ep, etp)) - sum(blocks)
+    late = sum(math.prod(s) for first in (c[2] for c in chunks) if first for name, s in _edge_shapes(config, tp, True)
+               if not (config.tie_embeddings and any(c[3] for c in chunks)))
     largest = max(blocks, default=0)
-    return e * root + 2 * e * largest + (e + 4) * largest
+    return e * (2 * root - late) + 2 * e * largest + (4 * largest if e != 4 else 0)
 
 
 def state_memory(config, *, tp, pp, stage, virtual_stages, dp_mode, precision, shards, ep=1, etp=None,

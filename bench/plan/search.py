@@ -98,16 +98,16 @@ def _micro_batching(config, pp, dp, global_batch_size, fixed):
                 yield micro_batch_size, virtual_stages, split
 
 
-def _options(config, tp, cp, dp, seq_len, fixed):
-    """(recompute, sequence parallel, dp mode): SP where tp > 1 and the sequence splits over 2·cp·tp; a dp mode
-    other than ddp where gradients are reduced over more than one rank (dp·cp)."""
+def _options(config, tp, cp, dp, seq_len, fixed, software):
+    """(recompute, sequence parallel, dp mode): SP where tp > 1 and the sequence splits over 2·cp·tp; a dp mode the
+    software runs, other than ddp where gradients are reduced over more than one rank (dp·cp)."""
     for recompute in (fixed["recompute"],) if "recompute" in fixed else recomputing.search_choices(config):
         for sp in (False, True) if tp > 1 else (False,):
             split = (2 * cp if cp > 1 else 1) * (tp if sp else 1)
             if not _allowed(fixed, "sp", "on" if sp else "off") or seq_len % split:
                 continue
             for dp_mode in memory.DP_MODES if dp * cp > 1 else ("ddp",):
-                if _allowed(fixed, "dp_mode", dp_mode):
+                if _allowed(fixed, "dp_mode", dp_mode) and dp_mode in (software.dp_modes or memory.DP_MODES):
                     yield recompute, sp, dp_mode
 
 
@@ -135,7 +135,7 @@ def candidate_plans(config, *, gpus, seq_len, global_batch_size, cluster, fixed,
                                    cluster=cluster, fixed=fixed):
         for ep, etp, dispatcher in _experts(config, tp, cp, dp, fixed, software):
             for micro_batch_size, virtual_stages, split in _micro_batching(config, pp, dp, global_batch_size, fixed):
-                for recompute, sp, dp_mode in _options(config, tp, cp, dp, seq_len, fixed):
+                for recompute, sp, dp_mode in _options(config, tp, cp, dp, seq_len, fixed, software):
                     yield Plan(tp, cp, pp, virtual_stages, dp, micro_batch_size, recompute, sp, dp_mode, ep, etp,
                                dispatcher, split)
 

@@ -34,6 +34,7 @@ class Software:
     bf16_grad_reduce: bool = False  # may reduce gradients in bf16 (--fix grad_reduce=bf16)
     fsdp_reshard: bool = False  # FSDP2 reshards each block after its forward and backward (else: the pipeline
     # runner keeps the whole stage unsharded until the last backward)
+    dp_modes: tuple | None = None  # the dp modes it runs (bench.plan.memory.DP_MODES' names); None: all of them
 
 
 # This package: SDPA flash attention, eager element-wise ops, tp.optim's buckets; its MoE layer's forward launches
@@ -55,7 +56,8 @@ MEGATRON_2021 = Software("Megatron-LM 2021-22", precision="fp16", attention="mat
 NEMO_2024 = Software("NeMo 24.x / Megatron-Core (TE)", attention="cudnn", elementwise="fused", dp_overlap=True,
                      tp_overlap=True, param_gather_overlap=True, p2p_overlap=True, backend="te",
                      optimizer="Megatron-Core distributed optimizer (fp32 master and moments, fp32 gradients)",
-                     dispatchers=("alltoall", "allgather", "deepep"), moe_launches=(12, 2), bf16_grad_reduce=True)
+                     dispatchers=("alltoall", "allgather", "deepep"), moe_launches=(12, 2), bf16_grad_reduce=True,
+                     dp_modes=("ddp", "zero1"))
 # Megatron-LM's own 2024 runs (Nemotron-4 15B): the distributed optimizer with its overlaps; the paper does not say
 # that tp communication was overlapped, so it is not
 MEGATRON_2024 = replace(NEMO_2024, name="Megatron-LM 2024 (TE)", tp_overlap=False)
@@ -63,7 +65,7 @@ MEGATRON_2024 = replace(NEMO_2024, name="Megatron-LM 2024 (TE)", tp_overlap=Fals
 # its forward and backward and prefetching the next one's all-gather; its MoE (torch._grouped_mm, one kernel for all
 # experts) launches as this package's
 TORCHTITAN = Software("torchtitan eager (FSDP2, SDPA)", optimizer="AdamW on FSDP2's fp32 shards",
-                      dispatchers=("alltoall",), bf16_grad_reduce=True, fsdp_reshard=True)
+                      dispatchers=("alltoall",), bf16_grad_reduce=True, fsdp_reshard=True, dp_modes=("ddp", "fsdp"))
 # Megatron-Core as its MoE model zoo runs it (Megatron-MoE-ModelZoo's model configs: --use-distributed-optimizer,
 # --overlap-grad-reduce, --overlap-param-gather, --tp-comm-overlap, Transformer Engine, flash attention through TE)
 # --use-distributed-optimizer: fp32 master and Adam moments (12 bytes) sharded, a gradient buffer in the reduce's dtype
