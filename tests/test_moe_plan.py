@@ -13,8 +13,7 @@ import models
 import tp
 from bench.plan import cli as plan
 from bench.plan import hardware as rl
-from bench.plan import memory
-from bench.plan import moe_time
+from bench.plan import memory, moe_time
 from bench.plan import step_time as pm
 from tests.helpers import quiet
 from tp.testing import distributed

@@ -10,8 +10,8 @@ import pytest
 
 import models
 from bench import roofline as rl
-from bench.plan import cli as plan
 from bench.plan import activations, gemm, memory, pipeline, recompute, search, stages
+from bench.plan import cli as plan
 from bench.plan import hardware as hw
 from bench.plan import step_time as pm
 from tests.helpers import quiet

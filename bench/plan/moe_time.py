@@ -8,17 +8,17 @@ e bytes per element, slots = routed_slots, L = E/ep local experts):
 - Experts: one grouped GEMM with L groups of slots/L rows (bench.plan.gemm: tiles and waves over all groups), times
   the imbalance below; the router GEMM [r, h]·[h, E].
 - Dispatch and combine (all-to-all): each moves the rank's slots·h elements, (ep − 1)/ep of them to other ranks,
-  forward and again backward. The ep group's ranks are etp apart (etp innermost, Megatron's expert layout), so a
-  node of G GPUs holds min(ep, G/etp) of them: of the ep − 1 peers, that many less one are reached over NVLink and
-  the rest over the NIC, both at once: time = max(in-node bytes / NVLink, off-node bytes / NIC). "allgather": every
-  token of the ep·etp ranks gathered and reduce-scattered back, (ep·etp − 1)·r·h each way, a ring whose slowest hop sets the
+  forward and again backward. The ep group's ranks are etp apart (etp innermost, Megatron's expert layout), so a node
+  of G GPUs holds min(ep, G/etp) of them: of the ep − 1 peers, that many less one are reached over NVLink and the rest
+  over the NIC, both at once: time = max(in-node bytes / NVLink, off-node bytes / NIC). "allgather": every token of
+  the ep·etp ranks gathered and reduce-scattered back, (ep·etp − 1)·r·h each way, a ring whose slowest hop sets the
   rate (the NIC once the group spans nodes). "deepep" (DeepSeek's DeepEP): a token crosses the NIC once per
-  destination node, not once per expert: with k experts drawn uniformly over n nodes, (n − 1)·(1 − (1 − 1/n)^k)
-  copies per token, forwarded over NVLink inside the destination node (so every off-node slot also crosses NVLink
-  there), at the fractions DeepEP's README measures on H800 (NVLink 153 of ~160 GB/s, RDMA 43 of ~50 GB/s: the
-  lowest of its normal-kernel rows). Each dispatcher's volume at etp = 1 within a node equals tp.moe's
-  TokenDispatcher.sent_bytes (tests). Exposed, unless the software overlaps it (Software.ep_overlap: Megatron-Core's
-  --overlap-moe-expert-parallel-comm, DualPipe), then only what exceeds the layer's other compute.
+  destination node, not once per expert: with k experts drawn uniformly over n nodes, (n − 1)·(1 − (1 − 1/n)^k) copies
+  per token, forwarded over NVLink inside the destination node (so every off-node slot also crosses NVLink there), at
+  the fractions DeepEP's README measures on H800 (NVLink 153 of ~160 GB/s, RDMA 43 of ~50 GB/s: the lowest of its
+  normal-kernel rows). Each dispatcher's volume at etp = 1 within a node equals tp.moe's TokenDispatcher.sent_bytes
+  (tests). Exposed, unless the software overlaps it (Software.ep_overlap: Megatron-Core's --overlap-moe-expert-
+  parallel-comm, DualPipe), then only what exceeds the layer's other compute.
 - Permutation (memory-bound, at HBM, backward twice forward as the other element-wise work): gathering the k copies
   of each routed token and scattering the outputs back weighted (read and write r·k·h each, read r·k weights, write
   r·h), and with L > 1 and ep > 1 sorting the received chunks by local expert and back (read and write slots·h each

@@ -30,7 +30,6 @@ zero1; the optimizer bytes are the largest rank's sum of its dense and expert sh
 and FSDP2 shards them over edp; fp32 ddp then runs DataParallel's all-reduce form instead of torch DDP.
 """
 import math
-from types import SimpleNamespace
 
 from tp.mesh import layout
 

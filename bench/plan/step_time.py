@@ -45,8 +45,8 @@ from . import memory, moe_time, pipeline
 from .gemm import gemm_time
 from .moe_time import routed_slots
 from .recompute import recomputes
-from .stages import EVEN, StageSplit, layer_counts
 from .software import MEGATRON_2021, MEGATRON_2024, NEMO_2024, OURS, OURS_CPU, TORCHTITAN, Software
+from .stages import EVEN, StageSplit, layer_counts
 
 __all__ = ["ELEMENT_SIZE", "MEGATRON_2021", "MEGATRON_2024", "NEMO_2024", "OURS", "OURS_CPU", "TORCHTITAN", "Plan",
            "Software", "StageTimes", "bubble_fraction", "cp_kv_elements", "model_flops_per_token",
@@ -169,7 +169,7 @@ def _attention_times(config, plan, seq_len, cluster, software, e):
 
 
 def _rate(points, seq_len):
-    """FLOP/s at `seq_len` from measured (sequence length, TFLOP/s) points: linear in log s between them, flat beyond."""
+    """FLOP/s at `seq_len` from measured (sequence length, TFLOP/s) points: linear in log s between, flat beyond."""
     x = math.log2(seq_len)
     (x0, y0), *rest = [(math.log2(s), t * 1e12) for s, t in points]
     if x <= x0:

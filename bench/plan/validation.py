@@ -25,8 +25,8 @@ from models.flops import flops_per_token
 from ..common import RESULTS, print_table
 from .hardware import CLUSTERS, cpu_cluster
 from .search import evaluate
-from .stages import ACCOUNTED
 from .software import MEGATRON_2021, MEGATRON_2024, MEGATRON_CORE, NEMO_2024, OURS_CPU, TORCHTITAN, Software
+from .stages import ACCOUNTED
 from .step_time import Plan, model_flops_per_token, recompute_flops_per_token, step_time
 
 GPT3_SHAPE = dict(vocab_size=51200, activation="gelu", norm="layernorm", bias=True, position="learned",
@@ -170,8 +170,8 @@ GROK_NOTE = ("Dev BF16, sequence 8192, TP 4, PP 8, CP 2, EP 8, VP 8, MBS 1, 64 l
              "nodes; the NeMo overlaps as the 70B recipe (assumed)")
 MODELZOO = "NVIDIA Megatron-MoE-ModelZoo (github.com/yanring/Megatron-MoE-ModelZoo)"
 MIXTRAL_8X22B = dict(PUBLISHED_MODELS["mixtral-8x22b"], vocab_size=32000, max_seq_len=4096)
-MIXTRAL_8X22B_NOTE = ("runtime_configs/benchmarking/runtime.conf (commit 3a2d8b5): TP 2, PP 8, EP 8, CP 1, VPP 7, MBS 1, "
-                      "GBS 256, 56 layers, alltoall, grouped GEMM, 16 nodes, sequence 4096; "
+MIXTRAL_8X22B_NOTE = ("runtime_configs/benchmarking/runtime.conf (commit 3a2d8b5): TP 2, PP 8, EP 8, CP 1, VPP 7, "
+                      "MBS 1, GBS 256, 56 layers, alltoall, grouped GEMM, 16 nodes, sequence 4096; "
                       "model_configs/benchmarking/Mixtral-8x22B.yaml: expert TP 1, --use-distributed-optimizer, "
                       "--overlap-grad-reduce, --overlap-param-gather, --tp-comm-overlap, SP, Transformer Engine, "
                       "flash attention, permute and router fusion, Llama2Tokenizer (vocabulary 32000), dropless; "
