@@ -60,7 +60,7 @@ def test_megatron_uneven_splits_by_hand():
     assert stages.layer_counts(61, 16, 1, stages.StageSplit(first=4, last=1)) == (4,) + (4,) * 14 + (1,)
     assert stages.layer_counts(10, 4, 1) == (3, 3, 2, 2)  # the job's even split
     chunks = stages.stage_chunks(126, 16, 0, 2, accounted)  # rank 0: virtual stages 0 and 16
-    assert chunks == ((0, 3, True, False), (3 + 15 * 4, 3 + 16 * 4, False, False))
+    assert chunks == [(0, 3, True, False), (3 + 15 * 4, 3 + 16 * 4, False, False)]
     with pytest.raises(ValueError, match="do not split into vp=3 equal chunks"):
         stages.layer_counts(126, 16, 3, accounted)
 

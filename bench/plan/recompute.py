@@ -25,8 +25,8 @@ MODULES = {
     "shared_experts": "the shared expert",
     "mla_up_proj": "MLA's up-projections",
 }
-# the parts of models.recompute's granularities in module terms ("block": the whole layer from its input)
-_GRANULAR = {"none": frozenset(), "selective": frozenset({"core_attn"}), "full": frozenset({"block"})}
+# models.recompute's parts in module terms ("block": the whole layer from its input)
+_PART_MODULE = {"core": "core_attn", "block": "block"}
 # recomputation that repeats no GEMM: the search tries it with the granularities
 OUTPUT_DISCARDING = ("layernorm", "moe_act")
 
@@ -48,9 +48,8 @@ def parse(text):
 
 def parts(recompute):
     """The frozenset of what `recompute` recomputes: module names, or {"block"} for full."""
-    if recompute in _GRANULAR:
-        assert set(_GRANULAR) == set(GRANULARITIES), "a granularity bench.plan does not price"
-        return _GRANULAR[recompute]
+    if recompute in GRANULARITIES:
+        return frozenset(_PART_MODULE[part] for part in GRANULARITIES[recompute])
     return frozenset(parse(recompute).split("+"))
 
 

@@ -107,7 +107,7 @@ def _options(config, tp, cp, dp, seq_len, fixed, software):
             if not _allowed(fixed, "sp", "on" if sp else "off") or seq_len % split:
                 continue
             for dp_mode in memory.DP_MODES if dp * cp > 1 else ("ddp",):
-                if _allowed(fixed, "dp_mode", dp_mode) and dp_mode in (software.dp_modes or memory.DP_MODES):
+                if _allowed(fixed, "dp_mode", dp_mode) and dp_mode not in software.lacks_dp_modes:
                     yield recompute, sp, dp_mode
 
 

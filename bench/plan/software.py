@@ -6,6 +6,10 @@ published rows use the dated presets below them (each run's own stack).
 """
 from dataclasses import dataclass, replace
 
+from tp.moe import DISPATCHERS
+
+from .moe_time import DEEPEP
+
 
 @dataclass(frozen=True)
 class Software:
@@ -27,14 +31,14 @@ class Software:
     param_gather_overlap: bool = False  # --overlap-param-gather: zero1's parameter all-gather behind the forward
     p2p_overlap: bool = False  # --overlap-p2p-comm (interleaved): stage sends behind another chunk's compute
     optimizer: str = "tp.optim (fp32 master and Adam moments, fp32 main_grad)"  # what its optimizer keeps, in words
-    dispatchers: tuple = ("alltoall", "allgather")  # the MoE token dispatchers it implements (bench.plan.moe_time)
+    dispatchers: tuple = tuple(DISPATCHERS)  # the MoE token dispatchers it implements (bench.plan.moe_time.CHOICES)
     # kernels one MoE layer's forward launches from its host sync on: (fixed, per local expert) (bench.plan.moe_time)
     moe_launches: tuple = (26, 0)
     ep_overlap: bool = False  # the dispatch/combine hidden behind another micro-batch's compute
     bf16_grad_reduce: bool = False  # may reduce gradients in bf16 (--fix grad_reduce=bf16)
     fsdp_reshard: bool = False  # FSDP2 reshards each block after its forward and backward (else: the pipeline
     # runner keeps the whole stage unsharded until the last backward)
-    dp_modes: tuple | None = None  # the dp modes it runs (bench.plan.memory.DP_MODES' names); None: all of them
+    lacks_dp_modes: tuple = ()  # dp modes (models.training.data_parallel.MODES' names) it does not run
 
 
 # This package: SDPA flash attention, eager element-wise ops, tp.optim's buckets; its MoE layer's forward launches
@@ -56,8 +60,8 @@ MEGATRON_2021 = Software("Megatron-LM 2021-22", precision="fp16", attention="mat
 NEMO_2024 = Software("NeMo 24.x / Megatron-Core (TE)", attention="cudnn", elementwise="fused", dp_overlap=True,
                      tp_overlap=True, param_gather_overlap=True, p2p_overlap=True, backend="te",
                      optimizer="Megatron-Core distributed optimizer (fp32 master and moments, fp32 gradients)",
-                     dispatchers=("alltoall", "allgather", "deepep"), moe_launches=(12, 2), bf16_grad_reduce=True,
-                     dp_modes=("ddp", "zero1"))
+                     dispatchers=(*DISPATCHERS, DEEPEP), moe_launches=(12, 2), bf16_grad_reduce=True,
+                     lacks_dp_modes=("fsdp",))  # (Megatron-FSDP is not priced)
 # Megatron-LM's own 2024 runs (Nemotron-4 15B): the distributed optimizer with its overlaps; the paper does not say
 # that tp communication was overlapped, so it is not
 MEGATRON_2024 = replace(NEMO_2024, name="Megatron-LM 2024 (TE)", tp_overlap=False)
@@ -65,7 +69,8 @@ MEGATRON_2024 = replace(NEMO_2024, name="Megatron-LM 2024 (TE)", tp_overlap=Fals
 # its forward and backward and prefetching the next one's all-gather; its MoE (torch._grouped_mm, one kernel for all
 # experts) launches as this package's
 TORCHTITAN = Software("torchtitan eager (FSDP2, SDPA)", optimizer="AdamW on FSDP2's fp32 shards",
-                      dispatchers=("alltoall",), bf16_grad_reduce=True, fsdp_reshard=True, dp_modes=("ddp", "fsdp"))
+                      dispatchers=tuple(DISPATCHERS)[:1], bf16_grad_reduce=True, fsdp_reshard=True,
+                      lacks_dp_modes=("zero1",))  # (its dispatch: all-to-all)
 # Megatron-Core as its MoE model zoo runs it (Megatron-MoE-ModelZoo's model configs: --use-distributed-optimizer,
 # --overlap-grad-reduce, --overlap-param-gather, --tp-comm-overlap, Transformer Engine, flash attention through TE)
 # --use-distributed-optimizer: fp32 master and Adam moments (12 bytes) sharded, a gradient buffer in the reduce's dtype

@@ -93,9 +93,13 @@ def layer_counts(num_layers, pp, virtual_stages=1, split=EVEN):
     return tuple(counts)
 
 
-@functools.lru_cache(maxsize=4096)
 def stage_chunks(num_layers, pp, stage, virtual_stages=1, split=EVEN):
     """[(first layer, stop, pre_process, post_process)] of the model chunks pipeline rank `stage` holds."""
+    return list(_chunks(num_layers, pp, stage, virtual_stages, split))
+
+
+@functools.lru_cache(maxsize=4096)
+def _chunks(num_layers, pp, stage, virtual_stages, split):
     counts = layer_counts(num_layers, pp, virtual_stages, split)
     starts = [sum(counts[:s]) for s in range(len(counts))]
     stages = [c * pp + stage for c in range(virtual_stages)]
