@@ -10,7 +10,7 @@ import pytest
 
 import models
 from bench import roofline as rl
-from bench.plan import activations, gemm, memory, pipeline, recompute, search, stages
+from bench.plan import activations, attention_time, gemm, memory, pipeline, recompute, search, stages
 from bench.plan import cli as plan
 from bench.plan import hardware as hw
 from bench.plan import step_time as pm
@@ -39,12 +39,12 @@ def test_attention_rate_by_sequence_length_by_hand():
     """Measured (s, TFLOP/s) points interpolate linearly in log s: halfway between 4096 and 8192 (s = 4096·√2)
     the rate is halfway; beyond the points flat. On h100-sxm cuDNN's backward at 8k is 518 TFLOP/s."""
     points = ((4096, 500), (8192, 600))
-    assert pm._rate(points, round(4096 * 2 ** 0.5)) == pytest.approx(550e12, rel=1e-4)
-    assert pm._rate(points, 1024) == 500e12 and pm._rate(points, 65536) == 600e12
+    assert attention_time.rate_at(points, round(4096 * 2 ** 0.5)) == pytest.approx(550e12, rel=1e-4)
+    assert attention_time.rate_at(points, 1024) == 500e12 and attention_time.rate_at(points, 65536) == 600e12
     h100 = hw.CLUSTERS["h100-sxm"]
     config = models.GPTConfig(**models.config.MODELS["llama3-8b"])
     p = pm.Plan(1, 1, 1, 1, 1, 1)
-    fwd, bwd = pm._attention_times(config, p, 8192, h100, pm.NEMO_2024, 2)
+    fwd, bwd = attention_time.attention_times(config, p, 8192, h100, pm.NEMO_2024, 2)
     flops = 2 * 32 * 8192 * 8192 * 128
     assert (fwd, bwd) == (pytest.approx(flops / 614e12), pytest.approx(2.5 * flops / 518e12))
 

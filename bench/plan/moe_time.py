@@ -141,3 +141,16 @@ def expert_time(config, plan, tokens, cluster, e):
     for g in gemms:
         out[g.phase] += gemm.gemm_time(g, cluster, e, groups)
     return out
+
+
+def layer_costs(config, plan, tokens, cluster, software, e, other):
+    """{part: forward or backward seconds} of an MoE layer's experts, dispatch, permutation and host launches per
+    micro-batch (bench.plan.moe_time); `other`: (forward, backward) seconds of the rest of the layer, behind which
+    software that overlaps the dispatch hides it."""
+    experts = expert_time(config, plan, tokens, cluster, e)
+    a2a = a2a_time(config, plan, tokens, cluster, e, plan.dispatcher)
+    exposed = (max(0.0, a2a - other[0]), max(0.0, a2a - other[1])) if software.ep_overlap else (a2a, a2a)
+    permute = elementwise_bytes(config, plan, tokens, e) / cluster.device.hbm
+    after_sync = (experts["fwd"] + permute / 2, experts["dgrad"] + experts["wgrad"] + permute)
+    host = host_time(config, plan, cluster, software, after_sync)
+    return {"experts": experts, "a2a": exposed, "permute": permute, "host": host}

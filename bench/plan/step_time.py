@@ -4,12 +4,13 @@ stage.
 
 Per micro-batch and stage (T = b·s/cp tokens per rank, T' = T/tp under SP, e bytes per element):
 - GEMMs: every per-rank GEMM of the layers (fused QKV with GQA, output projection, fc1 (SwiGLU: 2F), fc2; forward,
-  dgrad, wgrad) and the output layer, each at bench.roofline's Gemm roofline with the profile's achieved GEMM rate:
-  max(FLOPs / (η_gemm·C), bytes / HBM) — one efficiency curve per profile, never per run.
-- Attention core: "flash" (SDPA, this package): causal forward 2·b·s²·d·a/tp/cp FLOPs (QKᵀ and PV, half the square),
-  backward 2.5× (it recomputes the scores), at η_attn·C; "cudnn" (Transformer Engine's fused attention): the same
-  FLOPs at the profile's cuDNN rate. "materialized" (Megatron 2021-22): QKᵀ and PV as batched
-  GEMMs over the whole square, plus softmax, mask and dropout streaming the b·a/tp·s² scores through HBM.
+  dgrad, wgrad) and the output layer, each at bench.roofline's Gemm roofline with the profile's achieved GEMM rate by
+  shape (bench.plan.gemm: η on a full wave of 128 × 128 tiles over the SMs, times the shape's useful fraction).
+- Attention core (bench.plan.attention_time): "flash" (SDPA, this package): causal forward 2·b·s²·d·a/tp/cp FLOPs
+  (QKᵀ and PV, half the square), backward 2.5× (it recomputes the scores); "cudnn" (Transformer Engine's fused
+  attention): the same FLOPs; each at the profile's measured rate for the kernel's s/cp (or one efficiency).
+  "materialized" (Megatron 2021-22): QKᵀ and PV as batched GEMMs over the whole square, plus softmax, mask and
+  dropout streaming the b·a/tp·s² scores through HBM.
 - Element-wise ops (memory-bound, at HBM): "eager" — this package's norms, RoPE and residual adds as separate torch
   ops; "fused" — Megatron's fused LayerNorm, bias-GeLU and bias-dropout-add kernels. Backward streams twice forward.
 - TP collectives: bench.roofline.pair_collectives for the two column→row pairs (ring bytes, SP's extra re-gather),
@@ -19,29 +20,33 @@ Per micro-batch and stage (T = b·s/cp tokens per rank, T' = T/tp under SP, e by
 - cp: ring mode moves (cp−1)·2·b·s/cp·kv·d elements of K/V per layer forward, K/V again plus fp32 dK/dV backward,
   hidden behind the attention blocks it feeds (exposed: what exceeds them); all-gather mode: one all-gather forward
   and a reduce-scatter backward, exposed.
-- Recompute: full adds every block's forward again; selective the attention core's (materialized: with its softmax).
-- Mixture-of-experts layers (ep, etp): the router GEMM over E outputs, the experts as one grouped GEMM over the
-  rank's routed slots (tokens·k·etp/tp: balanced routing; times the capacity factor), the shared expert as a dense
-  MLP; dispatch and combine all-to-alls of slots·h elements, (ep−1)/ep of them off the rank, forward and backward,
-  over the ep group's ep·etp consecutive ranks (NVLink inside a node, the NIC across), not overlapped. The dp reduce
-  and the optimizer count the rank's experts (E/ep) with the dense weights, over dp·cp (not edp: an approximation).
-Per step: m micro-batches through the slowest stage plus the schedule's bubble ((p−1)/v micro-batch times for
-1F1B and interleaved over v virtual stages: bubble_fraction, equal to tp.pipeline.schedules' simulation; plans use
-1F1B, or interleaved when v > 1), pp p2p of each micro-batch's activation (×v interleaved), the dp
-gradient reduce (ddp all-reduce; zero1 reduce-scatter + parameter all-gather; fsdp per-micro-batch parameter
-all-gathers and one gradient reduce-scatter), overlapped with the last backward where the implementation does (and
-zero1's parameter all-gather with the first forward under Software.param_gather_overlap; interleaved p2p with another
-chunk's compute under Software.p2p_overlap), and the optimizer step (memory-bound over its local state).
+- Recompute (bench.plan.recompute): full adds every block's forward again; selective (core_attn) the attention
+  core's (materialized: with its softmax); the other modules their own forward: layernorm the norms' traffic, mlp,
+  moe and shared_experts their GEMMs (moe: with its dispatch), moe_act the activation's traffic.
+- Mixture-of-experts layers (ep, etp; bench.plan.moe_time): the router GEMM over E outputs, the experts as one
+  grouped GEMM over the busiest rank's slots, the shared expert as a dense MLP; the dispatch and combine over NVLink
+  and the NIC at once (node-aware; DeepEP's per-node deduplication), the permutation's and router's traffic, the
+  host's launches after the dispatch's host sync. The dp reduce and the optimizer count the rank's experts (E/ep)
+  with the dense weights, over dp·cp (not edp: an approximation).
+Per step: with equal stages, m micro-batches through the slowest stage plus the schedule's bubble ((p−1)/v micro-
+batch times for 1F1B and interleaved over v virtual stages: bubble_fraction, equal to tp.pipeline.schedules'
+simulation); with an uneven split (bench.plan.stages) the span tp.pipeline.schedules' simulator gives each virtual
+stage's own times (bench.plan.pipeline); plans use 1F1B, or interleaved when v > 1; pp p2p of each micro-batch's
+activation (×v interleaved), the dp gradient reduce (ddp all-reduce; zero1 reduce-scatter + parameter all-gather;
+fsdp per-micro-batch parameter all-gathers and one gradient reduce-scatter), overlapped with the last backward where
+the implementation does (and zero1's parameter all-gather with the first forward under
+Software.param_gather_overlap; interleaved p2p with another chunk's compute under Software.p2p_overlap), and the
+optimizer step (memory-bound over its local state).
 MFU = model FLOPs (6·N + attention 12·L·h·s + logits 6·h·V per token, Narayanan et al. 2021 §5.1, full attention as
 the papers count it) / (step time × peak × GPUs); HFU adds the recomputed FLOPs.
 """
-import math
 from dataclasses import dataclass, replace
 
 from models.flops import flops_per_token
 
 from .. import roofline as rl
 from . import memory, moe_time, pipeline
+from .attention_time import attention_times
 from .gemm import gemm_time
 from .moe_time import routed_slots
 from .recompute import recomputes
@@ -148,39 +153,6 @@ def _layer_gemms(config, plan, tokens, moe=False):
     return gemms
 
 
-def _attention_times(config, plan, seq_len, cluster, software, e):
-    """(forward, backward) seconds of one layer's attention core per micro-batch."""
-    heads = plan.micro_batch_size * config.num_heads // plan.tp  # (batch × local heads) independent problems
-    s_q, s_k, d = seq_len // plan.cp, seq_len, config.head_dim
-    if software.attention in ("flash", "cudnn"):
-        flops = 2 * heads * s_q * s_k * d  # QKᵀ and PV, causal: half of 4·s_q·s_k·d
-        efficiency = cluster.cudnn_attention_efficiency if software.attention == "cudnn" else 0.0
-        rate = (efficiency or cluster.attention_efficiency) * cluster.device.flops
-        measured = (cluster.attention_rates or {}).get(software.attention, {})
-        # the kernel's problem: s/cp queries against each block of s/cp keys (ring) or all s (all-gather)
-        fwd, bwd = (_rate(measured[way], s_q) if way in measured else rate for way in ("fwd", "bwd"))
-        return flops / fwd, 2.5 * flops / bwd
-    qk, pv = rl.Gemm("qk", "fwd", s_q, d, s_k), rl.Gemm("pv", "fwd", s_q, s_k, d)
-    gemm = gemm_time(qk, cluster, e, heads) + gemm_time(pv, cluster, e, heads)
-    scores = heads * s_q * s_k
-    # forward: softmax (read, write), dropout (read, write, 1-byte mask); backward: dropout and softmax grads
-    stream = cluster.device.hbm
-    return gemm + scores * (4 * e + 1) / stream, 2 * gemm + scores * (6 * e + 1) / stream
-
-
-def _rate(points, seq_len):
-    """FLOP/s at `seq_len` from measured (sequence length, TFLOP/s) points: linear in log s between, flat beyond."""
-    x = math.log2(seq_len)
-    (x0, y0), *rest = [(math.log2(s), t * 1e12) for s, t in points]
-    if x <= x0:
-        return y0
-    for x1, y1 in rest:
-        if x <= x1:
-            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
-        x0, y0 = x1, y1
-    return y0
-
-
 def _elementwise_bytes(config, plan, tokens, software, e):
     """Forward bytes through HBM of one layer's element-wise ops (the module docstring); backward: twice this."""
     rows = tokens // plan.tp if plan.sp else tokens
@@ -271,19 +243,6 @@ class StageTimes:
         return self.fwd + self.bwd + self.wgrad + self.recompute
 
 
-def _moe_times(config, plan, tokens, cluster, software, e, other):
-    """{part: forward or backward seconds} of an MoE layer's experts, dispatch, permutation and host launches per
-    micro-batch (bench.plan.moe_time); `other`: (forward, backward) seconds of the rest of the layer, behind which
-    software that overlaps the dispatch hides it."""
-    experts = moe_time.expert_time(config, plan, tokens, cluster, e)
-    a2a = moe_time.a2a_time(config, plan, tokens, cluster, e, plan.dispatcher)
-    exposed = (max(0.0, a2a - other[0]), max(0.0, a2a - other[1])) if software.ep_overlap else (a2a, a2a)
-    permute = moe_time.elementwise_bytes(config, plan, tokens, e) / cluster.device.hbm
-    after_sync = (experts["fwd"] + permute / 2, experts["dgrad"] + experts["wgrad"] + permute)
-    host = moe_time.host_time(config, plan, cluster, software, after_sync)
-    return {"experts": experts, "a2a": exposed, "permute": permute, "host": host}
-
-
 def _layer_times(config, plan, seq_len, cluster, software, moe):
     """StageTimes of one layer (dense, or an MoE layer: `moe`) per micro-batch."""
     e = ELEMENT_SIZE[software.precision]
@@ -292,7 +251,7 @@ def _layer_times(config, plan, seq_len, cluster, software, moe):
     g = {phase: sum(gemm_time(x, cluster, e) for x in gemms if x.phase == phase) for phase in ("fwd", "dgrad",
                                                                                                  "wgrad")}
     forward = {x.layer: gemm_time(x, cluster, e) for x in gemms if x.phase == "fwd"}
-    attention = _attention_times(config, plan, seq_len, cluster, software, e)
+    attention = attention_times(config, plan, seq_len, cluster, software, e)
     elementwise = _elementwise_bytes(config, plan, tokens, software, e) / cluster.device.hbm
     tp_fwd, tp_bwd = _tp_comm(config, plan, tokens, cluster, e)
     if software.tp_overlap:  # each collective pipelined in chunks with the GEMM it feeds or follows: what exceeds them
@@ -302,7 +261,7 @@ def _layer_times(config, plan, seq_len, cluster, software, moe):
     pieces = {"attention": attention[0], "shared": forward.get("shared_fc1", 0.0) + forward.get("shared_fc2", 0.0),
               "mlp": forward.get("fc1", 0.0) + forward.get("fc2", 0.0) + tp_fwd / 2}
     if moe:
-        parts = _moe_times(config, plan, tokens, cluster, software, e,
+        parts = moe_time.layer_costs(config, plan, tokens, cluster, software, e,
                            (g["fwd"] + attention[0], g["dgrad"] + g["wgrad"] + attention[1]))
         g = {phase: g[phase] + parts["experts"][phase] for phase in g}
         elementwise, a2a, host = elementwise + parts["permute"], parts["a2a"], parts["host"]

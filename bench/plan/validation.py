@@ -421,8 +421,8 @@ def validate(*, json_out=False, out=None):
         print_table(a100, TABLE)
         print(_summary(a100))
         print(f"\nPublished H100 bf16 runs (h100-sxm, measured or published fractions, none fitted: GEMMs at "
-              f"{h100.gemm_efficiency:.3f} of peak, collectives at {h100.comm_efficiency:.2f} of the link, cuDNN "
-              f"attention at {h100.cudnn_attention_efficiency:.2f})")
+              f"{h100.gemm_efficiency:.3f} of peak on full tile-waves, collectives at {h100.comm_efficiency:.2f} of "
+              "the link, attention at measured rates by sequence length)")
         print_table(figure_lines(h100_rows), FIGURE_TABLE)
         print(_summary(h100_rows))
         print("\nH100 runs not reached within 20 % (outside the statistics above)")
