@@ -65,7 +65,7 @@ def cluster_of(name, gpus_per_node=None):
     return cluster
 
 
-def software_of(name, cluster, fixed):
+def chosen_software(name, cluster, fixed):
     """The Software --software names (this package in fp32 on the CPU profile), with --fix's gradient reduction;
     ValueError when it cannot run what --fix asks (a dispatcher it lacks, bf16 reduction it does not do)."""
     software = OURS_CPU if name == "ours" and cluster.cores else SOFTWARE[name]
@@ -109,7 +109,7 @@ def parse_fix(text):
                    "grad_reduce": GRAD_REDUCE}.get(key)
         if allowed and value not in allowed:
             raise ValueError(f"--fix {item!r}: {key} must be one of {', '.join(allowed)}")
-        if FIXABLE[key] is int and fixed[key] < (0 if key in ("first_layers", "last_layers") else 1):
+        if FIXABLE[key] is int and fixed[key] < (0 if key.endswith("_layers") else 1):
             raise ValueError(f"--fix {item!r}: {key} must be >= {0 if key.endswith('_layers') else 1}")
     return fixed
 
@@ -303,7 +303,7 @@ def main(argv=None):
         fixed = parse_fix(args.fix)
         cluster = cluster_of(args.hardware, args.gpus_per_node)
         config = config_to_plan(args)
-        software = software_of(args.software, cluster, fixed)
+        software = chosen_software(args.software, cluster, fixed)
     except (ValueError, OSError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

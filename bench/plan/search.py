@@ -19,6 +19,7 @@ from .stages import ACCOUNTED, EVEN, StageSplit, layer_counts
 from .step_time import Plan, step_time
 
 MICRO_BATCH_SIZES = (1, 2, 4, 8, 16)  # the sweep; --fix mbs=N plans any other
+VIRTUAL_STAGES = (2, 3, 4, 6, 8)  # the interleaved sweep before it tried every vp the layers allow (kept for callers)
 SPLIT_KEYS = ("first_layers", "last_layers", "account")  # --fix keys of an uneven split
 
 
@@ -114,10 +115,10 @@ def _options(config, tp, cp, dp, seq_len, fixed, software):
 def _experts(config, tp, cp, dp, fixed, software):
     """(ep, etp, dispatcher) of a mixture of experts on one stage's tp·cp·dp ranks: ep dividing the experts, etp 1 or
     tp (or --fix's) dividing the experts' FFN, ep·etp dividing tp·cp·dp, the software's dispatchers (or --fix's);
-    (1, tp, alltoall) for a dense model."""
+    (1, tp, the first) for a dense model."""
     if not config.num_experts:
         if _allowed(fixed, "ep", 1) and _allowed(fixed, "etp", tp):
-            yield 1, tp, "alltoall"
+            yield 1, tp, software.dispatchers[0]
         return
     for etp in sorted({fixed["etp"]} if "etp" in fixed else {1, tp}):
         for ep in _divisors(tp * cp * dp):
