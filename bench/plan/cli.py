@@ -243,8 +243,7 @@ def print_plans(rows, config, args, cluster, count):
           f"{config.num_heads}/{config.num_kv_heads} heads, ffn {config.ffn_hidden_size} ({config.activation}), "
           f"vocab {config.vocab_size}{experts}; seq {args.seq_len}, global batch {args.global_batch_size}; "
           f"{args.gpus} x {cluster.name} ({cluster.device.gpus_per_node} per node); {len(rows)} of {count} plans fit"
-          + (f"; priced as {SOFTWARE[args.software].name} ({SOFTWARE[args.software].optimizer})"
-             if args.software != "ours" else ""))
+          + (f"; priced as {SOFTWARE[args.software].describe()}" if args.software != "ours" else ""))
     shown = rows[:args.top] if args.top else rows
     print_table(shown, table_columns(config, shown))
     best = rows[0]

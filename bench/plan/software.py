@@ -40,6 +40,13 @@ class Software:
     # runner keeps the whole stage unsharded until the last backward)
     lacks_dp_modes: tuple = ()  # dp modes (models.training.data_parallel.MODES' names) it does not run
 
+    def describe(self):
+        """Its name, what it overlaps and its optimizer, in one line (the CLI's header)."""
+        overlaps = [name for name, on in (("tp-comm", self.tp_overlap), ("grad reduce", self.dp_overlap),
+                                          ("param gather", self.param_gather_overlap), ("p2p", self.p2p_overlap),
+                                          ("ep dispatch", self.ep_overlap)) if on]
+        return f"{self.name}: overlaps {', '.join(overlaps) or 'nothing'}; optimizer {self.optimizer}"
+
 
 # This package: SDPA flash attention, eager element-wise ops, tp.optim's buckets; its MoE layer's forward launches
 # 22 kernels from the dispatch on (counted with a TorchDispatchMode on tp.moe at ep 1: tests/test_moe_plan.py) plus
