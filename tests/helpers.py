@@ -75,3 +75,8 @@ def train_refusal(flags, capsys):
     code = main(list(flags))
     out, err = capsys.readouterr()
     return code, out, err.strip().splitlines()
+
+
+def quiet(err: str) -> str:
+    """A bench.plan run's stderr without a long search's progress lines."""
+    return "\n".join(line for line in err.splitlines() if not line.startswith("bench.plan: "))

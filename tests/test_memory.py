@@ -488,3 +488,54 @@ def test_zb_counts_the_deferred_ws_of_the_last_stage():
     held = memory.layer_wgrad_bytes(cfg, **shape) + 2 * 64 * (cfg.hidden_size + cfg.padded_vocab_size(1))
     assert one.stage == zb.stage == 3 and one.activations == full + 2 * 64 * cfg.head_dim * 2  # + RoPE's cos/sin
     assert zb.activations == max(4 * held, full + 3 * held) + 2 * 64 * cfg.head_dim * 2
+
+
+def _fsdp_held(module):
+    """Bytes FSDP2 holds beyond its shards: every unsharded parameter's storage and its gradient."""
+    from torch.distributed.fsdp import fully_shard
+
+    from tp.pipeline.runner import _param_groups  # (torch 2.11 and 2.13 name FSDP2's groups differently)
+
+    total = 0
+    for state in fully_shard.state(module)._state_ctx.all_states:
+        for group in _param_groups(state):
+            for p in group.fsdp_params:
+                unsharded = getattr(p, "_unsharded_param", None)
+                if unsharded is not None:
+                    total += unsharded.untyped_storage().nbytes()
+                    total += unsharded.grad.untyped_storage().nbytes() if unsharded.grad is not None else 0
+    return total
+
+
+@distributed(world_size=2)
+def test_fsdp2_resharding_peak_is_what_a_cpu_run_holds():
+    """FSDP2 as torchtitan runs it (fully_shard per block, then the stage; resharding after forward and backward):
+    the largest number of unsharded parameter and gradient bytes alive at any module boundary of a step, measured on
+    two CPU ranks, equals the estimate's transient (fsdp_reshard=True) byte for byte in fp32; in bf16 but for the
+    fp32 copy of a block's gradients the reduce-scatter makes inside FSDP2's post-backward (not observable here)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = tp.init_mesh(dp=2)
+    cfg = config()
+    for precision in ("fp32", "bf16"):
+        torch.manual_seed(0)
+        stage = models.GPT(cfg, group=mesh.tp_group)
+        policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if precision == "bf16" else MixedPrecisionPolicy()
+        for block in stage.layers:
+            fully_shard(block, mesh=mesh.device_mesh["dp"], mp_policy=policy)
+        module = fully_shard(stage, mesh=mesh.device_mesh["dp"], mp_policy=policy)
+        peak = [0]
+
+        def probe(*_):
+            peak[0] = max(peak[0], _fsdp_held(module))
+        for m in module.modules():
+            for register in (m.register_forward_pre_hook, m.register_forward_hook, m.register_full_backward_pre_hook,
+                             m.register_full_backward_hook):
+                register(probe)
+        tokens = torch.randint(0, cfg.vocab_size, (1, 16))
+        module(tokens, tokens).backward()
+        want = memory.parameter_memory(cfg, tp=1, pp=1, stage=0, virtual_stages=1, dp_mode="fsdp",
+                                       precision=precision, shards=2, fsdp_reshard=True)[3]
+        block = sum(math.prod(s) for _, s in memory.layer_parameter_shapes(cfg, 1, 0))
+        cast = 4 * block if precision == "bf16" else 0
+        assert peak[0] == want - cast, (precision, peak[0], want)

@@ -7,12 +7,16 @@ import math
 from dataclasses import replace
 
 import pytest
+import torch
 
 import models
+import tp
 from bench.plan import cli as plan
 from bench.plan import hardware as rl
-from bench.plan import memory
+from bench.plan import memory, moe_time
 from bench.plan import step_time as pm
+from tests.helpers import quiet
+from tp.testing import distributed
 
 MOE = models.GPTConfig(vocab_size=256, hidden_size=64, num_layers=4, num_heads=8, num_kv_heads=4, ffn_hidden_size=128,
                        num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=48, moe_layer_freq=[0, 1, 1, 1],
@@ -46,20 +50,78 @@ def test_expert_parameters_per_rank_by_hand():
                         recompute="none", dp_mode="zero1", precision="bf16", ep=16, etp=2)
 
 
-def test_the_all_to_all_crosses_the_node_boundary_at_ep_times_etp_above_a_node():
-    """Dispatch + combine forward move 2·slots·h·e·(ep−1)/ep bytes (slots = tokens·k·etp/tp); the ep group spans
-    ep·etp ranks: inside the 8-GPU node on NVLink (8 B/s here), across nodes on the NIC (1 B/s)."""
-    tokens, e, h = 64, 2, 64
-    for ep, etp, tp, bandwidth in ((8, 1, 1, 8.0), (4, 2, 2, 8.0), (16, 1, 1, 1.0), (8, 2, 2, 1.0)):
-        p = pm.Plan(tp, 1, 1, 1, 16 // tp, 1, ep=ep, etp=etp)
-        slots = tokens * 2 * etp // tp
-        assert pm.routed_slots(MOE, p, tokens) == slots
-        assert pm._a2a_time(MOE, p, tokens, UNIT, e) == pytest.approx(2 * e * slots * h * (ep - 1) / ep / bandwidth)
-    assert pm._a2a_time(MOE, pm.Plan(1, 1, 1, 1, 8, 1), tokens, UNIT, e) == 0.0
-    # the step: the all-to-all time per MoE layer, forward and backward, in the breakdown
+def test_the_all_to_all_bytes_per_link_by_hand():
+    """One dispatch of 64 tokens (h 64, k 2, bf16) from one rank: slots·h·e·(ep − 1)/ep leave it, the in-node share
+    over NVLink and the rest over the NIC; the ep group's ranks are etp apart, so a node of 8 holds 8/etp of them.
+    DeepEP sends a token once per remote node (n − 1)(1 − (1 − 1/n)^k) times and forwards it over NVLink there;
+    allgather gathers (ep·etp − 1)·r·h."""
+    T, e, h = 64, 2, 64
+    one = e * h * T  # one copy of each token: e·h·T at tp = 1
+    cases = [  # (ep, etp, tp, dispatcher, NVLink bytes, NIC bytes)
+        (8, 1, 1, "alltoall", one * 2 * 7 / 8, 0.0),  # one node: 7 of 8 peers there
+        (16, 1, 1, "alltoall", one * 2 * 7 / 16, one * 2 * 8 / 16),  # two nodes of 8: 7 peers near, 8 far
+        (8, 2, 2, "alltoall", one * 2 * 3 / 8, one * 2 * 4 / 8),  # etp 2: 4 ep ranks a node, 2 nodes
+        (16, 1, 1, "deepep", one * 2 * 15 / 16, one * (1 - (1 - 1 / 2) ** 2)),  # 0.75 copies cross the NIC
+        (8, 1, 1, "deepep", one * 2 * 7 / 8, 0.0),  # within a node as alltoall
+        (4, 1, 1, "allgather", e * 3 * T * h, 0.0),
+        (16, 1, 1, "allgather", 0.0, e * 15 * T * h),  # a ring over two nodes: the NIC hop sets the pace
+    ]
+    for ep, etp, tp_size, dispatcher, nvlink, nic in cases:
+        p = pm.Plan(tp_size, 1, 1, 1, 16 // tp_size, 1, ep=ep, etp=etp, dispatcher=dispatcher)
+        got = moe_time.a2a_bytes(MOE, p, T, 8, e, dispatcher)
+        assert got == (pytest.approx(nvlink), pytest.approx(nic)), (ep, etp, dispatcher, got)
+    assert moe_time.a2a_bytes(MOE, pm.Plan(1, 1, 1, 1, 8, 1), T, 8, e) == (0.0, 0.0)
+    # the time: both links at once, the busiest rank's share (imbalance), dispatch + combine
     p = pm.Plan(1, 1, 1, 1, 16, 1, ep=16, etp=1)
-    out = pm.step_time(MOE, p, seq_len=32, global_batch_size=16, cluster=replace(UNIT, cores=None))
-    assert out["breakdown"]["ep_a2a"] == pytest.approx(3 * 2 * pm._a2a_time(MOE, p, 32, UNIT, 2))
+    imbalance = 1 + math.sqrt(2 * math.log(16) * (15 / 16) / (2 * T))
+    assert moe_time.imbalance(MOE, p, T) == pytest.approx(imbalance)
+    assert moe_time.a2a_time(MOE, p, T, UNIT, e) == pytest.approx(2 * max(one * 14 / 16 / 8, one * 16 / 16) * imbalance)
+
+
+def test_each_dispatchers_volume_is_tp_moes_sent_bytes():
+    """Within a node at etp = 1, four passes (dispatch and combine, forward and backward) move what tp.moe's
+    TokenDispatcher.sent_bytes says per token (allgather: less the routing metadata, 16 B per slot per peer)."""
+    from tp.moe import DISPATCHERS
+
+    T, e, h, k = 64, 2, 64, 2
+    for name, dispatcher in DISPATCHERS.items():
+        for ep in (2, 4, 8):
+            p = pm.Plan(1, 1, 1, 1, 8, 1, ep=ep, etp=1, dispatcher=name)
+            nvlink, nic = moe_time.a2a_bytes(MOE, p, T, 8, e, name)
+            metadata = (ep - 1) * k * 16 if name == "allgather" else 0
+            assert nic == 0 and 4 * nvlink / T == pytest.approx(dispatcher.sent_bytes(ep, h, k, e) - metadata)
+
+
+def test_the_moe_layer_overhead_by_hand():
+    """Permutation and router bytes, the host's launches after the sync, the imbalance, the experts' grouped GEMM."""
+    T, e, h, E, k = 64, 2, 64, 8, 2
+    p = pm.Plan(1, 1, 1, 1, 8, 1, ep=8, etp=1)  # one local expert: no chunk sort
+    copies = T * k
+    permute = 2 * e * copies * h + 4 * copies + e * T * h + 2 * e * copies * h
+    router = 5 * 4 * T * E
+    assert moe_time.elementwise_bytes(MOE, p, T, e) == permute + router
+    p4 = replace(p, ep=4)  # two local experts: received chunks sorted by expert and back
+    assert moe_time.elementwise_bytes(MOE, p4, T, e) == permute + router + 2 * 2 * e * copies * h
+    cluster = replace(UNIT, launch_overhead=5e-6)
+    software = replace(pm.OURS, moe_launches=(12, 2))  # 12 + 2 per local expert, 2 local experts at ep 4
+    assert moe_time.host_time(MOE, p4, cluster, software, (1e-5, 2e-4)) == (pytest.approx(16 * 5e-6 - 1e-5), 0.0)
+    assert moe_time.host_time(MOE, p4, cluster, software, (1.0, 1.0)) == (0.0, 0.0)  # hidden behind the GPU
+    gemms, groups = moe_time.expert_gemms(MOE, p4, T)  # each of 2 groups: the busiest rank's slots / 2
+    rows = math.ceil(copies * moe_time.imbalance(MOE, p4, T) / 2)
+    assert groups == 2 and {(g.m, g.k, g.n) for g in gemms if g.phase == "fwd"} == {(rows, h, 2 * 48), (rows, 48, h)}
+
+
+def test_the_moe_costs_appear_in_the_step():
+    """The step's breakdown: dispatch per MoE layer forward and backward (3 MoE layers), the host's exposed launches
+    (none on a profile without launch overhead)."""
+    moe16 = MOE.replace(num_experts=16)
+    p = pm.Plan(1, 1, 1, 1, 16, 1, ep=16, etp=1)
+    out = pm.step_time(moe16, p, seq_len=32, global_batch_size=16, cluster=replace(UNIT, cores=None))
+    assert out["breakdown"]["ep_a2a"] == pytest.approx(3 * 2 * moe_time.a2a_time(moe16, p, 32, UNIT, 2))
+    assert out["breakdown"]["moe_host"] == 0.0
+    overlapped = pm.step_time(moe16, p, seq_len=32, global_batch_size=16, cluster=replace(UNIT, cores=None),
+                              software=replace(pm.OURS, ep_overlap=True))
+    assert overlapped["breakdown"]["ep_a2a"] < out["breakdown"]["ep_a2a"]
 
 
 def _run(capsys, *argv):
@@ -74,7 +136,7 @@ def test_the_search_covers_ep_and_etp_and_reports_active_and_total_parameters(ca
              "--global-batch-size", "16", "--json", "--top", "0"]
     code, out, err = _run(capsys, *flags, "--fix", "pp=1,recompute=none,mbs=2,sp=off")
     plans = json.loads(out)["plans"]
-    assert code == 0 and not err
+    assert code == 0 and not quiet(err)
     splits = {(p["tp"], p["ep"], p["etp"]) for p in plans}
     assert {(1, 8, 1), (2, 4, 2), (2, 8, 1), (4, 2, 4), (1, 1, 1)} <= splits
     assert all((p["tp"] * p["cp"] * p["dp"]) % (p["ep"] * p["etp"]) == 0 and p["etp"] in (1, p["tp"]) for p in plans)
@@ -126,3 +188,51 @@ def test_bad_moe_requests_are_one_line(argv, message, capsys):
     except SystemExit as e:
         code = e.code
     assert code in (1, 2) and message in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+VIEWS = {"view", "_unsafe_view", "t", "transpose", "unsqueeze", "squeeze", "permute", "split", "split_with_sizes",
+         "slice", "detach", "expand", "alias", "select", "as_strided", "reshape", "unbind", "narrow", "lift_fresh"}
+
+
+@distributed(world_size=1)
+def test_our_moe_layer_launches_what_the_software_says():
+    """OURS.moe_launches counts the kernels tp.moe's MoE layer launches from its dispatch (the argsort by expert) on:
+    22 at ep 1, counted here op by op (views launch nothing), plus the count table's gather and host copy and the
+    two all-to-alls at ep > 1."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Launches(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ not in VIEWS:
+                self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    tp.init_mesh()
+    cfg = models.GPTConfig(**models.config.MODELS["tiny-moe"])
+    mlp = models.GPT(cfg).layers[1].mlp
+    counted = Launches()
+    with counted:
+        mlp(torch.randn(2, 16, cfg.hidden_size))
+    after_sync = counted.names[counted.names.index("sort"):]
+    assert pm.OURS.moe_launches == (len(after_sync) + 4, 0) == (26, 0), after_sync
+
+
+def test_software_and_moe_fix_keys_on_the_cli(capsys):
+    """--software megatron-core with --fix dispatcher=deepep,recompute=layernorm+moe_act,grad_reduce=bf16 plans
+    exactly that; this package implements no DeepEP and reduces in fp32: one line each."""
+    flags = ["--gpus", "16", "--hidden", "64", "--layers", "4", "--heads", "8", "--ffn", "128", "--vocab", "256",
+             "--num-experts", "16", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "48", "--seq-len", "64",
+             "--global-batch-size", "16", "--json", "--top", "0"]
+    fix = "pp=1,mbs=1,sp=off,ep=16,etp=1,dispatcher=deepep,recompute=layernorm+moe_act,grad_reduce=bf16"
+    code, out, err = _run(capsys, *flags, "--software", "megatron-core", "--fix", fix)
+    plans = json.loads(out)["plans"]
+    assert code == 0 and plans and not quiet(err)
+    assert {(p["dispatcher"], p["recompute"]) for p in plans} == {("deepep", "layernorm+moe_act")}
+    code, _, err = _run(capsys, *flags, "--fix", "dispatcher=deepep")
+    assert code == 1 and "--software ours implements alltoall, allgather" in err
+    code, _, err = _run(capsys, *flags, "--fix", "grad_reduce=bf16")
+    assert code == 1 and "--software ours reduces gradients in fp32" in err

@@ -10,7 +10,9 @@ import models
 from bench.plan import cli as plan
 from bench.plan import hardware as rl
 from bench.plan import memory, validation
+from bench.plan import search as plan_search
 from bench.plan import step_time as pm
+from tests.helpers import quiet
 
 TINY = models.GPTConfig(**models.config.PRESETS["tiny"])
 # a made-up node where times are bytes or FLOPs: 1 FLOP/s, 1 B/s everywhere, no latency, full efficiency
@@ -117,16 +119,17 @@ def test_h100_runs_within_20_percent_each_with_its_source():
     """Every reached H100 bf16 row (dense and MoE) is within 20 % on the h100-sxm profile as committed, each names
     its source and the figure it read there; the MoE rows carry their ep and etp."""
     rows = validation.published_rows(rows=validation.H100_PUBLISHED)
-    assert len(rows) == 14 and {r["hardware"] for r in rows} == {"h100-sxm"}
+    assert len(rows) == 15 and {r["hardware"] for r in rows} == {"h100-sxm"}
     errors = {(r["row"], k): r[k] for r in rows for k in r if k.startswith("error_")}
-    assert len(errors) == 14 and max(map(abs, errors.values())) <= 0.2, errors
+    assert len(errors) == 15 and max(map(abs, errors.values())) <= 0.2, errors
+    assert sum(map(abs, errors.values())) / len(errors) <= 0.1, errors  # the issue's bar: mean |error| <= 10 %
     for row in validation.H100_PUBLISHED:
         assert row.source and row.note and row.software.precision == "bf16"
         for value in row.published.values():  # the figure as the source prints it, or the iteration time it is from
             assert f"{value:,}" in row.source or "iteration" in row.source, row.name
     moe = [r for r in rows if r["ep"] > 1]
     assert {r["row"] for r in moe} == {"Grok-1 314B (512 H100)", "Grok-1 314B (2048 H100)",
-                                        "Mixtral 8x7B (64 H100, ep 8)"}
+                                        "Mixtral 8x7B (64 H100, ep 8)", "Mixtral 8x22B (128 H100, ep 8)"}
     assert all(f"ep{r['ep']} etp{r['etp']}" in r["plan"] for r in moe)
 
 
@@ -143,10 +146,13 @@ def test_h100_runs_fit_under_their_softwares_memory_model():
 
 
 def test_h100_fractions_are_the_cited_measurements_not_fitted():
-    """The H100 profile's fractions are the numbers its source names (the median torch GEMM of bench.kernels on the
-    H200, NCCL's 370 of 450 GB/s, FlashAttention-3's 614 TFLOP/s), not a fit to the rows above."""
+    """The H100 profile's fractions are the numbers its source names (the GEMM efficiency fitted to bench.kernels'
+    cuBLAS rates in the committed GPU runs, NCCL's 370 of 450 GB/s, FlashAttention-3's 614 TFLOP/s), not a fit to
+    the rows above. A new GPU run that moves the GEMM fit fails here until the profile takes it."""
+    from bench.plan import gemm
+
     h100 = rl.CLUSTERS["h100-sxm"]
-    assert h100.gemm_efficiency == pytest.approx(608 / 989, abs=1e-3) and "608 of 989" in h100.source
+    assert h100.gemm_efficiency == pytest.approx(gemm.fit_efficiency(), abs=1e-3) and "0.641" in h100.source
     assert h100.comm_efficiency == pytest.approx(370 / 450, abs=2e-3) and "370 of 450" in h100.source
     assert h100.cudnn_attention_efficiency == pytest.approx(614 / 989, abs=2e-3) and "614 TFLOP/s" in h100.source
 
@@ -221,7 +227,7 @@ def _run(capsys, *argv):
 def test_cli_small_model(capsys, tmp_path):
     code, out, err = _run(capsys, "--hardware", "h100-sxm", "--gpus", "8", "--model", "tiny", "--seq-len", "64",
                           "--global-batch-size", "16", "--json", "--top", "0", "--out", str(tmp_path))
-    assert code == 0 and not err
+    assert code == 0 and not quiet(err)
     plans = json.loads(out)["plans"]
     assert all(a["tokens_per_s"] >= b["tokens_per_s"] * (1 - 1e-9) for a, b in zip(plans, plans[1:]))  # best first
     for key in ("tp", "cp", "pp", "vp", "dp", "mbs", "recompute", "sp", "dp_mode", "memory_per_gpu_gb", "fits",
@@ -255,7 +261,7 @@ def test_cli_large_model(capsys, tmp_path):
     path.write_text(json.dumps(config))
     code, out, err = _run(capsys, "--hardware", "h100-sxm", "--gpus", "512", "--hf-config", str(path), "--seq-len",
                           "8192", "--global-batch-size", "512", "--fix", "tp=8,dp_mode=zero1", "--json", "--top", "3")
-    assert code == 0 and not err
+    assert code == 0 and not quiet(err)
     plans = json.loads(out)["plans"]
     assert len(plans) == 3 and all(p["tp"] == 8 and p["dp_mode"] == "zero1" for p in plans)
     assert all(p["memory_per_gpu_gb"] <= 77 and 0.2 < p["mfu"] < 0.76 for p in plans)  # < the GEMM efficiency
@@ -268,10 +274,10 @@ def test_equally_fast_plans_rank_the_simpler_first():
     config = models.GPTConfig(**(plan.MODELS["llama3-8b"] | {"max_seq_len": 8192}))
     rows, _, _ = plan.search(config, gpus=64, seq_len=8192, global_batch_size=512, cluster=rl.CLUSTERS["h100-sxm"],
                              fixed={"tp": 4, "pp": 2})
-    order = {r: i for i, r in enumerate(memory.RECOMPUTE)}
+    order = plan_search.recompute_order
     inversions = [(a, b) for a, b in zip(rows, rows[1:]) if a["tokens_per_s"] == pytest.approx(b["tokens_per_s"],
                                                                                                rel=1e-9)
-                  and (a["cp"], order[a["recompute"]], a["vp"]) > (b["cp"], order[b["recompute"]], b["vp"])]
+                  and (a["cp"], order(a["recompute"]), a["vp"]) > (b["cp"], order(b["recompute"]), b["vp"])]
     assert not inversions, inversions[:2]
 
 
@@ -281,7 +287,7 @@ def test_cli_from_another_directory_top_zero_and_a_repeated_fix(capsys, tmp_path
     monkeypatch.chdir(tmp_path)
     small = ["--gpus", "2", "--model", "tiny", "--seq-len", "64", "--global-batch-size", "4"]
     code, out, err = _run(capsys, "--hardware", "cpu-measured", *small, "--top", "0")
-    assert code == 0 and not err, err
+    assert code == 0 and not quiet(err), err
     rows = [line for line in out.splitlines() if line.count("|") > 10][1:]  # the table's rows below its header
     code, out, _ = _run(capsys, "--hardware", "cpu-measured", *small, "--top", "0", "--json")
     assert len(rows) == len(json.loads(out)["plans"]) > 1
@@ -317,11 +323,35 @@ def test_fix_pins_a_micro_batch_size_or_virtual_stages_outside_the_default_sweep
 def test_infeasible_requests_end_in_one_line(capsys):
     code, out, err = _run(capsys, "--hardware", "h100-sxm", "--gpus", "8", "--model", "llama3-405b", "--seq-len",
                           "8192", "--global-batch-size", "64")
+    err = quiet(err)
     assert code == 1 and not out and len(err.strip().splitlines()) == 1
     assert err.startswith("error: no plan fits 8 GPUs of h100-sxm") and "GB over the 82.5 GB usable" in err
     code, _, err = _run(capsys, "--gpus", "8", "--model", "tiny", "--seq-len", "64", "--global-batch-size", "16",
                         "--fix", "tp=3")
-    assert code == 1 and len(err.strip().splitlines()) == 1 and "no split of 8 GPUs" in err
+    assert code == 1 and err.strip() == "error: --fix tp=3: tp=3 does not divide the 8 GPUs"
     code, _, err = _run(capsys, "--gpus", "8", "--model", "tiny", "--seq-len", "64", "--global-batch-size", "16",
                         "--fix", "recompute=some")
-    assert code == 1 and err.strip() == "error: --fix 'recompute=some': recompute must be one of none, selective, full"
+    assert code == 1 and err.strip() == ("error: --fix 'recompute=some': recompute='some': expected one of none, "
+                                         "selective, full or modules joined by '+' from core_attn, mlp, moe, moe_act, "
+                                         "layernorm, shared_experts, mla_up_proj")
+
+
+@pytest.mark.parametrize("fix,constraint", [
+    ("pp=2,vp=4", "num_layers=4 is not divisible by pp*virtual_stages = 2*4 (interleaved chunks hold equal numbers "
+                  "of layers); with the embedding+loss accounted: pipeline rank 0's 3 layers (with the "
+                  "embedding/loss slots) do not split into vp=4 equal chunks"),
+    ("pp=2,vp=3,account=none,first_layers=1,last_layers=3", "pipeline rank 0's 1 layers do not split into vp=3"),
+    ("pp=2,first_layers=1,last_layers=2", "first=1 + last=2 != num_layers=4 at pp=2"),
+    ("pp=4,account=embedding+loss", "num_layers=4 + embedding 1 + loss 1 = 6 is not divisible by pp=4"),
+    ("pp=4,first_layers=1,account=loss", "first/last pipeline layers do not combine with accounting"),
+    ("pp=1,vp=2", "vp=2 interleaves pipeline stages: it needs pp > 1"),
+    ("tp=2,cp=1,pp=1,mbs=3", "mbs=3 does not divide the 4 sequences per dp rank"),
+    ("ep=2", "ep=2 splits experts and the model has none"),
+    ("tp=1,sp=on", "sp=on needs tp > 1"),
+])
+def test_an_impossible_fix_names_the_constraint_that_fails(capsys, fix, constraint):
+    """A --fix no split satisfies ends in one line naming the broken constraint (the tiny model: 4 layers)."""
+    code, _, err = _run(capsys, "--gpus", "8", "--model", "tiny", "--seq-len", "64", "--global-batch-size", "16",
+                        "--fix", fix)
+    assert code == 1 and len(err.strip().splitlines()) == 1 and err.startswith(f"error: --fix {fix}: "), err
+    assert constraint in err, err

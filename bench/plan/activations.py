@@ -44,8 +44,9 @@ cp per-layer cos/sin. The MoE layer and the loss are counted as this package's (
 """
 import functools
 
-from models.recompute import recomputes
 from tp.pipeline.schedules import SCHEDULES, build
+
+from .recompute import parts, recomputes
 
 PRECISIONS = {"fp32": 4, "bf16": 2}  # activation / parameter bytes
 MAIN_GRAD = {"bf16": True, "fp32": False}  # the training job keeps an fp32 main_grad under bf16 (as ZeRO's table)
@@ -78,15 +79,20 @@ def layer_activation_bytes(config, *, tp, cp=1, micro_batch_size, seq_len, seque
         return e * rows * h
     heads, kv = config.num_heads // tp, local_kv_heads(config, tp)
     te = backend == "te"
-    norm = norm_activation_bytes(config, rows, precision, backend)
+    # output-discarding norms keep only their input (the residual stream), recomputing the rest in backward
+    norm = e * rows * h if recomputes(recompute, "layernorm") else norm_activation_bytes(config, rows, precision,
+                                                                                         backend)
     roped = heads + kv if config.position == "rope" and not te else 0  # RoPE writes q and k anew; TE's fused not
     attention = e * tokens * d * ((heads + 2 * kv) + roped + heads)
-    attention += 0 if recomputes(recompute, "core") else 4 * tokens * heads
+    attention += 0 if recomputes(recompute, "core_attn") else 4 * tokens * heads
     if cp > 1 and config.position == "rope" and not te:  # cos/sin gathered at this rank's positions, per layer
         attention += 2 * e * tokens // micro_batch_size * d
     native = backend == "torch" and tp == 1 and not MAIN_GRAD[precision]
-    if config.is_moe_layer(layer):
-        mlp = moe_activation_bytes(config, tp=tp, tokens=tokens, rows=rows, precision=precision, etp=etp)
+    if config.is_moe_layer(layer):  # recomputing the MoE layer or the dense MLP keeps their input: the norm's output
+        mlp = 0 if recomputes(recompute, "moe") else moe_activation_bytes(
+            config, tp=tp, tokens=tokens, rows=rows, precision=precision, etp=etp, dropped=parts(recompute))
+    elif recomputes(recompute, "mlp"):
+        mlp = 0
     elif config.activation == "swiglu" and native:  # autograd's SwiGLU at accumulator precision
         mlp = 4 * tokens * 3 * f + e * tokens * f
     else:
@@ -95,7 +101,7 @@ def layer_activation_bytes(config, *, tp, cp=1, micro_batch_size, seq_len, seque
     return 2 * norm + attention + mlp + masks
 
 
-def moe_activation_bytes(config, *, tp, tokens, rows, precision, etp=None):
+def moe_activation_bytes(config, *, tp, tokens, rows, precision, etp=None, dropped=frozenset()):
     """An MoE layer's MLP activations per micro-batch on one rank (in place of the dense MLP's), as the alltoall
     dispatcher's layer saves them. Each tp rank routes its r = tokens/tp share (under SP its sequence shard, else a
     copy it scatters: then the norm's output, counted with the norm, is not saved, the copy is): the router keeps
@@ -105,7 +111,8 @@ def moe_activation_bytes(config, *, tp, tokens, rows, precision, etp=None):
     activation (e bytes each). Back on the routing rank, per slot (r·k, dropped ones as zero rows): the combined
     output and the weighted output (the index_add's source), the weight and three int64 indices. The dispatch and
     combine keep no tensor (their backward is each other, from the count table). The shared expert as a dense MLP
-    of its size."""
+    of its size. `dropped` recompute modules: "moe_act" drops the activation, "shared_experts" the shared expert's
+    tensors."""
     e, h, experts, f = PRECISIONS[precision], config.hidden_size, config.num_experts, config.moe_ffn_hidden_size
     etp = tp if etp is None else etp
     glu, k = (2 if config.activation == "swiglu" else 1), config.moe_router_topk
@@ -115,9 +122,10 @@ def moe_activation_bytes(config, *, tp, tokens, rows, precision, etp=None):
     if copy and not config.moe_shared_expert_size:  # then nothing keeps the norm's output (the shared expert would)
         copy -= e * tokens * h
     slots = routed * k
-    gemms = int(slots * etp * min(config.moe_capacity_factor or 1.0, 1.0)) * e * (h + (glu + 1) * f // etp)
+    saved_f = (glu + (0 if "moe_act" in dropped else 1)) * f // etp  # pre-activation, activation
+    gemms = int(slots * etp * min(config.moe_capacity_factor or 1.0, 1.0)) * e * (h + saved_f)
     combine = slots * (2 * e * h + e + 24)
-    shared = e * tokens * (glu + 1) * config.moe_shared_expert_size // tp
+    shared = 0 if "shared_experts" in dropped else e * tokens * (glu + 1) * config.moe_shared_expert_size // tp
     return router + copy + gemms + combine + shared
 
 

@@ -11,8 +11,13 @@ Feasible: the sizes divide (heads, kv heads, FFN and the padded vocabulary by tp
 under SP; the layers by pp·vp for interleaving, Megatron's micro-batches by pp), the global batch splits into
 dp × micro-batch, tp stays within a node (unless --fix tp=...), and the estimated memory of the largest stage fits
 the GPU's (less its `reserved` allowance). No feasible plan: one line saying what does not fit and by how much
-(exit 1). --fix pins any of tp, cp, pp, vp, dp, mbs, recompute (none|selective|full), sp (on|off),
-dp_mode (ddp|zero1|fsdp). --out DIR writes plans.json and plan.png (the time breakdown of the top 12 or --top).
+(exit 1). --fix pins any of tp, cp, pp, vp, dp, mbs, recompute (none|selective|full, or Megatron's recompute modules
+joined by "+": layernorm+moe_act), sp (on|off), dp_mode (ddp|zero1|fsdp), ep, etp, dispatcher
+(alltoall|allgather|deepep), an uneven pipeline split (first_layers, last_layers: Megatron's
+--decoder-first/last-pipeline-num-layers; account=embedding|loss|embedding+loss: --account-for-*-in-pipeline-split)
+and grad_reduce (fp32|bf16); a --fix no split can satisfy names the constraint that fails. --software prices another
+implementation (its kernels, overlaps and optimizer: bench.plan.software). Searches longer than 5 s report progress
+on stderr. --out DIR writes plans.json and plan.png (the time breakdown of the top 12 or --top).
 """
 import argparse
 import json
@@ -25,19 +30,26 @@ from models.hf import config_from_hf
 from models.presets import MODELS
 
 from ..common import check_out, print_table
+from .feasibility import fix_conflict
 from .hardware import CLUSTERS, CPU_MEASURED, PROFILES, cpu_cluster
-from .memory import DP_MODES, RECOMPUTE
+from .memory import DP_MODES
+from .moe_time import CHOICES as DISPATCHERS
+from .recompute import parse as parse_recompute
 from .search import search
+from .software import OURS_CPU, SOFTWARE
 from .validation import cpu_op_overhead, validate
 
 PLOTTED = 12  # bars in plan.png at most
 USAGE = """python -m bench.plan --gpus N --seq-len S --global-batch-size B
            (--model NAME | --hf-config PATH | --hidden H --layers L --heads A [--kv-heads K] [--ffn F])
-           [--hardware PROFILE] [--fix KEY=VALUE,...] [--top N] [--json] [--out DIR]
+           [--hardware PROFILE] [--software NAME] [--fix KEY=VALUE,...] [--top N] [--json] [--out DIR]
        python -m bench.plan --validate"""
 # --fix's keys (the table's and the JSON's names) and their types
 FIXABLE = {"tp": int, "cp": int, "pp": int, "vp": int, "dp": int, "mbs": int, "recompute": str, "sp": str,
-           "dp_mode": str, "ep": int, "etp": int}
+           "dp_mode": str, "ep": int, "etp": int, "dispatcher": str, "first_layers": int, "last_layers": int,
+           "account": str, "grad_reduce": str}
+ACCOUNT = ("none", "embedding", "loss", "embedding+loss")  # account=: Megatron's --account-for-*-in-pipeline-split
+GRAD_REDUCE = ("fp32", "bf16")
 COLUMNS = [("tp", "tp", "{}"), ("cp", "cp", "{}"), ("pp", "pp", "{}"), ("vp", "vp", "{}"), ("dp", "dp", "{}"),
            ("mbs", "mbs", "{}"), ("recompute", "recompute", "{}"), ("sp", "sp", "{}"), ("dp_mode", "dp_mode", "{}"),
            ("memory_per_gpu_gb", "memory/GPU GB", "{:.1f}"), ("step_s", "step s", "{:.3g}"),
@@ -51,6 +63,27 @@ def cluster_of(name, gpus_per_node=None):
     if gpus_per_node:
         cluster = replace(cluster, device=replace(cluster.device, gpus_per_node=gpus_per_node))
     return cluster
+
+
+def chosen_software(name, cluster, fixed):
+    """The Software --software names (this package in fp32 on the CPU profile), with --fix's gradient reduction;
+    ValueError when it cannot run what --fix asks (a dispatcher it lacks, bf16 reduction it does not do)."""
+    software = OURS_CPU if name == "ours" and cluster.cores else SOFTWARE[name]
+    if fixed.get("dispatcher", software.dispatchers[0]) not in software.dispatchers:
+        raise ValueError(f"--fix dispatcher={fixed['dispatcher']}: --software {name} implements "
+                         f"{', '.join(software.dispatchers)}")
+    if fixed.get("grad_reduce") == "bf16":
+        if not software.bf16_grad_reduce:
+            raise ValueError(f"--fix grad_reduce=bf16: --software {name} reduces gradients in fp32 "
+                             f"({software.optimizer})")
+        software = replace(software, grad_bytes=2)
+    return software
+
+
+def report_progress(done, total, feasible, seconds):
+    """A long search's progress line on stderr."""
+    print(f"bench.plan: {done:,} of {total:,} plans evaluated, {feasible:,} fit ({seconds:.0f} s)", file=sys.stderr,
+          flush=True)
 
 
 def parse_fix(text):
@@ -67,11 +100,17 @@ def parse_fix(text):
             fixed[key] = FIXABLE[key](value)
         except ValueError:
             raise ValueError(f"--fix {item!r}: {key} must be an integer") from None
-        allowed = {"recompute": RECOMPUTE, "sp": ("on", "off"), "dp_mode": DP_MODES}.get(key)
+        if key == "recompute":
+            try:
+                fixed[key] = parse_recompute(value)
+            except ValueError as e:
+                raise ValueError(f"--fix {item!r}: {e}") from None
+        allowed = {"sp": ("on", "off"), "dp_mode": DP_MODES, "dispatcher": DISPATCHERS, "account": ACCOUNT,
+                   "grad_reduce": GRAD_REDUCE}.get(key)
         if allowed and value not in allowed:
             raise ValueError(f"--fix {item!r}: {key} must be one of {', '.join(allowed)}")
-        if FIXABLE[key] is int and fixed[key] < 1:
-            raise ValueError(f"--fix {item!r}: {key} must be >= 1")
+        if FIXABLE[key] is int and fixed[key] < (0 if key.endswith("_layers") else 1):
+            raise ValueError(f"--fix {item!r}: {key} must be >= {0 if key.endswith('_layers') else 1}")
     return fixed
 
 
@@ -112,6 +151,8 @@ def parser():
     p = argparse.ArgumentParser(prog="python -m bench.plan", description=__doc__, usage=USAGE,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hardware", choices=PROFILES, default="h100-sxm")
+    p.add_argument("--software", choices=tuple(SOFTWARE), default="ours",
+                   help="whose implementation to price: its kernels, overlaps and optimizer (bench.plan.software)")
     p.add_argument("--gpus", type=int, help="GPUs (CPU ranks on cpu-measured); required (but with --validate)")
     p.add_argument("--gpus-per-node", type=int, help="default: the profile's (8 for GPUs)")
     p.add_argument("--model", choices=tuple(MODELS), help="a named shape (models/presets.py; models.train takes the "
@@ -177,8 +218,21 @@ def no_plan_line(config, args, count, smallest, cluster):
     s = smallest
     return (f"error: no plan fits {where}: the least memory any of {count} splits needs is "
             f"{s['memory_per_gpu_gb']:.1f} GB per GPU (tp={s['tp']} cp={s['cp']} pp={s['pp']} vp={s['vp']} "
-            f"dp={s['dp']} mbs={s['mbs']} recompute={s['recompute']} sp={s['sp']} dp_mode={s['dp_mode']}), "
+            f"dp={s['dp']} mbs={s['mbs']} recompute={s['recompute']} sp={s['sp']} dp_mode={s['dp_mode']}"
+            + (f" split={s['split']}" if s["split"] != "even" else "") + "), "
             f"{s['memory_per_gpu_gb'] - usable:.1f} GB over the {usable:.1f} GB usable")
+
+
+def table_columns(config, shown):
+    """COLUMNS, with ep, etp and the dispatcher for a mixture of experts and the stage split where a shown plan is
+    uneven."""
+    columns = list(COLUMNS)
+    if any(r["split"] != "even" for r in shown):
+        columns.insert(4, ("split", "split", "{}"))
+    if config.num_experts:
+        at = columns.index(("dp_mode", "dp_mode", "{}")) + 1
+        columns[at:at] = [("ep", "ep", "{}"), ("etp", "etp", "{}"), ("dispatcher", "dispatcher", "{}")]
+    return columns
 
 
 def print_plans(rows, config, args, cluster, count):
@@ -188,9 +242,10 @@ def print_plans(rows, config, args, cluster, count):
     print(f"{args.model or args.hf_config or 'model'}: {config.num_layers} layers, hidden {config.hidden_size}, "
           f"{config.num_heads}/{config.num_kv_heads} heads, ffn {config.ffn_hidden_size} ({config.activation}), "
           f"vocab {config.vocab_size}{experts}; seq {args.seq_len}, global batch {args.global_batch_size}; "
-          f"{args.gpus} x {cluster.name} ({cluster.device.gpus_per_node} per node); {len(rows)} of {count} plans fit")
-    columns = COLUMNS[:9] + [("ep", "ep", "{}"), ("etp", "etp", "{}")] + COLUMNS[9:] if config.num_experts else COLUMNS
-    print_table(rows[:args.top] if args.top else rows, columns)
+          f"{args.gpus} x {cluster.name} ({cluster.device.gpus_per_node} per node); {len(rows)} of {count} plans fit"
+          + (f"; priced as {SOFTWARE[args.software].describe()}" if args.software != "ours" else ""))
+    shown = rows[:args.top] if args.top else rows
+    print_table(shown, table_columns(config, shown))
     best = rows[0]
     parts = ", ".join(f"{k} {v:.3g}" for k, v in best["breakdown"].items() if v > 0)
     print(f"best: {best['step_s']:.3g} s per step = {parts} (seconds per step; HFU {best['hfu']:.1%}, "
@@ -247,13 +302,18 @@ def main(argv=None):
         fixed = parse_fix(args.fix)
         cluster = cluster_of(args.hardware, args.gpus_per_node)
         config = config_to_plan(args)
+        software = chosen_software(args.software, cluster, fixed)
     except (ValueError, OSError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     rows, smallest, count = search(config, gpus=args.gpus, seq_len=args.seq_len,
-                                   global_batch_size=args.global_batch_size, cluster=cluster, fixed=fixed)
+                                   global_batch_size=args.global_batch_size, cluster=cluster, fixed=fixed,
+                                   software=software, progress=report_progress)
     if not rows:
-        print(no_plan_line(config, args, count, smallest, cluster), file=sys.stderr)
+        conflict = fix_conflict(config, gpus=args.gpus, seq_len=args.seq_len,
+                                global_batch_size=args.global_batch_size, fixed=fixed) if count == 0 else None
+        print(f"error: --fix {args.fix}: {conflict}" if conflict else no_plan_line(config, args, count, smallest,
+                                                                                   cluster), file=sys.stderr)
         return 1
     top = rows[:args.top] if args.top else rows
     if args.json:

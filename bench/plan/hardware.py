@@ -26,11 +26,31 @@ class Cluster:
     cores: int = 0  # CPU: ranks share this many cores (0: one device per rank)
     cudnn_attention_efficiency: float = 0.0  # of device.flops, by cuDNN's fused attention (Software "cudnn"); 0: as
     # attention_efficiency
+    # measured attention kernels by sequence length: {kernel ("cudnn" | "flash"): {"fwd" | "bwd": ((s, TFLOP/s), ...)}},
+    # each rate interpolated in log s between the points (flat beyond them); a missing one: the efficiency above
+    attention_rates: dict | None = None
+    sms: int = 0  # streaming multiprocessors: GEMM tiles fill them in waves (bench.plan.gemm); 0: no tiles (CPU)
+    launch_overhead: float = 0.0  # host seconds per kernel launch, exposed only where the host cannot run ahead
+    # (after a host sync: bench.plan.moe_time)
 
 
 # The H100's achieved fractions (sources in the profile's `source`); bench/plan/validation.py checks them against
 # published H100 runs without refitting them.
-H100_GEMM = 608 / 989
+H100_GEMM = 0.641  # bench.plan.gemm.fit_efficiency() over the committed GPU runs (tests/test_plan.py checks it)
+# Attention by sequence length on H100 SXM5, head dim 128, TFLOP/s: FlashAttention-3 forward (pytorch/benchmark PR
+# #2391's table, batch·sequence = 16k, 16 heads), and backward of cuDNN and FlashAttention-2 (Shah et al. 2024,
+# FlashAttention-3, the figure "Attention backward speed, head dim 128 (H100 80GB SXM5)"). "cudnn" (Transformer
+# Engine's fused attention): FA3's forward, cuDNN's backward; "flash" (SDPA's FlashAttention-2): FA2's backward, its
+# forward at the FA3 paper's 35 % (attention_efficiency).
+H100_ATTENTION = {
+    "cudnn": {"fwd": ((512, 430), (1024, 517), (2048, 566), (4096, 590), (8192, 614), (16384, 621)),
+              "bwd": ((512, 305), (1024, 408), (2048, 465), (4096, 499), (8192, 518), (16384, 516))},
+    "flash": {"bwd": ((512, 214), (1024, 260), (2048, 291), (4096, 310), (8192, 318), (16384, 322))},
+}
+H100_SMS, A100_SMS = 132, 108  # NVIDIA H100 (SXM5) and A100 Tensor Core GPU architecture whitepapers
+# Host time per eager op and kernel launch on an H100 node: "~5–25 µs of CPU-side work per op" (Python, autograd,
+# the ATen dispatcher and cudaLaunchKernel, jiahuanglin.xyz "From PyTorch op to kernel launch"): the lower end
+LAUNCH_OVERHEAD = 5e-6
 H100_COMM = 370 / 450
 H100_CUDNN_ATTENTION = 614 / 989
 # Device memory as the driver reports it (nvidia-smi's total): the "80 GB" of both datasheets is 80 GiB of HBM, less
@@ -42,30 +62,37 @@ CLUSTERS = {
     "h100-sxm": Cluster(
         "h100-sxm", HARDWARE["h100-nvlink"], memory=H100_MEMORY, reserved=3e9,
         gemm_efficiency=H100_GEMM, comm_efficiency=H100_COMM, attention_efficiency=0.35,
-        cudnn_attention_efficiency=H100_CUDNN_ATTENTION, op_overhead=0.0,
+        cudnn_attention_efficiency=H100_CUDNN_ATTENTION, op_overhead=0.0, sms=H100_SMS,
+        attention_rates=H100_ATTENTION,
+        launch_overhead=LAUNCH_OVERHEAD,
         source="device: bench.roofline's h100-nvlink (NVIDIA H100 SXM datasheet: 989 TFLOP/s bf16 dense, 3.35 "
                "TB/s, NVLink 450 GB/s per direction, 80 GB HBM3: 81559 MiB as nvidia-smi reports it); "
                "between nodes one ConnectX-7 NDR 400 Gb/s = 50 GB/s "
-               "per GPU (DGX H100: 8 per node). Achieved fractions, each measured or published, none fitted to a "
-               "validation row: gemm 0.615 (608 of 989) — the median torch (cuBLAS) bf16 TFLOP/s of bench.kernels' 15 "
-               "training GEMMs (hidden 4096, 8192 tokens, tp 1 and 4; forward, backward, wgrad) on an H200 (same "
-               "GH100 compute at 700 W) (bench/results/gpu/h200-run2, bench/RESULTS.md); comm 0.822 — NCCL's effective "
+               "per GPU (DGX H100: 8 per node); 132 SMs. Achieved fractions, each measured or published, none fitted "
+               "to a validation row: gemm 0.641 — the median over bench.kernels' 18 training GEMMs (hidden 4096, 8192 "
+               "tokens, tp 1 and 4; forward, backward, wgrad) of torch's (cuBLAS) bf16 TFLOP/s on an H200 (same "
+               "GH100 compute at 700 W, 132 SMs) over 989 times the shape's useful tile-wave fraction "
+               "(bench.plan.gemm; bench/results/gpu/h200-run2, bench/RESULTS.md); comm 0.822 — NCCL's effective "
                "NVLink bandwidth on H100, 370 of 450 GB/s after ~20 % protocol overhead (S. Jeaugey, NVIDIA, "
                "nccl-tests issue #212), used for the NIC too; attention 0.35 — FlashAttention-2 (torch SDPA's flash "
-               "kernel) on H100 (FlashAttention-3 paper, Shah et al. 2024, abstract); cuDNN/FA3-class fused attention "
-               "0.62 — FlashAttention-3 forward at sequence 8192, head dim 128, 614 TFLOP/s on H100 (pytorch/benchmark "
-               "PR #2391; the paper's best is 740, 75 %); reserved 3 GB: an allowance, not measured; launch overhead "
-               "hidden (asynchronous launches, kernels >> 5 us here)"),
+               "kernel) forward on H100 (FlashAttention-3 paper, Shah et al. 2024, abstract), its backward by sequence "
+               "length from that paper's backward figure (318 TFLOP/s at 8k); cuDNN/FA3-class fused attention "
+               "forward by sequence length, 0.62 at 8192 (FlashAttention-3, head dim 128, 614 TFLOP/s on H100: "
+               "pytorch/benchmark PR #2391; the paper's best is 740, 75 %), backward cuDNN's curve from the paper "
+               "(518 at 8k); reserved 3 GB: an allowance, not measured; launches "
+               "hidden (asynchronous, kernels >> 5 us) but after a host sync (MoE dispatch), 5 us each"),
     "a100-80g": Cluster(
         "a100-80g", HARDWARE["a100-nvlink"], memory=A100_MEMORY, reserved=3e9,
-        gemm_efficiency=0.76, comm_efficiency=0.5, attention_efficiency=0.5, op_overhead=0.0,
+        gemm_efficiency=0.79, comm_efficiency=0.5, attention_efficiency=0.5, op_overhead=0.0, sms=A100_SMS,
+        launch_overhead=LAUNCH_OVERHEAD,
         source="device: bench.roofline's a100-nvlink (NVIDIA A100 80GB SXM datasheet: 312 TFLOP/s bf16/fp16 "
                "dense, 2.039 TB/s, NVLink 300 GB/s per direction, 80 GB HBM2e: 81920 MiB as nvidia-smi reports "
                "it); between nodes one HDR 200 Gb/s = 25 "
                "GB/s per GPU (DGX A100 / Selene: 8 compute HDR NICs per node, Narayanan et al. 2021 §5); attention "
-               "0.5: FlashAttention-2 paper (Dao 2023): 50-73 % of A100 peak; gemm 0.76 and comm 0.5: calibrated on "
-               "the 18 published A100 figures (Narayanan et al. 2021 Table 1, Korthikanti et al. 2022 Table 5; "
-               "bench/plan/validation.py calibrate(), mean |error| 2.6 %); reserved 3 GB: an allowance, not measured"),
+               "0.5: FlashAttention-2 paper (Dao 2023): 50-73 % of A100 peak; gemm 0.79 (of a full tile-wave: "
+               "bench.plan.gemm; 108 SMs) and comm 0.5: calibrated on the 18 published A100 figures (Narayanan et "
+               "al. 2021 Table 1, Korthikanti et al. 2022 Table 5; bench/plan/validation.py calibrate(), mean "
+               "|error| 2.3 %); reserved 3 GB: an allowance, not measured"),
 }
 CPU_MEASURED = "cpu-measured"
 PROFILES = (*CLUSTERS, CPU_MEASURED)  # --hardware's choices

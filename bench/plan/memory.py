@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from kernels.ops import BACKENDS as KERNEL_BACKENDS
 from models.config import GPTConfig
-from models.recompute import GRANULARITIES, recomputes
+from models.recompute import GRANULARITIES
 from models.training import data_parallel
 from tp.pipeline import schedules
 
@@ -43,6 +43,9 @@ from .parameters import (
     stage_parameter_shapes,
     state_memory,
 )
+from .recompute import parse as parse_recompute
+from .recompute import recomputes
+from .stages import EVEN, layer_counts
 
 __all__ = ["BACKENDS", "DP_MODES", "PRECISIONS", "RECOMPUTE", "SCHEDULES", "STEP_BYTES", "MemoryEstimate",
            "bytes_per_parameter", "edge_activation_bytes", "estimate", "experts_apart", "in_flight",
@@ -77,31 +80,30 @@ class MemoryEstimate:
 
 
 def _check(config, tp, cp, pp, dp, micro_batch_size, seq_len, sequence_parallel, recompute, dp_mode, precision,
-           virtual_stages, schedule, backend):
+           virtual_stages, schedule, backend, split):
     if not isinstance(config, GPTConfig):
         raise ValueError(f"config must be a GPTConfig, got {type(config).__name__}")
     for name, value in (("tp", tp), ("cp", cp), ("pp", pp), ("dp", dp), ("micro_batch_size", micro_batch_size),
                         ("seq_len", seq_len), ("virtual_stages", virtual_stages)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r} must be an integer >= 1")
-    for name, value, allowed in (("recompute", recompute, RECOMPUTE), ("dp_mode", dp_mode, DP_MODES),
+    parse_recompute(recompute)  # a granularity or recompute modules joined by "+"
+    for name, value, allowed in (("dp_mode", dp_mode, DP_MODES),
                                  ("precision", precision, tuple(PRECISIONS)), ("schedule", schedule, SCHEDULES),
                                  ("backend", backend, BACKENDS)):
         if value not in allowed:
             raise ValueError(f"{name}={value!r} must be one of {allowed}")
     config.check_tp(tp)
-    if pp * virtual_stages > config.num_layers:
+    if split.even and pp * virtual_stages > config.num_layers:
         raise ValueError(f"pp={pp} x virtual_stages={virtual_stages} stages need at least that many layers, the "
                          f"model has num_layers={config.num_layers}")
     if (virtual_stages > 1) != schedules.SCHEDULES[schedule].interleaves:
         chunked = " or ".join(repr(name) for name, kind in schedules.SCHEDULES.items() if kind.interleaves)
         raise ValueError(f"virtual_stages={virtual_stages} goes with schedule={chunked} (got {schedule!r})")
-    if virtual_stages > 1 and config.num_layers % (pp * virtual_stages):
-        raise ValueError(f"num_layers={config.num_layers} is not divisible by pp*virtual_stages = {pp}*"
-                         f"{virtual_stages} (interleaved chunks hold equal numbers of layers)")
-    split = 2 * cp * (tp if sequence_parallel else 1) if cp > 1 else (tp if sequence_parallel else 1)
-    if seq_len % split:
-        raise ValueError(f"seq_len={seq_len} is not divisible by {split} (" + (
+    layer_counts(config.num_layers, pp, virtual_stages, split)  # ValueError naming what does not divide
+    shards = 2 * cp * (tp if sequence_parallel else 1) if cp > 1 else (tp if sequence_parallel else 1)
+    if seq_len % shards:
+        raise ValueError(f"seq_len={seq_len} is not divisible by {shards} (" + (
             "2·cp" if cp > 1 else "") + ("·tp: sequence parallelism" if sequence_parallel else "") + ")")
 
 
@@ -132,15 +134,17 @@ def _per_layer(config, **kwargs):
 
 def estimate(config, *, tp, cp=1, pp, dp, micro_batch_size, seq_len, sequence_parallel, recompute, dp_mode,
              precision, virtual_stages=1, schedule="1f1b", micro_batches=None, backend="triton", ep=1, etp=None,
-             optimizer_bytes=None, grad_bytes=4):
+             optimizer_bytes=None, grad_bytes=4, split=EVEN, fsdp_reshard=False):
     """Per-rank bytes of the pipeline stage that needs the most (MemoryEstimate). `micro_batches` per step (None:
     at least pp, 1F1B's worst case; GPipe needs it); `backend` "triton" (the fused layers, GPUs), "torch" (CPU
     eager: at tp = 1 autograd's own activation ops) or "te" (Megatron-Core on Transformer Engine:
     bench.plan.activations); `ep`, `etp` (default tp): the experts' split (MoE). `optimizer_bytes` (per parameter,
     sharded over dp·cp under zero1) with `grad_bytes` (per parameter, whole): another implementation's optimizer
-    (state_memory); None: tp.optim's layout (parameter_memory)."""
+    (state_memory); None: tp.optim's layout (parameter_memory). `split`: bench.plan.stages' StageSplit (Megatron's
+    uneven first/last stages, embedding and loss accounted); `fsdp_reshard`: FSDP2 resharding each block (torchtitan)
+    rather than the pipeline runner's whole unsharded stage."""
     _check(config, tp, cp, pp, dp, micro_batch_size, seq_len, sequence_parallel, recompute, dp_mode, precision,
-           virtual_stages, schedule, backend)
+           virtual_stages, schedule, backend, split)
     if optimizer_bytes is not None and dp_mode == "fsdp":
         raise ValueError(f"optimizer_bytes={optimizer_bytes!r} prices a dp-sharded optimizer (dp_mode 'zero1' or "
                          "'ddp'), not dp_mode='fsdp'")
@@ -157,9 +161,10 @@ def estimate(config, *, tp, cp=1, pp, dp, micro_batch_size, seq_len, sequence_pa
     best = None
     # Only the ends can be the largest: pipeline rank 0 holds at least any middle rank's layers (models.stages gives the
     # extra ones to the first stages; with interleaving its chunks are the first of each round), at least as many
-    # micro-batches in flight, and the embedding; the last holds the output layer and the loss.
-    for stage in sorted({0, pp - 1}):
-        chunks = stage_chunks(config.num_layers, pp, stage, virtual_stages)
+    # micro-batches in flight, and the embedding; the last holds the output layer and the loss. An uneven split may
+    # give the middle ranks more layers: rank 1 has the most micro-batches in flight of them.
+    for stage in sorted({0, pp - 1} | ({min(1, pp - 1)} if not split.even else set())):
+        chunks = stage_chunks(config.num_layers, pp, stage, virtual_stages, split)
         layers = sum(stop - start for start, stop, _, _ in chunks)
         saved = sum(layer_bytes[i] for start, stop, _, _ in chunks for i in range(start, stop))
         alive = in_flight(schedule, pp, stage, virtual_stages, micro_batches)
@@ -175,10 +180,11 @@ def estimate(config, *, tp, cp=1, pp, dp, micro_batch_size, seq_len, sequence_pa
                         for _, _, _, last in chunks if last)  # the output layer's input and vocabulary gradient
             activations = max(int(a * (saved + edges)) + w * held
                               for a, w in split_backward_states(schedule, pp, stage, micro_batches or pp)) + rope_tables
-        split = dict(tp=tp, pp=pp, stage=stage, virtual_stages=virtual_stages, dp_mode=dp_mode, precision=precision,
-                     shards=dp * cp, ep=ep, etp=etp)
-        params, grads, optimizer, transient = parameter_memory(config, **split) if optimizer_bytes is None else \
-            state_memory(config, grad_bytes=grad_bytes, optimizer_bytes=optimizer_bytes, **split)
+        where = dict(tp=tp, pp=pp, stage=stage, virtual_stages=virtual_stages, dp_mode=dp_mode, precision=precision,
+                     shards=dp * cp, ep=ep, etp=etp, split=split)
+        params, grads, optimizer, transient = \
+            parameter_memory(config, fsdp_reshard=fsdp_reshard, **where) if optimizer_bytes is None else \
+            state_memory(config, grad_bytes=grad_bytes, optimizer_bytes=optimizer_bytes, **where)
         transient += full_layer if recomputes(recompute, "block") else 0
         total = params + grads + optimizer + activations + transient
         if best is None or total > best.total:

@@ -30,12 +30,11 @@ zero1; the optimizer bytes are the largest rank's sum of its dense and expert sh
 and FSDP2 shards them over edp; fp32 ddp then runs DataParallel's all-reduce form instead of torch DDP.
 """
 import math
-from types import SimpleNamespace
 
-from models.stages import stage_options
 from tp.mesh import layout
 
 from .activations import PRECISIONS, local_kv_heads
+from .stages import EVEN, stage_chunks
 
 STEP_BYTES = 4  # torch.optim.AdamW's per-tensor step counter (a float32 scalar tensor)
 _CACHE = {}  # memoized stage parameter counts and bytes (the planner asks for the same stages often)
@@ -92,15 +91,6 @@ def _is_expert(name):
     return ".experts." in f".{name}"
 
 
-def stage_chunks(num_layers, pp, stage, virtual_stages=1):
-    """[(first layer, stop, pre_process, post_process)] of the model chunks pipeline rank `stage` holds, as
-    models.stages.stage_options places them on a mesh (it reads only the model's num_layers and the mesh's pp size and
-    rank)."""
-    model, mesh = SimpleNamespace(num_layers=num_layers), SimpleNamespace(pp_size=pp, pp_rank=stage)
-    chunks = (stage_options(model, mesh, c, virtual_stages) for c in range(virtual_stages))
-    return [(*options["layers"], options["pre_process"], options["post_process"]) for options in chunks]
-
-
 def _edge_shapes(config, tp, first):
     """[(name, shape)] of a chunk's embeddings (none unless it is the first)."""
     h, padded = config.hidden_size, config.padded_vocab_size(tp)
@@ -120,10 +110,11 @@ def _head_shapes(config, tp, first):
     return shapes
 
 
-def stage_parameter_shapes(config, tp, pp=1, stage=0, virtual_stages=1, *, ep=1, etp=None):
-    """[(name, shape)] of every parameter pipeline rank `stage` holds on one tp rank (a tied weight once)."""
+def stage_parameter_shapes(config, tp, pp=1, stage=0, virtual_stages=1, *, ep=1, etp=None, split=EVEN):
+    """[(name, shape)] of every parameter pipeline rank `stage` holds on one tp rank (a tied weight once); `split`:
+    bench.plan.stages' (even by default)."""
     shapes = []
-    for c, (start, stop, first, last) in enumerate(stage_chunks(config.num_layers, pp, stage, virtual_stages)):
+    for c, (start, stop, first, last) in enumerate(stage_chunks(config.num_layers, pp, stage, virtual_stages, split)):
         prefix = f"chunk{c}." if virtual_stages > 1 else ""
         shapes += [(prefix + name, shape) for name, shape in _edge_shapes(config, tp, first)]
         for i in range(start, stop):
@@ -164,10 +155,10 @@ def _registration(config, tp, chunks, ep=1, etp=None):
     return items
 
 
-def stage_numel(config, tp, pp=1, stage=0, virtual_stages=1, *, ep=1, etp=None):
+def stage_numel(config, tp, pp=1, stage=0, virtual_stages=1, *, ep=1, etp=None, split=EVEN):
     """Parameters pipeline rank `stage` holds on one tp rank (a tied weight once). Memoized."""
-    chunks = stage_chunks(config.num_layers, pp, stage, virtual_stages)
-    return _memoized(("numel", repr(config), tp, pp, stage, virtual_stages, ep, etp),
+    chunks = stage_chunks(config.num_layers, pp, stage, virtual_stages, split)
+    return _memoized(("numel", repr(config), tp, pp, stage, virtual_stages, ep, etp, split),
                      lambda: sum(n for n, *_ in _registration(config, tp, chunks, ep, etp)))
 
 
@@ -222,30 +213,37 @@ def _rank_pairs(tp, shards, ep, etp):
     return _memoized(("pairs", tp, shards, ep, etp), pairs)
 
 
-def parameter_memory(config, *, tp, pp, stage, virtual_stages, dp_mode, precision, shards, ep=1, etp=None):
+def parameter_memory(config, *, tp, pp, stage, virtual_stages, dp_mode, precision, shards, ep=1, etp=None,
+                     split=EVEN, fsdp_reshard=False):
     """(params, grads, optimizer, transient) bytes of pipeline rank `stage` under the training job's data
     parallelism: fp32 "ddp" is torch DDP (+ its bucket copy of the gradients, transient) and AdamW; bf16, "zero1"
     and experts apart from the dense weights (ep > 1 or etp != tp), tp.optim.DataParallel (+ DistributedOptimizer;
     the experts in buckets of their own over edp = tp·shards / (ep·etp)); "fsdp" FSDP2 (each parameter's dim 0
     split over the ranks, the experts' over edp) and AdamW. `shards`: dp·cp. The optimizer bytes are the largest
     rank's. Memoized: the planner asks for the same stages many times."""
-    return _memoized((repr(config), tp, pp, stage, virtual_stages, dp_mode, precision, shards, ep, etp),
+    return _memoized((repr(config), tp, pp, stage, virtual_stages, dp_mode, precision, shards, ep, etp, split,
+                      fsdp_reshard),
                      lambda: _parameter_memory(config, tp, pp, stage, virtual_stages, dp_mode, precision, shards,
-                                               ep, etp))
+                                               ep, etp, split, fsdp_reshard))
 
 
-def _parameter_memory(config, tp, pp, stage, virtual_stages, dp_mode, precision, shards, ep, etp):
-    chunks = stage_chunks(config.num_layers, pp, stage, virtual_stages)
+def _parameter_memory(config, tp, pp, stage, virtual_stages, dp_mode, precision, shards, ep, etp, split,
+                      fsdp_reshard):
+    chunks = stage_chunks(config.num_layers, pp, stage, virtual_stages, split)
     items = _registration(config, tp, chunks, ep, etp)
-    named = stage_parameter_shapes(config, tp, pp, stage, virtual_stages, ep=ep, etp=etp)
+    named = stage_parameter_shapes(config, tp, pp, stage, virtual_stages, ep=ep, etp=etp, split=split)
     shapes, experts = [s for _, s in named], [_is_expert(n) for n, _ in named]
     apart = experts_apart(config, tp, ep, etp)
     edp = expert_replicas(tp, shards, ep, etp) if apart else shards
     if dp_mode == "fsdp":
         local = sum(_sharded_numel(s, edp if x else shards) for s, x in zip(shapes, experts))
+        e = PRECISIONS[precision]
+        if fsdp_reshard:  # each block gathered for its forward and backward, the next one prefetched
+            return 4 * local, 4 * local, 8 * local + STEP_BYTES * len(shapes), _resharded_peak(config, tp, chunks,
+                                                                                              ep, etp, e)
         # the runner keeps resharding and gradient sync off until the schedule's last backward (as torch's
         # pipelining does): the whole stage's unsharded compute copy and fp32 gradients are alive at its end
-        transient = (PRECISIONS[precision] + 4) * sum(n for n, *_ in items)
+        transient = (e + 4) * sum(n for n, *_ in items)
         return 4 * local, 4 * local, 8 * local + STEP_BYTES * len(shapes), transient
     if dp_mode == "zero1" or precision == "bf16" or apart:  # one DataParallel per model chunk (models.training)
         shard, params, grads = dp_mode == "zero1", 0, 0
@@ -266,15 +264,30 @@ def _parameter_memory(config, tp, pp, stage, virtual_stages, dp_mode, precision,
     return 4 * n, 4 * n, 8 * n + STEP_BYTES * len(shapes), ddp_buckets
 
 
+def _resharded_peak(config, tp, chunks, ep, etp, e):
+    """FSDP2 resharding after forward and backward (torchtitan; fully_shard per block, then the stage), its peak as a
+    CPU run measures it (tests/test_memory.py), at a block's backward: the stage's own parameters (embedding, final
+    norm, output layer: the root unit, gathered for the whole step) and their gradients but the embedding's (it comes
+    last), and the block's unsharded parameters and gradients in the compute dtype, plus under bf16 the fp32 copy
+    of its gradients the reduce-scatter takes (FSDP2 gathers the next block only once this one's backward is done)."""
+    blocks = [sum(math.prod(s) for _, s in layer_parameter_shapes(config, tp, i, ep=ep, etp=etp))
+              for start, stop, _, _ in chunks for i in range(start, stop)]
+    root = sum(n for n, *_ in _registration(config, tp, chunks, ep, etp)) - sum(blocks)
+    late = sum(math.prod(s) for first in (c[2] for c in chunks) if first for name, s in _edge_shapes(config, tp, True)
+               if not (config.tie_embeddings and any(c[3] for c in chunks)))
+    largest = max(blocks, default=0)
+    return e * (2 * root - late) + 2 * e * largest + (4 * largest if e != 4 else 0)
+
+
 def state_memory(config, *, tp, pp, stage, virtual_stages, dp_mode, precision, shards, ep=1, etp=None,
-                 grad_bytes, optimizer_bytes):
+                 grad_bytes, optimizer_bytes, split=EVEN):
     """(params, grads, optimizer, 0) bytes of pipeline rank `stage` under another implementation's data-parallel
     optimizer, per parameter: e for the parameter, `grad_bytes` for its gradient buffer (whole), `optimizer_bytes`
     of state sharded over the dp·cp ranks (the experts' over edp) under zero1, whole under ddp. Megatron-LM's
     compute_weight_and_optimizer_memory (megatron/training/theoretical_memory_usage.py) counts Megatron-Core's
     distributed optimizer so: 6 + 12/dp (bf16 parameter, fp32 gradient, fp32 master and Adam moments). Memoized."""
     def compute():
-        items = _registration(config, tp, stage_chunks(config.num_layers, pp, stage, virtual_stages), ep, etp)
+        items = _registration(config, tp, stage_chunks(config.num_layers, pp, stage, virtual_stages, split), ep, etp)
         n = sum(numel for numel, *_ in items)
         apart = experts_apart(config, tp, ep, etp)
         expert = sum(numel for numel, _, is_expert in items if is_expert) if apart else 0
@@ -284,4 +297,4 @@ def state_memory(config, *, tp, pp, stage, virtual_stages, dp_mode, precision, s
             state = optimizer_bytes * n
         return PRECISIONS[precision] * n, grad_bytes * n, int(state), 0
     return _memoized(("state", repr(config), tp, pp, stage, virtual_stages, dp_mode, precision, shards, ep, etp,
-                      grad_bytes, optimizer_bytes), compute)
+                      grad_bytes, optimizer_bytes, split), compute)

@@ -1,17 +1,26 @@
 """The planner's search: every candidate plan of a model on N devices whose sizes divide (bench.plan.cli's docstring
 says which), each evaluated (its memory, and its step time when it fits) and ranked fastest first.
 
-`fixed` pins plan fields by their --fix keys (tp, cp, pp, vp, dp, mbs, recompute, sp, dp_mode, ep, etp); an evaluated
-plan is a row keyed as the table and the JSON name them. Mixtures of experts also search ep (dividing the experts) and
-etp (1 or tp: Megatron-Core's usual choices; any other by --fix) with ep·etp dividing tp·cp·dp.
+`fixed` pins plan fields by their --fix keys (bench.plan.cli.FIXABLE); an evaluated plan is a row keyed as the table
+and the JSON name them. Pipelines try the even split and Megatron's embedding-and-loss accounting (bench.plan.stages),
+each with every number of virtual stages its layers divide into (interleaving also needs the micro-batches to be a
+multiple of pp). Recompute: the granularities and the output-discarding modules (bench.plan.recompute). Mixtures of
+experts also search ep (dividing the experts), etp (1 or tp: Megatron-Core's usual choices; any other by --fix) with
+ep·etp dividing tp·cp·dp, and the token dispatchers the software implements.
 """
+import time
+
 from models.flops import matmul_params
 
 from . import memory
-from .step_time import OURS, OURS_CPU, Plan, step_time
+from . import recompute as recomputing
+from .software import OURS, OURS_CPU
+from .stages import ACCOUNTED, EVEN, StageSplit, layer_counts
+from .step_time import Plan, step_time
 
 MICRO_BATCH_SIZES = (1, 2, 4, 8, 16)  # the sweep; --fix mbs=N plans any other
-VIRTUAL_STAGES = (2, 3, 4, 6, 8)  # the interleaved sweep; --fix vp=N plans any other
+VIRTUAL_STAGES = (2, 3, 4, 6, 8)  # the interleaved sweep before it tried every vp the layers allow (kept for callers)
+SPLIT_KEYS = ("first_layers", "last_layers", "account")  # --fix keys of an uneven split
 
 
 def software_of(cluster):
@@ -53,59 +62,83 @@ def _degrees(config, *, gpus, seq_len, global_batch_size, cluster, fixed):
                     yield tp, cp, pp, dp
 
 
+def stage_split(fixed):
+    """The StageSplit --fix names (first_layers, last_layers, account), or None when it names none."""
+    if not any(key in fixed for key in SPLIT_KEYS):
+        return None
+    account = fixed.get("account", "none")
+    return StageSplit(fixed.get("first_layers"), fixed.get("last_layers"), "embedding" in account, "loss" in account)
+
+
+def _virtual_stages(config, pp, micro_batches, split, fixed):
+    """1 and every V >= 2 whose chunks the split's layers fill evenly (interleaving: micro-batches a multiple of pp,
+    Megatron's schedule), or --fix's."""
+    interleaves = pp > 1 and micro_batches % pp == 0
+    candidates = (fixed["vp"],) if "vp" in fixed else (1, *(range(2, config.num_layers // pp + 2) if interleaves
+                                                            else ()))
+    for virtual_stages in candidates:
+        if virtual_stages > 1 and not interleaves:
+            continue
+        try:
+            layer_counts(config.num_layers, pp, virtual_stages, split)
+        except ValueError:
+            continue
+        yield virtual_stages
+
+
 def _micro_batching(config, pp, dp, global_batch_size, fixed):
-    """(micro-batch size, virtual stages): the micro-batches split each dp rank's share of the batch; interleaving
-    needs layers divisible by pp·virtual_stages and micro-batches by pp (Megatron's schedule)."""
+    """(micro-batch size, virtual stages, stage split): the micro-batches split each dp rank's share of the batch;
+    the splits: --fix's, else even and (pp > 1) the embedding and loss accounted."""
+    splits = [stage_split(fixed)] if stage_split(fixed) else [EVEN] + ([ACCOUNTED] if pp > 1 else [])
     for micro_batch_size in (fixed["mbs"],) if "mbs" in fixed else MICRO_BATCH_SIZES:
         if (global_batch_size // dp) % micro_batch_size:
             continue
         micro_batches = global_batch_size // (dp * micro_batch_size)
-        interleaved = (fixed["vp"],) if fixed.get("vp", 1) > 1 else VIRTUAL_STAGES
-        choices = [1] + ([v for v in interleaved if config.num_layers % (pp * v) == 0 and micro_batches % pp == 0]
-                         if pp > 1 else [])
-        for virtual_stages in choices:
-            if _allowed(fixed, "vp", virtual_stages):
-                yield micro_batch_size, virtual_stages
+        for split in splits:
+            for virtual_stages in _virtual_stages(config, pp, micro_batches, split, fixed):
+                yield micro_batch_size, virtual_stages, split
 
 
-def _options(tp, cp, dp, seq_len, fixed):
-    """(recompute, sequence parallel, dp mode): SP where tp > 1 and the sequence splits over 2·cp·tp; a dp mode
-    other than ddp where gradients are reduced over more than one rank (dp·cp)."""
-    for recompute in memory.RECOMPUTE:
-        if not _allowed(fixed, "recompute", recompute):
-            continue
+def _options(config, tp, cp, dp, seq_len, fixed, software):
+    """(recompute, sequence parallel, dp mode): SP where tp > 1 and the sequence splits over 2·cp·tp; a dp mode the
+    software runs, other than ddp where gradients are reduced over more than one rank (dp·cp)."""
+    for recompute in (fixed["recompute"],) if "recompute" in fixed else recomputing.search_choices(config):
         for sp in (False, True) if tp > 1 else (False,):
             split = (2 * cp if cp > 1 else 1) * (tp if sp else 1)
             if not _allowed(fixed, "sp", "on" if sp else "off") or seq_len % split:
                 continue
             for dp_mode in memory.DP_MODES if dp * cp > 1 else ("ddp",):
-                if _allowed(fixed, "dp_mode", dp_mode):
+                if _allowed(fixed, "dp_mode", dp_mode) and dp_mode not in software.lacks_dp_modes:
                     yield recompute, sp, dp_mode
 
 
-def _experts(config, tp, cp, dp, fixed):
-    """(ep, etp) of a mixture of experts on one stage's tp·cp·dp ranks: ep dividing the experts, etp 1 or tp (or
-    --fix's) dividing the experts' FFN, ep·etp dividing tp·cp·dp; (1, tp) for a dense model."""
+def _experts(config, tp, cp, dp, fixed, software):
+    """(ep, etp, dispatcher) of a mixture of experts on one stage's tp·cp·dp ranks: ep dividing the experts, etp 1 or
+    tp (or --fix's) dividing the experts' FFN, ep·etp dividing tp·cp·dp, the software's dispatchers (or --fix's);
+    (1, tp, the first) for a dense model."""
     if not config.num_experts:
         if _allowed(fixed, "ep", 1) and _allowed(fixed, "etp", tp):
-            yield 1, tp
+            yield 1, tp, software.dispatchers[0]
         return
     for etp in sorted({fixed["etp"]} if "etp" in fixed else {1, tp}):
         for ep in _divisors(tp * cp * dp):
             if _allowed(fixed, "ep", ep) and (tp * cp * dp) % (ep * etp) == 0 and config.num_experts % ep == 0 \
                     and config.moe_ffn_hidden_size % etp == 0:
-                yield ep, etp
+                for dispatcher in (fixed["dispatcher"],) if "dispatcher" in fixed else \
+                        software.dispatchers if ep > 1 else software.dispatchers[:1]:
+                    yield ep, etp, dispatcher
 
 
-def candidate_plans(config, *, gpus, seq_len, global_batch_size, cluster, fixed):
+def candidate_plans(config, *, gpus, seq_len, global_batch_size, cluster, fixed, software=None):
     """Every plan whose sizes divide, before memory."""
-    fixed = dict(fixed)
+    fixed, software = dict(fixed), software or software_of(cluster)
     for tp, cp, pp, dp in _degrees(config, gpus=gpus, seq_len=seq_len, global_batch_size=global_batch_size,
                                    cluster=cluster, fixed=fixed):
-        for ep, etp in _experts(config, tp, cp, dp, fixed):
-            for micro_batch_size, virtual_stages in _micro_batching(config, pp, dp, global_batch_size, fixed):
-                for recompute, sp, dp_mode in _options(tp, cp, dp, seq_len, fixed):
-                    yield Plan(tp, cp, pp, virtual_stages, dp, micro_batch_size, recompute, sp, dp_mode, ep, etp)
+        for ep, etp, dispatcher in _experts(config, tp, cp, dp, fixed, software):
+            for micro_batch_size, virtual_stages, split in _micro_batching(config, pp, dp, global_batch_size, fixed):
+                for recompute, sp, dp_mode in _options(config, tp, cp, dp, seq_len, fixed, software):
+                    yield Plan(tp, cp, pp, virtual_stages, dp, micro_batch_size, recompute, sp, dp_mode, ep, etp,
+                               dispatcher, split)
 
 
 def parameter_counts(config):
@@ -124,7 +157,8 @@ def plan_memory(config, plan, *, seq_len, global_batch_size, software):
                            virtual_stages=plan.virtual_stages, schedule=plan.schedule,
                            micro_batches=global_batch_size // (plan.dp * plan.micro_batch_size),
                            backend=software.backend, ep=plan.ep, etp=plan.etp,
-                           optimizer_bytes=software.optimizer_bytes, grad_bytes=software.grad_bytes)
+                           optimizer_bytes=software.optimizer_bytes, grad_bytes=software.grad_bytes,
+                           split=plan.split, fsdp_reshard=software.fsdp_reshard)
 
 
 def evaluate(config, plan, *, seq_len, global_batch_size, cluster, software, with_time=True, counts=None):
@@ -134,7 +168,8 @@ def evaluate(config, plan, *, seq_len, global_batch_size, cluster, software, wit
     usable = cluster.memory - cluster.reserved
     row = {"tp": plan.tp, "cp": plan.cp, "pp": plan.pp, "vp": plan.virtual_stages, "dp": plan.dp,
            "mbs": plan.micro_batch_size, "recompute": plan.recompute, "sp": "on" if plan.sp else "off",
-           "dp_mode": plan.dp_mode, "ep": plan.ep, "etp": plan.expert_tp, "memory_per_gpu_gb": estimate.total / 1e9,
+           "dp_mode": plan.dp_mode, "ep": plan.ep, "etp": plan.expert_tp, "dispatcher": plan.dispatcher,
+           "split": plan.split.label(), "memory_per_gpu_gb": estimate.total / 1e9,
            "fits": estimate.total <= usable, "memory": estimate.as_dict()}
     row["active_params"], row["total_params"] = counts or parameter_counts(config)
     if row["fits"] or with_time:
@@ -143,25 +178,39 @@ def evaluate(config, plan, *, seq_len, global_batch_size, cluster, software, wit
     return row
 
 
-def search(config, *, gpus, seq_len, global_batch_size, cluster, fixed=(), software=None):
-    """(feasible rows best first, the smallest-memory infeasible row or None, number of candidate plans)."""
+def search(config, *, gpus, seq_len, global_batch_size, cluster, fixed=(), software=None, progress=None):
+    """(feasible rows best first, the smallest-memory infeasible row or None, number of candidate plans). `progress`:
+    called as progress(done, total, feasible, seconds) every PROGRESS_EVERY seconds of a longer search."""
     software = software or software_of(cluster)
-    rows, smallest, count, counts = [], None, 0, parameter_counts(config)
-    for plan in candidate_plans(config, gpus=gpus, seq_len=seq_len, global_batch_size=global_batch_size,
-                                cluster=cluster, fixed=fixed):
-        count += 1
+    plans = list(candidate_plans(config, gpus=gpus, seq_len=seq_len, global_batch_size=global_batch_size,
+                                 cluster=cluster, fixed=fixed, software=software))
+    rows, smallest, counts = [], None, parameter_counts(config)
+    start = last = time.monotonic()
+    for done, plan in enumerate(plans, 1):
         row = evaluate(config, plan, seq_len=seq_len, global_batch_size=global_batch_size, cluster=cluster,
                        software=software, with_time=False, counts=counts)
         if row["fits"]:
             rows.append(row)
         elif smallest is None or row["memory_per_gpu_gb"] < smallest["memory_per_gpu_gb"]:
             smallest = row
+        if progress and time.monotonic() - last >= PROGRESS_EVERY:
+            last = time.monotonic()
+            progress(done, len(plans), len(rows), last - start)
     rows.sort(key=rank_key)
-    return rows, smallest, count
+    return rows, smallest, len(plans)
+
+
+PROGRESS_EVERY = 5.0  # seconds between progress reports of a long search
+
+
+def recompute_order(recompute):
+    """How much `recompute` recomputes, for ranking: the granularities in order, modules (no whole layer) after none."""
+    return memory.RECOMPUTE.index(recompute) if recompute in memory.RECOMPUTE else 0.5
 
 
 def rank_key(row):
     """Fastest first; plans the model times alike (to 9 digits: e.g. recompute hidden behind an exposed reduce, or
-    cp·mbs constant) rank the simpler first — without cp, with less recompute, without interleaving, less memory."""
-    return (-float(f"{row['tokens_per_s']:.9g}"), row["cp"], memory.RECOMPUTE.index(row["recompute"]), row["vp"],
-            row["memory_per_gpu_gb"])
+    cp·mbs constant) rank the simpler first — without cp, with less recompute, without interleaving, an even split,
+    less memory."""
+    return (-float(f"{row['tokens_per_s']:.9g}"), row["cp"], recompute_order(row["recompute"]), row["vp"],
+            row["split"] != "even", row["memory_per_gpu_gb"])

@@ -4,12 +4,13 @@ stage.
 
 Per micro-batch and stage (T = b·s/cp tokens per rank, T' = T/tp under SP, e bytes per element):
 - GEMMs: every per-rank GEMM of the layers (fused QKV with GQA, output projection, fc1 (SwiGLU: 2F), fc2; forward,
-  dgrad, wgrad) and the output layer, each at bench.roofline's Gemm roofline with the profile's achieved GEMM rate:
-  max(FLOPs / (η_gemm·C), bytes / HBM) — one efficiency curve per profile, never per run.
-- Attention core: "flash" (SDPA, this package): causal forward 2·b·s²·d·a/tp/cp FLOPs (QKᵀ and PV, half the square),
-  backward 2.5× (it recomputes the scores), at η_attn·C; "cudnn" (Transformer Engine's fused attention): the same
-  FLOPs at the profile's cuDNN rate. "materialized" (Megatron 2021-22): QKᵀ and PV as batched
-  GEMMs over the whole square, plus softmax, mask and dropout streaming the b·a/tp·s² scores through HBM.
+  dgrad, wgrad) and the output layer, each at bench.roofline's Gemm roofline with the profile's achieved GEMM rate by
+  shape (bench.plan.gemm: η on a full wave of 128 × 128 tiles over the SMs, times the shape's useful fraction).
+- Attention core (bench.plan.attention_time): "flash" (SDPA, this package): causal forward 2·b·s²·d·a/tp/cp FLOPs
+  (QKᵀ and PV, half the square), backward 2.5× (it recomputes the scores); "cudnn" (Transformer Engine's fused
+  attention): the same FLOPs; each at the profile's measured rate for the kernel's s/cp (or one efficiency).
+  "materialized" (Megatron 2021-22): QKᵀ and PV as batched GEMMs over the whole square, plus softmax, mask and
+  dropout streaming the b·a/tp·s² scores through HBM.
 - Element-wise ops (memory-bound, at HBM): "eager" — this package's norms, RoPE and residual adds as separate torch
   ops; "fused" — Megatron's fused LayerNorm, bias-GeLU and bias-dropout-add kernels. Backward streams twice forward.
 - TP collectives: bench.roofline.pair_collectives for the two column→row pairs (ring bytes, SP's extra re-gather),
@@ -19,29 +20,42 @@ Per micro-batch and stage (T = b·s/cp tokens per rank, T' = T/tp under SP, e by
 - cp: ring mode moves (cp−1)·2·b·s/cp·kv·d elements of K/V per layer forward, K/V again plus fp32 dK/dV backward,
   hidden behind the attention blocks it feeds (exposed: what exceeds them); all-gather mode: one all-gather forward
   and a reduce-scatter backward, exposed.
-- Recompute: full adds every block's forward again; selective the attention core's (materialized: with its softmax).
-- Mixture-of-experts layers (ep, etp): the router GEMM over E outputs, the experts as one grouped GEMM over the
-  rank's routed slots (tokens·k·etp/tp: balanced routing; times the capacity factor), the shared expert as a dense
-  MLP; dispatch and combine all-to-alls of slots·h elements, (ep−1)/ep of them off the rank, forward and backward,
-  over the ep group's ep·etp consecutive ranks (NVLink inside a node, the NIC across), not overlapped. The dp reduce
-  and the optimizer count the rank's experts (E/ep) with the dense weights, over dp·cp (not edp: an approximation).
-Per step: m micro-batches through the slowest stage plus the schedule's bubble ((p−1)/v micro-batch times for
-1F1B and interleaved over v virtual stages: bubble_fraction, equal to tp.pipeline.schedules' simulation; plans use
-1F1B, or interleaved when v > 1), pp p2p of each micro-batch's activation (×v interleaved), the dp
-gradient reduce (ddp all-reduce; zero1 reduce-scatter + parameter all-gather; fsdp per-micro-batch parameter
-all-gathers and one gradient reduce-scatter), overlapped with the last backward where the implementation does (and
-zero1's parameter all-gather with the first forward under Software.param_gather_overlap; interleaved p2p with another
-chunk's compute under Software.p2p_overlap), and the optimizer step (memory-bound over its local state).
+- Recompute (bench.plan.recompute): full adds every block's forward again; selective (core_attn) the attention
+  core's (materialized: with its softmax); the other modules their own forward: layernorm the norms' traffic, mlp,
+  moe and shared_experts their GEMMs (moe: with its dispatch), moe_act the activation's traffic.
+- Mixture-of-experts layers (ep, etp; bench.plan.moe_time): the router GEMM over E outputs, the experts as one
+  grouped GEMM over the busiest rank's slots, the shared expert as a dense MLP; the dispatch and combine over NVLink
+  and the NIC at once (node-aware; DeepEP's per-node deduplication), the permutation's and router's traffic, the
+  host's launches after the dispatch's host sync. The dp reduce and the optimizer count the rank's experts (E/ep)
+  with the dense weights, over dp·cp (not edp: an approximation).
+Per step: with equal stages, m micro-batches through the slowest stage plus the schedule's bubble ((p−1)/v micro-
+batch times for 1F1B and interleaved over v virtual stages: bubble_fraction, equal to tp.pipeline.schedules'
+simulation); with an uneven split (bench.plan.stages) the span tp.pipeline.schedules' simulator gives each virtual
+stage's own times (bench.plan.pipeline); plans use 1F1B, or interleaved when v > 1; pp p2p of each micro-batch's
+activation (×v interleaved), the dp gradient reduce (ddp all-reduce; zero1 reduce-scatter + parameter all-gather;
+fsdp per-micro-batch parameter all-gathers and one gradient reduce-scatter), overlapped with the last backward where
+the implementation does (and zero1's parameter all-gather with the first forward under
+Software.param_gather_overlap; interleaved p2p with another chunk's compute under Software.p2p_overlap), and the
+optimizer step (memory-bound over its local state).
 MFU = model FLOPs (6·N + attention 12·L·h·s + logits 6·h·V per token, Narayanan et al. 2021 §5.1, full attention as
 the papers count it) / (step time × peak × GPUs); HFU adds the recomputed FLOPs.
 """
 from dataclasses import dataclass, replace
 
 from models.flops import flops_per_token
-from models.recompute import recomputes
 
 from .. import roofline as rl
-from . import memory
+from . import memory, moe_time, pipeline
+from .attention_time import attention_times
+from .gemm import gemm_time
+from .moe_time import routed_slots
+from .recompute import recomputes
+from .software import MEGATRON_2021, MEGATRON_2024, NEMO_2024, OURS, OURS_CPU, TORCHTITAN, Software
+from .stages import EVEN, StageSplit, layer_counts
+
+__all__ = ["ELEMENT_SIZE", "MEGATRON_2021", "MEGATRON_2024", "NEMO_2024", "OURS", "OURS_CPU", "TORCHTITAN", "Plan",
+           "Software", "StageTimes", "bubble_fraction", "cp_kv_elements", "model_flops_per_token",
+           "recompute_flops_per_token", "routed_slots", "stage_times", "step_time"]
 
 
 @dataclass(frozen=True)
@@ -60,6 +74,8 @@ class Plan:
     dp_mode: str = "ddp"
     ep: int = 1  # experts over ep ranks (MoE)
     etp: int | None = None  # each expert's FFN over etp ranks; None: tp
+    dispatcher: str = "alltoall"  # the MoE token dispatcher (bench.plan.moe_time.CHOICES)
+    split: StageSplit = EVEN  # the layers over the pipeline stages (bench.plan.stages: Megatron's uneven flags)
 
     @property
     def expert_tp(self):
@@ -74,41 +90,6 @@ class Plan:
         return "interleaved" if self.virtual_stages > 1 else "1f1b"
 
 
-@dataclass(frozen=True)
-class Software:
-    """How the trained code runs: facts of an implementation (not fitted)."""
-    name: str
-    precision: str = "bf16"
-    attention: str = "flash"  # "flash" (SDPA, no s×s in memory) | "materialized" (scores, softmax, dropout in HBM)
-    elementwise: str = "eager"  # "eager" (separate torch ops) | "fused" (Megatron's fused kernels)
-    grad_bytes: int = 4  # per gradient element reduced over dp (fp32 main_grad; Megatron's fp16 runs: 2)
-    dp_overlap: bool = True  # the gradient reduce overlaps the last micro-batch's backward (bucketed)
-    p2p_scatter_gather: bool = False  # Megatron: each tp rank sends 1/tp of the activation between stages
-    backend: str = "triton"  # bench.plan.memory's: "torch" on CPU (autograd's own ops at tp = 1), "te" (Megatron-Core
-    # on Transformer Engine: what its layers save, bench.plan.activations)
-    optimizer_bytes: float | None = None  # optimizer state per parameter sharded over dp·cp, with a grad_bytes
-    # gradient buffer (bench.plan.memory.state_memory); None: tp.optim's layout (fp32 master and Adam moments, 12 B
-    # under bf16: Megatron-Core's distributed optimizer's too)
-    tp_overlap: bool = False  # TE userbuffers (--tp-comm-overlap): tp collectives pipelined with their GEMMs
-    param_gather_overlap: bool = False  # --overlap-param-gather: zero1's parameter all-gather behind the forward
-    p2p_overlap: bool = False  # --overlap-p2p-comm (interleaved): stage sends behind another chunk's compute
-
-
-OURS = Software("tp-layers")
-OURS_CPU = Software("tp-layers on CPU", precision="fp32", backend="torch")
-MEGATRON_2021 = Software("Megatron-LM 2021-22", precision="fp16", attention="materialized", elementwise="fused",
-                         grad_bytes=2, dp_overlap=False, p2p_scatter_gather=True)
-# NVIDIA's 2024 H100 recipes (NeMo on Megatron-Core + Transformer Engine): cuDNN fused attention, fused element-wise
-# kernels, the distributed optimizer with --overlap-grad-reduce and --overlap-param-gather, TE's tp-comm overlap and
-# overlapped p2p (NeMo-Framework-Launcher's llama3_1_70b.yaml: ub_tp_comm_overlap, overlap_grad_sync,
-# overlap_param_sync, overlap_p2p_comm all true); activations as Transformer Engine's layers save them
-NEMO_2024 = Software("NeMo 24.x / Megatron-Core (TE)", attention="cudnn", elementwise="fused", dp_overlap=True,
-                     tp_overlap=True, param_gather_overlap=True, p2p_overlap=True, backend="te")
-# Megatron-LM's own 2024 runs (Nemotron-4 15B): the distributed optimizer with its overlaps; the paper does not say
-# that tp communication was overlapped, so it is not
-MEGATRON_2024 = replace(NEMO_2024, name="Megatron-LM 2024 (TE)", tp_overlap=False)
-# torchtitan (Dec 2024): eager PyTorch ops, SDPA's flash kernel (FlashAttention-2), FSDP2 prefetching its all-gathers
-TORCHTITAN = Software("torchtitan eager (FSDP2, SDPA)")
 ELEMENT_SIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
 OPS_PER_LAYER = 24  # forward ops of one block (norms 2x4, qkv, rope 5, core, proj, 2 adds, fc1, fc2, collectives 2+)
 
@@ -121,20 +102,26 @@ def model_flops_per_token(config, seq_len):
 
 
 def recompute_flops_per_token(config, seq_len, recompute):
-    """FLOPs recomputed per token: full — every block's forward (a third of its 6·N and attention); selective —
-    the attention core's forward (QKᵀ, PV over the full square, as Korthikanti et al. count it)."""
-    attention = 4 * config.num_layers * config.num_heads * config.head_dim * seq_len
+    """FLOPs recomputed per token: full — every block's forward (a third of its 6·N and attention); selective (the
+    core_attn module) — the attention core's forward (QKᵀ, PV over the full square, as Korthikanti et al. count it);
+    mlp, moe, shared_experts — those modules' forward GEMMs (bench.plan.recompute; the output-discarding modules
+    repeat no GEMM)."""
     if recomputes(recompute, "block"):
         return (model_flops_per_token(config, seq_len) - 6 * config.hidden_size * config.vocab_size) / 3
-    return attention if recomputes(recompute, "core") else 0
+    h, glu = config.hidden_size, 3 if config.activation == "swiglu" else 2
+    moe_layers = sum(config.is_moe_layer(i) for i in range(config.num_layers))
+    flops = 4 * config.num_layers * config.num_heads * config.head_dim * seq_len if recomputes(
+        recompute, "core_attn") else 0
+    if recomputes(recompute, "mlp"):
+        flops += 2 * glu * h * config.ffn_hidden_size * (config.num_layers - moe_layers)
+    if config.num_experts and recomputes(recompute, "moe"):
+        flops += 2 * h * moe_layers * (config.moe_router_topk * glu * config.moe_ffn_hidden_size + config.num_experts)
+    if recomputes(recompute, "moe") or recomputes(recompute, "shared_experts"):
+        flops += 2 * glu * h * config.moe_shared_expert_size * moe_layers
+    return flops
 
 
 # ---- pieces ---------------------------------------------------------------------------------------------------------
-
-
-def _gemm_time(gemm, cluster, e):
-    hw = cluster.device
-    return max(gemm.flops / (cluster.gemm_efficiency * hw.flops), gemm.bytes(e) / hw.hbm)
 
 
 def _bandwidth(cluster, group_span):
@@ -148,13 +135,6 @@ def _collective_time(kind, size, ranks, bandwidth, cluster):
     return rl.Collective(kind, "fwd", size).wire_bytes(ranks) / bandwidth + cluster.device.latency
 
 
-def routed_slots(config, plan, tokens):
-    """Token-expert slots one rank's experts process per MoE layer and micro-batch: the micro-batch's b·s·k slots
-    over its tp·cp ranks, each processed by the etp ranks holding slices of its expert: tokens·k·etp/tp (dropless:
-    the balanced mean; with a capacity factor, that many times it, the padded slots)."""
-    return int(tokens * config.moe_router_topk * plan.expert_tp / plan.tp * (config.moe_capacity_factor or 1.0))
-
-
 def _layer_gemms(config, plan, tokens, moe=False):
     h, d, tp = config.hidden_size, config.head_dim, plan.tp
     kv = memory.local_kv_heads(config, tp)
@@ -164,43 +144,13 @@ def _layer_gemms(config, plan, tokens, moe=False):
     if not moe:
         return gemms + rl.linear_gemms("fc1", tokens, h, glu * config.ffn_hidden_size // tp) + \
             rl.linear_gemms("fc2", tokens, config.ffn_hidden_size // tp, h)
-    # the router (whole on every rank, over the tokens it routes), the experts as one grouped GEMM over the slots
-    slots, f, etp = routed_slots(config, plan, tokens), config.moe_ffn_hidden_size, plan.expert_tp
+    # the router (whole on every rank, over the tokens it routes); the experts: bench.plan.moe_time
     gemms += rl.linear_gemms("router", tokens // tp if plan.sp else tokens, h, config.num_experts)
-    gemms += rl.linear_gemms("experts_fc1", slots, h, glu * f // etp) + rl.linear_gemms("experts_fc2", slots,
-                                                                                          f // etp, h)
     shared = config.moe_shared_expert_size
     if shared:
         gemms += rl.linear_gemms("shared_fc1", tokens, h, glu * shared // tp) + \
             rl.linear_gemms("shared_fc2", tokens, shared // tp, h)
     return gemms
-
-
-def _a2a_time(config, plan, tokens, cluster, e):
-    """Seconds of one MoE layer's token dispatch and combine per micro-batch, forward (backward: as much): each
-    all-to-all moves the rank's slots·h elements, (ep − 1)/ep of them to other ranks of its ep group, which spans
-    ep·etp consecutive ranks (etp innermost, Megatron's expert layout): NVLink inside a node, the NIC across."""
-    if plan.ep == 1:
-        return 0.0
-    size = e * routed_slots(config, plan, tokens) * config.hidden_size * (plan.ep - 1) / plan.ep
-    return 2 * (size / _bandwidth(cluster, plan.ep * plan.expert_tp) + cluster.device.latency)
-
-
-def _attention_times(config, plan, seq_len, cluster, software, e):
-    """(forward, backward) seconds of one layer's attention core per micro-batch."""
-    heads = plan.micro_batch_size * config.num_heads // plan.tp  # (batch × local heads) independent problems
-    s_q, s_k, d = seq_len // plan.cp, seq_len, config.head_dim
-    if software.attention in ("flash", "cudnn"):
-        flops = 2 * heads * s_q * s_k * d  # QKᵀ and PV, causal: half of 4·s_q·s_k·d
-        efficiency = cluster.cudnn_attention_efficiency if software.attention == "cudnn" else 0.0
-        rate = (efficiency or cluster.attention_efficiency) * cluster.device.flops
-        return flops / rate, 2.5 * flops / rate
-    qk, pv = rl.Gemm("qk", "fwd", s_q, d, s_k), rl.Gemm("pv", "fwd", s_q, s_k, d)
-    gemm = heads * (_gemm_time(qk, cluster, e) + _gemm_time(pv, cluster, e))
-    scores = heads * s_q * s_k
-    # forward: softmax (read, write), dropout (read, write, 1-byte mask); backward: dropout and softmax grads
-    stream = cluster.device.hbm
-    return gemm + scores * (4 * e + 1) / stream, 2 * gemm + scores * (6 * e + 1) / stream
 
 
 def _elementwise_bytes(config, plan, tokens, software, e):
@@ -214,6 +164,29 @@ def _elementwise_bytes(config, plan, tokens, software, e):
     qk = tokens * (config.num_heads // plan.tp + memory.local_kv_heads(config, plan.tp)) * config.head_dim
     rope = 10 * e * qk if config.position == "rope" else 0
     return rows * h * (2 * (4 * e + 20) + 2 * 3 * e) + rope
+
+
+def _norm_bytes(config, plan, tokens, software, e):
+    """Forward bytes of the layer's two norms (within _elementwise_bytes): what recomputing "layernorm" repeats."""
+    rows = tokens // plan.tp if plan.sp else tokens
+    return 2 * rows * config.hidden_size * (2 * e if software.elementwise == "fused" else 4 * e + 20)
+
+
+def _recompute_time(config, plan, tokens, cluster, software, e, pieces):
+    """Seconds per micro-batch of one layer's recomputed forward under plan.recompute's modules (bench.plan.recompute);
+    `pieces`: {name: forward seconds} of the layer's parts."""
+    time = 0.0
+    for module, piece in (("core_attn", "attention"), ("mlp", "mlp"), ("moe", "moe"),
+                          ("shared_experts", "shared")):
+        if recomputes(plan.recompute, module):
+            time += pieces.get(piece, 0.0)
+    if recomputes(plan.recompute, "layernorm"):
+        time += _norm_bytes(config, plan, tokens, software, e) / cluster.device.hbm
+    if recomputes(plan.recompute, "moe_act") and "moe" in pieces:  # the experts' activation: read 2F (SwiGLU), write F
+        glu = 2 if config.activation == "swiglu" else 1
+        time += e * routed_slots(config, plan, tokens) * (glu + 1) * config.moe_ffn_hidden_size // plan.expert_tp / \
+            cluster.device.hbm
+    return time
 
 
 def _tp_comm(config, plan, tokens, cluster, e):
@@ -275,66 +248,85 @@ def _layer_times(config, plan, seq_len, cluster, software, moe):
     e = ELEMENT_SIZE[software.precision]
     tokens = plan.micro_batch_size * seq_len // plan.cp
     gemms = _layer_gemms(config, plan, tokens, moe)
-    g = {phase: sum(_gemm_time(x, cluster, e) for x in gemms if x.phase == phase) for phase in ("fwd", "dgrad",
+    g = {phase: sum(gemm_time(x, cluster, e) for x in gemms if x.phase == phase) for phase in ("fwd", "dgrad",
                                                                                                  "wgrad")}
-    attention = _attention_times(config, plan, seq_len, cluster, software, e)
+    forward = {x.layer: gemm_time(x, cluster, e) for x in gemms if x.phase == "fwd"}
+    attention = attention_times(config, plan, seq_len, cluster, software, e)
     elementwise = _elementwise_bytes(config, plan, tokens, software, e) / cluster.device.hbm
     tp_fwd, tp_bwd = _tp_comm(config, plan, tokens, cluster, e)
     if software.tp_overlap:  # each collective pipelined in chunks with the GEMM it feeds or follows: what exceeds them
         tp_fwd, tp_bwd = max(0.0, tp_fwd - g["fwd"]), max(0.0, tp_bwd - g["dgrad"] - g["wgrad"])
     cp_fwd, cp_bwd = _cp_comm(config, plan, seq_len, cluster, e, attention)
-    a2a = _a2a_time(config, plan, tokens, cluster, e) if moe else 0.0
+    a2a, host = (0.0, 0.0), (0.0, 0.0)
+    pieces = {"attention": attention[0], "shared": forward.get("shared_fc1", 0.0) + forward.get("shared_fc2", 0.0),
+              "mlp": forward.get("fc1", 0.0) + forward.get("fc2", 0.0) + tp_fwd / 2}
+    if moe:
+        parts = moe_time.layer_costs(config, plan, tokens, cluster, software, e,
+                           (g["fwd"] + attention[0], g["dgrad"] + g["wgrad"] + attention[1]))
+        g = {phase: g[phase] + parts["experts"][phase] for phase in g}
+        elementwise, a2a, host = elementwise + parts["permute"], parts["a2a"], parts["host"]
+        pieces["moe"] = parts["experts"]["fwd"] + forward["router"] + pieces["shared"] + parts["permute"] + a2a[0] + \
+            host[0] + tp_fwd / 2
     overhead = OPS_PER_LAYER * cluster.op_overhead
-    layer_fwd = g["fwd"] + attention[0] + elementwise + tp_fwd + cp_fwd + a2a + overhead
-    layer_bwd = g["dgrad"] + attention[1] + 2 * elementwise + tp_bwd + cp_bwd + a2a + 2 * overhead
+    layer_fwd = g["fwd"] + attention[0] + elementwise + tp_fwd + cp_fwd + a2a[0] + host[0] + overhead
+    layer_bwd = g["dgrad"] + attention[1] + 2 * elementwise + tp_bwd + cp_bwd + a2a[1] + host[1] + 2 * overhead
     recompute = layer_fwd if recomputes(plan.recompute, "block") else \
-        attention[0] if recomputes(plan.recompute, "core") else 0.0
+        _recompute_time(config, plan, tokens, cluster, software, e, pieces)
     parts = {"gemm": sum(g.values()), "attention": sum(attention), "elementwise": 3 * elementwise,
-             "tp_comm": tp_fwd + tp_bwd, "cp_comm": cp_fwd + cp_bwd, "ep_a2a": 2 * a2a, "recompute": recompute,
-             "overhead": 3 * overhead}
+             "tp_comm": tp_fwd + tp_bwd, "cp_comm": cp_fwd + cp_bwd, "ep_a2a": sum(a2a), "moe_host": sum(host),
+             "recompute": recompute, "overhead": 3 * overhead}
     return StageTimes(layer_fwd, layer_bwd, g["wgrad"], recompute, parts)
 
 
-def stage_times(config, plan, seq_len, cluster, software, stage):
-    """StageTimes of pipeline rank `stage` (its layers, and the embedding / output layer where it holds them)."""
+def _add(times, one, count=1):
+    """Accumulate `count` × StageTimes `one` into `times`."""
+    times.fwd, times.bwd = times.fwd + count * one.fwd, times.bwd + count * one.bwd
+    times.wgrad, times.recompute = times.wgrad + count * one.wgrad, times.recompute + count * one.recompute
+    for name, value in one.parts.items():
+        times.parts[name] = times.parts.get(name, 0.0) + count * value
+
+
+def chunk_times(config, plan, seq_len, cluster, software, chunk, layer_times=None):
+    """StageTimes of one model chunk (first layer, stop, pre_process, post_process): its layers, and the embedding /
+    output layer where it holds them. `layer_times`: {is MoE: one layer's StageTimes}, when the caller has them."""
+    start, stop, first, last = chunk
     e = ELEMENT_SIZE[software.precision]
     tokens = plan.micro_batch_size * seq_len // plan.cp
-    chunks = memory.stage_chunks(config.num_layers, plan.pp, stage, plan.virtual_stages)
-    indices = [i for start, stop, _, _ in chunks for i in range(start, stop)]
     times = StageTimes(parts={})
+    layer_times = {} if layer_times is None else layer_times
     for moe in (False, True):
-        layers = sum(config.is_moe_layer(i) == moe for i in indices)
-        if not layers:
-            continue
-        one = _layer_times(config, plan, seq_len, cluster, software, moe)
-        times.fwd, times.bwd = times.fwd + layers * one.fwd, times.bwd + layers * one.bwd
-        times.wgrad, times.recompute = times.wgrad + layers * one.wgrad, times.recompute + layers * one.recompute
-        for name, value in one.parts.items():
-            times.parts[name] = times.parts.get(name, 0.0) + layers * value
-    parts = times.parts
+        layers = sum(config.is_moe_layer(i) == moe for i in range(start, stop))
+        if layers:
+            if moe not in layer_times:
+                layer_times[moe] = _layer_times(config, plan, seq_len, cluster, software, moe)
+            _add(times, layer_times[moe], layers)
     rows = tokens // plan.tp if plan.sp else tokens
-    for _, _, first, last in chunks:
-        if first:  # embedding lookup (write T'·h) and its all-reduce (SP: reduce-scatter)
-            comm = _collective_time(rl.REDUCE_SCATTER if plan.sp else rl.ALL_REDUCE, e * tokens * config.hidden_size,
-                                    plan.tp, _bandwidth(cluster, plan.tp), cluster)
-            lookup = e * rows * config.hidden_size / cluster.device.hbm
-            times.fwd += lookup + comm
-            parts["elementwise"] += lookup
-            parts["tp_comm"] += comm
-        if last:  # output layer GEMMs, the loss's fp32 softmax over this rank's vocabulary (~4 passes each way)
-            head = rl.linear_gemms("logits", tokens, config.hidden_size, config.padded_vocab_size(plan.tp) // plan.tp)
-            loss = 16 * tokens * config.padded_vocab_size(plan.tp) // plan.tp / cluster.device.hbm
-            comm = 0.0
-            if plan.sp:  # the output layer gathers the sequence, and reduce-scatters its input gradient
-                bandwidth = _bandwidth(cluster, plan.tp)
-                comm = 2 * _collective_time(rl.ALL_GATHER, e * tokens * config.hidden_size, plan.tp, bandwidth,
-                                            cluster)
-            times.fwd += _gemm_time(head[0], cluster, e) + loss + comm / 2
-            times.bwd += _gemm_time(head[1], cluster, e) + loss + comm / 2
-            times.wgrad += _gemm_time(head[2], cluster, e)
-            parts["gemm"] += sum(_gemm_time(x, cluster, e) for x in head)
-            parts["elementwise"] += 2 * loss
-            parts["tp_comm"] += comm
+    if first:  # embedding lookup (write T'·h) and its all-reduce (SP: reduce-scatter)
+        comm = _collective_time(rl.REDUCE_SCATTER if plan.sp else rl.ALL_REDUCE, e * tokens * config.hidden_size,
+                                plan.tp, _bandwidth(cluster, plan.tp), cluster)
+        lookup = e * rows * config.hidden_size / cluster.device.hbm
+        times.fwd += lookup + comm
+        _add(times, StageTimes(parts={"elementwise": lookup, "tp_comm": comm}))
+    if last:  # output layer GEMMs, the loss's fp32 softmax over this rank's vocabulary (~4 passes each way)
+        head = rl.linear_gemms("logits", tokens, config.hidden_size, config.padded_vocab_size(plan.tp) // plan.tp)
+        loss = 16 * tokens * config.padded_vocab_size(plan.tp) // plan.tp / cluster.device.hbm
+        comm = 0.0
+        if plan.sp:  # the output layer gathers the sequence, and reduce-scatters its input gradient
+            bandwidth = _bandwidth(cluster, plan.tp)
+            comm = 2 * _collective_time(rl.ALL_GATHER, e * tokens * config.hidden_size, plan.tp, bandwidth, cluster)
+        times.fwd += gemm_time(head[0], cluster, e) + loss + comm / 2
+        times.bwd += gemm_time(head[1], cluster, e) + loss + comm / 2
+        times.wgrad += gemm_time(head[2], cluster, e)
+        _add(times, StageTimes(parts={"gemm": sum(gemm_time(x, cluster, e) for x in head), "elementwise": 2 * loss,
+                                      "tp_comm": comm}))
+    return times
+
+
+def stage_times(config, plan, seq_len, cluster, software, stage, layer_times=None):
+    """StageTimes of pipeline rank `stage`: the sum of its model chunks'."""
+    times, layer_times = StageTimes(parts={}), {} if layer_times is None else layer_times
+    for chunk in memory.stage_chunks(config.num_layers, plan.pp, stage, plan.virtual_stages, plan.split):
+        _add(times, chunk_times(config, plan, seq_len, cluster, software, chunk, layer_times))
     return times
 
 
@@ -342,7 +334,8 @@ def stage_times(config, plan, seq_len, cluster, software, stage):
 
 
 def _stage_params(config, plan, stage):
-    return memory.stage_numel(config, plan.tp, plan.pp, stage, plan.virtual_stages, ep=plan.ep, etp=plan.etp)
+    return memory.stage_numel(config, plan.tp, plan.pp, stage, plan.virtual_stages, ep=plan.ep, etp=plan.etp,
+                              split=plan.split)
 
 
 def _dp_time(config, plan, cluster, software, stage, times, micro_batches):
@@ -394,31 +387,59 @@ def _with_cpu_sharing(cluster, plan):
     return replace(cluster, device=device, op_overhead=cluster.op_overhead / slow)
 
 
-def step_time(config, plan, *, seq_len, global_batch_size, cluster, software=OURS):
-    """{"step_s", "tokens_per_s", "mfu", "hfu", "breakdown": {part: seconds per step}} of one training step."""
-    peak = min(plan.gpus, cluster.cores or plan.gpus) * cluster.device.flops  # ranks beyond the cores share them
-    cluster = _with_cpu_sharing(cluster, plan)
-    m = global_batch_size // (plan.dp * plan.micro_batch_size)
+def _even_pipeline(config, plan, seq_len, cluster, software, m):
+    """(span, slowest rank, its StageTimes, its seconds per micro-batch with p2p, p2p per send) of equal stages:
+    the slowest rank's micro-batches plus the schedule's closed-form bubble ((p − 1)/v of them)."""
     # Only the ends can be the slowest (or hold the most parameters): rank 0 has at least any middle rank's layers
     # and the embedding, the last rank the output layer and the loss (bench.plan.memory.estimate says why).
-    distinct = [(s, stage_times(config, plan, seq_len, cluster, software, s)) for s in sorted({0, plan.pp - 1})]
+    layers = {}
+    distinct = [(s, stage_times(config, plan, seq_len, cluster, software, s, layers)) for s in sorted({0, plan.pp - 1})]
     slowest, t = max(distinct, key=lambda item: item[1].total)
     p2p = _p2p_time(config, plan, seq_len, cluster, software)
     if software.p2p_overlap and plan.virtual_stages > 1:  # each send behind another model chunk's compute
         p2p = max(0.0, p2p - t.total / plan.virtual_stages)
     per_micro = t.total + 2 * p2p * plan.virtual_stages if plan.pp > 1 else t.total
-    busy = m * per_micro  # span = busy / (1 − bubble fraction): (p − 1)/v micro-batch times of idling
     idle = bubble_fraction(plan.pp, m, plan.virtual_stages)
-    bubble = busy * idle / (1 - idle)
+    return m * per_micro / (1 - idle), distinct, slowest, per_micro, p2p
+
+
+def _simulated_pipeline(config, plan, seq_len, cluster, software, m):
+    """As _even_pipeline for stages that differ (an uneven split): every virtual stage's (F, B, W) from its own
+    chunk, the span from tp.pipeline.schedules' simulator (bench.plan.pipeline)."""
+    counts = layer_counts(config.num_layers, plan.pp, plan.virtual_stages, plan.split)
+    starts = [sum(counts[:s]) for s in range(len(counts))]
+    layers = {}
+    chunks = [chunk_times(config, plan, seq_len, cluster, software,
+                          (starts[s], starts[s] + counts[s], s == 0, s == len(counts) - 1), layers)
+              for s in range(len(counts))]
+    p2p = _p2p_time(config, plan, seq_len, cluster, software)
+    if software.p2p_overlap and plan.virtual_stages > 1:
+        p2p = max(0.0, p2p - min(c.total for c in chunks))
+    costs = [(c.fwd + p2p, c.bwd + c.recompute + p2p, c.wgrad) for c in chunks]
+    span = pipeline.span(plan.schedule, plan.pp, plan.virtual_stages, m, costs)
+    ranks = {0, min(1, plan.pp - 1), plan.pp - 1}  # the middle ranks are alike: rank 1 stands for them
+    distinct = [(r, stage_times(config, plan, seq_len, cluster, software, r, layers)) for r in sorted(ranks)]
+    slowest, t = max(distinct, key=lambda item: item[1].total)
+    return span, distinct, slowest, t.total + 2 * p2p * plan.virtual_stages, p2p
+
+
+def step_time(config, plan, *, seq_len, global_batch_size, cluster, software=OURS):
+    """{"step_s", "tokens_per_s", "mfu", "hfu", "breakdown": {part: seconds per step}} of one training step."""
+    peak = min(plan.gpus, cluster.cores or plan.gpus) * cluster.device.flops  # ranks beyond the cores share them
+    cluster = _with_cpu_sharing(cluster, plan)
+    m = global_batch_size // (plan.dp * plan.micro_batch_size)
+    pipelined = _even_pipeline if plan.split.even or plan.pp == 1 else _simulated_pipeline
+    span, distinct, slowest, per_micro, p2p = pipelined(config, plan, seq_len, cluster, software, m)
+    t = dict(distinct)[slowest]
     dp = max(_dp_time(config, plan, cluster, software, s, times, m) for s, times in distinct)
     optimizer = max(_optimizer_time(config, plan, cluster, software, s) for s, _ in distinct)
-    step = m * per_micro + bubble + dp + optimizer
+    step = span + dp + optimizer
     tokens = global_batch_size * seq_len
     flops = model_flops_per_token(config, seq_len) * tokens
     recomputed = recompute_flops_per_token(config, seq_len, plan.recompute) * tokens
     breakdown = {name: m * value for name, value in t.parts.items()}
-    breakdown.update(pp_p2p=m * 2 * p2p * plan.virtual_stages if plan.pp > 1 else 0.0, bubble=bubble, dp_comm=dp,
-                     optimizer=optimizer)
+    breakdown.update(pp_p2p=m * 2 * p2p * plan.virtual_stages if plan.pp > 1 else 0.0, bubble=span - m * per_micro,
+                     dp_comm=dp, optimizer=optimizer)
     return {"step_s": step, "tokens_per_s": tokens / step, "mfu": flops / (step * peak),
             "hfu": (flops + recomputed) / (step * peak), "micro_batches": m, "slowest_stage": slowest,
             "breakdown": breakdown}

@@ -20,22 +20,14 @@ import os
 from dataclasses import dataclass, replace
 
 from models.config import PRESETS, PUBLISHED_MODELS, GPTConfig
+from models.flops import flops_per_token
 
 from ..common import RESULTS, print_table
 from .hardware import CLUSTERS, cpu_cluster
 from .search import evaluate
-from .step_time import (
-    MEGATRON_2021,
-    MEGATRON_2024,
-    NEMO_2024,
-    OURS_CPU,
-    TORCHTITAN,
-    Plan,
-    Software,
-    model_flops_per_token,
-    recompute_flops_per_token,
-    step_time,
-)
+from .software import MEGATRON_2021, MEGATRON_2024, MEGATRON_CORE, NEMO_2024, OURS_CPU, TORCHTITAN, Software
+from .stages import ACCOUNTED
+from .step_time import Plan, model_flops_per_token, recompute_flops_per_token, step_time
 
 GPT3_SHAPE = dict(vocab_size=51200, activation="gelu", norm="layernorm", bias=True, position="learned",
                   max_seq_len=2048)
@@ -57,6 +49,7 @@ class Row:
     software: Software
     published: dict  # {"mfu": .., "hfu": ..}: fractions of peak
     note: str = ""
+    causal_halved: bool = False  # the source's FLOP count halves causal attention (Megatron-LM since March 2025)
 
 
 def _narayanan(params, heads, hidden, layers, t, p, gpus, batch, micro_batch_size, percent):
@@ -175,6 +168,15 @@ GROK_NOTE = ("Dev BF16, sequence 8192, TP 4, PP 8, CP 2, EP 8, VP 8, MBS 1, 64 l
              "experts' data-parallel size: GPUs / (TP·CP·PP) = dp 8 and 32 = EP 8 × DP, Megatron's layout before MoE "
              "parallel folding with experts at etp = tp = 4, so the all-to-all group (ep·etp = 32 ranks) spans 4 "
              "nodes; the NeMo overlaps as the 70B recipe (assumed)")
+MODELZOO = "NVIDIA Megatron-MoE-ModelZoo (github.com/yanring/Megatron-MoE-ModelZoo)"
+MIXTRAL_8X22B = dict(PUBLISHED_MODELS["mixtral-8x22b"], vocab_size=32000, max_seq_len=4096)
+MIXTRAL_8X22B_NOTE = ("runtime_configs/benchmarking/runtime.conf (commit 3a2d8b5): TP 2, PP 8, EP 8, CP 1, VPP 7, "
+                      "MBS 1, GBS 256, 56 layers, alltoall, grouped GEMM, 16 nodes, sequence 4096; "
+                      "model_configs/benchmarking/Mixtral-8x22B.yaml: expert TP 1, --use-distributed-optimizer, "
+                      "--overlap-grad-reduce, --overlap-param-gather, --tp-comm-overlap, SP, Transformer Engine, "
+                      "flash attention, permute and router fusion, Llama2Tokenizer (vocabulary 32000), dropless; "
+                      "MFU as Megatron-LM's num_floating_point_operations counts it (causal attention halved, the "
+                      "router not counted: 0.02 % here)")
 H100_PUBLISHED = [
     _dgxc("Llama 3.1 70B", "llama3.1/README_70b.md", PUBLISHED_MODELS["llama3-70b"], 8192, 64, 128,
           Plan(4, 2, 4, 5, 2, 1, "none", True, "zero1"), 71235, LLAMA31_70B_NOTE, NEMO_FUSED_ADAM),
@@ -204,6 +206,10 @@ H100_PUBLISHED = [
         "the README states the 468 TFLOP/s and the mapping in separate sections (same model, precision and "
         "hardware); etp 1 (tp 1); the README's example script's --overlap-grad-reduce --overlap-param-gather and "
         "--use-distributed-optimizer; MFU counted as Megatron does (active experts, full attention square)"),
+    Row("Mixtral 8x22B (128 H100, ep 8)", f"{MODELZOO}, best_practice/Mixtral/run_mixtral_8x22B.sh (commit 0993e66): "
+        "\"Dropless training, stable performance should be around 455TFLOPS for H100\"", "h100-sxm", MIXTRAL_8X22B,
+        4096, 256, Plan(2, 1, 8, 7, 8, 1, "none", True, "zero1", ep=8, etp=1), MEGATRON_CORE,
+        {"tflops_per_gpu": 455}, MIXTRAL_8X22B_NOTE, causal_halved=True),
 ]
 
 # H100 runs with a full published configuration the model does not reach within 20 % (shown by --validate beside the
@@ -212,16 +218,18 @@ TORCHTITAN_PAGE = ("torchtitan's docs/performance.md (the TorchTitan paper's set
                    "arXiv:2410.06511)")
 POWER_CAPPED = ("its H100s are capped at 500 W with 96 GB HBM2e at 2.4 TB/s (Grand Teton; the page: \"the actual "
                 "peak TFLOPs number is between SXM and NVL, and we don't know its exact value\"), the h100-sxm profile "
-                "is the 700 W, 3.35 TB/s SXM5; eager torch ops between the GEMMs; FSDP2 reshards after forward and "
-                "re-gathers, the model's FSDP memory (the runner's unsharded stage) says the plan does not fit")
+                "is the 700 W, 3.35 TB/s SXM5; eager torch ops between the GEMMs; the memory (FSDP2 resharding each "
+                "block, as torchtitan runs it, but this package's saved activations) says the plan does not fit")
 LLAMA3 = "Dubey et al. 2024, The Llama 3 Herd of Models (arXiv:2407.21783), Table 4"
 # Meta's own 4D-parallel stack: which kernels it runs and what it overlaps is not published; priced as Megatron-LM's
 LLAMA3_STACK = replace(MEGATRON_2024, name="Meta's Llama 3 stack (unpublished kernels: as Megatron-LM 2024)")
 LLAMA3_WHY = ("the paper's interleaved schedule has V stages per rank and a tunable number of contiguous "
-              "micro-batches, neither published, and 126 layers (one fewer on the first and last stage) do not split "
-              "into equal interleaved chunks: priced at V = 1, the 1F1B bubble alone is (p-1)/(m+p-1) of the step "
-              "(a third at m = 32), which the paper's (p-1)/(V·m) removes; the rows cannot be pinned (NVIDIA's "
-              "Llama 3.1 405B recipe, whose VP 7 is published, is reached above)")
+              "micro-batches, neither published: the 126 layers are split as published (one fewer on the first and "
+              "last stage: Megatron's embedding and loss accounting, 8 per rank), priced at V = 1, where the 1F1B "
+              "bubble alone is (p-1)/(m+p-1) of the step (a third at m = 32), which the paper's (p-1)/(V·m) "
+              "removes; at V = 2, 4, 8 the model's step gives 43-50 % MFU but its memory (TE activations, no "
+              "recompute) 100-117 GB: the rows cannot be pinned (NVIDIA's Llama 3.1 405B recipe, whose VP 7 is "
+              "published, is reached above)")
 UNREACHED = [
     (Row("Llama 3.1 8B FSDP (8 H100)", f"{TORCHTITAN_PAGE}, Table 1, row FSDP: 8 GPUs, local batch 2, global 16, "
          "selective AC, 5,762 tokens/s/GPU", "h100-sxm", PUBLISHED_MODELS["llama3-8b"], 8192, 16,
@@ -234,12 +242,13 @@ UNREACHED = [
          "sequence 8192 as Table 1"), POWER_CAPPED),
     (Row("Llama 3 405B (8,192 H100)", f"{LLAMA3}, row 1: TP 8, CP 1, PP 16, DP 64, sequence 8,192, batch/DP 32, "
          "430 TFLOPs/GPU, BF16 MFU 43 %", "h100-sxm", PUBLISHED_MODELS["llama3-405b"], 8192, 64 * 32,
-         Plan(8, 1, 16, 1, 64, 1, "none", True, "zero1"), LLAMA3_STACK, {"mfu": 0.43},
+         Plan(8, 1, 16, 1, 64, 1, "none", True, "zero1", split=ACCOUNTED), LLAMA3_STACK, {"mfu": 0.43},
          "no activation checkpointing (§3.3.2); FSDP sharding optimizer states and gradients, parameters kept after "
          "forward: zero1's traffic; micro-batch 1 and V = 1 assumed"), LLAMA3_WHY),
     (Row("Llama 3 405B (16,384 H100)", f"{LLAMA3}, row 2: TP 8, CP 1, PP 16, DP 128, sequence 8,192, batch/DP 16, "
          "400 TFLOPs/GPU, BF16 MFU 41 %", "h100-sxm", PUBLISHED_MODELS["llama3-405b"], 8192, 128 * 16,
-         Plan(8, 1, 16, 1, 128, 1, "none", True, "zero1"), LLAMA3_STACK, {"mfu": 0.41}, "as row 1"),
+         Plan(8, 1, 16, 1, 128, 1, "none", True, "zero1", split=ACCOUNTED), LLAMA3_STACK, {"mfu": 0.41},
+         "as row 1"),
      LLAMA3_WHY),
 ]
 # What calibrate() fitted, rounded, lives in the profiles (bench.plan.hardware.CLUSTERS).
@@ -261,22 +270,27 @@ def predict(row, cluster):
                     global_batch_size=row.global_batch_size, cluster=cluster, software=row.software)
 
 
-def _figures(got, cluster):
-    """The modelled figures a source may publish: MFU, HFU (fractions of peak), the job's tokens/s, TFLOP/s per GPU."""
-    return {"mfu": got["mfu"], "hfu": got["hfu"], "tokens_per_s": got["tokens_per_s"],
-            "tflops_per_gpu": got["mfu"] * cluster.device.flops / 1e12}
+def _figures(row, got, cluster):
+    """The modelled figures a source may publish: MFU, HFU (fractions of peak), the job's tokens/s, TFLOP/s per GPU
+    (the model FLOPs counted as the row's source counts them)."""
+    config = GPTConfig(**row.model)
+    scale = flops_per_token(config, row.seq_len, causal_halved=row.causal_halved) / model_flops_per_token(
+        config, row.seq_len)
+    return {"mfu": got["mfu"] * scale, "hfu": got["hfu"], "tokens_per_s": got["tokens_per_s"],
+            "tflops_per_gpu": got["mfu"] * scale * cluster.device.flops / 1e12}
 
 
 def plan_label(got):
     """A row's plan as the table prints it."""
     label = (f"tp{got['tp']} cp{got['cp']} pp{got['pp']} vp{got['vp']} dp{got['dp']} mbs{got['mbs']} "
              f"{got['recompute']} sp-{got['sp']}" + (f" {got['dp_mode']}" if got['dp'] > 1 else ""))
+    label += f" split={got['split']}" if got["split"] != "even" else ""
     return label + (f" ep{got['ep']} etp{got['etp']}" if got["ep"] > 1 else "")
 
 
 def _compare(row, cluster):
     got = predict(row, cluster)
-    figures = _figures(got, cluster)
+    figures = _figures(row, got, cluster)
     result = {"row": row.name, "source": row.source, "hardware": row.hardware, "note": row.note,
               "software": row.software.name, "plan": plan_label(got), "memory_gb": got["memory_per_gpu_gb"],
               "fits": got["fits"], "step_s": got["step_s"], "gpus": row.plan.gpus, "ep": got["ep"],
@@ -407,8 +421,8 @@ def validate(*, json_out=False, out=None):
         print_table(a100, TABLE)
         print(_summary(a100))
         print(f"\nPublished H100 bf16 runs (h100-sxm, measured or published fractions, none fitted: GEMMs at "
-              f"{h100.gemm_efficiency:.3f} of peak, collectives at {h100.comm_efficiency:.2f} of the link, cuDNN "
-              f"attention at {h100.cudnn_attention_efficiency:.2f})")
+              f"{h100.gemm_efficiency:.3f} of peak on full tile-waves, collectives at {h100.comm_efficiency:.2f} of "
+              "the link, attention at measured rates by sequence length)")
         print_table(figure_lines(h100_rows), FIGURE_TABLE)
         print(_summary(h100_rows))
         print("\nH100 runs not reached within 20 % (outside the statistics above)")

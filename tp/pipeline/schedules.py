@@ -8,7 +8,8 @@ derived, not listed: F of stage s sends its output to stage s+1's rank, B/BW of 
 to stage s-1's rank (two chunks on one rank hand over locally).
 
 `simulate(schedule, costs)` runs the lists against per-action costs (F, B, W of one micro-batch through a whole
-rank's layers; a chunk costs 1/V of that, the fused BW costs B + W), with every action starting once its inputs
+rank's layers; a chunk costs 1/V of that, the fused BW costs B + W; or, with `stage_costs`, each virtual stage's own
+F, B, W), with every action starting once its inputs
 exist: it raises ScheduleError on a deadlock or a broken dependency, and returns the timeline, the bubble fraction
 (idle / (stages x span)) and the peak activations (the most forward chunks awaiting their B on any rank, in
 micro-batches through a whole stage: a chunk counts 1/V).
@@ -327,14 +328,27 @@ def check_actions(schedule: Schedule) -> None:
                                 f"(has {done.get((c, k), [])})")
 
 
-def simulate(schedule: Schedule, costs: Sequence[float] = (1.0, 1.0, 1.0)) -> Timeline:
+def _stage_costs(schedule, costs, stage_costs):
+    """[{kind: seconds}] per virtual stage: `stage_costs` (F, B, W) of each, or a rank's `costs` split over V."""
+    if stage_costs is None:
+        if len(costs) != 3 or any(not c >= 0 for c in costs):
+            raise ScheduleError(f"costs={tuple(costs)} must be three numbers >= 0 (F, B, W)")
+        stage_costs = [tuple(c / schedule.virtual_stages for c in costs)] * schedule.num_stages
+    if len(stage_costs) != schedule.num_stages or any(len(c) != 3 or any(not x >= 0 for x in c)
+                                                      for c in stage_costs):
+        raise ScheduleError(f"stage_costs must give (F, B, W) >= 0 for each of the {schedule.num_stages} virtual "
+                            f"stages, got {len(stage_costs)}")
+    return [{"F": f, "B": b, "W": w, "BW": b + w} for f, b, w in stage_costs]
+
+
+def simulate(schedule: Schedule, costs: Sequence[float] = (1.0, 1.0, 1.0),
+             stage_costs: Sequence[Sequence[float]] | None = None) -> Timeline:
     """Run the action lists with these (F, B, W) costs, each action as soon as its rank is free and its inputs have
-    arrived (transfers take no time). Raises ScheduleError on a deadlock; returns the Timeline."""
+    arrived (transfers take no time). `costs` are a micro-batch's through a whole rank (a chunk costs 1/V);
+    `stage_costs`, where stages differ (uneven splits, the embedding and the loss), give each virtual stage's own
+    (F, B, W) instead. Raises ScheduleError on a deadlock; returns the Timeline."""
     check_actions(schedule)
-    if len(costs) != 3 or any(not c >= 0 for c in costs):
-        raise ScheduleError(f"costs={tuple(costs)} must be three numbers >= 0 (F, B, W)")
-    v = schedule.virtual_stages
-    cost = {"F": costs[0] / v, "B": costs[1] / v, "W": costs[2] / v, "BW": (costs[1] + costs[2]) / v}
+    per_stage = _stage_costs(schedule, costs, stage_costs)
     p = schedule.pp
     position, clock = [0] * p, [0.0] * p
     intervals, busy = [[] for _ in range(p)], [0.0] * p
@@ -349,7 +363,7 @@ def simulate(schedule: Schedule, costs: Sequence[float] = (1.0, 1.0, 1.0)) -> Ti
                 if any(m not in sent for m in needs):
                     break
                 start = max([clock[r], *(sent[m] for m in needs)])
-                end = start + cost[a.kind]
+                end = start + per_stage[schedule.stage(r, a.chunk)][a.kind]
                 intervals[r].append((start, end, a))
                 busy[r] += end - start
                 clock[r] = end
