@@ -29,6 +29,7 @@ GRANULARITIES = {"none": frozenset(), "selective": frozenset({"core"}), "full": 
 MODULES = {"core_attn": "core", "mlp": "mlp", "moe": "moe", "moe_act": "expert_act", "layernorm": "norm",
            "shared_experts": "shared_expert"}
 DEFAULT_MODULES = ("core_attn",)
+OUTPUT_DISCARDING = frozenset({"norm", "expert_act"})  # the parts recomputed by tp.recompute.DiscardedOutput
 
 
 def uniform_groups(layers: int, group: int) -> list[range]:
