@@ -152,12 +152,13 @@ class GPT(nn.Module):
                 x = layer(x, document_ids=document_ids, position_ids=position_ids, sample_ids=sample_ids,
                           cache=None if cache is None else cache.layer(i))
             return x
-        groups, i = {group.start: group for group in self.recompute_groups}, 0
+        starts, i = {group.start: group.stop for group in self.recompute_groups}, 0
         while i < len(self.layers):
-            group = groups.get(i, range(i, i + 1))
-            run = (self._run_blocks, x, group.start, group.stop, document_ids, position_ids, sample_ids)
-            x = checkpoint(*run, use_reentrant=False, preserve_rng_state=False) if i in groups else run[0](*run[1:])
-            i = group.stop
+            stop = starts.get(i, i + 1)
+            run = (x, i, stop, document_ids, position_ids, sample_ids)
+            x = checkpoint(self._run_blocks, *run, use_reentrant=False, preserve_rng_state=False) if i in starts \
+                else self._run_blocks(*run)
+            i = stop
         return x
 
     def _padded_vocab_master(self):

@@ -2,15 +2,15 @@
 CheckpointWithoutOutput, megatron/core/tensor_parallel/random.py, >= 0.12).
 
 `DiscardedOutput(fn, *inputs, params=...)` runs fn once in forward without recording its graph, its node keeping only
-`inputs` (`params`: parameters fn reads, whose gradients the recomputed graph accumulates: the node needs a gradient
-when they do).
-Its `output` is then usually kept by its consumers for their backward (a norm's output is the next linear's saved
-input, an activation's output the next GEMM's): once they ran forward, `discard(after)` frees the output's storage
-and registers its refill on `after`, a tensor whose gradient arrives before theirs (their output). When it does, fn
-runs again on the kept inputs, with autograd: the output's storage is refilled (the consumers' backward reads it),
-and the function's own backward runs through that recorded graph. fn must draw no random numbers. The gradient of an
-input that other paths also read is the same sum in another association than autograd's through fn's own graph
-(rounding-level differences).
+`inputs` (`params`: the parameters fn reads, whose gradients the recomputed graph accumulates; the node needs a
+gradient when they do). Its `output` is then usually kept by its consumers for their backward (a norm's output is
+the next linear's saved input, an activation's output the next GEMM's): once they ran forward, `discard(after)` frees
+the output's storage and registers its refill on `after`, a tensor whose gradient arrives before theirs (their
+output). When it does, fn runs again on the kept inputs, with autograd: the output's storage is refilled (the
+consumers' backward reads it), and the function's own backward runs through that recorded graph.
+
+fn must draw no random numbers. An input that other paths also read gets the same sum of gradients as through fn's
+own graph, in another order (rounding-level differences).
 """
 from collections.abc import Callable, Iterable
 
@@ -53,6 +53,7 @@ class DiscardedOutput:
                  params: Iterable[torch.Tensor] = ()) -> None:
         self.output = _Run.apply(fn, len(inputs), *inputs, *params)
         self.node = self.output.grad_fn  # (None when nothing needs a gradient)
+        self.nbytes = 0  # the output's, once discarded
 
     def discard(self, after: torch.Tensor) -> None:
         """Free the output's storage now; refill it when `after`'s gradient arrives (nothing without a backward)."""
