@@ -117,11 +117,10 @@ class ParallelismConfig:
 
     @property
     def recompute_options(self) -> dict:
-        """GPTConfig's recompute fields for the flags (the defaults where not given)."""
-        options = dict(recompute=self.recompute, recompute_method=self.recompute_method or "uniform",
-                       recompute_num_layers=self.recompute_num_layers or 1)
-        modules = {} if self.recompute_modules is None else {"recompute_modules": tuple(self.recompute_modules)}
-        return options | modules
+        """GPTConfig's recompute fields the flags give (its defaults for the others)."""
+        given = dict(recompute_modules=None if self.recompute_modules is None else tuple(self.recompute_modules),
+                     recompute_method=self.recompute_method, recompute_num_layers=self.recompute_num_layers)
+        return {"recompute": self.recompute} | {name: value for name, value in given.items() if value is not None}
 
     def resolve_dp(self, world_size: int | None, *, gpus: int | None = None) -> int:
         """--dp when given; else WORLD_SIZE / (tp·cp·pp) under torchrun (as Megatron); on our own launcher, the GPUs
