@@ -29,9 +29,10 @@ import tp
 from tp.context import local_attention
 from tp.dropout import CounterDropout
 from tp.mesh import SharedGroup, resolve_cp_group, resolve_group
+from tp.recompute import DiscardedOutput
 
 from .config import GPTConfig
-from .recompute import recomputes
+from .recompute import recompute_inside_moe
 
 if TYPE_CHECKING:
     from .generation import LayerCache
@@ -318,7 +319,7 @@ class Attention(nn.Module):
             return self.proj(rearrange(cache.attend(q, k, v), "b n s d -> s b (n d)"))
         if self.training and self.config.attention_dropout:  # (drawn here, not again in a recomputation)
             sample_ids = sample_ids_or_drawn(sample_ids, q.shape[0], q.device)
-        if recomputes(self.config.recompute, "core") and torch.is_grad_enabled():  # keep q, k, v; masks redrawn
+        if "core" in self.config.recompute_parts and torch.is_grad_enabled():  # keep q, k, v; masks redrawn
             context = checkpoint(self.core, q, k, v, document_ids, sample_ids, use_reentrant=False,
                                  preserve_rng_state=False)
         else:
@@ -403,18 +404,43 @@ class TransformerBlock(nn.Module):
         self.attention = Attention(config, group=self.group, cp_group=self.cp_group, layer=layer, _init=_init)
         self.norm2 = Norm(config.norm, config.hidden_size, config.norm_eps, **norm)
         self.mlp = moe_mlp(config, group=self.group, _init=_init) if moe else MLP(config, group=self.group, _init=_init)
+        if moe:
+            recompute_inside_moe(self.mlp, config.recompute_parts)
+        # full recomputation of this block alone (models.GPT groups a chunk's blocks by config.recompute_method)
+        self.recompute_whole = "block" in config.recompute_parts
 
     def _forward(self, x, document_ids=None, position_ids=None, cache=None, sample_ids=None):
         c = self.config
-        attention = self.attention(self.norm1(x), document_ids=document_ids, position_ids=position_ids, cache=cache,
+        parts = c.recompute_parts if cache is None and torch.is_grad_enabled() else frozenset()
+        normed, discard = self._normed(self.norm1, x, parts)
+        attention = self.attention(normed, document_ids=document_ids, position_ids=position_ids, cache=cache,
                                    sample_ids=sample_ids)
-        if not (c.dropout and self.training and cache is None):
+        discard(attention)
+        dropout = c.dropout and self.training and cache is None
+        if dropout:
+            positions = dropout_positions(x.shape[0], sequence_parallel=c.sequence_parallel, tp_group=self.group,
+                                          cp_group=self.cp_group, device=x.device)
+            x = self._dropout(0, sample_ids).add(attention, x, positions=positions)  # x + dropout(attention), fused
+        else:
             x = x + attention
-            return x + self.mlp(self.norm2(x))
-        positions = dropout_positions(x.shape[0], sequence_parallel=c.sequence_parallel, tp_group=self.group,
-                                      cp_group=self.cp_group, device=x.device)
-        x = self._dropout(0, sample_ids).add(attention, x, positions=positions)  # x + dropout(attention), fused
-        return self._dropout(1, sample_ids).add(self.mlp(self.norm2(x)), x, positions=positions)
+        normed, discard = self._normed(self.norm2, x, parts)
+        mlp = checkpoint(self.mlp, normed, use_reentrant=False) if self._mlp_part in parts else self.mlp(normed)
+        discard(mlp)
+        return self._dropout(1, sample_ids).add(mlp, x, positions=positions) if dropout else x + mlp
+
+    @property
+    def _mlp_part(self):
+        """The recomputation part of this block's MLP (models/recompute.py)."""
+        return "moe" if isinstance(self.mlp, tp.moe.MoE) else "mlp"
+
+    @staticmethod
+    def _normed(norm, x, parts):
+        """(norm(x), what frees its output once its consumer ran forward: call it with their output). Under "norm"
+        the output is refilled from the kept x when that output's gradient arrives (tp.recompute)."""
+        if "norm" not in parts:
+            return norm(x), lambda after: None
+        kept = DiscardedOutput(norm, x, params=norm.parameters())
+        return kept.output, kept.discard
 
     def _dropout(self, site, sample_ids):
         c = self.config
@@ -428,7 +454,7 @@ class TransformerBlock(nn.Module):
         c = self.config
         if self.training and (c.dropout or c.attention_dropout):  # (drawn here, not again in a recomputation)
             sample_ids = sample_ids_or_drawn(sample_ids, x.shape[1], x.device)
-        if recomputes(c.recompute, "block") and torch.is_grad_enabled():  # keep the block's input; masks redrawn
+        if self.recompute_whole and torch.is_grad_enabled():  # keep the block's input; masks redrawn
             return checkpoint(self._forward, x, document_ids, position_ids, None, sample_ids, use_reentrant=False,
                               preserve_rng_state=False)
         return self._forward(x, document_ids, position_ids, None, sample_ids)

@@ -10,18 +10,21 @@ from tp.moe.dispatch import DISPATCHERS
 from tp.moe.router import SCORES
 
 from .presets import MODELS, PRESETS, PUBLISHED_MODELS  # noqa: F401 (the named shapes, importable here as before)
-from .recompute import GRANULARITIES
+from .recompute import DEFAULT_MODULES, GRANULARITIES, METHODS, MODULES, recompute_parts
 
 ACTIVATIONS = ("swiglu", "gelu", "gelu_tanh")
 NORMS = ("rmsnorm", "layernorm")
 POSITIONS = ("rope", "learned")
 RECOMPUTE = tuple(GRANULARITIES)
+RECOMPUTE_MODULES = tuple(MODULES)
+RECOMPUTE_METHODS = tuple(METHODS)
 MOE_SCORES = tuple(SCORES)
 MOE_DISPATCHERS = tuple(DISPATCHERS)
 QK_NORMS = ("head", "full")
 # Fields that change how a model runs, not its weights: free to differ between a checkpoint and its resumption.
-RUNTIME_FIELDS = ("sequence_parallel", "sequence_parallel_grad_sync", "recompute", "dropout",
-                  "attention_dropout", "dropout_seed", "cp_mode", "cp_a2a_size", "moe_dispatcher")
+RUNTIME_FIELDS = ("sequence_parallel", "sequence_parallel_grad_sync", "recompute", "recompute_modules",
+                  "recompute_method", "recompute_num_layers", "dropout", "attention_dropout", "dropout_seed", "cp_mode",
+                  "cp_a2a_size", "moe_dispatcher")
 CP_MODES = tuple(context.MODES)
 
 
@@ -85,7 +88,10 @@ class GPTConfig:
     # one coalesced tp.allreduce_sequence_parallel_grads after backward (Megatron's way; not under FSDP2, whose
     # parameters lose the tags).
     sequence_parallel_grad_sync: bool = True
-    recompute: str = "none"  # "selective": the attention core; "full": every block
+    recompute: str = "none"  # "selective": the recompute_modules; "full": every block (models/recompute.py)
+    recompute_modules: tuple[str, ...] = DEFAULT_MODULES  # selective: Megatron-Core's module names (MODULES)
+    recompute_method: str = "uniform"  # full: how the blocks are grouped (METHODS), with recompute_num_layers
+    recompute_num_layers: int = 1
     # context parallelism (a cp group of the mesh): "ring" passes K/V around the group, overlapped with the blocks'
     # attention; "allgather" gathers K/V once (Llama 3's way); "a2a" (Ulysses) trades the sequence split for a head
     # split with all-to-alls; "a2a+ring": all-to-alls inside sub-groups of cp_a2a_size ranks, a ring across them
@@ -121,13 +127,16 @@ class GPTConfig:
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = (-(-8 * self.hidden_size // 3 // 64) * 64 if self.activation == "swiglu"
                                     else 4 * self.hidden_size)
+        self.recompute_modules = tuple(self.recompute_modules)
         for name, value, allowed in (("activation", self.activation, ACTIVATIONS), ("norm", self.norm, NORMS),
                                      ("position", self.position, POSITIONS),
-                                     ("recompute", self.recompute, RECOMPUTE), ("cp_mode", self.cp_mode, CP_MODES)):
+                                     ("recompute", self.recompute, RECOMPUTE), ("cp_mode", self.cp_mode, CP_MODES),
+                                     ("recompute_method", self.recompute_method, RECOMPUTE_METHODS),
+                                     *(("recompute_modules", m, RECOMPUTE_MODULES) for m in self.recompute_modules)):
             if value not in allowed:
                 raise ValueError(f"{name}={value!r} must be one of {allowed}")
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-                     "ffn_hidden_size", "max_seq_len", "make_vocab_size_divisible_by"):
+                     "ffn_hidden_size", "max_seq_len", "make_vocab_size_divisible_by", "recompute_num_layers"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an integer >= 1")
@@ -183,6 +192,11 @@ class GPTConfig:
         if self.moe_capacity_factor is not None and not 0 < self.moe_capacity_factor < math.inf:
             raise ValueError(f"moe_capacity_factor={self.moe_capacity_factor} must be a positive number (None: "
                              "dropless)")
+
+    @property
+    def recompute_parts(self) -> frozenset[str]:
+        """The parts of every block that recomputation drops in forward and recomputes (models/recompute.py)."""
+        return recompute_parts(self.recompute, self.recompute_modules)
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether layer `layer` (0-based) is a mixture of experts."""

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import tp
 from tp.dropout import CounterDropout
@@ -49,6 +50,7 @@ from .block import (
     token_rows,
 )
 from .config import GPTConfig
+from .recompute import recompute_groups
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -116,6 +118,7 @@ class GPT(nn.Module):
             with _seeded(base, 2 + i) if _init else contextlib.nullcontext():
                 self.layers.append(TransformerBlock(config, group=self.group, cp_group=self.cp_group, layer=i,
                                                     moe=config.is_moe_layer(i), _init=_init))
+        self._group_recomputed_blocks()
         if post_process:
             self.final_norm = Norm(config.norm, h, config.norm_eps, sequence_parallel=sp,
                                    grad_sync=config.sequence_parallel_grad_sync, group=self.group)
@@ -126,6 +129,37 @@ class GPT(nn.Module):
             elif _init:  # a last stage without the embedding starts from the same tied weights as the first
                 with _seeded(base, 0 if config.tie_embeddings else 2 + config.num_layers):
                     self.output.load_master(self._padded_vocab_master())
+
+    def _group_recomputed_blocks(self):
+        """Full recomputation's groups of this chunk's blocks (config.recompute_method, recompute_num_layers): a
+        block alone recomputes itself (TransformerBlock.recompute_whole); longer groups run here from their input."""
+        c = self.config
+        groups = recompute_groups(len(self.layers), c.recompute_method, c.recompute_num_layers) \
+            if "block" in c.recompute_parts else []
+        for i, block in enumerate(self.layers):
+            block.recompute_whole = any(group == range(i, i + 1) for group in groups)
+        self.recompute_groups = [group for group in groups if len(group) > 1]
+
+    def _run_blocks(self, x, start, stop, document_ids, position_ids, sample_ids):
+        for layer in self.layers[start:stop]:
+            x = layer(x, document_ids=document_ids, position_ids=position_ids, sample_ids=sample_ids)
+        return x
+
+    def _blocks(self, x, document_ids, position_ids, sample_ids, cache):
+        """The blocks of this stage on x, the recomputed groups each from its input (masks redrawn)."""
+        if cache is not None or not self.recompute_groups or not torch.is_grad_enabled():
+            for i, layer in enumerate(self.layers):
+                x = layer(x, document_ids=document_ids, position_ids=position_ids, sample_ids=sample_ids,
+                          cache=None if cache is None else cache.layer(i))
+            return x
+        starts, i = {group.start: group.stop for group in self.recompute_groups}, 0
+        while i < len(self.layers):
+            stop = starts.get(i, i + 1)
+            run = (x, i, stop, document_ids, position_ids, sample_ids)
+            x = checkpoint(self._run_blocks, *run, use_reentrant=False, preserve_rng_state=False) if i in starts \
+                else self._run_blocks(*run)
+            i = stop
+        return x
 
     def _padded_vocab_master(self):
         """[padded V, h]: the real rows drawn (as many draws at any tp), zero rows for the padding."""
@@ -263,9 +297,7 @@ class GPT(nn.Module):
             batch = tokens.shape[0] if self.pre_process else hidden.shape[1]
             sample_ids = sample_ids_or_drawn(sample_ids, batch, (tokens if self.pre_process else hidden).device)
         x = self.embed(tokens, position_ids, sample_ids) if self.pre_process else hidden
-        for i, layer in enumerate(self.layers):
-            x = layer(x, document_ids=document_ids, position_ids=position_ids, sample_ids=sample_ids,
-                      cache=None if cache is None else cache.layer(i))
+        x = self._blocks(x, document_ids, position_ids, sample_ids, cache)
         if cache is not None:
             cache.advance(x.shape[0])
         return self.head(x, targets) if self.post_process else x

@@ -3,9 +3,22 @@ the tied embedding that the first and last stages both hold.
 
 A stage is `GPT(config, layers=(start, stop), pre_process=first, post_process=last)`: the embedding lives on the
 first stage, the final norm, output layer and loss on the last. With V virtual stages (interleaved schedules) each
-rank holds V such chunks: chunk c of rank r is virtual stage c·p + r of p·V equal ones (Megatron's layout), the first
-chunk of rank 0 holding the embedding, the last chunk of the last rank the head.
+rank holds V such chunks: chunk c of rank r is virtual stage c·p + r of p·V (Megatron's layout), the first chunk of
+rank 0 holding the embedding, the last chunk of the last rank the head.
+
+How many layers each virtual stage holds is `layers_per_stage` (the job and the planner both read it), from
+Megatron-LM's pipeline split flags (`StageSplit`): the layers of the first and of the last stage
+(--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers), the rest split evenly over the middle
+stages; or the embedding and the loss each counted as one layer (--account-for-embedding-in-pipeline-split /
+--account-for-loss-in-pipeline-split), the layers plus those split evenly. A rank's chunks hold equal shares of its
+layers; the chunk with the embedding (or the loss) one fewer when it is counted. Megatron-Core's
+get_num_layers_to_build and get_transformer_layer_offset (megatron/core/transformer/transformer_block.py,
+transformer_layer.py) split the same way; like Megatron-LM, the first/last flags do not combine with the
+embedding/loss ones. Without any flag, as before: p·V equal stages when V > 1, else an even split whose first
+`num_layers % pp` stages take one more.
 """
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
 
@@ -16,44 +29,115 @@ from .config import RUNTIME_FIELDS, GPTConfig
 from .gpt import GPT
 
 
-def stage_layers(num_layers: int, pp: int, stage: int, virtual_stages: int = 1) -> tuple[int, int]:
-    """(start, stop) of virtual stage `stage`'s layers, of pp·V stages: an even split, the first `num_layers % pp`
-    stages taking one more (V = 1); with V > 1 the layers must divide evenly (Megatron's interleaving)."""
+class StageSplit(NamedTuple):
+    """Megatron-LM's pipeline split flags (the job's [parallelism] fields of the same names)."""
+
+    first_stage_layers: int | None = None  # layers of the first stage (--decoder-first-pipeline-num-layers)
+    last_stage_layers: int | None = None  # layers of the last stage (--decoder-last-pipeline-num-layers)
+    embedding_as_layer: bool = False  # the embedding counted as one layer (--account-for-embedding-in-pipeline-split)
+    loss_as_layer: bool = False  # the loss counted as one layer (--account-for-loss-in-pipeline-split)
+
+
+EVEN_SPLIT = StageSplit()  # no flag given
+
+
+def layers_per_stage(num_layers: int, pp: int, virtual_stages: int = 1, *,
+                     split: StageSplit = EVEN_SPLIT) -> tuple[int, ...]:
+    """The layers of each of the pp·V virtual stages, in pipeline order (virtual stage c·pp + r: rank r's chunk c),
+    as `split` places them (the module docstring). Raises ValueError naming what does not divide or fit."""
+    first, last, embedding, loss = split
     stages = pp * virtual_stages
-    if virtual_stages > 1 and num_layers % stages:
-        raise ValueError(f"num_layers={num_layers} is not divisible by pp*virtual_stages = {pp}*{virtual_stages} "
-                         "(interleaved chunks hold equal numbers of layers)")
-    if stages > num_layers:
-        raise ValueError(f"pp={pp} pipeline stages need at least {pp} layers, the model has num_layers={num_layers}")
-    base, extra = divmod(num_layers, stages)
-    start = stage * base + min(stage, extra)
-    return start, start + base + (stage < extra)
+    if first is not None or last is not None:
+        per_rank = _uneven_ranks(num_layers, pp, virtual_stages, split)
+        sizes = [per_rank[stage % pp] // virtual_stages for stage in range(stages)]
+    elif embedding or loss:
+        counted = num_layers + embedding + loss
+        if counted % stages:
+            raise ValueError(f"num_layers={num_layers} + {int(embedding) + int(loss)} (the embedding and/or loss "
+                             f"counted as layers) = {counted} is not divisible by pp*virtual_stages = "
+                             f"{pp}*{virtual_stages}")
+        sizes = [counted // stages] * stages
+        sizes[0] -= embedding
+        sizes[-1] -= loss
+    else:
+        if virtual_stages > 1 and num_layers % stages:
+            raise ValueError(f"num_layers={num_layers} is not divisible by pp*virtual_stages = {pp}*{virtual_stages} "
+                             "(interleaved chunks hold equal numbers of layers)")
+        if stages > num_layers:
+            raise ValueError(f"pp={pp} pipeline stages need at least {pp} layers, the model has "
+                             f"num_layers={num_layers}")
+        base, extra = divmod(num_layers, stages)
+        sizes = [base + (stage < extra) for stage in range(stages)]
+    return tuple(sizes)  # (each >= 1 but the first or last counted chunk, which may hold the embedding or loss alone)
 
 
-def stage_options(config: GPTConfig, mesh: Mesh, chunk: int = 0, virtual_stages: int = 1) -> dict:
+def _uneven_ranks(num_layers, pp, virtual_stages, split):
+    """Each pipeline rank's layers with the first and/or last stage's given: the rest evenly over the others."""
+    first, last, embedding, loss = split
+    if embedding or loss:
+        raise ValueError(f"{split_text(split)}: the first/last stage's layers do not combine with the embedding or "
+                         "loss counted as a layer (as in Megatron-LM)")
+    given = [n for n in (first, last) if n is not None]
+    if pp < 2 or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in given):
+        raise ValueError(f"{split_text(split)}: the first/last stage's layers need pp >= 2 (pp={pp}) and are >= 1")
+    middle, rest = pp - len(given), num_layers - sum(given)
+    if not middle and rest:
+        raise ValueError(f"{split_text(split)}: the first and last stages' layers must add up to "
+                         f"num_layers={num_layers} (pp={pp}: no middle stage)")
+    if rest < middle or (middle and rest % middle):
+        raise ValueError(f"{split_text(split)}: the other {rest} of num_layers={num_layers} layers do not split "
+                         f"evenly over the {middle} middle stage{'s' * (middle != 1)} of pp={pp}")
+    ranks = [rest // middle if middle else 0] * pp
+    ranks[0] = ranks[0] if first is None else first
+    ranks[-1] = ranks[-1] if last is None else last
+    uneven = [(r, n) for r, n in enumerate(ranks) if n % virtual_stages]
+    if uneven:
+        raise ValueError(f"{split_text(split)}: pipeline rank {uneven[0][0]}'s {uneven[0][1]} layers do not split "
+                         f"into virtual_stages={virtual_stages} equal chunks")
+    return ranks
+
+
+def split_text(split: StageSplit) -> str:
+    """The split's fields that are set, as `name=value` (for messages)."""
+    return " ".join(f"{name}={value}" for name, value in split._asdict().items()
+                    if value is not None and value is not False) or "an even split"
+
+
+def stage_layers(num_layers: int, pp: int, stage: int, virtual_stages: int = 1, *,
+                 split: StageSplit = EVEN_SPLIT) -> tuple[int, int]:
+    """(start, stop) of virtual stage `stage`'s layers, of pp·V stages (layers_per_stage)."""
+    sizes = layers_per_stage(num_layers, pp, virtual_stages, split=split)
+    start = sum(sizes[:stage])
+    return start, start + sizes[stage]
+
+
+def stage_options(config: GPTConfig, mesh: Mesh, chunk: int = 0, virtual_stages: int = 1, *,
+                  split: StageSplit = EVEN_SPLIT) -> dict:
     """GPT keyword arguments of this rank's pipeline stage (its model chunk `chunk` of V)."""
     stage, stages = chunk * mesh.pp_size + mesh.pp_rank, mesh.pp_size * virtual_stages
-    return dict(layers=stage_layers(config.num_layers, mesh.pp_size, stage, virtual_stages),
+    return dict(layers=stage_layers(config.num_layers, mesh.pp_size, stage, virtual_stages, split=split),
                 pre_process=stage == 0, post_process=stage == stages - 1)
 
 
-def build_stage(config: GPTConfig, mesh: Mesh) -> GPT:
+def build_stage(config: GPTConfig, mesh: Mesh, *, split: StageSplit = EVEN_SPLIT) -> GPT:
     """This rank's pipeline stage of the GPT (the whole model when pp = 1), on the mesh's tp and cp groups."""
-    return GPT(config, group=mesh.tp_group, cp_group=mesh.cp_group, **stage_options(config, mesh))
+    return GPT(config, group=mesh.tp_group, cp_group=mesh.cp_group, **stage_options(config, mesh, split=split))
 
 
 # what training sets on a Hugging Face model beyond the runtime fields (HF configs do not carry them for ours)
 HF_TRAINING_FIELDS = ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_capacity_factor")
 
 
-def build_chunks(config: GPTConfig, mesh: Mesh, virtual_stages: int, *, from_hf: str | None = None) -> list[GPT]:
-    """This rank's V model chunks (a list of GPT stages), each with the weights of the one-stage model's layers:
-    drawn from the current seed, or read from the Hugging Face directory `from_hf` (`config`'s runtime fields, such
-    as sequence_parallel or dropout, and its MoE loss coefficients and capacity applied to its model)."""
+def build_chunks(config: GPTConfig, mesh: Mesh, virtual_stages: int, *, from_hf: str | None = None,
+                 split: StageSplit = EVEN_SPLIT) -> list[GPT]:
+    """This rank's V model chunks (a list of GPT stages), each with the weights of the one-stage model's layers
+    (placed by `split`): drawn from the current seed, or read from the Hugging Face directory `from_hf` (`config`'s
+    runtime fields, such as sequence_parallel or dropout, and its MoE loss coefficients and capacity applied to its
+    model)."""
     state, chunks = torch.get_rng_state(), []
     for c in range(virtual_stages):
         torch.set_rng_state(state)  # every chunk draws the model's one seed, as the whole model does
-        options = stage_options(config, mesh, c, virtual_stages)
+        options = stage_options(config, mesh, c, virtual_stages, split=split)
         if from_hf:
             chunks.append(GPT.from_hf(from_hf, group=mesh.tp_group, cp_group=mesh.cp_group, stage=options,
                                       **{f: getattr(config, f) for f in RUNTIME_FIELDS + HF_TRAINING_FIELDS}))

@@ -159,6 +159,14 @@ OUR_JOB = ["--tp", "2", "--pp", "2", "--steps", "3", "--seq-len", "64", "--micro
                                                                      "--schedule", "interleaved"]),
     (["--virtual-pipeline-model-parallel-size", "2", "--schedule", "zb"], ["--virtual-stages", "2", "--schedule",
                                                                           "zb"]),
+    (["--decoder-first-pipeline-num-layers", "1", "--decoder-last-pipeline-num-layers", "3",
+      "--recompute-granularity", "selective", "--recompute-modules", "layernorm", "moe_act"],
+     ["--first-stage-layers", "1", "--last-stage-layers", "3", "--recompute", "selective", "--recompute-modules",
+      "layernorm", "moe_act"]),
+    (["--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split", "--recompute-granularity",
+      "full", "--recompute-method", "block", "--recompute-num-layers", "2"],
+     ["--embedding-as-layer", "--loss-as-layer", "--recompute", "full", "--recompute-method", "block",
+      "--recompute-num-layers", "2"]),
 ])
 def test_megatron_flags_are_the_same_fields(megatron, ours):
     """Megatron-LM's flag names set our fields with Megatron's meaning: the same JobConfig (hence the same run)."""
@@ -170,10 +178,32 @@ def test_megatron_flags_are_the_same_fields(megatron, ours):
      r"^--num-layers-per-virtual-pipeline-stage=3 does not divide the 4 layers' 2 per pipeline stage \(--pp=2\)$"),
     (["--num-layers-per-virtual-pipeline-stage", "1", "--virtual-pipeline-model-parallel-size", "2"],
      r"^give one of --num-layers-per-virtual-pipeline-stage and --virtual-pipeline-model-parallel-size$"),
+    (["--num-layers-per-virtual-pipeline-stage", "1", "--first-stage-layers", "2"],
+     r"^--num-layers-per-virtual-pipeline-stage with an uneven pipeline split: give --virtual-stages V"),
 ])
 def test_megatron_virtual_pipeline_flags_refuse_what_does_not_divide(flags, message):
     with pytest.raises(ValueError, match=message):
         _job(*flags)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--recompute-modules", "mlp"], r"^--recompute-modules mlp chooses what --recompute selective recomputes "
+                                     r"\(--recompute=none\)$"),
+    (["--recompute", "selective", "--recompute-num-layers", "2"],
+     r"^--recompute-num-layers=2 groups the blocks --recompute full recomputes \(--recompute=selective\)$"),
+    (["--recompute-method", "block"], r"^--recompute-method=block groups the blocks --recompute full recomputes"),
+    (["--recompute", "full", "--recompute-num-layers", "0"], r"^--recompute-num-layers=0 must be >= 1$"),
+    (["--first-stage-layers", "1", "--embedding-as-layer"], r"^--first-stage-layers / --last-stage-layers do not "
+                                                            r"combine with --embedding-as-layer / --loss-as-layer"),
+    (["--pp", "1", "--last-stage-layers", "2"], r"^--first-stage-layers / --last-stage-layers split a pipeline: "
+                                                r"give --pp >= 2 \(--pp=1\)$"),
+    (["--compile", "--recompute", "selective", "--recompute-modules", "core_attn", "moe_act"],
+     r"^--compile with --recompute-modules core_attn moe_act: layernorm and moe_act free and refill their outputs"),
+])
+def test_recompute_and_stage_split_flags_refuse_what_does_not_apply(flags, message):
+    """The values alone (JobConfig.validate): each option with the granularity it belongs to, one line each."""
+    with pytest.raises(ValueError, match=message):
+        _job(*flags).validate(world_size=None)
 
 
 @pytest.mark.parametrize("flag,line", [

@@ -199,19 +199,19 @@ def test_parameters_grads_and_adamw_state_are_what_a_stage_allocates(tp_size):
 
 def _saved_bytes(model, step):
     """{"layers": [bytes per TransformerBlock], "edges": bytes outside them} of the distinct storages autograd saves
-    while step() runs (parameters excluded): bench.gpt's count, attributed to blocks."""
-    seen = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    while step() runs (parameters excluded), as large as they are when it returns (a discarded output's storage is
+    freed by then: tp.recompute): bench.gpt's count, attributed to blocks."""
+    params = {p.untyped_storage()._cdata for p in model.parameters()}
     blocks = {id(m): i for i, m in enumerate(m for m in model.modules() if isinstance(m, TransformerBlock))}
-    where, totals = ["edges"], {"edges": 0, **dict.fromkeys(blocks.values(), 0)}
+    where, saved = ["edges"], {}  # storage -> where autograd first saved it
 
     def enter(module, args):
         where.append(blocks.get(id(module), where[-1]))
 
     def pack(t):
         storage = t.untyped_storage()
-        if storage.data_ptr() not in seen:
-            seen.add(storage.data_ptr())
-            totals[where[-1]] += storage.nbytes()
+        if storage._cdata not in params:
+            saved.setdefault(storage._cdata, (storage, where[-1]))
         return t
 
     def leave(module, args, output):
@@ -225,6 +225,9 @@ def _saved_bytes(model, step):
     finally:
         for hook in hooks:
             hook.remove()
+    totals = {"edges": 0, **dict.fromkeys(blocks.values(), 0)}
+    for storage, owner in saved.values():
+        totals[owner] += storage.nbytes()
     out.float().sum().backward()
     return {"layers": [totals[i] for i in sorted(blocks.values())], "edges": totals["edges"]}
 
@@ -307,6 +310,91 @@ def test_moe_layer_activations_within_5_percent_of_the_estimate():
         for got, w in zip(saved, want):
             assert abs(got - w) <= 0.05 * w, (tp_size, sp, saved, want)
         tp.destroy_mesh()
+
+
+MODULE_SETS = (("core_attn",), ("mlp",), ("layernorm",), ("layernorm", "mlp", "core_attn"))
+MOE_MODULE_SETS = (("moe",), ("moe_act",), ("shared_experts",), ("layernorm",), ("layernorm", "moe"),
+                   ("moe_act", "shared_experts", "layernorm", "core_attn"))
+
+
+def _module_bytes(cfg, mesh, precision, modules, batch=3, seq=16):
+    """(per-block bytes saved, the estimate's) of a one-stage model recomputing `modules` (selective)."""
+    cfg = cfg.replace(recompute="selective" if modules else "none", recompute_modules=modules or ("core_attn",))
+    torch.manual_seed(0)
+    model = _stage(cfg, 1, 0, mesh).to(torch.bfloat16 if precision == "bf16" else torch.float32)
+    if precision == "bf16":  # (the job's bf16 keeps fp32 main_grad buffers)
+        for p in model.parameters():
+            p.main_grad = torch.zeros_like(p, dtype=torch.float32)
+    tokens = torch.randint(0, cfg.vocab_size, (batch, seq))
+    saved = _saved_bytes(model, lambda: model(tokens, tokens))["layers"]
+    shape = dict(tp=mesh.tp_size, micro_batch_size=batch, seq_len=seq, sequence_parallel=cfg.sequence_parallel,
+                 precision=precision)
+    want = [memory.layer_activation_bytes(cfg, recompute=cfg.recompute, recompute_modules=modules, backend="torch",
+                                          layer=i, **shape) for i in range(cfg.num_layers)]
+    want[0] += 2 * memory.PRECISIONS[precision] * seq * cfg.head_dim if cfg.position == "rope" else 0  # cos/sin
+    return saved, want
+
+
+@distributed(world_size=2)
+def test_recompute_modules_save_the_estimates_bytes():
+    """--recompute-modules (Megatron-Core's names) in dense blocks: the bytes autograd keeps after forward equal the
+    estimate byte for byte, at tp 1 and 2 (SP off and on), RMSNorm/SwiGLU in fp32 and bf16, LayerNorm/GELU in fp32
+    (in bf16 the CPU's layer_norm keeps its statistics in bf16, a GPU's in fp32 as counted); the output-discarding
+    layernorm keeps each norm's input only (its output, the next linear's saved input, freed)."""
+    for tp_size, sp in ((1, False), (2, False), (2, True)):
+        mesh = tp.init_mesh(tp=tp_size)
+        for variant, precisions in (("llama", ("fp32", "bf16")), ("gpt2", ("fp32",))):
+            for precision in precisions:
+                for modules in (None, *MODULE_SETS):
+                    saved, want = _module_bytes(config(variant, sequence_parallel=sp), mesh, precision, modules)
+                    assert saved == want, (tp_size, sp, variant, precision, modules, saved, want)
+        tp.destroy_mesh()
+
+
+@distributed(world_size=2)
+def test_moe_recompute_modules_drop_the_estimates_bytes():
+    """moe, moe_act, shared_experts and layernorm in an MoE layer (top-2 of 8 experts, a shared expert): what each
+    set of modules drops from the MoE layer's saved bytes is the estimate's, byte for byte, at tp 1 (bf16) and tp 2
+    with and without SP (beside the estimate, the grouped GEMMs keep their per-expert counts, at most 8·(E + 1)
+    bytes: dropped with the whole layer under moe); the dense layer before it is exact."""
+    moe = dict(num_layers=2, num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=48, moe_layer_freq=[0, 1],
+               moe_shared_expert_size=32)
+    for tp_size, sp, precision in ((1, False, "bf16"), (2, False, "fp32"), (2, True, "fp32")):
+        mesh = tp.init_mesh(tp=tp_size)
+        cfg = config(sequence_parallel=sp, **moe)
+        plain, plain_want = _module_bytes(cfg, mesh, precision, None)
+        counts = plain[1] - plain_want[1]
+        assert 0 < counts <= 8 * (cfg.num_experts + 1), (plain, plain_want)
+        for modules in MOE_MODULE_SETS:
+            saved, want = _module_bytes(cfg, mesh, precision, modules)
+            assert saved[0] == want[0], (tp_size, sp, modules, saved, want)
+            assert saved[1] - want[1] == (0 if "moe" in modules else counts), (tp_size, sp, modules, saved, want)
+        tp.destroy_mesh()
+
+
+@distributed(world_size=1)
+def test_recompute_methods_keep_each_groups_input():
+    """--recompute full with --recompute-method uniform / block and --recompute-num-layers N on a 5-layer stage: the
+    stage keeps each recomputed group's input (models.recompute.recompute_groups) and every other block's whole
+    activations, byte for byte (RoPE's cos/sin once, when some block is not recomputed)."""
+    from models.recompute import recompute_groups
+
+    mesh = tp.init_mesh()
+    shape = dict(tp=1, micro_batch_size=3, seq_len=16, sequence_parallel=False, precision="fp32")
+    for method, n in (("uniform", 1), ("uniform", 2), ("uniform", 5), ("block", 2), ("block", 9)):
+        cfg = config(num_layers=5, recompute="full", recompute_method=method, recompute_num_layers=n)
+        model = _stage(cfg, 1, 0, mesh)
+        tokens = torch.randint(0, cfg.vocab_size, (3, 16))
+        saved = _saved_bytes(model, lambda: model(tokens, tokens))
+        groups = recompute_groups(5, method, n)
+        recomputed = {i for group in groups for i in group}
+        full, none = (memory.layer_activation_bytes(cfg, recompute=r, backend="torch", **shape)
+                      for r in ("full", "none"))
+        rope = 2 * 4 * 16 * cfg.head_dim if len(recomputed) < 5 else 0
+        want = len(groups) * full + (5 - len(recomputed)) * none + rope
+        edges = memory.edge_activation_bytes(cfg, first=True, last=True, **shape)
+        assert sum(saved["layers"]) + saved["edges"] - edges == want, (method, n, saved, want)
+    tp.destroy_mesh()
 
 
 def test_estimate_picks_the_largest_stage_and_sums_its_parts():

@@ -473,6 +473,27 @@ def test_capacity_sp_and_full_recompute_at_ep_2_follow_the_one_process_run(tmp_p
     assert abs(ours["grad_norm"] - want["grad_norm"]) <= 1e-4 * want["grad_norm"]
 
 
+def test_recompute_modules_train_the_one_process_curve(tmp_path):
+    """Megatron-Core's MoE recompute modules in the job, with a shared expert: moe_act (the experts' activation
+    output refilled in backward), shared_experts and layernorm at tp 1 x pp 2 x dp 2 with ep 2, and moe (the whole
+    layer) at tp 2 with SP and an uneven pipeline: loss, aux losses and grad_norm equal the one-process run's."""
+    shared = ["--moe-shared-expert-size", "64"]
+    serial = _records(str(tmp_path), "serial", 1, "--tp", "1", "--pp", "1", "--dp", "1", *shared)
+    runs = {
+        "moe_act shared_experts layernorm": ["--tp", "1", "--pp", "2", "--dp", "2", "--ep", "2", "--recompute",
+                                             "selective", "--recompute-modules", "moe_act", "shared_experts",
+                                             "layernorm"],
+        "moe, tp 2 sp, last stage 1 layer": ["--tp", "2", "--pp", "2", "--dp", "1", "--sequence-parallel",
+                                             "--last-stage-layers", "1", "--recompute", "selective",
+                                             "--recompute-modules", "moe", "core_attn"],
+    }
+    for name, flags in runs.items():
+        records = _records(str(tmp_path), name.replace(" ", "_").replace(",", ""), 4, *shared, *flags)
+        for ours, want in zip(records, serial, strict=True):
+            for key in MOE_KEYS:
+                assert abs(ours[key] - want[key]) <= 1e-5 * abs(want[key]), (name, key, ours[key], want[key])
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--model", "tiny-moe", "--tp", "2", "--pp", "1", "--dp", "2", "--ep", "3"],
      r"--ep=3 \* --etp=2 = 6 does not divide --tp\*--cp\*--dp = 2\*1\*2 = 4"),

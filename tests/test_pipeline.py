@@ -8,7 +8,7 @@ import torch.distributed as dist
 import models
 import tp
 from models.hf import hf_state_dict
-from models.stages import allreduce_tied_embedding_grads, build_chunks, stage_layers
+from models.stages import StageSplit, allreduce_tied_embedding_grads, build_chunks, layers_per_stage, stage_layers
 from models.training.model import wrap_data_parallel
 from tests.helpers import assert_close, randn
 from tp.pipeline import PipelineRunner, defer_wgrad
@@ -33,6 +33,35 @@ def test_stage_layers_split_evenly_first_stages_take_the_rest():
         stage_layers(3, 4, 0)
     with pytest.raises(ValueError, match=r"num_layers=6 is not divisible by pp\*virtual_stages = 2\*4"):
         stage_layers(6, 2, 0, 4)
+
+
+def test_megatrons_split_flags_place_the_layers():
+    """Megatron-LM's --decoder-first/last-pipeline-num-layers (the rest evenly over the middle stages, each rank's
+    layers evenly over its chunks) and --account-for-embedding/loss-in-pipeline-split (one layer fewer on the chunk
+    holding them), in virtual-stage order (chunk c of rank r is stage c·pp + r)."""
+    assert layers_per_stage(126, 16, split=StageSplit(7, 7)) == (7,) + (8,) * 14 + (7,)  # Llama 3 405B
+    assert layers_per_stage(5, 2, split=StageSplit(first_stage_layers=1)) == (1, 4)
+    assert layers_per_stage(6, 3, split=StageSplit(last_stage_layers=4)) == (1, 1, 4)
+    assert layers_per_stage(12, 4, 2, split=StageSplit(2, 2)) == (1, 2, 2, 1, 1, 2, 2, 1)
+    assert layers_per_stage(6, 2, 2, split=StageSplit(embedding_as_layer=True, loss_as_layer=True)) == (1, 2, 2, 1)
+    assert layers_per_stage(6, 4, 2, split=StageSplit(embedding_as_layer=True, loss_as_layer=True)) == \
+        (0,) + (1,) * 6 + (0,)  # the embedding alone, the loss alone
+    assert layers_per_stage(7, 2, split=StageSplit(embedding_as_layer=True)) == (3, 4)
+    assert [stage_layers(12, 4, s, 2, split=StageSplit(2, 2)) for s in (0, 4, 7)] == [(0, 1), (6, 7), (11, 12)]
+    for args, split, message in (
+            ((5, 2), StageSplit(2, 2), r"first_stage_layers=2 last_stage_layers=2: the first and last stages' layers "
+                                       r"must add up to num_layers=5 \(pp=2: no middle stage\)"),
+            ((7, 4), StageSplit(1, 1), r"the other 5 of num_layers=7 layers do not split evenly over the 2 middle "
+                                       r"stages of pp=4"),
+            ((8, 2, 2), StageSplit(first_stage_layers=3), r"pipeline rank 0's 3 layers do not split into "
+                                                          r"virtual_stages=2 equal chunks"),
+            ((4, 1), StageSplit(first_stage_layers=4), r"need pp >= 2 \(pp=1\)"),
+            ((5, 2), StageSplit(2, embedding_as_layer=True), r"do not combine with the embedding or loss counted"),
+            ((6, 4), StageSplit(embedding_as_layer=True),
+             r"num_layers=6 \+ 1 \(the embedding and/or loss counted as layers\) = 7 is not divisible by "
+             r"pp\*virtual_stages = 4\*1")):
+        with pytest.raises(ValueError, match=message):
+            layers_per_stage(*args, split=split)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zb"])
@@ -252,6 +281,53 @@ def test_models_train_schedules_train_the_serial_curve(tmp_path):
     assert len(resumed) == 1 and abs(resumed[0] - serial[2]) <= 1e-5 * serial[2], (resumed, serial)
 
 
+SIX = ["--num-layers", "6", "--tp", "1"]  # (a stage split needs layers to place)
+
+
+def _close_to(curve, serial, name):
+    for step, (ours, reference) in enumerate(zip(curve, serial, strict=True)):
+        assert abs(ours - reference) <= 1e-5 * reference, f"{name}, step {step + 1}: {ours} vs {reference}"
+
+
+def test_uneven_stages_train_the_serial_curve(tmp_path):
+    """Megatron's split flags at pp = 2 under 1F1B (2 | 4 layers), ZB-H1 (5 | 1) and interleaved (the embedding and
+    loss counted: chunks of 1, 2 | 2, 1), with recompute modules and methods on top, train the 1x1x1 curve; the
+    interleaved run's checkpoint resumes at pp = 4 with 3 | 1 | 1 | 1 layers."""
+    serial = _losses(tmp_path, "serial", 1, *SIX, "--pp", "1", "--dp", "1")
+    ckpt = str(tmp_path / "ckpt")
+    runs = {
+        "1f1b first 2, layernorm mlp core_attn": ["--first-stage-layers", "2", "--recompute", "selective",
+                                                 "--recompute-modules", "layernorm", "mlp", "core_attn"],
+        "zb last 1, full block 1": ["--schedule", "zb", "--decoder-last-pipeline-num-layers", "1", "--recompute",
+                                    "full", "--recompute-method", "block", "--recompute-num-layers", "1"],
+        "interleaved embedding+loss, full uniform 2": [
+            "--schedule", "interleaved", "--virtual-stages", "2", "--account-for-embedding-in-pipeline-split",
+            "--loss-as-layer", "--recompute", "full", "--recompute-num-layers", "2", "--save", ckpt,
+            "--save-every", "2"],
+    }
+    for name, flags in runs.items():
+        _close_to(_losses(tmp_path, name.replace(" ", "_"), 2, *SIX, "--pp", "2", "--dp", "1", *flags), serial, name)
+    resumed = _losses(tmp_path, "resumed", 4, *SIX, "--pp", "4", "--dp", "1", "--schedule", "gpipe",
+                      "--first-stage-layers", "3", "--load", f"{ckpt}/step-000002")
+    _close_to(resumed, serial[2:], "resumed at pp 4, 3 | 1 | 1 | 1")
+
+
+@pytest.mark.slow
+def test_uneven_stages_at_pp_4_train_the_serial_curve(tmp_path):
+    """pp = 4: GPipe (3 | 1 | 1 | 1), ZB-H1 (1 | 2 | 2 | 1, layernorm recomputed) and interleaved with the embedding
+    and the loss each on a chunk of their own (0, 1, 1, 1 | 1, 1, 1, 0 layers)."""
+    serial = _losses(tmp_path, "serial", 1, *SIX, "--pp", "1", "--dp", "1")
+    runs = {
+        "gpipe first 3": ["--schedule", "gpipe", "--first-stage-layers", "3"],
+        "zb first 1 last 1, layernorm": ["--schedule", "zb", "--first-stage-layers", "1", "--last-stage-layers", "1",
+                                         "--recompute", "selective", "--recompute-modules", "layernorm"],
+        "interleaved embedding+loss alone": ["--schedule", "interleaved", "--virtual-stages", "2",
+                                             "--embedding-as-layer", "--loss-as-layer"],
+    }
+    for name, flags in runs.items():
+        _close_to(_losses(tmp_path, name.replace(" ", "_"), 4, *SIX, "--pp", "4", "--dp", "1", *flags), serial, name)
+
+
 @pytest.mark.parametrize("flags,message", [
     (["--schedule", "interleaved", "--virtual-stages", "2", "--global-batch-size", "12"],
      r"--schedule interleaved: schedule 'interleaved' needs micro_batches divisible by pp: micro_batches=3 is not a "
@@ -261,6 +337,10 @@ def test_models_train_schedules_train_the_serial_curve(tmp_path):
     (["--schedule", "interleaved"], r"needs virtual_stages >= 2 model chunks per rank, got virtual_stages=1"),
     (["--schedule", "zb", "--virtual-stages", "2"], r"virtual_stages=2: schedule 'zb' runs one model chunk per rank"),
     (["--virtual-stages", "0"], r"--virtual-stages=0 must be >= 1"),
+    (["--first-stage-layers", "3", "--last-stage-layers", "2"],
+     r"first_stage_layers=3 last_stage_layers=2: the first and last stages' layers must add up to num_layers=4"),
+    (["--schedule", "interleaved", "--virtual-stages", "2", "--first-stage-layers", "1"],
+     r"first_stage_layers=1: pipeline rank 0's 1 layers do not split into virtual_stages=2 equal chunks"),
 ])
 def test_models_train_refuses_impossible_schedules_in_one_line(flags, message):
     """validate(), which the launcher runs before any process: Megatron's constraints, each in one line."""

@@ -333,17 +333,19 @@ def test_infeasible_requests_end_in_one_line(capsys):
                         "--fix", "recompute=some")
     assert code == 1 and err.strip() == ("error: --fix 'recompute=some': recompute='some': expected one of none, "
                                          "selective, full or modules joined by '+' from core_attn, mlp, moe, moe_act, "
-                                         "layernorm, shared_experts, mla_up_proj")
+                                         "layernorm, shared_experts")
 
 
 @pytest.mark.parametrize("fix,constraint", [
     ("pp=2,vp=4", "num_layers=4 is not divisible by pp*virtual_stages = 2*4 (interleaved chunks hold equal numbers "
-                  "of layers); with the embedding+loss accounted: pipeline rank 0's 3 layers (with the "
-                  "embedding/loss slots) do not split into vp=4 equal chunks"),
-    ("pp=2,vp=3,account=none,first_layers=1,last_layers=3", "pipeline rank 0's 1 layers do not split into vp=3"),
-    ("pp=2,first_layers=1,last_layers=2", "first=1 + last=2 != num_layers=4 at pp=2"),
-    ("pp=4,account=embedding+loss", "num_layers=4 + embedding 1 + loss 1 = 6 is not divisible by pp=4"),
-    ("pp=4,first_layers=1,account=loss", "first/last pipeline layers do not combine with accounting"),
+                  "of layers); with the embedding+loss accounted: num_layers=4 + 2 (the embedding and/or loss counted "
+                  "as layers) = 6 is not divisible by pp*virtual_stages = 2*4"),
+    ("pp=2,vp=3,account=none,first_layers=1,last_layers=3",
+     "pipeline rank 0's 1 layers do not split into virtual_stages=3"),
+    ("pp=2,first_layers=1,last_layers=2", "the first and last stages' layers must add up to num_layers=4 (pp=2"),
+    ("pp=4,account=embedding+loss", "num_layers=4 + 2 (the embedding and/or loss counted as layers) = 6 is not "
+                                    "divisible by pp*virtual_stages = 4*1"),
+    ("pp=4,first_layers=1,account=loss", "the first/last stage's layers do not combine with the embedding or loss"),
     ("pp=1,vp=2", "vp=2 interleaves pipeline stages: it needs pp > 1"),
     ("tp=2,cp=1,pp=1,mbs=3", "mbs=3 does not divide the 4 sequences per dp rank"),
     ("ep=2", "ep=2 splits experts and the model has none"),

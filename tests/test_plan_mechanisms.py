@@ -61,7 +61,7 @@ def test_megatron_uneven_splits_by_hand():
     assert stages.layer_counts(10, 4, 1) == (3, 3, 2, 2)  # the job's even split
     chunks = stages.stage_chunks(126, 16, 0, 2, accounted)  # rank 0: virtual stages 0 and 16
     assert chunks == [(0, 3, True, False), (3 + 15 * 4, 3 + 16 * 4, False, False)]
-    with pytest.raises(ValueError, match="do not split into vp=3 equal chunks"):
+    with pytest.raises(ValueError, match=r"= 128 is not divisible by pp\*virtual_stages = 16\*3"):
         stages.layer_counts(126, 16, 3, accounted)
 
 
@@ -130,12 +130,9 @@ def test_recompute_modules_by_hand():
 
 
 def test_recompute_module_names_are_megatrons_and_the_jobs():
-    """The planner's module names are Megatron-Core's; once models.recompute lists modules, the same names."""
-    assert set(recompute.MODULES) == {"core_attn", "mlp", "moe", "moe_act", "layernorm", "mla_up_proj",
-                                      "shared_experts"}
-    job = getattr(models.recompute, "MODULES", None)
-    if job is not None:
-        assert set(job) == set(recompute.MODULES)
+    """The planner's module names are Megatron-Core's (--recompute-modules), the job's very registry."""
+    assert set(recompute.MODULES) >= {"core_attn", "mlp", "moe", "moe_act", "layernorm", "shared_experts"}
+    assert tuple(models.recompute.MODULES) == recompute.MODULES
 
 
 def _run(capsys, *argv):

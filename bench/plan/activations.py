@@ -18,6 +18,10 @@ RMSNorm's fp32 statistics:
   cp > 1     the same tensors on s/cp tokens (ring and all-gather attention keep q, k, v, output and lse of this
              rank's share), plus cos/sin gathered at its positions per layer (2·e·s/cp·d)
   full recompute: the block input only, e·T'h (plus one block recomputed at a time: `transient`)
+  recompute modules (selective, `recompute_modules`: models/recompute.py): core_attn drops the lse; mlp a dense
+             MLP's activations, moe an MoE layer's MLP's, shared_experts the shared expert's (each keeps its input, the
+             norm's output); moe_act the experts' activation output (e·slots·f/etp); layernorm keeps each norm's input
+             (e·T'h) in place of the norm's tensors and its output (which the next linear no longer keeps)
 Per micro-batch and stage: token ids (8 B) and the embedding's mask; on the last stage the final norm, the loss's
 fp32 softmax over this rank's real vocabulary columns, targets and masks; on other stages the output kept for the
 backward send (e·T'h, not a saved tensor but held by the runner). RoPE's cos/sin tables once per stage.
@@ -46,7 +50,7 @@ import functools
 
 from tp.pipeline.schedules import SCHEDULES, build
 
-from .recompute import parts, recomputes
+from .recompute import block_parts
 
 PRECISIONS = {"fp32": 4, "bf16": 2}  # activation / parameter bytes
 MAIN_GRAD = {"bf16": True, "fp32": False}  # the training job keeps an fp32 main_grad under bf16 (as ZeRO's table)
@@ -68,30 +72,30 @@ def norm_activation_bytes(config, rows, precision, backend="triton"):
 
 
 def layer_activation_bytes(config, *, tp, cp=1, micro_batch_size, seq_len, sequence_parallel, recompute,
-                           precision, backend="triton", layer=0, etp=None):
+                           precision, backend="triton", layer=0, etp=None, recompute_modules=None):
     """Bytes TransformerBlock `layer` saves for backward per micro-batch on one rank (the module docstring), or with
-    `backend` "te" what a Megatron-Core layer on Transformer Engine saves in its place."""
+    `backend` "te" what a Megatron-Core layer on Transformer Engine saves in its place. `recompute_modules`: what
+    "selective" recomputes (models.recompute.MODULES names; None: core_attn)."""
     e = PRECISIONS[precision]
     h, d, f = config.hidden_size, config.head_dim, config.ffn_hidden_size
     tokens = micro_batch_size * seq_len // cp
     rows = tokens // tp if sequence_parallel else tokens  # the residual stream's tokens
-    if recomputes(recompute, "block"):
+    parts = block_parts(recompute, recompute_modules)
+    if "block" in parts:
         return e * rows * h
     heads, kv = config.num_heads // tp, local_kv_heads(config, tp)
     te = backend == "te"
-    # output-discarding norms keep only their input (the residual stream), recomputing the rest in backward
-    norm = e * rows * h if recomputes(recompute, "layernorm") else norm_activation_bytes(config, rows, precision,
-                                                                                         backend)
+    norm = e * rows * h if "norm" in parts else norm_activation_bytes(config, rows, precision, backend)
     roped = heads + kv if config.position == "rope" and not te else 0  # RoPE writes q and k anew; TE's fused not
     attention = e * tokens * d * ((heads + 2 * kv) + roped + heads)
-    attention += 0 if recomputes(recompute, "core_attn") else 4 * tokens * heads
+    attention += 0 if "core" in parts else 4 * tokens * heads
     if cp > 1 and config.position == "rope" and not te:  # cos/sin gathered at this rank's positions, per layer
         attention += 2 * e * tokens // micro_batch_size * d
     native = backend == "torch" and tp == 1 and not MAIN_GRAD[precision]
-    if config.is_moe_layer(layer):  # recomputing the MoE layer or the dense MLP keeps their input: the norm's output
-        mlp = 0 if recomputes(recompute, "moe") else moe_activation_bytes(
-            config, tp=tp, tokens=tokens, rows=rows, precision=precision, etp=etp, dropped=parts(recompute))
-    elif recomputes(recompute, "mlp"):
+    if config.is_moe_layer(layer):
+        mlp = 0 if "moe" in parts else moe_activation_bytes(config, tp=tp, tokens=tokens, rows=rows,
+                                                            precision=precision, etp=etp, parts=parts)
+    elif "mlp" in parts:
         mlp = 0
     elif config.activation == "swiglu" and native:  # autograd's SwiGLU at accumulator precision
         mlp = 4 * tokens * 3 * f + e * tokens * f
@@ -101,7 +105,7 @@ def layer_activation_bytes(config, *, tp, cp=1, micro_batch_size, seq_len, seque
     return 2 * norm + attention + mlp + masks
 
 
-def moe_activation_bytes(config, *, tp, tokens, rows, precision, etp=None, dropped=frozenset()):
+def moe_activation_bytes(config, *, tp, tokens, rows, precision, etp=None, parts=frozenset()):
     """An MoE layer's MLP activations per micro-batch on one rank (in place of the dense MLP's), as the alltoall
     dispatcher's layer saves them. Each tp rank routes its r = tokens/tp share (under SP its sequence shard, else a
     copy it scatters: then the norm's output, counted with the norm, is not saved, the copy is): the router keeps
@@ -111,21 +115,21 @@ def moe_activation_bytes(config, *, tp, tokens, rows, precision, etp=None, dropp
     activation (e bytes each). Back on the routing rank, per slot (r·k, dropped ones as zero rows): the combined
     output and the weighted output (the index_add's source), the weight and three int64 indices. The dispatch and
     combine keep no tensor (their backward is each other, from the count table). The shared expert as a dense MLP
-    of its size. `dropped` recompute modules: "moe_act" drops the activation, "shared_experts" the shared expert's
-    tensors."""
+    of its size. `parts`: what recomputation drops (models/recompute.py): "expert_act" the experts' activation
+    output, "shared_expert" the shared expert's activations, "norm" the norm's output."""
     e, h, experts, f = PRECISIONS[precision], config.hidden_size, config.num_experts, config.moe_ffn_hidden_size
     etp = tp if etp is None else etp
     glu, k = (2 if config.activation == "swiglu" else 1), config.moe_router_topk
     routed = tokens // tp
     router = 4 * routed * experts + routed * (12 * k + 4)
     copy = e * routed * h if tp > 1 and rows == tokens else 0  # the replicated tokens' scattered share
-    if copy and not config.moe_shared_expert_size:  # then nothing keeps the norm's output (the shared expert would)
-        copy -= e * tokens * h
+    if copy and not config.moe_shared_expert_size and "norm" not in parts:  # nothing keeps the norm's output (the
+        copy -= e * tokens * h  # shared expert would), counted with the norm
     slots = routed * k
-    saved_f = (glu + (0 if "moe_act" in dropped else 1)) * f // etp  # pre-activation, activation
-    gemms = int(slots * etp * min(config.moe_capacity_factor or 1.0, 1.0)) * e * (h + saved_f)
+    kept = (glu + 1 - ("expert_act" in parts)) * f // etp  # the pre-activation, the activation's output
+    gemms = int(slots * etp * min(config.moe_capacity_factor or 1.0, 1.0)) * e * (h + kept)
     combine = slots * (2 * e * h + e + 24)
-    shared = 0 if "shared_experts" in dropped else e * tokens * (glu + 1) * config.moe_shared_expert_size // tp
+    shared = 0 if "shared_expert" in parts else e * tokens * (glu + 1) * config.moe_shared_expert_size // tp
     return router + copy + gemms + combine + shared
 
 

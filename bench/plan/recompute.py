@@ -1,34 +1,15 @@
 """Recomputation as the planner prices it: models.recompute's granularities (none, selective, full) and Megatron-Core's
 fine-grained modules (--recompute-granularity selective --recompute-modules ...), written as one string: a
-granularity, or module names joined by "+" (e.g. "layernorm+moe_act").
-
-MODULES: Megatron-Core's module names (megatron/core/transformer/transformer_config.py, recompute_modules) -> what
-recomputing it drops from a layer's saved activations and does again in backward:
-  core_attn       the attention core (softmax(QKᵀ)V): its log-sum-exp (flash kernels keep no scores); selective's part
-  mlp             the dense MLP from its input: keeps only its input
-  moe             the MoE layer from its input (router, dispatch, experts, combine): keeps only its input
-  moe_act         output-discarding: the experts' activation output, recomputed from the pre-activation
-  layernorm       output-discarding: both norms' outputs (and this package's fp32 copies), recomputed from the input
-  shared_experts  the shared expert from its input
-  mla_up_proj     multi-latent attention's up-projections (priced once bench.plan prices MLA; nothing here)
-The job's own list (models.recompute) is the one to follow once it has these modules: tests/test_plan.py checks the
-names against it when it does.
+granularity, or module names joined by "+" (e.g. "layernorm+moe_act"). The names, and what each recomputes, are the
+job's (models.recompute.MODULES): the planner prices exactly what the job runs.
 """
-from models.recompute import GRANULARITIES
+from models.recompute import GRANULARITIES, OUTPUT_DISCARDING, recompute_parts
+from models.recompute import MODULES as JOB_MODULES
 
-MODULES = {
-    "core_attn": "the attention core",
-    "mlp": "the dense MLP",
-    "moe": "the MoE layer",
-    "moe_act": "the experts' activation (output-discarding)",
-    "layernorm": "the norms (output-discarding)",
-    "shared_experts": "the shared expert",
-    "mla_up_proj": "MLA's up-projections",
-}
-# models.recompute's parts in module terms ("block": the whole layer from its input)
-_PART_MODULE = {"core": "core_attn", "block": "block"}
-# recomputation that repeats no GEMM: the search tries it with the granularities
-OUTPUT_DISCARDING = ("layernorm", "moe_act")
+MODULES = tuple(JOB_MODULES)
+_MODULE_OF_PART = {part: module for module, part in JOB_MODULES.items()} | {"block": "block"}
+# recomputation that repeats no GEMM (output-discarding): the search tries it with the granularities
+OUTPUT_DISCARDING_MODULES = tuple(m for m, part in JOB_MODULES.items() if part in OUTPUT_DISCARDING)
 
 
 def parse(text):
@@ -37,7 +18,7 @@ def parse(text):
     if text in GRANULARITIES:
         return text
     names = text.split("+")
-    unknown = [n for n in names if n not in MODULES]
+    unknown = [n for n in names if n not in JOB_MODULES]
     if unknown or not text:
         raise ValueError(f"recompute={text!r}: expected one of {', '.join(GRANULARITIES)} or modules joined by '+' "
                          f"from {', '.join(MODULES)}")
@@ -46,19 +27,25 @@ def parse(text):
     return "+".join(names)
 
 
+def block_parts(recompute, modules=None):
+    """models.recompute's parts of a block that `recompute` recomputes (with `modules`: the job's granularity and
+    --recompute-modules)."""
+    if modules is not None or recompute in GRANULARITIES:
+        return recompute_parts(recompute, modules)
+    return recompute_parts("selective", tuple(parse(recompute).split("+")))
+
+
 def parts(recompute):
-    """The frozenset of what `recompute` recomputes: module names, or {"block"} for full."""
-    if recompute in GRANULARITIES:
-        return frozenset(_PART_MODULE[part] for part in GRANULARITIES[recompute])
-    return frozenset(parse(recompute).split("+"))
+    """The frozenset of module names `recompute` recomputes, or {"block"} for full."""
+    return frozenset(_MODULE_OF_PART[part] for part in block_parts(recompute))
 
 
-def recomputes(recompute, part):
-    """Whether `recompute` recomputes `part`: "block" (the whole layer) or a MODULES name."""
-    return part in parts(recompute)
+def recomputes(recompute, module):
+    """Whether `recompute` recomputes `module`: "block" (the whole layer) or a MODULES name."""
+    return module in parts(recompute)
 
 
 def search_choices(config):
     """What the search tries: the granularities, and the output-discarding modules that apply to the model."""
-    applicable = [m for m in OUTPUT_DISCARDING if m != "moe_act" or config.num_experts]
+    applicable = [m for m in OUTPUT_DISCARDING_MODULES if JOB_MODULES[m] != "expert_act" or config.num_experts]
     return (*GRANULARITIES, "+".join(applicable))

@@ -6,20 +6,15 @@ Megatron-Core does with its flags, for the memory and step-time models.
     --account-for-embedding-in-pipeline-split (embedding)  the embedding counts as one layer of the split
     --account-for-loss-in-pipeline-split   (loss)       the output layer and loss count as one layer of the split
 
-Megatron-Core's get_num_layers_to_build (megatron/core/transformer/transformer_block.py): with first and/or last
-given, the other layers split evenly over the remaining ranks (they must divide); with the embedding and/or loss
-accounted, (L + 1 + 1) layers split evenly over the pp ranks and the first (last) virtual stage builds one fewer;
-the two kinds do not combine. With V virtual stages each rank's share splits evenly into its V chunks (it must
-divide), chunk c of rank r being virtual stage c·pp + r. Without any of them, models.stages' even split (the job's:
-the first num_layers % pp ranks one more at V = 1; equal chunks at V > 1).
-
-A split is a StageSplit (the four flags, Megatron's names); the job's own implementation of these flags (models.stages)
-is the one to read once it exists — `layer_counts` is where it plugs in.
+The rule is the job's (models.stages.layers_per_stage, Megatron-Core's get_num_layers_to_build): the planner prices
+the stages the job would build. A split here is a StageSplit in the planner's --fix words (first_layers, last_layers,
+account=embedding+loss), `job()` the same split in the job's.
 """
 import functools
 from dataclasses import dataclass
 
-from models.stages import stage_layers
+from models import stages as job_stages
+from models.stages import layers_per_stage
 
 
 @dataclass(frozen=True)
@@ -34,6 +29,10 @@ class StageSplit:
     def even(self):
         return self == EVEN
 
+    def job(self):
+        """The same split as the job's models.stages.StageSplit (Megatron's field names)."""
+        return job_stages.StageSplit(self.first, self.last, self.embedding, self.loss)
+
     def label(self):
         """'even', 'first7,last7', 'embedding+loss', ...: as the table prints it."""
         if self.even:
@@ -46,51 +45,11 @@ EVEN = StageSplit()
 ACCOUNTED = StageSplit(embedding=True, loss=True)  # the search's uneven candidate (Llama 3's layout)
 
 
-def _rank_counts(num_layers, pp, split):
-    """Layers (embedding and loss slots included) per pipeline rank under `split`; ValueError naming what fails."""
-    if split.first is not None or split.last is not None:
-        if split.embedding or split.loss:
-            raise ValueError("first/last pipeline layers do not combine with accounting for the embedding or loss "
-                             "(Megatron-Core asserts the same)")
-        if pp < 2:
-            raise ValueError(f"first/last pipeline layers need pp >= 2, got pp={pp}")
-        given = {0: split.first, pp - 1: split.last}
-        rest = num_layers - sum(n for n in given.values() if n is not None)
-        left = pp - sum(n is not None for n in given.values())
-        if rest < 0 or any(n is not None and n < 0 for n in given.values()):
-            raise ValueError(f"first={split.first} and last={split.last} layers exceed num_layers={num_layers}")
-        if left and rest % left:
-            raise ValueError(f"the {rest} layers left by first={split.first}, last={split.last} do not divide over "
-                             f"the {left} middle stages of pp={pp}")
-        if not left and rest:
-            raise ValueError(f"first={split.first} + last={split.last} != num_layers={num_layers} at pp={pp}")
-        return [given.get(r) if given.get(r) is not None else rest // left for r in range(pp)]
-    total = num_layers + split.embedding + split.loss
-    if total % pp:
-        raise ValueError(f"num_layers={num_layers} + embedding {int(split.embedding)} + loss {int(split.loss)} = "
-                         f"{total} is not divisible by pp={pp}")
-    return [total // pp] * pp
-
-
 @functools.lru_cache(maxsize=4096)
 def layer_counts(num_layers, pp, virtual_stages=1, split=EVEN):
-    """Transformer layers of each virtual stage s = c·pp + r (pp·V of them) under `split`; ValueError (one line
-    naming the failing constraint) when the sizes do not divide."""
-    if split.even:
-        return tuple(stop - start for start, stop in (stage_layers(num_layers, pp, s, virtual_stages)
-                                                      for s in range(pp * virtual_stages)))
-    per_rank = _rank_counts(num_layers, pp, split)
-    for r, n in enumerate(per_rank):
-        if n % virtual_stages:
-            raise ValueError(f"pipeline rank {r}'s {n} layers" + (" (with the embedding/loss slots)" if
-                                                                   split.embedding or split.loss else "") +
-                             f" do not split into vp={virtual_stages} equal chunks")
-    counts = [per_rank[s % pp] // virtual_stages for s in range(pp * virtual_stages)]
-    counts[0] -= split.embedding
-    counts[-1] -= split.loss
-    if min(counts) < 0:
-        raise ValueError(f"a virtual stage would hold {min(counts)} layers (pp={pp}, vp={virtual_stages})")
-    return tuple(counts)
+    """Transformer layers of each virtual stage s = c·pp + r (pp·V of them) under `split`, as the job places them
+    (models.stages.layers_per_stage); ValueError (one line naming the failing constraint) when they do not divide."""
+    return layers_per_stage(num_layers, pp, virtual_stages, split=split.job())
 
 
 def stage_chunks(num_layers, pp, stage, virtual_stages=1, split=EVEN):

@@ -28,6 +28,7 @@ from tp.mesh import DEFAULT_ORDER, launched_by_torchrun
 
 from ..config import GPTConfig
 from ..presets import DEFAULT_MODEL, MODELS
+from ..stages import EVEN_SPLIT
 from . import data, failures, launch, preflight, trainer
 from .config import JobConfig
 from .flags import Parser, add_job_flags, usage_formatter
@@ -73,6 +74,9 @@ def megatron_virtual_pipeline(job: JobConfig, args: argparse.Namespace, *, sched
         return job
     parallel, model = job.parallelism, job.model
     if per_chunk is not None:
+        if parallel.stage_split != EVEN_SPLIT:
+            raise ValueError("--num-layers-per-virtual-pipeline-stage with an uneven pipeline split: give "
+                             "--virtual-stages V (model chunks per pipeline rank)")
         if stages is not None:
             raise ValueError("give one of --num-layers-per-virtual-pipeline-stage and "
                              "--virtual-pipeline-model-parallel-size")

@@ -27,7 +27,7 @@ def gpt_config_from_job(job: JobConfig) -> GPTConfig:
     # needs, and tp.optim.DataParallel (zero1, bf16, experts apart) reduces buckets during backward: summed inside
     # backward there.
     attention_dropout = model.dropout if model.attention_dropout is None else model.attention_dropout
-    runtime = dict(sequence_parallel=parallel.sequence_parallel, recompute=parallel.recompute, dropout=model.dropout,
+    runtime = dict(sequence_parallel=parallel.sequence_parallel, **parallel.recompute_options, dropout=model.dropout,
                    attention_dropout=attention_dropout, dropout_seed=job.training.seed,
                    sequence_parallel_grad_sync=not uses_torch_ddp(job),
                    cp_mode=parallel.cp_mode, cp_a2a_size=parallel.cp_a2a_size)
@@ -71,7 +71,8 @@ def build_model(job: JobConfig, config: GPTConfig, mesh: Mesh) -> tuple[list[GPT
     """(this rank's model chunks, the module the optimizer steps: each chunk wrapped for data parallelism, a
     ModuleList of them when the schedule interleaves). The weights are --seed's (or --from-hf's) for any split."""
     torch.manual_seed(job.training.seed)  # the same on every rank: the weights do not depend on the split
-    chunks = build_chunks(config, mesh, job.parallelism.virtual_stages, from_hf=job.model.from_hf)
+    chunks = build_chunks(config, mesh, job.parallelism.virtual_stages, from_hf=job.model.from_hf,
+                          split=job.parallelism.stage_split)
     # (the model's dropout masks are counter-based, keyed by --seed and each sample's index: models/block.py; the
     # streams seeded here are the default generators' and tp.fork_rng's, for anything else that draws)
     tp.model_parallel_seed(job.training.seed)

@@ -7,7 +7,7 @@ import os
 from tp.mesh import launched_by_torchrun
 
 from ..config import GPTConfig
-from ..stages import stage_layers
+from ..stages import layers_per_stage
 from . import data, destinations, documents, resuming, sinks
 from .checkpoint_dirs import resume_path
 from .config import JobConfig
@@ -43,7 +43,7 @@ def check_model_fits(job: JobConfig, config: GPTConfig) -> None:
         raise ValueError(f"--seq-len={seq_len} exceeds the model's max_seq_len={config.max_seq_len}"
                          + (f" / sliding_window={config.sliding_window}" if config.sliding_window else ""))
     config.check_tp(parallel.tp)
-    stage_layers(config.num_layers, parallel.pp, 0, parallel.virtual_stages)
+    layers_per_stage(config.num_layers, parallel.pp, parallel.virtual_stages, split=parallel.stage_split)
     check_experts(job, config)
     if parallel.cp > 1:
         try:

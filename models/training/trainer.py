@@ -16,7 +16,7 @@ import tp
 from tp.pipeline import PipelineRunner
 
 from ..flops import flops_per_token
-from ..stages import allreduce_tied_embedding_grads
+from ..stages import EVEN_SPLIT, allreduce_tied_embedding_grads, layers_per_stage
 from . import data, documents, failures, faults, plot, progress, resuming
 from .build import build_mesh, build_optimizer, set_hyperparameters
 from .checkpoint_dirs import resume_path
@@ -124,6 +124,7 @@ class Trainer:
         return (f"{mesh.world_size} ranks: tp={mesh.tp_size} cp={mesh.cp_size} pp={mesh.pp_size} dp={mesh.dp_size} "
                 f"({parallel.dp_mode}, {job.training.precision}), "
                 + (f"schedule={parallel.schedule}, " if mesh.pp_size > 1 else "no pipeline, ")
+                + self._uneven_stages()
                 + (f"ep={mesh.ep_size} etp={mesh.etp_size} edp={mesh.edp_size}, " if config.num_experts else "")
                 + f"micro-batches/step={micro_batches}, sequence_parallel={parallel.sequence_parallel}; model "
                 f"{self.model_name()} ({config.num_layers} layers, hidden {config.hidden_size}, "
@@ -135,6 +136,15 @@ class Trainer:
         if self.job.checkpoint.use_checkpoint_args:
             return "from the checkpoint"
         return model.from_hf or model.preset or "tiny"
+
+    def _uneven_stages(self) -> str:
+        """The start line's layers per (virtual) stage, when Megatron's split flags place them."""
+        parallel = self.job.parallelism
+        if parallel.stage_split == EVEN_SPLIT:
+            return ""
+        sizes = layers_per_stage(self.config.num_layers, parallel.pp, parallel.virtual_stages,
+                                 split=parallel.stage_split)
+        return f"layers per {'virtual ' * (parallel.virtual_stages > 1)}stage {'|'.join(map(str, sizes))}, "
 
     def step(self, step: int) -> tuple[dict, float]:
         """Optimizer step `step` (from 0) on the next global batch: (its log record, the global gradient norm)."""

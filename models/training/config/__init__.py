@@ -32,6 +32,7 @@ from typing import Any
 
 from tp.pipeline import schedules
 
+from ...recompute import OUTPUT_DISCARDING, recompute_parts
 from .data import DataConfig, EvaluationConfig
 from .fields import absolute, dest, one_of
 from .model import MOE_DISPATCHERS, MOE_SCORES, MOE_SHAPE_FIELDS, MOE_TRAINING_FIELDS, SIZE_FIELDS, ModelConfig
@@ -108,6 +109,12 @@ class JobConfig:
             raise ValueError(f"--schedule {parallel.schedule}: {e} (micro_batches = --global-batch-size / (--dp * "
                              f"--micro-batch-size) = {self.micro_batches}; virtual_stages = --virtual-stages)"
                              ) from None
+        modules = tuple(parallel.recompute_modules or ())
+        if training.compile and parallel.recompute == "selective" and recompute_parts("selective", modules) & \
+                OUTPUT_DISCARDING:
+            raise ValueError(f"--compile with --recompute-modules {' '.join(parallel.recompute_modules)}: layernorm "
+                             "and moe_act free and refill their outputs around autograd, which torch.compile cannot "
+                             "trace")
         if parallel.sequence_parallel and training.seq_len % parallel.tp:
             raise ValueError(f"--seq-len={training.seq_len} is not divisible by --tp={parallel.tp} (sequence "
                              "parallelism)")

@@ -3,7 +3,8 @@ import dataclasses
 
 from tp.pipeline.schedules import SCHEDULES
 
-from ...config import CP_MODES, RECOMPUTE
+from ...config import CP_MODES, RECOMPUTE, RECOMPUTE_METHODS, RECOMPUTE_MODULES
+from ...stages import StageSplit
 from .. import data_parallel
 from .fields import at_least, one_of, option
 
@@ -41,9 +42,33 @@ class ParallelismConfig:
         choices=PIPELINE_SCHEDULES)
     virtual_stages: int = option(
         1, "model chunks per pipeline rank (--schedule interleaved; Megatron's virtual pipeline size)", metavar="V")
+    first_stage_layers: int | None = option(
+        None, "layers of the first pipeline stage, the rest split evenly over the middle stages (default: an even "
+              "split)", aliases=("--decoder-first-pipeline-num-layers",), metavar="N")
+    last_stage_layers: int | None = option(
+        None, "layers of the last pipeline stage, the rest split evenly over the middle stages",
+        aliases=("--decoder-last-pipeline-num-layers",), metavar="N")
+    embedding_as_layer: bool = option(
+        False, "count the embedding as one layer when splitting the layers over the pipeline stages",
+        aliases=("--account-for-embedding-in-pipeline-split",))
+    loss_as_layer: bool = option(
+        False, "count the output layer and loss as one layer when splitting the layers over the pipeline stages",
+        aliases=("--account-for-loss-in-pipeline-split",))
     sequence_parallel: bool = option(False, "Megatron sequence parallelism inside each tp group")
-    recompute: str = option("none", "activation recomputation: the attention core (selective) or every block (full)",
-                            choices=RECOMPUTE, aliases=("--recompute-granularity",))
+    recompute: str = option(
+        "none", "activation recomputation: the modules of --recompute-modules (selective) or whole blocks (full)",
+        choices=RECOMPUTE, aliases=("--recompute-granularity",))
+    recompute_modules: list[str] | None = option(
+        None, f"--recompute selective: what each block recomputes, of {', '.join(RECOMPUTE_MODULES)} (Megatron-Core's "
+              "names; default: core_attn; layernorm and moe_act keep not even their output, recomputed in backward)",
+        choices=RECOMPUTE_MODULES, metavar="MODULE")
+    recompute_method: str | None = option(
+        None, "--recompute full: uniform (every block, the input of each --recompute-num-layers consecutive ones "
+              "kept) or block (only the first --recompute-num-layers blocks of each model chunk) (default: uniform)",
+        choices=RECOMPUTE_METHODS)
+    recompute_num_layers: int | None = option(
+        None, "--recompute full: the layers per recomputed group (uniform) or recomputed per model chunk (block) "
+              "(default: 1)", metavar="N")
     ep: int = option(
         1, "expert-parallel size: the experts of each MoE layer split over ep ranks of a stage's tp*cp*dp (which "
            "exchange tokens by all-to-all); ep*etp must divide tp*cp*dp", aliases=("--expert-model-parallel-size",))
@@ -51,16 +76,51 @@ class ParallelismConfig:
                                    "--tp)", aliases=("--expert-tensor-parallel-size",))
 
     def validate(self) -> None:
-        at_least(self, ("tp", "cp", "pp", "dp", "virtual_stages", "cp_a2a_size", "ep", "etp"), 1)
+        at_least(self, ("tp", "cp", "pp", "dp", "virtual_stages", "cp_a2a_size", "ep", "etp", "first_stage_layers",
+                        "last_stage_layers", "recompute_num_layers"), 1)
         for flag, value, allowed in (("--cp-mode", self.cp_mode, CP_MODES), ("--dp-mode", self.dp_mode, DP_MODES),
                                      ("--schedule", self.schedule, PIPELINE_SCHEDULES),
-                                     ("--recompute", self.recompute, RECOMPUTE)):
+                                     ("--recompute", self.recompute, RECOMPUTE),
+                                     *(("--recompute-modules", m, RECOMPUTE_MODULES) for m in self.recompute_modules
+                                       or ()),
+                                     *(("--recompute-method", m, RECOMPUTE_METHODS) for m in [self.recompute_method]
+                                       if m is not None)):
             one_of(flag, value, allowed)
+        self._validate_recompute()
+        if (self.first_stage_layers or self.last_stage_layers) and (self.embedding_as_layer or self.loss_as_layer):
+            raise ValueError("--first-stage-layers / --last-stage-layers do not combine with --embedding-as-layer / "
+                             "--loss-as-layer (as in Megatron-LM)")
+        if (self.first_stage_layers or self.last_stage_layers) and self.pp < 2:
+            raise ValueError(f"--first-stage-layers / --last-stage-layers split a pipeline: give --pp >= 2 "
+                             f"(--pp={self.pp})")
         if self.cp_a2a_size is not None and self.cp_mode != "a2a+ring":
             raise ValueError(f"--cp-a2a-size={self.cp_a2a_size} is for --cp-mode a2a+ring, not {self.cp_mode}")
         if self.cp_mode == "a2a+ring" and self.cp > 1 and (self.cp_a2a_size is None or self.cp % self.cp_a2a_size):
             raise ValueError(f"--cp-mode a2a+ring needs --cp-a2a-size, a divisor of --cp={self.cp} (the all-to-all "
                              f"sub-groups' size); got {self.cp_a2a_size}")
+
+    def _validate_recompute(self) -> None:
+        """The selective and the full options each with their granularity (as Megatron-Core checks)."""
+        if self.recompute_modules is not None and self.recompute != "selective":
+            raise ValueError(f"--recompute-modules {' '.join(self.recompute_modules)} chooses what --recompute "
+                             f"selective recomputes (--recompute={self.recompute})")
+        for flag, value in (("--recompute-method", self.recompute_method),
+                            ("--recompute-num-layers", self.recompute_num_layers)):
+            if value is not None and self.recompute != "full":
+                raise ValueError(f"{flag}={value} groups the blocks --recompute full recomputes "
+                                 f"(--recompute={self.recompute})")
+
+    @property
+    def stage_split(self) -> StageSplit:
+        """How the layers split over the pipeline stages (models.stages.layers_per_stage)."""
+        return StageSplit(*(getattr(self, name) for name in StageSplit._fields))
+
+    @property
+    def recompute_options(self) -> dict:
+        """GPTConfig's recompute fields the flags give (its defaults for the others)."""
+        given = dict(recompute_modules=None if self.recompute_modules is None else tuple(self.recompute_modules),
+                     recompute_method=self.recompute_method, recompute_num_layers=self.recompute_num_layers)
+        return {"recompute": self.recompute} | {name: value for name, value in given.items() if value is not None}
 
     def resolve_dp(self, world_size: int | None, *, gpus: int | None = None) -> int:
         """--dp when given; else WORLD_SIZE / (tp·cp·pp) under torchrun (as Megatron); on our own launcher, the GPUs
