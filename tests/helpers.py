@@ -48,6 +48,27 @@ def assert_close(actual, expected, atol=1e-5, what=""):
     assert err <= atol, f"{what}: max abs err {err:.3g} > {atol}"
 
 
+# Greedy decoding is discrete: two fp32 computations of the logits (ours and Hugging Face's, a split and the dense
+# model, the KV cache and the full forward, another machine's kernels) differ by rounding, and a step whose two best
+# logits are closer than that can choose either. The tests bound those differences (1e-4, 1e-5 for the cache; ~1e-6
+# measured) and assert each greedy step's lead is at least GREEDY_MARGIN, more than twice their sum: both computations
+# then choose every token alike, on any machine.
+GREEDY_MARGIN = 1e-3
+
+
+def greedy_margin(logits, chosen, eos=None):
+    """The smallest lead of the chosen token's logit over the best other one, over greedy steps: `logits` [b, n, V]
+    those each of n steps chose from, `chosen` [b, n] its tokens; negative where another token leads. The steps after
+    a sequence chose `eos` are padding, not choices: left out."""
+    steps = logits.detach().double()
+    chosen = chosen[..., None].to(steps.device)
+    lead = steps.gather(-1, chosen).squeeze(-1) - steps.scatter(-1, chosen, -float("inf")).amax(-1)
+    if eos is not None:
+        ended = (chosen.squeeze(-1) == eos).cumsum(-1) - (chosen.squeeze(-1) == eos).long()  # eos chosen before
+        lead = lead[ended == 0]
+    return lead.min().item()
+
+
 def build_tokenizer(path, text, vocab_size, *, eos="<|endoftext|>", special=(), chat_template=None):
     """A byte-level BPE trained here on `text` (no downloads), saved as a Hugging Face tokenizer directory; `special`
     tokens added whole, `chat_template` (Jinja) set when given."""
