@@ -1,4 +1,6 @@
-"""Shared test helpers: deterministic per-rank data, collective counting, dense comparisons."""
+"""Shared test helpers: deterministic per-rank data, collective counting, dense comparisons, greedy margins."""
+import math
+
 import torch
 from torch.distributed.tensor.debug import CommDebugMode
 
@@ -60,12 +62,11 @@ def greedy_margin(logits, chosen, eos=None):
     """The smallest lead of the chosen token's logit over the best other one, over greedy steps: `logits` [b, n, V]
     those each of n steps chose from, `chosen` [b, n] its tokens; negative where another token leads. The steps after
     a sequence chose `eos` are padding, not choices: left out."""
-    steps = logits.detach().double()
-    chosen = chosen[..., None].to(steps.device)
-    lead = steps.gather(-1, chosen).squeeze(-1) - steps.scatter(-1, chosen, -float("inf")).amax(-1)
+    steps, chosen = logits.detach().double(), chosen.to(logits.device)
+    lead = steps.gather(-1, chosen[..., None]).squeeze(-1) - steps.scatter(-1, chosen[..., None], -math.inf).amax(-1)
     if eos is not None:
-        ended = (chosen.squeeze(-1) == eos).cumsum(-1) - (chosen.squeeze(-1) == eos).long()  # eos chosen before
-        lead = lead[ended == 0]
+        is_eos = chosen == eos
+        lead = lead[is_eos.cumsum(-1) - is_eos.long() == 0]  # (no eos chosen before)
     return lead.min().item()
 
 

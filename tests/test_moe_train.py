@@ -361,8 +361,7 @@ def test_the_jobs_logged_bytes_equal_the_memory_estimate(runs):
     """bench.plan.memory counts the experts exactly: each shared run's logged param_bytes, grad_bytes and
     optimizer_bytes (the largest rank's) equal parameter_memory's largest stage, byte for byte: the experts' own
     buckets over edp (ddp in its all-reduce form, zero1 sharded, bf16 masters), FSDP2's experts sharded over edp.
-    (An fp64 run holds the fp32 run's tensors at twice the bytes: its parameters, gradients, AdamW's moments and
-    step counters are all the default dtype.)"""
+    (An fp64 run holds the fp32 run's tensors at twice the bytes.)"""
     from bench.plan import memory
     from models.config import PRESETS
 
@@ -501,15 +500,15 @@ def test_capacity_sp_and_full_recompute_at_ep_2_follow_the_one_process_run(tmp_p
     set rounding its own way), and a slot within that rounding of the cut flips, then the layers after it see another
     input: the count was off by 1 to 3 of ~490 under ATEN_CPU_CAPABILITY=default, avx2 and avx512 (issue 40). In fp64
     the runs' logits agree to ~1e-16 relative; the router rounds them to fp32 (its choice is made in fp32) where two
-    such values round apart only within ~1e-16 of an fp32 rounding midpoint (a chance of ~1e-8 per logit, ~8,000
-    logits), and the same fp32 logits give the same fp32 weights, cut and drops: the count is the same on any
+    such values round apart only within ~1e-16 of an fp32 rounding midpoint (a chance of ~1e-9 a logit, ~8,000
+    logits here), and the same fp32 logits give the same fp32 weights, cut and drops: the count is the same on any
     machine. The tolerances: the loss is fp64 throughout (1e-12 relative, ~1e4 x its reduction-order error); the
     gradient norm (clip_grad_norm_ returns fp32) and the aux and z losses (recorded in fp32 per layer) are fp64
     values rounded to fp32, at most 2^-23 = 1.2e-7 apart relative (1e-6)."""
     extra = ["--moe-capacity-factor", "1.0", "--steps", "1"]
-    serial = _records(str(tmp_path), "serial", 1, "--tp", "1", "--pp", "1", "--dp", "1", *extra, fp64=True)
+    serial = _records(str(tmp_path), "serial", 1, "--tp", "1", "--pp", "1", "--dp", "1", *extra)
     split = _records(str(tmp_path), "split", 8, "--tp", "2", "--pp", "1", "--dp", "4", "--ep", "2", "--dp-mode",
-                     "zero1", "--recompute", "full", "--sequence-parallel", *extra, fp64=True)  # (the shared pools)
+                     "zero1", "--recompute", "full", "--sequence-parallel", *extra)  # (the shared runs' pools)
     (ours,), (want,) = split, serial
     assert want["moe_dropped_tokens"] > 0 and ours["moe_dropped_tokens"] == want["moe_dropped_tokens"]
     assert ours["moe_load_imbalance"] == want["moe_load_imbalance"]  # (from the routed counts: integers)
