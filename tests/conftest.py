@@ -5,8 +5,9 @@
   tensors are on the CPU, which only the interpreter takes; so are the training jobs' (TP_DEVICE=cpu: models.train's
   --device auto).
 - Tests marked `slow` (expensive variants of a fast check) are left out by pytest.ini; `-m slow` runs them.
-- The test process computes on OMP_NUM_THREADS threads when it is set (tp.testing's ranks too), else on 1: the suite
-  passes at any thread count (a reduction split over threads rounds otherwise: no test depends on that rounding).
+- The test process computes on OMP_NUM_THREADS threads when it is set, else on 1 (tp.testing's ranks too, within
+  their share of the cores): the suite passes at any thread count (a reduction split over threads rounds otherwise:
+  no test depends on that rounding).
 - The layer tests use the torch backend for the local matmuls (the interpreter is slow); the kernel tests and a
   few layer tests force the Triton backend explicitly with `kernels.use_backend("triton")`.
 """
