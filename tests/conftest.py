@@ -5,6 +5,9 @@
   tensors are on the CPU, which only the interpreter takes; so are the training jobs' (TP_DEVICE=cpu: models.train's
   --device auto).
 - Tests marked `slow` (expensive variants of a fast check) are left out by pytest.ini; `-m slow` runs them.
+- The test process computes on OMP_NUM_THREADS threads when it is set, else on 1 (tp.testing's ranks too, within
+  their share of the cores): the suite passes at any thread count (a reduction split over threads rounds otherwise:
+  no test depends on that rounding).
 - The layer tests use the torch backend for the local matmuls (the interpreter is slow); the kernel tests and a
   few layer tests force the Triton backend explicitly with `kernels.use_backend("triton")`.
 """
@@ -18,5 +21,6 @@ if not torch.cuda.is_available() or os.environ.get("TP_TEST_DEVICE", "cpu") in (
 os.environ.setdefault("TP_KERNELS_BACKEND", "torch")
 os.environ.setdefault("TP_HOST_CHECKS", "1")  # bad ids raise their one-line ValueError on GPUs too (tp/debug.py)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # Hugging Face models are built from configs here: never ask the hub
-torch.set_num_threads(1)
+threads = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0 else 1)
 

@@ -1,4 +1,6 @@
-"""Shared test helpers: deterministic per-rank data, collective counting, dense comparisons."""
+"""Shared test helpers: deterministic per-rank data, collective counting, dense comparisons, greedy margins."""
+import math
+
 import torch
 from torch.distributed.tensor.debug import CommDebugMode
 
@@ -46,6 +48,26 @@ def assert_close(actual, expected, atol=1e-5, what=""):
     assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
     err = (actual.double() - expected.double()).abs().max().item() if actual.numel() else 0.0
     assert err <= atol, f"{what}: max abs err {err:.3g} > {atol}"
+
+
+# Greedy decoding is discrete: two fp32 computations of the logits (ours and Hugging Face's, a split and the dense
+# model, the KV cache and the full forward, another machine's kernels) differ by rounding, and a step whose two best
+# logits are closer than that can choose either. The tests bound those differences (1e-4, 1e-5 for the cache; ~1e-6
+# measured) and assert each greedy step's lead is at least GREEDY_MARGIN, more than twice their sum: both computations
+# then choose every token alike, on any machine.
+GREEDY_MARGIN = 1e-3
+
+
+def greedy_margin(logits, chosen, eos=None):
+    """The smallest lead of the chosen token's logit over the best other one, over greedy steps: `logits` [b, n, V]
+    those each of n steps chose from, `chosen` [b, n] its tokens; negative where another token leads. The steps after
+    a sequence chose `eos` are padding, not choices: left out."""
+    steps, chosen = logits.detach().double(), chosen.to(logits.device)
+    lead = steps.gather(-1, chosen[..., None]).squeeze(-1) - steps.scatter(-1, chosen[..., None], -math.inf).amax(-1)
+    if eos is not None:
+        is_eos = chosen == eos
+        lead = lead[is_eos.cumsum(-1) - is_eos.long() == 0]  # (no eos chosen before)
+    return lead.min().item()
 
 
 def build_tokenizer(path, text, vocab_size, *, eos="<|endoftext|>", special=(), chat_template=None):

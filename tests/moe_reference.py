@@ -1,5 +1,7 @@
-"""A dense mixture-of-experts reference written from the definitions (Hugging Face's expert loop), and helpers that
-gather a parallel MoE layer's weights and gradients into their dense form."""
+"""A dense mixture-of-experts reference written from the definitions (Hugging Face's expert loop), helpers that
+gather a parallel MoE layer's weights and gradients into their dense form, and the margin of a routing: how far its
+discrete decisions are from flipping."""
+import contextlib
 import math
 
 import torch
@@ -13,22 +15,27 @@ def route(x, router, topk, score="softmax", norm=True, bias=None):
     raw = F.linear(x, router)
     logits = raw.float()
     hi = raw if raw.dtype == torch.float64 else logits
+    weights, indices = choose(logits, topk, score, norm, bias)
+    probs = hi.softmax(-1) if score == "softmax" else hi.sigmoid() / hi.sigmoid().sum(-1, keepdim=True)
+    return weights, indices, probs, hi
+
+
+def choose(logits, topk, score="softmax", norm=True, bias=None):
+    """(weights [T, k], indices [T, k]): the experts fp32 logits [T, E] pick and their combine weights."""
     if score == "softmax":
         weights, indices = logits.softmax(-1).topk(topk, dim=-1)
-        probs = hi.softmax(-1)
     else:
         scores = logits.sigmoid()
         indices = (scores.detach() + (0 if bias is None else bias)).topk(topk, dim=-1).indices
         weights = scores.gather(-1, indices)
-        probs = hi.sigmoid() / hi.sigmoid().sum(-1, keepdim=True)
     if norm:
         weights = weights / weights.sum(-1, keepdim=True)
-    return weights, indices, probs, hi
+    return weights, indices
 
 
 def capacity_kept(weights, indices, num_experts, capacity_factor):
     """Each expert keeps its slots of weight >= its C-th largest weight over all tokens (C = ceil(T·k/E·cf))."""
-    cap = math.ceil(weights.shape[0] * weights.shape[1] / num_experts * capacity_factor)
+    cap = _capacity(weights, num_experts, capacity_factor)
     kept = torch.ones_like(indices, dtype=torch.bool)
     for e in range(num_experts):
         mine = indices == e
@@ -36,6 +43,10 @@ def capacity_kept(weights, indices, num_experts, capacity_factor):
             threshold = weights[mine].detach().float().sort(descending=True).values[cap - 1]
             kept &= ~mine | (weights.detach().float() >= threshold)
     return kept
+
+
+def _capacity(weights, num_experts, capacity_factor):
+    return math.ceil(weights.shape[0] * weights.shape[1] / num_experts * capacity_factor)
 
 
 def expert_ffn(x, fc1, fc2, activation):
@@ -110,3 +121,55 @@ def dense_weights(moe, grads=False):
         if s.gate is not None:
             out["shared_gate"] = get(s.gate)
     return out
+
+
+# ---- how far a routing is from flipping ------------------------------------------------------------------------------
+# Routing is discrete: a token's k-th and (k+1)-th experts, an over-full expert's C-th and (C+1)-th slots. Two fp32
+# computations of one routing (a split and the one-rank model, ours and Hugging Face's, another machine's kernels)
+# give scores (probabilities, in [0, 1]) ~1e-7 apart: their logits round apart by ~1e-7 relative (through upstream
+# layers too, whose outputs these tests compare to 1e-5), passed through a softmax or sigmoid whose slope is at most
+# 1/4, plus the scores' own rounding (6e-8); any decision closer than that can go either way, on one machine and not
+# another. Where fp32 results are compared across such computations, the test asserts the reference's margin is at
+# least MARGIN, 100x that: both sides then decide alike on any machine. (fp64 models need no check: their logits agree
+# to ~1e-16, and the router's fp32 rounding of them gives the same fp32 logits unless one lies within ~1e-16 of a
+# rounding boundary, a chance of ~1e-9 a logit.)
+
+MARGIN = 1e-5
+
+
+def routing_margin(logits, topk, *, score="softmax", norm=True, bias=None, capacity_factor=None):
+    """The smallest gap between the two sides of any decision routing `logits` [T, E] (its T tokens: the group the
+    capacity counts over) makes, in the router's fp32 units: each token's k-th and (k+1)-th selection scores, and with
+    a capacity factor each over-full expert's C-th and (C+1)-th combine weights (0 for a tie at the cut)."""
+    logits = logits.detach().float()
+    selection = logits.softmax(-1) if score == "softmax" else logits.sigmoid() + (0 if bias is None else bias)
+    ordered = selection.sort(-1, descending=True).values
+    gaps = [(ordered[:, topk - 1] - ordered[:, topk]).min().item()] if topk < logits.shape[-1] else []
+    if capacity_factor:
+        weights, indices = choose(logits, topk, score, norm, bias)
+        cap = _capacity(weights, logits.shape[-1], capacity_factor)
+        for e in range(logits.shape[-1]):
+            mine = weights[indices == e].sort(descending=True).values
+            if mine.numel() > cap:
+                gaps.append((mine[cap - 1] - mine[cap]).item())
+    return min(gaps, default=math.inf)
+
+
+@contextlib.contextmanager
+def routing_margins(model, capacity_factor=None):
+    """The routing_margin of every routing `model`'s routers (tp.moe.TopKRouter) make inside the block: a list filled
+    as they run (on a one-rank model, each routing covers its micro-batch: the tokens the capacity counts over)."""
+    import tp
+
+    margins = []
+
+    def record(router, _, routing):
+        margins.append(routing_margin(routing.logits, router.topk, score=router.score, norm=router.norm_topk_prob,
+                                      bias=router.expert_bias, capacity_factor=capacity_factor))
+
+    hooks = [m.register_forward_hook(record) for m in model.modules() if isinstance(m, tp.moe.TopKRouter)]
+    try:
+        yield margins
+    finally:
+        for hook in hooks:
+            hook.remove()

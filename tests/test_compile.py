@@ -16,6 +16,7 @@ from models import GPT, GPTConfig
 from tp.testing import distributed
 
 from .helpers import assert_close, randn, rng
+from .moe_reference import MARGIN, routing_margin
 
 # (tp, sequence_parallel): tp 2 with SP by default (every collective kind), the others slow (-m slow)
 SPLITS = [pytest.param(1, False, marks=pytest.mark.slow), pytest.param(2, False, marks=pytest.mark.slow), (2, True)]
@@ -182,12 +183,15 @@ def test_moe_layer_compiles_without_breaks(tp_size, sp, ep, etp, dispatcher, cap
     have data-dependent sizes), and the compiled forward + backward equals eager, every gradient, at ep 1 and 2, tp 1
     and 2 (with and without SP), both dispatchers, dropless and with a capacity factor. The default run keeps every
     dispatch path once: the all-to-all with its count exchange, the etp gather, the all-gather's slot selection,
-    dropless and dropping."""
+    dropless and dropping. (fp32 routing on both sides, yet alike on any machine: aot_eager runs the eager ATen
+    kernels on the same inputs, bit for bit here, and no top-k choice of this rank's tokens is near a tie, so the
+    drop count, a count of choices over the capacity, is alike too.)"""
     mesh = tp.init_mesh(tp=tp_size, ep=ep, etp=etp)
     moe = tp.moe.MoE(8, 12, 4, 2, dispatcher=dispatcher, capacity_factor=capacity_factor, sequence_parallel=sp,
                      shared_expert_size=6 if shared else 0, aux_loss_coeff=1e-2, z_loss_coeff=1e-3,
                      data_parallel_size=1, init_std=0.5)  # (gradients of order 1: the tolerance is absolute)
     x = randn(4, 2, 8, seed=mesh.rank if sp or tp_size == 1 else 0, dtype=torch.float32)  # [s(/tp), b, h]
+    assert routing_margin(moe.router(x.reshape(-1, 8)).logits, 2) >= MARGIN  # (tests/moe_reference.py)
     with tp.moe.dynamic_shapes():
         assert graph_breaks(_moe_loss, moe, x) == []
         compiled_equals_eager(moe, _moe_loss, x)

@@ -12,7 +12,8 @@ Bash blocks follow a marker: `<!-- test: run -->` runs every command for real, i
 (cheap ones only: `--help`, a planner call, a 2-step job); `<!-- test: parse -->` hands each command's arguments to
 the program's own argument parser (torchrun's too) and stops there, for commands too slow to run here (benchmarks,
 full training runs, multi-node launches); `<!-- test: sbatch -->` marks an sbatch script, which tests/test_slurm.py
-runs on two simulated nodes of this machine. The README's first block, the set-up, is checked against .ci/run instead.
+runs on two simulated nodes of this machine. The README's first block, the set-up, is checked against .ci/run instead
+(which runs its test command first, verbatim).
 """
 import argparse
 import contextlib
@@ -92,9 +93,16 @@ def test_readme_opens_with_the_two_commands_ci_runs():
     assert [c.split("#")[0].strip() for c in commands] == [
         'pip install torch==2.13.0 -e . && python -m models.train',
         'pip install torch==2.13.0 -e ".[test]" && python -m pytest']
-    ci = (ROOT / ".ci" / "run").read_text()  # the README's command, with `ruff check .` between its parts
+    # .ci/run: the README's command first, verbatim with `ruff check .` between its parts, then nothing but passes
+    # of the suite's own files again on torch's baseline CPU kernels (another machine's rounding: issue 40)
+    script = (ROOT / ".ci" / "run").read_text().replace("\\\n", " ")
+    ci = [" ".join(line.split()) for line in script.splitlines() if line and not line.startswith(("#", "set ", "cd "))]
     parts = commands[1].split("#")[0].strip().split(" && ")
-    assert " && ".join([parts[0], "ruff check .", *parts[1:]]) in ci
+    assert ci[0] == " && ".join([parts[0], "ruff check .", *parts[1:]]), ci[0]
+    assert len(ci) > 1, ".ci/run lost its pass of the numerically sensitive files on ATEN_CPU_CAPABILITY=default"
+    for line in ci[1:]:
+        assert re.fullmatch(r"ATEN_CPU_CAPABILITY=default python -m pytest( tests/test_\w+\.py(::\w+)?)+", line), line
+        assert all((ROOT / path).is_file() for path in re.findall(r"tests/test_\w+\.py", line)), line
     _parse("python -m models.train")  # (the set-up's job, as its parser reads it)
 
 

@@ -16,7 +16,7 @@ from models.generate import main
 from models.generation import next_tokens
 from tp.testing import distributed
 
-from .helpers import rng
+from .helpers import GREEDY_MARGIN, greedy_margin, rng
 
 transformers = pytest.importorskip("transformers")
 
@@ -55,6 +55,12 @@ def test_greedy_equals_hugging_face_token_for_token(tp_size):
         expected = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=12, do_sample=False,
                                pad_token_id=0)
         ours = model.generate(x, 12)
+        # equal tokens on any machine: our logits along HF's greedy sequence are HF's within 1e-4 (the cache's within
+        # 1e-5 of them, below) and each step's choice leads by GREEDY_MARGIN (tests/helpers.py)
+        with torch.no_grad():
+            reference = hf(expected).logits
+            assert (model(expected) - reference).abs().max().item() <= 1e-4
+        assert greedy_margin(reference[:, 4:-1], expected[:, 5:]) >= GREEDY_MARGIN, (family, kv_heads)
         assert ours.shape == (2, 17) and torch.equal(ours, expected), (family, kv_heads, ours, expected)
         assert len(set(ours[:, 5:].flatten().tolist())) > 3  # (a real continuation, not one token repeated)
         # the cache path's logits are the full forward's at every position
@@ -109,7 +115,8 @@ def test_bad_generation_input_is_one_line():
 
 @pytest.fixture(scope="module")
 def byte_model(tmp_path_factory):
-    """A save_pretrained Llama over bytes (vocabulary 256), and HF's greedy continuation of "def " by 12 tokens."""
+    """A save_pretrained Llama over bytes (vocabulary 256), and HF's greedy continuation of "def " by 12 tokens: each
+    step's choice leads by GREEDY_MARGIN (tests/helpers.py; ours, the same fp32 weights, chooses alike)."""
     path = tmp_path_factory.mktemp("hf") / "llama"
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -118,6 +125,8 @@ def byte_model(tmp_path_factory):
     hf.save_pretrained(path)
     x = torch.tensor([list(b"def ")])
     ids = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=12, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        assert greedy_margin(hf(ids).logits[:, 3:-1], ids[:, 4:]) >= GREEDY_MARGIN
     return str(path), bytes(ids[0].tolist()).decode("utf-8", errors="replace")
 
 

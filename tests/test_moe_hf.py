@@ -16,6 +16,7 @@ from models.hf import hf_state_dict
 from tp.testing import distributed
 
 from .helpers import rng
+from .moe_reference import MARGIN, routing_margin
 
 transformers = pytest.importorskip("transformers")
 
@@ -48,8 +49,11 @@ def batch(dp, seed=0):
 
 def reference(hf, x, y, topk):
     """HF on the global batch: logits, LM loss, the per-layer Switch and z losses over its router logits, and
-    backward of their sum (the gradients ours must equal)."""
+    backward of their sum (the gradients ours must equal). An fp32 model's routing has no decision near a tie (tests/
+    moe_reference.py): ours, split, routes alike."""
     out = hf(x, output_router_logits=True)
+    margin = min(routing_margin(logits, topk) for logits in out.router_logits)
+    assert hf.dtype == torch.float64 or margin >= MARGIN, f"HF routes within {margin:.2g} of a tie"
     lm = F.cross_entropy(out.logits.reshape(-1, VOCAB), y.reshape(-1))
     lb = z = 0.0
     for logits in out.router_logits:

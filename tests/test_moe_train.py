@@ -5,7 +5,12 @@ drops the same on every tp rank; the pipeline's B/W split through the grouped GE
 `python -m models.train`): every split trains the one-process curve with its aux loss, grad_norm and load statistics,
 checkpoints move between (tp, ep, etp, pp, dp) splits with each expert under its own HF name, the Hugging Face export
 gives the run's val_loss, the sigmoid routers' bias updates are the same at every split; bad configurations stop
-before any process starts."""
+before any process starts.
+
+The jobs run in fp64 (the default dtype; _records) wherever a split is compared with one process or with
+transformers: routing is discrete, and in fp32 a decision within rounding of a tie goes either way by machine
+(test_capacity_sp_and_full_recompute_at_ep_2_follow_the_one_process_run says why fp64 does not). The fp32 layer-level
+comparisons assert their routing's margin instead (tests/moe_reference.py)."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -14,6 +19,8 @@ import models
 import tp
 from models.hf import hf_state_dict
 from tp.testing import distributed
+
+from .moe_reference import MARGIN, routing_margins
 
 VOCAB, SEQ, BATCH = 50, 8, 2
 BASE = dict(vocab_size=VOCAB, hidden_size=16, num_layers=2, num_heads=4, num_kv_heads=2, ffn_hidden_size=24,
@@ -77,7 +84,10 @@ def test_expert_grads_are_reduced_over_edp_not_dp_and_clipping_counts_each_exper
     aux_losses_per_micro_batch(stage, mesh)
     module = wrap_data_parallel(stage, mesh, mode)
     X, Y = _batches(mesh.dp_size)
-    norm = _serial_step(serial, X, Y, mesh.dp_size)
+    with routing_margins(serial) as margins:
+        norm = _serial_step(serial, X, Y, mesh.dp_size)
+    # fsdp's fp32 routing is compared across splits: no decision near a tie (tests/moe_reference.py)
+    assert mode != "fsdp" or min(margins) >= MARGIN, f"routed within {min(margins):.2g} of a tie"
     x, y = X.chunk(mesh.dp_size)[mesh.dp_rank], Y.chunk(mesh.dp_size)[mesh.dp_rank]
     module(x, y).backward()
     assert abs(tp.clip_grad_norm_(module.parameters(), 0, mesh=mesh).item() - norm) <= max(tol, 1e-7) * norm
@@ -263,43 +273,50 @@ def _train_on_ranks(flags, log):
     return _job(flags, log)
 
 
-def _job(flags, log, base=JOB):
+def _job(flags, log, base=JOB, fp64=False):
+    """models.train's job on this rank with `flags` after `base`; fp64: every tensor it builds in fp64 (the default
+    dtype: this worker's is reset to fp32 after each call)."""
     import json
     import os
 
     from models.training.cli import parser, train
 
+    if fp64:
+        torch.set_default_dtype(torch.float64)
     train(parser().parse_args([*base, *flags, "--log-jsonl", log]))
     if int(os.environ.get("RANK", "0")) == 0:
         with open(log) as f:
             return [json.loads(line) for line in f]
 
 
-def _records(tmp, name, world_size, *flags, base=JOB):
+def _records(tmp, name, world_size, *flags, base=JOB, fp64=True):
+    """Rank 0's log rows of the job on `world_size` ranks; in fp64 unless fp64=False (the module docstring)."""
     import os
 
     from tp.testing import run
 
-    return run(_job, world_size, flags=list(flags), log=os.path.join(tmp, f"{name}.jsonl"), base=base,
+    return run(_job, world_size, flags=list(flags), log=os.path.join(tmp, f"{name}.jsonl"), base=base, fp64=fp64,
                timeout=300)[0]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The shared runs: one process; 2x1x2x2 with ep 2 (ddp, fp32, 1F1B; checkpoints every step, val_loss, the HF
-    export); ep 4 at etp 1 (zero1, ZB-H1: the B/W split through the grouped GEMM); ep 2 with zero1 + bf16 +
-    interleaved; ep 4 at etp 1 with the allgather dispatcher; and 1x2x2x2 (cp 2) with ep 2 at etp 1 (edp 2), FSDP2,
-    resumed from the ep 2 run's step 1."""
+    """The shared runs, in fp64: one process; 2x1x2x2 with ep 2 (ddp, 1F1B; checkpoints every step, val_loss, the
+    HF export); ep 4 at etp 1 (zero1, ZB-H1: the B/W split through the grouped GEMM); ep 4 at etp 1 with the allgather
+    dispatcher; and 1x2x2x2 (cp 2) with ep 2 at etp 1 (edp 2), FSDP2, resumed from the ep 2 run's step 1. And ep 2
+    with zero1 + bf16 + interleaved beside one process in fp32 (the job's default dtype)."""
     tmp = tmp_path_factory.mktemp("moe_runs")
     evaluate = ["--eval-every", "3", "--eval-iters", "1"]
-    out = {"tmp": tmp, "serial": _records(tmp, "serial", 1, "--tp", "1", "--pp", "1", "--dp", "1", *evaluate)}
+    serial = ["--tp", "1", "--pp", "1", "--dp", "1"]
+    out = {"tmp": tmp, "serial": _records(tmp, "serial", 1, *serial, *evaluate),
+           "serial fp32": _records(tmp, "serial32", 1, *serial, fp64=False)}
     out["ep2"] = _records(tmp, "ep2", 8, *SPLIT, "--ep", "2", "--save", str(tmp / "ckpt"), "--save-every", "1",
                           "--export-hf", str(tmp / "hf"), *evaluate)
     out["ep4 etp1 zero1 zb"] = _records(tmp, "ep4", 8, *SPLIT, "--ep", "4", "--etp", "1", "--dp-mode", "zero1",
                                         "--schedule", "zb")
     out["ep2 zero1 bf16 interleaved"] = _records(tmp, "bf16", 8, *SPLIT, "--ep", "2", "--dp-mode", "zero1",
                                                  "--precision", "bf16", "--schedule", "interleaved",
-                                                 "--virtual-stages", "2")
+                                                 "--virtual-stages", "2", fp64=False)
     out["ep4 etp1 allgather"] = _records(tmp, "allgather", 8, *SPLIT, "--ep", "4", "--etp", "1", "--moe-dispatcher",
                                          "allgather")
     out["resumed cp2 ep2 etp1 fsdp"] = _records(tmp, "resumed", 8, "--tp", "1", "--cp", "2", "--pp", "2", "--dp", "2",
@@ -309,10 +326,14 @@ def runs(tmp_path_factory):
 
 
 def test_every_split_trains_the_one_process_curve_with_its_aux_loss_and_grad_norm(runs):
-    """Dropless: loss, grad_norm, aux and z losses and the load imbalance of every fp32 split equal the one-process
+    """Dropless: loss, grad_norm, aux and z losses and the load imbalance of every fp64 split equal the one-process
     run's (≤ 1e-5 relative): the aux losses' gradient is neither scaled by the micro-batch count (4 here, 2 there) nor
     by tp, the experts' gradients are reduced over edp, clipping counts each expert once; bf16 within the dense runs'
-    bf16 tolerance (3 %); the resumed run continues the curve at another (tp, cp, ep, etp, pp, dp)."""
+    bf16 tolerance (3 %) of the fp32 one; the resumed run continues the curve at another (tp, cp, ep, etp, pp, dp).
+    (In fp32 a token whose k-th and (k+1)-th experts score within rounding of each other may pick either: ~12,000
+    routings here, the closest 5e-6 apart, would flip one now and then on some machine, moving the load imbalance by
+    1/64 and grad_norm by ~1e-4. fp64 routes alike: see the capacity test below. bf16 routes otherwise anyway: its
+    tolerance covers it.)"""
     serial = runs["serial"]
     assert len(serial) == 3 and serial[-1]["loss"] < serial[0]["loss"]
     assert all(r["moe_aux_loss"] > 0 and r["moe_z_loss"] > 0 and r["moe_load_imbalance"] >= 1 for r in serial)
@@ -322,31 +343,41 @@ def test_every_split_trains_the_one_process_curve_with_its_aux_loss_and_grad_nor
         for step, (ours, want) in enumerate(zip(runs[name], reference, strict=True)):
             for key in MOE_KEYS:
                 assert abs(ours[key] - want[key]) <= 1e-5 * abs(want[key]), (name, step, key, ours[key], want[key])
-    for ours, want in zip(runs["ep2 zero1 bf16 interleaved"], serial, strict=True):
+    for ours, want in zip(runs["ep2 zero1 bf16 interleaved"], runs["serial fp32"], strict=True):
         for key in MOE_KEYS:
             assert abs(ours[key] - want[key]) <= 0.03 * abs(want[key]), ("bf16", key, ours[key], want[key])
     assert abs(runs["ep2"][-1]["val_loss"] - serial[-1]["val_loss"]) <= 1e-5 * serial[-1]["val_loss"]
 
 
 RUN_SPLITS = {  # (tp, cp, pp, dp, ep, etp, dp_mode, precision, virtual stages) of the shared runs
-    "serial": (1, 1, 1, 1, 1, 1, "ddp", "fp32", 1), "ep2": (2, 1, 2, 2, 2, 2, "ddp", "fp32", 1),
-    "ep4 etp1 zero1 zb": (2, 1, 2, 2, 4, 1, "zero1", "fp32", 1),
+    "serial": (1, 1, 1, 1, 1, 1, "ddp", "fp64", 1), "serial fp32": (1, 1, 1, 1, 1, 1, "ddp", "fp32", 1),
+    "ep2": (2, 1, 2, 2, 2, 2, "ddp", "fp64", 1), "ep4 etp1 zero1 zb": (2, 1, 2, 2, 4, 1, "zero1", "fp64", 1),
     "ep2 zero1 bf16 interleaved": (2, 1, 2, 2, 2, 2, "zero1", "bf16", 2),
-    "ep4 etp1 allgather": (2, 1, 2, 2, 4, 1, "ddp", "fp32", 1),
-    "resumed cp2 ep2 etp1 fsdp": (1, 2, 2, 2, 2, 1, "fsdp", "fp32", 1)}
+    "ep4 etp1 allgather": (2, 1, 2, 2, 4, 1, "ddp", "fp64", 1),
+    "resumed cp2 ep2 etp1 fsdp": (1, 2, 2, 2, 2, 1, "fsdp", "fp64", 1)}
 
 
 def test_the_jobs_logged_bytes_equal_the_memory_estimate(runs):
     """bench.plan.memory counts the experts exactly: each shared run's logged param_bytes, grad_bytes and
     optimizer_bytes (the largest rank's) equal parameter_memory's largest stage, byte for byte: the experts' own
-    buckets over edp (ddp in its all-reduce form, zero1 sharded, bf16 masters), FSDP2's experts sharded over edp."""
+    buckets over edp (ddp in its all-reduce form, zero1 sharded, bf16 masters), FSDP2's experts sharded over edp.
+    (An fp64 run holds the fp32 run's tensors at twice the bytes.)"""
     from bench.plan import memory
     from models.config import PRESETS
 
     config = models.GPTConfig(**PRESETS["tiny-moe"] | dict(moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01))
     for name, (t, c, p, d, ep, etp, mode, precision, v) in RUN_SPLITS.items():
-        stages = [memory.parameter_memory(config, tp=t, pp=p, stage=s, virtual_stages=v, dp_mode=mode,
-                                          precision=precision, shards=d * c, ep=ep, etp=etp)[:3] for s in range(p)]
+        stages = []
+        for s in range(p):
+            params, grads, optimizer = memory.parameter_memory(
+                config, tp=t, pp=p, stage=s, virtual_stages=v, dp_mode=mode,
+                precision="fp32" if precision == "fp64" else precision, shards=d * c, ep=ep, etp=etp)[:3]
+            if precision == "fp64":  # fp32's tensors at twice the bytes but the resumed run's AdamW step counters,
+                # read from the ep 2 checkpoint as tp.optim's DistributedOptimizer stores them (fp32 scalars; FSDP2's
+                # estimate: 8 bytes of moments per 4 of parameter, then the counters)
+                steps = optimizer - 2 * params if name.startswith("resumed") else 0
+                params, grads, optimizer = 2 * params, 2 * grads, 2 * optimizer - steps
+            stages.append((params, grads, optimizer))
         want = tuple(max(stage[i] for stage in stages) for i in range(3))
         first = runs[name][0]
         assert (first["param_bytes"], first["grad_bytes"], first["optimizer_bytes"]) == want, (name, first, want)
@@ -400,7 +431,8 @@ def _held_out_loss(path):
 
     from models.training import data
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(  # (fp64: HF's expert loop, grouped_mm has no fp64)
+        path, experts_implementation="eager").eval()
     _, held_out = data.split(data.corpus(), 32)
     (x, y), = data.eval_batches(held_out, dp=1, dp_rank=0, global_batch_size=8, micro_batch_size=8, iters=1)[0]
     with torch.no_grad():
@@ -410,7 +442,7 @@ def _held_out_loss(path):
 
 def test_the_hf_export_gives_the_runs_val_loss_in_transformers(runs):
     """--export-hf of the 2x1x2x2 ep 2 run: a Mixtral directory transformers loads, whose loss on the held-out batch
-    is the run's val_loss."""
+    is the run's val_loss. (fp64 on both sides, transformers loading the saved dtype: they route alike.)"""
     family, loss = _held_out_loss(runs["tmp"] / "hf")
     assert family == "mixtral" and abs(loss - runs["ep2"][-1]["val_loss"]) <= 1e-5 * loss
 
@@ -418,7 +450,8 @@ def test_the_hf_export_gives_the_runs_val_loss_in_transformers(runs):
 def test_from_hf_qwen3_moe_trains_at_ep_2_and_exports_qwen3_moe(tmp_path):
     """--from-hf a Qwen3-MoE directory (per-head q/k norms, experts smaller than its dense size): trained at pp 2 x
     dp 4 with ep 2 (each rank reading only its experts), its --export-hf is a Qwen3-MoE directory again whose
-    held-out loss in transformers is the run's val_loss."""
+    held-out loss in transformers is the run's val_loss. (An fp64 directory trained in fp64: transformers routes the
+    held-out batch as the run did.)"""
     import transformers
 
     source = tmp_path / "qwen3"
@@ -427,7 +460,7 @@ def test_from_hf_qwen3_moe_trains_at_ep_2_and_exports_qwen3_moe(tmp_path):
                                          num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
                                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                                          max_position_embeddings=64)
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(source)
+    transformers.AutoModelForCausalLM.from_config(config).double().save_pretrained(source)
     base = ["--from-hf", str(source), "--seq-len", "32", "--global-batch-size", "8", "--micro-batch-size", "2",
             "--steps", "2", "--no-sample", "--moe-aux-loss-coeff", "0.01"]
     records = _records(str(tmp_path), "qwen3", 8, "--tp", "1", "--pp", "2", "--dp", "4", "--ep", "2", "--eval-every",
@@ -441,7 +474,7 @@ def test_sigmoid_routers_bias_updates_are_the_same_at_every_split(tmp_path):
     """--moe-router-score sigmoid: after each step every router's selection bias moves by 1e-3 · sign(mean load -
     load) from the step's global loads (over the stage's tp·cp·dp ranks), so the one-process run and the tp 2 x dp 2
     ep 2 run end with the same biases (read from their checkpoints, where they are stored as HF's
-    e_score_correction_bias) and the same curve."""
+    e_score_correction_bias) and the same curve. (In fp64: a load is a count of routings, fp64 routes alike.)"""
     sigmoid = ["--moe-router-score", "sigmoid", "--steps", "2"]
     serial = _records(str(tmp_path), "serial", 1, "--tp", "1", "--pp", "1", "--dp", "1", *sigmoid,
                       "--save", str(tmp_path / "serial"))
@@ -450,7 +483,7 @@ def test_sigmoid_routers_bias_updates_are_the_same_at_every_split(tmp_path):
     for ours, want in zip(split, serial, strict=True):
         assert abs(ours["loss"] - want["loss"]) <= 1e-5 * want["loss"]
     keys = [f"model.model.layers.{i}.block_sparse_moe.gate.e_score_correction_bias" for i in range(4)]
-    biases = [_read_checkpoint({k: torch.empty(8) for k in keys}, tmp_path / run / "step-000002")
+    biases = [_read_checkpoint({k: torch.empty(8, dtype=torch.float64) for k in keys}, tmp_path / run / "step-000002")
               for run in ("serial", "split")]
     for key in keys:
         assert torch.equal(biases[0][key], biases[1][key]) and biases[0][key].abs().sum() > 0, key
@@ -459,18 +492,29 @@ def test_sigmoid_routers_bias_updates_are_the_same_at_every_split(tmp_path):
 def test_capacity_sp_and_full_recompute_at_ep_2_follow_the_one_process_run(tmp_path):
     """--moe-capacity-factor 1 (tokens dropped, logged as moe_dropped_tokens) with SP, full recompute and zero1 at
     tp 2 x dp 4 with ep 2: the recomputed forward routes and drops as the first one did, so the first step's loss,
-    aux loss and dropped count equal the one-process run's. Its grad_norm within 1e-4 (not 1e-5): a hard capacity
-    threshold in fp32 can flip a token whose score ties the cut within rounding (the router's GEMM runs at other
-    shapes); in fp64 the layer-level test above is exact to 1e-12 with tokens dropped."""
+    aux loss, grad_norm and dropped count equal the one-process run's.
+
+    Both jobs run in fp64 (the default dtype: the model, its activations and gradients). Why the dropped count can be
+    compared exactly: a hard capacity cut is a discontinuous function of the routing weights. In fp32 the two runs'
+    weights differ by rounding (the router's GEMM at other shapes, reductions in another order, and each CPU kernel
+    set rounding its own way), and a slot within that rounding of the cut flips, then the layers after it see another
+    input: the count was off by 1 to 3 of ~490 under ATEN_CPU_CAPABILITY=default, avx2 and avx512 (issue 40). In fp64
+    the runs' logits agree to ~1e-16 relative; the router rounds them to fp32 (its choice is made in fp32) where two
+    such values round apart only within ~1e-16 of an fp32 rounding midpoint (a chance of ~1e-9 a logit, ~8,000
+    logits here), and the same fp32 logits give the same fp32 weights, cut and drops: the count is the same on any
+    machine. The tolerances: the loss is fp64 throughout (1e-12 relative, ~1e4 x its reduction-order error); the
+    gradient norm (clip_grad_norm_ returns fp32) and the aux and z losses (recorded in fp32 per layer) are fp64
+    values rounded to fp32, at most 2^-23 = 1.2e-7 apart relative (1e-6)."""
     extra = ["--moe-capacity-factor", "1.0", "--steps", "1"]
     serial = _records(str(tmp_path), "serial", 1, "--tp", "1", "--pp", "1", "--dp", "1", *extra)
     split = _records(str(tmp_path), "split", 8, "--tp", "2", "--pp", "1", "--dp", "4", "--ep", "2", "--dp-mode",
                      "zero1", "--recompute", "full", "--sequence-parallel", *extra)  # (the shared runs' pools)
     (ours,), (want,) = split, serial
     assert want["moe_dropped_tokens"] > 0 and ours["moe_dropped_tokens"] == want["moe_dropped_tokens"]
-    for key in ("loss", "moe_aux_loss", "moe_z_loss", "moe_load_imbalance"):
-        assert abs(ours[key] - want[key]) <= 1e-5 * abs(want[key]), (key, ours[key], want[key])
-    assert abs(ours["grad_norm"] - want["grad_norm"]) <= 1e-4 * want["grad_norm"]
+    assert ours["moe_load_imbalance"] == want["moe_load_imbalance"]  # (from the routed counts: integers)
+    assert abs(ours["loss"] - want["loss"]) <= 1e-12 * want["loss"]
+    for key in ("moe_aux_loss", "moe_z_loss", "grad_norm"):
+        assert abs(ours[key] - want[key]) <= 1e-6 * abs(want[key]), (key, ours[key], want[key])
 
 
 def test_recompute_modules_train_the_one_process_curve(tmp_path):

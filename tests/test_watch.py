@@ -15,6 +15,9 @@ import pytest
 from models.training import sinks
 from models.training.cli import main
 from models.training.config import OptimizerConfig
+from tp.testing import run
+
+from .helpers import GREEDY_MARGIN, greedy_margin
 
 JOB = ["--model", "tiny", "--seq-len", "32", "--global-batch-size", "8", "--micro-batch-size", "2", "--seed", "7",
        "--log-interval", "1"]
@@ -164,7 +167,28 @@ def test_the_run_ends_with_its_plot_and_a_sample_that_generate_continues(watched
                                 "def ", "--max-new-tokens", "8"], capture_output=True, text=True, timeout=300,
                                env=env())
     assert generated.returncode == 0, generated.stderr[-3000:]
+    # each choice far from a tie (tests/helpers.py): the pipeline and the KV cache choose alike on any machine
+    assert run(_greedy_margin, 1, path=str(tmp / "ckpt"), text=sample[:12])[0] >= GREEDY_MARGIN
     assert generated.stdout == sample[:12] + "\n"  # the KV cache's greedy tokens are the pipeline's
+
+
+def _greedy_margin(path, text):
+    """greedy_margin of the checkpoint's model (one rank) over `text` after "def " (its bytes: the tiny preset's
+    tokens), from its full forward (the pipeline's sample's)."""
+    import torch
+
+    import tp
+    from models import GPT
+    from models.generate import parser, resolve
+    from models.training import checkpoint
+
+    config, step_dir, _ = resolve(parser().parse_args(["--load", path, "--prompt", text]))
+    mesh = tp.init_mesh(tp=1)
+    model = GPT(config, group=mesh.tp_group)
+    checkpoint.load(step_dir, model, None, mesh=mesh)
+    ids = torch.tensor([list(text.encode())])
+    with torch.no_grad():
+        return greedy_margin(model(ids)[:, 3:-1], ids[:, 4:])
 
 
 def test_learning_rate_schedules():

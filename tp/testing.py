@@ -26,6 +26,11 @@ Outside pytest: `run(fn, world_size=4, **kwargs)` returns the list of per-rank r
 tensors, every rank's default device a GPU (ranks share the GPUs round-robin: gloo takes CUDA tensors for all-reduce,
 broadcast and all-gather, and several ranks may share one GPU, which NCCL refuses); `nccl` NCCL, one GPU per rank.
 Without CUDA every mode is the CPU's.
+
+Each rank runs torch's intra-op work on `OMP_NUM_THREADS` threads (torch's own reading of it; 1 when it is unset), at
+most its share of the machine's cores (cores // world_size, at least 1): the ranks never oversubscribe the machine.
+(A reduction may split, and round, otherwise over another thread count: `OMP_NUM_THREADS=2 python -m pytest` runs
+the suite so where the cores allow.)
 """
 import ast
 import atexit
@@ -127,6 +132,14 @@ def _resolve(module, qualname):
     return getattr(obj, "__wrapped__", obj)
 
 
+def _threads(world_size):
+    """The leading count of OMP_NUM_THREADS (WorkerPool sets 1 for the workers when it is unset), at most this rank's
+    share of the cores."""
+    count = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(int(count) if count.isdigit() else 1, cores // world_size))
+
+
 def _stack_path(workdir, rank):
     return Path(workdir, f"stack{rank}")
 
@@ -135,7 +148,7 @@ def _worker(rank, world_size, workdir, tasks, results, collective_timeout):
     # The parent sends SIGUSR1 when this rank hangs and reads the stacks from this file for its report.
     faulthandler.register(signal.SIGUSR1, file=open(_stack_path(workdir, rank), "w"), all_threads=True)
     sys.meta_path.insert(0, rewriter := _AssertRewriter())
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads := _threads(world_size))
     backend = _backend(world_size)
     if device_mode() != "cpu":  # test bodies that build tensors without a device get this rank's GPU
         gpu = rank % torch.cuda.device_count()
@@ -165,6 +178,7 @@ def _worker(rank, world_size, workdir, tasks, results, collective_timeout):
         finally:  # the next test starts from a clean rank (but keeps the process groups: creating them is slow)
             tp.destroy_mesh(keep_groups=True)
             torch.set_default_dtype(torch.float32)
+            torch.set_num_threads(threads)  # (the training job sets 1 for itself)
             tp.set_debug(fresh_debug)
             tp.get_rng_tracker().reset()
         results.put((task_id, rank, ok, value, _groups_made()))
