@@ -287,11 +287,12 @@ class GPT(nn.Module):
 
     def moe_aux_losses(self) -> dict[str, torch.Tensor]:
         """The last forward's mixture-of-experts losses summed over this stage's MoE layers (fp32 scalars, equal on
-        every rank of the stage; zeros without them), for logging: "load_balancing", "z". Their gradient joined
-        backward already (tp.moe.losses); the loss `forward` returns is the LM loss alone."""
+        every rank of the stage, "sequence" on the ranks of its micro-batch; zeros without them), for logging:
+        "load_balancing", "z", "sequence" (DeepSeek-V3's sequence-wise loss). Their gradient joined backward already
+        (tp.moe.losses); the loss `forward` returns is the LM loss alone."""
         values = tp.moe.aux_losses(self)
         zero = torch.zeros((), device=next(self.parameters()).device)
-        return {"load_balancing": sum((v.load_balancing for v in values), zero), "z": sum((v.z for v in values), zero)}
+        return {key: sum((getattr(v, key) for v in values), zero) for key in ("load_balancing", "z", "sequence")}
 
     def set_moe_aux_loss_scale(self, scale: float) -> None:
         """Scale the MoE aux losses' gradient as the LM loss is scaled before backward (1 / accumulated

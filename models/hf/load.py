@@ -13,7 +13,7 @@ from tp.moe import GroupedExperts
 
 from .convert import config_from_hf, hf_family
 from .experts import disk_name, read_experts
-from .names import hf_sources, parameter_owners, tp_sharding
+from .names import hf_sources, parameter_owners, router_biases, tp_sharding
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -123,6 +123,9 @@ def load_hf_weights(model: nn.Module, reader: Any) -> None:
             raise ValueError(f"{name}: HF tensors {[n for n, _ in sources]} give shape {tuple(dense.shape)}, "
                              f"expected {tuple(param.shape)}")
         param.copy_(dense)
+    for name, bias in router_biases(model):  # (a checkpoint without them: zeros, as transformers initialises them)
+        if reader.has(name):
+            bias.copy_(reader.read(name))
 
 
 def load_hf(cls: type[nn.Module], hf_model_or_path: "PreTrainedModel | str | os.PathLike", *,

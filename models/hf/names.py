@@ -7,6 +7,7 @@ from torch import nn
 import tp.hf
 from tp.embedding import VocabParallelEmbedding
 from tp.layers import ColumnParallelLinear, RowParallelLinear
+from tp.moe import TopKRouter
 
 from ..block import FullQKNorm
 from ..config import GPTConfig
@@ -47,6 +48,17 @@ def parameter_owners(model: nn.Module) -> dict[str, tuple[nn.Module, str]]:
         for attr, _ in module.named_parameters(recurse=False):
             owners[f"{module_name}.{attr}" if module_name else attr] = (module, attr)
     return owners
+
+
+def router_biases(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(HF name, buffer) of every sigmoid router's selection bias of `model` (DeepSeek-V3's, a buffer updated from
+    the loads, not a parameter): beside the router's weight, `…mlp.gate.e_score_correction_bias`."""
+    out = []
+    for name, (module, _) in parameter_owners(model).items():
+        if isinstance(module, TopKRouter) and module.expert_bias is not None:
+            (weight, _), = hf_sources(model.config, name, model.layer_range[0])
+            out.append((weight.rsplit(".", 1)[0] + ".e_score_correction_bias", module.expert_bias))
+    return out
 
 
 def tp_sharding(module: nn.Module, attr: str) -> tuple[int, int, torch.Tensor] | None:
