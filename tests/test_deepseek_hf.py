@@ -157,3 +157,50 @@ def test_deepseek_round_trip_is_bit_exact_and_transformers_reads_it(family, opti
     dist.barrier()
     if mesh.rank == 0:
         shutil.rmtree(root[0])
+
+
+ALPHA = 0.05  # the sequence-wise loss's coefficient (large enough to matter in the gradients)
+
+
+def _sequence_loss_reference(hf, x):
+    """HF's forward on x [b, s] with DeepSeek-V3's sequence-wise balance loss summed over its MoE layers, computed by
+    definition from what each router returned (logits, choices): (logits, the loss)."""
+    routed = []
+    hooks = [m.register_forward_hook(lambda mod, args, out: routed.append(out)) for m in hf.modules()
+             if type(m).__name__.endswith("TopkRouter")]
+    logits = hf(x).logits
+    for hook in hooks:
+        hook.remove()
+    b, s = x.shape
+    total = 0.0
+    for router_logits, _, indices in routed:
+        scores = router_logits.double().sigmoid().view(b, s, -1)
+        E, k = scores.shape[-1], indices.shape[-1]
+        probs = scores / scores.sum(-1, keepdim=True)
+        counts = F.one_hot(indices.view(b, s * k), E).sum(1).double()  # [b, E]
+        total = total + ALPHA * ((E / (k * s)) * counts * probs.mean(1)).sum(-1).mean()
+    return logits, total
+
+
+@distributed(world_size=4)
+def test_sequence_wise_loss_is_hugging_faces_routing_by_definition():
+    """tp 2 with SP x ep 2 (dp 2): the GPT's sequence-wise loss (value and gradient) equals the definition over HF's
+    own routing (group-limited, biased) of each sequence of the global batch."""
+    mesh = tp.init_mesh(tp=2, ep=2)
+    hf = hf_deepseek("deepseek_v3")
+    torch.set_default_dtype(torch.float64)
+    model = models.GPT.from_hf(hf, sequence_parallel=True, moe_seq_aux_loss_coeff=ALPHA)
+    g = rng(2)
+    X = torch.randint(0, VOCAB, (mesh.dp_size * BATCH, SEQ), generator=g)
+    Y = torch.randint(0, VOCAB, X.shape, generator=g)
+    rows = slice(mesh.dp_rank * BATCH, (mesh.dp_rank + 1) * BATCH)
+    logits, sequence = _sequence_loss_reference(hf, X)
+    (F.cross_entropy(logits.reshape(-1, VOCAB), Y.reshape(-1)) + sequence).backward()
+    model(X[rows], Y[rows]).backward()
+    value = _reduce(model.moe_aux_losses()["sequence"].double(), mesh.dp_group, mesh.dp_size)
+    assert abs(value.item() - sequence.item()) <= 1e-6, (value.item(), sequence.item())
+    expected = {n: p.grad for n, p in hf.named_parameters() if p.grad is not None}
+    for name, grad in hf_state_dict(model, grads=True).items():
+        group = mesh.edp_group if ".experts." in name else mesh.group("dp-cp")
+        err = (_reduce(grad, group, mesh.dp_size) - expected[name]).abs().max().item()
+        assert err <= 1e-7 * max(1.0, expected[name].abs().max().item()), f"{name} grad err {err}"
