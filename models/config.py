@@ -258,6 +258,9 @@ class GPTConfig:
         n = self.mtp_num_layers
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"mtp_num_layers={n!r} must be an integer >= 0")
+        if n and self.position != "rope":
+            raise ValueError(f"mtp_num_layers={n} with position={self.position!r}: multi-token prediction is built "
+                             "for RoPE models")
         if not 0 <= self.mtp_loss_scaling_factor < math.inf:
             raise ValueError(f"mtp_loss_scaling_factor={self.mtp_loss_scaling_factor} must be a finite number >= 0")
 

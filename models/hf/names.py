@@ -6,6 +6,7 @@ from torch import nn
 
 import tp.hf
 from tp.embedding import VocabParallelEmbedding
+from tp.hf.family import MTP_MODULES
 from tp.layers import ColumnParallelLinear, RowParallelLinear
 from tp.moe import TopKRouter
 
@@ -32,6 +33,13 @@ def hf_sources(config: GPTConfig, name: str, layer_offset: int = 0) -> list[tupl
         return [(f"{root}.{family.position_embedding}.weight", False)]
     if name.startswith("final_norm."):
         return [(f"{root}.{family.final_norm}.{name.split('.')[-1]}", False)]
+    if name.startswith("mtp."):  # mtp.<k>.<module>.<kind>: under the layer after the last (DeepSeek-V3's layout)
+        _, depth, local = name.split(".", 2)
+        layer = config.num_layers + int(depth)
+        if local.startswith("block."):
+            return hf_sources(config, f"layers.{layer}.{local.removeprefix('block.')}")
+        module, _, kind = local.rpartition(".")
+        return [(f"{root}.{family.layers}.{layer}.{MTP_MODULES[module]}.{kind}", False)]
     _, index, local = name.split(".", 2)  # layers.<i>.<local>
     block = f"{root}.{family.layers}.{int(index) + layer_offset}"
     if local in family.layer_tensors:

@@ -15,7 +15,7 @@ class DeepseekV2(DeepseekV3):
     norm_topk_field = None  # (fixed below: never renormalised)
 
     def config_fields(self, hf: Any) -> dict[str, Any]:
-        fields = super().config_fields(hf) | dict(moe_router_norm_topk=False)
+        fields = super().config_fields(hf) | dict(moe_router_norm_topk=False, mtp_num_layers=0)
         if hf.topk_method not in ("greedy", "group_limited_greedy"):
             raise ValueError(f"topk_method={hf.topk_method!r} is not supported (greedy or group_limited_greedy)")
         if hf.topk_method == "greedy":
@@ -28,7 +28,8 @@ class DeepseekV2(DeepseekV3):
     def moe_checks(self, config: Any) -> list[tuple[bool, str, str]]:
         c = config
         return super().moe_checks(c) + [
-            (not c.moe_router_norm_topk, "moe_router_norm_topk", "the top-k weights not renormalised")]
+            (not c.moe_router_norm_topk, "moe_router_norm_topk", "the top-k weights not renormalised"),
+            (c.mtp_num_layers == 0, "mtp_num_layers", "no multi-token prediction")]
 
     def dense_checks(self, config: Any) -> list[tuple[bool, str, str]]:
         return super().dense_checks(config) + [(config.rope_interleave, "rope_interleave", "interleaved RoPE")]

@@ -4,9 +4,12 @@ selection bias (`mlp.gate.e_score_correction_bias`, models.hf reads and writes i
 group-limited top-k (n_group, topk_group), the weights times
 routed_scaling_factor, shared experts (`mlp.shared_experts`, no gate), the first first_k_dense_replace layers dense.
 
-The multi-token-prediction layers of DeepSeek's published checkpoints (`model.layers.<num_hidden_layers>...`) are not
-part of transformers' model, which drops them on load (DeepseekV3PreTrainedModel._keys_to_ignore_on_load_unexpected):
-the GPT reads a config's num_nextn_predict_layers as mtp_num_layers=0, and save_hf writes no MTP weights."""
+Multi-token prediction: DeepSeek's published checkpoints hold num_nextn_predict_layers MTP layers after the last
+(`model.layers.<num_hidden_layers + k>.`: enorm, hnorm, eh_proj, shared_head.norm and a decoder layer's tensors;
+tp.hf.family.MTP_MODULES), which transformers' model does not have and leaves out on load. models.GPT.from_hf reads
+them as its MTP depths when the source holds them (mtp_num_layers = num_nextn_predict_layers; none when it does not,
+as in a model transformers saved), and save_hf writes them there, with num_nextn_predict_layers, for DeepSeek's
+own code and for the GPT to read back (transformers lists them as unexpected keys and ignores them)."""
 from typing import Any
 
 from .family import MOE_TENSORS
@@ -39,6 +42,9 @@ class DeepseekMoE(MoE):
                                                "mlp.shared_experts.up_proj.weight"),
                      "mlp.shared.fc2.weight": ("mlp.shared_experts.down_proj.weight",)}
 
+    def config_fields(self, hf: Any) -> dict[str, Any]:
+        return super().config_fields(hf) | dict(mtp_num_layers=getattr(hf, "num_nextn_predict_layers", 0) or 0)
+
     def expert_fields(self, hf: Any) -> dict[str, Any]:
         layers, dense = hf.num_hidden_layers, hf.first_k_dense_replace or 0
         return dict(moe_ffn_hidden_size=hf.moe_intermediate_size,
@@ -56,8 +62,7 @@ class DeepseekMoE(MoE):
                 (first_dense(c) is not None, "moe_layer_freq", "dense first layers, then experts in every layer"),
                 (shared % c.moe_ffn_hidden_size == 0, "moe_shared_expert_size",
                  f"shared experts of moe_ffn_hidden_size={c.moe_ffn_hidden_size} each"),
-                (not c.moe_shared_expert_gate, "moe_shared_expert_gate", "no shared-expert gate"),
-                (c.mtp_num_layers == 0, "mtp_num_layers", "no multi-token prediction in transformers' model")]
+                (not c.moe_shared_expert_gate, "moe_shared_expert_gate", "no shared-expert gate")]
 
     def config_kwargs(self, config: Any) -> dict[str, Any]:
         c = config
@@ -69,7 +74,8 @@ class DeepseekMoE(MoE):
                     n_shared_experts=c.moe_shared_expert_size // c.moe_ffn_hidden_size,
                     first_k_dense_replace=first_dense(c), norm_topk_prob=c.moe_router_norm_topk,
                     n_group=c.moe_router_num_groups, topk_group=c.moe_router_group_topk or 1,
-                    routed_scaling_factor=c.moe_router_topk_scaling_factor, num_nextn_predict_layers=0,
+                    routed_scaling_factor=c.moe_router_topk_scaling_factor,
+                    num_nextn_predict_layers=c.mtp_num_layers,
                     rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta})
 
 
