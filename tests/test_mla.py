@@ -136,3 +136,38 @@ def test_yarn_frequencies_and_scales_are_hugging_faces():
     config = models.GPTConfig(**(BASE | dict(qk_nope_head_dim=128, qk_rope_head_dim=64, rope_scaling=scaling)))
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import yarn_apply_mscale
     assert softmax_scale(config) == pytest.approx(yarn_apply_mscale(hf.rope_parameters, 192 ** -0.5), rel=1e-12)
+
+
+@distributed(world_size=1)
+def test_mla_and_mtp_flops_match_a_count_of_the_models_matmuls():
+    """models.flops with multi-head latent attention (query latent or not, v wider or narrower) and MTP depths
+    equals torch's FlopCounterMode over one training forward and backward (math attention)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from models.flops import flops_per_token
+
+    tp.init_mesh(tp=1)
+    base = dict(vocab_size=256, hidden_size=32, num_layers=2, num_heads=4, ffn_hidden_size=48, max_seq_len=24, **MLA)
+    for changes in ({}, {"q_lora_rank": None, "v_head_dim": 10, "mtp_num_layers": 2}, {"mtp_num_layers": 1}):
+        config = models.GPTConfig(**(base | changes))
+        model = models.GPT(config)
+        x, y = torch.randint(0, 256, (3, 24)), torch.randint(0, 256, (3, 24))
+        with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+            model(x, y).backward()
+        assert counter.get_total_flops() == 3 * 24 * flops_per_token(config, 24), changes
+
+
+def test_deepseek_v3_and_kimi_k2_parameters_are_their_published_counts():
+    """The deepseek-v3 preset holds 671B parameters, 37B active per token (DeepSeek-V3 report, arXiv:2412.19437);
+    kimi-k2 1T, 32B active (moonshotai/Kimi-K2-Instruct's model card); the MTP depth's block and projection on top."""
+    from models.flops import matmul_params
+
+    def billions(name, **changes):
+        config = models.GPTConfig(**models.presets.MODELS[name]).replace(**changes)
+        embeddings = 2 * config.vocab_size * config.hidden_size
+        return [(matmul_params(config, active=active) + embeddings) / 1e9 for active in (False, True)]
+
+    assert [int(b) for b in billions("deepseek-v3", mtp_num_layers=0)] == [671, 37]
+    assert [int(b) for b in billions("kimi-k2")] == [1026, 32]
+    assert 11 < billions("deepseek-v3")[0] - billions("deepseek-v3", mtp_num_layers=0)[0] < 12
