@@ -152,9 +152,10 @@ class GPTConfig:
     mtp_loss_scaling_factor: float = 0.1
 
     def __post_init__(self) -> None:
+        if self.multi_latent_attention and self.num_kv_heads not in (None, self.num_heads):
+            raise ValueError(f"num_kv_heads={self.num_kv_heads} with multi_latent_attention: every head has its own "
+                             f"keys and values (leave it None)")
         self.num_kv_heads = self.num_kv_heads or self.num_heads
-        if self.multi_latent_attention:  # (every head its own keys and values)
-            self.num_kv_heads = self.num_heads
         self.head_dim = self.head_dim or self.hidden_size // max(self.num_heads, 1)
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = (-(-8 * self.hidden_size // 3 // 64) * 64 if self.activation == "swiglu"

@@ -104,6 +104,7 @@ def test_mla_blocks_compile_and_equal_eager():
     (dict(q_lora_rank=0), r"q_lora_rank=0 must be an integer >= 1 with multi_latent_attention \(or None"),
     (dict(qk_rope_head_dim=3), r"an even number of rotated features \(qk_rope_head_dim=3"),
     (dict(bias=True), r"bias=True with multi_latent_attention"),
+    (dict(num_kv_heads=2), r"num_kv_heads=2 with multi_latent_attention: every head has its own keys and values"),
     (dict(multi_latent_attention=False), r"q_lora_rank=8 is multi-head latent attention's"),
     (dict(rotary_percent=0.0), r"rotary_percent=0.0 must be in \(0, 1\]"),
     (dict(moe_router_num_groups=3), r"moe_router_num_groups=3 must be an integer >= 1 dividing num_experts=8"),

@@ -56,9 +56,10 @@ class DeepseekMoE(MoE):
 
     def moe_checks(self, config: Any) -> list[tuple[bool, str, str]]:
         c = config
+        if not c.num_experts:
+            return [(False, "num_experts", "a mixture of experts")]
         shared = c.moe_shared_expert_size
-        return [(c.num_experts > 0, "num_experts", "a mixture of experts"),
-                (c.moe_router_score == self.score, "moe_router_score", f"{self.score} routing"),
+        return [(c.moe_router_score == self.score, "moe_router_score", f"{self.score} routing"),
                 (first_dense(c) is not None, "moe_layer_freq", "dense first layers, then experts in every layer"),
                 (shared % c.moe_ffn_hidden_size == 0, "moe_shared_expert_size",
                  f"shared experts of moe_ffn_hidden_size={c.moe_ffn_hidden_size} each"),
