@@ -1,5 +1,7 @@
 """The transformer block from the tensor-parallel layers: pre-norm attention (fused QKV, optional q/k norms, RoPE,
-GQA) and MLP, or a mixture of experts (tp.moe.MoE) in the MLP's place.
+GQA; or multi-head latent attention, models/mla.py, with config.multi_latent_attention) and MLP, or a mixture of
+experts (tp.moe.MoE) in the MLP's place. RoPE is models/rope.py's, the norms models/norm.py's, the tokens' positions
+and dropout keys models/positions.py's.
 
 Activations are Megatron's [s, b, h]; with sequence parallelism the residual stream (norms, dropout, residual adds)
 holds [s/tp, b, h] and the column layers all-gather the sequence. With context parallelism (a cp group) every

@@ -4,7 +4,8 @@ logits = x·Wᵀ with W [E, h] replicated on every rank, scored by one of SCORES
 probabilities over all E experts in fp32, the k largest chosen, renormalised over the k when `norm_topk_prob`
 (Mixtral and Qwen3-MoE do, Qwen2-MoE and OLMoE do not by default). "sigmoid" (DeepSeek-V3): per-expert sigmoid
 scores, a per-expert bias added for the choice only (auxiliary-loss-free balancing, `update_expert_bias`), the chosen
-unbiased scores normalised.
+unbiased scores normalised. Either can be group-limited (DeepSeek-V2/V3: `num_groups`, `group_topk`,
+Score.choose_in_groups) and the weights scaled (`scaling_factor`, DeepSeek's routed_scaling_factor).
 
 Every rank routes its own tokens (under tensor parallelism the MoE layer gives each tp rank a different share), so
 no token is routed twice. The weight stays equal on every rank because it starts from the same seed and its gradient
