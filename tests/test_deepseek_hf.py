@@ -204,3 +204,19 @@ def test_sequence_wise_loss_is_hugging_faces_routing_by_definition():
         group = mesh.edp_group if ".experts." in name else mesh.group("dp-cp")
         err = (_reduce(grad, group, mesh.dp_size) - expected[name]).abs().max().item()
         assert err <= 1e-7 * max(1.0, expected[name].abs().max().item()), f"{name} grad err {err}"
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+@distributed(world_size=2)
+def test_tp_parallelize_runs_the_families_own_plans(family):
+    """tp.parallelize(hf_model) at tp 2 with the config's own plan (DeepSeek-V3's: the MLPs and experts; GLM-4.5's:
+    attention heads too) gives the model's logits. (DeepSeek-V2's plan names HF's `mla_kv_a_proj` style, which
+    tp.parallelize does not have: refused by name.)"""
+    import copy
+
+    tp.init_mesh(tp=2)
+    hf = hf_deepseek(family, dtype=torch.float32)
+    reference = copy.deepcopy(hf)
+    x = torch.randint(0, VOCAB, (2, SEQ), generator=rng(0))
+    tp.parallelize(hf)
+    assert (hf(x).logits - reference(x).logits).abs().max().item() <= 1e-5
