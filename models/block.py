@@ -1,5 +1,7 @@
 """The transformer block from the tensor-parallel layers: pre-norm attention (fused QKV, optional q/k norms, RoPE,
-GQA) and MLP, or a mixture of experts (tp.moe.MoE) in the MLP's place.
+GQA; or multi-head latent attention, models/mla.py, with config.multi_latent_attention) and MLP, or a mixture of
+experts (tp.moe.MoE) in the MLP's place. RoPE is models/rope.py's, the norms models/norm.py's, the tokens' positions
+and dropout keys models/positions.py's.
 
 Activations are Megatron's [s, b, h]; with sequence parallelism the residual stream (norms, dropout, residual adds)
 holds [s/tp, b, h] and the column layers all-gather the sequence. With context parallelism (a cp group) every
@@ -13,14 +15,11 @@ Dropout is counter-based (tp.dropout): each mask is a pure function of (config.d
 every split, recomputation and backward applies the masks of the serial run; the residual sites fuse dropout with
 the residual add (kernels.dropout).
 """
-import functools
 import math
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -32,48 +31,22 @@ from tp.mesh import SharedGroup, resolve_cp_group, resolve_group
 from tp.recompute import DiscardedOutput
 
 from .config import GPTConfig
+from .mla import MLAttention
+from .norm import Norm, normal_init
+from .positions import (  # noqa: F401 (models.block's names before models/positions.py held them)
+    document_positions,
+    dropout_module,
+    dropout_positions,
+    rope_positions,
+    sample_ids_or_drawn,
+    token_positions,
+    token_rows,
+)
 from .recompute import recompute_inside_moe
+from .rope import rope, rope_frequencies, rotary  # noqa: F401 (as above, models/rope.py)
 
 if TYPE_CHECKING:
     from .generation import LayerCache
-
-
-def normal_init(std: float) -> Callable[[torch.Tensor], torch.Tensor]:
-    return lambda w: nn.init.normal_(w, mean=0.0, std=std)
-
-
-class Norm(nn.Module):
-    """RMSNorm (Hugging Face's: fp32 statistics, weight applied in the input dtype) or LayerNorm.
-
-    Under sequence parallelism each rank normalises its own tokens, so the parameters' grads are partial: they are
-    summed over the tp group inside backward (one all-reduce per norm), or, with `grad_sync=False`, tagged
-    `sequence_parallel` for one coalesced `tp.allreduce_sequence_parallel_grads` after backward.
-    """
-
-    group = SharedGroup()  # deep copies (EMA, reference models) share the groups
-
-    def __init__(self, kind: str, hidden: int, eps: float, *, sequence_parallel: bool = False, grad_sync: bool = True,
-                 group: dist.ProcessGroup | None = None, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None) -> None:
-        super().__init__()
-        self.kind, self.eps, self.sequence_parallel = kind, eps, sequence_parallel
-        self.sync = sequence_parallel and grad_sync  # else (SP) tagged for tp.allreduce_sequence_parallel_grads
-        self.group = resolve_group(group) if sequence_parallel else group
-        self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype, device=device))
-        self.bias = nn.Parameter(torch.zeros(hidden, dtype=dtype, device=device)) if kind == "layernorm" else None
-        for p in self.parameters():
-            p.sequence_parallel = sequence_parallel and not grad_sync
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [s(/tp), b, h]
-        params = (self.weight,) if self.bias is None else (self.weight, self.bias)
-        if self.sync:
-            params = tp.sync_grads_over_tp(*params, group=self.group)
-        if self.kind == "layernorm":
-            return F.layer_norm(x, x.shape[-1:], *params, self.eps)
-        return params[0] * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)  # HF's: weight in x's dtype
-
-    def extra_repr(self) -> str:
-        return f"{self.kind}, {self.weight.shape[0]}, eps={self.eps}, sequence_parallel={self.sequence_parallel}"
 
 
 class FullQKNorm(nn.Module):
@@ -109,144 +82,6 @@ class FullQKNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"rmsnorm over {self.width} (here {len(self.rows)}), eps={self.eps}"
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def rope_frequencies(head_dim: int, theta: float, scaling: dict | None = None,
-                     device: torch.device | str | None = None) -> torch.Tensor:
-    """inv_freq [d/2] in fp32, HF's: θ^(−2i/d), divided by `factor` ("linear") or, "llama3" (Llama 3.1+), by `factor`
-    for wavelengths beyond original_max_position_embeddings / low_freq_factor, kept below
-    original / high_freq_factor, and interpolated smoothly between."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
-    kind = (scaling or {}).get("rope_type", "default")
-    if kind == "linear":
-        return inv_freq / scaling["factor"]
-    if kind == "llama3":
-        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-        original = scaling["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
-        smooth = (original / wavelen - low) / (high - low)
-        medium = (wavelen >= original / high) & (wavelen <= original / low)
-        return torch.where(medium, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
-    if kind != "default":  # (GPTConfig validates rope_scaling)
-        raise ValueError(f"rope_type={kind!r} is not supported")
-    return inv_freq
-
-
-@functools.lru_cache(maxsize=16)
-def _inverse_frequencies(head_dim, theta, scaling, device):
-    return rope_frequencies(head_dim, theta, dict(scaling) if scaling else None, device)
-
-
-def _rope_angles(positions, inv_freq, dtype):
-    """cos and sin [..., d] at `positions` [...] (fp32 products, HF's way)."""
-    freqs = positions.to(torch.float32).unsqueeze(-1) * inv_freq  # [..., d/2]
-    angles = torch.cat((freqs, freqs), dim=-1)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
-@functools.lru_cache(maxsize=16)
-def _rope_tables(seq, head_dim, theta, scaling, device, dtype):
-    """cos and sin [s, d], once per shape: every layer and step reuses them."""
-    inv_freq = _cached(_inverse_frequencies)(head_dim, theta, scaling, device)
-    return _rope_angles(torch.arange(seq, device=device), inv_freq, dtype)
-
-
-def _cached(table):
-    """The lru_cache'd table function, or the function itself while torch.compile traces (Dynamo skips the cache
-    anyway, and warns that it does): the compiled graph computes the table once per graph."""
-    return table.__wrapped__ if torch.compiler.is_compiling() else table
-
-
-def rope(x: torch.Tensor, theta: float, scaling: dict | None = None,
-         positions: tuple[torch.Tensor, int] | torch.Tensor | None = None) -> torch.Tensor:
-    """Rotary embeddings, rotate-half convention (HF and Megatron), on [b, n, s, d] heads at positions 0..s-1, or at
-    `positions` = (global positions [s/cp], sequence length s) of a context-parallel shard (no host sync), or at
-    per-sequence positions [b, s] (positions restarting at each document); `scaling`: HF's rope parameters for
-    "linear" or "llama3" scaling (None: plain)."""
-    key = tuple(sorted(scaling.items())) if scaling else None
-    if isinstance(positions, torch.Tensor):  # [b, s]: each token's angles, as the table's rows (same fp32 products)
-        inv_freq = _cached(_inverse_frequencies)(x.shape[-1], theta, key, x.device)
-        cos, sin = (t.unsqueeze(1) for t in _rope_angles(positions, inv_freq, x.dtype))  # [b, 1, s, d]
-        return x * cos + rotate_half(x) * sin
-    positions, length = (None, x.shape[-2]) if positions is None else positions
-    cos, sin = _cached(_rope_tables)(length, x.shape[-1], theta, key, x.device, x.dtype)
-    if positions is not None:
-        cos, sin = cos[positions], sin[positions]
-    return x * cos + rotate_half(x) * sin
-
-
-@functools.lru_cache(maxsize=64)
-def _positions(rows, tp_size, tp_rank, cp_group, device):
-    seq = rows * tp_size * dist.get_world_size(cp_group)
-    return tp.cp_positions(seq, group=cp_group, device=device).chunk(tp_size)[tp_rank], seq
-
-
-def token_positions(rows: int, *, sequence_parallel: bool, tp_group: dist.ProcessGroup | None,
-                    cp_group: dist.ProcessGroup | None,
-                    device: torch.device | str | None) -> tuple[torch.Tensor, int] | None:
-    """(global positions [rows], sequence length) of the rows of an activation [rows, b, h] (rows = s/cp, or s/cp/tp
-    under SP): this cp rank's load-balanced share, under SP this tp rank's slice of it; None without context
-    parallelism."""
-    if cp_group is None or dist.get_world_size(cp_group) == 1:
-        return None
-    tp_size = dist.get_world_size(tp_group) if sequence_parallel else 1
-    tp_rank = dist.get_rank(tp_group) if sequence_parallel else 0
-    return _positions(rows, tp_size, tp_rank, cp_group, device)
-
-
-def dropout_positions(rows: int, *, sequence_parallel: bool, tp_group: dist.ProcessGroup | None,
-                      cp_group: dist.ProcessGroup | None, device: torch.device | str | None) -> torch.Tensor:
-    """The global token positions [rows] of the rows of an activation [rows, b, h] (under cp this rank's share, under
-    SP this tp rank's slice): what the residual stream's dropout masks are keyed by."""
-    positions = token_positions(rows, sequence_parallel=sequence_parallel, tp_group=tp_group, cp_group=cp_group,
-                                device=device)
-    if positions is not None:
-        return positions[0]
-    first = rows * dist.get_rank(tp_group) if sequence_parallel else 0
-    return torch.arange(first, first + rows, device=device)
-
-
-def dropout_module(layer: int | None, site: int) -> int:
-    """The global index of a dropout site, which keys its masks: 0 the embedding's (layer None); 1 + 3·layer + site
-    for a layer's attention output (site 0), MLP output (1) and attention probabilities (2)."""
-    return 0 if layer is None else 1 + 3 * layer + site
-
-
-def sample_ids_or_drawn(sample_ids: torch.Tensor | None, batch: int, device: torch.device) -> torch.Tensor:
-    """The samples' global indices [b] that key the dropout masks: `sample_ids`, or (not given) b consecutive ones
-    from a random start drawn from the default CPU generator (the same on every rank seeded alike; no host sync)."""
-    if sample_ids is not None:
-        return sample_ids
-    return int(torch.randint(0, 2**62, (1,)).item()) + torch.arange(batch, device=device)
-
-
-def token_rows(ids: torch.Tensor, *, sequence_parallel: bool, tp_group: dist.ProcessGroup | None,
-               cp_group: dist.ProcessGroup | None) -> torch.Tensor:
-    """This rank's rows of a per-token [b, s] tensor of the whole window (position ids): its cp share, under SP its
-    tp slice of that -> [b, rows], the rows of its activations [rows, b, h] in their order."""
-    if cp_group is not None and dist.get_world_size(cp_group) > 1:
-        ids = tp.cp_shard(ids, 1, group=cp_group)
-    if sequence_parallel:
-        ids = ids.chunk(dist.get_world_size(tp_group), dim=1)[dist.get_rank(tp_group)]
-    return ids
-
-
-def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
-    """[b, s] each token's index inside its document (the tokens of equal id), counted in window order: the
-    positions a document has when it is run on its own."""
-    b, s = document_ids.shape
-    order = document_ids.argsort(dim=1, stable=True)  # each document's tokens together, in window order
-    ids = document_ids.gather(1, order)
-    index = torch.arange(s, device=document_ids.device).expand(b, s)
-    first = torch.ones(b, 1, dtype=torch.bool, device=ids.device)
-    starts = torch.where(torch.cat([first, ids[:, 1:] != ids[:, :-1]], 1), index, 0).cummax(1).values
-    return torch.empty_like(order).scatter_(1, order, index - starts)
 
 
 class Attention(nn.Module):
@@ -304,16 +139,10 @@ class Attention(nn.Module):
         q_and_k = (self.local_heads + self.local_kv_heads) * self.head_dim
         qk, v = (rearrange(t, "s b (n d) -> b n s d", d=self.head_dim) for t in qkv.split(
             [q_and_k, qkv.shape[-1] - q_and_k], dim=-1))
-        if self.config.position == "rope":
-            if cache is not None:  # generation: the tokens after the cached ones
-                positions = cache.positions(qkv.shape[0], qkv.device)
-            elif position_ids is None:
-                positions = token_positions(qkv.shape[0], sequence_parallel=False, tp_group=self.group,
-                                            cp_group=self.cp_group, device=qkv.device)
-            else:  # [b, s/cp]: this rank's tokens' (the SP gather above gave it all of them)
-                positions = token_rows(position_ids, sequence_parallel=False, tp_group=self.group,
-                                       cp_group=self.cp_group)
-            qk = rope(qk, self.config.rope_theta, self.config.rope_scaling, positions)  # q and k in one pass
+        if self.config.position == "rope":  # (this rank's tokens: the SP gather above gave it all of them)
+            positions = rope_positions(qkv.shape[0], qkv.device, tp_group=self.group, cp_group=self.cp_group,
+                                       cache=cache, position_ids=position_ids)
+            qk = rotary(qk, self.config, positions)  # q and k in one pass
         q, k = qk.split([self.local_heads, self.local_kv_heads], dim=1)
         if cache is not None:  # generation (models/generation.py): attend to this rank's heads' cached keys too
             return self.proj(rearrange(cache.attend(q, k, v), "b n s d -> s b (n d)"))
@@ -381,6 +210,8 @@ def moe_mlp(config: GPTConfig, *, group: dist.ProcessGroup | None = None, _init:
                       shared_expert_size=c.moe_shared_expert_size, shared_expert_gate=c.moe_shared_expert_gate,
                       aux_loss_coeff=c.moe_aux_loss_coeff, z_loss_coeff=c.moe_z_loss_coeff,
                       capacity_factor=c.moe_capacity_factor, dispatcher=c.moe_dispatcher,
+                      num_groups=c.moe_router_num_groups, group_topk=c.moe_router_group_topk,
+                      scaling_factor=c.moe_router_topk_scaling_factor, seq_aux_loss_coeff=c.moe_seq_aux_loss_coeff,
                       sequence_parallel=c.sequence_parallel, grad_sync=c.sequence_parallel_grad_sync, group=group,
                       init_std=c.init_std, output_std=c.init_std / math.sqrt(2 * c.num_layers), _init=_init)
 
@@ -401,7 +232,8 @@ class TransformerBlock(nn.Module):
         norm = dict(sequence_parallel=config.sequence_parallel, grad_sync=config.sequence_parallel_grad_sync,
                     group=self.group)
         self.norm1 = Norm(config.norm, config.hidden_size, config.norm_eps, **norm)
-        self.attention = Attention(config, group=self.group, cp_group=self.cp_group, layer=layer, _init=_init)
+        attention = MLAttention if config.multi_latent_attention else Attention
+        self.attention = attention(config, group=self.group, cp_group=self.cp_group, layer=layer, _init=_init)
         self.norm2 = Norm(config.norm, config.hidden_size, config.norm_eps, **norm)
         self.mlp = moe_mlp(config, group=self.group, _init=_init) if moe else MLP(config, group=self.group, _init=_init)
         if moe:

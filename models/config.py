@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import tp.hf
+import tp.moe
 from tp import context
 from tp.moe.dispatch import DISPATCHERS
 from tp.moe.router import SCORES
@@ -29,7 +30,12 @@ CP_MODES = tuple(context.MODES)
 
 
 ROPE_SCALING_FIELDS = {"linear": ("factor",),
-                       "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+                       "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+                       "yarn": ("factor", "original_max_position_embeddings")}
+# the fields a scaling may leave out (Hugging Face's defaults: models/rope.py), numbers >= 0 when given
+ROPE_SCALING_OPTIONAL = {"yarn": ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor")}
+# multi-head latent attention's sizes (Hugging Face's DeepSeek names), each an integer >= 1 under it
+MLA_SIZES = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
 def hf_families() -> tuple[str, ...]:
@@ -46,9 +52,14 @@ def _check_rope_scaling(scaling: Any, position: str) -> None:
         raise ValueError(f"rope_scaling={scaling!r}: rope_type must be one of {tuple(ROPE_SCALING_FIELDS)}")
     if position != "rope":
         raise ValueError(f"rope_scaling={scaling!r} with position={position!r}: scaling applies to RoPE only")
-    unknown = sorted(set(scaling) - {"rope_type", *ROPE_SCALING_FIELDS[kind]})
+    optional = ROPE_SCALING_OPTIONAL.get(kind, ())
+    unknown = sorted(set(scaling) - {"rope_type", *ROPE_SCALING_FIELDS[kind], *optional})
     if unknown:
         raise ValueError(f"rope_scaling={scaling!r}: unknown fields {unknown} for {kind} scaling")
+    bad = [f for f in optional if f in scaling and (isinstance(scaling[f], bool) or not isinstance(
+        scaling[f], (int, float)) or not 0 <= scaling[f] < math.inf)]
+    if bad:
+        raise ValueError(f"rope_scaling={scaling!r}: {kind} scaling needs finite numbers >= 0 for {bad}")
     bad = [f for f in ROPE_SCALING_FIELDS[kind] if isinstance(scaling.get(f), bool)
            or not isinstance(scaling.get(f), (int, float)) or not 0 < scaling[f] < math.inf]
     if bad:
@@ -73,8 +84,22 @@ class GPTConfig:
     position: str = "rope"
     rope_theta: float = 10000.0
     # HF's rope parameters for scaled RoPE: {"rope_type": "linear", "factor": f} or "llama3" (Llama 3.1+: factor,
-    # low_freq_factor, high_freq_factor, original_max_position_embeddings); None: plain RoPE
+    # low_freq_factor, high_freq_factor, original_max_position_embeddings) or "yarn" (DeepSeek-V3: factor,
+    # original_max_position_embeddings, optionally beta_fast, beta_slow, mscale, mscale_all_dim, attention_factor);
+    # None: plain RoPE
     rope_scaling: dict | None = None
+    rotary_percent: float = 1.0  # RoPE on this fraction of each head's features, the rest unrotated (GLM-4.5: 0.5)
+    rope_interleave: bool = False  # the rotated features are pairs (x0, x1), (x2, x3), ... (DeepSeek-V3's layout)
+    # Multi-head latent attention (DeepSeek-V2/V3; models/mla.py) in GQA's place: queries from a q_lora_rank latent
+    # (None: straight from the hidden state), keys and values from one kv_lora_rank latent; each head's q and k of
+    # qk_nope_head_dim + qk_rope_head_dim features (k's RoPE part one per token, shared by the heads), its v of
+    # v_head_dim. head_dim and num_kv_heads do not apply.
+    multi_latent_attention: bool = False
+    q_lora_rank: int | None = None
+    kv_lora_rank: int | None = None
+    qk_nope_head_dim: int | None = None
+    qk_rope_head_dim: int | None = None
+    v_head_dim: int | None = None
     bias: bool = False  # every linear
     qkv_bias: bool = False  # the QKV projection only (Qwen2)
     tie_embeddings: bool = False
@@ -120,8 +145,22 @@ class GPTConfig:
     moe_z_loss_coeff: float = 0.0  # router z-loss; 0: off
     moe_capacity_factor: float | None = None  # None: dropless; else each expert keeps ceil(T·k/E·factor) slots
     moe_dispatcher: str = "alltoall"  # or "allgather" (small ep)
+    # DeepSeek's routing: the experts in moe_router_num_groups groups, each token choosing among the experts of its
+    # moe_router_group_topk best groups only (a group's score: its best expert's, softmax; its best two's sum,
+    # sigmoid); the combine weights times moe_router_topk_scaling_factor (HF's routed_scaling_factor)
+    moe_router_num_groups: int = 1
+    moe_router_group_topk: int | None = None
+    moe_router_topk_scaling_factor: float = 1.0
+    moe_seq_aux_loss_coeff: float = 0.0  # DeepSeek-V3's sequence-wise balance loss (per sequence); 0: off
+    # Multi-token prediction (DeepSeek-V3; models/mtp.py): mtp_num_layers extra blocks on the last stage, depth k
+    # predicting the token k + 1 after each position; their mean loss times mtp_loss_scaling_factor joins backward
+    mtp_num_layers: int = 0
+    mtp_loss_scaling_factor: float = 0.1
 
     def __post_init__(self) -> None:
+        if self.multi_latent_attention and self.num_kv_heads not in (None, self.num_heads):
+            raise ValueError(f"num_kv_heads={self.num_kv_heads} with multi_latent_attention: every head has its own "
+                             f"keys and values (leave it None)")
         self.num_kv_heads = self.num_kv_heads or self.num_heads
         self.head_dim = self.head_dim or self.hidden_size // max(self.num_heads, 1)
         if self.ffn_hidden_size is None:
@@ -152,10 +191,13 @@ class GPTConfig:
         if self.qk_norm is not None and self.qk_norm not in QK_NORMS:
             raise ValueError(f"qk_norm={self.qk_norm!r} must be one of {QK_NORMS} (or None)")
         self._check_moe()
+        self._check_mla()
+        self._check_mtp()
         if self.rope_scaling is not None:
             _check_rope_scaling(self.rope_scaling, self.position)
-        if self.position == "rope" and self.head_dim % 2:
-            raise ValueError(f"head_dim={self.head_dim} must be even for rope")
+        if self.position == "rope" and not self.multi_latent_attention and int(self.head_dim * self.rotary_percent) % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for rope" + (
+                f" (its rotated part, rotary_percent={self.rotary_percent} of it)" if self.rotary_percent < 1 else ""))
         for name in ("dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{name}={getattr(self, name)} must be in [0, 1)")
@@ -192,6 +234,50 @@ class GPTConfig:
         if self.moe_capacity_factor is not None and not 0 < self.moe_capacity_factor < math.inf:
             raise ValueError(f"moe_capacity_factor={self.moe_capacity_factor} must be a positive number (None: "
                              "dropless)")
+        tp.moe.check_groups(self.num_experts, self.moe_router_topk, self.moe_router_num_groups,
+                            self.moe_router_group_topk)
+        for name in ("moe_seq_aux_loss_coeff", "moe_router_topk_scaling_factor"):
+            if not 0 <= getattr(self, name) < math.inf:
+                raise ValueError(f"{name}={getattr(self, name)} must be a finite number >= 0")
+
+    def _check_mla(self):
+        if not 0 < self.rotary_percent <= 1:
+            raise ValueError(f"rotary_percent={self.rotary_percent} must be in (0, 1]")
+        if not self.multi_latent_attention:
+            given = [f for f in ("q_lora_rank", *MLA_SIZES) if getattr(self, f) is not None]
+            if given:
+                raise ValueError(f"{given[0]}={getattr(self, given[0])} is multi-head latent attention's: set "
+                                 "multi_latent_attention=True (or leave it None)")
+            return
+        for name in ("q_lora_rank", *MLA_SIZES):
+            value = getattr(self, name)
+            if (value is not None or name != "q_lora_rank") and (isinstance(value, bool) or not isinstance(
+                    value, int) or value < 1):
+                raise ValueError(f"{name}={value!r} must be an integer >= 1 with multi_latent_attention" +
+                                 (" (or None: no query latent)" if name == "q_lora_rank" else ""))
+        rotated = int(self.qk_rope_head_dim * self.rotary_percent)
+        if self.position != "rope" or rotated % 2:
+            raise ValueError(f"multi_latent_attention needs position='rope' and an even number of rotated features "
+                             f"(qk_rope_head_dim={self.qk_rope_head_dim}, rotary_percent={self.rotary_percent})")
+        for name in ("bias", "qkv_bias", "qk_norm"):
+            if getattr(self, name):
+                raise ValueError(f"{name}={getattr(self, name)!r} with multi_latent_attention: its projections have "
+                                 "no biases and no q/k norms")
+
+    def _check_mtp(self):
+        n = self.mtp_num_layers
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"mtp_num_layers={n!r} must be an integer >= 0")
+        if n and self.position != "rope":
+            raise ValueError(f"mtp_num_layers={n} with position={self.position!r}: multi-token prediction is built "
+                             "for RoPE models")
+        if not 0 <= self.mtp_loss_scaling_factor < math.inf:
+            raise ValueError(f"mtp_loss_scaling_factor={self.mtp_loss_scaling_factor} must be a finite number >= 0")
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Each head's query/key width: head_dim, or nope + rope features under multi-head latent attention."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.multi_latent_attention else self.head_dim
 
     @property
     def recompute_parts(self) -> frozenset[str]:

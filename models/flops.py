@@ -10,6 +10,11 @@ not hardware FLOPs). With ffn = 4h, MHA and GELU this is Narayanan et al. (2021)
 per token, their eq. 3 without the recomputed forward; full (not halved) causal attention is how they, PaLM and
 torchtitan count it. A mixture-of-experts layer counts its active weights (as MoE papers report MFU): the router,
 the k experts each token goes through and the shared expert, not the E experts it holds.
+
+Multi-head latent attention (models/mla.py) counts its down- and up-projections and output projection in N, and its
+scores and weighted sum at their own widths: 6 · L · heads · (qk_nope + qk_rope + v_head_dim) · s (the first line
+above with head_dim = qk head = v head). Multi-token prediction's D depths count like D more layers (each depth's
+block, its [2h, h] projection in N) and D more output layers (6 · D · h · V).
 """
 from .config import GPTConfig
 
@@ -18,25 +23,39 @@ def _ffn(config: GPTConfig, size: int) -> int:
     return (3 if config.activation == "swiglu" else 2) * config.hidden_size * size
 
 
+def attention_params(config: GPTConfig) -> int:
+    """One layer's attention weights: GQA's q, k, v and output projections, or MLA's down-, up- and output
+    projections."""
+    c, h = config, config.hidden_size
+    if not c.multi_latent_attention:
+        return h * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim + c.num_heads * c.head_dim * h
+    queries = c.num_heads * c.qk_head_dim
+    q = h * queries if c.q_lora_rank is None else (h + queries) * c.q_lora_rank
+    kv = h * (c.kv_lora_rank + c.qk_rope_head_dim) + c.kv_lora_rank * c.num_heads * (c.qk_nope_head_dim + c.v_head_dim)
+    return q + kv + c.num_heads * c.v_head_dim * h
+
+
+def _mlp(config, moe, active):
+    c, h = config, config.hidden_size
+    if not moe:
+        return _ffn(c, c.ffn_hidden_size)
+    experts = c.moe_router_topk if active else c.num_experts
+    return c.num_experts * h + experts * _ffn(c, c.moe_ffn_hidden_size) + _ffn(c, c.moe_shared_expert_size)
+
+
 def matmul_params(config: GPTConfig, *, active: bool = True) -> int:
-    """Weights of the transformer blocks that multiply every token: N of the 6·N term (`active=False`: every expert,
-    the parameters a mixture of experts holds)."""
+    """Weights of the transformer blocks (and MTP depths) that multiply every token: N of the 6·N term
+    (`active=False`: every expert, the parameters a mixture of experts holds)."""
     c = config
-    h, d = c.hidden_size, c.head_dim
-    attention = h * (c.num_heads + 2 * c.num_kv_heads) * d + c.num_heads * d * h
-    total = 0
-    for layer in range(c.num_layers):
-        if c.is_moe_layer(layer):
-            experts = c.moe_router_topk if active else c.num_experts
-            mlp = c.num_experts * h + experts * _ffn(c, c.moe_ffn_hidden_size) + _ffn(c, c.moe_shared_expert_size)
-        else:
-            mlp = _ffn(c, c.ffn_hidden_size)
-        total += attention + mlp
-    return total
+    total = sum(attention_params(c) + _mlp(c, c.is_moe_layer(layer), active) for layer in range(c.num_layers))
+    mtp = 2 * c.hidden_size ** 2 + attention_params(c) + _mlp(c, c.is_moe_layer(c.num_layers - 1), active)
+    return total + c.mtp_num_layers * mtp
 
 
 def flops_per_token(config: GPTConfig, seq_len: int, *, causal_halved: bool = False) -> int:
     """Training FLOPs (forward + backward) per token of `seq_len`-token sequences."""
-    attention = 12 * config.num_layers * config.num_heads * config.head_dim * seq_len
-    logits = 6 * config.hidden_size * config.vocab_size
-    return 6 * matmul_params(config) + (attention // 2 if causal_halved else attention) + logits
+    c = config
+    widths = c.qk_head_dim + (c.v_head_dim if c.multi_latent_attention else c.head_dim)  # q·k and the v sum
+    attention = 6 * (c.num_layers + c.mtp_num_layers) * c.num_heads * widths * seq_len
+    logits = 6 * (1 + c.mtp_num_layers) * c.hidden_size * c.vocab_size
+    return 6 * matmul_params(c) + (attention // 2 if causal_halved else attention) + logits

@@ -50,6 +50,7 @@ from .block import (
     token_rows,
 )
 from .config import GPTConfig
+from .mtp import MTPLayer, shifted, with_mtp_loss
 from .recompute import recompute_groups
 
 if TYPE_CHECKING:
@@ -124,11 +125,26 @@ class GPT(nn.Module):
                                    grad_sync=config.sequence_parallel_grad_sync, group=self.group)
             self.output = tp.ColumnParallelLinear(h, self.padded_vocab_size, bias=False, sequence_parallel=sp,
                                                   group=self.group, _init=False)
-            if config.tie_embeddings and pre_process:
+            if config.mtp_num_layers and not pre_process:  # MTP's copy of the first stage's (models/stages.py)
+                self.embedding = tp.VocabParallelEmbedding(self.padded_vocab_size, h, sequence_parallel=sp,
+                                                           group=self.group, _init=False)
+                if _init:
+                    with _seeded(base, 0):
+                        self.embedding.load_master(self._padded_vocab_master())
+            if config.tie_embeddings and hasattr(self, "embedding"):
                 self.output.weight = self.embedding.weight
             elif _init:  # a last stage without the embedding starts from the same tied weights as the first
                 with _seeded(base, 0 if config.tie_embeddings else 2 + config.num_layers):
                     self.output.load_master(self._padded_vocab_master())
+            self.mtp = nn.ModuleList(self._mtp_layer(k, base, _init) for k in range(config.mtp_num_layers))
+
+    def _mtp_layer(self, depth, base, _init):
+        """MTP depth `depth` + 1 (models/mtp.py), drawn from its own seed; its block is layer num_layers + depth."""
+        c, layer = self.config, self.config.num_layers + depth
+        with _seeded(base, 3 + layer) if _init else contextlib.nullcontext():
+            block = TransformerBlock(c, group=self.group, cp_group=self.cp_group, layer=layer,
+                                     moe=c.is_moe_layer(c.num_layers - 1), _init=_init)
+            return MTPLayer(c, block, group=self.group, _init=_init)
 
     def _group_recomputed_blocks(self):
         """Full recomputation's groups of this chunk's blocks (config.recompute_method, recompute_num_layers): a
@@ -215,7 +231,9 @@ class GPT(nn.Module):
 
     def head(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         # [s(/cp)(/tp), b, h] -> loss, or logits [b, s, vocab_size]
-        logits = self.output(self.final_norm(x))  # [s(/cp), b, V/tp] (SP: the sequence gathered)
+        return self._loss_or_logits(self.output(self.final_norm(x)), targets)  # [s(/cp), b, V/tp] (SP: gathered)
+
+    def _loss_or_logits(self, logits, targets):
         if targets is None:
             logits = tp.gather_from_tp_region(logits, self.group)[..., :self.config.vocab_size]  # [s(/cp), b, V]
             if self.cp_size > 1:
@@ -272,14 +290,16 @@ class GPT(nn.Module):
     def forward(self, tokens: torch.Tensor | None = None, targets: torch.Tensor | None = None, *,
                 hidden: torch.Tensor | None = None, document_ids: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, cache: "KVCache | None" = None,
-                sample_ids: torch.Tensor | None = None) -> torch.Tensor:
+                sample_ids: torch.Tensor | None = None, mtp_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [b, s] (first stage) or hidden [s(/tp), b, h] (later stages) -> loss / logits (last stage) or
         hidden. document_ids [b, s]: attention inside each document, positions restarting at each (unless
         position_ids [b, s] gives them); every stage takes them. `cache` (generation, models/generation.py): the
         tokens follow the cached ones, whose keys and values each layer reads, and to which it adds these.
         sample_ids [b] (integers): each sample's global index in the run, which with config.dropout_seed keys the
         dropout masks (every stage takes them); in training without them, each forward draws a random start from
-        the default CPU generator (seed every rank of a tp/cp group alike)."""
+        the default CPU generator (seed every rank of a tp/cp group alike). With multi-token prediction
+        (config.mtp_num_layers) the training loss's gradient includes the MTP loss's (models/mtp.py), its value the
+        LM loss alone; a last stage without the embedding reads the window's tokens from `mtp_tokens` [b, s]."""
         if targets is not None and self.post_process:
             self._check_targets(tokens, targets, hidden)  # every rank, before any collective
         if cache is not None:  # the positions after the cached tokens
@@ -300,7 +320,37 @@ class GPT(nn.Module):
         x = self._blocks(x, document_ids, position_ids, sample_ids, cache)
         if cache is not None:
             cache.advance(x.shape[0])
-        return self.head(x, targets) if self.post_process else x
+        if not self.post_process:
+            return x
+        self.last_mtp_loss = None
+        if targets is None or not self.mtp or not (self.training and torch.is_grad_enabled()):
+            return self.head(x, targets)
+        inputs = dict(document_ids=document_ids, position_ids=position_ids, sample_ids=sample_ids)
+        loss, *mtp = self._losses_with_mtp(x, tokens if tokens is not None else mtp_tokens, targets, inputs)
+        self.last_mtp_loss = (sum(mtp) / len(mtp)).detach().float()
+        return with_mtp_loss(loss, sum(mtp) / len(mtp), c.mtp_loss_scaling_factor)
+
+    def _losses_with_mtp(self, x, tokens, targets, inputs):
+        """[the LM loss, each MTP depth's loss] (models/mtp.py) from the main model's last hidden x: the output layer
+        applied once to every depth's hidden, side by side in the batch (its weight used once per backward)."""
+        if tokens is None:
+            raise ValueError("multi-token prediction on a last pipeline stage needs the window's tokens: pass "
+                             "mtp_tokens= (the first stage's tokens [b, s])")
+        normed, goals = [self.final_norm(x)], [targets]
+        for depth, layer in enumerate(self.mtp, 1):
+            ahead, goal = shifted(tokens, targets, depth, inputs["document_ids"])
+            if self.cp_size > 1:
+                ahead = tp.cp_shard(ahead, 1, group=self.cp_group)
+            x = layer(x, self.embedding(ahead.t()), **inputs)
+            normed.append(layer.final_norm(x))
+            goals.append(goal)
+        logits = self.output(torch.cat(normed, dim=1))  # [s(/cp), (1 + D)·b, V/tp]
+        return [self._loss_or_logits(part, goal) for part, goal in zip(logits.chunk(len(goals), dim=1), goals)]
+
+    def mtp_loss(self) -> torch.Tensor | None:
+        """The last training forward's multi-token-prediction loss, the mean over the depths (without
+        mtp_loss_scaling_factor; equal on every rank of the last stage), for logging; None without MTP."""
+        return getattr(self, "last_mtp_loss", None)  # (None too after an evaluation forward)
 
     @torch.no_grad()
     def generate(self, tokens: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.0,
@@ -319,11 +369,12 @@ class GPT(nn.Module):
 
     def moe_aux_losses(self) -> dict[str, torch.Tensor]:
         """The last forward's mixture-of-experts losses summed over this stage's MoE layers (fp32 scalars, equal on
-        every rank of the stage; zeros without them), for logging: "load_balancing", "z". Their gradient joined
-        backward already (tp.moe.losses); the loss `forward` returns is the LM loss alone."""
+        every rank of the stage, "sequence" on the ranks of its micro-batch; zeros without them), for logging:
+        "load_balancing", "z", "sequence" (DeepSeek-V3's sequence-wise loss). Their gradient joined backward already
+        (tp.moe.losses); the loss `forward` returns is the LM loss alone."""
         values = tp.moe.aux_losses(self)
         zero = torch.zeros((), device=next(self.parameters()).device)
-        return {"load_balancing": sum((v.load_balancing for v in values), zero), "z": sum((v.z for v in values), zero)}
+        return {key: sum((getattr(v, key) for v in values), zero) for key in ("load_balancing", "z", "sequence")}
 
     def set_moe_aux_loss_scale(self, scale: float) -> None:
         """Scale the MoE aux losses' gradient as the LM loss is scaled before backward (1 / accumulated

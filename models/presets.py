@@ -22,6 +22,15 @@ PRESETS = {
                       max_seq_len=512, num_experts=16, moe_router_topk=2, moe_ffn_hidden_size=96,
                       moe_shared_expert_size=192, moe_layer_freq=[0, 1, 1, 1], moe_aux_loss_coeff=1e-2,
                       moe_z_loss_coeff=1e-3),
+    # DeepSeek-V3's architecture at tiny's width (multi-head latent attention, a dense first layer, sigmoid routing
+    # in groups with a shared expert and the sequence-wise loss, one MTP depth)
+    "tiny-deepseek": dict(vocab_size=256, hidden_size=64, num_layers=4, num_heads=4, ffn_hidden_size=192,
+                          max_seq_len=256, norm_eps=1e-6, multi_latent_attention=True, q_lora_rank=32,
+                          kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                          rope_interleave=True, num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=48,
+                          moe_shared_expert_size=48, moe_layer_freq=[0, 1, 1, 1], moe_router_score="sigmoid",
+                          moe_router_num_groups=4, moe_router_group_topk=2, moe_router_topk_scaling_factor=2.5,
+                          moe_seq_aux_loss_coeff=1e-4, mtp_num_layers=1, mtp_loss_scaling_factor=0.3),
 }
 # Published models' shapes (Llama 3 paper, Dubey et al. 2024, Table 3; GPT-3 paper, Brown et al. 2020, Table 2.1): as
 # published, too large to train here (bench.plan plans them; models.train trains them shrunk by its flags).
@@ -43,5 +52,25 @@ PUBLISHED_MODELS = {
     "qwen3-30b-a3b": dict(vocab_size=151936, hidden_size=2048, num_layers=48, num_heads=32, num_kv_heads=4,
                           head_dim=128, ffn_hidden_size=6144, max_seq_len=40960, rope_theta=1e6, qk_norm="head",
                           num_experts=128, moe_router_topk=8, moe_ffn_hidden_size=768, norm_eps=1e-6),
+    # DeepSeek-V3 (deepseek-ai/DeepSeek-V3's config.json; α = 1e-4 and λ = 0.3 from its report, arXiv:2412.19437)
+    # and Kimi K2 (moonshotai/Kimi-K2-Instruct's config.json: DeepSeek-V3's architecture, 384 experts, 64 heads)
+    "deepseek-v3": dict(
+        vocab_size=129280, hidden_size=7168, num_layers=61, num_heads=128, ffn_hidden_size=18432, max_seq_len=163840,
+        norm_eps=1e-6, rope_theta=10000.0, rope_scaling=dict(
+            rope_type="yarn", factor=40.0, original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0,
+            mscale=1.0, mscale_all_dim=1.0), multi_latent_attention=True, q_lora_rank=1536, kv_lora_rank=512,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, rope_interleave=True, num_experts=256,
+        moe_router_topk=8, moe_ffn_hidden_size=2048, moe_shared_expert_size=2048, moe_layer_freq=[0] * 3 + [1] * 58,
+        moe_router_score="sigmoid", moe_router_num_groups=8, moe_router_group_topk=4,
+        moe_router_topk_scaling_factor=2.5, moe_seq_aux_loss_coeff=1e-4, mtp_num_layers=1,
+        mtp_loss_scaling_factor=0.3),
+    "kimi-k2": dict(
+        vocab_size=163840, hidden_size=7168, num_layers=61, num_heads=64, ffn_hidden_size=18432, max_seq_len=131072,
+        norm_eps=1e-6, rope_theta=50000.0, rope_scaling=dict(
+            rope_type="yarn", factor=32.0, original_max_position_embeddings=4096, beta_fast=1.0, beta_slow=1.0,
+            mscale=1.0, mscale_all_dim=1.0), multi_latent_attention=True, q_lora_rank=1536, kv_lora_rank=512,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, rope_interleave=True, num_experts=384,
+        moe_router_topk=8, moe_ffn_hidden_size=2048, moe_shared_expert_size=2048, moe_layer_freq=[0] + [1] * 60,
+        moe_router_score="sigmoid", moe_router_topk_scaling_factor=2.827),
 }
 MODELS = PRESETS | PUBLISHED_MODELS  # the registry: every named shape

@@ -125,7 +125,8 @@ def build_stage(config: GPTConfig, mesh: Mesh, *, split: StageSplit = EVEN_SPLIT
 
 
 # what training sets on a Hugging Face model beyond the runtime fields (HF configs do not carry them for ours)
-HF_TRAINING_FIELDS = ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_capacity_factor")
+HF_TRAINING_FIELDS = ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_capacity_factor", "moe_seq_aux_loss_coeff",
+                      "mtp_loss_scaling_factor")
 
 
 def build_chunks(config: GPTConfig, mesh: Mesh, virtual_stages: int, *, from_hf: str | None = None,
@@ -146,23 +147,33 @@ def build_chunks(config: GPTConfig, mesh: Mesh, virtual_stages: int, *, from_hf:
     return chunks
 
 
+def shares_embedding(config: GPTConfig) -> bool:
+    """Whether the last pipeline stage holds a copy of the first stage's embedding: as its output layer (tied
+    embeddings), or for multi-token prediction."""
+    return config.tie_embeddings or config.mtp_num_layers > 0
+
+
+def _last_copy(stage):
+    return (stage.embedding if hasattr(stage, "embedding") else stage.output).weight
+
+
 def tied_embedding(stage: GPT, mesh: Mesh) -> torch.nn.Parameter | None:
-    """This stage's copy of a tied embedding held by the first and last pipeline stages, else None (also for a
-    model chunk of theirs without the embedding or the head)."""
-    if not stage.config.tie_embeddings or mesh.pp_size == 1 or not mesh.in_embedding_group:
+    """This stage's copy of an embedding held by the first and last pipeline stages (shares_embedding), else None
+    (also for a model chunk of theirs without the embedding or the head)."""
+    if not shares_embedding(stage.config) or mesh.pp_size == 1 or not mesh.in_embedding_group:
         return None
     if mesh.is_first_stage and stage.pre_process:
         return stage.embedding.weight
-    return stage.output.weight if mesh.is_last_stage and stage.post_process else None
+    return _last_copy(stage) if mesh.is_last_stage and stage.post_process else None
 
 
 def allreduce_tied_embedding_grads(stage: torch.nn.Module | list[torch.nn.Module], mesh: Mesh) -> None:
-    """Sum the first stage's embedding grad and the last stage's tied output grad (their two copies of one weight).
-    `stage`: this rank's GPT stage, or its list of model chunks."""
+    """Sum the first stage's embedding grad and the last stage's (its tied output layer's, or its MTP copy's): their
+    two copies of one weight. `stage`: this rank's GPT stage, or its list of model chunks."""
     chunks = [unwrap(c) for c in model_chunks(stage)]
-    if not chunks[0].config.tie_embeddings or mesh.pp_size == 1 or not mesh.in_embedding_group:
+    if not shares_embedding(chunks[0].config) or mesh.pp_size == 1 or not mesh.in_embedding_group:
         return
-    weight = chunks[0].embedding.weight if mesh.is_first_stage else chunks[-1].output.weight
+    weight = chunks[0].embedding.weight if mesh.is_first_stage else _last_copy(chunks[-1])
     grad = weight.grad
     local = grad.to_local() if hasattr(grad, "to_local") else grad  # FSDP2: same dp shard on both stages
     dist.all_reduce(local, group=mesh.embedding_group)

@@ -251,7 +251,7 @@ LLAMA3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_fac
 
 
 @pytest.mark.parametrize("scaling,message", [
-    (dict(rope_type="yarn", factor=2.0), "rope_type must be one of"),
+    (dict(rope_type="longrope", factor=2.0), "rope_type must be one of"),
     (dict(rope_type="llama3", factor=8.0), r"finite positive numbers for \['low_freq_factor', 'high_freq_factor'"),
     (dict(rope_type="linear", factor=0), r"finite positive numbers for \['factor'\]"),
     (dict(rope_type="linear", factor=float("nan")), r"finite positive numbers for \['factor'\]"),

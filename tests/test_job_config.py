@@ -290,9 +290,11 @@ def test_every_named_shape_trains_shrunk_by_the_flags(name):
     """Every shape the planner knows is a job the trainer takes, its fields overridden to fit (checked in process:
     the GPTConfig the ranks would build)."""
     experts = ["--moe-ffn-hidden-size", "128", "--moe-layer-freq", "1"] if MODELS[name].get("num_experts") else []
-    config = validate(_job("--model", name, *SHRINK, *experts, "--tp", "1", "--pp", "1", "--dp", "1"))
+    latent = MODELS[name].get("multi_latent_attention")  # (no query groups: every head its own keys and values)
+    shrink = SHRINK[:8] + SHRINK[10:] if latent else SHRINK
+    config = validate(_job("--model", name, *shrink, *experts, "--tp", "1", "--pp", "1", "--dp", "1"))
     assert (config.num_layers, config.hidden_size, config.ffn_hidden_size, config.num_heads, config.num_kv_heads,
-            config.vocab_size) == (2, 256, 512, 4, 2, 1000)
+            config.vocab_size) == (2, 256, 512, 4, 4 if latent else 2, 1000)
     for field in ("rope_theta", "activation", "norm", "position", "num_experts", "qk_norm"):  # the rest: the shape's
         assert getattr(config, field) == MODELS[name].get(field, getattr(type(config)(), field)), field
 

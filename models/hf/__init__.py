@@ -1,7 +1,7 @@
 """Hugging Face weights in and out, for every family of tp.hf.FAMILIES with a config class (Llama, Mistral, Qwen2,
-GPT-2 and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE): generic code, each family's specifics
-(its config, tensor names, experts on disk) in its own module in tp/hf/ (whose docstring says why there, and how to
-add a family).
+GPT-2 and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3, DeepSeek-V2, GLM-4.5): generic
+code, each family's specifics (its config, tensor names, experts on disk) in its own module in tp/hf/ (whose
+docstring says why there, and how to add a family).
 
 Loading maps each of our parameters to the HF tensors it is made of (q|k|v fused into our QKV, gate|up into fc1,
 GPT-2's Conv1D [in, out] transposed) and reads only the rows/columns this rank holds: from a live model's

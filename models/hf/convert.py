@@ -5,11 +5,12 @@ config_to_hf runs."""
 from typing import TYPE_CHECKING, Any
 
 import tp.hf
+from tp.hf.deepseek_v3 import DEEPSEEK_V3
 from tp.hf.gpt2 import GPT2
 from tp.hf.llama import LLAMA
 from tp.hf.mixtral import MIXTRAL
 
-from ..config import ROPE_SCALING_FIELDS, GPTConfig, hf_families
+from ..config import ROPE_SCALING_FIELDS, ROPE_SCALING_OPTIONAL, GPTConfig, hf_families
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -25,7 +26,8 @@ def _rope(hf):
     if kind not in ROPE_SCALING_FIELDS:
         raise ValueError(f"rope_type={kind!r} (rope scaling) is not supported; only plain RoPE and "
                          f"{', '.join(ROPE_SCALING_FIELDS)} scaling")
-    return theta, {"rope_type": kind} | {f: params[f] for f in ROPE_SCALING_FIELDS[kind] if f in params}
+    fields = (*ROPE_SCALING_FIELDS[kind], *ROPE_SCALING_OPTIONAL.get(kind, ()))
+    return theta, {"rope_type": kind} | {f: params[f] for f in fields if params.get(f) is not None}
 
 
 def config_from_hf(hf: "PretrainedConfig", **overrides: Any) -> GPTConfig:
@@ -41,10 +43,13 @@ def config_from_hf(hf: "PretrainedConfig", **overrides: Any) -> GPTConfig:
 
 def hf_family(config: GPTConfig) -> str:
     """The Hugging Face family `config` is written as (config_to_hf, save_hf) and whose tensor names it uses
-    (hf_sources: hf_state_dict, checkpoints): its hf_model_type, else GPT-2 for learned positions (the only family
-    with them), else Mixtral with experts, else Llama. Whether the config fits that family is check_hf's question."""
+    (hf_sources: hf_state_dict, checkpoints): its hf_model_type, else DeepSeek-V3 for multi-head latent attention,
+    GPT-2 for learned positions (the only family with them), Mixtral with experts, else Llama. Whether the config
+    fits that family is check_hf's question."""
     if config.hf_model_type:
         return config.hf_model_type
+    if config.multi_latent_attention:
+        return DEEPSEEK_V3.name
     return (GPT2 if config.position == "learned" else MIXTRAL if config.num_experts else LLAMA).name
 
 
@@ -76,7 +81,7 @@ def config_to_hf(config: GPTConfig) -> "PretrainedConfig":
     c, family = config, tp.hf.FAMILIES[check_hf(config)]
     hf = getattr(transformers, family.config_class)(**family.config_kwargs(c))
     if c.rope_scaling:  # transformers 5: rope_parameters holds theta and the scaling together
-        hf.rope_parameters = {"rope_theta": c.rope_theta, **c.rope_scaling}
+        hf.rope_parameters = {**(hf.rope_parameters or {}), "rope_theta": c.rope_theta, **c.rope_scaling}
     for name in ("bos_token_id", "eos_token_id", "pad_token_id"):  # the family's defaults (GPT-2's 50256) may not
         token = getattr(hf, name, None)  # exist in this vocabulary: no such token then
         if token is not None and not 0 <= token < c.vocab_size:

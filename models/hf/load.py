@@ -13,7 +13,7 @@ from tp.moe import GroupedExperts
 
 from .convert import config_from_hf, hf_family
 from .experts import disk_name, read_experts
-from .names import hf_sources, parameter_owners, tp_sharding
+from .names import hf_sources, parameter_owners, router_biases, tp_sharding
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -110,6 +110,9 @@ def load_hf_weights(model: nn.Module, reader: Any) -> None:
         param = getattr(module, attr)
         sources = [(n if reader.has(n) else disk_name(n, family), t)
                    for n, t in hf_sources(model.config, name, model.layer_range[0])]
+        missing = [n for n, _ in sources if not reader.has(n)]
+        if missing and not isinstance(module, GroupedExperts):  # (experts: maybe per expert on disk)
+            raise ValueError(f"{name}: the Hugging Face weights hold no {missing[0]}")
         sharding = tp_sharding(module, attr)
         if isinstance(module, GroupedExperts):  # this rank's experts, then its etp slice
             dense = read_experts(reader, sources[0][0], module.expert_range, family)
@@ -123,6 +126,13 @@ def load_hf_weights(model: nn.Module, reader: Any) -> None:
             raise ValueError(f"{name}: HF tensors {[n for n, _ in sources]} give shape {tuple(dense.shape)}, "
                              f"expected {tuple(param.shape)}")
         param.copy_(dense)
+    for name, bias in router_biases(model):  # (a checkpoint without them: zeros, as transformers initialises them)
+        if reader.has(name):
+            bias.copy_(reader.read(name))
+
+
+def _first_mtp_tensor(config):
+    return hf_sources(config, "mtp.0.proj.weight")[0][0]
 
 
 def load_hf(cls: type[nn.Module], hf_model_or_path: "PreTrainedModel | str | os.PathLike", *,
@@ -137,6 +147,8 @@ def load_hf(cls: type[nn.Module], hf_model_or_path: "PreTrainedModel | str | os.
     else:
         config = config_from_hf(hf_model_or_path.config, **overrides)
         reader = _StateDictReader(hf_model_or_path.state_dict())
+    if config.mtp_num_layers and "mtp_num_layers" not in overrides and not reader.has(_first_mtp_tensor(config)):
+        config = config.replace(mtp_num_layers=0)  # (a config naming MTP layers whose weights were left out)
     model = cls(config, group=group, _init=False, **(stage or {}))
     load_hf_weights(model, reader)
     return model if dtype is None else model.to(dtype)

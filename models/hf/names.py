@@ -6,7 +6,9 @@ from torch import nn
 
 import tp.hf
 from tp.embedding import VocabParallelEmbedding
+from tp.hf.family import MTP_MODULES
 from tp.layers import ColumnParallelLinear, RowParallelLinear
+from tp.moe import TopKRouter
 
 from ..block import FullQKNorm
 from ..config import GPTConfig
@@ -31,6 +33,13 @@ def hf_sources(config: GPTConfig, name: str, layer_offset: int = 0) -> list[tupl
         return [(f"{root}.{family.position_embedding}.weight", False)]
     if name.startswith("final_norm."):
         return [(f"{root}.{family.final_norm}.{name.split('.')[-1]}", False)]
+    if name.startswith("mtp."):  # mtp.<k>.<module>.<kind>: under the layer after the last (DeepSeek-V3's layout)
+        _, depth, local = name.split(".", 2)
+        layer = config.num_layers + int(depth)
+        if local.startswith("block."):
+            return hf_sources(config, f"layers.{layer}.{local.removeprefix('block.')}")
+        module, _, kind = local.rpartition(".")
+        return [(f"{root}.{family.layers}.{layer}.{MTP_MODULES[module]}.{kind}", False)]
     _, index, local = name.split(".", 2)  # layers.<i>.<local>
     block = f"{root}.{family.layers}.{int(index) + layer_offset}"
     if local in family.layer_tensors:
@@ -47,6 +56,17 @@ def parameter_owners(model: nn.Module) -> dict[str, tuple[nn.Module, str]]:
         for attr, _ in module.named_parameters(recurse=False):
             owners[f"{module_name}.{attr}" if module_name else attr] = (module, attr)
     return owners
+
+
+def router_biases(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(HF name, buffer) of every sigmoid router's selection bias of `model` (DeepSeek-V3's, a buffer updated from
+    the loads, not a parameter): beside the router's weight, `…mlp.gate.e_score_correction_bias`."""
+    out = []
+    for name, (module, _) in parameter_owners(model).items():
+        if isinstance(module, TopKRouter) and module.expert_bias is not None:
+            (weight, _), = hf_sources(model.config, name, model.layer_range[0])
+            out.append((weight.rsplit(".", 1)[0] + ".e_score_correction_bias", module.expert_bias))
+    return out
 
 
 def tp_sharding(module: nn.Module, attr: str) -> tuple[int, int, torch.Tensor] | None:

@@ -17,7 +17,7 @@ from tp.pipeline import model_chunks
 
 from .convert import check_hf, config_to_hf, hf_family
 from .experts import to_disk
-from .names import fused_part_size, hf_sources, parameter_owners, tp_sharding
+from .names import fused_part_size, hf_sources, parameter_owners, router_biases, tp_sharding
 
 
 def _gather_dense(module, attr, group, grads=False):
@@ -62,6 +62,8 @@ def hf_state_dict(model: nn.Module, group: dist.ProcessGroup | None = None, *,
         dim = 1 if name.endswith("proj.weight") or name.endswith("fc2.weight") else 0
         for (hf_name, transposed), piece in zip(sources, dense.split(sizes, dim) if len(sources) > 1 else [dense]):
             out[hf_name] = (piece.t() if transposed else piece).contiguous().cpu()
+    if not grads:
+        out |= {name: bias.detach().cpu() for name, bias in router_biases(model)}
     return out
 
 

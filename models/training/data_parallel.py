@@ -68,11 +68,14 @@ def _fsdp(stage, mesh, bf16, apart):
 MODES = {"ddp": _ddp, "zero1": _zero1, "fsdp": _fsdp}
 
 
-def wrap_data_parallel(stage: GPT, mesh: Mesh, mode: str, precision: str = "fp32") -> torch.nn.Module:
-    """`stage` wrapped for data parallelism over the dp×cp group in `mode` (one of MODES; module docstring)."""
+def wrap_data_parallel(stage: GPT, mesh: Mesh, mode: str, precision: str = "fp32", *,
+                       apart: bool | None = None) -> torch.nn.Module:
+    """`stage` wrapped for data parallelism over the dp×cp group in `mode` (one of MODES; module docstring). `apart`:
+    whether this rank's chunks hold experts apart (default: whether this stage does): every chunk of a rank is wrapped
+    alike, one optimizer steps them all (a chunk of dense layers beside chunks with experts, interleaved)."""
     if mode not in MODES:
         raise ValueError(f"dp mode {mode!r} must be one of {tuple(MODES)}")
-    return MODES[mode](stage, mesh, precision == "bf16", experts_apart(stage, mesh))
+    return MODES[mode](stage, mesh, precision == "bf16", experts_apart(stage, mesh) if apart is None else apart)
 
 
 def _fully_shard(stage, mesh, bf16):

@@ -85,7 +85,9 @@ def build_model(job: JobConfig, config: GPTConfig, mesh: Mesh) -> tuple[list[GPT
     if job.training.compile:  # --compile: each block, before data parallelism wraps the chunks (as torchtitan)
         for chunk in chunks:
             chunk.compile_blocks()
-    wrapped = [wrap_data_parallel(chunk, mesh, job.parallelism.dp_mode, job.training.precision) for chunk in chunks]
+    apart = any(experts_apart(chunk, mesh) for chunk in chunks)
+    wrapped = [wrap_data_parallel(chunk, mesh, job.parallelism.dp_mode, job.training.precision, apart=apart)
+               for chunk in chunks]
     return chunks, wrapped[0] if len(wrapped) == 1 else torch.nn.ModuleList(wrapped)
 
 

@@ -6,10 +6,12 @@ every micro-batch of every data-parallel rank,
   its tokens on the tp·cp ranks: models.training.model.aux_losses_per_micro_batch);
 - `moe_load_imbalance`: the max over layers of the busiest expert's routed tokens / the mean per expert (1: even),
   over the step's tokens;
-- `moe_dropped_tokens` (with a capacity factor): the routed (token, expert) slots the experts' capacity dropped.
+- `moe_dropped_tokens` (with a capacity factor): the routed (token, expert) slots the experts' capacity dropped;
+- `moe_seq_aux_loss` (with DeepSeek-V3's sequence-wise loss): summed over the layers, the mean over micro-batches as
+  the aux loss's.
 
 Hooks on the routers and MoE layers add up this rank's share during the training forwards (not a recomputed
-forward, nor evaluation), and `collect()` sums every rank's in one all-reduce of L·E + 3L numbers over the world:
+forward, nor evaluation), and `collect()` sums every rank's in one all-reduce of L·E + 4L numbers over the world:
 each rank counts the tokens it routes (its own share under tp, cp and dp, so each token once), the aux values, equal
 on a micro-batch's tp·cp ranks, are taken from one of them.
 """
@@ -32,11 +34,12 @@ class MoEStats:
     """The step's MoE statistics of this rank's model chunks (see the module docstring)."""
 
     def __init__(self, chunks: list[nn.Module], mesh: Mesh, num_layers: int, num_experts: int, *,
-                 capacity: bool = False) -> None:
-        self.mesh, self.num_experts, self.capacity = mesh, num_experts, capacity
+                 capacity: bool = False, sequence: bool = False) -> None:
+        self.mesh, self.num_experts, self.capacity, self.sequence = mesh, num_experts, capacity, sequence
         device = tp.mesh.collective_device()  # (kept there: no host sync per layer and micro-batch)
         self.counts = torch.zeros(num_layers, num_experts, dtype=torch.float64, device=device)
-        self.values = torch.zeros(3, num_layers, dtype=torch.float64, device=device)  # aux, z, dropped slots
+        # aux, z, dropped slots, sequence-wise
+        self.values = torch.zeros(4, num_layers, dtype=torch.float64, device=device)
         self.reports_aux = mesh.local_rank("tp-cp") == 0  # (equal on the tp·cp ranks of a micro-batch)
         for chunk in chunks:
             first = chunk.layer_range[0]
@@ -61,6 +64,7 @@ class MoEStats:
             if module.last is not None and self.reports_aux:
                 self.values[0, layer] += module.last.load_balancing.to(self.values)
                 self.values[1, layer] += module.last.z.to(self.values)
+                self.values[3, layer] += module.last.sequence.to(self.values)
             if module.capacity_factor is not None:
                 self.values[2, layer] += module.dropped_slots.to(self.values)
         return hook
@@ -73,13 +77,15 @@ class MoEStats:
             dist.all_reduce(flat)
         flat = flat.cpu()
         counts = flat[:self.counts.numel()].view(self.counts.shape)
-        aux, z, dropped = flat[self.counts.numel():].view(self.values.shape)
+        aux, z, dropped, sequence = flat[self.counts.numel():].view(self.values.shape)
         busy = counts.sum(1) > 0  # the MoE layers
         imbalance = (counts[busy].max(1).values / counts[busy].mean(1)).max().item() if busy.any() else 1.0
         record = {"moe_aux_loss": aux.sum().item() / micro_batches, "moe_z_loss": z.sum().item() / micro_batches,
                   "moe_load_imbalance": imbalance}
         if self.capacity:
             record["moe_dropped_tokens"] = int(dropped.sum().item())
+        if self.sequence:
+            record["moe_seq_aux_loss"] = sequence.sum().item() / micro_batches
         self.counts.zero_()
         self.values.zero_()
         return record

@@ -23,6 +23,7 @@ from .checkpoint_dirs import resume_path
 from .config import JobConfig
 from .model import build_model, data_parallel_chunks, gpt_config_from_job, total_parameters
 from .moe_stats import MoEStats
+from .mtp_stats import MTPStats
 from .nan_check import NanCheck
 from .profiling import StepProfiler
 from .resuming import DATA_ORDER  # noqa: F401 (its name here before resuming.py)
@@ -64,7 +65,9 @@ class Trainer:
         self.moe = None
         if self.config.num_experts:  # moe_aux_loss, moe_load_imbalance, ... in the log
             self.moe = MoEStats(self.chunks, self.mesh, self.config.num_layers, self.config.num_experts,
-                                capacity=self.config.moe_capacity_factor is not None)
+                                capacity=self.config.moe_capacity_factor is not None,
+                                sequence=self.config.moe_seq_aux_loss_coeff > 0)
+        self.mtp = MTPStats(self.chunks, self.mesh) if self.config.mtp_num_layers else None  # mtp_loss in the log
         self.extra: dict = {}  # what the resumed checkpoint's run kept (the W&B run id, the tokenizer)
         self.start_step = self.resume()
         self.device = device = next(self.stage.parameters()).device
@@ -151,7 +154,7 @@ class Trainer:
         job, mesh, training = self.job, self.mesh, self.job.training
         started = time.perf_counter()
         self.clock.start()
-        micro_batches = self.with_samples(self.with_documents(next(self.stream)), step)
+        micro_batches = self.with_mtp_tokens(self.with_samples(self.with_documents(next(self.stream)), step))
         if training.check_inputs:  # every tp (and cp) rank of a group reads the same tokens
             for tokens, targets, *_ in micro_batches:
                 tp.debug.check(torch.stack([tokens, targets]), mesh.group("tp-cp"), "the training tokens",
@@ -195,6 +198,8 @@ class Trainer:
             record["skipped"] = True
         if self.moe is not None:  # moe_aux_loss, moe_z_loss, moe_load_imbalance (, moe_dropped_tokens)
             record |= self.moe.collect(job.micro_batches * mesh.dp_size)
+        if self.mtp is not None:
+            record |= self.mtp.collect(job.micro_batches * mesh.dp_size)
         return record, grad_norm
 
     def evaluate(self) -> float:
@@ -227,6 +232,14 @@ class Trainer:
             ids = torch.arange(first, first + tokens.shape[0], device=tokens.device)
             out.append((tokens, targets, {**(inputs[0] if inputs else {}), "sample_ids": ids}))
         return out
+
+    def with_mtp_tokens(self, micro_batches: list) -> list:
+        """With multi-token prediction in a pipeline, the micro-batches with their tokens as `mtp_tokens` too: the
+        last stage's MTP reads them (models/mtp.py)."""
+        if not (self.config.mtp_num_layers and self.mesh.pp_size > 1):
+            return micro_batches
+        return [(tokens, targets, {**(inputs[0] if inputs else {}), "mtp_tokens": tokens})
+                for tokens, targets, *inputs in micro_batches]
 
     def save(self, step: int) -> float:
         """The checkpoint of step `step` into --save (saves.py), with what the run keeps there (resuming.py); the

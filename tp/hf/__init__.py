@@ -1,8 +1,8 @@
 """Hugging Face model families: one module per family, one registry (`FAMILIES`: config.model_type -> `Family`).
 
 A family's module (llama.py, mistral.py, qwen2.py, gpt2.py, mixtral.py, qwen2_moe.py, qwen3_moe.py, olmoe.py,
-phi3.py) holds everything the package knows of it, as a `Family` subclass (family.py) and one instance named by its
-model_type:
+deepseek_v3.py, deepseek_v2.py, glm4_moe.py, phi3.py) holds everything the package knows of it, as a `Family`
+subclass (family.py) and one instance named by its model_type:
 - for `tp.parallelize` of the transformers model: the plan where tp ships a better one than the config's
   `base_model_tp_plan` (Phi3, GPT-2), which projections carry heads, which attention counts to set when heads split;
 - for `models.GPT.from_hf` / `save_hf` (the families with a `config_class`): the config as GPTConfig fields and

@@ -16,6 +16,11 @@ MOE_TENSORS = {"mlp.router.weight": ("mlp.gate.weight",), "mlp.experts.fc1": ("m
                "attention.k_norm.weight": ("self_attn.k_norm.weight",)}
 
 
+# multi-token prediction's modules (after `mtp.<k>.`) -> their names in DeepSeek-V3's published checkpoints, under
+# the layer after the model's last (`model.layers.<num_layers + k>.`), its block's tensors named as a layer's
+MTP_MODULES = {"embedding_norm": "enorm", "hidden_norm": "hnorm", "proj": "eh_proj", "final_norm": "shared_head.norm"}
+
+
 def unmet(config: Any, label: str, checks: list[tuple[bool, str, str]]) -> list[str]:
     """'field=value (label: what the family has)' for every (holds, field, what the family has) that does not hold."""
     return [f"{field}={getattr(config, field)!r} ({label}: {has})" for holds, field, has in checks if not holds]

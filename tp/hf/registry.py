@@ -2,13 +2,26 @@
 says how to add one)."""
 from torch import nn
 
-from . import gpt2, llama, mistral, mixtral, olmoe, phi3, qwen2, qwen2_moe, qwen3_moe
+from . import (
+    deepseek_v2,
+    deepseek_v3,
+    glm4_moe,
+    gpt2,
+    llama,
+    mistral,
+    mixtral,
+    olmoe,
+    phi3,
+    qwen2,
+    qwen2_moe,
+    qwen3_moe,
+)
 from .family import Family
 
 FAMILIES: dict[str, Family] = {family.name: family for family in (
     # read and written by models.GPT (config_class set), in the order its messages list them
     llama.LLAMA, mistral.MISTRAL, qwen2.QWEN2, gpt2.GPT2, mixtral.MIXTRAL, qwen2_moe.QWEN2_MOE, qwen3_moe.QWEN3_MOE,
-    olmoe.OLMOE,
+    olmoe.OLMOE, deepseek_v3.DEEPSEEK_V3, deepseek_v2.DEEPSEEK_V2, glm4_moe.GLM4_MOE,
     # tp.parallelize only: Llama's attention under HF's plan (Qwen3's q/k norms are whole, grads summed), Phi3's
     Family("qwen3"), Family("gemma"), Family("gemma2"), phi3.PHI3)}
 

@@ -19,11 +19,11 @@ from .experts import GroupedExperts
 from .layer import MoE, SharedExpert
 from .losses import AuxLosses
 from .parallel_experts import ParallelExperts
-from .router import SCORES, Routing, Score, TopKRouter
+from .router import SCORES, Routing, Score, TopKRouter, check_groups
 
 __all__ = ["MoE", "TopKRouter", "GroupedExperts", "ParallelExperts", "SharedExpert", "Routing", "AuxLosses",
            "DISPATCHERS", "SCORES", "Score", "TokenDispatcher", "capacity", "keep_mask", "aux_losses",
-           "set_aux_loss_scale", "update_expert_bias", "expert_parameters", "dynamic_shapes"]
+           "set_aux_loss_scale", "update_expert_bias", "expert_parameters", "dynamic_shapes", "check_groups"]
 
 
 def dynamic_shapes() -> contextlib.AbstractContextManager:

@@ -27,7 +27,7 @@ from ..mesh import SharedGroup, current_mesh, resolve_group
 from .capacity import keep_mask
 from .dispatch import DISPATCHERS, dispatch_and_combine
 from .experts import GroupedExperts
-from .losses import attach_aux_grad, aux_losses
+from .losses import AuxLosses, attach_aux_grad, aux_losses, sequence_aux_loss
 from .router import TopKRouter
 
 
@@ -96,6 +96,8 @@ class MoE(nn.Module):
                  expert_group: dist.ProcessGroup | None = None, token_group: dist.ProcessGroup | None = None,
                  data_parallel_size: int | None = None, init_std: float = 0.02, output_std: float | None = None,
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+                 num_groups: int = 1, group_topk: int | None = None, scaling_factor: float = 1.0,
+                 seq_aux_loss_coeff: float = 0.0, sequence_group: dist.ProcessGroup | None = None,
                  _init: bool = True) -> None:
         super().__init__()
         self.group = resolve_group(group)
@@ -103,6 +105,9 @@ class MoE(nn.Module):
         self.etp_group = etp_group if etp_group is not None else _mesh_group("etp")
         self.expert_group = expert_group if expert_group is not None else _mesh_group("etp-ep")
         self.token_group = token_group if token_group is not None else _mesh_group("tp-cp-dp")
+        # the ranks holding the rest of this rank's sequences (the sequence-wise loss)
+        self.sequence_group = sequence_group if sequence_group is not None else _mesh_group("tp-cp")
+        self.seq_aux_loss_coeff = seq_aux_loss_coeff
         mesh = current_mesh()
         self.data_parallel_size = data_parallel_size or (mesh.dp_size if mesh is not None else 1)
         _check(num_experts, topk, ffn_hidden_size, dispatcher, capacity_factor, self.ep_group, self.etp_group)
@@ -115,7 +120,8 @@ class MoE(nn.Module):
         factory = dict(dtype=dtype, device=device, _init=_init)
         self.router = TopKRouter(hidden_size, num_experts, topk, score=score, norm_topk_prob=norm_topk_prob,
                                  group=self.group, grad_sync=grad_sync, check_group=self.token_group,
-                                 init_std=init_std, **factory)
+                                 init_std=init_std, num_groups=num_groups, group_topk=group_topk,
+                                 scaling_factor=scaling_factor, **factory)
         self.router.token_group = self.token_group
         self.experts = GroupedExperts(num_experts, hidden_size, ffn_hidden_size, activation=activation,
                                       ep_size=_size(self.ep_group), ep_rank=_rank(self.ep_group),
@@ -141,6 +147,9 @@ class MoE(nn.Module):
             weights = attach_aux_grad(weights, aux, self.data_parallel_size * self.aux_loss_scale)
         else:
             self.last = None
+        if self.seq_aux_loss_coeff:
+            first = dist.get_rank(self.group) * len(tokens) if replicated else 0
+            weights = self._sequence_aux_loss(routing, weights, x.shape[1], first)
         if self.capacity_factor is not None:
             kept, _ = keep_mask(weights, indices, self.num_experts, self.capacity_factor, self.token_group)
             indices = torch.where(kept, indices, -1)
@@ -153,10 +162,23 @@ class MoE(nn.Module):
         out = out.view(x.shape)
         return out if self.shared is None else out + self.shared(x)
 
+    def _sequence_aux_loss(self, routing, weights, batch, first):
+        """The weights with the sequence-wise loss's gradient attached (self.last.sequence its value). Row r of this
+        rank's tokens is row `first` + r of the layer's [s(/tp), b] input flattened, of sequence (first + r) mod b."""
+        rows = torch.arange(first, first + len(weights), device=weights.device)
+        loss, value = sequence_aux_loss(routing.probs, routing.indices, rows % batch, batch,
+                                        coeff=self.seq_aux_loss_coeff, group=self.sequence_group)
+        if self.last is None:
+            zero = torch.zeros_like(value)
+            self.last = AuxLosses(zero, zero, None)
+        self.last.sequence = value
+        return attach_aux_grad(weights, loss, self.aux_loss_scale)  # (a mean per micro-batch, as the LM loss)
+
     def extra_repr(self) -> str:
         extra = f", capacity_factor={self.capacity_factor}" if self.capacity_factor is not None else ""
         return (f"dispatcher={self.dispatcher}, ep={_size(self.ep_group)}, etp={_size(self.etp_group)}, "
-                f"aux_loss_coeff={self.aux_loss_coeff}, z_loss_coeff={self.z_loss_coeff}{extra}")
+                f"aux_loss_coeff={self.aux_loss_coeff}, z_loss_coeff={self.z_loss_coeff}{extra}"
+                + (f", seq_aux_loss_coeff={self.seq_aux_loss_coeff}" if self.seq_aux_loss_coeff else ""))
 
 
 def _size(group):

@@ -22,13 +22,17 @@ from .router import expert_counts
 
 
 class AuxLosses:
-    """One forward's values (detached, fp32 tensors on the device, equal on every rank): for logging."""
+    """One forward's values (detached, fp32 tensors on the device, equal on every rank): for logging. `sequence`:
+    the sequence-wise balance loss (equal on the ranks holding the micro-batch), zero when off."""
 
-    def __init__(self, load_balancing: torch.Tensor, z: torch.Tensor, tokens_per_expert: torch.Tensor) -> None:
+    def __init__(self, load_balancing: torch.Tensor, z: torch.Tensor, tokens_per_expert: torch.Tensor | None,
+                 sequence: torch.Tensor | None = None) -> None:
         self.load_balancing, self.z, self.tokens_per_expert = load_balancing, z, tokens_per_expert
+        self.sequence = torch.zeros_like(load_balancing) if sequence is None else sequence
 
     def __repr__(self) -> str:
-        return f"AuxLosses(load_balancing={self.load_balancing.item():.6g}, z={self.z.item():.6g})"
+        return (f"AuxLosses(load_balancing={self.load_balancing.item():.6g}, z={self.z.item():.6g}, "
+                f"sequence={self.sequence.item():.6g})")
 
 
 def aux_losses(probs: torch.Tensor, logits: torch.Tensor, indices: torch.Tensor, *, aux_coeff: float,
@@ -48,6 +52,31 @@ def aux_losses(probs: torch.Tensor, logits: torch.Tensor, indices: torch.Tensor,
     z = z_coeff * (z_sum / tokens).sum()
     values = AuxLosses(load_balancing.detach().float(), z.detach().float(), counts.detach())
     return load_balancing + z, values
+
+
+def sequence_aux_loss(probs: torch.Tensor, indices: torch.Tensor, sequence: torch.Tensor, sequences: int, *,
+                      coeff: float, group: dist.ProcessGroup | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's complementary sequence-wise balance loss (arXiv:2412.19437 §2.1.2), for backward and its value:
+    coeff · the mean over the micro-batch's `sequences` of Σ_i f_i·P_i, per sequence f_i = E/(k·S)·(its tokens that
+    chose expert i) and P_i = the mean over its S tokens of expert i's probability (sigmoid: the scores normalised
+    over E). This rank's rows are probs [T, E], choices [T, k], `sequence` [T] (each row's sequence in [0,
+    sequences)); their per-sequence sums are summed over `group`, the ranks holding the rest of these sequences (the
+    stage's tp·cp ranks): one all-reduce of 2·b·E + b numbers in fp64, backward the identity (each rank's share)."""
+    E, k = probs.shape[-1], indices.shape[-1]
+    slots = (sequence.unsqueeze(-1) * E + indices).flatten()  # [T·k] (sequence, expert) of every choice
+    counts = slots.new_zeros(sequences * E, dtype=torch.float64).index_add_(
+        0, slots, torch.ones_like(slots, dtype=torch.float64))
+    prob_sums = probs.new_zeros(sequences, E, dtype=torch.float64).index_add(0, sequence, probs.double())
+    tokens = probs.new_zeros(sequences, dtype=torch.float64).index_add_(
+        0, sequence, torch.ones_like(sequence, dtype=torch.float64))
+    stats = torch.cat([counts, prob_sums.flatten(), tokens])
+    if group is not None and dist.get_world_size(group) > 1:
+        stats = reduce_from_tp_region(stats, group, check=False)  # backward: identity (each rank's share)
+    counts, prob_sums, tokens = stats.split([sequences * E, sequences * E, sequences])
+    tokens = tokens.clamp(min=1).unsqueeze(-1)
+    f = counts.detach().view(sequences, E) * E / (k * tokens)
+    loss = coeff * (f * prob_sums.view(sequences, E) / tokens).sum(-1).mean()
+    return loss, loss.detach().float()
 
 
 class _AttachAuxGrad(torch.autograd.Function):

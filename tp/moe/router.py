@@ -4,13 +4,15 @@ logits = x·Wᵀ with W [E, h] replicated on every rank, scored by one of SCORES
 probabilities over all E experts in fp32, the k largest chosen, renormalised over the k when `norm_topk_prob`
 (Mixtral and Qwen3-MoE do, Qwen2-MoE and OLMoE do not by default). "sigmoid" (DeepSeek-V3): per-expert sigmoid
 scores, a per-expert bias added for the choice only (auxiliary-loss-free balancing, `update_expert_bias`), the chosen
-unbiased scores normalised.
+unbiased scores normalised. Either can be group-limited (DeepSeek-V2/V3: `num_groups`, `group_topk`,
+Score.choose_in_groups) and the weights scaled (`scaling_factor`, DeepSeek's routed_scaling_factor).
 
 Every rank routes its own tokens (under tensor parallelism the MoE layer gives each tp rank a different share), so
 no token is routed twice. The weight stays equal on every rank because it starts from the same seed and its gradient
 is summed over the tp group inside backward (each rank's covers its tokens only) before any optimizer sees it; debug
 mode (tp.set_debug) checks it on every forward.
 """
+import math
 from typing import NamedTuple
 
 import torch
@@ -43,6 +45,25 @@ class Score:
         """Every expert's probability [T, E] for the aux loss: the scores themselves."""
         return scores
 
+    group_best = 1  # group-limited routing: a group's score is the sum of its `group_best` best choice scores
+
+    def choice_scores(self, scores: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """What group-limited routing ranks the experts by [T, E] (no gradient): the scores."""
+        return scores.detach()
+
+    def choose_in_groups(self, scores: torch.Tensor, topk: int, bias: torch.Tensor | None, groups: int,
+                         group_topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k], indices [T, k]) of group-limited routing (DeepSeek-V2/V3): the E experts in `groups`
+        consecutive groups, each group scored by the sum of its `group_best` best choice scores, the k best experts
+        of the `group_topk` best groups chosen; the weights their scores."""
+        choice = self.choice_scores(scores, bias)
+        grouped = choice.unflatten(-1, (groups, -1))  # [T, G, E/G]
+        best = grouped.topk(self.group_best, dim=-1).values.sum(-1).topk(group_topk, dim=-1).indices  # [T, topk_group]
+        kept = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(-1, best, True)  # [T, G]
+        choice = grouped.masked_fill(~kept.unsqueeze(-1), -math.inf).flatten(-2)
+        indices = choice.topk(topk, dim=-1).indices
+        return scores.gather(-1, indices), indices
+
 
 class SoftmaxScore(Score):
     """Probabilities over all E experts (Mixtral, Qwen, OLMoE)."""
@@ -55,9 +76,13 @@ class SigmoidScore(Score):
     """Per-expert sigmoids, chosen with a selection bias and normalised over E for the aux loss (DeepSeek-V3)."""
 
     selection_bias = True
+    group_best = 2  # (DeepSeek-V3's group score: its best two experts')
 
     def scores(self, logits: torch.Tensor) -> torch.Tensor:
         return torch.sigmoid(logits)
+
+    def choice_scores(self, scores: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return scores.detach() + bias
 
     def choose(self, scores: torch.Tensor, topk: int,
                bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,6 +95,21 @@ class SigmoidScore(Score):
 
 # name -> score function: the one list (GPTConfig's moe_router_score, the job's --moe-router-score)
 SCORES = {"softmax": SoftmaxScore(), "sigmoid": SigmoidScore()}
+
+
+def check_groups(num_experts: int, topk: int, groups: int, group_topk: int | None) -> None:
+    """Raise a ValueError naming the value unless group-limited routing can choose `topk` of `num_experts` experts
+    in `group_topk` of `groups` equal groups (groups = 1: not group-limited, group_topk unused)."""
+    if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1 or num_experts % groups:
+        raise ValueError(f"moe_router_num_groups={groups!r} must be an integer >= 1 dividing num_experts="
+                         f"{num_experts}")
+    if groups == 1:
+        return
+    per_group = num_experts // groups
+    if isinstance(group_topk, bool) or not isinstance(group_topk, int) or not 1 <= group_topk <= groups \
+            or group_topk * per_group < topk:
+        raise ValueError(f"moe_router_group_topk={group_topk!r} must be an integer in [1, moe_router_num_groups="
+                         f"{groups}] whose groups hold at least moe_router_topk={topk} experts ({per_group} each)")
 
 
 class Routing(NamedTuple):
@@ -107,6 +147,7 @@ class TopKRouter(nn.Module):
                  norm_topk_prob: bool = True, group: dist.ProcessGroup | None = None, grad_sync: bool = True,
                  check_group: dist.ProcessGroup | None = None, init_std: float = 0.02,
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+                 num_groups: int = 1, group_topk: int | None = None, scaling_factor: float = 1.0,
                  _init: bool = True) -> None:
         super().__init__()
         if score not in SCORES:
@@ -114,6 +155,8 @@ class TopKRouter(nn.Module):
         if not 1 <= topk <= num_experts:
             raise ValueError(f"moe_router_topk={topk} must be between 1 and num_experts={num_experts}")
         self.num_experts, self.topk, self.score, self.norm_topk_prob = num_experts, topk, score, norm_topk_prob
+        check_groups(num_experts, topk, num_groups, group_topk)  # (DeepSeek's group-limited routing)
+        self.num_groups, self.group_topk, self.scaling_factor = num_groups, group_topk, scaling_factor
         self.group, self.check_group, self.token_group = group, check_group, None
         self.sync = grad_sync and group is not None and dist.get_world_size(group) > 1
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype, device=device))
@@ -135,9 +178,15 @@ class TopKRouter(nn.Module):
         logits = raw.float()  # the choice and the weights in fp32 (Hugging Face's routers' rounding)
         score = SCORES[self.score]
         scores = score.scores(logits)
-        weights, indices = score.choose(scores, self.topk, self.expert_bias)
+        if self.num_groups > 1:
+            weights, indices = score.choose_in_groups(scores, self.topk, self.expert_bias, self.num_groups,
+                                                      self.group_topk)
+        else:
+            weights, indices = score.choose(scores, self.topk, self.expert_bias)
         if self.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
+        if self.scaling_factor != 1.0:  # (DeepSeek's routed_scaling_factor)
+            weights = weights * self.scaling_factor
         if self.expert_load is not None and self.training and not _recomputing():
             self.expert_load += expert_counts(indices, self.num_experts)
         # The aux losses see the logits at the input's precision, fp32 at least: an fp64 model's are then exact
@@ -147,5 +196,7 @@ class TopKRouter(nn.Module):
         return Routing(weights, indices, aux_probs, hi)
 
     def extra_repr(self) -> str:
-        return (f"{self.weight.shape[1]} -> {self.num_experts} experts, top-{self.topk}, {self.score}, "
-                f"norm_topk_prob={self.norm_topk_prob}")
+        groups = f", top-{self.group_topk} of {self.num_groups} groups" if self.num_groups > 1 else ""
+        scaled = f", scaling_factor={self.scaling_factor}" if self.scaling_factor != 1.0 else ""
+        return (f"{self.weight.shape[1]} -> {self.num_experts} experts, top-{self.topk}{groups}, {self.score}, "
+                f"norm_topk_prob={self.norm_topk_prob}{scaled}")

@@ -16,7 +16,11 @@ SHAPE_FIELDS = SIZE_FIELDS + ("rope_theta", "norm_eps", "init_std", "make_vocab_
 # with --from-hf, whose config has them), then its training hyperparameters (over a preset or a --from-hf model)
 MOE_SHAPE_FIELDS = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq",
                     "moe_shared_expert_size", "moe_router_score")
-MOE_TRAINING_FIELDS = ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_capacity_factor", "moe_dispatcher")
+MOE_TRAINING_FIELDS = ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_capacity_factor", "moe_dispatcher",
+                       "moe_seq_aux_loss_coeff")
+# multi-token prediction (GPTConfig's fields): its depth is the model's shape (not with --from-hf, whose checkpoint
+# has them or not), its loss's weight a training hyperparameter
+MTP_SHAPE_FIELDS, MTP_TRAINING_FIELDS = ("mtp_num_layers",), ("mtp_loss_scaling_factor",)
 _PRESETS = "the preset's"  # what a shape field left unset means
 
 
@@ -79,19 +83,26 @@ class ModelConfig:
     moe_dispatcher: str | None = option(
         None, "token dispatch over ep: all-to-all (the default) or all-gather (cheaper while ep < k)",
         choices=MOE_DISPATCHERS, aliases=("--moe-token-dispatcher-type",))
+    moe_seq_aux_loss_coeff: float | None = option(
+        None, "DeepSeek-V3's sequence-wise balance loss coefficient (per sequence; V3: 1e-4)", metavar="C")
+    mtp_num_layers: int | None = option(
+        None, f"multi-token prediction depths on the last stage (DeepSeek-V3: 1; default: {_PRESETS}, else 0)",
+        metavar="D")
+    mtp_loss_scaling_factor: float | None = option(
+        None, "the MTP loss's weight beside the LM loss (default: the preset's, else 0.1)", metavar="W")
 
     def validate(self) -> None:
         if self.preset is not None:
             one_of("--model", self.preset, tuple(MODELS))
         if self.from_hf:
             given = [("--model", self.preset),
-                     *((flag_of(f), getattr(self, f)) for f in SHAPE_FIELDS + MOE_SHAPE_FIELDS)]
+                     *((flag_of(f), getattr(self, f)) for f in SHAPE_FIELDS + MOE_SHAPE_FIELDS + MTP_SHAPE_FIELDS)]
             shape = [flag for flag, value in given if value is not None]
             if shape:
                 raise ValueError(f"--from-hf takes the model's shape from its config: drop {' '.join(shape)}")
         at_least(self, ("head_dim", "vocab_size", "make_vocab_size_divisible_by", "moe_router_topk",
                         "moe_ffn_hidden_size"), 1)
-        at_least(self, ("num_experts", "moe_shared_expert_size"), 0)
+        at_least(self, ("num_experts", "moe_shared_expert_size", "mtp_num_layers"), 0)
         for name in ("rope_theta", "norm_eps", "init_std"):
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and value > 0):
@@ -101,7 +112,7 @@ class ModelConfig:
                                      ("--moe-dispatcher", self.moe_dispatcher, MOE_DISPATCHERS)):
             if value is not None:
                 one_of(flag, value, allowed)
-        for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+        for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_seq_aux_loss_coeff", "mtp_loss_scaling_factor"):
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{flag_of(name)}={value} must be a finite number >= 0 (0: off)")
@@ -125,8 +136,9 @@ class ModelConfig:
         return [int(i) for i in items]
 
     def moe_fields(self) -> dict[str, Any]:
-        """The GPTConfig fields the [model] section's MoE flags give (those not left at None)."""
-        fields = {f: getattr(self, f) for f in MOE_SHAPE_FIELDS + MOE_TRAINING_FIELDS if getattr(self, f) is not None}
+        """The GPTConfig fields the [model] section's MoE (and MTP) flags give (those not left at None)."""
+        names = MOE_SHAPE_FIELDS + MOE_TRAINING_FIELDS + MTP_SHAPE_FIELDS + MTP_TRAINING_FIELDS
+        fields = {f: getattr(self, f) for f in names if getattr(self, f) is not None}
         if "moe_layer_freq" in fields:
             fields["moe_layer_freq"] = self.layer_freq()
         return fields
