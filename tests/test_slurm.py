@@ -205,7 +205,7 @@ def test_the_docs_sbatch_scripts_train_the_single_agent_curve_on_two_nodes(launc
     out = result.stdout
     assert out.count("layout: 4 ranks on 2 nodes, tp=2 cp=1 pp=1 dp=2") == 1 and "  node 1 (" in out
     assert "warning: tp group" not in out and out.count("done:") == 1
-    assert sorted(os.listdir(tmp_path / "logs")) == ["config.toml", *(f"rank-{r}.log" for r in range(4))]
+    assert sorted(os.listdir(tmp_path / "logs")) == ["config.toml", "data.txt", *(f"rank-{r}.log" for r in range(4))]
 
 
 def test_a_script_written_for_torchrun_runs_under_srun(tmp_path):

@@ -85,7 +85,7 @@ class MoE(nn.Module):
     micro-batches the token group holds). Each may be passed explicitly (None without a mesh: one rank).
     """
 
-    group, ep_group, etp_group, expert_group, token_group = (SharedGroup() for _ in range(5))
+    group, ep_group, etp_group, expert_group, token_group, sequence_group = (SharedGroup() for _ in range(6))
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, topk: int = 2, *,
                  activation: str = "swiglu", score: str = "softmax", norm_topk_prob: bool = True,
