@@ -59,7 +59,7 @@ def update_expert_bias(module: nn.Module, rate: float = 1e-3, *, group: dist.Pro
     b_i += rate · sign(mean load - load_i), the loads being its tokens per expert since the last update summed over
     the stage (one all-reduce per group of routers: each router's token group, or `group`, every rank that holds
     the router: a training loop whose token groups are one data-parallel rank's), then reset. The same update on
-    every rank."""
+    every rank, in fp32 at least (the bias is an fp32 buffer that mixed precision keeps: `fixed_dtype_buffers`)."""
     routers = [m for m in module.modules() if isinstance(m, TopKRouter) and m.expert_bias is not None]
     by_group = {}
     for r in routers:
@@ -70,5 +70,6 @@ def update_expert_bias(module: nn.Module, rate: float = 1e-3, *, group: dist.Pro
         if over is not None and dist.get_world_size(over) > 1:
             dist.all_reduce(loads, group=over)
         for r, load in zip(same, loads):
-            r.expert_bias += (rate * torch.sign(load.mean() - load)).to(r.expert_bias.dtype)
+            exact = torch.promote_types(r.expert_bias.dtype, torch.float32)  # (fp32 whatever a wrapper made of it)
+            r.expert_bias.copy_(r.expert_bias.to(exact) + rate * torch.sign(load.mean() - load).to(exact))
             r.expert_load.zero_()
