@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .capacity import capacity, keep_mask
+from .capacity import capacity, keep_mask, token_order
 from .dispatch import DISPATCHERS, TokenDispatcher
 from .experts import GroupedExperts
 from .layer import MoE, SharedExpert
@@ -22,7 +22,7 @@ from .parallel_experts import ParallelExperts
 from .router import SCORES, Routing, Score, TopKRouter
 
 __all__ = ["MoE", "TopKRouter", "GroupedExperts", "ParallelExperts", "SharedExpert", "Routing", "AuxLosses",
-           "DISPATCHERS", "SCORES", "Score", "TokenDispatcher", "capacity", "keep_mask", "aux_losses",
+           "DISPATCHERS", "SCORES", "Score", "TokenDispatcher", "capacity", "keep_mask", "token_order", "aux_losses",
            "set_aux_loss_scale", "update_expert_bias", "expert_parameters", "dynamic_shapes"]
 
 
