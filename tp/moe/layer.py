@@ -11,8 +11,8 @@ micro-batch (tp.moe.losses).
 Communication per layer and step at ep > 1 ("alltoall"): forward one all-gather of E + 2 integers (the counts) and one
 all-to-all each way over ep; backward the same two all-to-alls; nothing else over ep. With etp > 1 add an
 all-gather and a reduce-scatter over etp each way; with aux / z losses one all-reduce of 2E + 2 numbers over the
-stage; with a capacity factor four small all-reduces (the global threshold); without SP at tp > 1, one all-gather
-over tp of the output forward and one of the input's gradient backward.
+stage; with a capacity factor 4 small all-reduces, plus one per byte of the tokens' index (the global threshold);
+without SP at tp > 1, one all-gather over tp of the output forward and one of the input's gradient backward.
 """
 import math
 
