@@ -134,6 +134,32 @@ def test_cp_allgather_attention_compiles_without_breaks():
         assert_close(t.grad, g, TOL, f"d{name}")
 
 
+def _documents_dropout_loss(q, k, v, mode, documents, samples):
+    dropout = tp.dropout.CounterDropout(0.2, 3, 1, samples)
+    out = tp.context_parallel_attention(q, k, v, causal=True, mode=mode, document_ids=documents, dropout=dropout)
+    return (out ** 2).sum()
+
+
+@pytest.mark.parametrize("mode", ["ring", "allgather"])
+@distributed(world_size=2, timeout=300)
+def test_cp_attention_with_documents_and_dropout_compiles(mode):
+    """The ring (its point-to-point transfers, which Dynamo cannot trace, as custom ops) and all-gather attention
+    (its blocks not cut to the documents under compile: the cut reads the documents on the host) with documents and
+    attention dropout: no break, and the compiled forward + backward equals eager."""
+    tp.init_mesh(cp=2)
+    q, k, v = (randn(2, h, 4, 4, seed=i, dtype=torch.float32, requires_grad=True) for i, h in enumerate((4, 2, 2)))
+    documents, samples = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 2], [0, 1, 1, 1, 1, 1, 2, 2]]), torch.arange(2)
+    eager = _documents_dropout_loss(q, k, v, mode, documents, samples)
+    grads = torch.autograd.grad(eager, (q, k, v))
+    twins = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    compiled = torch.compile(_documents_dropout_loss, fullgraph=True, backend="aot_eager")
+    got = compiled(*twins, mode, documents, samples)
+    got.backward()
+    assert_close(got, eager, TOL, "loss")
+    for name, t, g in zip("qkv", twins, grads):
+        assert_close(t.grad, g, TOL, f"d{name}")
+
+
 def tiny_config(**overrides):
     return GPTConfig(**dict(vocab_size=50, hidden_size=16, num_layers=2, num_heads=4, num_kv_heads=2,
                             ffn_hidden_size=32, max_seq_len=16) | overrides)
@@ -221,6 +247,37 @@ def test_compile_blocks_equals_eager(moe):
     assert_close(got, want, TOL, "loss")
     for (name, p), q in zip(model.named_parameters(), twin.parameters()):
         assert_close(q.grad, p.grad, TOL, f"grad of {name}")
+
+
+@distributed(world_size=2, timeout=600)
+def test_compiled_moe_blocks_under_full_recompute_equal_eager():
+    """--compile --recompute full on an MoE model with aux and z losses and the sigmoid router: the forward's
+    bookkeeping under activation checkpointing (the last aux losses, the router's loads) is done once, so over two
+    steps (the selection bias updated between them) the losses, gradients, loads and biases equal eager's."""
+    tp.init_mesh(tp=2)
+    config = tiny_config(sequence_parallel=True, num_experts=4, moe_layer_freq=[0, 1], moe_ffn_hidden_size=8,
+                         moe_router_score="sigmoid", moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3,
+                         recompute="full")
+    model, twin = (GPT(config) for _ in range(2))
+    twin.load_state_dict(model.state_dict())
+    twin.compile_blocks(backend="aot_eager")
+    routers = [[m for m in gpt.modules() if isinstance(m, tp.moe.TopKRouter)] for gpt in (model, twin)]
+    for step in range(2):
+        tokens, targets = (torch.randint(0, 50, (4, 8), generator=rng(7 + step)) for _ in range(2))
+        want, got = model(tokens, targets), twin(tokens, targets)
+        want.backward()
+        got.backward()
+        assert_close(got, want, TOL, "loss")
+        for ours, theirs in zip(tp.moe.aux_losses(twin), tp.moe.aux_losses(model)):
+            assert_close(ours.load_balancing, theirs.load_balancing, TOL, "aux loss")
+        for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+            assert_close(q.grad, p.grad, TOL, f"grad of {name}")
+        for theirs, ours in zip(*routers):
+            assert torch.equal(ours.expert_load, theirs.expert_load), (step, ours.expert_load, theirs.expert_load)
+        for gpt in (model, twin):
+            tp.moe.update_expert_bias(gpt, 1e-3)
+        for theirs, ours in zip(*routers):
+            assert torch.equal(ours.expert_bias, theirs.expert_bias) and (step or theirs.expert_bias.any())
 
 
 @pytest.mark.slow
