@@ -30,8 +30,12 @@ def dynamic_shapes() -> contextlib.AbstractContextManager:
     """The Dynamo setting torch.compile needs to trace an MoE layer without a graph break, as a context manager (or
     a decorator of the compiled function) active while it compiles: outputs whose size is data-dependent (the rows
     an expert dispatch receives) become unbacked SymInts (`capture_dynamic_output_shape_ops`), scoped to the calls
-    it wraps. Without it Dynamo breaks the graph at the dispatch. GPT.compile_blocks applies it to its MoE blocks."""
-    return torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True)
+    it wraps. Without it Dynamo breaks the graph at the dispatch. Under activation checkpointing the layer's
+    bookkeeping (the last aux losses, the dropped slots, a sigmoid router's loads) is done by the forward once, not
+    replayed by the recomputation (`skip_fwd_side_effects_in_bwd_under_checkpoint`: eager recomputation skips the
+    loads and rewrites the same values). GPT.compile_blocks applies it to its MoE blocks."""
+    return torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True,
+                                      skip_fwd_side_effects_in_bwd_under_checkpoint=True)
 
 
 def aux_losses(module: nn.Module) -> list[AuxLosses]:
