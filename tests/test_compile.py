@@ -1,9 +1,10 @@
 """torch.compile: the layers, mappings, vocab-parallel embedding and loss, attention (dense and cp all-gather) and the
 GPT trace with zero graph breaks at tp 1 and 2, with and without sequence parallelism (compiled with fullgraph=True,
 which raises at any break; the GPT's breaks also counted by torch._dynamo.explain), and the compiled forward +
-backward equals eager (fp32, 1e-5); so does the MoE layer, at ep 1 and 2. Shapes are tiny and
-the default run keeps tp 2 with SP through AOT autograd's graphs: compiling is the slow part on CPU (`-m slow`
-adds the other splits, inductor and the command line)."""
+backward equals eager (fp32, 1e-5); so does the MoE layer, at ep 1 and 2; so do ring and all-gather attention with
+documents and attention dropout, and compiled MoE blocks under full recompute. Shapes are tiny and the default run
+keeps tp 2 with SP through AOT autograd's graphs: compiling is the slow part on CPU (`-m slow` adds the other
+splits, inductor and the command line, also with each feature that once crashed under --compile)."""
 import copy
 import warnings
 
@@ -280,9 +281,8 @@ def test_compiled_moe_blocks_under_full_recompute_equal_eager():
             assert torch.equal(ours.expert_bias, theirs.expert_bias) and (step or theirs.expert_bias.any())
 
 
-@pytest.mark.slow
-def test_models_train_compile_gives_the_eager_losses(tmp_path):
-    """`python -m models.train --compile` (inductor, per block) logs the losses of the eager run (tp 2)."""
+def _eager_and_compiled_losses(tmp_path, flags, steps):
+    """The losses `python -m models.train *flags` logs eagerly and with --compile (inductor, per block)."""
     import json
     import os
     import subprocess
@@ -293,10 +293,53 @@ def test_models_train_compile_gives_the_eager_losses(tmp_path):
     losses = []
     for extra in ([], ["--compile"]):
         log = tmp_path / f"log{len(extra)}.jsonl"
-        result = subprocess.run([sys.executable, "-m", "models.train", "--tp", "2", "--pp", "1", "--dp", "1",
-                                 "--steps", "3", "--seq-len", "32", "--global-batch-size", "4", "--no-sample",
-                                 "--log-jsonl", str(log), *extra], capture_output=True, text=True, timeout=900,
-                                env=env)
+        result = subprocess.run([sys.executable, "-m", "models.train", "--steps", str(steps), "--no-sample", *flags,
+                                 "--log-jsonl", str(log), "--log-dir", str(tmp_path / f"logs{len(extra)}"), *extra],
+                                capture_output=True, text=True, timeout=900, env=env)
         assert result.returncode == 0, result.stderr[-3000:]
         losses.append([json.loads(line)["loss"] for line in log.read_text().splitlines() if '"loss"' in line])
-    assert len(losses[0]) == 3 and losses[1] == pytest.approx(losses[0], abs=1e-5)
+    assert len(losses[0]) == steps
+    return losses
+
+
+def test_compile_with_a_split_backward_schedule_is_refused_before_any_process(capsys):
+    """--compile --schedule zb: the zero-bubble schedule defers each layer's weight gradient to a W pass, which a
+    compiled block's backward cannot split: one line naming both flags, exit 2, no process started."""
+    from models.training.cli import main
+
+    assert main(["--tp", "1", "--pp", "2", "--dp", "1", "--schedule", "zb", "--compile"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--compile --schedule zb" in err[0] and "1f1b" in err[0], err
+
+
+@pytest.mark.slow
+def test_models_train_compile_gives_the_eager_losses(tmp_path):
+    """`python -m models.train --compile` (inductor, per block) logs the losses of the eager run (tp 2)."""
+    eager, compiled = _eager_and_compiled_losses(tmp_path, ["--tp", "2", "--pp", "1", "--dp", "1", "--seq-len", "32",
+                                                            "--global-batch-size", "4"], 3)
+    assert compiled == pytest.approx(eager, abs=1e-5)
+
+
+DOCUMENTS = ["--reset-attention-mask", "--reset-position-ids"]
+FEATURES = {  # each crashed at its first compiled step before issue 35
+    "ring": ["--cp", "2"],
+    "documents, attention dropout": [*DOCUMENTS, "--attention-dropout", "0.1"],
+    "documents, allgather": ["--cp", "2", "--cp-mode", "allgather", *DOCUMENTS],
+    "moe, full recompute, aux and z losses, sigmoid router": ["--model", "tiny-moe", "--recompute", "full",
+                                                              "--moe-router-score", "sigmoid",
+                                                              "--moe-z-loss-coeff", "0.01"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("feature", list(FEATURES))
+def test_models_train_compile_with_each_feature_gives_the_eager_losses(feature, tmp_path):
+    """--compile with the ring, documents (with attention dropout, with all-gather cp) and an MoE model under full
+    recompute (aux and z losses, the sigmoid router's loads): two steps, the eager run's losses."""
+    from .test_documents import token_file
+
+    data = ["--data", str(token_file(tmp_path))] if "--reset-attention-mask" in FEATURES[feature] else []
+    eager, compiled = _eager_and_compiled_losses(tmp_path, ["--tp", "1", "--pp", "1", "--dp", "1", "--seq-len", "32",
+                                                            "--global-batch-size", "2", "--micro-batch-size", "1",
+                                                            *FEATURES[feature], *data], 2)
+    assert compiled == pytest.approx(eager, abs=1e-5)
