@@ -176,13 +176,17 @@ def _(dout, q, k, v, *args):
 
 
 def _save(ctx, inputs, output):
-    q, k, v, *options = inputs
-    ctx.save_for_backward(q, k, v, *output)
-    ctx.options = options
+    q, k, v, causal, scale, group, members, index, documents, p, seed, module, samples, first_head = inputs
+    ctx.save_for_backward(q, k, v, *output, documents, samples)
+    ctx.options = causal, scale, group, members, index, p, seed, module, first_head
 
 
 def _ring_op_backward(ctx, dout, _):
-    return *_ring_backward_op(dout, *ctx.saved_tensors, *ctx.options), *[None] * 11
+    q, k, v, out, lse, documents, samples = ctx.saved_tensors
+    causal, scale, group, members, index, p, seed, module, first_head = ctx.options
+    grads = _ring_backward_op(dout, q, k, v, out, lse, causal, scale, group, members, index, documents, p, seed,
+                              module, samples, first_head)
+    return *grads, *[None] * 11
 
 
 _ring_op.register_autograd(_ring_op_backward, setup_context=_save)
