@@ -34,14 +34,15 @@ def choose(logits, topk, score="softmax", norm=True, bias=None):
 
 
 def capacity_kept(weights, indices, num_experts, capacity_factor):
-    """Each expert keeps its slots of weight >= its C-th largest weight over all tokens (C = ceil(T·k/E·cf))."""
+    """Each expert keeps its C = ceil(T·k/E·cf) slots of highest weight, equal weights in row order (the rows being
+    the tokens in their global order)."""
     cap = _capacity(weights, num_experts, capacity_factor)
-    kept = torch.ones_like(indices, dtype=torch.bool)
+    kept = torch.zeros_like(indices, dtype=torch.bool)
+    w = weights.detach().float()
     for e in range(num_experts):
-        mine = indices == e
-        if mine.sum() > cap:
-            threshold = weights[mine].detach().float().sort(descending=True).values[cap - 1]
-            kept &= ~mine | (weights.detach().float() >= threshold)
+        token, slot = torch.where(indices == e)  # (row-major: tokens in order)
+        best = w[token, slot].sort(descending=True, stable=True).indices[:cap]
+        kept[token[best], slot[best]] = True
     return kept
 
 

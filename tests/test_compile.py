@@ -1,9 +1,10 @@
 """torch.compile: the layers, mappings, vocab-parallel embedding and loss, attention (dense and cp all-gather) and the
 GPT trace with zero graph breaks at tp 1 and 2, with and without sequence parallelism (compiled with fullgraph=True,
 which raises at any break; the GPT's breaks also counted by torch._dynamo.explain), and the compiled forward +
-backward equals eager (fp32, 1e-5); so does the MoE layer, at ep 1 and 2. Shapes are tiny and
-the default run keeps tp 2 with SP through AOT autograd's graphs: compiling is the slow part on CPU (`-m slow`
-adds the other splits, inductor and the command line)."""
+backward equals eager (fp32, 1e-5); so does the MoE layer, at ep 1 and 2; so do ring and all-gather attention with
+documents and attention dropout, and compiled MoE blocks under full recompute. Shapes are tiny and the default run
+keeps tp 2 with SP through AOT autograd's graphs: compiling is the slow part on CPU (`-m slow` adds the other
+splits, inductor and the command line, also with each feature that once crashed under --compile)."""
 import copy
 import warnings
 
@@ -135,6 +136,32 @@ def test_cp_allgather_attention_compiles_without_breaks():
         assert_close(t.grad, g, TOL, f"d{name}")
 
 
+def _documents_dropout_loss(q, k, v, mode, documents, samples):
+    dropout = tp.dropout.CounterDropout(0.2, 3, 1, samples)
+    out = tp.context_parallel_attention(q, k, v, causal=True, mode=mode, document_ids=documents, dropout=dropout)
+    return (out ** 2).sum()
+
+
+@pytest.mark.parametrize("mode", ["ring", "allgather"])
+@distributed(world_size=2, timeout=300)
+def test_cp_attention_with_documents_and_dropout_compiles(mode):
+    """The ring (its point-to-point transfers, which Dynamo cannot trace, as custom ops) and all-gather attention
+    (its blocks not cut to the documents under compile: the cut reads the documents on the host) with documents and
+    attention dropout: no break, and the compiled forward + backward equals eager."""
+    tp.init_mesh(cp=2)
+    q, k, v = (randn(2, h, 4, 4, seed=i, dtype=torch.float32, requires_grad=True) for i, h in enumerate((4, 2, 2)))
+    documents, samples = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 2], [0, 1, 1, 1, 1, 1, 2, 2]]), torch.arange(2)
+    eager = _documents_dropout_loss(q, k, v, mode, documents, samples)
+    grads = torch.autograd.grad(eager, (q, k, v))
+    twins = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    compiled = torch.compile(_documents_dropout_loss, fullgraph=True, backend="aot_eager")
+    got = compiled(*twins, mode, documents, samples)
+    got.backward()
+    assert_close(got, eager, TOL, "loss")
+    for name, t, g in zip("qkv", twins, grads):
+        assert_close(t.grad, g, TOL, f"d{name}")
+
+
 def tiny_config(**overrides):
     return GPTConfig(**dict(vocab_size=50, hidden_size=16, num_layers=2, num_heads=4, num_kv_heads=2,
                             ffn_hidden_size=32, max_seq_len=16) | overrides)
@@ -227,9 +254,39 @@ def test_compile_blocks_equals_eager(moe):
         assert_close(q.grad, p.grad, TOL, f"grad of {name}")
 
 
-@pytest.mark.slow
-def test_models_train_compile_gives_the_eager_losses(tmp_path):
-    """`python -m models.train --compile` (inductor, per block) logs the losses of the eager run (tp 2)."""
+@distributed(world_size=2, timeout=600)
+def test_compiled_moe_blocks_under_full_recompute_equal_eager():
+    """--compile --recompute full on an MoE model with aux and z losses and the sigmoid router: the forward's
+    bookkeeping under activation checkpointing (the last aux losses, the router's loads) is done once, so over two
+    steps (the selection bias updated between them) the losses, gradients, loads and biases equal eager's."""
+    tp.init_mesh(tp=2)
+    config = tiny_config(sequence_parallel=True, num_experts=4, moe_layer_freq=[0, 1], moe_ffn_hidden_size=8,
+                         moe_router_score="sigmoid", moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3,
+                         recompute="full")
+    model, twin = (GPT(config) for _ in range(2))
+    twin.load_state_dict(model.state_dict())
+    twin.compile_blocks(backend="aot_eager")
+    routers = [[m for m in gpt.modules() if isinstance(m, tp.moe.TopKRouter)] for gpt in (model, twin)]
+    for step in range(2):
+        tokens, targets = (torch.randint(0, 50, (4, 8), generator=rng(7 + step)) for _ in range(2))
+        want, got = model(tokens, targets), twin(tokens, targets)
+        want.backward()
+        got.backward()
+        assert_close(got, want, TOL, "loss")
+        for ours, theirs in zip(tp.moe.aux_losses(twin), tp.moe.aux_losses(model)):
+            assert_close(ours.load_balancing, theirs.load_balancing, TOL, "aux loss")
+        for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+            assert_close(q.grad, p.grad, TOL, f"grad of {name}")
+        for theirs, ours in zip(*routers):
+            assert torch.equal(ours.expert_load, theirs.expert_load), (step, ours.expert_load, theirs.expert_load)
+        for gpt in (model, twin):
+            tp.moe.update_expert_bias(gpt, 1e-3)
+        for theirs, ours in zip(*routers):
+            assert torch.equal(ours.expert_bias, theirs.expert_bias) and (step or theirs.expert_bias.any())
+
+
+def _eager_and_compiled_losses(tmp_path, flags, steps):
+    """The losses `python -m models.train *flags` logs eagerly and with --compile (inductor, per block)."""
     import json
     import os
     import subprocess
@@ -240,10 +297,53 @@ def test_models_train_compile_gives_the_eager_losses(tmp_path):
     losses = []
     for extra in ([], ["--compile"]):
         log = tmp_path / f"log{len(extra)}.jsonl"
-        result = subprocess.run([sys.executable, "-m", "models.train", "--tp", "2", "--pp", "1", "--dp", "1",
-                                 "--steps", "3", "--seq-len", "32", "--global-batch-size", "4", "--no-sample",
-                                 "--log-jsonl", str(log), *extra], capture_output=True, text=True, timeout=900,
-                                env=env)
+        result = subprocess.run([sys.executable, "-m", "models.train", "--steps", str(steps), "--no-sample", *flags,
+                                 "--log-jsonl", str(log), "--log-dir", str(tmp_path / f"logs{len(extra)}"), *extra],
+                                capture_output=True, text=True, timeout=900, env=env)
         assert result.returncode == 0, result.stderr[-3000:]
         losses.append([json.loads(line)["loss"] for line in log.read_text().splitlines() if '"loss"' in line])
-    assert len(losses[0]) == 3 and losses[1] == pytest.approx(losses[0], abs=1e-5)
+    assert len(losses[0]) == steps
+    return losses
+
+
+def test_compile_with_a_split_backward_schedule_is_refused_before_any_process(capsys):
+    """--compile --schedule zb: the zero-bubble schedule defers each layer's weight gradient to a W pass, which a
+    compiled block's backward cannot split: one line naming both flags, exit 2, no process started."""
+    from models.training.cli import main
+
+    assert main(["--tp", "1", "--pp", "2", "--dp", "1", "--schedule", "zb", "--compile"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--compile --schedule zb" in err[0] and "1f1b" in err[0], err
+
+
+@pytest.mark.slow
+def test_models_train_compile_gives_the_eager_losses(tmp_path):
+    """`python -m models.train --compile` (inductor, per block) logs the losses of the eager run (tp 2)."""
+    eager, compiled = _eager_and_compiled_losses(tmp_path, ["--tp", "2", "--pp", "1", "--dp", "1", "--seq-len", "32",
+                                                            "--global-batch-size", "4"], 3)
+    assert compiled == pytest.approx(eager, abs=1e-5)
+
+
+DOCUMENTS = ["--reset-attention-mask", "--reset-position-ids"]
+FEATURES = {  # each crashed at its first compiled step before issue 35
+    "ring": ["--cp", "2"],
+    "documents, attention dropout": [*DOCUMENTS, "--attention-dropout", "0.1"],
+    "documents, allgather": ["--cp", "2", "--cp-mode", "allgather", *DOCUMENTS],
+    "moe, full recompute, aux and z losses, sigmoid router": ["--model", "tiny-moe", "--recompute", "full",
+                                                              "--moe-router-score", "sigmoid",
+                                                              "--moe-z-loss-coeff", "0.01"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("feature", list(FEATURES))
+def test_models_train_compile_with_each_feature_gives_the_eager_losses(feature, tmp_path):
+    """--compile with the ring, documents (with attention dropout, with all-gather cp) and an MoE model under full
+    recompute (aux and z losses, the sigmoid router's loads): two steps, the eager run's losses."""
+    from .test_documents import token_file
+
+    data = ["--data", str(token_file(tmp_path))] if "--reset-attention-mask" in FEATURES[feature] else []
+    eager, compiled = _eager_and_compiled_losses(tmp_path, ["--tp", "1", "--pp", "1", "--dp", "1", "--seq-len", "32",
+                                                            "--global-batch-size", "2", "--micro-batch-size", "1",
+                                                            *FEATURES[feature], *data], 2)
+    assert compiled == pytest.approx(eager, abs=1e-5)

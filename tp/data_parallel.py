@@ -7,12 +7,14 @@ Megatron's mixed precision), the gradients in fp32 `param.main_grad` (the fused 
 into it; other parameters' `.grad` is added into it by a post-accumulate-grad hook and freed), so micro-batches
 accumulate in fp32 and the dp reduction runs in fp32: a bf16 sum would round every partial gradient to 8 mantissa
 bits and make the result depend on the dp size; fp32 costs twice the bytes of a bf16 reduction (Megatron's
-`grad_reduce_in_fp32`). A bucket's reduce-scatter (`shard=False`: all-reduce, Megatron's DDP) starts asynchronously
-once each of its parameters has reported its gradient of every micro-batch of the step (`set_micro_batches(m)`,
-default 1): arrivals are counted per parameter, in whatever order a schedule produces them (a deferred
-weight-gradient pass is waited for), so no pipeline runner needs to switch anything; `no_sync()` accumulates without
-counting (DDP's way). Gradients are summed over the group and divided by `average_over` (default the group size: pass
-the dp size when the group is dp x cp). tp/optim.py's DistributedOptimizer steps the buckets' shards.
+`grad_reduce_in_fp32`). Floating buffers and frozen parameters are cast to `param_dtype` too, except the buffers a
+module lists in `fixed_dtype_buffers`. A bucket's reduce-scatter (`shard=False`: all-reduce, Megatron's DDP) starts
+asynchronously once each of its parameters has reported its gradient of every micro-batch of the step
+(`set_micro_batches(m)`, default 1): arrivals are counted per parameter, in whatever order a schedule produces them
+(a deferred weight-gradient pass is waited for), so no pipeline runner needs to switch anything; `no_sync()`
+accumulates without counting (DDP's way). Gradients are summed over the group and divided by `average_over` (default
+the group size: pass the dp size when the group is dp x cp). tp/optim.py's DistributedOptimizer steps the buckets'
+shards.
 
 Mixture-of-experts layers (`expert_group=`): the parameters tagged `expert_parallel` (tp.moe's experts) are held the
 same only by the ranks of the expert-data-parallel group (the others hold other experts), so they live in buckets of
@@ -103,6 +105,20 @@ def _bucket_groups(params, alone, expert, bucket_numel):
     return groups
 
 
+def _cast_floating_state(module, dtype):
+    """Floating buffers and frozen parameters follow the parameters' dtype (the forward runs in one dtype), except the
+    buffers a module names in `fixed_dtype_buffers` (counts and accumulators a narrower dtype would round: the
+    sigmoid router's selection bias and loads; FSDP2's mixed precision leaves every buffer as it is)."""
+    for m in module.modules():
+        fixed = getattr(m, "fixed_dtype_buffers", ())
+        for name, buf in m._buffers.items():
+            if buf is not None and buf.is_floating_point() and name not in fixed:
+                m._buffers[name] = buf.to(dtype)
+        for p in m.parameters(recurse=False):
+            if not p.requires_grad and p.is_floating_point():
+                p.data = p.data.to(dtype)
+
+
 class DataParallel(nn.Module):
     """Data parallelism over `group` through contiguous fp32 gradient buckets (see the module docstring).
 
@@ -167,13 +183,7 @@ class DataParallel(nn.Module):
                     p.main_grad_shard, p.main_grad_shard_offset = b.grad_shard[where], start
                     p.main_grad_shard_group = b.group
         if self.param_dtype != self._built_dtype:
-            for m in module.modules():  # floating buffers and frozen parameters follow (activations in param_dtype)
-                for name, buf in m._buffers.items():
-                    if buf is not None and buf.is_floating_point():
-                        m._buffers[name] = buf.to(self.param_dtype)
-                for p in m.parameters(recurse=False):
-                    if not p.requires_grad and p.is_floating_point():
-                        p.data = p.data.to(self.param_dtype)
+            _cast_floating_state(module, self.param_dtype)
         self._sync, self._reduced, self._micro_batches, self._arrivals = True, False, 1, Counter()
         self._order = []  # bucket indices in the order their reductions started this step (checked in debug mode)
         # the first forward records the modules whose pre-hook ran; buckets holding parameters of the others (read

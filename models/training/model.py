@@ -91,6 +91,17 @@ def build_model(job: JobConfig, config: GPTConfig, mesh: Mesh) -> tuple[list[GPT
     return chunks, wrapped[0] if len(wrapped) == 1 else torch.nn.ModuleList(wrapped)
 
 
+def check_compile(job: JobConfig) -> None:
+    """What --compile cannot do, one line: a schedule that splits backward into B and W (the layers defer their
+    weight gradients to W, which a compiled block's backward, one graph, cannot split)."""
+    kind = tp.pipeline.schedules.SCHEDULES[job.parallelism.schedule]
+    if job.training.compile and kind.split_backward:
+        others = [name for name, other in tp.pipeline.schedules.SCHEDULES.items() if not other.split_backward]
+        raise ValueError(f"--compile --schedule {job.parallelism.schedule}: {kind.title} defers each layer's weight "
+                         f"gradient to a W pass, which a compiled block's backward cannot split; use --schedule "
+                         f"{', '.join(others[:-1])} or {others[-1]}, or drop --compile")
+
+
 def aux_losses_per_micro_batch(stage: torch.nn.Module, mesh: Mesh) -> None:
     """The MoE layers' aux losses, capacity and loads over each data-parallel rank's micro-batch, the tokens of its
     tp·cp ranks (Megatron's default), not over the micro-batches of all dp ranks pooled (tp.moe.MoE's default): at the

@@ -11,7 +11,7 @@ from ..stages import layers_per_stage
 from . import data, destinations, documents, resuming, sinks
 from .checkpoint_dirs import resume_path
 from .config import JobConfig
-from .model import gpt_config_from_job
+from .model import check_compile, gpt_config_from_job
 
 
 def check(job: JobConfig, world_size: int | None = None, *, config_file: str | None = None) -> GPTConfig:
@@ -28,6 +28,7 @@ def check(job: JobConfig, world_size: int | None = None, *, config_file: str | N
     documents.check(job.data, plan.eod_id())  # --reset-attention-mask etc.: an end-of-document token to find them by
     config = gpt_config_from_job(job)
     check_model_fits(job, config)
+    check_compile(job)  # --compile with what it cannot trace
     plan.check_vocab(config.vocab_size)
     check_resume(job, config)
     plan.check_sizes()  # (text: checked once the launcher has tokenized it, DataPlan.prepare)

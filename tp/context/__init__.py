@@ -28,7 +28,7 @@ import torch.distributed as dist
 from .allgather import AllGatherAttention, local_attention
 from .blocks import document_attention_mask
 from .layout import cp_group_or_mesh, cp_positions, cp_shard, cp_unshard
-from .ring import RingAttention, whole_ring
+from .ring import ring_attention, whole_ring
 from .ulysses import ulysses_attention
 
 if TYPE_CHECKING:
@@ -50,7 +50,7 @@ class Mode:
 
 
 def _ring(q, k, v, causal, scale, group, split, document_ids, dropout):
-    return RingAttention.apply(q, k, v, causal, scale, whole_ring(group), document_ids, dropout)
+    return ring_attention(q, k, v, causal, scale, whole_ring(group), document_ids, dropout)
 
 
 def _allgather(q, k, v, causal, scale, group, split, document_ids, dropout):

@@ -89,8 +89,9 @@ def _cut(part, first, last, length):
 def trim_blocks(q_side: Side, steps: list[tuple[Side, list[Block]]]) -> list[list[Block]]:
     """Each step's blocks (their keys' Side, the blocks) cut down to the rows and columns that hold a visible
     (query, key) pair, the blocks without one dropped: one host sync for all of them. Without documents nothing is
-    cut (the modes' blocks all hold visible pairs)."""
-    if q_side.documents is None:
+    cut (the modes' blocks all hold visible pairs), nor under torch.compile (no host sync in a graph: the masks hide
+    what a cut would have skipped, a hidden row giving 0 and lse −inf, which merge leaves out exactly)."""
+    if q_side.documents is None or torch.compiler.is_compiling():
         return [blocks for _, blocks in steps]
     spans = []
     for k_side, blocks in steps:

@@ -18,7 +18,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from .blocks import Block, Side, attend, attend_backward, grouped, side_of, trim_blocks
+from ..dropout import CounterDropout
+from .blocks import Block, Side, acc_dtype, attend, attend_backward, grouped, side_of, trim_blocks
 
 
 class Ring(NamedTuple):
@@ -79,6 +80,38 @@ def ring_plan(ring: Ring, n: int, causal: bool, documents: torch.Tensor | None,
     return q_side, [(k_side, blocks) for (k_side, _), blocks in zip(steps, trim_blocks(q_side, steps))]
 
 
+def _forward(q, k, v, causal, scale, ring, documents, dropout):
+    """(out [b, heads, n, d], lse [b, kv_heads, g, n], the plan) of this rank's queries over the ring's keys."""
+    q_side, steps = ring_plan(ring, q.shape[2], causal, documents, q.device)
+    qg = grouped(q, k.shape[1])
+    kv = torch.stack([k, v])  # [2, b, kv_heads, n, d]: one message per step
+    out, lse = torch.zeros_like(qg), qg.new_full(qg.shape[:-1], -math.inf)
+    for step, (k_side, blocks) in enumerate(steps):
+        incoming = ring.send(kv) if step < ring.size - 1 else None  # overlaps this step's attention
+        for block in blocks:
+            attend(out, lse, qg, kv, block, (q_side, k_side), scale, dropout)
+        kv = wait(incoming) if incoming else kv
+    return out.flatten(1, 2).to(q.dtype), lse, (q_side, steps)
+
+
+def _backward(dout, q, k, v, out, lse, scale, ring, plan, dropout):
+    """(dq, dk, dv): K and V around the ring again, dK/dV riding along to their owner."""
+    kv_heads, (q_side, steps) = k.shape[1], plan
+    qg, dout = grouped(q, kv_heads), grouped(dout, kv_heads)
+    delta = (dout * grouped(out, kv_heads)).sum(-1)
+    kv, dq, dkv_transfer = torch.stack([k, v]), torch.zeros_like(qg), None
+    for step, (k_side, blocks) in enumerate(steps):
+        incoming = ring.send(kv) if step < ring.size - 1 else None
+        # dK/dV of the KV we hold, carrying the contributions of the ranks it visited before us
+        dkv = wait(dkv_transfer) if dkv_transfer else kv.new_zeros(kv.shape, dtype=qg.dtype)
+        for block in blocks:
+            attend_backward(dq, dkv, qg, kv, dout, lse, delta, block, (q_side, k_side), scale, dropout)
+        dkv_transfer = ring.send(dkv)  # to its next holder; after the last step, to its owner
+        kv = wait(incoming) if incoming else kv
+    dkv = wait(dkv_transfer)
+    return dq.flatten(1, 2).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+
 class RingAttention(torch.autograd.Function):
     """forward: KV around the ring, blocks merged by lse · backward: KV around again, dK/dV accumulated on the way.
     apply(q, k, v, causal, scale, ring, documents, dropout) on [b, heads, n, d] shares; documents [b, ring.size·n]
@@ -86,17 +119,8 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal, scale, ring, documents, dropout):
-        q_side, steps = ring_plan(ring, q.shape[2], causal, documents, q.device)
-        qg = grouped(q, k.shape[1])
-        kv = torch.stack([k, v])  # [2, b, kv_heads, n, d]: one message per step
-        out, lse = torch.zeros_like(qg), qg.new_full(qg.shape[:-1], -math.inf)
-        for step, (k_side, blocks) in enumerate(steps):
-            incoming = ring.send(kv) if step < ring.size - 1 else None  # overlaps this step's attention
-            for block in blocks:
-                attend(out, lse, qg, kv, block, (q_side, k_side), scale, dropout)
-            kv = wait(incoming) if incoming else kv
-        out = out.flatten(1, 2).to(q.dtype)
-        ctx.scale, ctx.ring, ctx.plan, ctx.dropout = scale, ring, (q_side, steps), dropout
+        out, lse, plan = _forward(q, k, v, causal, scale, ring, documents, dropout)
+        ctx.scale, ctx.ring, ctx.plan, ctx.dropout = scale, ring, plan, dropout
         ctx.save_for_backward(q, k, v, out, lse)
         return out
 
@@ -104,17 +128,77 @@ class RingAttention(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        ring, kv_heads, (q_side, steps) = ctx.ring, k.shape[1], ctx.plan
-        qg, dout = grouped(q, kv_heads), grouped(dout, kv_heads)
-        delta = (dout * grouped(out, kv_heads)).sum(-1)
-        kv, dq, dkv_transfer = torch.stack([k, v]), torch.zeros_like(qg), None
-        for step, (k_side, blocks) in enumerate(steps):
-            incoming = ring.send(kv) if step < ring.size - 1 else None
-            # dK/dV of the KV we hold, carrying the contributions of the ranks it visited before us
-            dkv = wait(dkv_transfer) if dkv_transfer else kv.new_zeros(kv.shape, dtype=qg.dtype)
-            for block in blocks:
-                attend_backward(dq, dkv, qg, kv, dout, lse, delta, block, (q_side, k_side), ctx.scale, ctx.dropout)
-            dkv_transfer = ring.send(dkv)  # to its next holder; after the last step, to its owner
-            kv = wait(incoming) if incoming else kv
-        dkv = wait(dkv_transfer)
-        return dq.flatten(1, 2).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
+        return *_backward(dout, q, k, v, out, lse, ctx.scale, ctx.ring, ctx.plan, ctx.dropout), *[None] * 5
+
+
+# Under torch.compile the same forward and backward run as custom ops (Dynamo cannot trace point-to-point
+# communication): the ring travels as its group's name, members and place, dropout as its fields.
+def _ring_of(group, members, index):
+    return Ring(dist.distributed_c10d._resolve_process_group(group), tuple(members), index)
+
+
+def _dropout_of(p, seed, module, samples, first_head):
+    return None if samples is None else CounterDropout(p, seed, module, samples, first_head)
+
+
+@torch.library.custom_op("tp_context::ring_attention", mutates_args=())
+def _ring_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, group: str,
+             members: list[int], index: int, documents: torch.Tensor | None, p: float, seed: int, module: int,
+             samples: torch.Tensor | None, first_head: int) -> tuple[torch.Tensor, torch.Tensor]:
+    out, lse, _ = _forward(q, k, v, causal, scale, _ring_of(group, members, index), documents,
+                           _dropout_of(p, seed, module, samples, first_head))
+    return out.contiguous(), lse  # (out has q's strides: the fake's are contiguous)
+
+
+@torch.library.custom_op("tp_context::ring_attention_backward", mutates_args=())
+def _ring_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                      lse: torch.Tensor, causal: bool, scale: float, group: str, members: list[int], index: int,
+                      documents: torch.Tensor | None, p: float, seed: int, module: int,
+                      samples: torch.Tensor | None,
+                      first_head: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ring = _ring_of(group, members, index)
+    plan = ring_plan(ring, q.shape[2], causal, documents, q.device)
+    grads = _backward(dout, q, k, v, out, lse, scale, ring, plan, _dropout_of(p, seed, module, samples, first_head))
+    # (contiguous, as the fake's; copies: an op's outputs may not alias each other, and dk, dv are views of one)
+    return tuple(g.clone(memory_format=torch.contiguous_format) for g in grads)
+
+
+@_ring_op.register_fake
+def _(q, k, v, *args):
+    kv_heads = k.shape[1]
+    lse = q.new_empty(q.shape[0], kv_heads, q.shape[1] // kv_heads, q.shape[2], dtype=acc_dtype(q.dtype))
+    return q.new_empty(q.shape), lse
+
+
+@_ring_backward_op.register_fake
+def _(dout, q, k, v, *args):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _save(ctx, inputs, output):
+    q, k, v, causal, scale, group, members, index, documents, p, seed, module, samples, first_head = inputs
+    ctx.save_for_backward(q, k, v, *output, documents, samples)
+    ctx.options = causal, scale, group, members, index, p, seed, module, first_head
+
+
+def _ring_op_backward(ctx, dout, _):
+    q, k, v, out, lse, documents, samples = ctx.saved_tensors
+    causal, scale, group, members, index, p, seed, module, first_head = ctx.options
+    grads = _ring_backward_op(dout, q, k, v, out, lse, causal, scale, group, members, index, documents, p, seed,
+                              module, samples, first_head)
+    return *grads, *[None] * 11
+
+
+_ring_op.register_autograd(_ring_op_backward, setup_context=_save)
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, ring: Ring,
+                   documents: torch.Tensor | None, dropout: "CounterDropout | None") -> torch.Tensor:
+    """Ring attention of [b, heads, n, d] shares (RingAttention's arguments): the autograd Function eagerly, its
+    custom ops under torch.compile."""
+    if not torch.compiler.is_compiling():
+        return RingAttention.apply(q, k, v, causal, scale, ring, documents, dropout)
+    drop = (0.0, 0, 0, None, 0) if dropout is None else tuple(dropout)
+    out, _ = _ring_op(q, k, v, causal, scale, ring.group.group_name, list(ring.members), ring.index, documents,
+                      *drop)
+    return out

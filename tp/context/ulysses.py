@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from .allgather import local_attention
 from .layout import rank_order, sequence_order
-from .ring import Ring, RingAttention
+from .ring import Ring, ring_attention
 
 if TYPE_CHECKING:
     from ..dropout import CounterDropout
@@ -89,5 +89,5 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
     if ring.size == 1:
         out = local_attention(q, k, v, causal, scale, documents, dropout)
     else:
-        out = RingAttention.apply(q, k, v, causal, scale, ring, documents, dropout)
+        out = ring_attention(q, k, v, causal, scale, ring, documents, dropout)
     return _AllToAll.apply(out, False, group, members)  # [b, heads, n, d]

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .capacity import capacity, keep_mask
+from .capacity import capacity, keep_mask, token_order
 from .dispatch import DISPATCHERS, TokenDispatcher
 from .experts import GroupedExperts
 from .layer import MoE, SharedExpert
@@ -22,7 +22,7 @@ from .parallel_experts import ParallelExperts
 from .router import SCORES, Routing, Score, TopKRouter, check_groups
 
 __all__ = ["MoE", "TopKRouter", "GroupedExperts", "ParallelExperts", "SharedExpert", "Routing", "AuxLosses",
-           "DISPATCHERS", "SCORES", "Score", "TokenDispatcher", "capacity", "keep_mask", "aux_losses",
+           "DISPATCHERS", "SCORES", "Score", "TokenDispatcher", "capacity", "keep_mask", "token_order", "aux_losses",
            "set_aux_loss_scale", "update_expert_bias", "expert_parameters", "dynamic_shapes", "check_groups"]
 
 
@@ -30,8 +30,12 @@ def dynamic_shapes() -> contextlib.AbstractContextManager:
     """The Dynamo setting torch.compile needs to trace an MoE layer without a graph break, as a context manager (or
     a decorator of the compiled function) active while it compiles: outputs whose size is data-dependent (the rows
     an expert dispatch receives) become unbacked SymInts (`capture_dynamic_output_shape_ops`), scoped to the calls
-    it wraps. Without it Dynamo breaks the graph at the dispatch. GPT.compile_blocks applies it to its MoE blocks."""
-    return torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True)
+    it wraps. Without it Dynamo breaks the graph at the dispatch. Under activation checkpointing the layer's
+    bookkeeping (the last aux losses, the dropped slots, a sigmoid router's loads) is done by the forward once, not
+    replayed by the recomputation (`skip_fwd_side_effects_in_bwd_under_checkpoint`: eager recomputation skips the
+    loads and rewrites the same values). GPT.compile_blocks applies it to its MoE blocks."""
+    return torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True,
+                                      skip_fwd_side_effects_in_bwd_under_checkpoint=True)
 
 
 def aux_losses(module: nn.Module) -> list[AuxLosses]:
@@ -59,7 +63,7 @@ def update_expert_bias(module: nn.Module, rate: float = 1e-3, *, group: dist.Pro
     b_i += rate · sign(mean load - load_i), the loads being its tokens per expert since the last update summed over
     the stage (one all-reduce per group of routers: each router's token group, or `group`, every rank that holds
     the router: a training loop whose token groups are one data-parallel rank's), then reset. The same update on
-    every rank."""
+    every rank, in fp32 at least (the bias is an fp32 buffer that mixed precision keeps: `fixed_dtype_buffers`)."""
     routers = [m for m in module.modules() if isinstance(m, TopKRouter) and m.expert_bias is not None]
     by_group = {}
     for r in routers:
@@ -70,5 +74,6 @@ def update_expert_bias(module: nn.Module, rate: float = 1e-3, *, group: dist.Pro
         if over is not None and dist.get_world_size(over) > 1:
             dist.all_reduce(loads, group=over)
         for r, load in zip(same, loads):
-            r.expert_bias += (rate * torch.sign(load.mean() - load)).to(r.expert_bias.dtype)
+            exact = torch.promote_types(r.expert_bias.dtype, torch.float32)  # (fp32 whatever a wrapper made of it)
+            r.expert_bias.copy_(r.expert_bias.to(exact) + rate * torch.sign(load.mean() - load).to(exact))
             r.expert_load.zero_()

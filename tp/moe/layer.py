@@ -11,8 +11,8 @@ micro-batch (tp.moe.losses).
 Communication per layer and step at ep > 1 ("alltoall"): forward one all-gather of E + 2 integers (the counts) and one
 all-to-all each way over ep; backward the same two all-to-alls; nothing else over ep. With etp > 1 add an
 all-gather and a reduce-scatter over etp each way; with aux / z losses one all-reduce of 2E + 2 numbers over the
-stage; with a capacity factor four small all-reduces (the global threshold); without SP at tp > 1, one all-gather
-over tp of the output forward and one of the input's gradient backward.
+stage; with a capacity factor 4 small all-reduces, plus one per byte of the tokens' index (the global threshold);
+without SP at tp > 1, one all-gather over tp of the output forward and one of the input's gradient backward.
 """
 import math
 
@@ -24,7 +24,7 @@ from ..grads import sync_grads_over_tp
 from ..layers import ColumnParallelLinear, RowParallelLinear
 from ..mappings import gather_from_sp_region, scatter_to_sp_region
 from ..mesh import SharedGroup, current_mesh, resolve_group
-from .capacity import keep_mask
+from .capacity import keep_mask, token_order
 from .dispatch import DISPATCHERS, dispatch_and_combine
 from .experts import GroupedExperts
 from .losses import AuxLosses, attach_aux_grad, aux_losses, sequence_aux_loss
@@ -81,11 +81,14 @@ class MoE(nn.Module):
 
     Groups default to the current mesh's: `group` tp, `ep_group`, `etp_group`, `expert_group` (etp·ep: the count
     exchange, the allgather dispatcher), `token_group` (the stage's tp·cp·dp ranks, holding the micro-batch's
-    tokens: the aux losses' statistics and the capacity threshold); `data_parallel_size` the dense dp size (how many
-    micro-batches the token group holds). Each may be passed explicitly (None without a mesh: one rank).
+    tokens: the aux losses' statistics and the capacity threshold), `cp_group` and `dp_group` (where a token sits
+    in the micro-batches: the capacity's tie order), `sequence_group` (tp·cp: the ranks holding the rest of this
+    rank's sequences, the sequence-wise loss); `data_parallel_size` the dense dp size (how many micro-batches
+    the token group holds). Each may be passed explicitly (None without a mesh: one rank).
     """
 
-    group, ep_group, etp_group, expert_group, token_group, sequence_group = (SharedGroup() for _ in range(6))
+    group, ep_group, etp_group, expert_group, token_group, sequence_group, cp_group, dp_group = (
+        SharedGroup() for _ in range(8))
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, topk: int = 2, *,
                  activation: str = "swiglu", score: str = "softmax", norm_topk_prob: bool = True,
@@ -94,6 +97,7 @@ class MoE(nn.Module):
                  sequence_parallel: bool = False, grad_sync: bool = True, group: dist.ProcessGroup | None = None,
                  ep_group: dist.ProcessGroup | None = None, etp_group: dist.ProcessGroup | None = None,
                  expert_group: dist.ProcessGroup | None = None, token_group: dist.ProcessGroup | None = None,
+                 cp_group: dist.ProcessGroup | None = None, dp_group: dist.ProcessGroup | None = None,
                  data_parallel_size: int | None = None, init_std: float = 0.02, output_std: float | None = None,
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None,
                  num_groups: int = 1, group_topk: int | None = None, scaling_factor: float = 1.0,
@@ -105,9 +109,10 @@ class MoE(nn.Module):
         self.etp_group = etp_group if etp_group is not None else _mesh_group("etp")
         self.expert_group = expert_group if expert_group is not None else _mesh_group("etp-ep")
         self.token_group = token_group if token_group is not None else _mesh_group("tp-cp-dp")
-        # the ranks holding the rest of this rank's sequences (the sequence-wise loss)
         self.sequence_group = sequence_group if sequence_group is not None else _mesh_group("tp-cp")
         self.seq_aux_loss_coeff = seq_aux_loss_coeff
+        self.cp_group = cp_group if cp_group is not None else _mesh_group("cp")
+        self.dp_group = dp_group if dp_group is not None else _mesh_group("dp")
         mesh = current_mesh()
         self.data_parallel_size = data_parallel_size or (mesh.dp_size if mesh is not None else 1)
         _check(num_experts, topk, ffn_hidden_size, dispatcher, capacity_factor, self.ep_group, self.etp_group)
@@ -151,7 +156,8 @@ class MoE(nn.Module):
             first = dist.get_rank(self.group) * len(tokens) if replicated else 0
             weights = self._sequence_aux_loss(routing, weights, x.shape[1], first)
         if self.capacity_factor is not None:
-            kept, _ = keep_mask(weights, indices, self.num_experts, self.capacity_factor, self.token_group)
+            kept, _ = keep_mask(weights, indices, self.num_experts, self.capacity_factor, self.token_group,
+                                order=self._token_order(x, replicated))
             indices = torch.where(kept, indices, -1)
             self.dropped_slots = (~kept).sum()
         out = dispatch_and_combine(tokens, weights.to(tokens.dtype), indices, self.experts, dispatcher=self.dispatcher,
@@ -173,6 +179,16 @@ class MoE(nn.Module):
             self.last = AuxLosses(zero, zero, None)
         self.last.sequence = value
         return attach_aux_grad(weights, loss, self.aux_loss_scale)  # (a mean per micro-batch, as the LM loss)
+
+    def _token_order(self, x, replicated):
+        """The global index of each token this rank routes (capacity ties go to the lower): its place in the
+        micro-batch, after those of the lower dp ranks when the token group holds several micro-batches."""
+        pooled = _size(self.token_group) > self.tp_size * _size(self.cp_group)  # (tp.moe's default: tp·cp·dp)
+        batch = x.shape[1] if x.dim() > 2 else 1
+        first = _rank(self.dp_group) * batch if pooled else 0
+        order = token_order(x.shape[0], batch, sequence_parallel=self.sequence_parallel, group=self.group,
+                            cp_group=self.cp_group, first_sample=first, device=x.device)
+        return order.chunk(self.tp_size)[_rank(self.group)] if replicated else order
 
     def extra_repr(self) -> str:
         extra = f", capacity_factor={self.capacity_factor}" if self.capacity_factor is not None else ""

@@ -142,6 +142,9 @@ class TopKRouter(nn.Module):
     is equal (the ranks of one pipeline stage)."""
 
     group, check_group, token_group = SharedGroup(), SharedGroup(), SharedGroup()  # (token_group: set by MoE)
+    # kept by mixed precision (tp.optim.DataParallel): a bf16 bias could not move by 1e-3 once |bias| >= 0.5 (half
+    # its ulp), bf16 loads would miscount past 256
+    fixed_dtype_buffers = ("expert_bias", "expert_load")
 
     def __init__(self, hidden_size: int, num_experts: int, topk: int, *, score: str = "softmax",
                  norm_topk_prob: bool = True, group: dist.ProcessGroup | None = None, grad_sync: bool = True,
