@@ -58,12 +58,14 @@ def resolve(args: argparse.Namespace) -> tuple[Any, str | None, str | None]:
         saved = (meta.get("extra") or {}).get("tokenizer")
         tokenizer = tokenizer or (saved if saved and os.path.isdir(saved) else None)
         return config, path, tokenizer
-    if not os.path.isdir(args.from_hf):
-        raise ValueError(f"--from-hf {args.from_hf}: no such directory (a save_pretrained directory)")
     import transformers
 
-    from .hf import config_from_hf
+    from .hf import check_safetensors, config_from_hf
 
+    try:
+        check_safetensors(args.from_hf)
+    except ValueError as e:
+        raise ValueError(f"--from-hf {args.from_hf}: {e}") from None
     config = config_from_hf(transformers.AutoConfig.from_pretrained(args.from_hf))
     return config, None, tokenizer or (args.from_hf if has_tokenizer(args.from_hf) else None)
 

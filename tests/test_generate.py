@@ -4,6 +4,7 @@ cache sharded by heads: kv heads fewer than, equal to tp); the cache path gives 
 seeded; bad input is one line. The command: prompt then continuation, streamed; its refusals before any process."""
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -16,7 +17,7 @@ from models.generate import main
 from models.generation import next_tokens
 from tp.testing import distributed
 
-from .helpers import GREEDY_MARGIN, greedy_margin, rng
+from .helpers import GREEDY_MARGIN, greedy_margin, rng, train_refusal
 
 transformers = pytest.importorskip("transformers")
 
@@ -144,6 +145,21 @@ def test_the_command_prints_the_prompt_then_the_greedy_continuation(byte_model, 
                             timeout=300, env=env())
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout == expected + "\n"  # HF's greedy tokens, at tp 1 and tp 2
+
+
+def test_a_truncated_safetensors_file_is_one_line_before_any_process(byte_model, capsys, tmp_path):
+    """A --from-hf directory whose weights were cut short: one line naming the file, exit 2, no process started, in
+    models.generate and models.train alike."""
+    damaged = tmp_path / "damaged"
+    shutil.copytree(byte_model[0], damaged)
+    weights = damaged / "model.safetensors"
+    os.truncate(weights, os.path.getsize(weights) // 2)
+    message = rf"error: --from-hf {damaged}: {weights} is not a whole safetensors file: .*incomplete metadata.*"
+    assert main(["--from-hf", str(damaged), "--prompt", "def", "--tp", "2"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and re.fullmatch(message + "\n", err), err
+    code, out, err = train_refusal(["--from-hf", str(damaged), "--tp", "2", "--steps", "1"], capsys)  # models.train
+    assert code == 2 and len(err) == 1 and re.fullmatch(message, err[0]), err
 
 
 @pytest.mark.parametrize("flags,message", [

@@ -38,8 +38,6 @@ class _SafetensorsReader:
     """Lazy reads from a save_pretrained directory: only the requested rows/columns leave the file."""
 
     def __init__(self, path):
-        from safetensors import safe_open
-
         index = os.path.join(path, "model.safetensors.index.json")
         if os.path.exists(index):
             with open(index) as f:
@@ -48,9 +46,9 @@ class _SafetensorsReader:
             single = os.path.join(path, "model.safetensors")
             if not os.path.exists(single):
                 raise ValueError(f"{path} holds no model.safetensors (or index): save it with safetensors")
-            with safe_open(single, "pt") as f:
-                files = dict.fromkeys(f.keys(), "model.safetensors")
-        self.files = {k: safe_open(os.path.join(path, v), "pt") for k, v in files.items()}
+            files = dict.fromkeys(_open(single).keys(), "model.safetensors")
+        opened = {name: _open(os.path.join(path, name)) for name in set(files.values())}
+        self.files = {k: opened[v] for k, v in files.items()}
 
     def has(self, name):
         return name in self.files
@@ -63,6 +61,25 @@ class _SafetensorsReader:
         if dim is None:
             return piece[:]
         return piece[start:stop] if dim == 0 else piece[:, start:stop]
+
+
+def _open(file: str) -> Any:
+    """safe_open(file), or a one-line ValueError naming it (missing, its header cut or corrupt, its data cut short:
+    safetensors checks the header covers the file exactly)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(file, "pt")
+    except (SafetensorError, FileNotFoundError) as e:
+        raise ValueError(f"{file} is not a whole safetensors file: {e}") from None
+
+
+def check_safetensors(path: str) -> None:
+    """Raise a one-line ValueError naming the file unless `path` is a save_pretrained directory whose every
+    safetensors file opens whole: checked before any process starts (models.train and models.generate --from-hf)."""
+    if not os.path.isdir(path):
+        raise ValueError("no such directory (a save_pretrained directory)")
+    _SafetensorsReader(path)
 
 
 def index_runs(indices: torch.Tensor) -> list[list[int]]:

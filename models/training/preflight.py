@@ -7,6 +7,7 @@ import os
 from tp.mesh import launched_by_torchrun
 
 from ..config import GPTConfig
+from ..hf import check_safetensors
 from ..stages import layers_per_stage
 from . import data, destinations, documents, resuming, sinks
 from .checkpoint_dirs import resume_path
@@ -21,8 +22,11 @@ def check(job: JobConfig, world_size: int | None = None, *, config_file: str | N
     sinks.check_packages(job)  # --tensorboard-dir, --wandb-project: their optional packages installed
     resuming.use_checkpoint_args(job)  # the checkpoint's tokenizer and data format, before they are checked
     destinations.check(job, config_file=config_file)  # every output: not an input, not foreign, writable
-    if job.model.from_hf and not os.path.isdir(job.model.from_hf):
-        raise ValueError(f"--from-hf {job.model.from_hf}: no such directory (a save_pretrained directory)")
+    if job.model.from_hf:
+        try:
+            check_safetensors(job.model.from_hf)  # (its weights whole)
+        except ValueError as e:
+            raise ValueError(f"--from-hf {job.model.from_hf}: {e}") from None
     plan = data.DataPlan.of(job)  # the data, resolved: each source's format, the tokenizer
     plan.check()  # --data / --tokenizer / --sft: paths, headers, schemas, text, a loadable tokenizer
     documents.check(job.data, plan.eod_id())  # --reset-attention-mask etc.: an end-of-document token to find them by
