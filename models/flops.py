@@ -52,10 +52,15 @@ def matmul_params(config: GPTConfig, *, active: bool = True) -> int:
     return total + c.mtp_num_layers * mtp
 
 
+def attention_widths(config: GPTConfig) -> tuple[int, int]:
+    """(q·k width, v width) of each head: (head_dim, head_dim), or MLA's (qk_nope + qk_rope, v_head_dim)."""
+    return config.qk_head_dim, config.v_head_dim if config.multi_latent_attention else config.head_dim
+
+
 def flops_per_token(config: GPTConfig, seq_len: int, *, causal_halved: bool = False) -> int:
     """Training FLOPs (forward + backward) per token of `seq_len`-token sequences."""
     c = config
-    widths = c.qk_head_dim + (c.v_head_dim if c.multi_latent_attention else c.head_dim)  # q·k and the v sum
+    widths = sum(attention_widths(c))  # q·k and the v sum
     attention = 6 * (c.num_layers + c.mtp_num_layers) * c.num_heads * widths * seq_len
     logits = 6 * (1 + c.mtp_num_layers) * c.hidden_size * c.vocab_size
     return 6 * matmul_params(c) + (attention // 2 if causal_halved else attention) + logits

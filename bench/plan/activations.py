@@ -86,11 +86,14 @@ def layer_activation_bytes(config, *, tp, cp=1, micro_batch_size, seq_len, seque
     heads, kv = config.num_heads // tp, local_kv_heads(config, tp)
     te = backend == "te"
     norm = e * rows * h if "norm" in parts else norm_activation_bytes(config, rows, precision, backend)
-    roped = heads + kv if config.position == "rope" and not te else 0  # RoPE writes q and k anew; TE's fused not
-    attention = e * tokens * d * ((heads + 2 * kv) + roped + heads)
+    if config.multi_latent_attention:
+        attention = mla_activation_bytes(config, tp=tp, cp=cp, tokens=tokens, rows=rows, precision=precision)
+    else:
+        roped = heads + kv if config.position == "rope" and not te else 0  # RoPE writes q and k anew; TE's fused not
+        attention = e * tokens * d * ((heads + 2 * kv) + roped + heads)
     attention += 0 if "core" in parts else 4 * tokens * heads
     if cp > 1 and config.position == "rope" and not te:  # cos/sin gathered at this rank's positions, per layer
-        attention += 2 * e * tokens // micro_batch_size * d
+        attention += 2 * e * tokens // micro_batch_size * rope_width(config)
     native = backend == "torch" and tp == 1 and not MAIN_GRAD[precision]
     if config.is_moe_layer(layer):
         mlp = 0 if "moe" in parts else moe_activation_bytes(config, tp=tp, tokens=tokens, rows=rows,
@@ -103,6 +106,30 @@ def layer_activation_bytes(config, *, tp, cp=1, micro_batch_size, seq_len, seque
         mlp = e * tokens * ((2 if config.activation == "swiglu" else 1) * f // tp + f // tp)
     masks = 2 * rows * h if config.dropout else 0
     return 2 * norm + attention + mlp + masks
+
+
+def rope_width(config):
+    """Features RoPE rotates per head (its cos/sin tables' width): MLA's qk_rope_head_dim, else the head dim."""
+    return config.qk_rope_head_dim if config.multi_latent_attention else config.head_dim
+
+
+def mla_activation_bytes(config, *, tp, cp=1, tokens, rows, precision):
+    """Multi-head latent attention's saved tensors per micro-batch on one rank (models.mla; the log-sum-exp and the
+    block's norms apart), a' = a/tp heads: each latent RMSNorm (q_lora_rank, kv_lora_rank) its fp32 input, rstd and
+    normed output on the T' rows it projects (in fp32 the kv norm's input is a view of the whole down-projection,
+    the RoPE key with it); the latents made whole, e·T·(q_lora + kv_lora + rope), which both up-projections keep; the
+    attention kernel's q and k (T·a'·(nope + rope)) and v, a view of the kv up-projection's output (T·a'·(nope + v));
+    its output and the output projection's input, a contiguous copy of it (2·T·a'·v). Under cp the k/v paths move
+    one width, so q, k, v and the output are padded to max(nope + rope, v)."""
+    c, e = config, PRECISIONS[precision]
+    heads, qk, v = c.num_heads // tp, c.qk_head_dim, c.v_head_dim
+    latents = [c.kv_lora_rank] + ([c.q_lora_rank] if c.q_lora_rank is not None else [])
+    norms = sum((4 + e) * rows * r + 4 * rows for r in latents) + (4 * rows * c.qk_rope_head_dim if e == 4 else 0)
+    whole = e * tokens * (sum(latents) + c.qk_rope_head_dim)
+    if cp > 1 and qk != v:  # the padded copies (models.mla.MLAttention.core)
+        width = max(qk, v)
+        return norms + whole + e * tokens * heads * (4 * width + v)
+    return norms + whole + e * tokens * heads * (2 * qk + c.qk_nope_head_dim + v + 2 * v)
 
 
 def moe_activation_bytes(config, *, tp, tokens, rows, precision, etp=None, parts=frozenset()):
@@ -140,8 +167,14 @@ def layer_wgrad_bytes(config, *, tp, cp=1, micro_batch_size, seq_len, precision)
     h, d, f = config.hidden_size, config.head_dim, config.ffn_hidden_size
     heads, kv = config.num_heads // tp, local_kv_heads(config, tp)
     fc1 = (2 if config.activation == "swiglu" else 1) * f // tp
-    #                                 qkv: x, dz           proj: x, dz     fc1: x, dz   fc2: x, dz
-    return e * micro_batch_size * seq_len // cp * (h + (heads + 2 * kv) * d + heads * d + h + h + fc1 + f // tp + h)
+    attention = h + (heads + 2 * kv) * d + heads * d + h  # qkv: x, dz; proj: x, dz
+    if config.multi_latent_attention:  # the tp layers: q_up (or q), kv_up, proj (the replicated ones run W in B)
+        c = config
+        q_in = h if c.q_lora_rank is None else c.q_lora_rank
+        attention = q_in + heads * c.qk_head_dim + c.kv_lora_rank + heads * (c.qk_nope_head_dim + c.v_head_dim) + \
+            heads * c.v_head_dim + h
+    #                                                          fc1: x, dz   fc2: x, dz
+    return e * micro_batch_size * seq_len // cp * (attention + h + fc1 + f // tp + h)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -180,6 +213,21 @@ def edge_activation_bytes(config, *, tp, cp=1, micro_batch_size, seq_len, sequen
     else:
         total += e * rows * h  # the stage output, kept until its gradient arrives
     return total
+
+
+def mtp_activation_bytes(config, *, tp, cp=1, micro_batch_size, seq_len, sequence_parallel, precision,
+                         backend="triton"):
+    """Per micro-batch bytes each multi-token prediction depth (models.mtp) saves on the last stage beside its block
+    (a layer of the last layer's kind, counted by the caller): the token ids it reads and the embedding's mask, its
+    two input norms, the [2h → h] projection's input (T'·2h), its final norm and the output layer's share of the
+    loss (the fp32 softmax over this rank's real vocabulary, targets and masks, as edge_activation_bytes')."""
+    e, h = PRECISIONS[precision], config.hidden_size
+    tokens = micro_batch_size * seq_len // cp
+    rows = tokens // tp if sequence_parallel else tokens
+    real = min(config.padded_vocab_size(tp) // tp, config.vocab_size)
+    ids = 8 * tokens + (tokens if tp > 1 else 0)
+    norms = 3 * norm_activation_bytes(config, rows, precision, backend)
+    return config.mtp_num_layers * (ids + norms + 2 * e * rows * h + 4 * tokens * real + 10 * tokens)
 
 
 def in_flight(schedule, pp, stage, virtual_stages=1, micro_batches=None):

@@ -3,24 +3,28 @@ by sequence length (the profile's curves, linear in log s between their points) 
 materialized scores of Megatron 2021-22 as batched GEMMs plus the softmax, mask and dropout traffic."""
 import math
 
+from models.flops import attention_widths
+
 from .. import roofline as rl
 from .gemm import gemm_time
 
 
 def attention_times(config, plan, seq_len, cluster, software, e):
-    """(forward, backward) seconds of one layer's attention core per micro-batch."""
+    """(forward, backward) seconds of one layer's attention core per micro-batch; q·k and v of their own widths
+    (models.flops.attention_widths: MLA's nope + rope and v_head_dim), the kernels' rates measured at head dim 128."""
     heads = plan.micro_batch_size * config.num_heads // plan.tp  # (batch × local heads) independent problems
-    s_q, s_k, d = seq_len // plan.cp, seq_len, config.head_dim
+    s_q, s_k = seq_len // plan.cp, seq_len
+    qk, v = attention_widths(config)
     if software.attention in ("flash", "cudnn"):
-        flops = 2 * heads * s_q * s_k * d  # QKᵀ and PV, causal: half of 4·s_q·s_k·d
+        flops = heads * s_q * s_k * (qk + v)  # QKᵀ and PV, causal: half of 2·s_q·s_k·(qk + v)
         efficiency = cluster.cudnn_attention_efficiency if software.attention == "cudnn" else 0.0
         rate = (efficiency or cluster.attention_efficiency) * cluster.device.flops
         measured = (cluster.attention_rates or {}).get(software.attention, {})
         # the kernel's problem: s/cp queries against each block of s/cp keys (ring) or all s (all-gather)
         fwd, bwd = (rate_at(measured[way], s_q) if way in measured else rate for way in ("fwd", "bwd"))
         return flops / fwd, 2.5 * flops / bwd
-    qk, pv = rl.Gemm("qk", "fwd", s_q, d, s_k), rl.Gemm("pv", "fwd", s_q, s_k, d)
-    gemm = gemm_time(qk, cluster, e, heads) + gemm_time(pv, cluster, e, heads)
+    qk_gemm, pv_gemm = rl.Gemm("qk", "fwd", s_q, qk, s_k), rl.Gemm("pv", "fwd", s_q, s_k, v)
+    gemm = gemm_time(qk_gemm, cluster, e, heads) + gemm_time(pv_gemm, cluster, e, heads)
     scores = heads * s_q * s_k
     # forward: softmax (read, write), dropout (read, write, 1-byte mask); backward: dropout and softmax grads
     stream = cluster.device.hbm

@@ -4,7 +4,7 @@ measured on this machine."""
 import json
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..common import RESULTS
 from ..roofline import HARDWARE, Hardware
@@ -58,6 +58,11 @@ H100_CUDNN_ATTENTION = 614 / 989
 # A100 80GB 81920MiB (modal-labs/modal-client PR #2797's nvidia-smi totals)
 H100_MEMORY = 81559 * 2**20  # 85.5e9 bytes
 A100_MEMORY = 81920 * 2**20  # 85.9e9 bytes
+# The H800 (DeepSeek-V3's GPU): the H100 SXM5 with NVLink at 400 GB/s both directions (NVIDIA's H800 datasheet)
+H800 = replace(HARDWARE["h100-nvlink"], name="h800-nvlink", link=200e9,
+               source="NVIDIA H800 SXM5: the H100 SXM5's compute and memory, NVLink 400 GB/s both directions = "
+                      "200 GB/s per direction; across nodes 400 Gb/s InfiniBand = 50 GB/s per GPU (DeepSeek-V3 report "
+                      "arXiv:2412.19437 §3.1, §3.2.2)")
 CLUSTERS = {
     "h100-sxm": Cluster(
         "h100-sxm", HARDWARE["h100-nvlink"], memory=H100_MEMORY, reserved=3e9,
@@ -81,6 +86,18 @@ CLUSTERS = {
                "pytorch/benchmark PR #2391; the paper's best is 740, 75 %), backward cuDNN's curve from the paper "
                "(518 at 8k); reserved 3 GB: an allowance, not measured; launches "
                "hidden (asynchronous, kernels >> 5 us) but after a host sync (MoE dispatch), 5 us each"),
+    "h800": Cluster(
+        "h800", H800, memory=H100_MEMORY, reserved=3e9,
+        gemm_efficiency=H100_GEMM, comm_efficiency=H100_COMM, attention_efficiency=0.35,
+        cudnn_attention_efficiency=H100_CUDNN_ATTENTION, op_overhead=0.0, sms=H100_SMS,
+        attention_rates=H100_ATTENTION, launch_overhead=LAUNCH_OVERHEAD,
+        source="device: the H800 SXM5, an H100 SXM5 (same GH100 compute, 989 TFLOP/s bf16 dense, 3.35 TB/s, 80 GB "
+               "HBM3, 132 SMs) with NVLink cut to 400 GB/s both directions (200 GB/s each way; the H100's 900), "
+               "NVIDIA's H800 datasheet; nodes as DeepSeek-V3's cluster (Liu et al. 2024, DeepSeek-V3 Technical "
+               "Report, arXiv:2412.19437, §3.1 'Compute Clusters': 2048 H800, 8 per node over NVLink and NVSwitch, "
+               "InfiniBand between nodes, 400 Gb/s = 50 GB/s per GPU, §3.2.2's IB figure). Achieved fractions the "
+               "h100-sxm profile's, not refitted: comm 0.822 gives 164 GB/s of NVLink, the report's §3.2.2 'NVLink "
+               "offers a bandwidth of 160 GB/s'"),
     "a100-80g": Cluster(
         "a100-80g", HARDWARE["a100-nvlink"], memory=A100_MEMORY, reserved=3e9,
         gemm_efficiency=0.79, comm_efficiency=0.5, attention_efficiency=0.5, op_overhead=0.0, sms=A100_SMS,

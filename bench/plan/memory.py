@@ -29,6 +29,9 @@ from .activations import (
     layer_activation_bytes,
     layer_wgrad_bytes,
     local_kv_heads,
+    mla_activation_bytes,
+    mtp_activation_bytes,
+    rope_width,
     split_backward_states,
     zb_states,
 )
@@ -50,8 +53,8 @@ from .stages import EVEN, layer_counts
 __all__ = ["BACKENDS", "DP_MODES", "PRECISIONS", "RECOMPUTE", "SCHEDULES", "STEP_BYTES", "MemoryEstimate",
            "bytes_per_parameter", "edge_activation_bytes", "estimate", "experts_apart", "in_flight",
            "layer_activation_bytes", "layer_parameter_shapes", "layer_wgrad_bytes", "local_kv_heads",
-           "parameter_memory", "split_backward_states", "stage_chunks", "stage_numel", "stage_parameter_shapes",
-           "state_memory", "zb_states"]
+           "mla_activation_bytes", "mtp_activation_bytes", "parameter_memory", "rope_width", "split_backward_states",
+           "stage_chunks", "stage_numel", "stage_parameter_shapes", "state_memory", "zb_states"]
 
 DP_MODES = tuple(data_parallel.MODES)
 RECOMPUTE = tuple(GRANULARITIES)
@@ -157,7 +160,7 @@ def estimate(config, *, tp, cp=1, pp, dp, micro_batch_size, seq_len, sequence_pa
     e = PRECISIONS[precision]
     # RoPE's cos/sin [s, d], cached across layers (under cp each layer indexes its own: in layer_activation_bytes)
     kept = config.position == "rope" and not recomputes(recompute, "block") and cp == 1
-    rope_tables = 2 * e * seq_len * config.head_dim if kept else 0
+    rope_tables = 2 * e * seq_len * rope_width(config) if kept else 0
     best = None
     # Only the ends can be the largest: pipeline rank 0 holds at least any middle rank's layers (models.stages gives the
     # extra ones to the first stages; with interleaving its chunks are the first of each round), at least as many
@@ -170,6 +173,10 @@ def estimate(config, *, tp, cp=1, pp, dp, micro_batch_size, seq_len, sequence_pa
         alive = in_flight(schedule, pp, stage, virtual_stages, micro_batches)
         edges = sum(edge_activation_bytes(config, first=first, last=last, backend=backend, **shape)
                     for _, _, first, last in chunks)
+        if stage == pp - 1 and config.mtp_num_layers:  # the MTP depths: a block of the last layer's kind each
+            saved += config.mtp_num_layers * layer_bytes[-1]
+            edges += mtp_activation_bytes(config, backend=backend, **shape)
+            layers += config.mtp_num_layers
         activations = int(alive * (saved + edges)) + rope_tables
         # a micro-batch past its B keeps what its W needs until the W (ZB-H1 defers them)
         if schedules.SCHEDULES[schedule].split_backward:

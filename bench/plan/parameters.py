@@ -54,24 +54,57 @@ def layer_parameter_shapes(config, tp, layer=0, *, ep=1, etp=None):
     """[(name, shape)] of TransformerBlock `layer` on a tp rank, as models.block builds it; an MoE layer's MLP is
     tp.moe.MoE's: the router [E, h] whole, E/ep experts sliced F/etp wide (fc1 [E/ep, (2)F/etp, h], fc2 [E/ep, h,
     F/etp], registered `mlp.experts.*`), the shared expert tp-split like the dense MLP (its gate [1, h] whole)."""
-    h, d, ffn = config.hidden_size, config.head_dim, config.ffn_hidden_size
-    qkv_rows = (config.num_heads // tp + 2 * local_kv_heads(config, tp)) * d
+    h, ffn = config.hidden_size, config.ffn_hidden_size
     fc1_rows = (2 if config.activation == "swiglu" else 1) * ffn // tp
-    def norm(name):
-        return [(f"{name}.weight", (h,))] + ([(f"{name}.bias", (h,))] if config.norm == "layernorm" else [])
-
-    shapes = norm("norm1") + [("attention.qkv.weight", (qkv_rows, h))]
-    if config.bias or config.qkv_bias:
-        shapes.append(("attention.qkv.bias", (qkv_rows,)))
-    shapes.append(("attention.proj.weight", (h, config.num_heads * d // tp)))
-    shapes += [("attention.proj.bias", (h,))] if config.bias else []
-    shapes += norm("norm2")
+    shapes = _norm_shapes(config, "norm1") + _attention_shapes(config, tp) + _norm_shapes(config, "norm2")
     if config.is_moe_layer(layer):
         return shapes + _moe_shapes(config, tp, ep, tp if etp is None else etp)
     shapes += [("mlp.fc1.weight", (fc1_rows, h))]
     shapes += [("mlp.fc1.bias", (fc1_rows,))] if config.bias else []
     shapes.append(("mlp.fc2.weight", (h, ffn // tp)))
     shapes += [("mlp.fc2.bias", (h,))] if config.bias else []
+    return shapes
+
+
+def _norm_shapes(config, name):
+    h = config.hidden_size
+    return [(f"{name}.weight", (h,))] + ([(f"{name}.bias", (h,))] if config.norm == "layernorm" else [])
+
+
+def _attention_shapes(config, tp):
+    """[(name, shape)] of a block's attention on a tp rank: GQA's fused QKV and output projection (models.block), or
+    multi-head latent attention's (models.mla): the down-projections and latent RMSNorms whole on every rank, the
+    up-projections column-parallel over heads, the output projection row-parallel."""
+    c, h = config, config.hidden_size
+    if c.multi_latent_attention:
+        heads = c.num_heads // tp
+        if c.q_lora_rank is None:
+            shapes = [("attention.q.weight", (heads * c.qk_head_dim, h))]
+        else:
+            shapes = [("attention.q_down.weight", (c.q_lora_rank, h)), ("attention.q_latent_norm.weight",
+                      (c.q_lora_rank,)), ("attention.q_up.weight", (heads * c.qk_head_dim, c.q_lora_rank))]
+        return shapes + [("attention.kv_down.weight", (c.kv_lora_rank + c.qk_rope_head_dim, h)),
+                         ("attention.kv_latent_norm.weight", (c.kv_lora_rank,)),
+                         ("attention.kv_up.weight", (heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank)),
+                         ("attention.proj.weight", (h, heads * c.v_head_dim))]
+    d = c.head_dim
+    qkv_rows = (c.num_heads // tp + 2 * local_kv_heads(c, tp)) * d
+    shapes = [("attention.qkv.weight", (qkv_rows, h))]
+    shapes += [("attention.qkv.bias", (qkv_rows,))] if c.bias or c.qkv_bias else []
+    shapes.append(("attention.proj.weight", (h, c.num_heads * d // tp)))
+    return shapes + ([("attention.proj.bias", (h,))] if c.bias else [])
+
+
+def _mtp_shapes(config, tp, ep, etp):
+    """[(name, shape)] of the multi-token prediction depths (models.mtp) on the last stage, each a [2h → h]
+    projection whole on every tp rank between two norms, a block of the last layer's kind and its own final norm."""
+    shapes = []
+    for k in range(config.mtp_num_layers):
+        block = [(f"block.{name}", s) for name, s in layer_parameter_shapes(config, tp, config.num_layers - 1,
+                                                                            ep=ep, etp=etp)]
+        depth = _norm_shapes(config, "embedding_norm") + _norm_shapes(config, "hidden_norm") + \
+            [("proj.weight", (config.hidden_size, 2 * config.hidden_size))] + block + _norm_shapes(config, "final_norm")
+        shapes += [(f"mtp.{k}.{name}", s) for name, s in depth]
     return shapes
 
 
@@ -102,12 +135,16 @@ def _edge_shapes(config, tp, first):
     return shapes
 
 
-def _head_shapes(config, tp, first):
+def _head_shapes(config, tp, first, ep=1, etp=None):
+    """[(name, shape)] of the last chunk's head: final norm, output layer and the MTP depths, with the copy of the
+    embedding they read on a last stage without it (models.gpt)."""
     h, padded = config.hidden_size, config.padded_vocab_size(tp)
-    shapes = [("final_norm.weight", (h,))] + ([("final_norm.bias", (h,))] if config.norm == "layernorm" else [])
+    shapes = _norm_shapes(config, "final_norm")
     if not (config.tie_embeddings and first):  # tied on one stage: the embedding's own parameter
         shapes.append(("output.weight", (padded // tp, h)))
-    return shapes
+    if config.mtp_num_layers and not first and not config.tie_embeddings:
+        shapes.append(("embedding.weight", (padded // tp, h)))
+    return shapes + _mtp_shapes(config, tp, ep, etp)
 
 
 def stage_parameter_shapes(config, tp, pp=1, stage=0, virtual_stages=1, *, ep=1, etp=None, split=EVEN):
@@ -120,7 +157,7 @@ def stage_parameter_shapes(config, tp, pp=1, stage=0, virtual_stages=1, *, ep=1,
         for i in range(start, stop):
             shapes += [(f"{prefix}layers.{i - start}.{name}", shape)
                        for name, shape in layer_parameter_shapes(config, tp, i, ep=ep, etp=etp)]
-        shapes += [(prefix + name, shape) for name, shape in _head_shapes(config, tp, first)] if last else []
+        shapes += [(prefix + name, shape) for name, shape in _head_shapes(config, tp, first, ep, etp)] if last else []
     return shapes
 
 
@@ -150,8 +187,8 @@ def _registration(config, tp, chunks, ep=1, etp=None):
             items += [(math.prod(s), False, _is_expert(name))
                       for name, s in layer_parameter_shapes(config, tp, i, ep=ep, etp=etp)]
         if last:
-            items += [(math.prod(s), config.tie_embeddings and name == "output.weight", False)
-                      for name, s in _head_shapes(config, tp, first)]
+            items += [(math.prod(s), config.tie_embeddings and name == "output.weight", _is_expert(name))
+                      for name, s in _head_shapes(config, tp, first, ep, etp)]
     return items
 
 

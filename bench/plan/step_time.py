@@ -42,7 +42,7 @@ the papers count it) / (step time × peak × GPUs); HFU adds the recomputed FLOP
 """
 from dataclasses import dataclass, replace
 
-from models.flops import flops_per_token
+from models.flops import attention_widths, flops_per_token
 
 from .. import roofline as rl
 from . import memory, moe_time, pipeline
@@ -106,11 +106,12 @@ def recompute_flops_per_token(config, seq_len, recompute):
     core_attn module) — the attention core's forward (QKᵀ, PV over the full square, as Korthikanti et al. count it);
     mlp, moe, shared_experts — those modules' forward GEMMs (bench.plan.recompute; the output-discarding modules
     repeat no GEMM)."""
+    logits = 6 * (1 + config.mtp_num_layers) * config.hidden_size * config.vocab_size
     if recomputes(recompute, "block"):
-        return (model_flops_per_token(config, seq_len) - 6 * config.hidden_size * config.vocab_size) / 3
+        return (model_flops_per_token(config, seq_len) - logits) / 3
     h, glu = config.hidden_size, 3 if config.activation == "swiglu" else 2
     moe_layers = sum(config.is_moe_layer(i) for i in range(config.num_layers))
-    flops = 4 * config.num_layers * config.num_heads * config.head_dim * seq_len if recomputes(
+    flops = 2 * config.num_layers * config.num_heads * sum(attention_widths(config)) * seq_len if recomputes(
         recompute, "core_attn") else 0
     if recomputes(recompute, "mlp"):
         flops += 2 * glu * h * config.ffn_hidden_size * (config.num_layers - moe_layers)
@@ -135,12 +136,30 @@ def _collective_time(kind, size, ranks, bandwidth, cluster):
     return rl.Collective(kind, "fwd", size).wire_bytes(ranks) / bandwidth + cluster.device.latency
 
 
+def _attention_gemms(config, plan, tokens):
+    """The attention's GEMMs on one rank: GQA's fused QKV and output projection, or multi-head latent attention's
+    (models.mla): the down-projections whole on every rank (over its T/tp tokens under SP, all T without), the
+    up-projections over the rank's heads, the output projection row-parallel."""
+    c, h, tp = config, config.hidden_size, plan.tp
+    if not c.multi_latent_attention:
+        d, kv = c.head_dim, memory.local_kv_heads(c, tp)
+        return (rl.linear_gemms("qkv", tokens, h, (c.num_heads // tp + 2 * kv) * d)
+                + rl.linear_gemms("proj", tokens, c.num_heads * d // tp, h))
+    heads, rows = c.num_heads // tp, tokens // tp if plan.sp else tokens
+    gemms = rl.linear_gemms("kv_down", rows, h, c.kv_lora_rank + c.qk_rope_head_dim) + \
+        rl.linear_gemms("kv_up", tokens, c.kv_lora_rank, heads * (c.qk_nope_head_dim + c.v_head_dim))
+    if c.q_lora_rank is None:
+        gemms += rl.linear_gemms("q", tokens, h, heads * c.qk_head_dim)
+    else:
+        gemms += rl.linear_gemms("q_down", rows, h, c.q_lora_rank) + \
+            rl.linear_gemms("q_up", tokens, c.q_lora_rank, heads * c.qk_head_dim)
+    return gemms + rl.linear_gemms("proj", tokens, heads * c.v_head_dim, h)
+
+
 def _layer_gemms(config, plan, tokens, moe=False):
-    h, d, tp = config.hidden_size, config.head_dim, plan.tp
-    kv = memory.local_kv_heads(config, tp)
+    h, tp = config.hidden_size, plan.tp
     glu = 2 if config.activation == "swiglu" else 1
-    gemms = (rl.linear_gemms("qkv", tokens, h, (config.num_heads // tp + 2 * kv) * d)
-             + rl.linear_gemms("proj", tokens, config.num_heads * d // tp, h))
+    gemms = _attention_gemms(config, plan, tokens)
     if not moe:
         return gemms + rl.linear_gemms("fc1", tokens, h, glu * config.ffn_hidden_size // tp) + \
             rl.linear_gemms("fc2", tokens, config.ffn_hidden_size // tp, h)
@@ -161,6 +180,11 @@ def _elementwise_bytes(config, plan, tokens, software, e):
         return rows * h * (2 * 2 * e + 2 * (3 * e + 1)) + 2 * e * tokens * config.ffn_hidden_size // plan.tp
     # RMSNorm ×2: upcast (e in, 4 out), statistics (two fp32 passes), downcast (4 in, e out), weight (e in, e out);
     # residual adds ×2 (2 in, 1 out); RoPE on q and k: ~10 passes of e (mul, rotate-half chunks and cat, mul, add)
+    if config.multi_latent_attention:  # RoPE on the rope features of q and the one shared k; q and k concatenated
+        c, heads = config, config.num_heads // plan.tp
+        rope = 10 * e * tokens * (heads + 1) * c.qk_rope_head_dim + 2 * 2 * e * tokens * heads * c.qk_head_dim
+        latents = c.kv_lora_rank + (c.q_lora_rank or 0)  # their RMSNorms, as the block's
+        return rows * h * (2 * (4 * e + 20) + 2 * 3 * e) + rope + rows * latents * (4 * e + 20)
     qk = tokens * (config.num_heads // plan.tp + memory.local_kv_heads(config, plan.tp)) * config.head_dim
     rope = 10 * e * qk if config.position == "rope" else 0
     return rows * h * (2 * (4 * e + 20) + 2 * 3 * e) + rope
@@ -195,15 +219,41 @@ def _tp_comm(config, plan, tokens, cluster, e):
         return 0.0, 0.0
     bandwidth = _bandwidth(cluster, plan.tp)
     times = {"fwd": 0.0, "bwd": 0.0}
-    for c in 2 * rl.pair_collectives(tokens, config.hidden_size, plan.tp, e, sequence_parallel=plan.sp):
+    mlp = rl.pair_collectives(tokens, config.hidden_size, plan.tp, e, sequence_parallel=plan.sp)
+    attention = _mla_collectives(config, plan, tokens, e) if config.multi_latent_attention else mlp
+    for c in attention + mlp:
         times[c.phase] += _collective_time(c.kind, c.size, plan.tp, bandwidth, cluster)
     return times["fwd"], times["bwd"]
 
 
+def _mla_collectives(config, plan, tokens, e):
+    """Multi-head latent attention's tp collectives (models.mla): the latents (q_lora + kv_lora + rope features per
+    token) made whole — an all-gather under SP (backward: a reduce-scatter), else an all-reduce of their gradient —
+    a query projection straight from x (no q_lora_rank) as a column layer, and the output projection's row layer;
+    under SP the replicated down-projections' weight gradients all-reduced over tp."""
+    c, h = config, config.hidden_size
+    latents = e * tokens * ((c.q_lora_rank or 0) + c.kv_lora_rank + c.qk_rope_head_dim)
+    hidden = e * tokens * h
+    if not plan.sp:
+        out = [rl.Collective(rl.ALL_REDUCE, "bwd", latents), rl.Collective(rl.ALL_REDUCE, "fwd", hidden)]
+        return out + ([rl.Collective(rl.ALL_REDUCE, "bwd", hidden)] if c.q_lora_rank is None else [])
+    # the down-projections' weight gradients, summed over tp in backward (sequence_parallel_grad_sync's default)
+    weights = e * h * ((c.q_lora_rank or 0) + c.kv_lora_rank + c.qk_rope_head_dim)
+    out = [rl.Collective(rl.ALL_GATHER, "fwd", latents), rl.Collective(rl.REDUCE_SCATTER, "bwd", latents),
+           rl.Collective(rl.REDUCE_SCATTER, "fwd", hidden), rl.Collective(rl.ALL_GATHER, "bwd", hidden),
+           rl.Collective(rl.ALL_REDUCE, "bwd", weights)]
+    if c.q_lora_rank is None:  # its input gathered forward, re-gathered backward, its gradient reduce-scattered
+        out += [rl.Collective(rl.ALL_GATHER, "fwd", hidden), rl.Collective(rl.ALL_GATHER, "bwd", hidden),
+                rl.Collective(rl.REDUCE_SCATTER, "bwd", hidden)]
+    return out
+
+
 def cp_kv_elements(config, plan, seq_len):
-    """K and V elements of one rank's share per layer and micro-batch: 2·b·s/cp·kv·d (kv: this tp rank's heads).
-    Ring mode sends cp − 1 of them forward, as many again backward plus as many dK/dV (fp32)."""
-    return 2 * plan.micro_batch_size * seq_len // plan.cp * memory.local_kv_heads(config, plan.tp) * config.head_dim
+    """K and V elements of one rank's share per layer and micro-batch: 2·b·s/cp·kv·d (kv: this tp rank's heads; MLA:
+    every head its k and v, both padded to the wider of the q·k and v head widths). Ring mode sends cp − 1 of them
+    forward, as many again backward plus as many dK/dV (fp32)."""
+    return 2 * plan.micro_batch_size * seq_len // plan.cp * memory.local_kv_heads(config, plan.tp) * \
+        max(attention_widths(config))
 
 
 def _cp_comm(config, plan, seq_len, cluster, e, attention):
@@ -307,7 +357,11 @@ def chunk_times(config, plan, seq_len, cluster, software, chunk, layer_times=Non
         lookup = e * rows * config.hidden_size / cluster.device.hbm
         times.fwd += lookup + comm
         _add(times, StageTimes(parts={"elementwise": lookup, "tp_comm": comm}))
-    if last:  # output layer GEMMs, the loss's fp32 softmax over this rank's vocabulary (~4 passes each way)
+    if last and config.mtp_num_layers:
+        _add_mtp(times, config, plan, seq_len, cluster, software, layer_times)
+    if last:  # output layer GEMMs, the loss's fp32 softmax over this rank's vocabulary (~4 passes each way); with
+        # MTP over every depth's tokens at once (models.gpt: one output GEMM for 1 + D depths)
+        tokens *= 1 + config.mtp_num_layers
         head = rl.linear_gemms("logits", tokens, config.hidden_size, config.padded_vocab_size(plan.tp) // plan.tp)
         loss = 16 * tokens * config.padded_vocab_size(plan.tp) // plan.tp / cluster.device.hbm
         comm = 0.0
@@ -320,6 +374,24 @@ def chunk_times(config, plan, seq_len, cluster, software, chunk, layer_times=Non
         _add(times, StageTimes(parts={"gemm": sum(gemm_time(x, cluster, e) for x in head), "elementwise": 2 * loss,
                                       "tp_comm": comm}))
     return times
+
+
+def _add_mtp(times, config, plan, seq_len, cluster, software, layer_times):
+    """The multi-token prediction depths on the last stage (models.mtp), beside their share of the output layer: each
+    a block of the last layer's kind, its [2h → h] projection (whole on every rank: over T/tp tokens under SP, all T
+    without) and the embedding lookup of the tokens it reads."""
+    moe = config.is_moe_layer(config.num_layers - 1)
+    if moe not in layer_times:
+        layer_times[moe] = _layer_times(config, plan, seq_len, cluster, software, moe)
+    e = ELEMENT_SIZE[software.precision]
+    tokens = plan.micro_batch_size * seq_len // plan.cp
+    rows = tokens // plan.tp if plan.sp else tokens
+    proj = [gemm_time(x, cluster, e) for x in rl.linear_gemms("mtp_proj", rows, 2 * config.hidden_size,
+                                                               config.hidden_size)]
+    lookup = e * rows * config.hidden_size / cluster.device.hbm
+    one = StageTimes(proj[0] + lookup, proj[1], proj[2], 0.0, {"gemm": sum(proj), "elementwise": lookup})
+    _add(times, layer_times[moe], config.mtp_num_layers)
+    _add(times, one, config.mtp_num_layers)
 
 
 def stage_times(config, plan, seq_len, cluster, software, stage, layer_times=None):
