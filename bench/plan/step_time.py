@@ -136,7 +136,7 @@ def _collective_time(kind, size, ranks, bandwidth, cluster):
     return rl.Collective(kind, "fwd", size).wire_bytes(ranks) / bandwidth + cluster.device.latency
 
 
-def _attention_gemms(config, plan, tokens):
+def attention_gemms(config, plan, tokens):
     """The attention's GEMMs on one rank: GQA's fused QKV and output projection, or multi-head latent attention's
     (models.mla): the down-projections whole on every rank (over its T/tp tokens under SP, all T without), the
     up-projections over the rank's heads, the output projection row-parallel."""
@@ -159,7 +159,7 @@ def _attention_gemms(config, plan, tokens):
 def _layer_gemms(config, plan, tokens, moe=False):
     h, tp = config.hidden_size, plan.tp
     glu = 2 if config.activation == "swiglu" else 1
-    gemms = _attention_gemms(config, plan, tokens)
+    gemms = attention_gemms(config, plan, tokens)
     if not moe:
         return gemms + rl.linear_gemms("fc1", tokens, h, glu * config.ffn_hidden_size // tp) + \
             rl.linear_gemms("fc2", tokens, config.ffn_hidden_size // tp, h)
@@ -220,13 +220,13 @@ def _tp_comm(config, plan, tokens, cluster, e):
     bandwidth = _bandwidth(cluster, plan.tp)
     times = {"fwd": 0.0, "bwd": 0.0}
     mlp = rl.pair_collectives(tokens, config.hidden_size, plan.tp, e, sequence_parallel=plan.sp)
-    attention = _mla_collectives(config, plan, tokens, e) if config.multi_latent_attention else mlp
+    attention = mla_collectives(config, plan, tokens, e) if config.multi_latent_attention else mlp
     for c in attention + mlp:
         times[c.phase] += _collective_time(c.kind, c.size, plan.tp, bandwidth, cluster)
     return times["fwd"], times["bwd"]
 
 
-def _mla_collectives(config, plan, tokens, e):
+def mla_collectives(config, plan, tokens, e):
     """Multi-head latent attention's tp collectives (models.mla): the latents (q_lora + kv_lora + rope features per
     token) made whole — an all-gather under SP (backward: a reduce-scatter), else an all-reduce of their gradient —
     a query projection straight from x (no q_lora_rank) as a column layer, and the output projection's row layer;
