@@ -38,6 +38,10 @@ The all-gather wins when the blocks are too small to hide anything (latency-boun
 step) and KV is small (GQA); the ring wins when the exposed all-gather of K and V is large (MHA, low W); Ulysses
 moves 4 tensors once per direction whatever cp (each rank's share shrinks with cp), exposed: it wins on fast links
 with many heads, and loses across slow links, where a2a+ring keeps its all-to-alls inside the node.
+
+Then multi-head latent attention against GQA at equal attention parameters (bench/attention_mla.py): modelled at
+--heads-model/--kv-model/--head-dim-model and the first --model-seq, measured at --heads/--kv-heads/--head-dim and
+the shortest --seq.
 """
 import argparse
 import contextlib
@@ -49,16 +53,16 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 import tp
 from tp import context, testing
 
-from .common import at_least, check_out, machine, print_table, round_robin_times, scratch_path, write_json
+from . import attention_mla
+from .common import at_least, check_out, machine, print_table, round_robin_times, scratch_path, step_memory, write_json
 from .roofline import HARDWARE
 
 MODES = tuple(context.MODES)
+memory = step_memory  # (its name here before bench.common held it)
 # A cp ring across nodes sends over each GPU's own NIC: roofline's h100-ib is a node's 8 NICs (400 GB/s), one is 50.
 PROFILES = {"h100-nvlink": HARDWARE["h100-nvlink"], "a100-nvlink": HARDWARE["a100-nvlink"],
             "h100-ib-gpu": dataclasses.replace(HARDWARE["h100-ib"], name="h100-ib-gpu", link=50e9)}
@@ -79,33 +83,6 @@ def measured_modes(cp, heads, kv_heads, a2a_size):
 
 
 # ---- measured ------------------------------------------------------------------------------------------------------
-
-
-class _Largest(TorchDispatchMode):
-    """The byte size of the largest tensor any op returns."""
-
-    def __init__(self):
-        super().__init__()
-        self.bytes = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        sizes = [t.numel() * t.element_size() for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-        self.bytes = max([self.bytes, *sizes])
-        return out
-
-
-def memory(step):
-    """(saved bytes, largest op output bytes) of one step() (see the module docstring)."""
-    saved = {}
-
-    def pack(t):
-        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _Largest() as largest:
-        step()
-    return sum(saved.values()), largest.bytes
 
 
 def _inputs(seq, heads, kv_heads, head_dim, device):
@@ -133,7 +110,7 @@ def _run(attend, inputs, *, iters, warmup, sync):
 
     times = round_robin_times({name: (lambda name=name: step(name)) for name in inputs}, iters=iters, warmup=warmup,
                               sync=sync)
-    result = {name: [times[name], *memory(lambda name=name: step(name))] for name in inputs}
+    result = {name: [times[name], *step_memory(lambda name=name: step(name))] for name in inputs}
     return result, {name: (step(name).detach(), *(t.grad for t in inputs[name][:3])) for name in inputs}
 
 
@@ -295,8 +272,12 @@ def main(argv=None):
         p.error(f"--model-cp {bad[0]}: --heads-model {a.heads_model} must split over it (a2a) and it over "
                 f"--model-a2a-size {a.model_a2a_size} (a2a+ring), heads too")
     measured, modelled = measure(a), model(a)
+    latent = {"model": attention_mla.modelled(a.heads_model * a.head_dim_model, a.heads_model, a.kv_model,
+                                              a.head_dim_model, a.model_seq[0]),
+              "measured": attention_mla.measured(a.heads * a.head_dim, a.heads, a.kv_heads, a.head_dim, min(a.seq),
+                                                 a.iters, a.warmup)}
     payload = {"machine": machine(), "load_average": os.getloadavg(), "args": vars(a), "measured": measured,
-               "model": modelled}
+               "model": modelled, "mla_vs_gqa": latent}
     if a.json:
         print(json.dumps(payload))
     else:
@@ -309,6 +290,11 @@ def main(argv=None):
             hw = PROFILES[name]
             print(f"{name}: ring hides the KV transfer once n >= (Hkv/H)·e·C/W = "
                   f"{hw.element_size * hw.flops_per_link_byte:.0f}·Hkv/H tokens per rank (without α)")
+        print("\nMLA vs GQA at equal attention parameters (bench/attention_mla.py): per layer, bf16, modelled on "
+              f"{latent['model'][0]['hardware']}")
+        print_table(latent["model"], attention_mla.MODEL_COLUMNS)
+        print(f"measured on this CPU: fp32, one thread, median of {a.iters}; MLA's head widths as GQA's")
+        print_table(latent["measured"], attention_mla.MEASURED_COLUMNS)
     with contextlib.redirect_stdout(sys.stderr if a.json else sys.stdout):  # --json: stdout is the JSON alone
         write_json(a.out, payload)
     return 0

@@ -1,4 +1,5 @@
-"""Shared benchmark plumbing: medians, a call timer, a machine description, table printing and JSON output."""
+"""Shared benchmark plumbing: medians, a call timer, a machine description, table printing and JSON output, the
+memory one step saves for backward."""
 import json
 import os
 import platform
@@ -6,6 +7,8 @@ import statistics
 import time
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")  # the committed results
 
@@ -116,3 +119,31 @@ def round_robin_times(steps, *, iters, warmup, sync=lambda: None, reduce=median)
             if i >= warmup:
                 times[name].append(time.perf_counter() - start)
     return {name: reduce(ts) for name, ts in times.items()}
+
+
+class _Largest(TorchDispatchMode):
+    """The byte size of the largest tensor any op returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        sizes = [t.numel() * t.element_size() for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        self.bytes = max([self.bytes, *sizes])
+        return out
+
+
+def step_memory(step):
+    """(saved bytes, largest op output bytes) of one step(): the distinct storages autograd saves for backward
+    (saved_tensors_hooks; inputs included), and the largest tensor any op returns in forward or backward."""
+    saved = {}
+
+    def pack(t):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _Largest() as largest:
+        step()
+    return sum(saved.values()), largest.bytes

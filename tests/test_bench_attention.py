@@ -1,6 +1,6 @@
 """bench.attention at its smallest: it runs end to end, writes the JSON it promises, every mode agrees with the ring;
 the model's formulas: equal compute in every mode, the transfer hidden exactly from the documented threshold on,
-Ulysses' all-to-all volume independent of cp."""
+Ulysses' all-to-all volume independent of cp; MLA against GQA at equal attention parameters."""
 import dataclasses
 import json
 import math
@@ -8,7 +8,9 @@ import re
 
 import pytest
 
-from bench import attention
+from bench import attention, attention_mla
+from bench.plan.hardware import CLUSTERS
+from models.flops import attention_params
 
 
 def test_attention_benchmark_runs_and_the_modes_agree(tmp_path, capsys):
@@ -37,6 +39,28 @@ def test_attention_benchmark_runs_and_the_modes_agree(tmp_path, capsys):
     for row in result["model"]:
         times = {mode: row[f"{mode.replace('+', '_')}_ms"] for mode in attention.MODES}
         assert row["winner"] == min(times, key=times.get) and min(times.values()) > row["compute_ms"] > 0
+    # MLA vs GQA: modelled at 32/8 heads of 128 (h 4096), measured at 4/1 heads of 4 (h 16) over 16 tokens
+    latent = result["mla_vs_gqa"]
+    assert [r["attention"] for r in latent["model"]] == [r["attention"] for r in latent["measured"]] == ["GQA", "MLA"]
+    for row in latent["model"] + latent["measured"]:
+        assert row["saved_kib_per_token"] > 0 and row.get("ms", 1) > 0 and row.get("modelled_ms", 1) > 0
+    gqa, mla = latent["model"]
+    assert abs(mla["params_m"] - gqa["params_m"]) < 0.02 * gqa["params_m"]
+    assert mla["kv_cache_bytes"] < gqa["kv_cache_bytes"] == 2 * 8 * 128 * 2
+
+
+def test_mla_is_scaled_to_the_gqa_layer_parameters():
+    """DeepSeek-V3's latent ranks scaled to h (1536/7168·h, 512/7168·h in multiples of 32), its head widths kept, the
+    head count the one closest in attention weights; FLOPs per token 6·weights + 6·heads·(192 + 128)·S, as
+    models.flops counts; the KV cache the latent and the RoPE key."""
+    gqa = attention_mla.gqa_config(4096, 32, 8, 128, seq=8192)
+    mla = attention_mla.mla_config(gqa)
+    assert (mla.q_lora_rank, mla.kv_lora_rank, mla.qk_head_dim, mla.v_head_dim) == (864, 288, 192, 128)
+    weights = [attention_params(mla.replace(num_heads=n, num_kv_heads=None)) for n in (mla.num_heads - 1, mla.num_heads + 1)]
+    assert all(abs(w - attention_params(gqa)) >= abs(attention_params(mla) - attention_params(gqa)) for w in weights)
+    row = attention_mla.compared_row("MLA", mla, 8192, CLUSTERS["h100-sxm"])
+    assert row["gflops_per_token"] * 1e9 == pytest.approx(6 * attention_params(mla) + 6 * mla.num_heads * 320 * 8192)
+    assert row["kv_cache_bytes"] == 2 * (288 + 64)
 
 
 def test_model_compute_is_the_same_in_both_modes_and_the_transfer_hides_from_the_threshold():

@@ -77,20 +77,16 @@ def layer_activation_bytes(config, *, tp, cp=1, micro_batch_size, seq_len, seque
     `backend` "te" what a Megatron-Core layer on Transformer Engine saves in its place. `recompute_modules`: what
     "selective" recomputes (models.recompute.MODULES names; None: core_attn)."""
     e = PRECISIONS[precision]
-    h, d, f = config.hidden_size, config.head_dim, config.ffn_hidden_size
+    h, f = config.hidden_size, config.ffn_hidden_size
     tokens = micro_batch_size * seq_len // cp
     rows = tokens // tp if sequence_parallel else tokens  # the residual stream's tokens
     parts = block_parts(recompute, recompute_modules)
     if "block" in parts:
         return e * rows * h
-    heads, kv = config.num_heads // tp, local_kv_heads(config, tp)
-    te = backend == "te"
+    heads, te = config.num_heads // tp, backend == "te"
     norm = e * rows * h if "norm" in parts else norm_activation_bytes(config, rows, precision, backend)
-    if config.multi_latent_attention:
-        attention = mla_activation_bytes(config, tp=tp, cp=cp, tokens=tokens, rows=rows, precision=precision)
-    else:
-        roped = heads + kv if config.position == "rope" and not te else 0  # RoPE writes q and k anew; TE's fused not
-        attention = e * tokens * d * ((heads + 2 * kv) + roped + heads)
+    attention = attention_activation_bytes(config, tp=tp, cp=cp, tokens=tokens, rows=rows, precision=precision,
+                                           backend=backend)
     attention += 0 if "core" in parts else 4 * tokens * heads
     if cp > 1 and config.position == "rope" and not te:  # cos/sin gathered at this rank's positions, per layer
         attention += 2 * e * tokens // micro_batch_size * rope_width(config)
@@ -106,6 +102,17 @@ def layer_activation_bytes(config, *, tp, cp=1, micro_batch_size, seq_len, seque
         mlp = e * tokens * ((2 if config.activation == "swiglu" else 1) * f // tp + f // tp)
     masks = 2 * rows * h if config.dropout else 0
     return 2 * norm + attention + mlp + masks
+
+
+def attention_activation_bytes(config, *, tp, cp=1, tokens, rows, precision, backend="triton"):
+    """What the attention saves per micro-batch on one rank beside the log-sum-exp and the norms (the module
+    docstring): GQA's fused qkv, RoPE's q and k, the output; or multi-head latent attention's
+    (mla_activation_bytes)."""
+    if config.multi_latent_attention:
+        return mla_activation_bytes(config, tp=tp, cp=cp, tokens=tokens, rows=rows, precision=precision)
+    heads, kv = config.num_heads // tp, local_kv_heads(config, tp)
+    roped = heads + kv if config.position == "rope" and backend != "te" else 0  # RoPE writes q and k anew; TE's not
+    return PRECISIONS[precision] * tokens * config.head_dim * ((heads + 2 * kv) + roped + heads)
 
 
 def rope_width(config):
