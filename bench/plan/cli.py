@@ -239,9 +239,10 @@ def print_plans(rows, config, args, cluster, count):
     """The model and cluster line, the table of plans, and the best plan's time and memory breakdown."""
     experts = (f", {config.num_experts} experts top-{config.moe_router_topk} ffn {config.moe_ffn_hidden_size} "
                f"({best_params(rows)})") if config.num_experts else ""
+    mtp = f", {config.mtp_num_layers} MTP depth(s)" if config.mtp_num_layers else ""
     print(f"{args.model or args.hf_config or 'model'}: {config.num_layers} layers, hidden {config.hidden_size}, "
-          f"{config.num_heads}/{config.num_kv_heads} heads, ffn {config.ffn_hidden_size} ({config.activation}), "
-          f"vocab {config.vocab_size}{experts}; seq {args.seq_len}, global batch {args.global_batch_size}; "
+          f"{attention_shape(config)}, ffn {config.ffn_hidden_size} ({config.activation}), "
+          f"vocab {config.vocab_size}{experts}{mtp}; seq {args.seq_len}, global batch {args.global_batch_size}; "
           f"{args.gpus} x {cluster.name} ({cluster.device.gpus_per_node} per node); {len(rows)} of {count} plans fit"
           + (f"; priced as {SOFTWARE[args.software].describe()}" if args.software != "ours" else ""))
     shown = rows[:args.top] if args.top else rows
@@ -252,6 +253,15 @@ def print_plans(rows, config, args, cluster, count):
           f"{best['micro_batches']} micro-batches, slowest stage {best['slowest_stage']}); memory "
           + ", ".join(f"{k} {best['memory'][k] / 1e9:.2f}" for k in ("params", "grads", "optimizer", "activations",
                                                                        "transient")) + " GB")
+
+
+def attention_shape(config):
+    """The header's attention: "a/k heads", or multi-head latent attention's heads, widths and latent ranks."""
+    c = config
+    if not c.multi_latent_attention:
+        return f"{c.num_heads}/{c.num_kv_heads} heads"
+    return (f"{c.num_heads} MLA heads (q·k {c.qk_head_dim}, v {c.v_head_dim}; latents q {c.q_lora_rank or 'none'}, "
+            f"kv {c.kv_lora_rank} + rope {c.qk_rope_head_dim})")
 
 
 def best_params(rows):
