@@ -56,7 +56,8 @@ def test_mla_is_scaled_to_the_gqa_layer_parameters():
     gqa = attention_mla.gqa_config(4096, 32, 8, 128, seq=8192)
     mla = attention_mla.mla_config(gqa)
     assert (mla.q_lora_rank, mla.kv_lora_rank, mla.qk_head_dim, mla.v_head_dim) == (864, 288, 192, 128)
-    weights = [attention_params(mla.replace(num_heads=n, num_kv_heads=None)) for n in (mla.num_heads - 1, mla.num_heads + 1)]
+    weights = [attention_params(mla.replace(num_heads=n, num_kv_heads=None))
+               for n in (mla.num_heads - 1, mla.num_heads + 1)]
     assert all(abs(w - attention_params(gqa)) >= abs(attention_params(mla) - attention_params(gqa)) for w in weights)
     row = attention_mla.compared_row("MLA", mla, 8192, CLUSTERS["h100-sxm"])
     assert row["gflops_per_token"] * 1e9 == pytest.approx(6 * attention_params(mla) + 6 * mla.num_heads * 320 * 8192)

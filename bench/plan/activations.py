@@ -17,6 +17,7 @@ RMSNorm's fp32 statistics:
   dropout    p > 0: a 1-byte mask per residual dropout (2·T'h)
   cp > 1     the same tensors on s/cp tokens (ring and all-gather attention keep q, k, v, output and lse of this
              rank's share), plus cos/sin gathered at its positions per layer (2·e·s/cp·d)
+  MLA        in place of the attention line: mla_activation_bytes (models.mla's tensors, per tensor as above)
   full recompute: the block input only, e·T'h (plus one block recomputed at a time: `transient`)
   recompute modules (selective, `recompute_modules`: models/recompute.py): core_attn drops the lse; mlp a dense
              MLP's activations, moe an MoE layer's MLP's, shared_experts the shared expert's (each keeps its input, the
@@ -24,7 +25,8 @@ RMSNorm's fp32 statistics:
              (e·T'h) in place of the norm's tensors and its output (which the next linear no longer keeps)
 Per micro-batch and stage: token ids (8 B) and the embedding's mask; on the last stage the final norm, the loss's
 fp32 softmax over this rank's real vocabulary columns, targets and masks; on other stages the output kept for the
-backward send (e·T'h, not a saved tensor but held by the runner). RoPE's cos/sin tables once per stage.
+backward send (e·T'h, not a saved tensor but held by the runner); with MTP on the last stage each depth's block and
+mtp_activation_bytes. RoPE's cos/sin tables once per stage.
 In flight (micro-batches whose activations are alive at once, stage i of p): 1F1B and ZB-H1 min(p − i, m), GPipe m,
 interleaved (p − i − 1)·2 + (v − 1)·p + 1 chunks of 1/v stage each (Megatron's warm-up; rank 0: p + (p − 1)/v);
 each equal to tp.pipeline.schedules' simulated peak (tests). ZB-H1 also keeps, from a micro-batch's B to its W, every

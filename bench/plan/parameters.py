@@ -6,8 +6,11 @@ implementation's optimizer keeps per rank.
 Parameters: the exact shapes models.GPT builds on a stage (tests compare them with a real stage): fused QKV with
 kv heads replicated when fewer than tp, SwiGLU's fused gate/up, the vocabulary padded to a multiple of
 tp·make_vocab_size_divisible_by, norms and row biases whole on every tp rank, a tied output weight counted once where
-both ends share a stage. Under cp every rank holds them all. Stages hold the layers and chunks models.stages places:
-with v virtual stages rank r holds chunks c·pp + r (Megatron's interleaving).
+both ends share a stage; multi-head latent attention's down-projections and latent norms whole on every tp rank,
+its up-projections over the rank's heads (models.mla); the MTP depths (models.mtp) and, on a last stage without the
+embedding, the copy of it they read, after the output layer. Under cp every rank holds them all. Stages hold the
+layers and chunks models.stages places: with v virtual stages rank r holds chunks c·pp + r (Megatron's
+interleaving).
 
 Bytes per parameter (the mixed-precision table of the ZeRO paper, Rajbhandari et al. 2020 §3.1, as Megatron's
 distributed-optimizer doc gives it; d = dp·cp ranks share the optimizer, as Megatron's distributed optimizer shards

@@ -23,6 +23,11 @@ Per micro-batch and stage (T = b·s/cp tokens per rank, T' = T/tp under SP, e by
 - Recompute (bench.plan.recompute): full adds every block's forward again; selective (core_attn) the attention
   core's (materialized: with its softmax); the other modules their own forward: layernorm the norms' traffic, mlp,
   moe and shared_experts their GEMMs (moe: with its dispatch), moe_act the activation's traffic.
+- Multi-head latent attention (models.mla): its down-projections (replicated: over T' rows, T without SP), up-
+  projections over the rank's heads and output projection as GEMMs; the core at q·k and v widths of their own
+  (models.flops.attention_widths); tp collectives on the latents (mla_collectives), cp K/V at the wider head.
+- Multi-token prediction (models.mtp) on the last stage: each depth's block, projection and lookup, and the output
+  layer and loss over (1 + D)× the tokens.
 - Mixture-of-experts layers (ep, etp; bench.plan.moe_time): the router GEMM over E outputs, the experts as one
   grouped GEMM over the busiest rank's slots, the shared expert as a dense MLP; the dispatch and combine over NVLink
   and the NIC at once (node-aware; DeepEP's per-node deduplication), the permutation's and router's traffic, the
