@@ -46,7 +46,7 @@ statistics (mean and rstd, RMSNorm rstd); fused RoPE keeps no rotated copy (its 
 computed once per forward); the attention kernel keeps q, k, v, its output (also the projection's input) and the
 fp32 log-sum-exp per head and token (dropped by selective recompute); the MLP its pre-activation and activation
 output. What this package saves beyond that: an fp32 copy of each RMSNorm input, RoPE's rotated q and k, and under
-cp per-layer cos/sin. The MoE layer and the loss are counted as this package's (not re-derived for Megatron's).
+cp per-layer cos/sin. The MoE layer, MLA and the loss are counted as this package's (not re-derived for Megatron's).
 """
 import functools
 
