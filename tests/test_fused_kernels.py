@@ -1,0 +1,118 @@
+"""The fused kernels of issue 37 (RMSNorm with the residual add, the vocab-parallel loss chunked over tokens) against
+the torch code they replace: the kernels under the interpreter (compiled on a GPU) in fp32 and fp64, forward and
+backward; the default backend keeps torch on CPU; and the model at tp 2 with sequence parallelism equals itself with
+the fused path, forward and every gradient."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernels
+import models
+import tp
+from kernels import triton_ops
+from tp.testing import distributed
+
+from .helpers import assert_close, randn
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _torch_rms_norm(x, weight, eps, residual=None):
+    """models.Norm's torch code (Hugging Face's RMSNorm) after the residual add."""
+    total = x if residual is None else residual + x
+    return weight * F.rms_norm(total.float(), total.shape[-1:], eps=eps).to(total.dtype), total
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.float64, 1e-5), (torch.bfloat16, 0.07)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_kernel_matches_torch_forward_and_backward(dtype, atol, with_residual):
+    """Statistics in fp32 for every dtype, as Hugging Face's (fp64 too: the torch code's rounding, hence 1e-5); a
+    hidden size off the power of two (masks) and more rows than one program takes; both outputs' gradients."""
+    from kernels import rms_norm
+
+    x, residual = (randn(9, 2, 40, seed=s, dtype=dtype, requires_grad=True) for s in (0, 1))
+    weight = (randn(40, seed=2, dtype=dtype) + 1).requires_grad_()
+    residual = residual if with_residual else None
+    grad_out, grad_sum = randn(9, 2, 40, seed=3, dtype=dtype), randn(9, 2, 40, seed=4, dtype=dtype)
+    results = []
+    for fn in (lambda: rms_norm.rms_norm(x, weight, 1e-5, residual=residual), lambda: _torch_rms_norm(
+            x, weight, 1e-5, residual)):
+        out, total = fn()
+        leaves = [t for t in (x, weight, residual) if t is not None]
+        grads = torch.autograd.grad((out, total) if with_residual else (out,),
+                                    leaves, (grad_out, grad_sum) if with_residual else (grad_out,))
+        results.append((out, total, *grads))
+    for name, fused, expected in zip(("out", "residual", "dx", "dweight", "dresidual"), *results):
+        assert fused.dtype == expected.dtype, name
+        assert_close(fused, expected, atol * (4 if name == "dweight" else 1), name)  # (dweight: a sum of 18 rows)
+
+
+def test_fused_kernels_run_only_where_chosen():
+    """The default ("auto") keeps torch for CPU tensors (the suite's numbers), "triton" runs the kernels."""
+    norm, x = models.norm.Norm("rmsnorm", 24, 1e-6), randn(3, 24, seed=0, dtype=torch.float32)
+    before = triton_ops.LAUNCHES["rms_norm_forward"]
+    with kernels.use_backend("auto"):
+        assert kernels.ops.fused_kernels(torch.device(DEVICE)) == (DEVICE == "cuda")
+        plain = norm(x)
+    with kernels.use_backend("torch"):
+        assert not kernels.ops.fused_kernels(torch.device(DEVICE))
+    assert triton_ops.LAUNCHES["rms_norm_forward"] == before + (DEVICE == "cuda")
+    with kernels.use_backend("triton"):
+        assert kernels.ops.fused_kernels(torch.device(DEVICE))
+        fused, total = norm.add_forward(x, torch.zeros_like(x))
+    assert triton_ops.LAUNCHES["rms_norm_forward"] == before + 1 + (DEVICE == "cuda")
+    assert_close(fused, plain, 1e-6) and torch.equal(total, x)
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float64, 1e-12), (torch.float32, 2e-6)])
+@distributed(world_size=2)
+def test_vocab_parallel_loss_kernels_match_torch_at_tp2(dtype, atol):
+    """Padding columns (vocab 37 of 2 x 20, rank 1 holding 17 real ones), an ignored token, label smoothing, a
+    masked row (all -inf but one column), fp64 exact: the loss and the logits' gradient of both paths."""
+    mesh = tp.init_mesh(tp=2)
+    logits = randn(7, 40, seed=0, dtype=dtype)
+    logits[0] = -torch.inf
+    logits[0, 5] = 2.0
+    targets = torch.randint(0, 37, (7,), generator=torch.Generator().manual_seed(1))
+    targets[0], targets[3] = 5, -100
+    shard = logits.chunk(2, -1)[mesh.tp_rank]
+    for smoothing in (0.0, 0.1):
+        results, before = [], triton_ops.LAUNCHES["vocab_grad"]
+        for backend in ("triton", "torch"):
+            x = shard.clone().requires_grad_()
+            with kernels.use_backend(backend):
+                loss = tp.vocab_parallel_cross_entropy(x, targets, label_smoothing=smoothing, vocab_size=37,
+                                                       reduction="none")
+                (loss * torch.arange(7, dtype=dtype)).sum().backward()
+            results.append((loss, x.grad))
+        assert triton_ops.LAUNCHES["vocab_grad"] == before + 1
+        if smoothing:  # the masked row's -inf logits: an infinite smoothed loss on both paths
+            assert results[0][0][0] == results[1][0][0] == torch.inf
+        assert_close(results[0][0][bool(smoothing):], results[1][0][bool(smoothing):], atol, f"loss {smoothing}")
+        assert_close(results[0][1], results[1][1], atol, f"grad, smoothing {smoothing}")
+        if mesh.tp_rank == 1:
+            assert not results[0][1][:, 17:].any()  # padding columns
+
+
+@distributed(world_size=2)
+def test_gpt_with_the_fused_path_equals_the_torch_path_at_tp2_with_sp():
+    """The whole model (RMSNorm with the residual add fused, the loss's kernels, and, on "triton", the matmul
+    kernels) at tp 2 with sequence parallelism: the loss and every gradient equal the torch backend's."""
+    tp.init_mesh(tp=2)
+    config = models.GPTConfig(vocab_size=50, hidden_size=16, num_heads=4, num_kv_heads=2, ffn_hidden_size=24,
+                              num_layers=2, sequence_parallel=True, activation="swiglu")
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randint(0, 50, (2, 8), generator=g), torch.randint(0, 50, (2, 8), generator=g)
+    results, before = [], dict(triton_ops.LAUNCHES)
+    for backend in ("triton", "torch"):
+        torch.manual_seed(0)
+        model = models.GPT(config)
+        with kernels.use_backend(backend):
+            loss = model(x, y)
+            loss.backward()
+        results.append((loss, {n: p.grad for n, p in model.named_parameters()}))
+    for name in ("rms_norm_forward", "rms_norm_backward", "vocab_stats", "vocab_grad"):
+        assert triton_ops.LAUNCHES[name] > before.get(name, 0), name
+    assert_close(results[0][0], results[1][0], 1e-5, "loss")
+    for name, grad in results[1][1].items():
+        assert_close(results[0][1][name], grad, 1e-5, name)
