@@ -237,9 +237,9 @@ def section_suite(out: Path, on_gpu: bool) -> dict:
 
 
 def section_mfu(out: Path, on_gpu: bool) -> dict:
-    from bench.gpu_sections import mfu
+    from bench.mfu import gpu_check_section
 
-    return mfu(on_gpu, out)
+    return gpu_check_section(on_gpu, out)
 
 
 def section_gpt_step(out: Path, on_gpu: bool) -> dict:

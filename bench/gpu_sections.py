@@ -1,4 +1,4 @@
-"""The measuring sections of bench.gpu_check that run in-process: the one-GPU GPT step, the square GEMM and MFU."""
+"""The measuring sections of bench.gpu_check that run in-process: the one-GPU GPT step and the square GEMM."""
 import math
 import time
 
@@ -94,27 +94,3 @@ def square_gemm(sizes=(4096, 8192)) -> dict:
         rows[str(n)] = {"triton_tflops": round(2 * n**3 / ours / 1e9, 1),
                         "cublas_tflops": round(2 * n**3 / cublas / 1e9, 1), "triton_vs_cublas": round(cublas / ours, 3)}
     return rows
-
-
-# Llama-3.2-1B's shape (its config.json on the Hugging Face hub: hidden 2048, 16 layers, 32 heads / 8 kv heads, ffn
-# 8192, vocab 128256), trained at 4096 tokens a sequence
-LLAMA_1B = dict(hidden="2048", layers="16", heads="32", kv_heads="8", ffn="8192", vocab="128256")
-
-
-def mfu(on_gpu: bool, out) -> dict:
-    """bench.mfu's rows: the whole training step of the 1B shape in bf16 on the torch backend, on "auto" (the fused
-    kernels), and "auto" with compiled blocks; the CPU smoke: the tiny preset, eager rows only."""
-    from bench import mfu as bench_mfu
-
-    if on_gpu:
-        shape = [f"--{k.replace('_', '-')}={v}" for k, v in LLAMA_1B.items()]
-        flags = ["--model", "llama3-8b", *shape, "--seq-len", "4096", "--steps", "4", "--warmup", "2", "--rows",
-                 "torch", "auto", "auto+compile"]
-    else:
-        flags = ["--model", "tiny", "--layers", "2", "--seq-len", "16", "--steps", "1", "--warmup", "0", "--rows",
-                 "torch", "auto"]
-    rows = bench_mfu.main([*flags, "--out", str(out / "mfu.json")])
-    details = {r["row"]: {k: v for k, v in r.items() if k != "row"} for r in rows}
-    if not on_gpu:
-        details["compiled"] = "skipped (no CUDA)"
-    return {**details, "ok": all(r["tokens_per_s"] > 0 for r in rows)}
