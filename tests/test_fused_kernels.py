@@ -1,7 +1,7 @@
-"""The fused kernels of issue 37 (RMSNorm with the residual add, the vocab-parallel loss chunked over tokens) against
-the torch code they replace: the kernels under the interpreter (compiled on a GPU) in fp32 and fp64, forward and
-backward; the default backend keeps torch on CPU; and the model at tp 2 with sequence parallelism equals itself with
-the fused path, forward and every gradient."""
+"""The fused kernels of issue 37 (RMSNorm with the residual add, RoPE, the vocab-parallel loss chunked over tokens)
+against the torch code they replace: the kernels under the interpreter (compiled on a GPU) in fp32 and fp64, forward
+and backward; the default backend keeps torch on CPU; and the model at tp 2 with sequence parallelism equals itself
+with the fused path, forward and every gradient."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -45,6 +45,35 @@ def test_rms_norm_kernel_matches_torch_forward_and_backward(dtype, atol, with_re
     for name, fused, expected in zip(("out", "residual", "dx", "dweight", "dresidual"), *results):
         assert fused.dtype == expected.dtype, name
         assert_close(fused, expected, atol * (4 if name == "dweight" else 1), name)  # (dweight: a sum of 18 rows)
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-6), (torch.float64, 1e-14)])
+def test_rope_kernel_matches_torch_in_every_layout(dtype, atol):
+    """models.rotary with the kernel (forced "triton") vs torch: full rotation from the tables, per-token positions
+    (documents), a context-parallel shard's positions, a partial rotation (GLM's half) and interleaved pairs
+    (DeepSeek's); q and k heads of a non-contiguous [b, n, s, d] view; forward and the input's gradient."""
+    from types import SimpleNamespace
+
+    from models.rope import rotary
+
+    base = randn(6, 2, 5 * 12, seed=0, dtype=dtype).view(6, 2, 5, 12).permute(1, 2, 0, 3)  # [b, n, s, d] view
+    grad = randn(2, 5, 6, 12, seed=1, dtype=dtype)
+    layouts = [(dict(), None), (dict(), torch.tensor([[0, 1, 2, 0, 1, 2], [0, 1, 2, 3, 4, 5]])),
+               (dict(), (torch.tensor([2, 3, 8, 9, 10, 11]), 12)), (dict(rotary_percent=0.5), None),
+               (dict(rope_interleave=True, rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                         "original_max_position_embeddings": 8}), None)]
+    for options, positions in layouts:
+        config = SimpleNamespace(**{"rotary_percent": 1.0, "rope_interleave": False, "rope_theta": 100.0,
+                                    "rope_scaling": None, **options})
+        results, before = [], triton_ops.LAUNCHES["rope"]
+        for backend in ("triton", "torch"):
+            x = base.detach().requires_grad_()
+            with kernels.use_backend(backend):
+                out = rotary(x, config, positions)
+                results.append((out, *torch.autograd.grad(out, x, grad)))
+        assert triton_ops.LAUNCHES["rope"] == before + 2, options  # forward and backward
+        for fused, expected in zip(*results):
+            assert_close(fused, expected, atol, f"{options} {positions is not None}")
 
 
 def test_fused_kernels_run_only_where_chosen():
@@ -96,7 +125,7 @@ def test_vocab_parallel_loss_kernels_match_torch_at_tp2(dtype, atol):
 
 @distributed(world_size=2)
 def test_gpt_with_the_fused_path_equals_the_torch_path_at_tp2_with_sp():
-    """The whole model (RMSNorm with the residual add fused, the loss's kernels, and, on "triton", the matmul
+    """The whole model (RMSNorm with the residual add fused, RoPE, the loss's kernels, and, on "triton", the matmul
     kernels) at tp 2 with sequence parallelism: the loss and every gradient equal the torch backend's."""
     tp.init_mesh(tp=2)
     config = models.GPTConfig(vocab_size=50, hidden_size=16, num_heads=4, num_kv_heads=2, ffn_hidden_size=24,
@@ -111,8 +140,35 @@ def test_gpt_with_the_fused_path_equals_the_torch_path_at_tp2_with_sp():
             loss = model(x, y)
             loss.backward()
         results.append((loss, {n: p.grad for n, p in model.named_parameters()}))
-    for name in ("rms_norm_forward", "rms_norm_backward", "vocab_stats", "vocab_grad"):
+    for name in ("rms_norm_forward", "rms_norm_backward", "rope", "vocab_stats", "vocab_grad"):
         assert triton_ops.LAUNCHES[name] > before.get(name, 0), name
     assert_close(results[0][0], results[1][0], 1e-5, "loss")
     for name, grad in results[1][1].items():
         assert_close(results[0][1][name], grad, 1e-5, name)
+
+
+def test_fused_kernels_compile_as_one_op_each_without_breaks():
+    """torch.compile (fullgraph) of RMSNorm with the residual add and RoPE on the fused path: each a custom op, the
+    compiled loss and gradient those of eager."""
+    from models.rope import rope
+
+    norm = models.norm.Norm("rmsnorm", 32, 1e-6)
+
+    def loss(x, residual, q):
+        normed, total = norm.add_forward(x, residual)
+        return normed.sum() + total.pow(2).sum() + rope(q, 100.0).pow(2).sum()
+
+    x, residual = randn(4, 32, seed=0, dtype=torch.float32, requires_grad=True), randn(4, 32, seed=1,
+                                                                                        dtype=torch.float32)
+    q = randn(1, 2, 4, 8, seed=2, dtype=torch.float32, requires_grad=True)
+    with kernels.use_backend("triton"):
+        eager = loss(x, residual, q)
+        grads = torch.autograd.grad(eager, (x, q))
+        before = dict(triton_ops.LAUNCHES)
+        compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")(x, residual, q)
+        compiled_grads = torch.autograd.grad(compiled, (x, q))
+    assert triton_ops.LAUNCHES["rope"] > before["rope"] and triton_ops.LAUNCHES["rms_norm_backward"] > \
+        before["rms_norm_backward"]
+    assert_close(compiled, eager, 1e-5, "loss")
+    for got, want in zip(compiled_grads, grads):
+        assert_close(got, want, 1e-6, "grad")

@@ -2,7 +2,9 @@
 
 Forward: one all-gather of four [tokens]-sized numbers per rank (its max logit, its sum of exps below that max,
 the target logit if it holds it, and, for label smoothing, its sum of logits), combined into the log-sum-exp on
-every rank (Megatron uses three all-reduces). Backward: local, softmax − smoothed one-hot.
+every rank (Megatron uses three all-reduces). Backward: local, softmax − smoothed one-hot. Where the fused kernels
+run (kernels.ops.fused_kernels: CUDA under "auto"), kernels/cross_entropy.py computes the local numbers and the
+gradient token by token from the logits, never holding the shard's fp32 softmax.
 """
 import torch
 import torch.distributed as dist
@@ -142,7 +144,7 @@ def vocab_parallel_cross_entropy(
     "mean" averages over non-ignored tokens (nan when every token is ignored, with zero gradients, like
     F.cross_entropy). The math runs, and the loss is returned, in fp32 for 16-bit logits (fp64 stays fp64); the
     gradient has the logits' dtype. The input is never modified; backward keeps the local softmax [..., V/tp] (in
-    the math dtype), as Megatron does.
+    the math dtype), as Megatron does, or, where the fused kernels run, the logits and log Z only.
     Collectives: one all-gather of [3 or 4, ...] per rank forward, none backward.
     """
     group = resolve_group(group)
