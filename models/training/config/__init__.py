@@ -143,9 +143,8 @@ class JobConfig:
         parallel = self.parallelism
         discarding = parallel.recompute == "selective" and recompute_parts(
             "selective", tuple(parallel.recompute_modules or ())) & OUTPUT_DISCARDING
-        split = schedules.SCHEDULES[parallel.schedule].split_backward if parallel.schedule in schedules.SCHEDULES \
-            else False
-        return not (discarding or split)
+        kind = schedules.SCHEDULES.get(parallel.schedule)  # (an unknown one: refused by validate)
+        return not (discarding or (kind is not None and kind.split_backward))
 
     def _validate_watching(self) -> None:
         """The profile window within the run, the profiled ranks within the world."""
