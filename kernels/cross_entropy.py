@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from .configs import INTERPRET
+from .rms_norm import warps
 from .triton_ops import LAUNCHES
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -94,7 +95,8 @@ def _stats(logits: torch.Tensor, targets: torch.Tensor, real: int, smoothing: bo
         LAUNCHES["vocab_stats"] += 1
         with _device(logits):
             _vocab_stats_kernel[(tokens,)](logits, targets, stats, tokens, real, logits.shape[1],
-                                           SMOOTHING=smoothing, FP64=fp64, BLOCK=_block(real))
+                                           SMOOTHING=smoothing, FP64=fp64, BLOCK=_block(real),
+                                           num_warps=warps(_block(real)))
     return stats
 
 
@@ -109,7 +111,7 @@ def _grad(logits: torch.Tensor, targets: torch.Tensor, log_z: torch.Tensor, grad
         with _device(logits):
             _vocab_grad_kernel[(logits.shape[0], triton.cdiv(logits.shape[1], block))](
                 logits, targets, log_z, grad_loss, out, constants, real, logits.shape[1],
-                FP64=logits.dtype == torch.float64, BLOCK=block)
+                FP64=logits.dtype == torch.float64, BLOCK=block, num_warps=warps(block))
     return out
 
 

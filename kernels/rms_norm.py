@@ -76,6 +76,12 @@ def _launch_shape(rows, hidden):
     return block, per_program, triton.cdiv(rows, per_program)
 
 
+def warps(elements: int) -> int:
+    """Warps for a program holding `elements` values per tensor (Liger-Kernel's calculate_settings: wide rows spill
+    registers at 4 warps)."""
+    return 32 if elements >= 32768 else 16 if elements >= 8192 else 8 if elements >= 2048 else 4
+
+
 def _device(t):
     if not t.is_cuda and not INTERPRET:
         raise RuntimeError("Triton kernels on CPU tensors need TRITON_INTERPRET=1 set before kernels.rms_norm is "
@@ -97,7 +103,8 @@ def _forward(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
         with _device(x):
             _rms_norm_forward_kernel[(programs,)](x, residual if residual is not None else x, weight, out, total,
                                                   rstd, rows, hidden, eps, HAS_RESIDUAL=residual is not None,
-                                                  FP64=fp64, ROWS=per_program, BLOCK=block)
+                                                  FP64=fp64, ROWS=per_program, BLOCK=block,
+                                                  num_warps=warps(per_program * block))
     return out, total, rstd
 
 
@@ -116,7 +123,7 @@ def _backward(grad: torch.Tensor, grad_sum: torch.Tensor | None, total: torch.Te
             _rms_norm_backward_kernel[(programs,)](grad, grad_sum if grad_sum is not None else grad, total, weight,
                                                    rstd, dx, partials, rows, hidden,
                                                    HAS_GRAD_SUM=grad_sum is not None, FP64=fp64, ROWS=per_program,
-                                                   BLOCK=block)
+                                                   BLOCK=block, num_warps=warps(per_program * block))
     return dx, partials.sum(0).to(weight.dtype)
 
 

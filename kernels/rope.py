@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from .configs import INTERPRET
+from .rms_norm import warps
 from .triton_ops import LAUNCHES
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -62,7 +63,7 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) 
             _rope_kernel[(b * n, triton.cdiv(s, block_s))](
                 x, cos, sin, out, n, s, d // 2, x.stride(0), x.stride(1), x.stride(2),
                 cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1), SIGN=-1.0 if inverse else 1.0,
-                FP64=x.dtype == torch.float64, BLOCK_S=block_s, BLOCK_D=block_d)
+                FP64=x.dtype == torch.float64, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=warps(block_s * block_d))
     return out
 
 
