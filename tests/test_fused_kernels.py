@@ -175,3 +175,62 @@ def test_fused_kernels_compile_as_one_op_each_without_breaks():
     assert_close(compiled, eager, 1e-5, "loss")
     for got, want in zip(compiled_grads, grads):
         assert_close(got, want, 1e-6, "grad")
+
+
+_AOT = r'''
+import json, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kernels import cross_entropy, rms_norm, rope
+
+def compile(fn, types, constexprs, warps):
+    signature, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        signature[name] = "constexpr" if name in constexprs else types[name]
+        if signature[name].startswith("*"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": warps}).metadata.shared
+
+shared = {}
+for t, fp64 in (("bf16", False), ("fp32", False), ("fp64", True)):
+    p, acc, i32 = "*" + t, "*fp64" if fp64 else "*fp32", "i32"
+    for hidden in (2048, 8192):
+        rows = max(1, 4096 // hidden)
+        flags = dict(FP64=fp64, ROWS=rows, BLOCK=hidden)
+        shared[f"rms_norm_forward {t} {hidden}"] = compile(rms_norm._rms_norm_forward_kernel, dict(
+            x_ptr=p, residual_ptr=p, weight_ptr=p, out_ptr=p, sum_ptr=p, rstd_ptr="*fp32", rows=i32, H=i32,
+            eps="fp32"), dict(HAS_RESIDUAL=True, **flags), rms_norm.warps(rows * hidden))
+        shared[f"rms_norm_backward {t} {hidden}"] = compile(rms_norm._rms_norm_backward_kernel, dict(
+            grad_ptr=p, grad_sum_ptr=p, sum_ptr=p, weight_ptr=p, rstd_ptr="*fp32", dx_ptr=p, dweight_ptr=acc,
+            rows=i32, H=i32), dict(HAS_GRAD_SUM=True, **flags), rms_norm.warps(rows * hidden))
+    shared[f"rope {t}"] = compile(rope._rope_kernel, dict(x_ptr=p, cos_ptr=p, sin_ptr=p, out_ptr=p, **dict.fromkeys(
+        ("N", "S", "HALF", "stride_xb", "stride_xn", "stride_xs", "stride_cb", "stride_cs"), i32)),
+        dict(SIGN=1.0, FP64=fp64, BLOCK_S=32, BLOCK_D=64), 4)
+    shared[f"vocab_stats {t}"] = compile(cross_entropy._vocab_stats_kernel, dict(
+        logits_ptr=p, targets_ptr="*i64", stats_ptr=acc, tokens=i32, real=i32, stride=i32),
+        dict(SMOOTHING=True, FP64=fp64, BLOCK=4096), 8)
+    shared[f"vocab_grad {t}"] = compile(cross_entropy._vocab_grad_kernel, dict(
+        logits_ptr=p, targets_ptr="*i64", log_z_ptr=acc, grad_loss_ptr=acc, out_ptr=p, smoothing_ptr=acc, real=i32,
+        stride=i32), dict(FP64=fp64, BLOCK=4096), 8)
+print(json.dumps(shared))
+'''
+
+
+@pytest.mark.slow
+def test_fused_kernels_compile_for_hopper_without_a_gpu():
+    """Every fused kernel lowered to an sm_90 cubin (Triton's bundled ptxas, no GPU, the interpreter off) in bf16,
+    fp32 and fp64 at the 1B shape's widths, within the shared memory of one block (tests/test_kernels_compile.py's
+    way, for these kernels)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {
+        "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": root, "TRITON_DEFAULT_FP_FUSION": "1"}
+    result = subprocess.run([sys.executable, "-c", _AOT], capture_output=True, text=True, env=env, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    shared = json.loads(result.stdout.strip().splitlines()[-1])
+    assert len(shared) == 21 and max(shared.values()) <= 232448, shared
