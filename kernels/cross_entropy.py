@@ -11,14 +11,12 @@ Layout (Liger's): the jit kernels, the host launchers, the custom ops torch.comp
   straight from the logits and log Z (nothing saved but the input); padding columns get 0.
 Importing this module imports triton: the caller imports it only where kernels.ops.fused_kernels says they run.
 """
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
 
 from .configs import INTERPRET
-from .rms_norm import warps
+from .rms_norm import launch_device, warps
 from .triton_ops import LAUNCHES
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -73,13 +71,6 @@ def _vocab_grad_kernel(logits_ptr, targets_ptr, log_z_ptr, grad_loss_ptr, out_pt
     tl.store(out_ptr + offsets, grad.to(out_ptr.dtype.element_ty), mask=cols < stride)
 
 
-def _device(t):
-    if not t.is_cuda and not INTERPRET:
-        raise RuntimeError("Triton kernels on CPU tensors need TRITON_INTERPRET=1 set before kernels.cross_entropy "
-                           "is imported; use the torch backend instead")
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
-
-
 def _block(width):
     return min(INTERPRETER_BLOCK if INTERPRET else BLOCK, triton.next_power_of_2(max(width, 16)))
 
@@ -93,7 +84,7 @@ def _stats(logits: torch.Tensor, targets: torch.Tensor, real: int, smoothing: bo
                         device=logits.device)
     if tokens:
         LAUNCHES["vocab_stats"] += 1
-        with _device(logits):
+        with launch_device(logits):
             _vocab_stats_kernel[(tokens,)](logits, targets, stats, tokens, real, logits.shape[1],
                                            SMOOTHING=smoothing, FP64=fp64, BLOCK=_block(real),
                                            num_warps=warps(_block(real)))
@@ -108,7 +99,7 @@ def _grad(logits: torch.Tensor, targets: torch.Tensor, log_z: torch.Tensor, grad
     if out.numel():
         block = _block(logits.shape[1])
         LAUNCHES["vocab_grad"] += 1
-        with _device(logits):
+        with launch_device(logits):
             _vocab_grad_kernel[(logits.shape[0], triton.cdiv(logits.shape[1], block))](
                 logits, targets, log_z, grad_loss, out, constants, real, logits.shape[1],
                 FP64=logits.dtype == torch.float64, BLOCK=block, num_warps=warps(block))

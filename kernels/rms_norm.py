@@ -82,9 +82,11 @@ def warps(elements: int) -> int:
     return 32 if elements >= 32768 else 16 if elements >= 8192 else 8 if elements >= 2048 else 4
 
 
-def _device(t):
+def launch_device(t: torch.Tensor) -> contextlib.AbstractContextManager:
+    """Where a fused kernel on `t` launches: its CUDA device, or the interpreter for CPU tensors (which needs
+    TRITON_INTERPRET=1 before the kernels were imported: else one line saying so)."""
     if not t.is_cuda and not INTERPRET:
-        raise RuntimeError("Triton kernels on CPU tensors need TRITON_INTERPRET=1 set before kernels.rms_norm is "
+        raise RuntimeError("Triton kernels on CPU tensors need TRITON_INTERPRET=1 set before the kernels are "
                            "imported; use the torch backend instead")
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
@@ -100,7 +102,7 @@ def _forward(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
     if x.numel():
         block, per_program, programs = _launch_shape(rows, hidden)
         LAUNCHES["rms_norm_forward"] += 1
-        with _device(x):
+        with launch_device(x):
             _rms_norm_forward_kernel[(programs,)](x, residual if residual is not None else x, weight, out, total,
                                                   rstd, rows, hidden, eps, HAS_RESIDUAL=residual is not None,
                                                   FP64=fp64, ROWS=per_program, BLOCK=block,
@@ -119,7 +121,7 @@ def _backward(grad: torch.Tensor, grad_sum: torch.Tensor | None, total: torch.Te
                            device=total.device)
     if total.numel():
         LAUNCHES["rms_norm_backward"] += 1
-        with _device(total):
+        with launch_device(total):
             _rms_norm_backward_kernel[(programs,)](grad, grad_sum if grad_sum is not None else grad, total, weight,
                                                    rstd, dx, partials, rows, hidden,
                                                    HAS_GRAD_SUM=grad_sum is not None, FP64=fp64, ROWS=per_program,

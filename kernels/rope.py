@@ -11,14 +11,11 @@ Function and the public `apply_rope` at the bottom.
   strides over (b, n, s) with d contiguous, the output contiguous [b, n, s, d]. Arithmetic in fp32 (fp64 for fp64).
 Importing this module imports triton: the caller imports it only where kernels.ops.fused_kernels says it runs.
 """
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
 
-from .configs import INTERPRET
-from .rms_norm import warps
+from .rms_norm import launch_device, warps
 from .triton_ops import LAUNCHES
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -44,22 +41,15 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, N, S, HALF, stride_xb, stride
     tl.store(out_row + HALF + j[None, :], (x2 * cos + x1 * sin).to(out_ptr.dtype.element_ty), mask=inside)
 
 
-def _device(t):
-    if not t.is_cuda and not INTERPRET:
-        raise RuntimeError("Triton kernels on CPU tensors need TRITON_INTERPRET=1 set before kernels.rope is "
-                           "imported; use the torch backend instead")
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
-
-
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
-    """x [b, n, s, d] (d contiguous) rotated by cos/sin [b or 1, s, d] (d contiguous, same strides): contiguous."""
+    """x [b, n, s, d] (d contiguous) rotated by cos/sin [b or 1, s, d/2] (contiguous, the angles once): contiguous."""
     b, n, s, d = x.shape
     out = torch.empty((b, n, s, d), dtype=x.dtype, device=x.device)
     if out.numel():
         block_d = triton.next_power_of_2(d // 2)
         block_s = max(1, min(64, 2048 // block_d, triton.next_power_of_2(s)))
         LAUNCHES["rope"] += 1
-        with _device(x):
+        with launch_device(x):
             _rope_kernel[(b * n, triton.cdiv(s, block_s))](
                 x, cos, sin, out, n, s, d // 2, x.stride(0), x.stride(1), x.stride(2),
                 cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1), SIGN=-1.0 if inverse else 1.0,
