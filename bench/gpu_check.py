@@ -7,6 +7,9 @@ Sections, in order of value (`--only` reruns some and keeps the others' earlier 
   env          versions, the device, its memory and multiprocessors
   kernels      the kernel test files compiled on the GPU with one autotune config per family (TP_KERNELS_TUNE=one),
                then the GPU-only kernel tests with full tuning
+  mfu          one GPU, bf16: bench.mfu's whole training step of a Llama-3.2-1B shape (hidden 2048, 16 layers, 32/8
+               heads, ffn 8192, vocab 128256, seq 4096) on the torch backend, "auto" and "auto" with compiled blocks:
+               tokens/s, MFU, peak memory, host syncs per step, the profiler's time breakdown (mfu.json)
   gpt_step     one GPU, bf16: a GPT (hidden 2048, 8 layers, GQA 16/4 heads, vocab 32000, seq 2048) fwd+bwd on the
                Triton and the torch backends: loss and grad-norm difference, tokens/s, MFU, peak memory
   job          `python -m models.train` for 2 steps under torchrun with one rank
@@ -18,9 +21,9 @@ Sections, in order of value (`--only` reruns some and keeps the others' earlier 
 
 DIR gets summary.json ({"device", "torch", "triton", "sections": [{"name", "status": "pass"|"fail"|"skipped",
 "seconds", "details"}]}, rewritten after every section), summary.md at the end, log.txt (every section's output),
-kernels.json, intensity.json and intensity.png: at most 8 files. Without CUDA every section runs a CPU smoke (tiny
-shapes, Triton's interpreter) and the GPU-only parts say "skipped": tests/test_gpu_check.py runs it so that it keeps
-working between leases.
+kernels.json, mfu.json, intensity.json and intensity.png: at most 8 files. Without CUDA every section runs a CPU
+smoke (tiny shapes, Triton's interpreter) and the GPU-only parts say "skipped": tests/test_gpu_check.py runs it so
+that it keeps working between leases.
 """
 import argparse
 import dataclasses
@@ -49,6 +52,7 @@ class Section:
 SECTIONS = [
     Section("env", 45, "versions and device"),
     Section("kernels", 180, "kernel tests compiled on the device"),
+    Section("mfu", 180, "bench.mfu: the 1B shape's training step, eager and compiled"),
     Section("gpt_step", 90, "one-GPU bf16 GPT step: Triton vs torch"),
     Section("job", 75, "the training job, 2 steps, one rank under torchrun"),
     Section("bench_kernels", 105, "bench.kernels and Triton vs cuBLAS GEMM"),
@@ -230,6 +234,12 @@ def section_suite(out: Path, on_gpu: bool) -> dict:
         return {"skipped": "the suite runs in CI on CPU", "ok": True}
     result = pytest([*SUITE, *parallel(8), "--timeout", "90", "--maxfail", "40"], 95, {"TP_TEST_DEVICE": "cuda"})
     return {"tests": result, "ok": passed(result)}
+
+
+def section_mfu(out: Path, on_gpu: bool) -> dict:
+    from bench.mfu import gpu_check_section
+
+    return gpu_check_section(on_gpu, out)
 
 
 def section_gpt_step(out: Path, on_gpu: bool) -> dict:

@@ -105,6 +105,18 @@ def _impl(x):
     return module
 
 
+def fused_kernels(device: torch.device) -> bool:
+    """Whether the fused Triton kernels (RMSNorm with the residual add, RoPE, the vocab-parallel loss) run for
+    tensors on `device`: backend "auto" on CUDA only (CPU keeps the torch code, and its numbers), "triton" anywhere
+    (CPU tensors need TRITON_INTERPRET=1), "torch" never."""
+    if _backend == "torch" or (_backend == "auto" and device.type != "cuda"):
+        return False
+    if _backend == "triton" and _load_triton_ops() is None:
+        raise RuntimeError(f"kernels backend 'triton' was forced but triton cannot be imported: "
+                           f"{_triton_import_error!r}")
+    return _load_triton_ops() is not None
+
+
 def bias_grad(dz: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Column sum of dz [M, N] accumulated in fp32 (fp64 for fp64), in `dtype`.
 

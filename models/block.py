@@ -253,9 +253,12 @@ class TransformerBlock(nn.Module):
             positions = dropout_positions(x.shape[0], sequence_parallel=c.sequence_parallel, tp_group=self.group,
                                           cp_group=self.cp_group, device=x.device)
             x = self._dropout(0, sample_ids).add(attention, x, positions=positions)  # x + dropout(attention), fused
-        else:
+            normed, discard = self._normed(self.norm2, x, parts)
+        elif "norm" in parts:
             x = x + attention
-        normed, discard = self._normed(self.norm2, x, parts)
+            normed, discard = self._normed(self.norm2, x, parts)
+        else:  # the residual add fused into the norm (one kernel where the fused kernels run)
+            (normed, x), discard = self.norm2.add_forward(attention, x), lambda after: None
         mlp = checkpoint(self.mlp, normed, use_reentrant=False) if self._mlp_part in parts else self.mlp(normed)
         discard(mlp)
         return self._dropout(1, sample_ids).add(mlp, x, positions=positions) if dropout else x + mlp

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+import kernels.ops
+
 YARN_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0}  # Hugging Face's (and the YaRN paper's)
 
 
@@ -117,11 +119,22 @@ def rope(x: torch.Tensor, theta: float, scaling: dict | None = None,
         inv_freq = _cached(_inverse_frequencies)(x.shape[-1], theta, key, x.device)
         angles = _rope_angles(positions, inv_freq, x.dtype, rope_attention_factor(scaling))
         cos, sin = (t.unsqueeze(1) for t in angles)  # [b, 1, s, d]
-        return x * cos + rotate_half(x) * sin
+        return _rotate(x, cos, sin)
     positions, length = (None, x.shape[-2]) if positions is None else positions
     cos, sin = _cached(_rope_tables)(length, x.shape[-1], theta, key, x.device, x.dtype)
     if positions is not None:
         cos, sin = cos[positions], sin[positions]
+    return _rotate(x, cos, sin)
+
+
+def _rotate(x, cos, sin):
+    """x·cos + rotate_half(x)·sin: one fused kernel each way where the fused kernels run (kernels.ops.fused_kernels:
+    CUDA under "auto"; every layout `rotary` makes, the partial and interleaved ones included), else torch."""
+    if kernels.ops.fused_kernels(x.device):
+        from kernels import rope as fused  # (imports triton: only where the fused kernels run)
+
+        if fused.supports(x, cos):
+            return fused.apply_rope(x, cos, sin)
     return x * cos + rotate_half(x) * sin
 
 

@@ -8,6 +8,7 @@ import numpy
 import pytest
 
 from bench import gpu_check
+from bench import mfu as bench_mfu
 
 pytestmark = pytest.mark.skipif(gpu_check.cuda(), reason="the CPU smoke; on a GPU run the check itself")
 
@@ -48,6 +49,9 @@ def test_every_section_runs_its_cpu_smoke(smoke):
     env = sections["env"]["details"]
     assert env["numpy"] == numpy.__version__ and env["interpreter"] == "ok"  # (else the kernels section fails too)
     assert sections["gpt_step"]["details"]["grad_norm_rel_diff"] < 1e-4  # Triton (interpreter) vs torch backends
+    mfu = sections["mfu"]["details"]  # bench.mfu's rows: a rate, and the profiled step's breakdown
+    assert mfu["torch"]["tokens_per_s"] > 0 and mfu["auto"]["tokens_per_s"] > 0 and mfu["compiled"].startswith("skip")
+    assert set(mfu["torch"]["breakdown"]) == set(bench_mfu.BREAKDOWN) and mfu["torch"]["breakdown"]["gemm"] > 0
     assert sections["kernels"]["details"]["gpu_only"].startswith("skipped")
     assert sections["bench_kernels"]["details"]["square_gemm"].startswith("skipped")
     files = sorted(p.name for p in out.iterdir())

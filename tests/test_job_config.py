@@ -89,6 +89,7 @@ def test_a_run_writes_its_resolved_config_beside_its_logs(tmp_path):
     assert start.endswith(f"; config: {written}")  # the start line says where
     expected = _job(*flags)
     expected.parallelism.dp, expected.launch.device, expected.training.precision = 2, "cpu", "fp32"  # resolved
+    expected.training.compile = False  # (auto: off on the CPU)
     assert JobConfig.from_toml(str(written)) == expected
 
 
@@ -104,12 +105,17 @@ def test_on_gpus_the_job_is_sized_to_them_and_defaults_to_bf16(monkeypatch):
     job = _job("--tp", "2", "--pp", "1", "--global-batch-size", "4")
     job.validate()
     assert (job.launch.device, job.parallelism.dp, job.training.precision) == ("cuda", 2, "bf16")
+    assert job.training.compile is True  # --compile auto: compiled blocks on CUDA
     with pytest.raises(ValueError, match=r"^8 ranks on this machine \(--tp\*--cp\*--pp\*--dp = 2\*1\*2\*2\) but it "
                                          r"has 4 GPUs: NCCL needs one GPU per rank; .* or --device cpu for 8 gloo"):
         _job("--dp", "2").validate()
+    job = _job("--tp", "1", "--pp", "2", "--dp", "2", "--schedule", "zb")
+    job.validate()
+    assert job.training.compile is False  # (auto: eager where compiled blocks cannot run; --compile on: refused)
     job = _job("--dp", "2", "--device", "cpu")
     job.validate()
     assert (job.launch.device, job.parallelism.world_size, job.training.precision) == ("cpu", 8, "fp32")
+    assert job.training.compile is False  # ... eager on the CPU
     job = _job("--tp", "1", "--pp", "1", "--dp", "4", "--precision", "tf32")
     job.validate()
     assert (job.launch.device, job.training.precision) == ("cuda", "tf32")
@@ -124,6 +130,25 @@ def test_on_gpus_the_job_is_sized_to_them_and_defaults_to_bf16(monkeypatch):
     job = _job()
     job.validate()
     assert (job.launch.device, job.parallelism.world_size, job.training.precision) == ("cpu", 8, "fp32")
+
+
+@pytest.mark.parametrize("flags,toml,device,expected", [
+    ((), None, "cpu", False), ((), None, "cuda", True), (("--compile",), None, "cpu", True),
+    (("--compile", "on", "--steps", "2"), None, "cpu", True), (("--compile", "off"), None, "cuda", False),
+    (("--compile", "auto"), None, "cuda", True), ((), "true", "cpu", True), ((), "false", "cuda", False),
+    ((), '"off"', "cuda", False), (("--compile", "on"), "false", "cpu", True)])
+def test_compile_is_auto_by_default_and_resolved_once_with_the_device(tmp_path, flags, toml, device, expected):
+    """--compile auto|on|off (auto: on for CUDA, off on the CPU), a bare --compile is on, a config file's true/false
+    (earlier runs' files) still read; resolved to a bool with the device; a bad value is one line."""
+    if toml is not None:
+        (tmp_path / "job.toml").write_text(f"[training]\ncompile = {toml}\n")
+        flags = ("--config", str(tmp_path / "job.toml"), *flags)
+    job = _job(*flags)
+    job.training.resolve_compile(device)
+    assert job.training.compile is expected
+    job.training.compile = "maybe"
+    with pytest.raises(ValueError, match=r"^--compile='maybe' must be one of auto, on, off \(TOML: or true, false\)$"):
+        job.training.resolve_compile("cpu")
 
 
 # ---- the command line built from the fields ------------------------------------------------------------------------

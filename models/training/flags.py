@@ -73,6 +73,8 @@ def add_field_flag(group: Any, field: dataclasses.Field) -> None:
             options.update(type=str, nargs="+")
         if meta.get("choices") is not None:
             options["choices"] = tuple(meta["choices"])
+        if meta.get("bare") is not None:
+            options.update(nargs="?", const=meta["bare"])
     group.add_argument(*flags, dest=name, default=field.default, help=help_of(field), **options)
     for flag, value in meta.get("consts", {}).items():
         group.add_argument(flag, dest=name, action="store_const", const=value, default=argparse.SUPPRESS,

@@ -122,7 +122,7 @@ class JobConfig:
 
     def resolve_device(self) -> int | None:
         """--device auto -> $TP_DEVICE (cpu or cuda) when set, else cuda or cpu; --precision unset -> bf16 on cuda,
-        fp32 on cpu; the GPUs one rank each can use (None on the CPU)."""
+        fp32 on cpu; --compile auto -> on for cuda, off on cpu; the GPUs one rank each can use (None on the CPU)."""
         import torch
 
         cuda = torch.cuda.is_available()
@@ -133,7 +133,18 @@ class JobConfig:
             raise ValueError("--device cuda: no CUDA device is visible (torch.cuda.is_available() is False)")
         if self.training.precision is None:  # fp32 on a GPU runs the slow IEEE dot: bf16 there
             self.training.precision = "bf16" if self.launch.device == "cuda" else "fp32"
+        self.training.resolve_compile(self.launch.device, compilable=self._compilable())
         return torch.cuda.device_count() if self.launch.device == "cuda" else None
+
+    def _compilable(self) -> bool:
+        """Whether compiled blocks can run this job (--compile auto stays eager where they cannot; --compile on is
+        refused there in one line): not a schedule that splits backward into B and W (check_compile), not
+        selective recomputation of the output-discarding parts (validate)."""
+        parallel = self.parallelism
+        discarding = parallel.recompute == "selective" and recompute_parts(
+            "selective", tuple(parallel.recompute_modules or ())) & OUTPUT_DISCARDING
+        kind = schedules.SCHEDULES.get(parallel.schedule)  # (an unknown one: refused by validate)
+        return not (discarding or (kind is not None and kind.split_backward))
 
     def _validate_watching(self) -> None:
         """The profile window within the run, the profiled ranks within the world."""

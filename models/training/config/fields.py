@@ -9,14 +9,15 @@ from typing import Any
 
 def option(default: Any = None, help: str = "", *, flag: str | None = None, aliases: tuple[str, ...] = (),
            consts: Mapping[str, Any] | None = None, choices: Iterable | None = None, metavar: str | None = None,
-           path: bool = False, hidden: bool = False) -> Any:
+           path: bool = False, hidden: bool = False, bare: Any = None) -> Any:
     """A field of a job-config section and its flag: --FLAG (default: the field's name, dashes for underscores) taking
     a value of the field's type, `default` shown by --help unless None or False. `aliases`: other flags of the same
     meaning (Megatron-LM's names); `consts`: flags that set one value ({"--bf16": "bf16"}); `choices`: the allowed
     values (a tuple, or a registry whose keys are); `path`: a file or directory, written absolute into the config a
-    run saves; `hidden`: left out of --help (the tests' fault injection)."""
+    run saves; `hidden`: left out of --help (the tests' fault injection); `bare`: the value the flag given alone
+    means (its value then optional: `--compile` is `--compile on`)."""
     metadata = {"help": help, "aliases": aliases, "consts": dict(consts or {}), "choices": choices,
-                "metavar": metavar, "path": path, "hidden": hidden}
+                "metavar": metavar, "path": path, "hidden": hidden, "bare": bare}
     if flag is not None:
         metadata["flag"] = flag
     return dataclasses.field(default=default, metadata=metadata)

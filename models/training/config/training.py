@@ -7,6 +7,7 @@ from ..lr_decay import DECAY_STYLES, Decay
 from .fields import at_least, flag_of, one_of, option
 
 PRECISIONS = ("fp32", "tf32", "bf16")
+COMPILE = ("auto", "on", "off")  # --compile's values (TOML: also true / false)
 LR_DECAY_STYLES = tuple(DECAY_STYLES)
 
 
@@ -29,8 +30,11 @@ class TrainingConfig:
                                    "non-finite norm skips the step", metavar="C")
     check_inputs: bool = option(False, "assert every step that all tp ranks of a group read the same tokens (a "
                                        "checksum all-gather)")
-    compile: bool = option(False, "torch.compile each transformer block (fullgraph, as torchtitan): no graph break, "
-                                  "the same loss")
+    compile: bool | str = option(
+        "auto", "torch.compile each transformer block (fullgraph, as torchtitan): no graph break, the same loss; auto: "
+                "on for CUDA (unless --schedule or --recompute-modules ask for what it cannot trace), off on the CPU; "
+                "--compile alone is on",
+        choices=COMPILE, bare="on")
     check_for_nan_in_loss_and_grad: bool = option(
         True, "stop the job (one line naming the step and the rank, exit code 1; the checkpoints untouched) at a "
               "non-finite loss or after --max-skipped-steps consecutive steps skipped for a non-finite gradient norm")
@@ -45,6 +49,15 @@ class TrainingConfig:
         if self.precision is not None and self.precision not in PRECISIONS:
             raise ValueError(f"--precision={self.precision} is not supported: fp32, tf32 or bf16 (fp16 would need "
                              "loss scaling)")
+
+    def resolve_compile(self, device: str, *, compilable: bool = True) -> None:
+        """--compile auto|on|off (or a TOML bool) -> a bool: auto is on for CUDA (where the job is `compilable`),
+        off for the CPU."""
+        if isinstance(self.compile, bool):
+            return
+        if self.compile not in COMPILE:
+            raise ValueError(f"--compile={self.compile!r} must be one of {', '.join(COMPILE)} (TOML: or true, false)")
+        self.compile = {"on": True, "off": False}.get(self.compile, device == "cuda" and compilable)
 
 
 @dataclasses.dataclass

@@ -1,0 +1,264 @@
+"""One device, the whole training step (forward and backward over the micro-batches, gradient clipping, AdamW), of
+any model shape (a preset of models.MODELS, with overrides): tokens/s, MFU (models/flops.py's 6N + attention over
+the device's dense bf16 peak), peak memory, host syncs per step (CUDA: torch.cuda.set_sync_debug_mode counts every
+synchronising call) and a torch.profiler breakdown of one step's time by category (GEMMs, attention, norms and other
+elementwise, loss, optimizer, idle), per row: a kernels backend (torch, triton, auto), eager or compiled blocks.
+
+    python -m bench.mfu --model llama3-8b --layers 16 --hidden 2048 ... --rows torch auto auto+compile
+
+The model runs in the chosen dtype (bf16 on CUDA by default) with AdamW on its parameters (fused on CUDA, foreach
+elsewhere); the tokens are random. On CPU the MFU is left out (no peak to divide by) unless --peak-tflops is given.
+"""
+import argparse
+import contextlib
+import copy
+import re
+import time
+import warnings
+
+import torch
+from torch.profiler import record_function
+
+import kernels
+import tp
+from models import GPT, GPTConfig
+from models.flops import flops_per_token
+from models.presets import MODELS
+
+from .common import at_least, machine, median, print_table, scratch_path, write_json
+from .gpu_sections import peak_flops
+
+ROW_KINDS = (*kernels.ops.BACKENDS, "auto")  # a row: a backend, "+compile" for compiled blocks
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# (category, pattern on the profiler's op names: an op's own and its enclosing ones'), in order: an op inside the
+# optimizer's or the loss's region counts there, then the first name from the op outwards that matches attention,
+# GEMM or norm; the rest is "elementwise" (activations, residual adds, copies, casts, collectives on one rank)
+REGIONS = (("optimizer", r"optimizer|adam|clip_grad|_foreach_norm"),
+           ("loss", r"cross_?entropy|vocab_|nll_loss|log_softmax"),
+           ("attention", r"attention|flash|fmha|sdpa"))
+OPS = (("gemm", r"\b(aten::)?(mm|addmm|bmm|matmul|linear|_grouped_mm)\b|gemm|LinearFunction|GroupedLinear|nvjet|"
+                r"cutlass|xmma|_linear_\w*kernel"),
+       ("norm", r"norm"))
+BREAKDOWN = ("gemm", "attention", "norm", "elementwise", "loss", "optimizer", "idle")
+
+
+def config_of(args) -> GPTConfig:
+    """The preset with the shape flags given on top of it."""
+    overrides = {"hidden_size": args.hidden, "num_layers": args.layers, "num_heads": args.heads,
+                 "num_kv_heads": args.kv_heads, "ffn_hidden_size": args.ffn, "vocab_size": args.vocab}
+    shape = MODELS[args.model] | {k: v for k, v in overrides.items() if v is not None}
+    return GPTConfig(**shape).replace(max_seq_len=max(args.seq_len, shape.get("max_seq_len", 0)))
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def train_step(model, optimizer, batches, clip):
+    """Forward and backward over the micro-batches, the clipped global norm (left on the device: no host sync),
+    AdamW; the gradients dropped."""
+    for tokens, targets in batches:
+        (model(tokens, targets) / len(batches)).backward()
+    with record_function("optimizer: clip_grad_norm"):
+        tp.clip_grad_norm_(model.parameters(), clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+@contextlib.contextmanager
+def counting_syncs(device):
+    """A list that collects one entry per host synchronisation inside (CUDA's sync debug mode; [] elsewhere)."""
+    seen = []
+    if device.type != "cuda":
+        yield seen
+        return
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield seen
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    seen.extend(w for w in caught if "synchroniz" in str(w.message))
+
+
+def category(names: list[str]) -> str:
+    """The category of an op from its name and its enclosing ops' (nearest first)."""
+    for kind, pattern in REGIONS:
+        if any(re.search(pattern, n, re.I) for n in names):
+            return kind
+    for name in names:
+        for kind, pattern in OPS:
+            if re.search(pattern, name, re.I):
+                return kind
+    return "elementwise"
+
+
+def _names(event):
+    names = []
+    while event is not None:
+        names.append(event.name)
+        event = event.cpu_parent
+    return names
+
+
+def breakdown(run_step, device, step_s: float) -> dict:
+    """Seconds of one step per category from torch.profiler: on CUDA the device time of the kernels each op
+    launched, elsewhere each op's self CPU time; idle: the step's wall time not covered (CPU: Python, the
+    interpreter's overhead; CUDA: the device waiting for the host)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        run_step()
+        _sync(device)
+    seconds = dict.fromkeys(BREAKDOWN, 0.0)
+    events = prof.events()
+    for event in events:
+        if event.device_type != torch.autograd.DeviceType.CPU:
+            continue
+        busy = sum(k.duration for k in event.kernels) if cuda else event.self_cpu_time_total
+        if busy > 0 and (cuda or "::" in event.name):  # (CPU: ops, not the Python-level regions around them)
+            seconds[category(_names(event))] += busy * 1e-6
+    if cuda:  # kernels no op claimed (a profiler that does not link them): by their own names
+        kernels_s = [(e.name, e.time_range.elapsed_us() * 1e-6) for e in events
+                     if e.device_type == torch.autograd.DeviceType.CUDA]
+        unclaimed = sum(s for _, s in kernels_s) - sum(seconds.values())
+        if unclaimed > 0.05 * step_s:
+            seconds = dict.fromkeys(BREAKDOWN, 0.0)
+            for name, busy in kernels_s:
+                seconds[category([name])] += busy
+    seconds["idle"] = max(0.0, step_s - sum(seconds.values()))
+    return {k: round(v, 5) for k, v in seconds.items()}
+
+
+def measure_row(row, base, *, device, batch, micro_batches, seq_len, steps, warmup, clip, profile_step, peak):
+    """One row: the backend (and compiled blocks with "+compile") on a copy of the `base` model."""
+    backend, compiled = row.removesuffix("+compile"), row.endswith("+compile")
+    config = base.config
+    model = copy.deepcopy(base).to(device)  # (from the CPU: the peak memory is this row's alone)
+    if compiled:
+        model.compile_blocks()
+    fused = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, **fused)
+    g = torch.Generator().manual_seed(1)
+    batches = [tuple(t.to(device) for t in torch.randint(0, config.vocab_size, (2, batch, seq_len), generator=g))
+               for _ in range(micro_batches)]
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times, syncs = [], []
+    with kernels.use_backend(backend):
+        def run_step():
+            train_step(model, optimizer, batches, clip)
+        for i in range(warmup + steps):
+            _sync(device)
+            start = time.perf_counter()
+            with counting_syncs(device) as seen:
+                run_step()
+            _sync(device)
+            if i >= warmup:
+                times.append(time.perf_counter() - start)
+                syncs.append(len(seen))
+        step_s = median(times)
+        parts = breakdown(run_step, device, step_s) if profile_step else None
+    tokens = batch * micro_batches * seq_len
+    rate = tokens / step_s
+    return {"row": row, "step_s": round(step_s, 4), "tokens_per_s": round(rate, 1),
+            "mfu": round(flops_per_token(config, seq_len) * rate / peak, 4) if peak else None,
+            "peak_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None,
+            "host_syncs": max(syncs) if device.type == "cuda" else None, "breakdown": parts}
+
+
+def measure(config: GPTConfig, rows, *, batch: int = 1, micro_batches: int = 1, seq_len: int, dtype: torch.dtype,
+            device: torch.device, steps: int = 3, warmup: int = 1, clip: float = 1.0, profile: bool = True,
+            peak: float | None = None) -> list[dict]:
+    """One dict per row (see measure_row), on a one-rank mesh (tp.init_mesh, destroyed after)."""
+    own = not torch.distributed.is_initialized()
+    if own:
+        torch.distributed.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    tp.init_mesh()
+    try:
+        torch.manual_seed(0)
+        base = GPT(config).to(dtype=dtype)  # (built once, on the CPU: a large model's init takes seconds)
+        return [measure_row(row, base, device=device, batch=batch, micro_batches=micro_batches, seq_len=seq_len,
+                            steps=steps, warmup=warmup, clip=clip, profile_step=profile, peak=peak) for row in rows]
+    finally:
+        tp.destroy_mesh()
+        if own:
+            torch.distributed.destroy_process_group()
+
+
+def _row(text):
+    backend = text.removesuffix("+compile")
+    if backend not in ROW_KINDS:
+        raise argparse.ArgumentTypeError(f"{text!r}: a row is one of {ROW_KINDS}, optionally with +compile")
+    return text
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=tuple(MODELS), default="tiny", help="the shape to start from")
+    for flag in ("hidden", "layers", "heads", "kv-heads", "ffn", "vocab"):
+        p.add_argument(f"--{flag}", type=at_least(1), help=f"override the preset's {flag}")
+    p.add_argument("--seq-len", type=at_least(1), default=128)
+    p.add_argument("--batch", type=at_least(1), default=1, help="sequences per micro-batch")
+    p.add_argument("--micro-batches", type=at_least(1), default=1, help="micro-batches per step (accumulated)")
+    p.add_argument("--dtype", choices=tuple(DTYPES), help="default: bf16 on CUDA, fp32 on CPU")
+    p.add_argument("--rows", type=_row, nargs="+", default=["torch", "auto"],
+                   help=f"what to measure: {', '.join(ROW_KINDS)}, each optionally +compile (compiled blocks)")
+    p.add_argument("--steps", type=at_least(1), default=3, help="timed steps per row (the median is reported)")
+    p.add_argument("--warmup", type=at_least(0), default=1)
+    p.add_argument("--no-profile", action="store_true", help="skip the profiled step (no time breakdown)")
+    p.add_argument("--peak-tflops", type=float, help="the device's peak for MFU (default: its dense bf16 datasheet "
+                                                     "figure on H100/H200/A100, none on CPU)")
+    p.add_argument("--out", default=scratch_path("mfu.json"), help="JSON output")
+    return p
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = build_parser().parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+    config = config_of(args)
+    peak = args.peak_tflops * 1e12 if args.peak_tflops else peak_flops()
+    rows = measure(config, args.rows, batch=args.batch, micro_batches=args.micro_batches, seq_len=args.seq_len,
+                   dtype=dtype, device=device, steps=args.steps, warmup=args.warmup, profile=not args.no_profile,
+                   peak=peak)
+    shape = (f"h{config.hidden_size} L{config.num_layers} heads {config.num_heads}/{config.num_kv_heads} "
+             f"ffn {config.ffn_hidden_size} V{config.vocab_size} b{args.batch}x{args.micro_batches} s{args.seq_len} "
+             f"{args.dtype or str(dtype)[6:]}")
+    print(f"{machine()}: {shape}")
+    flat = [{**r, **{f"{k}_s": v for k, v in (r["breakdown"] or {}).items()}} for r in rows]
+    print_table(flat, [("row", "row", "{}"), ("tokens_per_s", "tokens/s", "{:.0f}"), ("mfu", "MFU", "{:.3f}"),
+                       ("peak_gib", "peak GiB", "{:.2f}"), ("host_syncs", "syncs", "{}"),
+                       *((f"{k}_s", k, "{:.4f}") for k in BREAKDOWN)])
+    write_json(args.out, {"machine": machine(), "shape": shape, "rows": rows})
+    return rows
+
+
+# Llama-3.2-1B's shape (its config.json on the Hugging Face hub: hidden 2048, 16 layers, 32 heads / 8 kv heads, ffn
+# 8192, vocab 128256), trained at 4096 tokens a sequence
+LLAMA_1B = dict(hidden="2048", layers="16", heads="32", kv_heads="8", ffn="8192", vocab="128256")
+
+
+def gpu_check_section(on_gpu: bool, out) -> dict:
+    """bench.mfu's rows: the whole training step of the 1B shape in bf16 on the torch backend, on "auto" (the fused
+    kernels), and "auto" with compiled blocks; the CPU smoke: the tiny preset, eager rows only."""
+    if on_gpu:
+        shape = [f"--{k.replace('_', '-')}={v}" for k, v in LLAMA_1B.items()]
+        flags = ["--model", "llama3-8b", *shape, "--seq-len", "4096", "--steps", "4", "--warmup", "2", "--rows",
+                 "torch", "auto", "auto+compile"]
+    else:
+        flags = ["--model", "tiny", "--layers", "2", "--seq-len", "16", "--steps", "1", "--warmup", "0", "--rows",
+                 "torch", "auto"]
+    rows = main([*flags, "--out", str(out / "mfu.json")])
+    details = {r["row"]: {k: v for k, v in r.items() if k != "row"} for r in rows}
+    if not on_gpu:
+        details["compiled"] = "skipped (no CUDA)"
+    return {**details, "ok": all(r["tokens_per_s"] > 0 for r in rows)}
+
+
+if __name__ == "__main__":
+    main()
