@@ -100,7 +100,7 @@ def scaled_matmul(a: torch.Tensor, b: torch.Tensor, fp8: Fp8Scaling, *, contract
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
         amax_a, amax_b = both[:amax_a.numel()].view(amax_a.shape), both[amax_a.numel():].view(amax_b.shape)
     scale_a, scale_b = scale_of(amax_a, recipe), scale_of(amax_b, recipe)
-    a8 = to_e4m3(a, scale_a)  # row-major, as cuBLASLt wants the left operand
+    a8 = to_e4m3(a, scale_a).contiguous()  # row-major, as cuBLASLt wants the left operand (wgrad's is dzᵀ)
     b8 = to_e4m3(b, scale_b).t().contiguous().t()  # column-major, as it wants the right one
     if a.shape[1] % MULTIPLE:  # only the wgrad's token dim can be ragged: zero rows change neither sum nor amax
         pad = MULTIPLE - a.shape[1] % MULTIPLE

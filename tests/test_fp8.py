@@ -74,6 +74,25 @@ def test_within_fp8_error_of_the_exact_linear(recipe, dtype):
         assert 0 < error < 0.08, f"{name}: relative error {error:.4f}"
 
 
+def test_operands_reach_scaled_mm_in_the_layouts_cublaslt_takes(monkeypatch):
+    """The CPU kernel takes any layout; cuBLASLt wants the left operand row-major, the right one column-major, the
+    contraction dim and the right operand's columns multiples of 16, fp32 scales shaped [], or [M, 1] and [1, N]."""
+    calls, scaled_mm = [], torch._scaled_mm
+
+    def checked(a, b, *, scale_a, scale_b, out_dtype):
+        calls.append(out_dtype)
+        assert a.stride(1) == 1 and b.stride(0) == 1 and a.shape[1] % 16 == 0 and b.shape[1] % 16 == 0
+        assert scale_a.dtype == scale_b.dtype == torch.float32
+        assert (scale_a.shape, scale_b.shape) in (((), ()), ((a.shape[0], 1), (1, b.shape[1])))
+        return scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+
+    monkeypatch.setattr(torch, "_scaled_mm", checked)
+    for recipe in RECIPES:
+        x, w, b, dy = _inputs(torch.bfloat16, tokens=32)  # (no padding, which would copy dzᵀ row-major)
+        kernels.linear(x, w, b, activation="swiglu", fp8_recipe=recipe).backward(dy[:, :24])
+    assert len(calls) == 6
+
+
 def test_the_weight_gradient_accumulates_into_main_grad_in_fp32():
     x, w, b, dy = _inputs(torch.bfloat16)
     w.main_grad = torch.zeros(w.shape)
