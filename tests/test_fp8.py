@@ -3,6 +3,7 @@ of the fp32 linear, keeps main_grad's fp32 accumulation; both recipes give the s
 sequence parallelism (docs/fp8.md's claim); a job with --fp8-recipe trains the serial fp8 curve at tp 2, near fp32's;
 sizes torch._scaled_mm cannot take are one ValueError line at construction."""
 import os
+import re
 
 import pytest
 import torch
@@ -13,8 +14,10 @@ import kernels
 import tp
 from kernels.fp8 import FP8_RECIPES, Fp8Scaling
 from models import GPTConfig
+from models.training.cli import parser
 from tp.testing import distributed, run
 
+from .helpers import train_refusal
 from .test_train import SMALL, _losses, _train_on_ranks
 
 RECIPES = tuple(FP8_RECIPES)
@@ -116,6 +119,24 @@ def test_sizes_scaled_mm_cannot_take_and_unknown_recipes_are_one_line():
         GPTConfig(**config).check_tp(4)
     with pytest.raises(ValueError, match=r"num_experts=4: the experts' grouped GEMM has no fp8 path"):
         GPTConfig(**config, num_experts=4)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--fp8-recipe", "rowwise", "--hidden-size", "72"], r"^error: fp8_recipe='rowwise': the QKV projection at tp=2 "
+                                                          r"has in_features=72, out_features=72 \(per rank\); "),
+    (["--fp8-recipe", "tensorwise", "--model", "tiny-moe"], r"num_experts=8: the experts' grouped GEMM has no fp8"),
+])
+def test_a_bad_fp8_job_is_one_line_before_any_process(flags, message, capsys):
+    code, out, lines = train_refusal(flags, capsys)
+    assert code == 2 and out == "" and len(lines) == 1 and re.search(message, lines[0]), lines
+
+
+def test_an_unknown_recipe_is_the_parsers_one_line(capsys):
+    with pytest.raises(SystemExit) as exit:
+        parser().parse_args(["--fp8-recipe", "foo"])
+    assert exit.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
+        "error: argument --fp8-recipe: invalid choice: 'foo' (choose from 'tensorwise', 'rowwise')")
 
 
 def _mlp(recipe, sequence_parallel, w1, w2, b2):
