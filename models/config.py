@@ -247,11 +247,12 @@ class GPTConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be a finite number >= 0")
 
     def _check_fp8(self):
-        if self.fp8_recipe is not None and self.fp8_recipe not in FP8_RECIPES:
+        if self.fp8_recipe is None:
+            return
+        if self.fp8_recipe not in FP8_RECIPES:
             raise ValueError(f"fp8_recipe={self.fp8_recipe!r} must be one of {FP8_RECIPES} (or None)")
-        unsupported = (("num_experts", self.num_experts, "the experts' grouped GEMM"),
-                       ("multi_latent_attention", self.multi_latent_attention, "multi-head latent attention"))
-        for name, value, what in unsupported if self.fp8_recipe is not None else ():
+        for name, value, what in (("num_experts", self.num_experts, "the experts' grouped GEMM"),
+                                  ("multi_latent_attention", self.multi_latent_attention, "latent attention")):
             if value:
                 raise ValueError(f"fp8_recipe={self.fp8_recipe!r} with {name}={value}: {what} has no fp8 path "
                                  "(fp8 covers dense GQA models)")
