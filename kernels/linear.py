@@ -11,29 +11,33 @@ data-parallel checks and the pipeline's deferred weight gradients that a local m
 import torch
 import torch.nn.functional as F
 
-from . import ops, torch_ops
+from . import fp8, ops, torch_ops
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-           activation: str | None = None) -> torch.Tensor:
+           activation: str | None = None, fp8_recipe: str | None = None) -> torch.Tensor:
     """act(x @ weight.T + bias) for x [..., K], weight [N, K] (any strides), bias [N] or None.
 
     activation: None, "gelu" (erf), "gelu_tanh", "silu", "relu" or "swiglu" (fused weight [2F, K], gate rows first,
     output silu(x·Wgᵀ + bg) ⊙ (x·Wuᵀ + bu) of width F). The output has x's dtype. If `weight.main_grad` exists
     (an fp32 [N, K] buffer) the weight gradient is accumulated into it in place and weight.grad is left untouched.
+    fp8_recipe: None, or one of kernels.fp8.FP8_RECIPES ("tensorwise", "rowwise"): the three GEMMs in float8 e4m3
+    (weight dims multiples of 16).
     """
     ops.check_activation(activation)
     if x.shape[-1] != weight.shape[-1]:
         raise ValueError(f"x has {x.shape[-1]} features but weight is {tuple(weight.shape)}")
-    if ops.backend_for(x) == "torch" and not hasattr(weight, "main_grad"):
+    fp8.check_features(fp8_recipe, weight.shape[1], weight.shape[0], "the weight")
+    if fp8_recipe is None and ops.backend_for(x) == "torch" and not hasattr(weight, "main_grad"):
         # Nothing to fuse or accumulate: autograd's own ops are the same math with less Python per call.
         return torch_ops.activation_forward(F.linear(x, weight, bias), activation)
-    return _LinearFunction.apply(x, weight, bias, activation)
+    return _LinearFunction.apply(x, weight, bias, activation, fp8_recipe and fp8.Fp8Scaling(fp8_recipe))
 
 
-def swiglu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def swiglu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                  fp8_recipe: str | None = None) -> torch.Tensor:
     """linear(x, weight, bias, activation="swiglu"): weight is the fused [2F, K] gate/up matrix."""
-    return linear(x, weight, bias, activation="swiglu")
+    return linear(x, weight, bias, activation="swiglu", fp8_recipe=fp8_recipe)
 
 
 def _flatten(t):
@@ -43,14 +47,14 @@ def _flatten(t):
 
 class _LinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, activation):
+    def forward(ctx, x, weight, bias, activation, fp8_scaling):
         ctx.main_grad = getattr(weight, "main_grad", None)  # on the parameter, not on an autocast copy of it
         ctx.x_shape, ctx.bias_dtype = x.shape, None if bias is None else bias.dtype
         x, weight, bias = ops.autocast_operands(x, weight, bias)
         x2d = _flatten(x)
-        y, preact = ops.linear_forward(x2d, weight, bias, activation)
+        y, preact = ops.linear_forward(x2d, weight, bias, activation, fp8=fp8_scaling)
         ctx.save_for_backward(x2d, weight, preact)
-        ctx.activation = activation
+        ctx.activation, ctx.fp8 = activation, fp8_scaling
         # detach: a plain tensor rather than a view of one made in here, so callers may modify it in place (the
         # row-parallel layer all-reduces its matmul output in its own storage).
         return y.view(*x.shape[:-1], y.shape[-1]).detach()
@@ -62,8 +66,8 @@ class _LinearFunction(torch.autograd.Function):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         grad_2d = _flatten(grad_y).to(weight.dtype)
         # dz (= grad through the activation) comes back even without dx: wgrad and dbias reuse it.
-        grad_x, dz = ops.linear_dgrad(grad_2d, weight, preact, ctx.activation, need_input_grad=need_x)
+        grad_x, dz = ops.linear_dgrad(grad_2d, weight, preact, ctx.activation, need_input_grad=need_x, fp8=ctx.fp8)
         # With main_grad: accumulated in place (α = β = 1), no low-precision dW, weight.grad stays None.
-        grad_w = ops.linear_wgrad(dz, x2d, main_grad=ctx.main_grad) if need_w else None
+        grad_w = ops.linear_wgrad(dz, x2d, main_grad=ctx.main_grad, fp8=ctx.fp8) if need_w else None
         grad_b = ops.bias_grad(dz, ctx.bias_dtype) if need_b else None
-        return (None if grad_x is None else grad_x.view(ctx.x_shape)), grad_w, grad_b, None
+        return (None if grad_x is None else grad_x.view(ctx.x_shape)), grad_w, grad_b, None, None

@@ -4,12 +4,15 @@ The tensor-parallel layers call only these four functions, so a backend can be s
 `use_backend("torch" | "triton" | "auto")` overrides the choice (also via the env var TP_KERNELS_BACKEND); BACKENDS
 names the backends.
 """
+import functools
 import os
 
 import torch
 
+from . import fp8 as fp8_ops
 from . import torch_ops
 from .dtypes import TRITON_DTYPES
+from .fp8 import Fp8Scaling
 from .torch_ops import ACTIVATIONS, check_activation  # noqa: F401
 
 _backend = os.environ.get("TP_KERNELS_BACKEND", "auto")
@@ -133,24 +136,32 @@ def backend_for(x: torch.Tensor) -> str:
 
 
 def linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                   activation: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """y = act(x @ weight.T + bias) for 2-D x [M, K] -> (y, the pre-activation saved for backward, or None)."""
+                   activation: str | None = None, *,
+                   fp8: Fp8Scaling | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """y = act(x @ weight.T + bias) for 2-D x [M, K] -> (y, the pre-activation saved for backward, or None).
+    `fp8`: the GEMM in float8 (kernels.fp8) whatever the backend; each of the three primitives takes it."""
+    if fp8 is not None:
+        return fp8_ops.linear_forward(x, weight, bias, activation, fp8=fp8)
     return _impl(x).linear_forward(x, weight, bias, activation)
 
 
 def linear_dgrad(grad_out: torch.Tensor, weight: torch.Tensor, preact: torch.Tensor | None = None,
-                 activation: str | None = None, *,
-                 need_input_grad: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
+                 activation: str | None = None, *, need_input_grad: bool = True,
+                 fp8: Fp8Scaling | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
     """(grad_input [M, K] = dz @ weight, or None; dz [M, N] = grad_out · act'(preact))."""
+    if fp8 is not None:
+        return fp8_ops.linear_dgrad(grad_out, weight, preact, activation, fp8=fp8, need_input_grad=need_input_grad)
     return _impl(grad_out).linear_dgrad(grad_out, weight, preact, activation, need_input_grad=need_input_grad)
 
 
-def linear_wgrad(dz: torch.Tensor, x: torch.Tensor, *, main_grad: torch.Tensor | None = None) -> torch.Tensor | None:
+def linear_wgrad(dz: torch.Tensor, x: torch.Tensor, *, main_grad: torch.Tensor | None = None,
+                 fp8: Fp8Scaling | None = None) -> torch.Tensor | None:
     """dW [N, K] = dzᵀ @ x; with a main_grad (fp32 [N, K]), accumulated into it in place and None returned."""
+    wgrad = _impl(dz).linear_wgrad if fp8 is None else functools.partial(fp8_ops.linear_wgrad, fp8=fp8)
     if main_grad is None:
-        return _impl(dz).linear_wgrad(dz, x)
+        return wgrad(dz, x)
     check_main_grad(main_grad, (dz.shape[1], x.shape[1]), dz.device)
-    out = _impl(dz).linear_wgrad(dz, x, main_grad=main_grad)
+    out = wgrad(dz, x, main_grad=main_grad)
     # The one place main_grad is accumulated: its owner may want to know (tp.optim counts a bucket's arrivals).
     hook = getattr(main_grad, "post_accumulate_hook", None)
     if hook is not None:

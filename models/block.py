@@ -108,10 +108,11 @@ class Attention(nn.Module):
         self.qkv = tp.ColumnParallelLinear(
             config.hidden_size, (heads + 2 * kv_heads) * d, bias=config.bias or config.qkv_bias,
             parts=(heads * d, kv_heads * d, kv_heads * d), part_replicas=(1, kv_replicas, kv_replicas),
-            sequence_parallel=sp, group=self.group, init_method=normal_init(config.init_std), _init=_init)
+            sequence_parallel=sp, group=self.group, init_method=normal_init(config.init_std),
+            fp8_recipe=config.fp8_recipe, _init=_init)
         self.proj = tp.RowParallelLinear(
             heads * d, config.hidden_size, bias=config.bias, sequence_parallel=sp, group=self.group,
-            sequence_parallel_grad_sync=config.sequence_parallel_grad_sync,
+            sequence_parallel_grad_sync=config.sequence_parallel_grad_sync, fp8_recipe=config.fp8_recipe,
             init_method=normal_init(config.init_std / math.sqrt(2 * config.num_layers)), _init=_init)
         self.q_norm, self.k_norm = _qk_norms(config, self.group, kv_replicas) if config.qk_norm else (None, None)
 
@@ -191,10 +192,11 @@ class MLP(nn.Module):
         swiglu, ffn, sp = config.activation == "swiglu", config.ffn_hidden_size, config.sequence_parallel
         self.fc1 = tp.ColumnParallelLinear(
             config.hidden_size, 2 * ffn if swiglu else ffn, bias=config.bias, activation=config.activation,
-            sequence_parallel=sp, group=group, init_method=normal_init(config.init_std), _init=_init)
+            sequence_parallel=sp, group=group, init_method=normal_init(config.init_std),
+            fp8_recipe=config.fp8_recipe, _init=_init)
         self.fc2 = tp.RowParallelLinear(
             ffn, config.hidden_size, bias=config.bias, sequence_parallel=sp, group=group,
-            sequence_parallel_grad_sync=config.sequence_parallel_grad_sync,
+            sequence_parallel_grad_sync=config.sequence_parallel_grad_sync, fp8_recipe=config.fp8_recipe,
             init_method=normal_init(config.init_std / math.sqrt(2 * config.num_layers)), _init=_init)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [s(/tp), b, h]

@@ -6,6 +6,7 @@ from typing import Any
 
 import tp.hf
 import tp.moe
+from kernels import fp8
 from tp import context
 from tp.moe.dispatch import DISPATCHERS
 from tp.moe.router import SCORES
@@ -25,8 +26,9 @@ QK_NORMS = ("head", "full")
 # Fields that change how a model runs, not its weights: free to differ between a checkpoint and its resumption.
 RUNTIME_FIELDS = ("sequence_parallel", "sequence_parallel_grad_sync", "recompute", "recompute_modules",
                   "recompute_method", "recompute_num_layers", "dropout", "attention_dropout", "dropout_seed", "cp_mode",
-                  "cp_a2a_size", "moe_dispatcher")
+                  "cp_a2a_size", "moe_dispatcher", "fp8_recipe")
 CP_MODES = tuple(context.MODES)
+FP8_RECIPES = tuple(fp8.FP8_RECIPES)
 
 
 ROPE_SCALING_FIELDS = {"linear": ("factor",),
@@ -156,6 +158,9 @@ class GPTConfig:
     # predicting the token k + 1 after each position; their mean loss times mtp_loss_scaling_factor joins backward
     mtp_num_layers: int = 0
     mtp_loss_scaling_factor: float = 0.1
+    # the blocks' linears (attention's QKV and output projections, the MLP's fc1 and fc2) in float8: None or one of
+    # FP8_RECIPES (kernels.fp8; docs/fp8.md); the embedding and the output layer stay in the model's dtype
+    fp8_recipe: str | None = None
 
     def __post_init__(self) -> None:
         if self.multi_latent_attention and self.num_kv_heads not in (None, self.num_heads):
@@ -193,6 +198,7 @@ class GPTConfig:
         self._check_moe()
         self._check_mla()
         self._check_mtp()
+        self._check_fp8()
         if self.rope_scaling is not None:
             _check_rope_scaling(self.rope_scaling, self.position)
         if self.position == "rope" and not self.multi_latent_attention and int(self.head_dim * self.rotary_percent) % 2:
@@ -239,6 +245,28 @@ class GPTConfig:
         for name in ("moe_seq_aux_loss_coeff", "moe_router_topk_scaling_factor"):
             if not 0 <= getattr(self, name) < math.inf:
                 raise ValueError(f"{name}={getattr(self, name)} must be a finite number >= 0")
+
+    def _check_fp8(self):
+        if self.fp8_recipe is None:
+            return
+        if self.fp8_recipe not in FP8_RECIPES:
+            raise ValueError(f"fp8_recipe={self.fp8_recipe!r} must be one of {FP8_RECIPES} (or None)")
+        for name, value, what in (("num_experts", self.num_experts, "the experts' grouped GEMM"),
+                                  ("multi_latent_attention", self.multi_latent_attention, "latent attention")):
+            if value:
+                raise ValueError(f"fp8_recipe={self.fp8_recipe!r} with {name}={value}: {what} has no fp8 path "
+                                 "(fp8 covers dense GQA models)")
+
+    def _check_fp8_sizes(self, tp: int) -> None:
+        """Each fp8 linear's weight on one of `tp` ranks: both dims multiples of 16 (torch._scaled_mm)."""
+        d, h, ffn = self.head_dim, self.hidden_size, self.ffn_hidden_size
+        kv_rows = max(self.num_kv_heads // tp, 1) * d  # (replicated when fewer than tp)
+        fc1 = (2 if self.activation == "swiglu" else 1) * ffn // tp
+        for what, in_features, out_features in (
+                ("the QKV projection", h, self.num_heads * d // tp + 2 * kv_rows),
+                ("the attention output projection", self.num_heads * d // tp, h),
+                ("the MLP's fc1", h, fc1), ("the MLP's fc2", ffn // tp, h)):
+            fp8.check_features(self.fp8_recipe, in_features, out_features, f"{what} at tp={tp}")
 
     def _check_mla(self):
         if not 0 < self.rotary_percent <= 1:
@@ -313,6 +341,8 @@ class GPTConfig:
             raise ValueError(f"ffn_hidden_size={self.ffn_hidden_size} is not divisible by tp={tp}")
         if self.num_experts and self.moe_shared_expert_size % tp:
             raise ValueError(f"moe_shared_expert_size={self.moe_shared_expert_size} is not divisible by tp={tp}")
+        if self.fp8_recipe is not None:
+            self._check_fp8_sizes(tp)
 
     def check_cp(self, cp: int, tp: int = 1) -> None:
         """Raise a ValueError naming the value if this model cannot run on a context-parallel group of `cp` ranks

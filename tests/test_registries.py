@@ -39,6 +39,7 @@ FAMILIES = {
     "recompute methods": Family("models.recompute", "METHODS"),
     "learning-rate decay styles": Family("models.training.lr_decay", "DECAY_STYLES"),
     "kernels backends": Family("kernels.ops", "BACKENDS"),
+    "fp8 recipes": Family("kernels.fp8", "FP8_RECIPES"),
     "model shapes": Family("models.presets", "MODELS"),
     "data formats": Family("models.training.data.formats", "FORMATS"),
     "Hugging Face families": Family("tp.hf.registry", "FAMILIES"),
@@ -143,6 +144,7 @@ def _accepted(family):
                               "--recompute-method": _choices("recompute_method")},
         "learning-rate decay styles": {"job": job.LR_DECAY_STYLES, "--lr-decay-style": _choices("lr_decay_style")},
         "kernels backends": {"bench.plan's own": memory.BACKENDS[:-1]},
+        "fp8 recipes": {"GPTConfig": model.FP8_RECIPES, "job": job.FP8_RECIPES, "--fp8-recipe": _choices("fp8_recipe")},
         "model shapes": {"--model": _choices("model"), "bench.plan --model": _plan_choices("model")},
         "data formats": {},  # (no flag names them: each source's format is detected)
         "Hugging Face families": {},  # (read by tp.parallelize and models.hf through the registry itself)

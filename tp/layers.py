@@ -1,7 +1,9 @@
 """Column- and row-parallel linear layers (Megatron's), drop-in for nn.Linear.
 
-Shapes use Megatron's [s, b, h] activations; any [..., h] works without sequence parallelism.
+Shapes use Megatron's [s, b, h] activations; any [..., h] works without sequence parallelism. `fp8_recipe=` (one
+of kernels.FP8_RECIPES) runs the local GEMMs in float8 with scales equal at every tp split (docs/fp8.md).
 """
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, Self
@@ -31,14 +33,14 @@ class _ParallelLinearFn(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, activation, group, comm):
+    def forward(ctx, x, weight, bias, activation, group, comm, fp8):
         ctx.main_grad = main_grad_of(weight)  # on the parameter, not on an autocast copy of it
         ctx.has_bias, ctx.weight_dtype = bias is not None, weight.dtype
         x, weight, bias = kernels.ops.autocast_operands(x, weight, bias)  # cast before gathering: half the bytes
         x_total = gather_first(x, group) if comm == "sequence" else x  # [s, b, in]
-        y, preact = kernels.linear_forward(x_total.reshape(-1, x.shape[-1]), weight, bias, activation)
+        y, preact = kernels.linear_forward(x_total.reshape(-1, x.shape[-1]), weight, bias, activation, fp8=fp8)
         ctx.save_for_backward(x, weight, preact)
-        ctx.activation, ctx.group, ctx.comm = activation, group, comm
+        ctx.activation, ctx.group, ctx.comm, ctx.fp8 = activation, group, comm, fp8
         return y.view(*x_total.shape[:-1], y.shape[-1]).detach()  # [s, b, out/tp]; not a view (see kernels.linear)
 
     @staticmethod
@@ -52,7 +54,7 @@ class _ParallelLinearFn(torch.autograd.Function):
             x_total, gather = x, None
         dy = grad_out.reshape(-1, grad_out.shape[-1]).to(weight.dtype)  # [s*b, out/tp]
         need_dx = ctx.needs_input_grad[0]
-        dx, dz = kernels.linear_dgrad(dy, weight, preact, ctx.activation, need_input_grad=need_dx)
+        dx, dz = kernels.linear_dgrad(dy, weight, preact, ctx.activation, need_input_grad=need_dx, fp8=ctx.fp8)
         wait(gather)
         pending = None
         if need_dx:
@@ -63,19 +65,21 @@ class _ParallelLinearFn(torch.autograd.Function):
                 dx, pending = reduce_scatter_first(dx, group, async_op=True)  # [s/tp, b, in]
         dw = None
         x_2d = x_total.reshape(-1, x_total.shape[-1])
-        if ctx.needs_input_grad[1] and not defer_weight_grad(ctx, 1, dz, x_2d):  # (W later, under defer_wgrad)
-            dw = kernels.linear_wgrad(dz, x_2d, main_grad=ctx.main_grad)
+        wgrad = functools.partial(kernels.linear_wgrad, fp8=ctx.fp8)
+        if ctx.needs_input_grad[1] and not defer_weight_grad(ctx, 1, dz, x_2d, wgrad=wgrad):  # (W later: defer_wgrad)
+            dw = wgrad(dz, x_2d, main_grad=ctx.main_grad)
         db = kernels.ops.bias_grad(dz, dz.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
         wait(pending)
-        return dx, dw, db, None, None, None
+        return dx, dw, db, None, None, None, None
 
 
-def _local_linear(x, weight, bias, activation, group, comm):
+def _local_linear(x, weight, bias, activation, group, comm, fp8=None):
     """The layers' one entry to the local matmul: kernels.linear, or _ParallelLinearFn when a collective rides along,
-    the weight accumulates into main_grad (checked against DDP) or the weight gradient may be deferred."""
-    if comm is None and not deferring() and not hasattr(weight, "main_grad"):
+    the weight accumulates into main_grad (checked against DDP), the weight gradient may be deferred or the GEMMs
+    run in fp8 (their scales reduced over the group: kernels.fp8.Fp8Scaling)."""
+    if fp8 is None and comm is None and not deferring() and not hasattr(weight, "main_grad"):
         return kernels.linear(x, weight, bias, activation=activation)
-    return _ParallelLinearFn.apply(x, weight, bias, activation, group, comm)
+    return _ParallelLinearFn.apply(x, weight, bias, activation, group, comm, fp8)
 
 
 def _default_weight_init(weight):
@@ -158,7 +162,7 @@ class _ParallelLinear(nn.Module):
     group = SharedGroup()
 
     def __init__(self, in_features, out_features, bias, *, group, init_method, dtype, device, stride, parts,
-                 part_replicas=None, _init=True):
+                 part_replicas=None, fp8_recipe=None, _init=True):
         super().__init__()
         self.group = resolve_group(group)
         self.tp_size, self.tp_rank = dist.get_world_size(self.group), dist.get_rank(self.group)
@@ -191,6 +195,9 @@ class _ParallelLinear(nn.Module):
         local = [out_features, in_features]
         local[self.shard_dim] = sum(local_parts)
         self.weight = nn.Parameter(torch.empty(local, **factory))
+        kernels.fp8.check_features(fp8_recipe, local[1], local[0], f"{type(self).__name__}({in_features}, "
+                                   f"{out_features}) at tp={self.tp_size}")
+        self.fp8_recipe = fp8_recipe
         bias_size = sum(local_parts) if self.shard_dim == 0 else out_features
         self.bias = nn.Parameter(torch.empty(bias_size, **factory)) if bias else None
         for p in (self.weight, self.bias if self.shard_dim == 0 else None):
@@ -274,6 +281,12 @@ class _ParallelLinear(nn.Module):
         layer.load_master(weight.detach(), None if linear.bias is None else linear.bias.detach())
         return layer
 
+    def _fp8(self):
+        """The layer's fp8 GEMMs (None: none), their scales reduced over the group that splits the weight."""
+        if self.fp8_recipe is None:
+            return None
+        return kernels.fp8.Fp8Scaling(self.fp8_recipe, self.group, ("out", "in")[self.shard_dim])
+
     def _check_input(self, x, features, what, *, replicated=False):
         name = type(self).__name__
         if debug.is_debug():  # before the local checks: a rank whose shape alone is wrong must not leave the others
@@ -293,6 +306,7 @@ class _ParallelLinear(nn.Module):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
             f"tp={self.tp_size}, shard=dim{self.shard_dim}{fused} (local weight {local})"
+            + (f", fp8_recipe={self.fp8_recipe}" if self.fp8_recipe else "")
         )
 
     def tune_kernels(self, tokens: int, seen: set | None = None) -> bool:
@@ -300,6 +314,8 @@ class _ParallelLinear(nn.Module):
         (a set shared over a model's layers) already holds a layer of the same shapes and flags; whether it launched.
         """
         act, main_grad = getattr(self, "activation", None), hasattr(self.weight, "main_grad")
+        if self.fp8_recipe is not None:  # torch._scaled_mm: no Triton kernel to tune
+            return False
         key = (tuple(self.weight.shape), self.weight.dtype, self.weight.device, self.bias is None, act, main_grad)
         if seen is not None:
             if key in seen:
@@ -333,7 +349,7 @@ class ColumnParallelLinear(_ParallelLinear):
         sequence_parallel: bool = False, group: dist.ProcessGroup | None = None, init_method: InitMethod | None = None,
         dtype: torch.dtype | None = None, device: torch.device | str | None = None, stride: int | None = None,
         parts: Sequence[int] | None = None, part_replicas: Sequence[int] | None = None, activation: str | None = None,
-        disable_grad_reduce: bool = False, _init: bool = True,
+        disable_grad_reduce: bool = False, fp8_recipe: str | None = None, _init: bool = True,
     ) -> None:
         if disable_grad_reduce and sequence_parallel:
             raise ValueError("disable_grad_reduce=True with sequence_parallel=True: the sequence-parallel input "
@@ -348,7 +364,7 @@ class ColumnParallelLinear(_ParallelLinear):
         self.gather_output, self.sequence_parallel, self.activation = gather_output, sequence_parallel, activation
         super().__init__(
             in_features, out_features, bias, group=group, init_method=init_method, dtype=dtype, device=device,
-            stride=stride, parts=parts, part_replicas=part_replicas, _init=_init,
+            stride=stride, parts=parts, part_replicas=part_replicas, fp8_recipe=fp8_recipe, _init=_init,
         )
         if self.replicated and gather_output:
             raise ValueError(f"gather_output=True with part_replicas={self.part_replicas}: the gathered output would "
@@ -368,7 +384,7 @@ class ColumnParallelLinear(_ParallelLinear):
                 raise ValueError(f"weight.main_grad with part_replicas={self.part_replicas} is not supported: the "
                                  "replicated rows' grads are summed in backward, which main_grad accumulation skips")
             weight, bias = _SumReplicaGrads.apply(self._replica_layout, self.group, weight, bias)
-        y = _local_linear(x, weight, bias, self.activation, self.group, comm)  # [s, b, out/tp]
+        y = _local_linear(x, weight, bias, self.activation, self.group, comm, self._fp8())  # [s, b, out/tp]
         if not self.gather_output or self.tp_size == 1:
             return y
         y = gather_from_tp_region(y, self.group)  # [s, b, out], rank-major
@@ -398,12 +414,13 @@ class RowParallelLinear(_ParallelLinear):
         self, in_features: int, out_features: int, bias: bool = True, *, input_is_parallel: bool = True,
         sequence_parallel: bool = False, group: dist.ProcessGroup | None = None, init_method: InitMethod | None = None,
         dtype: torch.dtype | None = None, device: torch.device | str | None = None, stride: int | None = None,
-        parts: Sequence[int] | None = None, sequence_parallel_grad_sync: bool = True, _init: bool = True,
+        parts: Sequence[int] | None = None, sequence_parallel_grad_sync: bool = True, fp8_recipe: str | None = None,
+        _init: bool = True,
     ) -> None:
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
         super().__init__(
             in_features, out_features, bias, group=group, init_method=init_method, dtype=dtype, device=device,
-            stride=stride, parts=parts, _init=_init,
+            stride=stride, parts=parts, fp8_recipe=fp8_recipe, _init=_init,
         )
         # Under SP the bias meets a sequence shard, so its gradient is partial per rank: summed over tp inside
         # backward, or (sync off) tagged for tp.allreduce_sequence_parallel_grads.
@@ -420,8 +437,8 @@ class RowParallelLinear(_ParallelLinear):
         else:
             self._check_input(x, self.weight.shape[1], "in_features/tp")
         if self.tp_size == 1:  # nothing to reduce: the bias joins the matmul
-            return _local_linear(x, self.weight, self.bias, None, self.group, None)
-        y = _local_linear(x, self.weight, None, None, self.group, None)  # [s, b, out] partial sums
+            return _local_linear(x, self.weight, self.bias, None, self.group, None, self._fp8())
+        y = _local_linear(x, self.weight, None, None, self.group, None, self._fp8())  # [s, b, out] partial sums
         if self.sequence_parallel:
             y = reduce_scatter_to_sp_region(y, self.group, check=False)  # [s/tp, b, out] (its input was checked)
         else:

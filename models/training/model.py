@@ -30,7 +30,7 @@ def gpt_config_from_job(job: JobConfig) -> GPTConfig:
     runtime = dict(sequence_parallel=parallel.sequence_parallel, **parallel.recompute_options, dropout=model.dropout,
                    attention_dropout=attention_dropout, dropout_seed=job.training.seed,
                    sequence_parallel_grad_sync=not uses_torch_ddp(job),
-                   cp_mode=parallel.cp_mode, cp_a2a_size=parallel.cp_a2a_size)
+                   cp_mode=parallel.cp_mode, cp_a2a_size=parallel.cp_a2a_size, fp8_recipe=job.training.fp8_recipe)
     saved = resuming.use_checkpoint_args(job)  # --use-checkpoint-args: the checkpoint's GPTConfig
     if saved is not None:
         dispatcher = {"moe_dispatcher": model.moe_dispatcher} if model.moe_dispatcher else {}

@@ -39,9 +39,9 @@ from .model import MOE_DISPATCHERS, MOE_SCORES, MOE_SHAPE_FIELDS, MOE_TRAINING_F
 from .parallelism import DP_MODES, PIPELINE_SCHEDULES, ParallelismConfig
 from .run import DEVICES, CheckpointConfig, FaultsConfig, LaunchConfig, LoggingConfig, ProfilingConfig
 from .toml_io import read_toml, toml_value, typed
-from .training import LR_DECAY_STYLES, PRECISIONS, OptimizerConfig, TrainingConfig
+from .training import FP8_RECIPES, LR_DECAY_STYLES, PRECISIONS, OptimizerConfig, TrainingConfig
 
-__all__ = ["DEVICES", "DP_MODES", "LR_DECAY_STYLES", "MOE_DISPATCHERS", "MOE_SCORES", "MOE_SHAPE_FIELDS",
+__all__ = ["DEVICES", "DP_MODES", "FP8_RECIPES", "LR_DECAY_STYLES", "MOE_DISPATCHERS", "MOE_SCORES", "MOE_SHAPE_FIELDS",
            "MOE_TRAINING_FIELDS", "PIPELINE_SCHEDULES", "PRECISIONS", "SIZE_FIELDS", "CheckpointConfig", "DataConfig",
            "EvaluationConfig", "FaultsConfig", "JobConfig", "LaunchConfig", "LoggingConfig", "ModelConfig",
            "OptimizerConfig", "ParallelismConfig", "ProfilingConfig", "TrainingConfig"]

@@ -3,6 +3,7 @@ rate schedule."""
 import dataclasses
 import math
 
+from ...config import FP8_RECIPES
 from ..lr_decay import DECAY_STYLES, Decay
 from .fields import at_least, flag_of, one_of, option
 
@@ -26,6 +27,10 @@ class TrainingConfig:
               "matmuls on GPUs (fp32 there is the exact, slow IEEE dot)",
         metavar="{" + ",".join(PRECISIONS) + "}",  # (checked by validate, which says why fp16 is not)
         consts={"--bf16": "bf16"})
+    fp8_recipe: str | None = option(
+        None, "the blocks' linears in float8 e4m3 with dynamic scales (torchao's recipes: one scale per tensor, or "
+              "per row and column); master weights, gradients and the rest in --precision (docs/fp8.md)",
+        choices=FP8_RECIPES)
     clip_grad: float = option(1.0, "clip the global gradient norm (over tp, pp and dp) to C (0: no clipping); a "
                                    "non-finite norm skips the step", metavar="C")
     check_inputs: bool = option(False, "assert every step that all tp ranks of a group read the same tokens (a "
@@ -46,6 +51,8 @@ class TrainingConfig:
         at_least(self, ("max_skipped_steps",), 0)
         if not math.isfinite(self.clip_grad) or self.clip_grad < 0:
             raise ValueError(f"--clip-grad={self.clip_grad} must be a finite number >= 0 (0: no clipping)")
+        if self.fp8_recipe is not None:
+            one_of("--fp8-recipe", self.fp8_recipe, FP8_RECIPES)
         if self.precision is not None and self.precision not in PRECISIONS:
             raise ValueError(f"--precision={self.precision} is not supported: fp32, tf32 or bf16 (fp16 would need "
                              "loss scaling)")

@@ -1,0 +1,145 @@
+"""FP8 linears: a linear's three GEMMs (forward y = x·Wᵀ, dgrad dx = dz·W, wgrad dW = dzᵀ·x) with both operands cast
+to float8 e4m3 under a dynamic scale (each operand's amax, taken at every call), multiplied by `torch._scaled_mm`
+(cuBLASLt on Hopper; an eager kernel on CPU) with fp32 accumulation, the result in the caller's dtype.
+
+The recipes are torchao's float8 training recipes (torchao.float8, Float8LinearConfig.from_recipe_name), by name and
+by meaning:
+- "tensorwise": one scale per operand, float8_max / amax(|t|) over the whole tensor.
+- "rowwise": one scale per row of the left operand and per column of the right one (each an amax along the
+  contraction dim), rounded down to a power of two (exact to apply and to undo).
+e4m3 for every operand, in the backward GEMMs too. The master weights, the bias, the activation epilogue, the bias
+gradient and main_grad's fp32 accumulation stay as the other backends have them: only the matmuls change.
+
+Tensor parallelism: a tensorwise amax over a tensor that tp splits is each rank's own amax, not the serial one; a
+rowwise amax along a contraction dim that tp splits is a partial one. Given the group and which weight dim it splits
+(Fp8Scaling), the GEMM all-reduces (MAX) exactly those amaxes over the group, one small all-reduce per GEMM, so the
+scales, and the curve, are the serial run's (docs/fp8.md).
+"""
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from . import torch_ops
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = torch.finfo(E4M3).max
+AMAX_FLOOR = 1e-12  # torchao's EPS: an all-zero operand gets a finite scale
+MULTIPLE = 16  # torch._scaled_mm (cuBLASLt): the contraction dim and the right operand's columns multiples of 16
+OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class Recipe(NamedTuple):
+    rowwise: bool  # scales per row of the left operand / column of the right one (else one per tensor)
+    power_of_2_scales: bool
+
+
+# name -> recipe: the fp8_recipe names every upper floor accepts
+FP8_RECIPES = {
+    "tensorwise": Recipe(rowwise=False, power_of_2_scales=False),
+    "rowwise": Recipe(rowwise=True, power_of_2_scales=True),
+}
+
+
+class Fp8Scaling(NamedTuple):
+    """How a linear runs its GEMMs in fp8: the recipe's name; the process group its weight is split over (None:
+    whole) and which weight dim it splits: "out" (a column-parallel layer) or "in" (a row-parallel one)."""
+    recipe: str
+    group: dist.ProcessGroup | None = None
+    split: str | None = None
+
+
+def check_recipe(recipe: str | None) -> None:
+    if recipe is not None and recipe not in FP8_RECIPES:
+        raise ValueError(f"unknown fp8_recipe {recipe!r}; expected one of {tuple(FP8_RECIPES)} (or None)")
+
+
+def check_features(recipe: str | None, in_features: int, out_features: int, what: str) -> None:
+    """An fp8 linear's local weight [out, in] must have both dims multiples of 16 (torch._scaled_mm's rule on
+    GPUs, kept on every device so that what runs here runs there); `what` names the layer in the error."""
+    check_recipe(recipe)
+    if recipe is not None and (in_features % MULTIPLE or out_features % MULTIPLE):
+        raise ValueError(f"fp8_recipe={recipe!r}: {what} has in_features={in_features}, out_features={out_features} "
+                         f"(per rank); torch._scaled_mm needs both to be multiples of {MULTIPLE}")
+
+
+def scale_of(amax: torch.Tensor, recipe: Recipe) -> torch.Tensor:
+    """float8_max / amax in fp32 (amax floored at 1e-12), rounded down to a power of two when the recipe says."""
+    scale = E4M3_MAX / amax.float().clamp(min=AMAX_FLOOR)
+    return torch.exp2(torch.floor(torch.log2(scale))) if recipe.power_of_2_scales else scale
+
+
+def to_e4m3(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """t · scale saturated to ±448 and rounded to e4m3 (the cast torchao's to_fp8_saturated makes)."""
+    return (t.float() * scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+
+
+def _reducing_group(fp8, recipe, contraction):
+    """The group to all-reduce this GEMM's amaxes over, or None when every rank's are already the serial ones."""
+    if fp8.group is None or fp8.split is None or dist.get_world_size(fp8.group) == 1:
+        return None
+    # tensorwise: the weight (and one activation operand) is split; rowwise: only a split contraction dim matters
+    return fp8.group if not recipe.rowwise or contraction == fp8.split else None
+
+
+def scaled_matmul(a: torch.Tensor, b: torch.Tensor, fp8: Fp8Scaling, *, contraction: str,
+                  out_dtype: torch.dtype) -> torch.Tensor:
+    """a [M, K] @ b [K, N] with both operands in e4m3 under the recipe's dynamic scales, in `out_dtype`.
+    `contraction` names K among the linear's dims ("in", "out" or "tokens"), for the amax reduction."""
+    recipe = FP8_RECIPES[fp8.recipe]
+    if out_dtype not in OUT_DTYPES:
+        raise ValueError(f"fp8_recipe={fp8.recipe!r} computes in fp32, bf16 or fp16, not {out_dtype}")
+    if a.numel() == 0 or b.numel() == 0:  # no amax to take (an empty micro-batch, a zero-width shard)
+        return (a.float() @ b.float()).to(out_dtype)
+    abs_a, abs_b = a.abs(), b.abs()
+    amax_a = abs_a.amax(1, keepdim=True) if recipe.rowwise else abs_a.amax()  # [M, 1] or []
+    amax_b = abs_b.amax(0, keepdim=True) if recipe.rowwise else abs_b.amax()  # [1, N] or []
+    group = _reducing_group(fp8, recipe, contraction)
+    if group is not None:  # one all-reduce for both operands' amaxes
+        both = torch.cat([amax_a.reshape(-1), amax_b.reshape(-1)]).float()
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+        amax_a, amax_b = both[:amax_a.numel()].view(amax_a.shape), both[amax_a.numel():].view(amax_b.shape)
+    scale_a, scale_b = scale_of(amax_a, recipe), scale_of(amax_b, recipe)
+    a8 = to_e4m3(a, scale_a).contiguous()  # row-major, as cuBLASLt wants the left operand (wgrad's is dzᵀ)
+    b8 = to_e4m3(b, scale_b).t().contiguous().t()  # column-major, as it wants the right one
+    if a.shape[1] % MULTIPLE:  # only the wgrad's token dim can be ragged: zero rows change neither sum nor amax
+        pad = MULTIPLE - a.shape[1] % MULTIPLE
+        a8 = torch.cat([a8, a8.new_zeros(a8.shape[0], pad)], 1)
+        b8 = torch.cat([b8, b8.new_zeros(pad, b8.shape[1])], 0).t().contiguous().t()
+    unscale_a, unscale_b = scale_a.reciprocal(), scale_b.reciprocal()
+    if recipe.rowwise and out_dtype != torch.bfloat16:
+        # cuBLASLt's rowwise kernel writes bf16 only: fp32 out through unit scales and the outer product of the
+        # per-row and per-column unscales after (torchao's own fallback; exact with power-of-two scales)
+        one = unscale_a.new_ones(())
+        out = torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.float32)
+        return out.mul_(unscale_a * unscale_b).to(out_dtype)
+    return torch._scaled_mm(a8, b8, scale_a=unscale_a.contiguous(), scale_b=unscale_b.contiguous(),
+                            out_dtype=out_dtype)
+
+
+# The primitives of kernels.ops (torch_ops' signatures) with their GEMMs in fp8.
+
+def linear_forward(x, weight, bias=None, activation=None, *, fp8):
+    """y = act(x @ weight.T + bias) -> (y, the pre-activation saved for backward, or None)."""
+    z = scaled_matmul(x, weight.t(), fp8, contraction="in", out_dtype=x.dtype)
+    if bias is not None:
+        z = z + bias.to(z.dtype)
+    if activation is None:
+        return z, None
+    return torch_ops.activation_forward(z, activation), z
+
+
+def linear_dgrad(grad_out, weight, preact=None, activation=None, *, fp8, need_input_grad=True):
+    """-> (grad_input = dz @ weight, or None; dz = grad_out · act'(preact))."""
+    dz = torch_ops.activation_backward(grad_out, preact, activation)
+    if not need_input_grad:
+        return None, dz
+    return scaled_matmul(dz, weight, fp8, contraction="out", out_dtype=dz.dtype), dz
+
+
+def linear_wgrad(dz, x, *, fp8, main_grad=None):
+    """dW = dzᵀ @ x; with a main_grad, computed in fp32 and accumulated into it in place (None returned)."""
+    if main_grad is None:
+        return scaled_matmul(dz.t(), x, fp8, contraction="tokens", out_dtype=dz.dtype)
+    main_grad.add_(scaled_matmul(dz.t(), x, fp8, contraction="tokens", out_dtype=torch.float32))
+    return None

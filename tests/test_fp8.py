@@ -1,0 +1,221 @@
+"""FP8 linears (kernels.fp8): each GEMM equals the same quantization written in plain torch, stays within fp8's error
+of the fp32 linear, keeps main_grad's fp32 accumulation; both recipes give the serial result at tp 2 with and without
+sequence parallelism (docs/fp8.md's claim); a job with --fp8-recipe trains the serial fp8 curve at tp 2, near fp32's;
+sizes torch._scaled_mm cannot take are one ValueError line at construction."""
+import os
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import kernels
+import tp
+from kernels.fp8 import FP8_RECIPES, Fp8Scaling
+from models import GPTConfig
+from models.training.cli import parser
+from tp.testing import distributed, run
+
+from .helpers import train_refusal
+from .test_train import SMALL, _losses, _train_on_ranks
+
+RECIPES = tuple(FP8_RECIPES)
+
+
+def _dequantized(t, recipe, dim):
+    """t through e4m3 and back as the recipe scales it: one scale per tensor, or (rowwise) one per slice along
+    `dim` (the GEMM's contraction dim of t) rounded down to a power of two; the scale computed in fp32."""
+    t = t.detach().float()
+    amax = t.abs().amax() if recipe == "tensorwise" else t.abs().amax(dim, keepdim=True)
+    scale = 448.0 / amax.clamp(min=1e-12)
+    if recipe == "rowwise":
+        scale = torch.exp2(torch.floor(torch.log2(scale)))
+    return (t * scale).clamp(-448, 448).to(torch.float8_e4m3fn).double() / scale.double()
+
+
+def _reference(x, w, b, dy, recipe):
+    """(y, dx, dW) of y = x·Wᵀ + b with every GEMM's operands quantized as the recipe says, multiplied in fp64."""
+    y = _dequantized(x, recipe, 1) @ _dequantized(w, recipe, 1).t() + b.double()
+    dx = _dequantized(dy, recipe, 1) @ _dequantized(w, recipe, 0)
+    dw = _dequantized(dy.t(), recipe, 1) @ _dequantized(x, recipe, 0)
+    return y, dx, dw
+
+
+def _inputs(dtype, tokens=24):  # 24 tokens: the wgrad's contraction dim is padded to 32 for torch._scaled_mm
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(tokens, 32, generator=g), torch.randn(48, 32, generator=g) / 4
+    b, dy = torch.randn(48, generator=g), torch.randn(tokens, 48, generator=g)
+    return [t.to(dtype).requires_grad_(i < 3) for i, t in enumerate((x, w, b, dy))]
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_each_gemm_is_the_recipes_quantization(recipe):
+    x, w, b, dy = _inputs(torch.float32)
+    y = kernels.linear(x, w, b, fp8_recipe=recipe)
+    y.backward(dy)
+    for ours, ref in zip((y, x.grad, w.grad), _reference(x, w, b, dy, recipe)):
+        assert ours.dtype == torch.float32
+        torch.testing.assert_close(ours.double(), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(b.grad, dy.sum(0))  # (the bias gradient is not a GEMM: unchanged)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_within_fp8_error_of_the_exact_linear(recipe, dtype):
+    """e4m3 keeps 3 mantissa bits (a relative rounding of at most 1/16 per operand element)."""
+    x, w, b, dy = _inputs(dtype)
+    y = kernels.linear(x, w, b, activation="gelu", fp8_recipe=recipe)
+    y.backward(dy)
+    exact = [t.detach().double().requires_grad_() for t in (x, w, b)]
+    y_exact = F.gelu(F.linear(*exact))
+    y_exact.backward(dy.double())
+    for name, ours, ref in zip(("y", "dx", "dW", "db"), (y, x.grad, w.grad, b.grad),
+                               (y_exact, *(t.grad for t in exact))):
+        assert ours.dtype == dtype, name
+        error = (ours.double() - ref).norm() / ref.norm()
+        assert 0 < error < 0.08, f"{name}: relative error {error:.4f}"
+
+
+def test_operands_reach_scaled_mm_in_the_layouts_cublaslt_takes(monkeypatch):
+    """The CPU kernel takes any layout; cuBLASLt wants the left operand row-major, the right one column-major, the
+    contraction dim and the right operand's columns multiples of 16, fp32 scales shaped [], or [M, 1] and [1, N]."""
+    calls, scaled_mm = [], torch._scaled_mm
+
+    def checked(a, b, *, scale_a, scale_b, out_dtype):
+        calls.append(out_dtype)
+        assert a.stride(1) == 1 and b.stride(0) == 1 and a.shape[1] % 16 == 0 and b.shape[1] % 16 == 0
+        assert scale_a.dtype == scale_b.dtype == torch.float32
+        assert (scale_a.shape, scale_b.shape) in (((), ()), ((a.shape[0], 1), (1, b.shape[1])))
+        return scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+
+    monkeypatch.setattr(torch, "_scaled_mm", checked)
+    for recipe in RECIPES:
+        x, w, b, dy = _inputs(torch.bfloat16, tokens=32)  # (no padding, which would copy dzᵀ row-major)
+        kernels.linear(x, w, b, activation="swiglu", fp8_recipe=recipe).backward(dy[:, :24])
+    assert len(calls) == 6
+
+
+def test_the_weight_gradient_accumulates_into_main_grad_in_fp32():
+    x, w, b, dy = _inputs(torch.bfloat16)
+    w.main_grad = torch.zeros(w.shape)
+    for _ in range(2):
+        kernels.linear(x, w, fp8_recipe="rowwise").backward(dy)
+    assert w.grad is None
+    _, _, dw = _reference(x, w, b, dy, "rowwise")
+    torch.testing.assert_close(w.main_grad.double(), 2 * dw, rtol=1e-5, atol=1e-5)
+
+
+def test_sizes_scaled_mm_cannot_take_and_unknown_recipes_are_one_line():
+    x = torch.randn(4, 24)
+    with pytest.raises(ValueError, match=r"^fp8_recipe='tensorwise': the weight has in_features=24, out_features=48 "
+                                         r".*multiples of 16$"):
+        kernels.linear(x, torch.randn(48, 24), fp8_recipe="tensorwise")
+    with pytest.raises(ValueError, match=r"unknown fp8_recipe 'e5m2'; expected one of \('tensorwise', 'rowwise'\)"):
+        kernels.linear(x, torch.randn(48, 24), fp8_recipe="e5m2")
+    config = dict(hidden_size=64, num_heads=4, num_kv_heads=2, ffn_hidden_size=96, fp8_recipe="tensorwise")
+    GPTConfig(**config).check_tp(1)
+    with pytest.raises(ValueError, match=r"the MLP's fc2 at tp=4 has in_features=24, out_features=64"):
+        GPTConfig(**config).check_tp(4)
+    with pytest.raises(ValueError, match=r"num_experts=4: the experts' grouped GEMM has no fp8 path"):
+        GPTConfig(**config, num_experts=4)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--fp8-recipe", "rowwise", "--hidden-size", "72"], r"^error: fp8_recipe='rowwise': the QKV projection at tp=2 "
+                                                          r"has in_features=72, out_features=72 \(per rank\); "),
+    (["--fp8-recipe", "tensorwise", "--model", "tiny-moe"], r"num_experts=8: the experts' grouped GEMM has no fp8"),
+])
+def test_a_bad_fp8_job_is_one_line_before_any_process(flags, message, capsys):
+    code, out, lines = train_refusal(flags, capsys)
+    assert code == 2 and out == "" and len(lines) == 1 and re.search(message, lines[0]), lines
+
+
+def test_an_unknown_recipe_is_the_parsers_one_line(capsys):
+    with pytest.raises(SystemExit) as exit:
+        parser().parse_args(["--fp8-recipe", "foo"])
+    assert exit.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
+        "error: argument --fp8-recipe: invalid choice: 'foo' (choose from 'tensorwise', 'rowwise')")
+
+
+def _mlp(recipe, sequence_parallel, w1, w2, b2):
+    fc1 = tp.ColumnParallelLinear(32, 128, bias=False, activation="swiglu", sequence_parallel=sequence_parallel,
+                                  fp8_recipe=recipe)
+    fc2 = tp.RowParallelLinear(64, 32, sequence_parallel=sequence_parallel, fp8_recipe=recipe)
+    fc1.load_master(w1)
+    fc2.load_master(w2, b2)
+    return fc1, fc2
+
+
+@distributed(world_size=2)
+def test_every_recipe_gives_the_serial_result_at_tp_2_with_and_without_sp():
+    """docs/fp8.md: the amaxes a tp split would change are all-reduced, so each rank's scales are the serial ones."""
+    tp.init_mesh(tp=2)
+    rank = dist.get_rank()
+    g = torch.Generator().manual_seed(1)
+    x, dy = torch.randn(8, 3, 32, generator=g), torch.randn(8, 3, 32, generator=g)
+    w1, w2, b2 = torch.randn(128, 32, generator=g) / 6, torch.randn(32, 64, generator=g) / 8, torch.randn(32)
+    with pytest.raises(ValueError, match=r"RowParallelLinear\(48, 32\) at tp=2 has in_features=24, out_features=32"):
+        tp.RowParallelLinear(48, 32, fp8_recipe="rowwise")
+    for recipe in RECIPES:
+        serial = [t.clone().requires_grad_() for t in (x, w1, w2, b2)]
+        y = kernels.linear(kernels.swiglu_linear(serial[0], serial[1], fp8_recipe=recipe), serial[2], serial[3],
+                           fp8_recipe=recipe)
+        y.backward(dy)
+        for sp in (False, True):
+            fc1, fc2 = _mlp(recipe, sp, w1, w2, b2)
+            chunk = (lambda t: t.chunk(2)[rank]) if sp else (lambda t: t)
+            x_local = chunk(x).clone().requires_grad_()
+            y_local = fc2(fc1(x_local))
+            y_local.backward(chunk(dy))
+            where = f"{recipe}, sequence_parallel={sp}"
+            pairs = ((y_local, chunk(y)), (x_local.grad, chunk(serial[0].grad)),
+                     (fc1.weight.grad, fc1.shard_dense(serial[1].grad)),
+                     (fc2.weight.grad, fc2.shard_dense(serial[2].grad)), (fc2.bias.grad, serial[3].grad))
+            for i, (ours, ref) in enumerate(pairs):
+                torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5, msg=lambda m: f"{where}, #{i}: {m}")
+
+
+@distributed(world_size=2)
+def test_without_the_reduction_a_rank_would_scale_by_its_own_amax():
+    """The reduction the previous test relies on matters: a shard's own amax gives another result."""
+    tp.init_mesh(tp=2)
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(16, 32, generator=g), torch.randn(64, 32, generator=g)
+    shard = w.chunk(2)[dist.get_rank()]
+    reduced, _ = kernels.linear_forward(x, shard, fp8=Fp8Scaling("tensorwise", tp.get_mesh().tp_group, "out"))
+    own, _ = kernels.linear_forward(x, shard, fp8=Fp8Scaling("tensorwise"))
+    serial, _ = kernels.linear_forward(x, w, fp8=Fp8Scaling("tensorwise"))
+    torch.testing.assert_close(reduced, serial.chunk(2, 1)[dist.get_rank()], rtol=1e-6, atol=1e-6)
+    assert (shard.abs().max() == w.abs().max()) == torch.equal(own, reduced)
+
+
+def _curve(tmp_path, name, world_size, *flags):
+    log = os.path.join(tmp_path, f"{name}.jsonl")
+    run(_train_on_ranks, world_size, flags=list(flags), log=log, timeout=300)
+    return _losses(log)
+
+
+def _assert_serial_fp8_curve(tmp_path, splits):
+    """Each split's fp8 curve is the serial fp8 curve (1e-4: the row layer's all-reduce sums in another order than
+    the serial GEMM, and a value moved across an e4m3 rounding boundary rounds the other way), near fp32's."""
+    assert SMALL[SMALL.index("--steps") + 1] == "3"
+    one = ["--tp", "1", "--pp", "1", "--dp", "1"]
+    fp32 = _curve(tmp_path, "fp32", 1, *one)
+    serial = _curve(tmp_path, "serial", 1, *one, "--fp8-recipe", "tensorwise")
+    for name, (world_size, flags) in splits.items():
+        curve = _curve(tmp_path, name, world_size, *flags, "--fp8-recipe", "tensorwise")
+        for step, (ours, reference, exact) in enumerate(zip(curve, serial, fp32, strict=True)):
+            assert abs(ours - reference) <= 1e-4 * reference, f"{name}, step {step + 1}: {ours} vs {reference}"
+            assert abs(reference - exact) <= 0.02 * exact, f"step {step + 1}: fp8 {reference} vs fp32 {exact}"
+
+
+def test_an_fp8_job_trains_the_serial_fp8_curve_at_tp_2_with_sp(tmp_path):
+    _assert_serial_fp8_curve(tmp_path, {"tp2_sp": (2, ["--tp", "2", "--pp", "1", "--dp", "1", "--sequence-parallel"])})
+
+
+@pytest.mark.slow
+def test_an_fp8_job_trains_the_serial_fp8_curve_at_tp_2_pp_2_dp_2(tmp_path):
+    _assert_serial_fp8_curve(tmp_path, {"tp2": (2, ["--tp", "2", "--pp", "1", "--dp", "1"]),
+                                        "2x2x2": (8, ["--tp", "2", "--pp", "2", "--dp", "2"])})
