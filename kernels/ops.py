@@ -1,4 +1,5 @@
-"""Dispatch of the local-matmul primitives: Triton on CUDA (or under TRITON_INTERPRET=1), torch otherwise.
+"""Dispatch of the local-matmul primitives: on CUDA the faster of Triton and torch for each call's shape, measured
+once (kernels.choice); Triton under TRITON_INTERPRET=1; torch otherwise.
 
 The tensor-parallel layers call only these four functions, so a backend can be swapped without touching them.
 `use_backend("torch" | "triton" | "auto")` overrides the choice (also via the env var TP_KERNELS_BACKEND); BACKENDS
@@ -9,8 +10,8 @@ import os
 
 import torch
 
+from . import choice, torch_ops
 from . import fp8 as fp8_ops
-from . import torch_ops
 from .dtypes import TRITON_DTYPES
 from .fp8 import Fp8Scaling
 from .torch_ops import ACTIVATIONS, check_activation  # noqa: F401
@@ -108,6 +109,19 @@ def _impl(x):
     return module
 
 
+def _measured(x: torch.Tensor, op: str, weight_shape: tuple[int, int], **flags):
+    """The module for one primitive call: under "auto" on a measurable (CUDA) device with both backends usable, the
+    faster for this call's key (kernels.choice); everywhere else _impl(x). Under torch.compile's tracing nothing is
+    measured (the tensors are fakes): _impl's choice, as before."""
+    default = _impl(x)
+    if _backend != "auto" or default is torch_ops or not choice.measurable(x) or torch.compiler.is_compiling() \
+            or 0 in (x.shape[0], *weight_shape):
+        return default
+    candidates = {name: module for name, load in BACKENDS.items() if (module := load()) is not None}
+    key = choice.make_key(op, x, *weight_shape, **flags)
+    return candidates[choice.choose(key, candidates, x.device)]
+
+
 def fused_kernels(device: torch.device) -> bool:
     """Whether the fused Triton kernels (RMSNorm with the residual add, RoPE, the vocab-parallel loss) run for
     tensors on `device`: backend "auto" on CUDA only (CPU keeps the torch code, and its numbers), "triton" anywhere
@@ -142,7 +156,8 @@ def linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     `fp8`: the GEMM in float8 (kernels.fp8) whatever the backend; each of the three primitives takes it."""
     if fp8 is not None:
         return fp8_ops.linear_forward(x, weight, bias, activation, fp8=fp8)
-    return _impl(x).linear_forward(x, weight, bias, activation)
+    module = _measured(x, "forward", weight.shape, activation=activation, bias=bias is not None)
+    return module.linear_forward(x, weight, bias, activation)
 
 
 def linear_dgrad(grad_out: torch.Tensor, weight: torch.Tensor, preact: torch.Tensor | None = None,
@@ -151,13 +166,20 @@ def linear_dgrad(grad_out: torch.Tensor, weight: torch.Tensor, preact: torch.Ten
     """(grad_input [M, K] = dz @ weight, or None; dz [M, N] = grad_out · act'(preact))."""
     if fp8 is not None:
         return fp8_ops.linear_dgrad(grad_out, weight, preact, activation, fp8=fp8, need_input_grad=need_input_grad)
-    return _impl(grad_out).linear_dgrad(grad_out, weight, preact, activation, need_input_grad=need_input_grad)
+    # Without the input gradient only the activation's derivative runs: it follows the dgrad's choice (measured by
+    # tune_linear), rather than a key of its own first met inside a step.
+    module = _measured(grad_out, "dgrad", weight.shape, activation=activation)
+    return module.linear_dgrad(grad_out, weight, preact, activation, need_input_grad=need_input_grad)
 
 
 def linear_wgrad(dz: torch.Tensor, x: torch.Tensor, *, main_grad: torch.Tensor | None = None,
                  fp8: Fp8Scaling | None = None) -> torch.Tensor | None:
     """dW [N, K] = dzᵀ @ x; with a main_grad (fp32 [N, K]), accumulated into it in place and None returned."""
-    wgrad = _impl(dz).linear_wgrad if fp8 is None else functools.partial(fp8_ops.linear_wgrad, fp8=fp8)
+    if fp8 is None:
+        # dz [tokens, N] and x [tokens, K] make the weight's gradient [N, K]
+        wgrad = _measured(dz, "wgrad", (dz.shape[1], x.shape[1]), main_grad=main_grad is not None).linear_wgrad
+    else:
+        wgrad = functools.partial(fp8_ops.linear_wgrad, fp8=fp8)
     if main_grad is None:
         return wgrad(dz, x)
     check_main_grad(main_grad, (dz.shape[1], x.shape[1]), dz.device)
@@ -172,9 +194,10 @@ def linear_wgrad(dz: torch.Tensor, x: torch.Tensor, *, main_grad: torch.Tensor |
 def tune_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, activation: str | None = None, *,
                 tokens: int, main_grad: bool = False) -> bool:
     """Launch the forward, dgrad and wgrad kernels of a linear with this (local) weight once on `tokens` zero rows,
-    so that the autotuner picks their configs now, once per token bucket. A first launch inside a pipeline schedule
-    would benchmark 5-7 configs there, synchronising the device while a peer rank waits on this one in a receive.
-    Only where the Triton kernels run (not on the torch backend); returns whether it launched."""
+    so that the autotuner picks their configs now, once per token bucket, and "auto" on CUDA measures which backend
+    runs each primitive fastest (kernels.choice). A first launch inside a pipeline schedule would benchmark 5-7
+    configs there, synchronising the device while a peer rank waits on this one in a receive.
+    Only where the Triton kernels can run (not on the torch backend); returns whether it launched."""
     if _impl(weight) is torch_ops or tokens < 1:
         return False
     with torch.no_grad():

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from .activations import act_bwd, act_fwd, swiglu_bwd, swiglu_fwd
+from .choice import token_bucket  # the autotune key's token bucket, shared with auto's measured choice
 from .configs import INTERPRET, check_interpreter, matmul_configs, pruner
 from .dtypes import TRITON_DTYPES
 from .torch_ops import check_activation
@@ -250,13 +251,6 @@ def _check_operands(*tensors):
 def _device_of(t):
     # Triton launches on the current CUDA device; make it the operands' device (a no-op on CPU / interpreter).
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
-
-
-def token_bucket(tokens: int) -> int:
-    """The autotune key's token count: the next power of two (at least 64). Tuning once per bucket, not per count,
-    spares variable batches and generation a 5-7 config re-tune at every new length; a tile choice tuned for 2^k
-    tokens suits 2^(k-1)..2^k of them."""
-    return max(64, 1 << max(0, tokens - 1).bit_length())
 
 
 def _gemm_grid(M, N):

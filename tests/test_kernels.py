@@ -279,7 +279,7 @@ def test_interpreter_names_a_triton_numpy_pair_it_cannot_run(monkeypatch, triton
 def test_public_api():
     assert set(kernels.__all__) == {"linear", "swiglu_linear", "ACTIVATIONS", "use_backend", "get_backend",
                                     "linear_forward", "linear_dgrad", "linear_wgrad", "tune_linear", "grouped_linear",
-                                    "grouped_forward", "grouped_dgrad", "grouped_wgrad", "FP8_RECIPES"}
+                                    "grouped_forward", "grouped_dgrad", "grouped_wgrad", "FP8_RECIPES", "choices"}
     assert kernels.ACTIVATIONS == (None, "gelu", "gelu_tanh", "silu", "relu", "swiglu")
 
 

@@ -1,0 +1,191 @@
+"""Backend "auto" on CUDA: per key the measured fastest of the candidate modules, cached in memory and on disk
+(kernels.choice). Without a GPU the "measurable device" predicate and the timer are swapped: the candidates run on
+CPU tensors (fakes recording each call over torch_ops, or the real Triton kernels under TRITON_INTERPRET=1, which
+conftest sets) and the timer returns a cost per candidate."""
+import json
+import types
+
+import pytest
+import torch
+
+import kernels
+from kernels import choice, ops, torch_ops, triton_ops
+from kernels.choice import OPS
+
+calls = []  # (candidate, primitive) of every call the fake modules ran
+COST = {("triton", "forward"): 1.0, ("torch", "forward"): 2.0, ("triton", "dgrad"): 3.0, ("torch", "dgrad"): 1.5,
+        ("triton", "wgrad"): 2.0, ("torch", "wgrad"): 1.0}
+
+
+def fake_module(name):
+    def recorded(primitive):
+        def run(*args, **kwargs):
+            calls.append((name, primitive.removeprefix("linear_")))
+            return getattr(torch_ops, primitive)(*args, **kwargs)
+        return run
+    return types.SimpleNamespace(**{p: recorded(p) for p in ("linear_forward", "linear_dgrad", "linear_wgrad")})
+
+
+FAKES = {name: fake_module(name) for name in ("torch", "triton")}
+
+
+def cost_timer(fn, device):
+    """The fake modules' cost of the one call fn makes."""
+    calls.clear()
+    fn()
+    return COST[calls[-1]]
+
+
+def no_timer(fn, device):
+    raise AssertionError("measured although the choice was cached, forced or not measurable")
+
+
+@pytest.fixture
+def auto(tmp_path, monkeypatch):
+    """auto with fake candidates on a measurable CPU, the disk cache in tmp_path."""
+    monkeypatch.setenv("TP_KERNELS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(choice, "measurable", lambda x: True)
+    monkeypatch.setattr(choice, "time_ms", cost_timer)
+    for name, module in FAKES.items():
+        monkeypatch.setitem(ops.BACKENDS, name, lambda module=module: module)
+    choice.clear()
+    calls.clear()
+    with kernels.use_backend("auto"):
+        yield tmp_path
+    choice.clear()
+
+
+def run_all(tokens=37, n=24, k=16):
+    """One call of each primitive of a GELU linear with bias, wgrad into a main_grad; -> the (candidate, primitive)
+    that ran each."""
+    x, w, b = torch.randn(tokens, k), torch.randn(n, k), torch.randn(n)
+    ran = []
+    for fn in (lambda: kernels.linear_forward(x, w, b, "gelu"),
+               lambda: kernels.linear_dgrad(torch.randn(tokens, n), w, torch.randn(tokens, n), "gelu"),
+               lambda: kernels.linear_wgrad(torch.randn(tokens, n), x, main_grad=torch.zeros(n, k))):
+        calls.clear()
+        fn()
+        ran.append(calls[-1])
+    return ran
+
+
+def test_the_fastest_candidate_runs_per_key_and_the_table_says_why(auto):
+    assert run_all() == [("triton", "forward"), ("torch", "dgrad"), ("torch", "wgrad")]
+    rows = {row["op"]: row for row in kernels.choices()}
+    assert rows["forward"] == dict(op="forward", dtype="float32", activation="gelu", bias=True, main_grad=False,
+                                   tokens=64, N=24, K=16, device="cpu", torch_ms=2.0, triton_ms=1.0, choice="triton")
+    assert (rows["dgrad"]["choice"], rows["dgrad"]["activation"], rows["dgrad"]["bias"]) == ("torch", "gelu", False)
+    assert (rows["wgrad"]["choice"], rows["wgrad"]["main_grad"], rows["wgrad"]["tokens"]) == ("torch", True, 64)
+
+
+def test_a_key_is_measured_once_per_token_bucket(auto, monkeypatch):
+    run_all(tokens=37)
+    monkeypatch.setattr(choice, "time_ms", no_timer)
+    assert run_all(tokens=64) == [("triton", "forward"), ("torch", "dgrad"), ("torch", "wgrad")]  # same bucket
+    monkeypatch.setattr(choice, "time_ms", cost_timer)
+    run_all(tokens=65)
+    assert sorted({row["tokens"] for row in kernels.choices()}) == [64, 128]
+    # dgrad without the input gradient (only the activation's derivative) follows dgrad's choice, unmeasured
+    monkeypatch.setattr(choice, "time_ms", no_timer)
+    kernels.linear_dgrad(torch.randn(5, 24), torch.randn(24, 16), torch.randn(5, 24), "gelu", need_input_grad=False)
+    assert calls[-1] == ("torch", "dgrad")
+
+
+def test_the_disk_cache_serves_a_new_process_without_timing(auto, monkeypatch):
+    run_all()
+    (path,) = auto.glob("*.json")
+    data = json.loads(path.read_text())
+    assert (data["device"], data["torch"]) == ("cpu", torch.__version__) and len(data["choices"]) == 3
+    choice.clear()  # a new process: nothing in memory
+    monkeypatch.setattr(choice, "time_ms", no_timer)
+    assert run_all() == [("triton", "forward"), ("torch", "dgrad"), ("torch", "wgrad")]
+    assert len(kernels.choices()) == 3
+
+
+@pytest.mark.parametrize("change", ["device", "versions"])
+def test_a_cache_of_another_device_or_library_version_is_not_used(auto, monkeypatch, change):
+    run_all()
+    choice.clear()
+    if change == "device":
+        monkeypatch.setattr(choice, "device_name", lambda device: "NVIDIA H200")
+    else:
+        monkeypatch.setattr(choice, "library_versions", lambda: {"torch": "9.9", "triton": "9.9"})
+    measured = []
+    monkeypatch.setattr(choice, "time_ms", lambda fn, device: measured.append(1) or cost_timer(fn, device))
+    run_all()
+    assert len(measured) == 6 and len(list(auto.glob("*.json"))) == 2  # both candidates of 3 keys; its own file
+
+
+def test_a_file_holding_another_identity_warns_once_and_is_rebuilt(auto):
+    path = choice.cache_path("cpu")
+    path.write_text(json.dumps({"device": "NVIDIA H200", **choice.library_versions(), "choices": []}))
+    with pytest.warns(UserWarning, match="another device or library version") as caught:
+        run_all()
+    assert len(caught) == 1 and json.loads(path.read_text())["device"] == "cpu"
+
+
+@pytest.mark.parametrize("content", ["{not json", '{"device": "cpu"}', "[]"])
+def test_a_corrupt_cache_warns_once_and_is_rebuilt(auto, content):
+    path = choice.cache_path("cpu")
+    path.write_text(content)
+    with pytest.warns(UserWarning, match="auto-choice cache .*ignored") as caught:
+        run_all()
+        run_all(tokens=100)
+    assert len(caught) == 1
+    assert len(json.loads(path.read_text())["choices"]) == 6
+
+
+def test_an_unwritable_cache_warns_once_and_is_not_fatal(auto, monkeypatch):
+    (auto / "file").write_text("")
+    monkeypatch.setenv("TP_KERNELS_CACHE_DIR", str(auto / "file" / "cache"))
+    with pytest.warns(UserWarning, match="not written") as caught:
+        assert run_all() == [("triton", "forward"), ("torch", "dgrad"), ("torch", "wgrad")]
+    assert len(caught) == 1 and len(kernels.choices()) == 3
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_forced_backends_bypass_the_measurement(auto, monkeypatch, backend):
+    monkeypatch.setattr(choice, "time_ms", no_timer)
+    with kernels.use_backend(backend):
+        assert run_all() == [(backend, "forward"), (backend, "dgrad"), (backend, "wgrad")]
+    assert kernels.choices() == [] and not list(auto.glob("*.json"))
+
+
+def test_cpu_tensors_under_auto_never_measure(tmp_path, monkeypatch):
+    monkeypatch.setenv("TP_KERNELS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(choice, "time_ms", no_timer)
+    choice.clear()
+    x, w = torch.randn(5, 16), torch.randn(24, 16)
+    with kernels.use_backend("auto"):
+        assert not choice.measurable(x)
+        assert ops._impl(x) is triton_ops  # under the interpreter, as before
+        y, _ = kernels.linear_forward(x, w, None, "gelu")
+    torch.testing.assert_close(y, torch_ops.linear_forward(x, w, None, "gelu")[0])
+    assert kernels.choices() == [] and not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("favoured", ["triton", "torch"])
+def test_tune_linear_measures_the_real_backends(tmp_path, monkeypatch, favoured):
+    """The real candidates (Triton interpreted): tune_linear measures its three keys; the timer's verdict holds."""
+    monkeypatch.setenv("TP_KERNELS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(choice, "measurable", lambda x: True)
+
+    def timer(fn, device):
+        before = sum(triton_ops.LAUNCHES.values())
+        fn()
+        ran = "triton" if sum(triton_ops.LAUNCHES.values()) > before else "torch"
+        return 1.0 if ran == favoured else 2.0
+    monkeypatch.setattr(choice, "time_ms", timer)
+    choice.clear()
+    x, w, b = torch.randn(37, 16), torch.randn(24, 16), torch.randn(24)
+    try:
+        with kernels.use_backend("auto"):
+            assert kernels.tune_linear(w, b, "gelu", tokens=37, main_grad=True)
+            assert {row["op"]: row["choice"] for row in kernels.choices()} == dict.fromkeys(OPS, favoured)
+            monkeypatch.setattr(choice, "time_ms", no_timer)
+            before = sum(triton_ops.LAUNCHES.values())
+            y, _ = kernels.linear_forward(x, w, b, "gelu")
+            assert (sum(triton_ops.LAUNCHES.values()) > before) == (favoured == "triton")
+        torch.testing.assert_close(y, torch_ops.linear_forward(x, w, b, "gelu")[0])
+    finally:
+        choice.clear()
