@@ -2,7 +2,7 @@
 counter-based dropout + bias + residual add (kernels.dropout) vs `residual + F.dropout(x + bias)`.
 
     python -m bench.kernels [--out bench/results/kernels.json] [--quick] [--hidden 4096 8192] [--tokens 4096 16384]
-                            [--kernels linear dropout]
+                            [--kernels linear dropout choices]
 
 Per (hidden h, tokens T, TP degree): fc1 = ColumnParallel [T, h] x [4h/TP, h]^T + bias, GELU; fc1_swiglu = the same
 with a fused gate/up weight [2·4h/TP, h]; fc2 = RowParallel [T, 4h/TP] x [h, 4h/TP]^T (bias added after the
@@ -16,6 +16,10 @@ per element; the fused kernel only the tokens' positions and the samples' indice
 counters). GB/s counts the fused kernel's minimal traffic for both (forward: read x and residual, write out; backward:
 read the gradient, write dx). On the first call of each shape the two backends' outputs are checked to give the same
 mask (the bits of the torch fallback).
+
+auto's choices (`--kernels choices`, GPU only): kernels.tune_linear on every layer shard under backend "auto", which
+measures Triton against torch per primitive (forward, dgrad, wgrad into an fp32 main_grad) and keeps the faster
+(kernels.choice); the table printed and saved is kernels.choices(): every key this device's cache holds.
 
 GPU timings are medians of triton.testing.do_bench. Without a GPU the Triton kernels are skipped (the interpreter
 says nothing about speed); the script then times only torch on CPU, on shapes shrunk by --shrink, and says so.
@@ -35,7 +39,10 @@ from .common import print_table as print_rows
 from .common import write_json
 
 LAYERS = ("fc1", "fc1_swiglu", "fc2")
-KERNELS = ("linear", "dropout")
+KERNELS = ("linear", "dropout", "choices")
+CHOICE_COLUMNS = [("op", "op", "{}"), ("dtype", "dtype", "{}"), ("activation", "act", "{}"), ("bias", "bias", "{}"),
+                  ("main_grad", "main_grad", "{}"), ("tokens", "T bucket", "{}"), ("N", "N", "{}"), ("K", "K", "{}"),
+                  *[(f"{name}_ms", f"{name} ms", "{:.3f}") for name in BACKENDS], ("choice", "choice", "{}")]
 
 
 def layer_shapes(layer, hidden, tp):
@@ -136,6 +143,25 @@ def bench_case(layer, hidden, tokens, tp, dtype, device, candidate_backend, time
     return rows_json
 
 
+def measure_choices(layer, hidden, tokens, tp, dtype, device):
+    """auto's measured choice of backend for one layer shard's forward, dgrad and wgrad (into a main_grad)."""
+    K, rows, activation, has_bias = layer_shapes(layer, hidden, tp)
+    w = torch.randn(rows, K, device=device, dtype=dtype)
+    b = torch.zeros(rows, device=device, dtype=dtype) if has_bias else None
+    with kernels.use_backend("auto"):
+        kernels.tune_linear(w, b, activation, tokens=tokens, main_grad=True)
+
+
+def print_choices(gpu):
+    if not gpu:
+        print("\nauto's choices: none (auto measures on CUDA only; CPU tensors take torch)")
+        return []
+    table = kernels.choices()
+    print("\nauto's choices (kernels.choices(): the faster of the backends per key, medians of CUDA-event timings)")
+    print_rows(table, CHOICE_COLUMNS)
+    return table
+
+
 def _saved_bytes(fn):
     """(fn(), bytes of the tensors autograd saves for backward while fn runs)."""
     saved = []
@@ -210,7 +236,7 @@ def main(argv=None):
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--layers", nargs="+", default=list(LAYERS), choices=LAYERS)
     parser.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=KERNELS,
-                        help="kernels.linear's GEMMs, the fused dropout + residual add, or both")
+                        help="kernels.linear's GEMMs, the fused dropout + residual add, auto's measured choices")
     parser.add_argument("--quick", action="store_true", help="CPU-sized shapes even on a GPU (smoke run)")
     parser.add_argument("--shrink", type=int, default=32, help="divide hidden and tokens by this without a GPU")
     parser.add_argument("--reps", type=int, default=5, help="CPU repetitions per timing")
@@ -251,17 +277,21 @@ def main(argv=None):
             if "dropout" in args.kernels:
                 dropout.append(bench_dropout(tokens, hidden, torch.bfloat16 if gpu else dtype, device, backend,
                                              timer))
-            for tp in args.tp if "linear" in args.kernels else ():
+            for tp in args.tp:
                 for layer in args.layers:
                     if (4 * hidden) % tp:
                         continue
-                    results += bench_case(layer, hidden, tokens, tp, dtype, device, backend, timer)
+                    if "linear" in args.kernels:
+                        results += bench_case(layer, hidden, tokens, tp, dtype, device, backend, timer)
+                    if "choices" in args.kernels and gpu:
+                        measure_choices(layer, hidden, tokens, tp, dtype, device)
     if results:
         print_table(results, label)
     if dropout:
         print(f"\nDropout + bias + residual add (p = 0.1): torch = residual + F.dropout(x + bias), fused = "
               f"kernels.dropout.dropout_add on {label}")
         print_rows(dropout, DROPOUT_COLUMNS)
+    choices = print_choices(gpu) if "choices" in args.kernels else []
 
     if args.out:
         meta = dict(note=note, device=torch.cuda.get_device_name() if gpu else platform.processor() or "cpu",
@@ -271,7 +301,7 @@ def main(argv=None):
             meta["triton"] = triton.__version__
         except ImportError:
             meta["triton"] = None
-        write_json(args.out, dict(meta=meta, results=results, dropout=dropout))
+        write_json(args.out, dict(meta=meta, results=results, dropout=dropout, choices=choices))
         print(f"wrote {args.out}")
 
 

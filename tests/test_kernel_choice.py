@@ -189,3 +189,13 @@ def test_tune_linear_measures_the_real_backends(tmp_path, monkeypatch, favoured)
         torch.testing.assert_close(y, torch_ops.linear_forward(x, w, b, "gelu")[0])
     finally:
         choice.clear()
+
+
+def test_bench_kernels_measures_and_prints_the_choices_of_each_layer_shard(auto, capsys):
+    from bench import kernels as bench_kernels
+
+    bench_kernels.measure_choices("fc1", 64, 100, 2, torch.float32, "cpu")  # (a GPU's role, taken by the fakes)
+    table = bench_kernels.print_choices(gpu=True)
+    assert [(row["op"], row["N"], row["K"], row["tokens"], row["choice"]) for row in table] == [
+        ("forward", 128, 64, 128, "triton"), ("dgrad", 128, 64, 128, "torch"), ("wgrad", 128, 64, 128, "torch")]
+    assert "triton ms" in capsys.readouterr().out
