@@ -62,7 +62,7 @@ def library_versions() -> dict[str, str | None]:
         triton = metadata.version("triton")
     except metadata.PackageNotFoundError:
         triton = None
-    return {"torch": torch.__version__, "triton": triton}
+    return {"torch_version": torch.__version__, "triton_version": triton}
 
 
 def make_key(op: str, x: torch.Tensor, N: int, K: int, *, activation: str | None = None, bias: bool = False,
@@ -131,7 +131,7 @@ def _load(path: Path, device: str) -> dict[Key, dict]:
     """The rows of the cache file (none if absent; a file for another device or versions is never used)."""
     try:
         data = json.loads(path.read_text())
-        if {k: data[k] for k in ("device", "torch", "triton")} != _identity(device):
+        if any(data[name] != value for name, value in _identity(device).items()):
             raise ValueError("written for another device or library version")
         return {Key(**{f: row[f] for f in Key._fields}): row for row in data["choices"]}
     except (FileNotFoundError, NotADirectoryError):  # nothing cached yet (an unusable directory warns at the write)

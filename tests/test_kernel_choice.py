@@ -95,7 +95,7 @@ def test_the_disk_cache_serves_a_new_process_without_timing(auto, monkeypatch):
     run_all()
     (path,) = auto.glob("*.json")
     data = json.loads(path.read_text())
-    assert (data["device"], data["torch"]) == ("cpu", torch.__version__) and len(data["choices"]) == 3
+    assert (data["device"], data["torch_version"]) == ("cpu", torch.__version__) and len(data["choices"]) == 3
     choice.clear()  # a new process: nothing in memory
     monkeypatch.setattr(choice, "time_ms", no_timer)
     assert run_all() == [("triton", "forward"), ("torch", "dgrad"), ("torch", "wgrad")]
@@ -109,7 +109,7 @@ def test_a_cache_of_another_device_or_library_version_is_not_used(auto, monkeypa
     if change == "device":
         monkeypatch.setattr(choice, "device_name", lambda device: "NVIDIA H200")
     else:
-        monkeypatch.setattr(choice, "library_versions", lambda: {"torch": "9.9", "triton": "9.9"})
+        monkeypatch.setattr(choice, "library_versions", lambda: {"torch_version": "9.9", "triton_version": "9.9"})
     measured = []
     monkeypatch.setattr(choice, "time_ms", lambda fn, device: measured.append(1) or cost_timer(fn, device))
     run_all()
