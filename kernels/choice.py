@@ -53,6 +53,7 @@ def measurable(x: torch.Tensor) -> bool:
 
 @functools.cache
 def device_name(device: torch.device) -> str:
+    """The key's device: the GPU's model name ("NVIDIA H200"), else the device type (the tests' "cpu")."""
     return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
 
