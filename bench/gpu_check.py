@@ -185,8 +185,8 @@ def section_job(out: Path, on_gpu: bool) -> dict:
 def section_bench_kernels(out: Path, on_gpu: bool) -> dict:
     shapes = ["--hidden", "4096", "--tokens", "8192", "--tp", "1"] if on_gpu else \
         ["--quick", "--layers", "fc1", "--tp", "2", "--reps", "1"]
-    rc, text = run([sys.executable, "-m", "bench.kernels", *shapes, "--kernels", "linear", "dropout", "--out",
-                    str(out / "kernels.json")], budget(80, on_gpu))
+    rc, text = run([sys.executable, "-m", "bench.kernels", *shapes, "--kernels", "linear", "choices", "dropout",
+                    "--out", str(out / "kernels.json")], budget(80, on_gpu))
     print(text[-20000:])
     details = {"returncode": rc, "table": text[-3000:], "ok": rc == 0}
     if on_gpu:
