@@ -82,7 +82,8 @@ def build_model(job: JobConfig, config: GPTConfig, mesh: Mesh) -> tuple[list[GPT
     for chunk in chunks:  # the first stage's embedding, held again: its grad norm counted there
         if tied_embedding(chunk, mesh) is not None and not mesh.is_first_stage:
             tied_embedding(chunk, mesh).shared = True
-    if job.training.compile:  # --compile: each block, before data parallelism wraps the chunks (as torchtitan)
+    device = next(chunks[0].parameters()).device.type
+    if job.compiles(device):  # --compile: each block, before data parallelism wraps the chunks (as torchtitan)
         for chunk in chunks:
             chunk.compile_blocks()
     apart = any(experts_apart(chunk, mesh) for chunk in chunks)

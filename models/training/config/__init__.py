@@ -133,8 +133,14 @@ class JobConfig:
             raise ValueError("--device cuda: no CUDA device is visible (torch.cuda.is_available() is False)")
         if self.training.precision is None:  # fp32 on a GPU runs the slow IEEE dot: bf16 there
             self.training.precision = "bf16" if self.launch.device == "cuda" else "fp32"
-        self.training.resolve_compile(self.launch.device, compilable=self._compilable())
+        self.compiles(self.launch.device)
         return torch.cuda.device_count() if self.launch.device == "cuda" else None
+
+    def compiles(self, device: str) -> bool:
+        """Whether the job compiles its blocks on `device`: --compile resolved once (auto: on for CUDA where compiled
+        blocks can run, off on the CPU), so a JobConfig never validated reads "auto" as auto, never as a true string."""
+        self.training.resolve_compile(device, compilable=self._compilable())
+        return self.training.compile
 
     def _compilable(self) -> bool:
         """Whether compiled blocks can run this job (--compile auto stays eager where they cannot; --compile on is
