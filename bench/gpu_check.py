@@ -52,10 +52,11 @@ class Section:
 SECTIONS = [
     Section("env", 45, "versions and device"),
     Section("kernels", 180, "kernel tests compiled on the device"),
+    # auto's measured choice against cuBLAS first: the two H200 runs found the default slower than torch (issue 36)
+    Section("bench_kernels", 105, "bench.kernels (auto's measured choices) and Triton vs cuBLAS GEMM"),
     Section("mfu", 180, "bench.mfu: the 1B shape's training step, eager and compiled"),
     Section("gpt_step", 90, "one-GPU bf16 GPT step: Triton vs torch"),
     Section("job", 75, "the training job, 2 steps, one rank under torchrun"),
-    Section("bench_kernels", 105, "bench.kernels and Triton vs cuBLAS GEMM"),
     Section("intensity", 90, "bench.intensity measured on the device"),
     Section("multirank", 60, "2 and 4 ranks sharing the device over gloo"),
     Section("suite", 100, "the suite's GPU-relevant files"),
