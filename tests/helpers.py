@@ -43,6 +43,16 @@ def comm_counts(fn, ops=(ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER)):
     return out, counts(mode, ops)
 
 
+def assert_same_safetensors(source, target):
+    """The model.safetensors of two save_pretrained directories hold the same names and bit-equal tensors."""
+    from safetensors.torch import load_file
+
+    original, written = (load_file(f"{path}/model.safetensors") for path in (source, target))
+    assert set(written) == set(original), set(original) ^ set(written)
+    for name, tensor in written.items():
+        assert torch.equal(tensor, original[name]), name
+
+
 def assert_close(actual, expected, atol=1e-5, what=""):
     assert actual is not None, f"{what}: missing"
     assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"

@@ -16,7 +16,7 @@ from models.hf import hf_state_dict
 from models.stages import stage_options
 from tp.testing import distributed
 
-from .helpers import rng
+from .helpers import assert_same_safetensors, rng
 
 transformers = pytest.importorskip("transformers")
 
@@ -132,7 +132,6 @@ def test_deepseek_round_trip_is_bit_exact_and_transformers_reads_it(family, opti
     import shutil
     import tempfile
 
-    from safetensors.torch import load_file
 
     mesh = tp.init_mesh(tp=2, ep=2)
     root = [tempfile.mkdtemp(prefix="tp-deepseek-roundtrip-") if mesh.rank == 0 else None]
@@ -145,11 +144,7 @@ def test_deepseek_round_trip_is_bit_exact_and_transformers_reads_it(family, opti
     model = models.GPT.from_hf(source)
     model.save_hf(target)
     dist.barrier()
-    original = load_file(os.path.join(source, "model.safetensors"))
-    written = load_file(os.path.join(target, "model.safetensors"))
-    assert set(written) == set(original), set(original) ^ set(written)
-    for name, tensor in written.items():
-        assert torch.equal(tensor, original[name]), name
+    assert_same_safetensors(source, target)
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(target, experts_implementation="eager").eval()
     assert type(reloaded) is type(hf)
     x = torch.randint(0, VOCAB, (2, SEQ), generator=rng(0))

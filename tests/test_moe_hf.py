@@ -15,7 +15,7 @@ import tp
 from models.hf import hf_state_dict
 from tp.testing import distributed
 
-from .helpers import rng
+from .helpers import assert_same_safetensors, rng
 from .moe_reference import MARGIN, routing_margin
 
 transformers = pytest.importorskip("transformers")
@@ -119,8 +119,6 @@ def test_moe_hugging_face_round_trip_is_bit_exact_and_reads_only_its_experts(fam
     import shutil
     import tempfile
 
-    from safetensors.torch import load_file
-
     from models.hf import load as hf_load
 
     mesh = tp.init_mesh(tp=2, ep=2)
@@ -141,11 +139,7 @@ def test_moe_hugging_face_round_trip_is_bit_exact_and_reads_only_its_experts(fam
     assert experts == set(range(mesh.ep_rank * 3, mesh.ep_rank * 3 + 3)), experts  # its own experts only
     model.save_hf(target)
     dist.barrier()
-    original = load_file(os.path.join(source, "model.safetensors"))
-    written = load_file(os.path.join(target, "model.safetensors"))
-    assert set(written) == set(original), set(original) ^ set(written)
-    for name, tensor in written.items():
-        assert torch.equal(tensor, original[name]), name
+    assert_same_safetensors(source, target)
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(target, experts_implementation="eager").eval()
     state, hf = reloaded.state_dict(), hf_moe(family, dtype=torch.float32)
     assert all(torch.equal(state[name], t) for name, t in hf.state_dict().items())
