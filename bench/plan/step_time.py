@@ -56,7 +56,7 @@ from models.flops import attention_widths, flops_per_token
 from .. import roofline as rl
 from . import memory, pipeline
 from .comm_time import collective_time, cp_kv_elements, group_bandwidth
-from .layer_time import ELEMENT_SIZE, StageTimes, attention_gemms
+from .layer_time import ELEMENT_SIZE, OPS_PER_LAYER, StageTimes, attention_gemms
 from .mla_time import mla_collectives
 from .moe_time import routed_slots
 from .recompute import recomputes
@@ -64,10 +64,10 @@ from .software import MEGATRON_2021, MEGATRON_2024, NEMO_2024, OURS, OURS_CPU, T
 from .stage_time import chunk_times, stage_times
 from .stages import EVEN, StageSplit, layer_counts
 
-__all__ = ["ELEMENT_SIZE", "MEGATRON_2021", "MEGATRON_2024", "NEMO_2024", "OURS", "OURS_CPU", "TORCHTITAN", "Plan",
-           "Software", "StageTimes", "attention_gemms", "bubble_fraction", "chunk_times", "cp_kv_elements",
-           "mla_collectives", "model_flops_per_token", "recompute_flops_per_token", "routed_slots", "stage_times",
-           "step_time"]
+__all__ = ["ELEMENT_SIZE", "MEGATRON_2021", "MEGATRON_2024", "NEMO_2024", "OPS_PER_LAYER", "OURS", "OURS_CPU",
+           "TORCHTITAN", "Plan", "Software", "StageTimes", "attention_gemms", "bubble_fraction", "chunk_times",
+           "cp_kv_elements", "mla_collectives", "model_flops_per_token", "recompute_flops_per_token", "routed_slots",
+           "stage_times", "step_time"]
 
 
 @dataclass(frozen=True)
