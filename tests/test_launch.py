@@ -332,7 +332,7 @@ def test_intensity_and_plan_name_the_node_boundary_the_same_way():
     """A TP group inside a node (<= 8 GPUs) runs over NVLink, a larger one over each GPU's NIC, in bench.intensity's
     model (roofline.group_link) as in bench.plan's (its clusters' gpus_per_node and inter_node)."""
     from bench import roofline as rl
-    from bench.plan import step_time as plan_model
+    from bench.plan import comm_time
     from bench.plan.hardware import CLUSTERS
 
     for profile, cluster in (("h100-nvlink", "h100-sxm"), ("a100-nvlink", "a100-80g")):
@@ -340,7 +340,7 @@ def test_intensity_and_plan_name_the_node_boundary_the_same_way():
         for ranks in (2, 8, 16, 64):
             bandwidth, name = rl.group_link(hw, ranks)
             assert name == ("NVLink" if ranks <= 8 else "IB")
-            assert bandwidth * node.comm_efficiency == plan_model._bandwidth(node, ranks)
+            assert bandwidth * node.comm_efficiency == comm_time.group_bandwidth(node, ranks)
     shape = rl.Shape(hidden=4096, ffn=14336, tokens=16384, mlp="gelu")
     rows = {tp: rl.tp_model(shape, tp, rl.HARDWARE["h100-nvlink"]) for tp in (8, 16)}
     assert (rows[8]["link"], rows[16]["link"]) == ("NVLink", "IB")

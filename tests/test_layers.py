@@ -297,7 +297,7 @@ def test_backward_overlaps_input_grad_collective_with_wgrad(sequence_parallel):
     """Megatron's schedule: launch the dx all-reduce (SP: reduce-scatter) async, run wgrad, then wait."""
     import torch.distributed as dist
 
-    from tp import layers, mappings
+    from tp import linear_functions, mappings
 
     tp.init_mesh(tp=2)
     events = []
@@ -322,10 +322,10 @@ def test_backward_overlaps_input_grad_collective_with_wgrad(sequence_parallel):
         return wrapper
 
     wgrad = kernels.linear_wgrad
-    patches = [(layers.dist, "all_reduce", recording(dist.all_reduce, "all_reduce")),
-               (layers, "reduce_scatter_first", recording(mappings.reduce_scatter_first, "reduce_scatter")),
-               (layers, "gather_first", recording(mappings.gather_first, "all_gather")),
-               (layers.kernels, "linear_wgrad", lambda *a, **k: events.append("wgrad") or wgrad(*a, **k))]
+    patches = [(linear_functions.dist, "all_reduce", recording(dist.all_reduce, "all_reduce")),
+               (linear_functions, "reduce_scatter_first", recording(mappings.reduce_scatter_first, "reduce_scatter")),
+               (linear_functions, "gather_first", recording(mappings.gather_first, "all_gather")),
+               (linear_functions.kernels, "linear_wgrad", lambda *a, **k: events.append("wgrad") or wgrad(*a, **k))]
     originals = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
     try:
         for obj, name, value in patches:

@@ -8,8 +8,8 @@ import pytest
 
 import models
 from bench.plan import cli as plan
+from bench.plan import comm_time, memory, validation
 from bench.plan import hardware as rl
-from bench.plan import memory, validation
 from bench.plan import search as plan_search
 from bench.plan import step_time as pm
 from tests.helpers import quiet
@@ -43,16 +43,16 @@ def test_collective_volumes_by_hand():
                          ffn_hidden_size=128)
     tokens, e = 2 * 32, 2  # micro-batch 2 x 32 tokens, bf16
     n = e * tokens * 64
-    plain = pm._tp_comm(c, pm.Plan(4, 1, 1, 1, 1, 2), tokens, UNIT, e)
+    plain = comm_time.tp_comm(c, pm.Plan(4, 1, 1, 1, 1, 2), tokens, UNIT, e)
     assert plain == (2 * 2 * 3 / 4 * n, 2 * 2 * 3 / 4 * n)  # one all-reduce per pair and direction: 2(p-1)/p·n
-    sp = pm._tp_comm(c, pm.Plan(4, 1, 1, 1, 1, 2, sp=True), tokens, UNIT, e)
+    sp = comm_time.tp_comm(c, pm.Plan(4, 1, 1, 1, 1, 2, sp=True), tokens, UNIT, e)
     assert sp == (2 * 2 * 3 / 4 * n, 2 * 3 * 3 / 4 * n)  # AG + RS forward; AG, re-gather AG and RS backward
     # cp ring: 2·b·s/cp·kv·d elements of K/V per rank; kv heads 4 over tp 2 -> 2 local, head_dim 8
     ring = pm.Plan(2, 2, 1, 1, 1, 2)
     assert pm.cp_kv_elements(c, ring, 32) == 2 * 2 * 16 * 2 * 8
-    fwd, bwd = pm._cp_comm(c, ring, 32, UNIT, e, (0.0, 0.0))  # nothing to hide behind
+    fwd, bwd = comm_time.cp_comm(c, ring, 32, UNIT, e, (0.0, 0.0))  # nothing to hide behind
     assert (fwd, bwd) == (1 * e * 1024, 1 * (e + 4) * 1024)  # cp-1 steps; backward K/V again plus fp32 dK/dV
-    assert pm._cp_comm(c, ring, 32, UNIT, e, (1e9, 1e9)) == (0.0, 0.0)  # hidden behind the attention blocks
+    assert comm_time.cp_comm(c, ring, 32, UNIT, e, (1e9, 1e9)) == (0.0, 0.0)  # hidden behind the attention blocks
     # pp: one activation [s/cp(/tp), b, h]
     assert pm._p2p_time(c, pm.Plan(2, 1, 2, 1, 1, 2, sp=True), 32, UNIT, pm.OURS) == e * 16 * 2 * 64
     # dp: ddp all-reduces the fp32 gradients, 2(d-1)/d of them; zero1 reduce-scatters them and gathers bf16 params

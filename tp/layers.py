@@ -3,7 +3,6 @@
 Shapes use Megatron's [s, b, h] activations; any [..., h] works without sequence parallelism. `fp8_recipe=` (one
 of kernels.FP8_RECIPES) runs the local GEMMs in float8 with scales equal at every tp split (docs/fp8.md).
 """
-import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, Self
@@ -15,144 +14,21 @@ from torch import nn
 import kernels
 
 from . import debug
-from .collectives import all_reduce, gather_first, reduce_scatter_first, wait
-from .grads import main_grad_of, sync_grads_over_tp
+from .fused_parts import check_parts, rank_major_order, shard_parts
+from .grads import sync_grads_over_tp
+from .linear_functions import SumReplicaGrads, local_linear
 from .mappings import gather_from_tp_region, reduce_from_tp_region, reduce_scatter_to_sp_region, scatter_to_tp_region
 from .mesh import SharedGroup, resolve_group
-from .pipeline.wgrad import defer_weight_grad, deferring
 
 InitMethod = Callable[[torch.Tensor], object]  # fills a dense (master) weight in place, as torch.nn.init's functions
-
-
-class _ParallelLinearFn(torch.autograd.Function):
-    """act(x Wᵀ + b) on the local shard with the column layer's input collective fused in, for overlap.
-
-    comm = "all-reduce": forward identity · backward all-reduce(dx), overlapped with the wgrad matmul.
-    comm = "sequence": forward all-gather(x, dim 0) · backward reduce-scatter(dx, dim 0), overlapped with
-    wgrad; the full input is re-gathered in backward rather than saved (Megatron's memory trade).
-    """
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, activation, group, comm, fp8):
-        ctx.main_grad = main_grad_of(weight)  # on the parameter, not on an autocast copy of it
-        ctx.has_bias, ctx.weight_dtype = bias is not None, weight.dtype
-        x, weight, bias = kernels.ops.autocast_operands(x, weight, bias)  # cast before gathering: half the bytes
-        x_total = gather_first(x, group) if comm == "sequence" else x  # [s, b, in]
-        y, preact = kernels.linear_forward(x_total.reshape(-1, x.shape[-1]), weight, bias, activation, fp8=fp8)
-        ctx.save_for_backward(x, weight, preact)
-        ctx.activation, ctx.group, ctx.comm, ctx.fp8 = activation, group, comm, fp8
-        return y.view(*x_total.shape[:-1], y.shape[-1]).detach()  # [s, b, out/tp]; not a view (see kernels.linear)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_out):
-        x, weight, preact = ctx.saved_tensors
-        group, comm = ctx.group, ctx.comm
-        if comm == "sequence":  # re-gather the input while dgrad runs
-            x_total, gather = gather_first(x, group, async_op=True)
-        else:
-            x_total, gather = x, None
-        dy = grad_out.reshape(-1, grad_out.shape[-1]).to(weight.dtype)  # [s*b, out/tp]
-        need_dx = ctx.needs_input_grad[0]
-        dx, dz = kernels.linear_dgrad(dy, weight, preact, ctx.activation, need_input_grad=need_dx, fp8=ctx.fp8)
-        wait(gather)
-        pending = None
-        if need_dx:
-            dx = dx.view(*x_total.shape)  # [s, b, in]
-            if comm == "all-reduce":
-                dx, pending = all_reduce(dx, group, inplace=True, async_op=True)
-            elif comm == "sequence":
-                dx, pending = reduce_scatter_first(dx, group, async_op=True)  # [s/tp, b, in]
-        dw = None
-        x_2d = x_total.reshape(-1, x_total.shape[-1])
-        wgrad = functools.partial(kernels.linear_wgrad, fp8=ctx.fp8)
-        if ctx.needs_input_grad[1] and not defer_weight_grad(ctx, 1, dz, x_2d, wgrad=wgrad):  # (W later: defer_wgrad)
-            dw = wgrad(dz, x_2d, main_grad=ctx.main_grad)
-        db = kernels.ops.bias_grad(dz, dz.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        wait(pending)
-        return dx, dw, db, None, None, None, None
-
-
-def _local_linear(x, weight, bias, activation, group, comm, fp8=None):
-    """The layers' one entry to the local matmul: kernels.linear, or _ParallelLinearFn when a collective rides along,
-    the weight accumulates into main_grad (checked against DDP), the weight gradient may be deferred or the GEMMs
-    run in fp8 (their scales reduced over the group: kernels.fp8.Fp8Scaling)."""
-    if fp8 is None and comm is None and not deferring() and not hasattr(weight, "main_grad"):
-        return kernels.linear(x, weight, bias, activation=activation)
-    return _ParallelLinearFn.apply(x, weight, bias, activation, group, comm, fp8)
 
 
 def _default_weight_init(weight):
     nn.init.kaiming_uniform_(weight, a=math.sqrt(5))  # nn.Linear's
 
 
-def _check_parts(n, size, what, parts, replicas):
-    """Validated sizes of the fused parts along the sharded dim and how many ranks hold each chunk of each part."""
-    if any(isinstance(p, bool) or not isinstance(p, int) or p < 1 for p in parts) or sum(parts) != n:
-        raise ValueError(f"parts={tuple(parts)} must be positive integers summing to {what} = {n}")
-    if len(replicas) != len(parts) or any(not isinstance(r, int) or r < 1 or size % r for r in replicas):
-        raise ValueError(f"part_replicas={tuple(replicas)} must give, for each of parts={tuple(parts)}, a divisor "
-                         f"of the {size} tensor-parallel ranks")
-    if any(p % (size // r) for p, r in zip(parts, replicas)):
-        where = f"{what} = {n}" if len(parts) == 1 else f"parts {tuple(parts)} of {what} = {n}"
-        ranks = f"{size} ranks" if set(replicas) == {1} else f"{size} ranks / part_replicas {tuple(replicas)}"
-        raise ValueError(f"{where} is not divisible across {ranks}" + (len(parts) > 1) * " (each part splits evenly)")
-    return tuple(parts), tuple(replicas)
-
-
-def _shard(master, dim, rank, size, parts, replicas):
-    """This rank's slice along `dim`: of every fused part, chunk rank // r of size // r chunks, concatenated."""
-    pieces = [part.chunk(size // r, dim)[rank // r] for part, r in zip(master.split(parts, dim), replicas)]
-    return torch.cat(pieces, dim).contiguous()
-
-
-def _rank_major_order(parts, size):
-    """Dense indices in the order the ranks' shards concatenate ([rank 0's slices of each part | rank 1's | ...])."""
-    dense = torch.arange(sum(parts))
-    return torch.cat([_shard(dense, 0, r, size, parts, (1,) * len(parts)) for r in range(size)])
-
-
 def _on(index, device):
     return index if index.device == device else index.to(device, non_blocking=True)
-
-
-class _SumReplicaGrads(torch.autograd.Function):
-    """forward: identity · backward: grads of replicated rows summed over the ranks holding the same chunk.
-
-    Each rank writes its rows into its chunk's slot of a zero buffer as large as the dense parts; one all-reduce
-    over the group then sums every chunk over exactly its replicas.
-    """
-
-    repeatable_backward = True  # saves no tensors: a deferred weight gradient (tp.pipeline.defer_wgrad) runs it again
-
-    @staticmethod
-    def forward(ctx, layout, group, *tensors):
-        ctx.layout, ctx.group = layout, group
-        ctx.set_materialize_grads(False)  # under the B/W split the weight's grad comes later, alone
-        return tuple(None if t is None else t.view_as(t) for t in tensors)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, *grads):
-        rank = dist.get_rank(ctx.group)
-        grads = [None if g is None else g.clone() for g in grads]
-        slots = []  # (grad, row offset, rows, chunks, my chunk)
-        for g in grads:
-            offset = 0
-            for rows, chunks, replicated in ctx.layout:
-                if g is not None and replicated:
-                    slots.append((g, offset, rows, chunks, rank * chunks // dist.get_world_size(ctx.group)))
-                offset += rows
-        if not slots:
-            return (None, None, *grads)
-        buffers = [g.new_zeros(chunks, rows, *g.shape[1:]) for g, _, rows, chunks, _ in slots]
-        for buf, (g, offset, rows, _, mine) in zip(buffers, slots):
-            buf[mine] = g[offset:offset + rows]
-        flat = torch.cat([b.reshape(-1) for b in buffers])
-        dist.all_reduce(flat, group=ctx.group)
-        for buf, reduced, (g, offset, rows, _, mine) in zip(buffers, flat.split([b.numel() for b in buffers]), slots):
-            g[offset:offset + rows] = reduced.view_as(buf)[mine]
-        return (None, None, *grads)
 
 
 class _ParallelLinear(nn.Module):
@@ -176,7 +52,7 @@ class _ParallelLinear(nn.Module):
             if sharded % stride:
                 raise ValueError(f"{what} = {sharded} is not divisible into stride={stride} equal parts")
             parts = (sharded // stride,) * stride
-        self.parts, self.part_replicas = _check_parts(sharded, self.tp_size, what, parts,
+        self.parts, self.part_replicas = check_parts(sharded, self.tp_size, what, parts,
                                                       part_replicas or (1,) * len(parts))
         self.stride = len(self.parts)
         local_parts = [p * r // self.tp_size for p, r in zip(self.parts, self.part_replicas)]
@@ -188,7 +64,7 @@ class _ParallelLinear(nn.Module):
         # parts that order differs from the dense one. rank_major[i] = the dense index at rank-major position i.
         ordered = self.stride > 1 and self.tp_size > 1 and not self.replicated
         # (Plain attributes, not buffers: nothing for DDP to broadcast or a state dict to carry; moved on use.)
-        self._rank_major = _rank_major_order(self.parts, self.tp_size) if ordered else None
+        self._rank_major = rank_major_order(self.parts, self.tp_size) if ordered else None
         self._dense_from_rank_major = None if self._rank_major is None else self._rank_major.argsort()
         self.init_method = init_method
         factory = {"dtype": dtype, "device": device}
@@ -228,7 +104,7 @@ class _ParallelLinear(nn.Module):
     def shard_indices(self) -> torch.Tensor:
         """The dense indices, along the sharded dim (rows: column layer; columns: row layer), this rank holds."""
         n = (self.out_features, self.in_features)[self.shard_dim]
-        return _shard(torch.arange(n), 0, self.tp_rank, self.tp_size, self.parts, self.part_replicas)
+        return shard_parts(torch.arange(n), 0, self.tp_rank, self.tp_size, self.parts, self.part_replicas)
 
     def shard_dense(self, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's slice of a dense weight-shaped tensor (or, for the column layer, a bias-shaped one)."""
@@ -245,7 +121,7 @@ class _ParallelLinear(nn.Module):
         pieces = [torch.empty_like(tensor) for _ in range(self.tp_size)]
         dist.all_gather(pieces, tensor.contiguous(), group=self.group)
         n = (self.out_features, self.in_features)[self.shard_dim]
-        index = torch.cat([_shard(torch.arange(n), 0, r, self.tp_size, self.parts, self.part_replicas)
+        index = torch.cat([shard_parts(torch.arange(n), 0, r, self.tp_size, self.parts, self.part_replicas)
                            for r in range(self.tp_size)])
         order = index.argsort(stable=True)  # replicated chunks: each dense row taken from its first holder
         ordered = index[order]
@@ -383,8 +259,8 @@ class ColumnParallelLinear(_ParallelLinear):
             if hasattr(weight, "main_grad") and not getattr(weight, "folds_grad_into_main_grad", False):
                 raise ValueError(f"weight.main_grad with part_replicas={self.part_replicas} is not supported: the "
                                  "replicated rows' grads are summed in backward, which main_grad accumulation skips")
-            weight, bias = _SumReplicaGrads.apply(self._replica_layout, self.group, weight, bias)
-        y = _local_linear(x, weight, bias, self.activation, self.group, comm, self._fp8())  # [s, b, out/tp]
+            weight, bias = SumReplicaGrads.apply(self._replica_layout, self.group, weight, bias)
+        y = local_linear(x, weight, bias, self.activation, self.group, comm, self._fp8())  # [s, b, out/tp]
         if not self.gather_output or self.tp_size == 1:
             return y
         y = gather_from_tp_region(y, self.group)  # [s, b, out], rank-major
@@ -437,8 +313,8 @@ class RowParallelLinear(_ParallelLinear):
         else:
             self._check_input(x, self.weight.shape[1], "in_features/tp")
         if self.tp_size == 1:  # nothing to reduce: the bias joins the matmul
-            return _local_linear(x, self.weight, self.bias, None, self.group, None, self._fp8())
-        y = _local_linear(x, self.weight, None, None, self.group, None, self._fp8())  # [s, b, out] partial sums
+            return local_linear(x, self.weight, self.bias, None, self.group, None, self._fp8())
+        y = local_linear(x, self.weight, None, None, self.group, None, self._fp8())  # [s, b, out] partial sums
         if self.sequence_parallel:
             y = reduce_scatter_to_sp_region(y, self.group, check=False)  # [s/tp, b, out] (its input was checked)
         else:

@@ -154,3 +154,23 @@ def layer_costs(config, plan, tokens, cluster, software, e, other):
     after_sync = (experts["fwd"] + permute / 2, experts["dgrad"] + experts["wgrad"] + permute)
     host = host_time(config, plan, cluster, software, after_sync)
     return {"experts": experts, "a2a": exposed, "permute": permute, "host": host}
+
+
+def dense_gemms(config, plan, tokens):
+    """An MoE layer's GEMMs beside the experts': the router (whole on every rank, over the tokens it routes) and the
+    shared expert, a dense MLP split over tp."""
+    h, tp = config.hidden_size, plan.tp
+    glu = 2 if config.activation == "swiglu" else 1
+    gemms = rl.linear_gemms("router", tokens // tp if plan.sp else tokens, h, config.num_experts)
+    shared = config.moe_shared_expert_size
+    if shared:
+        gemms += rl.linear_gemms("shared_fc1", tokens, h, glu * shared // tp) + \
+            rl.linear_gemms("shared_fc2", tokens, shared // tp, h)
+    return gemms
+
+
+def activation_bytes(config, plan, tokens, e):
+    """Forward bytes of the experts' activation per micro-batch (what recomputing "moe_act" repeats): read 2F
+    (SwiGLU; F otherwise), write F, per routed slot."""
+    glu = 2 if config.activation == "swiglu" else 1
+    return e * routed_slots(config, plan, tokens) * (glu + 1) * config.moe_ffn_hidden_size // plan.expert_tp

@@ -44,23 +44,30 @@ Software.param_gather_overlap; interleaved p2p with another chunk's compute unde
 optimizer step (memory-bound over its local state).
 MFU = model FLOPs (6·N + attention 12·L·h·s + logits 6·h·V per token, Narayanan et al. 2021 §5.1, full attention as
 the papers count it) / (step time × peak × GPUs); HFU adds the recomputed FLOPs.
+
+This module prices the step; one layer is bench.plan.layer_time's (its MLA terms bench.plan.mla_time's, its MoE
+terms bench.plan.moe_time's), a pipeline rank's chunks bench.plan.stage_time's, the communication pieces
+bench.plan.comm_time's; their public names are importable from here too.
 """
 from dataclasses import dataclass, replace
 
 from models.flops import attention_widths, flops_per_token
 
 from .. import roofline as rl
-from . import memory, moe_time, pipeline
-from .attention_time import attention_times
-from .gemm import gemm_time
+from . import memory, pipeline
+from .comm_time import collective_time, cp_kv_elements, group_bandwidth
+from .layer_time import ELEMENT_SIZE, OPS_PER_LAYER, StageTimes, attention_gemms
+from .mla_time import mla_collectives
 from .moe_time import routed_slots
 from .recompute import recomputes
 from .software import MEGATRON_2021, MEGATRON_2024, NEMO_2024, OURS, OURS_CPU, TORCHTITAN, Software
+from .stage_time import chunk_times, stage_times
 from .stages import EVEN, StageSplit, layer_counts
 
-__all__ = ["ELEMENT_SIZE", "MEGATRON_2021", "MEGATRON_2024", "NEMO_2024", "OURS", "OURS_CPU", "TORCHTITAN", "Plan",
-           "Software", "StageTimes", "bubble_fraction", "cp_kv_elements", "model_flops_per_token",
-           "recompute_flops_per_token", "routed_slots", "stage_times", "step_time"]
+__all__ = ["ELEMENT_SIZE", "MEGATRON_2021", "MEGATRON_2024", "NEMO_2024", "OPS_PER_LAYER", "OURS", "OURS_CPU",
+           "TORCHTITAN", "Plan", "Software", "StageTimes", "attention_gemms", "bubble_fraction", "chunk_times",
+           "cp_kv_elements", "mla_collectives", "model_flops_per_token", "recompute_flops_per_token", "routed_slots",
+           "stage_times", "step_time"]
 
 
 @dataclass(frozen=True)
@@ -95,10 +102,6 @@ class Plan:
         return "interleaved" if self.virtual_stages > 1 else "1f1b"
 
 
-ELEMENT_SIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
-OPS_PER_LAYER = 24  # forward ops of one block (norms 2x4, qkv, rope 5, core, proj, 2 adds, fc1, fc2, collectives 2+)
-
-
 def model_flops_per_token(config, seq_len):
     """Training FLOPs per token (Narayanan et al. 2021, arXiv:2104.04473, §5.1), as the training log counts them
     (models.flops): 6·N (the blocks' matmul weights) + 12·L·a·d·s (attention, full square) + 6·h·V (logits). For a
@@ -127,284 +130,11 @@ def recompute_flops_per_token(config, seq_len, recompute):
     return flops
 
 
-# ---- pieces ---------------------------------------------------------------------------------------------------------
-
-
-def _bandwidth(cluster, group_span):
-    """Per-device bandwidth of a group spanning `group_span` consecutive ranks: NVLink inside a node, else the NIC."""
-    return rl.group_link(cluster.device, group_span)[0] * cluster.comm_efficiency
-
-
-def _collective_time(kind, size, ranks, bandwidth, cluster):
-    if ranks == 1:
-        return 0.0
-    return rl.Collective(kind, "fwd", size).wire_bytes(ranks) / bandwidth + cluster.device.latency
-
-
-def attention_gemms(config, plan, tokens):
-    """The attention's GEMMs on one rank: GQA's fused QKV and output projection, or multi-head latent attention's
-    (models.mla): the down-projections whole on every rank (over its T/tp tokens under SP, all T without), the
-    up-projections over the rank's heads, the output projection row-parallel."""
-    c, h, tp = config, config.hidden_size, plan.tp
-    if not c.multi_latent_attention:
-        d, kv = c.head_dim, memory.local_kv_heads(c, tp)
-        return (rl.linear_gemms("qkv", tokens, h, (c.num_heads // tp + 2 * kv) * d)
-                + rl.linear_gemms("proj", tokens, c.num_heads * d // tp, h))
-    heads, rows = c.num_heads // tp, tokens // tp if plan.sp else tokens
-    gemms = rl.linear_gemms("kv_down", rows, h, c.kv_lora_rank + c.qk_rope_head_dim) + \
-        rl.linear_gemms("kv_up", tokens, c.kv_lora_rank, heads * (c.qk_nope_head_dim + c.v_head_dim))
-    if c.q_lora_rank is None:
-        gemms += rl.linear_gemms("q", tokens, h, heads * c.qk_head_dim)
-    else:
-        gemms += rl.linear_gemms("q_down", rows, h, c.q_lora_rank) + \
-            rl.linear_gemms("q_up", tokens, c.q_lora_rank, heads * c.qk_head_dim)
-    return gemms + rl.linear_gemms("proj", tokens, heads * c.v_head_dim, h)
-
-
-def _layer_gemms(config, plan, tokens, moe=False):
-    h, tp = config.hidden_size, plan.tp
-    glu = 2 if config.activation == "swiglu" else 1
-    gemms = attention_gemms(config, plan, tokens)
-    if not moe:
-        return gemms + rl.linear_gemms("fc1", tokens, h, glu * config.ffn_hidden_size // tp) + \
-            rl.linear_gemms("fc2", tokens, config.ffn_hidden_size // tp, h)
-    # the router (whole on every rank, over the tokens it routes); the experts: bench.plan.moe_time
-    gemms += rl.linear_gemms("router", tokens // tp if plan.sp else tokens, h, config.num_experts)
-    shared = config.moe_shared_expert_size
-    if shared:
-        gemms += rl.linear_gemms("shared_fc1", tokens, h, glu * shared // tp) + \
-            rl.linear_gemms("shared_fc2", tokens, shared // tp, h)
-    return gemms
-
-
-def _elementwise_bytes(config, plan, tokens, software, e):
-    """Forward bytes through HBM of one layer's element-wise ops (the module docstring); backward: twice this."""
-    rows = tokens // plan.tp if plan.sp else tokens
-    h = config.hidden_size
-    if software.elementwise == "fused":  # LN read+write ×2, bias-dropout-add (2 in, 1 out, mask) ×2, bias-GeLU
-        return rows * h * (2 * 2 * e + 2 * (3 * e + 1)) + 2 * e * tokens * config.ffn_hidden_size // plan.tp
-    # RMSNorm ×2: upcast (e in, 4 out), statistics (two fp32 passes), downcast (4 in, e out), weight (e in, e out);
-    # residual adds ×2 (2 in, 1 out); RoPE on q and k: ~10 passes of e (mul, rotate-half chunks and cat, mul, add)
-    if config.multi_latent_attention:  # RoPE on the rope features of q and the one shared k; q and k concatenated
-        c, heads = config, config.num_heads // plan.tp
-        rope = 10 * e * tokens * (heads + 1) * c.qk_rope_head_dim + 2 * 2 * e * tokens * heads * c.qk_head_dim
-        latents = c.kv_lora_rank + (c.q_lora_rank or 0)  # their RMSNorms, as the block's
-        return rows * h * (2 * (4 * e + 20) + 2 * 3 * e) + rope + rows * latents * (4 * e + 20)
-    qk = tokens * (config.num_heads // plan.tp + memory.local_kv_heads(config, plan.tp)) * config.head_dim
-    rope = 10 * e * qk if config.position == "rope" else 0
-    return rows * h * (2 * (4 * e + 20) + 2 * 3 * e) + rope
-
-
-def _norm_bytes(config, plan, tokens, software, e):
-    """Forward bytes of the layer's two norms (within _elementwise_bytes): what recomputing "layernorm" repeats."""
-    rows = tokens // plan.tp if plan.sp else tokens
-    return 2 * rows * config.hidden_size * (2 * e if software.elementwise == "fused" else 4 * e + 20)
-
-
-def _recompute_time(config, plan, tokens, cluster, software, e, pieces):
-    """Seconds per micro-batch of one layer's recomputed forward under plan.recompute's modules (bench.plan.recompute);
-    `pieces`: {name: forward seconds} of the layer's parts."""
-    time = 0.0
-    for module, piece in (("core_attn", "attention"), ("mlp", "mlp"), ("moe", "moe"),
-                          ("shared_experts", "shared")):
-        if recomputes(plan.recompute, module):
-            time += pieces.get(piece, 0.0)
-    if recomputes(plan.recompute, "layernorm"):
-        time += _norm_bytes(config, plan, tokens, software, e) / cluster.device.hbm
-    if recomputes(plan.recompute, "moe_act") and "moe" in pieces:  # the experts' activation: read 2F (SwiGLU), write F
-        glu = 2 if config.activation == "swiglu" else 1
-        time += e * routed_slots(config, plan, tokens) * (glu + 1) * config.moe_ffn_hidden_size // plan.expert_tp / \
-            cluster.device.hbm
-    return time
-
-
-def _tp_comm(config, plan, tokens, cluster, e):
-    """(forward, backward) seconds of one layer's tensor-parallel collectives."""
-    if plan.tp == 1:
-        return 0.0, 0.0
-    bandwidth = _bandwidth(cluster, plan.tp)
-    times = {"fwd": 0.0, "bwd": 0.0}
-    mlp = rl.pair_collectives(tokens, config.hidden_size, plan.tp, e, sequence_parallel=plan.sp)
-    attention = mla_collectives(config, plan, tokens, e) if config.multi_latent_attention else mlp
-    for c in attention + mlp:
-        times[c.phase] += _collective_time(c.kind, c.size, plan.tp, bandwidth, cluster)
-    return times["fwd"], times["bwd"]
-
-
-def mla_collectives(config, plan, tokens, e):
-    """Multi-head latent attention's tp collectives (models.mla): the latents (q_lora + kv_lora + rope features per
-    token) made whole — an all-gather under SP (backward: a reduce-scatter), else an all-reduce of their gradient —
-    a query projection straight from x (no q_lora_rank) as a column layer, and the output projection's row layer;
-    under SP the replicated down-projections' weight gradients all-reduced over tp."""
-    c, h = config, config.hidden_size
-    latents = e * tokens * ((c.q_lora_rank or 0) + c.kv_lora_rank + c.qk_rope_head_dim)
-    hidden = e * tokens * h
-    if not plan.sp:
-        out = [rl.Collective(rl.ALL_REDUCE, "bwd", latents), rl.Collective(rl.ALL_REDUCE, "fwd", hidden)]
-        return out + ([rl.Collective(rl.ALL_REDUCE, "bwd", hidden)] if c.q_lora_rank is None else [])
-    # the down-projections' weight gradients, summed over tp in backward (sequence_parallel_grad_sync's default)
-    weights = e * h * ((c.q_lora_rank or 0) + c.kv_lora_rank + c.qk_rope_head_dim)
-    out = [rl.Collective(rl.ALL_GATHER, "fwd", latents), rl.Collective(rl.REDUCE_SCATTER, "bwd", latents),
-           rl.Collective(rl.REDUCE_SCATTER, "fwd", hidden), rl.Collective(rl.ALL_GATHER, "bwd", hidden),
-           rl.Collective(rl.ALL_REDUCE, "bwd", weights)]
-    if c.q_lora_rank is None:  # its input gathered forward, re-gathered backward, its gradient reduce-scattered
-        out += [rl.Collective(rl.ALL_GATHER, "fwd", hidden), rl.Collective(rl.ALL_GATHER, "bwd", hidden),
-                rl.Collective(rl.REDUCE_SCATTER, "bwd", hidden)]
-    return out
-
-
-def cp_kv_elements(config, plan, seq_len):
-    """K and V elements of one rank's share per layer and micro-batch: 2·b·s/cp·kv·d (kv: this tp rank's heads; MLA:
-    every head its k and v, both padded to the wider of the q·k and v head widths). Ring mode sends cp − 1 of them
-    forward, as many again backward plus as many dK/dV (fp32)."""
-    return 2 * plan.micro_batch_size * seq_len // plan.cp * memory.local_kv_heads(config, plan.tp) * \
-        max(attention_widths(config))
-
-
-def _cp_comm(config, plan, seq_len, cluster, e, attention):
-    """(forward, backward) exposed seconds of one layer's cp K/V traffic (module docstring)."""
-    if plan.cp == 1:
-        return 0.0, 0.0
-    block = cp_kv_elements(config, plan, seq_len)
-    bandwidth = _bandwidth(cluster, plan.tp * plan.cp)
-    if config.cp_mode == "allgather":
-        gather = _collective_time(rl.ALL_GATHER, e * block * plan.cp, plan.cp, bandwidth, cluster)
-        scatter = _collective_time(rl.REDUCE_SCATTER, 4 * block * plan.cp, plan.cp, bandwidth, cluster)
-        return gather, scatter
-    step = e * block / bandwidth + cluster.device.latency  # one ring step's send (and receive)
-    fwd = (plan.cp - 1) * step
-    bwd = (plan.cp - 1) * (step + 4 * block / bandwidth)  # K/V again, fp32 dK/dV back
-    return max(0.0, fwd - attention[0]), max(0.0, bwd - attention[1])
-
-
 def bubble_fraction(pp, micro_batches, virtual_stages=1):
     """Idle fraction of the pipeline's span with equal micro-batch times: 1F1B and GPipe (p−1)/(m+p−1) (Huang et al.
     2019, GPipe §2.3); interleaved over v virtual stages (p−1)/(v·m + p−1) (Narayanan et al. 2021 §2.2.2: the bubble
     divided by v)."""
     return (pp - 1) / (virtual_stages * micro_batches + pp - 1)
-
-
-@dataclass
-class StageTimes:
-    """Seconds per micro-batch on one pipeline rank."""
-    fwd: float = 0.0
-    bwd: float = 0.0  # input-gradient part (B)
-    wgrad: float = 0.0  # weight-gradient GEMMs (W; inside bwd for fused schedules)
-    recompute: float = 0.0
-    parts: dict = None  # per micro-batch: gemm, attention, elementwise, tp_comm, cp_comm, recompute, overhead
-
-    @property
-    def total(self):
-        return self.fwd + self.bwd + self.wgrad + self.recompute
-
-
-def _layer_times(config, plan, seq_len, cluster, software, moe):
-    """StageTimes of one layer (dense, or an MoE layer: `moe`) per micro-batch."""
-    e = ELEMENT_SIZE[software.precision]
-    tokens = plan.micro_batch_size * seq_len // plan.cp
-    gemms = _layer_gemms(config, plan, tokens, moe)
-    g = {phase: sum(gemm_time(x, cluster, e) for x in gemms if x.phase == phase) for phase in ("fwd", "dgrad",
-                                                                                                 "wgrad")}
-    forward = {x.layer: gemm_time(x, cluster, e) for x in gemms if x.phase == "fwd"}
-    attention = attention_times(config, plan, seq_len, cluster, software, e)
-    elementwise = _elementwise_bytes(config, plan, tokens, software, e) / cluster.device.hbm
-    tp_fwd, tp_bwd = _tp_comm(config, plan, tokens, cluster, e)
-    if software.tp_overlap:  # each collective pipelined in chunks with the GEMM it feeds or follows: what exceeds them
-        tp_fwd, tp_bwd = max(0.0, tp_fwd - g["fwd"]), max(0.0, tp_bwd - g["dgrad"] - g["wgrad"])
-    cp_fwd, cp_bwd = _cp_comm(config, plan, seq_len, cluster, e, attention)
-    a2a, host = (0.0, 0.0), (0.0, 0.0)
-    pieces = {"attention": attention[0], "shared": forward.get("shared_fc1", 0.0) + forward.get("shared_fc2", 0.0),
-              "mlp": forward.get("fc1", 0.0) + forward.get("fc2", 0.0) + tp_fwd / 2}
-    if moe:
-        parts = moe_time.layer_costs(config, plan, tokens, cluster, software, e,
-                           (g["fwd"] + attention[0], g["dgrad"] + g["wgrad"] + attention[1]))
-        g = {phase: g[phase] + parts["experts"][phase] for phase in g}
-        elementwise, a2a, host = elementwise + parts["permute"], parts["a2a"], parts["host"]
-        pieces["moe"] = parts["experts"]["fwd"] + forward["router"] + pieces["shared"] + parts["permute"] + a2a[0] + \
-            host[0] + tp_fwd / 2
-    overhead = OPS_PER_LAYER * cluster.op_overhead
-    layer_fwd = g["fwd"] + attention[0] + elementwise + tp_fwd + cp_fwd + a2a[0] + host[0] + overhead
-    layer_bwd = g["dgrad"] + attention[1] + 2 * elementwise + tp_bwd + cp_bwd + a2a[1] + host[1] + 2 * overhead
-    recompute = layer_fwd if recomputes(plan.recompute, "block") else \
-        _recompute_time(config, plan, tokens, cluster, software, e, pieces)
-    parts = {"gemm": sum(g.values()), "attention": sum(attention), "elementwise": 3 * elementwise,
-             "tp_comm": tp_fwd + tp_bwd, "cp_comm": cp_fwd + cp_bwd, "ep_a2a": sum(a2a), "moe_host": sum(host),
-             "recompute": recompute, "overhead": 3 * overhead}
-    return StageTimes(layer_fwd, layer_bwd, g["wgrad"], recompute, parts)
-
-
-def _add(times, one, count=1):
-    """Accumulate `count` × StageTimes `one` into `times`."""
-    times.fwd, times.bwd = times.fwd + count * one.fwd, times.bwd + count * one.bwd
-    times.wgrad, times.recompute = times.wgrad + count * one.wgrad, times.recompute + count * one.recompute
-    for name, value in one.parts.items():
-        times.parts[name] = times.parts.get(name, 0.0) + count * value
-
-
-def chunk_times(config, plan, seq_len, cluster, software, chunk, layer_times=None):
-    """StageTimes of one model chunk (first layer, stop, pre_process, post_process): its layers, and the embedding /
-    output layer where it holds them. `layer_times`: {is MoE: one layer's StageTimes}, when the caller has them."""
-    start, stop, first, last = chunk
-    e = ELEMENT_SIZE[software.precision]
-    tokens = plan.micro_batch_size * seq_len // plan.cp
-    times = StageTimes(parts={})
-    layer_times = {} if layer_times is None else layer_times
-    for moe in (False, True):
-        layers = sum(config.is_moe_layer(i) == moe for i in range(start, stop))
-        if layers:
-            if moe not in layer_times:
-                layer_times[moe] = _layer_times(config, plan, seq_len, cluster, software, moe)
-            _add(times, layer_times[moe], layers)
-    rows = tokens // plan.tp if plan.sp else tokens
-    if first:  # embedding lookup (write T'·h) and its all-reduce (SP: reduce-scatter)
-        comm = _collective_time(rl.REDUCE_SCATTER if plan.sp else rl.ALL_REDUCE, e * tokens * config.hidden_size,
-                                plan.tp, _bandwidth(cluster, plan.tp), cluster)
-        lookup = e * rows * config.hidden_size / cluster.device.hbm
-        times.fwd += lookup + comm
-        _add(times, StageTimes(parts={"elementwise": lookup, "tp_comm": comm}))
-    if last and config.mtp_num_layers:
-        _add_mtp(times, config, plan, seq_len, cluster, software, layer_times)
-    if last:  # output layer GEMMs, the loss's fp32 softmax over this rank's vocabulary (~4 passes each way); with
-        # MTP over every depth's tokens at once (models.gpt: one output GEMM for 1 + D depths)
-        tokens *= 1 + config.mtp_num_layers
-        head = rl.linear_gemms("logits", tokens, config.hidden_size, config.padded_vocab_size(plan.tp) // plan.tp)
-        loss = 16 * tokens * config.padded_vocab_size(plan.tp) // plan.tp / cluster.device.hbm
-        comm = 0.0
-        if plan.sp:  # the output layer gathers the sequence, and reduce-scatters its input gradient
-            bandwidth = _bandwidth(cluster, plan.tp)
-            comm = 2 * _collective_time(rl.ALL_GATHER, e * tokens * config.hidden_size, plan.tp, bandwidth, cluster)
-        times.fwd += gemm_time(head[0], cluster, e) + loss + comm / 2
-        times.bwd += gemm_time(head[1], cluster, e) + loss + comm / 2
-        times.wgrad += gemm_time(head[2], cluster, e)
-        _add(times, StageTimes(parts={"gemm": sum(gemm_time(x, cluster, e) for x in head), "elementwise": 2 * loss,
-                                      "tp_comm": comm}))
-    return times
-
-
-def _add_mtp(times, config, plan, seq_len, cluster, software, layer_times):
-    """The multi-token prediction depths on the last stage (models.mtp), beside their share of the output layer: each
-    a block of the last layer's kind, its [2h → h] projection (whole on every rank: over T/tp tokens under SP, all T
-    without) and the embedding lookup of the tokens it reads."""
-    moe = config.is_moe_layer(config.num_layers - 1)
-    if moe not in layer_times:
-        layer_times[moe] = _layer_times(config, plan, seq_len, cluster, software, moe)
-    e = ELEMENT_SIZE[software.precision]
-    tokens = plan.micro_batch_size * seq_len // plan.cp
-    rows = tokens // plan.tp if plan.sp else tokens
-    proj = [gemm_time(x, cluster, e) for x in rl.linear_gemms("mtp_proj", rows, 2 * config.hidden_size,
-                                                               config.hidden_size)]
-    lookup = e * rows * config.hidden_size / cluster.device.hbm
-    one = StageTimes(proj[0] + lookup, proj[1], proj[2], 0.0, {"gemm": sum(proj), "elementwise": lookup})
-    _add(times, layer_times[moe], config.mtp_num_layers)
-    _add(times, one, config.mtp_num_layers)
-
-
-def stage_times(config, plan, seq_len, cluster, software, stage, layer_times=None):
-    """StageTimes of pipeline rank `stage`: the sum of its model chunks'."""
-    times, layer_times = StageTimes(parts={}), {} if layer_times is None else layer_times
-    for chunk in memory.stage_chunks(config.num_layers, plan.pp, stage, plan.virtual_stages, plan.split):
-        _add(times, chunk_times(config, plan, seq_len, cluster, software, chunk, layer_times))
-    return times
 
 
 # ---- the step --------------------------------------------------------------------------------------------------------
@@ -422,13 +152,13 @@ def _dp_time(config, plan, cluster, software, stage, times, micro_batches):
         return 0.0
     n = _stage_params(config, plan, stage)
     e = ELEMENT_SIZE[software.precision]
-    bandwidth = _bandwidth(cluster, plan.tp * plan.cp * plan.dp)
+    bandwidth = group_bandwidth(cluster, plan.tp * plan.cp * plan.dp)
     grads = software.grad_bytes * n
     window = times.bwd + times.wgrad + times.recompute if software.dp_overlap else 0.0  # the last backward
     if plan.dp_mode == "ddp":
-        return max(0.0, _collective_time(rl.ALL_REDUCE, grads, shards, bandwidth, cluster) - window)
-    scatter = max(0.0, _collective_time(rl.REDUCE_SCATTER, grads, shards, bandwidth, cluster) - window)
-    gather = _collective_time(rl.ALL_GATHER, e * n, shards, bandwidth, cluster)
+        return max(0.0, collective_time(rl.ALL_REDUCE, grads, shards, bandwidth, cluster) - window)
+    scatter = max(0.0, collective_time(rl.REDUCE_SCATTER, grads, shards, bandwidth, cluster) - window)
+    gather = collective_time(rl.ALL_GATHER, e * n, shards, bandwidth, cluster)
     if plan.dp_mode == "zero1":  # the gather prefetched bucket by bucket during the first micro-batch's forward
         return scatter + (max(0.0, gather - times.fwd) if software.param_gather_overlap else gather)
     # fsdp: every micro-batch gathers the parameters for its forward and again for its backward, prefetched
@@ -451,7 +181,7 @@ def _p2p_time(config, plan, seq_len, cluster, software):
     size = e * rows * config.hidden_size
     if software.p2p_scatter_gather and not plan.sp:
         size /= plan.tp
-    bandwidth = _bandwidth(cluster, 2 * plan.tp * plan.cp * plan.dp)  # the neighbour is tp·cp·dp ranks away
+    bandwidth = group_bandwidth(cluster, 2 * plan.tp * plan.cp * plan.dp)  # the neighbour is tp·cp·dp ranks away
     return size / bandwidth + cluster.device.latency
 
 

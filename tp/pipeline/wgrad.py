@@ -2,8 +2,8 @@
 (B) and queues each weight-gradient GEMM, with the dz and x it needs, for `DeferredWgrads.run()` (W) to compute later
 into `main_grad` or, through autograd from the weight's own gradient edge, into `.grad` (so hooks, replica sums and
 gradient accumulation see it as if backward had produced it). The parallel linears' backward asks
-`defer_weight_grad` (tp.layers), and so does the experts' grouped GEMM (tp.moe.experts, with its own weight-gradient
-function); any autograd Function with a weight can do the same.
+`defer_weight_grad` (tp.linear_functions), and so does the experts' grouped GEMM (tp.moe.experts, with its own
+weight-gradient function); any autograd Function with a weight can do the same.
 """
 import contextlib
 from collections.abc import Callable, Iterable, Iterator

@@ -1,0 +1,110 @@
+"""The autograd Functions under tp.layers' linear layers: the local matmul with the column layer's input collective
+fused in (overlapped with the weight-gradient GEMM, deferrable, fp8 or main_grad-accumulating), and the sum of the
+gradients of rows that several ranks hold whole (kv heads fewer than tp)."""
+import functools
+
+import torch
+import torch.distributed as dist
+
+import kernels
+
+from .collectives import all_reduce, gather_first, reduce_scatter_first, wait
+from .grads import main_grad_of
+from .pipeline.wgrad import defer_weight_grad, deferring
+
+
+class _ParallelLinearFn(torch.autograd.Function):
+    """act(x Wᵀ + b) on the local shard with the column layer's input collective fused in, for overlap.
+
+    comm = "all-reduce": forward identity · backward all-reduce(dx), overlapped with the wgrad matmul.
+    comm = "sequence": forward all-gather(x, dim 0) · backward reduce-scatter(dx, dim 0), overlapped with
+    wgrad; the full input is re-gathered in backward rather than saved (Megatron's memory trade).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, activation, group, comm, fp8):
+        ctx.main_grad = main_grad_of(weight)  # on the parameter, not on an autocast copy of it
+        ctx.has_bias, ctx.weight_dtype = bias is not None, weight.dtype
+        x, weight, bias = kernels.ops.autocast_operands(x, weight, bias)  # cast before gathering: half the bytes
+        x_total = gather_first(x, group) if comm == "sequence" else x  # [s, b, in]
+        y, preact = kernels.linear_forward(x_total.reshape(-1, x.shape[-1]), weight, bias, activation, fp8=fp8)
+        ctx.save_for_backward(x, weight, preact)
+        ctx.activation, ctx.group, ctx.comm, ctx.fp8 = activation, group, comm, fp8
+        return y.view(*x_total.shape[:-1], y.shape[-1]).detach()  # [s, b, out/tp]; not a view (see kernels.linear)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        x, weight, preact = ctx.saved_tensors
+        group, comm = ctx.group, ctx.comm
+        if comm == "sequence":  # re-gather the input while dgrad runs
+            x_total, gather = gather_first(x, group, async_op=True)
+        else:
+            x_total, gather = x, None
+        dy = grad_out.reshape(-1, grad_out.shape[-1]).to(weight.dtype)  # [s*b, out/tp]
+        need_dx = ctx.needs_input_grad[0]
+        dx, dz = kernels.linear_dgrad(dy, weight, preact, ctx.activation, need_input_grad=need_dx, fp8=ctx.fp8)
+        wait(gather)
+        pending = None
+        if need_dx:
+            dx = dx.view(*x_total.shape)  # [s, b, in]
+            if comm == "all-reduce":
+                dx, pending = all_reduce(dx, group, inplace=True, async_op=True)
+            elif comm == "sequence":
+                dx, pending = reduce_scatter_first(dx, group, async_op=True)  # [s/tp, b, in]
+        dw = None
+        x_2d = x_total.reshape(-1, x_total.shape[-1])
+        wgrad = functools.partial(kernels.linear_wgrad, fp8=ctx.fp8)
+        if ctx.needs_input_grad[1] and not defer_weight_grad(ctx, 1, dz, x_2d, wgrad=wgrad):  # (W later: defer_wgrad)
+            dw = wgrad(dz, x_2d, main_grad=ctx.main_grad)
+        db = kernels.ops.bias_grad(dz, dz.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        wait(pending)
+        return dx, dw, db, None, None, None, None
+
+
+def local_linear(x, weight, bias, activation, group, comm, fp8=None):
+    """The layers' one entry to the local matmul: kernels.linear, or _ParallelLinearFn when a collective rides along,
+    the weight accumulates into main_grad (checked against DDP), the weight gradient may be deferred or the GEMMs
+    run in fp8 (their scales reduced over the group: kernels.fp8.Fp8Scaling)."""
+    if fp8 is None and comm is None and not deferring() and not hasattr(weight, "main_grad"):
+        return kernels.linear(x, weight, bias, activation=activation)
+    return _ParallelLinearFn.apply(x, weight, bias, activation, group, comm, fp8)
+
+
+class SumReplicaGrads(torch.autograd.Function):
+    """forward: identity · backward: grads of replicated rows summed over the ranks holding the same chunk.
+
+    Each rank writes its rows into its chunk's slot of a zero buffer as large as the dense parts; one all-reduce
+    over the group then sums every chunk over exactly its replicas.
+    """
+
+    repeatable_backward = True  # saves no tensors: a deferred weight gradient (tp.pipeline.defer_wgrad) runs it again
+
+    @staticmethod
+    def forward(ctx, layout, group, *tensors):
+        ctx.layout, ctx.group = layout, group
+        ctx.set_materialize_grads(False)  # under the B/W split the weight's grad comes later, alone
+        return tuple(None if t is None else t.view_as(t) for t in tensors)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grads):
+        rank = dist.get_rank(ctx.group)
+        grads = [None if g is None else g.clone() for g in grads]
+        slots = []  # (grad, row offset, rows, chunks, my chunk)
+        for g in grads:
+            offset = 0
+            for rows, chunks, replicated in ctx.layout:
+                if g is not None and replicated:
+                    slots.append((g, offset, rows, chunks, rank * chunks // dist.get_world_size(ctx.group)))
+                offset += rows
+        if not slots:
+            return (None, None, *grads)
+        buffers = [g.new_zeros(chunks, rows, *g.shape[1:]) for g, _, rows, chunks, _ in slots]
+        for buf, (g, offset, rows, _, mine) in zip(buffers, slots):
+            buf[mine] = g[offset:offset + rows]
+        flat = torch.cat([b.reshape(-1) for b in buffers])
+        dist.all_reduce(flat, group=ctx.group)
+        for buf, reduced, (g, offset, rows, _, mine) in zip(buffers, flat.split([b.numel() for b in buffers]), slots):
+            g[offset:offset + rows] = reduced.view_as(buf)[mine]
+        return (None, None, *grads)
