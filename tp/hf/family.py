@@ -54,6 +54,7 @@ class Family:
 
     # tp.parallelize of the transformers model
     plan: dict[str, str] | None = None  # shipped plan relative to the base model; None: config.base_model_tp_plan
+    plan_additions: dict[str, str] = {}  # entries the config's plan lacks (patterns may match nothing)
     heads = {"q_proj": "q", "k_proj": "kv", "v_proj": "kv"}  # leaf name of an attention projection -> its heads
     out = "o_proj"  # the attention's output projection (rowwise when its heads are local)
     fused_mlp: dict[str, int] = {}  # leaf name -> stride of a fused [gate; up] weight
