@@ -116,6 +116,10 @@ class Attention(nn.Module):
             init_method=normal_init(config.init_std / math.sqrt(2 * config.num_layers)), _init=_init)
         self.q_norm, self.k_norm = _qk_norms(config, self.group, kv_replicas) if config.qk_norm else (None, None)
 
+    def cache_shapes(self, batch_size: int, max_len: int) -> list[tuple[int, ...]]:
+        """What generation caches per layer (models/generation.py): this rank's keys and values."""
+        return [(batch_size, self.local_kv_heads, max_len, self.head_dim)] * 2
+
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: torch.Tensor | None = None,
              sample_ids: torch.Tensor | None = None) -> torch.Tensor:  # [b, n, s(/cp), d]
         """Softmax(qkᵀ/√d)v, causal (inside each document with `document_ids` [b, s]); in training, attention dropout's

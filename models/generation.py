@@ -2,7 +2,8 @@
 a KV cache sharded over tp by heads.
 
 Each tensor-parallel rank caches the keys and values of its own kv heads only ([b, kv_heads/tp, s, d] per layer:
-the heads its fused QKV column produces), so the cache takes 1/tp of the memory and a step needs the layers' usual
+the heads its fused QKV column produces), so the cache takes 1/tp of the memory (multi-head latent attention caches
+each token's latent and rope key instead, whole on every rank: models/mla.py) and a step needs the layers' usual
 all-reduces and one all-gather of the last position's logits: every tp rank then holds the same logits and picks
 the same token (sampling draws from a generator seeded alike on every rank). Greedy generation equals Hugging
 Face's `generate(do_sample=False)` on the exported weights token for token. `Text` turns a prompt into ids and the
@@ -18,17 +19,20 @@ from torch import nn
 
 
 class KVCache:
-    """Per layer, this rank's keys and values [b, kv heads/tp, max_len, d]; the first `length` positions are
-    filled."""
+    """Per layer, what its attention caches (`attention.cache_shapes`): GQA this rank's keys and values
+    [b, kv heads/tp, max_len, d], multi-head latent attention one [b, 1, max_len, kv_lora_rank + qk_rope_head_dim]
+    (models/mla.py); the first `length` positions are filled."""
 
     def __init__(self, model: nn.Module, batch_size: int, max_len: int):
         param = next(model.parameters())
-        self.layers = []
-        for block in model.layers:
-            attention = block.attention
-            shape = (batch_size, attention.local_kv_heads, max_len, attention.head_dim)
-            self.layers.append((param.new_zeros(shape), param.new_zeros(shape)))
+        self.layers = [tuple(param.new_zeros(shape) for shape in block.attention.cache_shapes(batch_size, max_len))
+                       for block in model.layers]
         self.length, self.max_len = 0, max_len
+
+    @property
+    def bytes_per_token(self) -> int:
+        """The bytes one cached position of one sequence takes on this rank, every layer's tensors together."""
+        return sum(t[0, :, 0].numel() * t.element_size() for tensors in self.layers for t in tensors)
 
     def layer(self, index: int) -> "LayerCache":
         return LayerCache(self, index)
@@ -44,8 +48,8 @@ class KVCache:
 
 
 class LayerCache:
-    """One layer's view of the cache, for Attention.forward: where its new tokens sit, and attention over the
-    cached keys and the new ones."""
+    """One layer's view of the cache, for the attention's forward: where its new tokens sit, and attention over the
+    cached positions and the new ones."""
 
     def __init__(self, cache: KVCache, index: int):
         self.cache, self.index = cache, index
@@ -55,21 +59,34 @@ class LayerCache:
         start = self.cache.length
         return torch.arange(start, start + count, device=device), self.cache.max_len
 
+    def store(self, *new: torch.Tensor) -> list[torch.Tensor]:
+        """Writes this layer's tensors of the new tokens ([b, n, s, d] each, in `cache_shapes` order) after the
+        cached positions -> each tensor's filled part, the cached positions and the new ones [b, n, length + s, d]."""
+        start, count = self.cache.length, new[0].shape[2]
+        filled = []
+        for cached, tensor in zip(self.cache.layers[self.index], new, strict=True):
+            cached[:, :, start:start + count] = tensor
+            filled.append(cached[:, :, :start + count])
+        return filled
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q, k, v [b, heads/tp | kv heads/tp, s, d] of the new tokens -> the attention output [b, heads/tp, s, d]:
-        each new query sees every cached position and the new ones up to its own."""
-        keys, values = self.cache.layers[self.index]
-        start, count = self.cache.length, q.shape[2]
-        keys[:, :, start:start + count] = k
-        values[:, :, start:start + count] = v
-        keys, values = keys[:, :, :start + count], values[:, :, :start + count]
+        """q, k, v [b, heads/tp | kv heads/tp, s, d] of the new tokens -> the attention output [b, heads/tp, s, d]
+        over the cached keys and values and these."""
+        return self.attention(q, *self.store(k, v))
+
+    def attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                  scale: float | None = None) -> torch.Tensor:
+        """Softmax(q keysᵀ · scale) values, q [b, heads/tp, s, d] of the new tokens, keys and values
+        [b, kv heads, length + s, d | dv] (kv heads dividing the query heads): each new query sees every cached
+        position and the new ones up to its own."""
+        start, count = keys.shape[2] - q.shape[2], q.shape[2]
         gqa = q.shape[1] != keys.shape[1]
         if start == 0:  # the prefill: plain causal attention
-            return F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=gqa)
+            return F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=gqa)
         # query i (at position start + i) sees keys 0..start + i (SDPA's is_causal aligns to the top left instead)
         mask = torch.arange(start + count, device=q.device) <= torch.arange(start, start + count,
                                                                             device=q.device)[:, None]
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)
 
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:

@@ -22,8 +22,17 @@ layer on x (its own all-reduce / all-gather).
 Context parallelism and attention dropout use tp.context_parallel_attention / local_attention with one kv head per
 query head; those paths move k and v as one tensor, so v (or q and k) is padded with zeros to the larger head width
 and the output cut back (zero features change neither the scores nor the kept outputs).
+
+Generation (models/generation.py) caches what DeepSeek-V2 caches (§2.1.2-2.1.3): per token and layer the normalised
+latent c_kv and the rotated rope key, kv_lora_rank + qk_rope_head_dim values (DeepSeek-V3: 576, against
+128 heads · (192 + 128) = 40960 of expanded keys and values), whole on every tp rank like the latents they are. The
+up-projection W_kvb = [W_uk; W_uv] is absorbed, not applied to the cache: each head's score
+q_nope·k_nope = (q_nope W_uk)·c_kv, and its output softmax(·) (c_kv W_uvᵀ) = (softmax(·) c_kv) W_uvᵀ, so a step
+attends with queries [q_nope W_uk; RoPE(q_rope)] over the cached [c_kv; RoPE(k_rope)] (one kv head shared by this
+rank's heads) and maps each head's [kv_lora_rank] output through its W_uv; the prefill runs the same way.
 """
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -41,6 +50,9 @@ from .config import GPTConfig
 from .norm import Norm, normal_init
 from .positions import dropout_module, rope_positions, sample_ids_or_drawn
 from .rope import rotary, yarn_mscale
+
+if TYPE_CHECKING:
+    from .generation import LayerCache
 
 LATENT_NORM_EPS = 1e-6  # Hugging Face's q_a_layernorm and kv_a_layernorm (DeepseekV3RMSNorm's default)
 
@@ -132,22 +144,29 @@ class MLAttention(nn.Module):
                 tp.copy_to_tp_region(whole, self.group)
         return list(whole.split(widths, dim=-1))
 
+    def cache_shapes(self, batch_size: int, max_len: int) -> list[tuple[int, ...]]:
+        """What generation caches per layer (models/generation.py): [RMSNorm(c_kv); RoPE(k_rope)] of every position,
+        kv_lora_rank + qk_rope_head_dim values a token, whole on every tp rank (the module docstring)."""
+        c = self.config
+        return [(batch_size, 1, max_len, c.kv_lora_rank + c.qk_rope_head_dim)]
+
     def forward(self, x: torch.Tensor, *, document_ids: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, cache: object | None = None,
+                position_ids: torch.Tensor | None = None, cache: "LayerCache | None" = None,
                 sample_ids: torch.Tensor | None = None) -> torch.Tensor:  # [s(/cp)(/tp), b, h]
         c = self.config
-        if cache is not None:
-            raise ValueError("generation (a KV cache) with multi_latent_attention is not implemented")
         *q_latent, kv_latent, k_rope = self.latents(x)
         q = self.q_up(q_latent[0]) if q_latent else self.q(x)  # [s(/cp), b, heads/tp · qk]
         q = rearrange(q, "s b (n d) -> b n s d", d=c.qk_head_dim)
-        kv = rearrange(self.kv_up(kv_latent), "s b (n d) -> b n s d", d=c.qk_nope_head_dim + c.v_head_dim)
-        k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
         positions = rope_positions(k_rope.shape[0], k_rope.device, tp_group=self.group, cp_group=self.cp_group,
-                                   position_ids=position_ids)
+                                   cache=cache, position_ids=position_ids)
         q_nope, q_rope = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
         rotated = rotary(torch.cat([q_rope, rearrange(k_rope, "s b d -> b 1 s d")], dim=1), c, positions)
         q_rope, k_rope = rotated.split([self.local_heads, 1], dim=1)  # (q and k in one pass)
+        if cache is not None:  # generation (models/generation.py)
+            context = self.attend_cached(q_nope, q_rope, rearrange(kv_latent, "s b r -> b 1 s r"), k_rope, cache)
+            return self.proj(rearrange(context, "b n s d -> s b (n d)"))
+        kv = rearrange(self.kv_up(kv_latent), "s b (n d) -> b n s d", d=c.qk_nope_head_dim + c.v_head_dim)
+        k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
         q = torch.cat([q_nope, q_rope], dim=-1)
         k = torch.cat([k_nope, k_rope.expand(-1, self.local_heads, -1, -1)], dim=-1)
         if self.training and c.attention_dropout:  # (drawn here, not again in a recomputation)
@@ -158,6 +177,19 @@ class MLAttention(nn.Module):
         else:
             context = self.core(q, k, v, document_ids, sample_ids)
         return self.proj(rearrange(context, "b n s d -> s b (n d)"))  # [s(/tp), b, h]
+
+    def attend_cached(self, q_nope: torch.Tensor, q_rope: torch.Tensor, kv_latent: torch.Tensor,
+                      k_rope: torch.Tensor, cache: "LayerCache") -> torch.Tensor:  # [b, heads/tp, s, v_head_dim]
+        """Generation: the new tokens' latents [b, 1, s, kv_lora_rank] and rotated rope keys [b, 1, s, rope] join
+        the cache; the queries [b, heads/tp, s, nope | rope] attend to every cached position through W_kvb absorbed
+        (the module docstring): softmax([q_nope W_uk; q_rope] [c_kv; k_rope]ᵀ · scale) c_kv W_uvᵀ per head."""
+        c = self.config
+        cached, = cache.store(torch.cat([kv_latent, k_rope], dim=-1))  # [b, 1, length, kv_lora_rank + rope]
+        up = self.kv_up.weight.view(self.local_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
+        key_up, value_up = up.split([c.qk_nope_head_dim, c.v_head_dim], dim=1)  # [heads/tp, nope | v, kv_lora_rank]
+        q = torch.cat([q_nope @ key_up, q_rope], dim=-1)  # [b, heads/tp, s, kv_lora_rank + rope]
+        context = cache.attention(q, cached, cached[..., :c.kv_lora_rank], scale=self.scale)
+        return context @ value_up.transpose(1, 2)
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: torch.Tensor | None = None,
              sample_ids: torch.Tensor | None = None) -> torch.Tensor:  # [b, n, s(/cp), d]

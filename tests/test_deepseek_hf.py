@@ -201,17 +201,29 @@ def test_sequence_wise_loss_is_hugging_faces_routing_by_definition():
         assert err <= 1e-7 * max(1.0, expected[name].abs().max().item()), f"{name} grad err {err}"
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+@pytest.mark.parametrize("family,options", [("deepseek_v3", {}), ("glm4_moe", {}), ("deepseek_v2", {}),
+                                            ("deepseek_v2", dict(q_lora=None))])
 @distributed(world_size=2)
-def test_tp_parallelize_runs_the_families_own_plans(family):
+def test_tp_parallelize_runs_the_families_own_plans(family, options):
     """tp.parallelize(hf_model) at tp 2 with the config's own plan (DeepSeek-V3's: the MLPs and experts; GLM-4.5's:
-    attention heads too) gives the model's logits. (DeepSeek-V2's plan names HF's `mla_kv_a_proj` style, which
-    tp.parallelize does not have: refused by name.)"""
-    import copy
+    attention heads too; DeepSeek-V2's: the MLA heads, its kv down-projection `mla_kv_a_proj`, read as
+    replicated_with_tail_grad_allreduce) gives the model's logits, loss and every gradient."""
+    from .test_moe_parallelize import dense_grads
 
     tp.init_mesh(tp=2)
-    hf = hf_deepseek(family, dtype=torch.float32)
-    reference = copy.deepcopy(hf)
+    reference = hf_deepseek(family, dtype=torch.float32, **options)
+    hf = hf_deepseek(family, dtype=torch.float32, **options)
     x = torch.randint(0, VOCAB, (2, SEQ), generator=rng(0))
     tp.parallelize(hf)
-    assert (hf(x).logits - reference(x).logits).abs().max().item() <= 1e-5
+    if family == "deepseek_v2":
+        assert "replicated_with_tail_grad_allreduce" in tp.describe(hf)
+    expected, logits = reference(x, labels=x), hf(x, labels=x)
+    assert (logits.logits - expected.logits).abs().max().item() <= 1e-5
+    assert abs(logits.loss.item() - expected.loss.item()) <= 1e-6
+    expected.loss.backward()
+    logits.loss.backward()
+    grads, reference_grads = dense_grads(hf), {n: p.grad for n, p in reference.named_parameters()}
+    assert set(grads) == {n for n, g in reference_grads.items() if g is not None}
+    for name, grad in grads.items():
+        err = (grad - reference_grads[name]).abs().max().item()
+        assert err <= 1e-5 * max(1.0, reference_grads[name].abs().max().item()), f"{name} grad err {err}"

@@ -309,6 +309,9 @@ REFUSALS = [  # (family, config overrides, plan or None, keyword arguments, what
     ("llama", {}, {"model.layers.*.mlp.up_proj": "colwise", "model.layers.*.mlp.*_proj": "rowwise"}, {},
      "model.layers.0.mlp.up_proj matches 'model.layers.*.mlp.up_proj' (colwise) and 'model.layers.*.mlp.*_proj'"),
     ("llama", {}, None, dict(sequence_parallel=True), "sequence_parallel=True is not supported"),
+    ("llama", {}, {"model.layers.*.self_attn.k_proj": "replicated_with_tail_grad_allreduce"}, {},
+     "model.layers.0.self_attn.k_proj: replicated_with_tail_grad_allreduce sums the gradient of the output's last "
+     "config.qk_rope_head_dim features, and LlamaForCausalLM has no config.qk_rope_head_dim"),
     ("granite", dict(num_key_value_heads=2), None, {},  # a family tp has not checked: kv heads never replicated
      "num_key_value_heads = 2 < tp and replicating kv heads is not verified"),
 ]

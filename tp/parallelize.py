@@ -16,10 +16,15 @@ styles:
   vocab                    nn.Embedding -> VocabParallelEmbedding
   replicated_with_grad_allreduce   parameters stay whole, their grads are summed over tp inside backward (norms
                            that see only this rank's heads: Qwen3's q_norm/k_norm)
+  replicated_with_tail_grad_allreduce   the layer stays whole; in backward the gradient of its output's last
+                           features (config.qk_rope_head_dim: MLA's RoPE key, which every head reads, so each rank's
+                           gradient holds its heads' share) is summed over tp; the features before them feed a
+                           colwise layer (through a norm), whose input gradient arrives summed already
   replicate                left as it is
   moe_experts              HF's fused experts module (mlp.experts) -> tp.moe.ParallelExperts: its experts split over
                            the mesh's ep (and their FFN over etp), each tp rank dispatching 1/tp of the tokens
-HF's names embedding_rowwise, colwise_rep and rowwise_rep read as vocab, colwise_gather_output, rowwise_split_input;
+HF's names embedding_rowwise, colwise_rep, rowwise_rep and mla_kv_a_proj (DeepSeek-V2's kv down-projection) read as
+vocab, colwise_gather_output, rowwise_split_input, replicated_with_tail_grad_allreduce;
 moe_tp_experts and ep_dispatch_experts (its tp and ep plans) as moe_experts. Entries naming the experts' parameters
 (HF's packed_colwise / grouped_gemm / rowwise on mlp.experts.gate_up_proj, down_proj) are what moe_experts does.
 
@@ -48,9 +53,11 @@ from .random import fork_rng
 
 GATHER_OUTPUT = {"colwise": False, "colwise_gather_output": True}
 INPUT_IS_PARALLEL = {"rowwise": True, "rowwise_split_input": False}
-STYLES = (*GATHER_OUTPUT, *INPUT_IS_PARALLEL, "vocab", "replicated_with_grad_allreduce", "replicate", "moe_experts")
+TAIL_GRAD = "replicated_with_tail_grad_allreduce"
+REPLICATED = ("replicate", "replicated_with_grad_allreduce", TAIL_GRAD)  # the styles that keep the module whole
+STYLES = (*GATHER_OUTPUT, *INPUT_IS_PARALLEL, "vocab", *REPLICATED, "moe_experts")
 ALIASES = {"embedding_rowwise": "vocab", "colwise_rep": "colwise_gather_output", "rowwise_rep": "rowwise_split_input",
-           "moe_tp_experts": "moe_experts", "ep_dispatch_experts": "moe_experts"}
+           "moe_tp_experts": "moe_experts", "ep_dispatch_experts": "moe_experts", "mla_kv_a_proj": TAIL_GRAD}
 EXPERT_PARAMETER_STYLES = ("packed_colwise", "grouped_gemm", "rowwise", "colwise")  # on mlp.experts.<weight>
 _RECORD = "_tp_parallelize_record"
 
@@ -86,6 +93,8 @@ def parallelize(module: nn.Module, plan: dict[str, str] | None = None, *, group:
     if family is not None:
         _check_local_outputs_consumed(module, modules, styles)
     ties = _ties(modules, styles, options)
+    tails = {name: hf.shared_tail_width(module, modules[name], family, name) for name, style in styles.items()
+             if style == TAIL_GRAD}
     vocab_parallel_logits = _vocab_parallel_output(module, modules, styles)
     built = {}
     for name, style in styles.items():
@@ -106,7 +115,9 @@ def parallelize(module: nn.Module, plan: dict[str, str] | None = None, *, group:
                 new.register_forward_pre_hook(functools.partial(shared_input, name))
         elif style == "replicated_with_grad_allreduce":
             _sum_grads_in_backward(modules[name], group)
-        record.append((name, style, _detail(new, style, ties.get(name))))
+        elif style == TAIL_GRAD:
+            modules[name].register_forward_hook(_TailGradSum(tails[name], group))
+        record.append((name, style, _detail(new, style, ties.get(name), tails.get(name))))
     for linear, embedding in ties.items():
         built[linear].weight = built[embedding].weight
     for name, (heads, kv_heads, replicas) in local_heads.items():
@@ -221,6 +232,8 @@ def _check_kind(name, module, style):
         wanted = "nn.Embedding (or transformers' ScaledWordEmbedding)"
     elif style == "replicated_with_grad_allreduce":
         ok, wanted = any(True for _ in module.parameters(recurse=False)), "parameters of its own"
+    elif style == TAIL_GRAD:
+        ok, wanted = type(module) is nn.Linear, "nn.Linear"
     elif style == "moe_experts":
         ok, wanted = _is_hf_experts(module), "transformers' fused experts (gate_up_proj, down_proj [E, .., ..])"
     else:
@@ -257,7 +270,7 @@ def _ties(modules, styles, options):
             owners.setdefault(id(p), []).append(name)
     ties = {}
     for name, style in styles.items():
-        if style in ("replicate", "replicated_with_grad_allreduce"):
+        if style in REPLICATED:
             continue
         for pname, p in modules[name].named_parameters(recurse=False):
             others = [o for o in owners[id(p)] if o != name]
@@ -362,6 +375,21 @@ def _sum_grads_in_backward(module, group):
     module.register_forward_hook(swap_back, always_call=True)
 
 
+class _TailGradSum:
+    """A forward hook: the output's last `width` features pass through copy_to_tp_region (identity forward, the
+    gradient all-reduced over tp in backward), the features before them as they are. A hook object holding its
+    group in a SharedGroup, so a deep copy of the model shares the group."""
+
+    group = SharedGroup()
+
+    def __init__(self, width, group):
+        self.width, self.group = width, group
+
+    def __call__(self, module, args, output):
+        head, tail = output.split([output.shape[-1] - self.width, self.width], dim=-1)
+        return torch.cat([head, copy_to_tp_region(tail, self.group)], dim=-1)
+
+
 def _attention_dropout(attention):
     """The attention-probability dropout an HF attention module applies in training (0.0: none)."""
     p = getattr(attention, "attention_dropout", None)
@@ -398,13 +426,15 @@ class _HeadsRngFork:
             fork.__exit__(None, None, None)
 
 
-def _detail(new, style, tied_to):
+def _detail(new, style, tied_to, tail):
     if isinstance(new, ParallelExperts):
         return (f"ParallelExperts, experts {new.expert_range.start}..{new.expert_range.stop - 1} of {new.num_experts} "
                 f"(ep={new.ep_size}), F {new.local_ffn} of {new.ffn_hidden_size} (etp={new.etp_size})")
     if isinstance(new, VocabParallelEmbedding):
         scaled = ", output times embed_scale" if hasattr(new, "embed_scale") else ""
         return f"VocabParallelEmbedding, rows [{new.vocab_start}, {new.vocab_end}) of {new.num_embeddings}{scaled}"
+    if style == TAIL_GRAD:
+        return f"unchanged; the gradient of its output's last {tail} features summed over tp in backward"
     if new is None:
         return "grads summed over tp in backward" if style == "replicated_with_grad_allreduce" else "unchanged"
     fused = f", parts {new.parts}" if new.stride > 1 else ""

@@ -22,9 +22,9 @@ differs from Llama's attention) and its instance in registry.py's `FAMILIES`. do
 The generic parts: plan.py (`default_plan`), heads.py (splitting the heads), registry.py (`FAMILIES`, `family_of`).
 """
 from .family import Family, LocalHeadsConfig
-from .heads import shard_options
+from .heads import shard_options, shared_tail_width
 from .plan import default_plan, plan_source
 from .registry import FAMILIES, UNCHECKED, family_of, model_type
 
 __all__ = ["FAMILIES", "UNCHECKED", "Family", "LocalHeadsConfig", "default_plan", "family_of", "model_type",
-           "plan_source", "shard_options"]
+           "plan_source", "shard_options", "shared_tail_width"]

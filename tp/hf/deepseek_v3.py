@@ -84,6 +84,14 @@ class DeepseekV3(DeepseekMoE):
     config_class = "DeepseekV3Config"
     title = "DeepSeek-V3"
     layer_modules = {**DENSE_MODULES, **MLA_MODULES}
+    # tp.parallelize: multi-head latent attention's projections per head (every head its own k and v), of
+    # qk_nope + qk_rope (queries) and qk_nope + v (kv_b_proj) features; the attention reshapes with -1 heads
+    heads = {"q_proj": "q", "q_b_proj": "q", "kv_b_proj": "q"}
+
+    def head_width(self, attention: Any, leaf: str) -> int | None:
+        if leaf == "kv_b_proj":
+            return attention.qk_nope_head_dim + attention.v_head_dim
+        return attention.qk_head_dim
 
     def config_fields(self, hf: Any) -> dict[str, Any]:
         fields = super().config_fields(hf)  # (Llama's: num_key_value_heads and head_dim do not apply)

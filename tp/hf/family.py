@@ -54,10 +54,14 @@ class Family:
 
     # tp.parallelize of the transformers model
     plan: dict[str, str] | None = None  # shipped plan relative to the base model; None: config.base_model_tp_plan
+    plan_additions: dict[str, str] = {}  # entries the config's plan lacks (patterns may match nothing)
     heads = {"q_proj": "q", "k_proj": "kv", "v_proj": "kv"}  # leaf name of an attention projection -> its heads
     out = "o_proj"  # the attention's output projection (rowwise when its heads are local)
     fused_mlp: dict[str, int] = {}  # leaf name -> stride of a fused [gate; up] weight
     replicate_kv = True  # whether the attention code takes kv heads replicated across ranks
+    # the config field giving the width of the output tail a "replicated_with_tail_grad_allreduce" layer feeds to
+    # every head (HF's mla_kv_a_proj, the same name in every family with multi-head latent attention: the RoPE key)
+    shared_tail_field = "qk_rope_head_dim"
     checked = True  # read against the family's attention code and covered by the tests
 
     # models.hf: the GPT <-> this family's config and tensors
@@ -80,6 +84,10 @@ class Family:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r})"
+
+    def head_width(self, attention: nn.Module, leaf: str) -> int | None:
+        """Each head's width in the output of the projection `leaf` of `attention` (None: unknown)."""
+        return getattr(attention, "head_dim", None)
 
     def localize(self, attention: nn.Module, heads: int, kv_heads: int) -> None:
         """Give an attention module whose heads are split its local head counts (where it caches them)."""

@@ -10,6 +10,10 @@ from .llama import Llama
 class Glm4Moe(DeepseekMoE):
     config_class = "Glm4MoeConfig"
     title = "GLM-4.5"
+    # HF's plan splits the heads but leaves the per-head q/k norms out: their weights, shared by the heads, see this
+    # rank's heads only, so their grads are summed over tp (as Qwen3's plan says)
+    plan_additions = {"layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
+                      "layers.*.self_attn.k_norm": "replicated_with_grad_allreduce"}
     layer_modules = {**DENSE_MODULES, **{k: v for k, v in Llama.layer_modules.items() if k.startswith("attention")}}
 
     def attention_bias(self, hf: Any) -> bool:

@@ -19,15 +19,32 @@ def out_features(module: nn.Module) -> int:
     return module.nf if hasattr(module, "nf") else module.out_features
 
 
-def _head_counts(config, attention, name):
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+def _text_config(config):
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def _head_counts(config, attention, name, width):
+    text = _text_config(config)
     heads = getattr(text, "num_attention_heads", None)
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    head_dim = getattr(attention, "head_dim", None)
-    if heads is None or head_dim is None:
+    if heads is None or width is None:
         raise ValueError(f"{name}: cannot read the head counts (config.num_attention_heads, {name}.head_dim) to "
                          "split its heads")
-    return heads, kv_heads, head_dim
+    return heads, kv_heads, width
+
+
+def shared_tail_width(module: nn.Module, layer: nn.Module, family: Family | None, name: str) -> int:
+    """The width of the output tail that `layer` (`name`, style replicated_with_tail_grad_allreduce) feeds to every
+    head: the family's `shared_tail_field` of the model's config, narrower than the layer's output."""
+    field = family.shared_tail_field if family is not None else Family.shared_tail_field
+    width = getattr(_text_config(getattr(module, "config", None)), field, None)
+    if not isinstance(width, int) or width < 1:
+        raise ValueError(f"{name}: replicated_with_tail_grad_allreduce sums the gradient of the output's last "
+                         f"config.{field} features, and {type(module).__name__} has no config.{field}")
+    if width >= out_features(layer):
+        raise ValueError(f"{name}: config.{field} = {width} is not narrower than its output ({out_features(layer)} "
+                         "features): replicated_with_tail_grad_allreduce sums the gradient of the last ones only")
+    return width
 
 
 def _kv_replicas(heads, kv_heads, tp_size, family, name):
@@ -57,7 +74,8 @@ def shard_options(module: nn.Module, modules: dict[str, nn.Module], styles: dict
         kind = family.heads.get(leaf)
         if kind is None or style not in COLUMN_STYLES:
             continue
-        heads, kv_heads, head_dim = _head_counts(module.config, modules[parent], parent)
+        heads, kv_heads, head_dim = _head_counts(module.config, modules[parent], parent,
+                                                 family.head_width(modules[parent], leaf))
         expected = {"q": heads, "kv": kv_heads, "qkv": heads + 2 * kv_heads}[kind] * head_dim
         if out_features(modules[name]) != expected:
             raise ValueError(f"{name}: out_features = {out_features(modules[name])}, expected {expected} from the "

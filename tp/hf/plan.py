@@ -1,5 +1,5 @@
 """The plan `tp.parallelize` applies to a Hugging Face model by default: its family's (`Family.plan`), else the
-config's own `base_model_tp_plan`, prefixed with the model's `base_model_prefix`."""
+config's own `base_model_tp_plan` with the family's `plan_additions`, prefixed with the model's `base_model_prefix`."""
 from torch import nn
 
 from .registry import family_of, model_type
@@ -11,7 +11,10 @@ def _base_plan(module):
     family, config = family_of(module), getattr(module, "config", None)
     if family is not None and family.plan is not None:
         return family.plan, f"tp's plan for {model_type(module)}"
-    return _config_plan(config), f"{type(config).__name__}.base_model_tp_plan"
+    plan, source = _config_plan(config), f"{type(config).__name__}.base_model_tp_plan"
+    if plan and family is not None and family.plan_additions:
+        return plan | family.plan_additions, f"{source} + tp's {', '.join(family.plan_additions)}"
+    return plan, source
 
 
 def _config_plan(config):
