@@ -396,14 +396,15 @@ def gpu_check_section(on_gpu: bool, out) -> dict:
     """bench.mfu's rows at the best recompute and micro-batch size --search finds on "auto" eager (45 s on the GPU):
     the whole training step of the 1B shape in bf16 on the torch backend, on "auto" (the fused kernels), and "auto"
     with compiled blocks, each beside the planner's prediction; the CPU smoke: the tiny preset, eager rows only, a
-    short search."""
+    20 s search on torch."""
     if on_gpu:
         shape = [f"--{k.replace('_', '-')}={v}" for k, v in LLAMA_1B.items()]
         flags = ["--model", "llama3-8b", *shape, "--seq-len", "4096", "--steps", "4", "--warmup", "2", "--rows",
                  "torch", "auto", "auto+compile", "--search", "--search-seconds", "45"]
     else:
         flags = ["--model", "tiny", "--layers", "2", "--seq-len", "16", "--steps", "1", "--warmup", "0", "--rows",
-                 "torch", "auto", "--search", "--search-batches", "1", "2", "--search-seconds", "20"]
+                 "torch", "auto", "--search", "--search-row", "torch", "--search-batches", "1", "2",
+                 "--search-seconds", "20"]  # (the search on torch: "auto" runs Triton's interpreter here)
     main([*flags, "--out", str(out / "mfu.json")])
     with open(out / "mfu.json") as f:
         payload = json.load(f)
