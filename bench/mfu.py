@@ -8,7 +8,7 @@ elementwise, loss, optimizer, idle), per row: a kernels backend (torch, triton, 
 
 The model runs in the chosen dtype (bf16 on CUDA by default) with AdamW on its parameters (fused on CUDA, foreach
 elsewhere); the tokens are random. On CPU the MFU is left out (no peak to divide by) unless --peak-tflops is given.
---search first tries every recompute granularity × --search-batches micro-batch size on one eager row, briefly, the
+--search first tries every recompute granularity × --search-batches micro-batch size on --search-row, briefly, the
 planner's fastest predictions first, out-of-memory ones recorded and passed over, until --search-seconds are spent;
 the rows then run at the fastest. Each row's step time is written beside the planner's prediction for the same
 one-device plan on the device's profile (bench.plan.measured; `python -m bench.plan --check-mfu` reads the JSON).
@@ -330,10 +330,10 @@ def run_search(args, base: GPT, *, device, dtype: str, peak) -> dict:
 
 
 def with_predictions(payload: dict) -> dict:
-    """Each row with the planner's step time for its one-device plan and predicted / measured (None where the device
-    has no profile)."""
+    """Each row with the planner's step time for its one-device plan and predicted / measured (an "error" where the
+    device has no profile)."""
     try:
-        predicted = predicted_rows({**payload, "search": {}})
+        predicted = predicted_rows(payload, candidates=False)
     except ValueError as e:
         predicted = [{"error": str(e)}] * len(payload["rows"])
     for row, got in zip(payload["rows"], predicted):

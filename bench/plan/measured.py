@@ -57,13 +57,13 @@ def predict_step(config: GPTConfig, *, batch: int, micro_batches: int, seq_len: 
             "memory_gb": round(got["memory_per_gpu_gb"], 2), "fits": got["fits"]}
 
 
-def predicted_rows(result: dict) -> list[dict]:
-    """Per measured row and search candidate of bench.mfu's JSON: measured and predicted step seconds and their
-    ratio (predicted / measured; > 1: the planner is slower than the device)."""
+def predicted_rows(result: dict, *, candidates: bool = True) -> list[dict]:
+    """Per measured row (and, with `candidates`, per measured search candidate) of bench.mfu's JSON: measured and
+    predicted step seconds and their ratio (predicted / measured; > 1: the planner is slower than the device)."""
     config = GPTConfig(**result["config"])
-    cluster, software = profile_for(result["machine"], threads=result.get("threads", 1), dtype=result["dtype"])
-    rows = result["rows"] + [c | {"row": f"search {c['row']}"} for c in result.get("search", {}).get("candidates", [])
-                             if c.get("step_s")]
+    cluster, software = profile_for(result["machine"], threads=result["threads"], dtype=result["dtype"])
+    tried = result.get("search", {}).get("candidates", []) if candidates else []
+    rows = result["rows"] + [c | {"row": f"search {c['row']}"} for c in tried if c["status"] == "measured"]
     out = []
     for r in rows:
         got = predict_step(config, batch=r["batch"], micro_batches=result["micro_batches"],
