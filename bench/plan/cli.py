@@ -156,7 +156,8 @@ def parser():
     p.add_argument("--hardware", choices=PROFILES, default="h100-sxm")
     p.add_argument("--software", choices=tuple(SOFTWARE), default="ours",
                    help="whose implementation to price: its kernels, overlaps and optimizer (bench.plan.software)")
-    p.add_argument("--gpus", type=int, help="GPUs (CPU ranks on cpu-measured); required (but with --validate)")
+    p.add_argument("--gpus", type=int,
+                   help="GPUs (CPU ranks on cpu-measured); required (but with --validate, --check-mfu)")
     p.add_argument("--gpus-per-node", type=int, help="default: the profile's (8 for GPUs)")
     p.add_argument("--model", choices=tuple(MODELS), help="a named shape (models/presets.py; models.train takes the "
                                                             "same names)")
@@ -171,9 +172,9 @@ def parser():
     p.add_argument("--num-experts", type=int, help="a mixture of experts in every layer's MLP (with --hidden ...)")
     p.add_argument("--moe-router-topk", type=int, default=2, help="experts per token (with --num-experts)")
     p.add_argument("--moe-ffn-hidden-size", type=int, help="each expert's FFN (default --ffn)")
-    p.add_argument("--seq-len", type=int, help="tokens per sequence; required (but with --validate)")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence; required (but with --validate, --check-mfu)")
     p.add_argument("--global-batch-size", type=int,
-                   help="sequences per optimizer step; required (but with --validate)")
+                   help="sequences per optimizer step; required (but with --validate, --check-mfu)")
     p.add_argument("--fix", help="pin plan fields: tp=8,pp=16,recompute=selective,sp=on,dp_mode=zero1,...")
     p.add_argument("--top", type=int, default=10, help="plans shown (and in --json); 0: all")
     p.add_argument("--json", action="store_true", help="print {'plans': [...]} best first instead of the table")

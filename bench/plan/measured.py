@@ -23,7 +23,7 @@ from .validation import cpu_op_overhead
 GPU_PROFILES = {"H200": "h200", "H100": "h100-sxm", "A100": "a100-80g"}  # in the device's name -> CLUSTERS' key
 TABLE = [("row", "row", "{}"), ("recompute", "recompute", "{}"), ("batch", "batch", "{}"),
          ("measured_step_s", "measured s", "{:.4g}"), ("predicted_step_s", "predicted s", "{:.4g}"),
-         ("ratio", "predicted/measured", "{:.2f}"), ("profile", "profile", "{}")]
+         ("ratio", "predicted/measured", "{:.3g}"), ("profile", "profile", "{}")]
 
 
 @functools.cache
