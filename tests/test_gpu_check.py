@@ -52,6 +52,10 @@ def test_every_section_runs_its_cpu_smoke(smoke):
     mfu = sections["mfu"]["details"]  # bench.mfu's rows: a rate, and the profiled step's breakdown
     assert mfu["torch"]["tokens_per_s"] > 0 and mfu["auto"]["tokens_per_s"] > 0 and mfu["compiled"].startswith("skip")
     assert set(mfu["torch"]["breakdown"]) == set(bench_mfu.BREAKDOWN) and mfu["torch"]["breakdown"]["gemm"] > 0
+    # the rows at the setting --search found fastest, each beside the planner's prediction (cpu-measured here)
+    assert mfu["search"]["best"] == f"recompute {mfu['auto']['recompute']} batch {mfu['auto']['batch']}"
+    assert mfu["search"]["tried"][0].split(":")[1].strip().startswith("measured")
+    assert mfu["auto"]["predicted"]["profile"] == "cpu-measured" and mfu["auto"]["predicted"]["ratio"] > 0
     assert sections["kernels"]["details"]["gpu_only"].startswith("skipped")
     assert sections["bench_kernels"]["details"]["square_gemm"].startswith("skipped")
     files = sorted(p.name for p in out.iterdir())

@@ -22,6 +22,7 @@ time, ranked; validated on published runs.
     activations.py  what a block saves per micro-batch, the edges, the micro-batches in flight per schedule
     hardware.py   the node profiles (Cluster: a bench.roofline device plus memory and achieved efficiencies)
     validation.py published runs and bench.train's CPU runs against the model, and its calibration
+    measured.py   bench.mfu's measured one-device rows against the model (--check-mfu)
 """
 from .cli import main
 

@@ -6,6 +6,7 @@ bench/plan/step_time.py (the same hardware profiles as bench.intensity, bench/ro
     python -m bench.plan --hardware a100-80g --gpus 64 --hidden 12288 --layers 96 --heads 96 --activation gelu \\
         --vocab 51200 --seq-len 2048 --global-batch-size 64 --fix tp=8,pp=8 --top 5 [--json] [--out DIR]
     python -m bench.plan --validate        # predicted vs published MFU/HFU, and vs bench.train's CPU runs
+    python -m bench.plan --check-mfu mfu.json   # predicted vs bench.mfu's measured one-device steps
 
 Feasible: the sizes divide (heads, kv heads, FFN and the padded vocabulary by tp; the sequence by 2·cp, and by tp
 under SP; the layers by pp·vp for interleaving, Megatron's micro-batches by pp), the global batch splits into
@@ -32,6 +33,7 @@ from models.presets import MODELS
 from ..common import check_out, print_table
 from .feasibility import fix_conflict
 from .hardware import CLUSTERS, CPU_MEASURED, PROFILES, cpu_cluster
+from .measured import check_mfu
 from .memory import DP_MODES
 from .moe_time import CHOICES as DISPATCHERS
 from .recompute import parse as parse_recompute
@@ -43,7 +45,8 @@ PLOTTED = 12  # bars in plan.png at most
 USAGE = """python -m bench.plan --gpus N --seq-len S --global-batch-size B
            (--model NAME | --hf-config PATH | --hidden H --layers L --heads A [--kv-heads K] [--ffn F])
            [--hardware PROFILE] [--software NAME] [--fix KEY=VALUE,...] [--top N] [--json] [--out DIR]
-       python -m bench.plan --validate"""
+       python -m bench.plan --validate
+       python -m bench.plan --check-mfu PATH"""
 # --fix's keys (the table's and the JSON's names) and their types
 FIXABLE = {"tp": int, "cp": int, "pp": int, "vp": int, "dp": int, "mbs": int, "recompute": str, "sp": str,
            "dp_mode": str, "ep": int, "etp": int, "dispatcher": str, "first_layers": int, "last_layers": int,
@@ -153,7 +156,8 @@ def parser():
     p.add_argument("--hardware", choices=PROFILES, default="h100-sxm")
     p.add_argument("--software", choices=tuple(SOFTWARE), default="ours",
                    help="whose implementation to price: its kernels, overlaps and optimizer (bench.plan.software)")
-    p.add_argument("--gpus", type=int, help="GPUs (CPU ranks on cpu-measured); required (but with --validate)")
+    p.add_argument("--gpus", type=int,
+                   help="GPUs (CPU ranks on cpu-measured); required (but with --validate, --check-mfu)")
     p.add_argument("--gpus-per-node", type=int, help="default: the profile's (8 for GPUs)")
     p.add_argument("--model", choices=tuple(MODELS), help="a named shape (models/presets.py; models.train takes the "
                                                             "same names)")
@@ -168,20 +172,22 @@ def parser():
     p.add_argument("--num-experts", type=int, help="a mixture of experts in every layer's MLP (with --hidden ...)")
     p.add_argument("--moe-router-topk", type=int, default=2, help="experts per token (with --num-experts)")
     p.add_argument("--moe-ffn-hidden-size", type=int, help="each expert's FFN (default --ffn)")
-    p.add_argument("--seq-len", type=int, help="tokens per sequence; required (but with --validate)")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence; required (but with --validate, --check-mfu)")
     p.add_argument("--global-batch-size", type=int,
-                   help="sequences per optimizer step; required (but with --validate)")
+                   help="sequences per optimizer step; required (but with --validate, --check-mfu)")
     p.add_argument("--fix", help="pin plan fields: tp=8,pp=16,recompute=selective,sp=on,dp_mode=zero1,...")
     p.add_argument("--top", type=int, default=10, help="plans shown (and in --json); 0: all")
     p.add_argument("--json", action="store_true", help="print {'plans': [...]} best first instead of the table")
     p.add_argument("--out", metavar="DIR", help="write plans.json and plan.png (time breakdown of the top plans)")
     p.add_argument("--validate", action="store_true", help="predicted vs published runs and bench.train's CPU runs")
+    p.add_argument("--check-mfu", metavar="PATH", help="predicted vs measured step time of each row of bench.mfu's "
+                                                       "JSON (the one-device plan on the device's profile)")
     return p
 
 
 def check_args(p, args):
     """One usage error (exit 2) for a missing or contradictory model, size or count."""
-    if args.validate:
+    if args.validate or args.check_mfu:
         return
     shape = [f for f in ("hidden", "layers", "heads") if getattr(args, f) is not None]
     sources = [bool(args.model), bool(args.hf_config), bool(shape)]
@@ -309,6 +315,10 @@ def main(argv=None):
     try:
         if args.validate:
             return validate(json_out=args.json, out=args.out)
+        if args.check_mfu:
+            with open(args.check_mfu) as f:
+                check_mfu(json.load(f))
+            return 0
         fixed = parse_fix(args.fix)
         cluster = cluster_of(args.hardware, args.gpus_per_node)
         config = config_to_plan(args)

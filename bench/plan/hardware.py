@@ -63,6 +63,11 @@ H800 = replace(HARDWARE["h100-nvlink"], name="h800-nvlink", link=200e9,
                source="NVIDIA H800 SXM5: the H100 SXM5's compute and memory, NVLink 400 GB/s both directions = "
                       "200 GB/s per direction; across nodes 400 Gb/s InfiniBand = 50 GB/s per GPU (DeepSeek-V3 report "
                       "arXiv:2412.19437 §3.1, §3.2.2)")
+# The H200 SXM: the H100 SXM5's GH100 compute (989 TFLOP/s bf16 dense, 132 SMs) with 141 GB of HBM3e at 4.8 TB/s
+# (NVIDIA H200 datasheet); its memory as torch reports it on our H200 (bench/results/gpu/h200-run1, env: 139.8 GiB)
+H200 = replace(HARDWARE["h100-nvlink"], name="h200-nvlink", hbm=4.8e12,
+               source="NVIDIA H200 SXM: the H100 SXM5's compute, HBM3e 4.8 TB/s, 141 GB (NVIDIA H200 datasheet)")
+H200_MEMORY = 139.8 * 2**30  # 150.1e9 bytes
 CLUSTERS = {
     "h100-sxm": Cluster(
         "h100-sxm", HARDWARE["h100-nvlink"], memory=H100_MEMORY, reserved=3e9,
@@ -86,6 +91,16 @@ CLUSTERS = {
                "pytorch/benchmark PR #2391; the paper's best is 740, 75 %), backward cuDNN's curve from the paper "
                "(518 at 8k); reserved 3 GB: an allowance, not measured; launches "
                "hidden (asynchronous, kernels >> 5 us) but after a host sync (MoE dispatch), 5 us each"),
+    # bench.mfu's one-GPU rows on our H200s check it (bench.plan.measured)
+    "h200": Cluster(
+        "h200", H200, memory=H200_MEMORY, reserved=3e9,
+        gemm_efficiency=H100_GEMM, comm_efficiency=H100_COMM, attention_efficiency=0.35,
+        cudnn_attention_efficiency=H100_CUDNN_ATTENTION, op_overhead=0.0, sms=H100_SMS,
+        attention_rates=H100_ATTENTION, launch_overhead=LAUNCH_OVERHEAD,
+        source="device: the H200 SXM, the H100 SXM5's GH100 compute (989 TFLOP/s bf16 dense, 132 SMs) with HBM3e at "
+               "4.8 TB/s and 141 GB (NVIDIA H200 datasheet; 139.8 GiB as torch reports it on our H200, "
+               "bench/results/gpu/h200-run1); NVLink and the NIC as h100-sxm. Achieved fractions the h100-sxm "
+               "profile's, not refitted (its GEMM fraction was measured on this H200)"),
     "h800": Cluster(
         "h800", H800, memory=H100_MEMORY, reserved=3e9,
         gemm_efficiency=H100_GEMM, comm_efficiency=H100_COMM, attention_efficiency=0.35,
