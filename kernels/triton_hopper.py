@@ -1,8 +1,8 @@
 """The Triton backend's entry (ops.BACKENDS["triton"]): persistent tensor-descriptor (TMA) GEMMs on Hopper (sm90),
 kernels.triton_ops' kernels everywhere else. Same contract as kernels.torch_ops / kernels.triton_ops.
 
-A call takes the kernels below when `runs_hopper` says its device is a 9.x GPU (and TP_KERNELS_HOPPER / use_hopper
-has not turned them off) and every operand meets TMA's rules: bf16 or fp16, a unit last stride, a 16-byte aligned
+A call takes the kernels below when `runs_hopper` says its device is a 9.x GPU (and TP_KERNELS_HOPPER=0 /
+use_hopper(False) has not turned them off) and every operand meets TMA's rules: bf16 or fp16, a unit last stride, a 16-byte aligned
 base and leading stride (so feature widths a multiple of 8), no empty dimension. Anything else (Ampere, fp32/fp64,
 odd strides or widths, CPU tensors under the interpreter) runs kernels.triton_ops, unchanged.
 
@@ -38,7 +38,7 @@ from .configs import INTERPRET, persistent_configs, pruner
 from .torch_ops import check_activation
 from .triton_ops import LAUNCHES, device_of, dot, tile_coords
 
-__all__ = ["INTERPRET", "linear_forward", "linear_dgrad", "linear_wgrad", "runs_hopper", "use_hopper"]
+__all__ = ["INTERPRET", "linear_forward", "linear_dgrad", "linear_wgrad", "hopper_device", "runs_hopper", "use_hopper"]
 
 _TMA_DTYPES = (torch.bfloat16, torch.float16)
 _INTERPRETER_PROGRAMS = 3  # under the interpreter: fewer programs than tiles, so each loops over several
@@ -83,7 +83,9 @@ def _block_hook(blocks):
     return hook
 
 
-# Shared memory per stage: (A tiles, B tiles); per output element of the tile: epilogue staging bytes.
+# The pruners count the epilogue's staging on top of the operand stages: one output tile (the stores of y, z, ...
+# take turns in one buffer: Triton waits for each TMA store before reusing it; seen in the AOT test's
+# metadata.shared), two fp32 tiles for main_grad's load-add-store.
 _FWD_HOOK = _block_hook({"x_desc": "MK", "w_desc": "NK", "y_desc": "MN", "z_desc": "MN"})
 _SWIGLU_HOOK = _block_hook({"x_desc": "MK", "wg_desc": "NK", "wu_desc": "NK", "y_desc": "MN", "zg_desc": "MN",
                             "zu_desc": "MN"})
@@ -92,8 +94,7 @@ _WGRAD_HOOK = _block_hook({"dz_desc": "KM", "x_desc": "KN", "c_desc": "MN"})
 
 
 @triton.autotune(configs=persistent_configs(_FWD_HOOK), key=["M_BUCKET", "N", "K", "ACTIVATION", "HAS_BIAS"],
-                 prune_configs_by={"early_config_prune": pruner(
-                     epilogue_bytes=lambda c, elem: elem * (1 + bool(c.get("SAVE_PREACT"))))})
+                 prune_configs_by={"early_config_prune": pruner(epilogue_bytes=lambda c, elem: elem)})
 @triton.jit
 def _fwd_kernel(x_desc, w_desc, b_ptr, y_desc, z_desc, M, N, K, M_BUCKET,
                 ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, SAVE_PREACT: tl.constexpr, UPCAST: tl.constexpr,
@@ -110,7 +111,7 @@ def _fwd_kernel(x_desc, w_desc, b_ptr, y_desc, z_desc, M, N, K, M_BUCKET,
 
 
 @triton.autotune(configs=persistent_configs(_SWIGLU_HOOK, small_tiles=True), key=["M_BUCKET", "F", "K", "HAS_BIAS"],
-                 prune_configs_by={"early_config_prune": pruner(lambda c: (1, 2), epilogue_bytes=lambda c, e: 3 * e)})
+                 prune_configs_by={"early_config_prune": pruner(lambda c: (1, 2), epilogue_bytes=lambda c, e: e)})
 @triton.jit
 def _swiglu_fwd_kernel(x_desc, wg_desc, wu_desc, b_ptr, y_desc, zg_desc, zu_desc, M, F, K, M_BUCKET,
                        HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -193,10 +194,15 @@ def _capability_major(index: int) -> int:
     return torch.cuda.get_device_capability(index)[0]
 
 
+def hopper_device(t: torch.Tensor) -> bool:
+    """Whether t is on a CUDA device of capability 9.x (the tests swap this predicate to run the kernels under the
+    interpreter)."""
+    return t.is_cuda and _capability_major(t.device.index if t.device.index is not None else 0) == 9
+
+
 def runs_hopper(t: torch.Tensor) -> bool:
-    """Whether tensors on t's device take the persistent TMA kernels: a CUDA device of capability 9.x, with
-    use_hopper on (the tests swap this predicate to run the kernels under the interpreter)."""
-    return _enabled and t.is_cuda and _capability_major(t.device.index if t.device.index is not None else 0) == 9
+    """Whether tensors like t take the persistent TMA kernels: on a Hopper GPU, with use_hopper on."""
+    return _enabled and hopper_device(t)
 
 
 @functools.cache
