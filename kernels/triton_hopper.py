@@ -1,10 +1,10 @@
 """The Triton backend's entry (ops.BACKENDS["triton"]): persistent tensor-descriptor (TMA) GEMMs on Hopper (sm90),
 kernels.triton_ops' kernels everywhere else. Same contract as kernels.torch_ops / kernels.triton_ops.
 
-A call takes the kernels below when `runs_hopper` says its device is a 9.x GPU (and TP_KERNELS_HOPPER=0 /
-use_hopper(False) has not turned them off) and every operand meets TMA's rules: bf16 or fp16, a unit last stride, a 16-byte aligned
-base and leading stride (so feature widths a multiple of 8), no empty dimension. Anything else (Ampere, fp32/fp64,
-odd strides or widths, CPU tensors under the interpreter) runs kernels.triton_ops, unchanged.
+A call takes the kernels below when `runs_hopper` says its device is a 9.x GPU (and neither TP_KERNELS_HOPPER=0
+nor use_hopper(False) has turned them off) and every operand meets TMA's rules: bf16 or fp16, a unit last stride, a
+16-byte aligned base and leading stride (so feature widths a multiple of 8), no empty dimension. Anything else
+(Ampere, fp32/fp64, odd strides or widths, CPU tensors under the interpreter) runs kernels.triton_ops, unchanged.
 
 Kernels (each: min(#SMs, #tiles) programs, each looping over tiles pid, pid + #programs, ... in triton_ops'
 grouped GROUP_SIZE_M order; per tile a K loop of descriptor loads (`cp.async.bulk.tensor`) into wgmma, pipelined
