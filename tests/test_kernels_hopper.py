@@ -119,3 +119,14 @@ def test_runs_hopper_on_sm90_only(monkeypatch, major, enabled, expected):
     with triton_hopper.use_hopper(enabled):
         assert triton_hopper.runs_hopper(gpu_tensor) is expected
     assert not triton_hopper.runs_hopper(torch.zeros(1))  # CPU tensors: only the tests' swap lets them in
+
+
+def test_bench_kernels_adds_the_sm80_kernels_column():
+    """bench.kernels on a Hopper GPU: a column for the Triton backend with these kernels off (here on CPU, torch)."""
+    from bench import kernels as bench_kernels
+
+    rows = bench_kernels.bench_case("fc1", 16, 8, 1, torch.float32, "cpu", "torch", bench_kernels.make_timer(False, 1),
+                                    sm80_row=True)
+    assert [r["phase"] for r in rows] == ["fwd", "bwd", "wgrad_main_grad"]
+    assert all(r["kernels_sm80_ms"] > 0 and r["sm80_speedup"] > 0 for r in rows)
+    assert triton_hopper.runs_hopper(torch.zeros(1, device=DEVICE))  # use_hopper(False) was scoped to its calls
