@@ -11,7 +11,7 @@ grouped GROUP_SIZE_M order; per tile a K loop of descriptor loads (`cp.async.bul
 num_stages deep; the tile loop is flattened into the K loop (tl.range(flatten=True)) so the next tile's loads are in
 flight during this tile's epilogue; out-of-bounds loads are zero-filled and stores clipped by the TMA unit, so there
 are no masks; the fp32 epilogue of triton_ops, stored through descriptors):
-- _fwd_kernel: y = act(x·Wᵀ + b) (activations.act_fwd), the pre-activation stored alongside;
+- _fwd_kernel: y = act(x·Wᵀ + b) (activations.act_fwd), the pre-activation stored alongside, in two column halves;
 - _swiglu_fwd_kernel: y = silu(gate)·up, gate and up from descriptors over the weight's two halves (so a partial
   gate tile never reads up rows), two accumulators;
 - _dgrad_kernel: dx = dz·W, after triton_ops' elementwise act' pass (as there: fused into the GEMM it was 4-8x slower);
@@ -75,18 +75,27 @@ def _add_bias(acc, b_ptr, off_n, N, BLOCK_N: tl.constexpr):
     return acc + tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
 
 
+@triton.jit
+def _store_act(acc, y_desc, z_desc, off_m, off_n, ACTIVATION: tl.constexpr, SAVE_PREACT: tl.constexpr):
+    if SAVE_PREACT:
+        z_desc.store([off_m, off_n], acc.to(z_desc.dtype))
+    y_desc.store([off_m, off_n], act_fwd(acc, ACTIVATION).to(y_desc.dtype))
+
+
 def _block_hook(blocks):
-    """A config pre_hook giving each descriptor argument its block shape: {name: "MK"} -> [BLOCK_M, BLOCK_K]."""
+    """A config pre_hook giving each descriptor argument its block shape: {name: "MK"} -> [BLOCK_M, BLOCK_K]
+    ("H": BLOCK_N // 2, the forward's epilogue halves)."""
     def hook(nargs):
+        sizes = {"M": nargs["BLOCK_M"], "N": nargs["BLOCK_N"], "K": nargs["BLOCK_K"], "H": nargs["BLOCK_N"] // 2}
         for name, dims in blocks.items():
-            nargs[name].block_shape = [nargs[f"BLOCK_{d}"] for d in dims]
+            nargs[name].block_shape = [sizes[d] for d in dims]
     return hook
 
 
 # The pruners count the epilogue's staging on top of the operand stages: one output tile (the stores of y, z, ...
 # take turns in one buffer: Triton waits for each TMA store before reusing it; seen in the AOT test's
 # metadata.shared), two fp32 tiles for main_grad's load-add-store.
-_FWD_HOOK = _block_hook({"x_desc": "MK", "w_desc": "NK", "y_desc": "MN", "z_desc": "MN"})
+_FWD_HOOK = _block_hook({"x_desc": "MK", "w_desc": "NK", "y_desc": "MH", "z_desc": "MH"})
 _SWIGLU_HOOK = _block_hook({"x_desc": "MK", "wg_desc": "NK", "wu_desc": "NK", "y_desc": "MN", "zg_desc": "MN",
                             "zu_desc": "MN"})
 _DGRAD_HOOK = _block_hook({"dz_desc": "MK", "w_desc": "KN", "dx_desc": "MN"})
@@ -94,7 +103,7 @@ _WGRAD_HOOK = _block_hook({"dz_desc": "KM", "x_desc": "KN", "c_desc": "MN"})
 
 
 @triton.autotune(configs=persistent_configs(_FWD_HOOK), key=["M_BUCKET", "N", "K", "ACTIVATION", "HAS_BIAS"],
-                 prune_configs_by={"early_config_prune": pruner(epilogue_bytes=lambda c, elem: elem)})
+                 prune_configs_by={"early_config_prune": pruner(epilogue_bytes=lambda c, elem: elem // 2)})
 @triton.jit
 def _fwd_kernel(x_desc, w_desc, b_ptr, y_desc, z_desc, M, N, K, M_BUCKET,
                 ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, SAVE_PREACT: tl.constexpr, UPCAST: tl.constexpr,
@@ -105,9 +114,11 @@ def _fwd_kernel(x_desc, w_desc, b_ptr, y_desc, z_desc, M, N, K, M_BUCKET,
         acc = _mma(x_desc, w_desc, off_m, off_n, K, False, True, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K)
         if HAS_BIAS:
             acc = _add_bias(acc, b_ptr, off_n, N, BLOCK_N)
-        if SAVE_PREACT:
-            z_desc.store([off_m, off_n], acc.to(z_desc.dtype))
-        y_desc.store([off_m, off_n], act_fwd(acc, ACTIVATION).to(y_desc.dtype))
+        # The epilogue in two column halves: half the registers for the activation's temporaries (128x256 tiles
+        # spilled with GELU in one piece, tests/test_kernels_compile.py) and half the staging buffer.
+        left, right = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+        _store_act(left, y_desc, z_desc, off_m, off_n, ACTIVATION, SAVE_PREACT)
+        _store_act(right, y_desc, z_desc, off_m, off_n + BLOCK_N // 2, ACTIVATION, SAVE_PREACT)
 
 
 @triton.autotune(configs=persistent_configs(_SWIGLU_HOOK, small_tiles=True), key=["M_BUCKET", "F", "K", "HAS_BIAS"],

@@ -201,8 +201,8 @@ def _hopper_args(kernel, dtype, accumulate):
     config's tile in _compile_one (a launch specialises a host TensorDescriptor on its dtype and block shape)."""
     d = ("desc", dtype)
     if kernel == H_FWD:
-        return dict(x_desc=(*d, "MK"), w_desc=(*d, "NK"), b_ptr=f"*{dtype}", y_desc=(*d, "MN"), z_desc=(*d, "MN"),
-                    M=_U, N=_A, K=_A, M_BUCKET=_A)
+        return dict(x_desc=(*d, "MK"), w_desc=(*d, "NK"), b_ptr=f"*{dtype}", y_desc=(*d, "MH"), z_desc=(*d, "MH"),
+                    M=_U, N=_A, K=_A, M_BUCKET=_A)  # H: BLOCK_N // 2 (the forward stores its tile in two halves)
     if kernel == H_SWIGLU:
         return dict(x_desc=(*d, "MK"), wg_desc=(*d, "NK"), wu_desc=(*d, "NK"), b_ptr=f"*{dtype}", y_desc=(*d, "MN"),
                     zg_desc=(*d, "MN"), zu_desc=(*d, "MN"), M=_U, F=_A, K=_A, M_BUCKET=_A)
@@ -337,7 +337,8 @@ def _compile_one(job):
         ty = runtime.pop(name)
         if isinstance(ty, tuple):  # ("desc", dtype, dims): a host tensor descriptor with the config's block shape
             _, dtype, dims = ty
-            signature[name] = f"tensordesc<{dtype}[{', '.join(str(meta['BLOCK_' + d]) for d in dims)}]>"
+            sizes = {d: meta[f"BLOCK_{d}"] for d in "MNK"} | {"H": meta["BLOCK_N"] // 2}
+            signature[name] = f"tensordesc<{dtype}[{', '.join(str(sizes[d]) for d in dims)}]>"
             continue
         if isinstance(ty, int):  # a unit stride: Triton specialises an int argument equal to 1 into a constexpr
             signature[name] = "constexpr"
