@@ -122,7 +122,6 @@ H_SWIGLU = "hopper:_swiglu_fwd_kernel"
 H_DGRAD = "hopper:_dgrad_kernel"
 H_WGRAD = "hopper:_wgrad_kernel"
 HOPPER_KERNELS = (H_FWD, H_SWIGLU, H_DGRAD, H_WGRAD)
-_HOPPER_ONLY = {80: "the persistent TMA kernels run on sm90 only"}
 
 
 def _hopper_spec(name, kernel, dtype, constexprs, configs="first", slow=False):
