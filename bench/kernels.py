@@ -9,6 +9,9 @@ with a fused gate/up weight [2·4h/TP, h]; fc2 = RowParallel [T, 4h/TP] x [h, 4h
 all-reduce, so none here). Forward and backward (dgrad + wgrad + dbias) in bf16, and the weight-gradient GEMM
 accumulated into an fp32 main_grad (fused) vs `main_grad.add_(dz.T @ x)` (matmul, then a separate add).
 
+On a Hopper GPU the Triton backend runs its persistent TMA kernels (kernels.triton_hopper); the table then has a
+column for the same calls with those off ("sm80 kernels": kernels.triton_ops' kernels, which Ampere runs).
+
 The torch baseline is eager and unfused: F.linear, then + bias, then the activation (backward through autograd).
 Dropout (`--kernels dropout`): x, residual [T/4, 4, h] and bias [h] in bf16, p = 0.1; forward, and backward (dx,
 dresidual, dbias) of the output's gradient; "saved MiB" is what each keeps for backward (F.dropout its mask, one byte
@@ -25,6 +28,8 @@ GPU timings are medians of triton.testing.do_bench. Without a GPU the Triton ker
 says nothing about speed); the script then times only torch on CPU, on shapes shrunk by --shrink, and says so.
 """
 import argparse
+import contextlib
+import functools
 import platform
 import statistics
 import time
@@ -94,7 +99,22 @@ def _clear(tensors):
         t.grad = None
 
 
-def bench_case(layer, hidden, tokens, tp, dtype, device, candidate_backend, timer):
+def hopper_kernels(enabled):
+    """A context with the Triton backend's persistent Hopper kernels on (the default) or off (kernels.triton_ops'
+    kernels: the "kernels_sm80" row); a no-op without triton."""
+    module = BACKENDS["triton"]()
+    return contextlib.nullcontext() if module is None else module.use_hopper(enabled)
+
+
+def has_hopper_kernels(gpu):
+    """Whether this run's GPU takes the persistent Hopper kernels (then bench_case adds the sm80 kernels' row)."""
+    module = BACKENDS["triton"]() if gpu else None
+    return module is not None and module.hopper_device(torch.empty(0, device="cuda"))
+
+
+def bench_case(layer, hidden, tokens, tp, dtype, device, candidate_backend, timer, *, sm80_row=False):
+    """torch vs kernels.linear on the candidate backend (and, with sm80_row, the Triton backend with its Hopper
+    kernels off) for one layer shard: forward, backward, and the wgrad into an fp32 main_grad."""
     K, rows, activation, has_bias = layer_shapes(layer, hidden, tp)
     gen = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(tokens, K, device=device, dtype=dtype, generator=gen).requires_grad_()
@@ -104,42 +124,42 @@ def bench_case(layer, hidden, tokens, tp, dtype, device, candidate_backend, time
     gemm_flops = 2 * tokens * K * rows  # the SwiGLU output is half as wide, but both halves are computed
     rows_out = rows // 2 if activation == "swiglu" else rows
     gy = torch.randn(tokens, rows_out, device=device, dtype=dtype, generator=gen)
+    impls = ["torch", "kernels", *(["kernels_sm80"] if sm80_row else [])]
 
-    def candidate():
-        with kernels.use_backend(candidate_backend):
-            return kernels.linear(x, w, b, activation=activation)
+    def under(impl, fn):
+        with kernels.use_backend(candidate_backend), hopper_kernels(impl != "kernels_sm80"):
+            return fn()
 
-    out = []
-    for impl, fwd in (("torch", lambda: torch_reference(x, w, b, activation)), ("kernels", candidate)):
+    ms = {}
+    for impl in impls:
+        if impl == "torch":
+            fwd = functools.partial(torch_reference, x, w, b, activation)
+        else:
+            fwd = functools.partial(under, impl, lambda: kernels.linear(x, w, b, activation=activation))
         y = fwd()
-        ms_fwd = timer(fwd)
-
-        def backward(y=y):
-            with kernels.use_backend(candidate_backend):
-                y.backward(gy, retain_graph=True)
-        ms_bwd = timer(backward, grad_to_none=leaves)
-        out.append((impl, "fwd", ms_fwd, gemm_flops))
-        out.append((impl, "bwd", ms_bwd, 2 * gemm_flops))
+        ms[impl, "fwd"] = timer(fwd)
+        ms[impl, "bwd"] = timer(functools.partial(under, impl, lambda y=y: y.backward(gy, retain_graph=True)),
+                                grad_to_none=leaves)
         del y
 
     # Weight gradient into an fp32 main_grad: fused load-add-store vs a bf16 GEMM followed by a separate add.
     dz = torch.randn(tokens, rows, device=device, dtype=dtype, generator=gen)
     xd = x.detach()
     main_grad = torch.zeros(rows, K, device=device, dtype=torch.float32)
-
-    def fused_wgrad():
-        with kernels.use_backend(candidate_backend):
-            kernels.linear_wgrad(dz, xd, main_grad=main_grad)
-    out.append(("torch", "wgrad_main_grad", timer(lambda: main_grad.add_(dz.t() @ xd)), gemm_flops))
-    out.append(("kernels", "wgrad_main_grad", timer(fused_wgrad), gemm_flops))
+    ms["torch", "wgrad_main_grad"] = timer(lambda: main_grad.add_(dz.t() @ xd))
+    for impl in impls[1:]:
+        ms[impl, "wgrad_main_grad"] = timer(
+            functools.partial(under, impl, lambda: kernels.linear_wgrad(dz, xd, main_grad=main_grad)))
 
     rows_json = []
-    for pass_name in ("fwd", "bwd", "wgrad_main_grad"):
-        (_, _, ms_t, flops), (_, _, ms_k, _) = [r for r in out if r[1] == pass_name]
-        rows_json.append(dict(layer=layer, hidden=hidden, tokens=tokens, tp=tp, M=tokens, N=rows, K=K,
-                              activation=activation, bias=has_bias, phase=pass_name, torch_ms=ms_t, kernels_ms=ms_k,
-                              torch_tflops=flops / ms_t / 1e9, kernels_tflops=flops / ms_k / 1e9,
-                              speedup=ms_t / ms_k))
+    for phase, flops in (("fwd", gemm_flops), ("bwd", 2 * gemm_flops), ("wgrad_main_grad", gemm_flops)):
+        ms_t, ms_k = ms["torch", phase], ms["kernels", phase]
+        row = dict(layer=layer, hidden=hidden, tokens=tokens, tp=tp, M=tokens, N=rows, K=K, activation=activation,
+                   bias=has_bias, phase=phase, torch_ms=ms_t, kernels_ms=ms_k, torch_tflops=flops / ms_t / 1e9,
+                   kernels_tflops=flops / ms_k / 1e9, speedup=ms_t / ms_k)
+        if sm80_row:
+            row.update(kernels_sm80_ms=ms["kernels_sm80", phase], sm80_speedup=ms_t / ms["kernels_sm80", phase])
+        rows_json.append(row)
     return rows_json
 
 
@@ -219,14 +239,17 @@ DROPOUT_COLUMNS = [("tokens", "T", "{}"), ("hidden", "h", "{}"), ("torch_fwd_ms"
 
 def print_table(rows, candidate_label):
     cand = candidate_label
+    sm80 = "kernels_sm80_ms" in rows[0]  # a Hopper GPU: the Triton backend with its sm90 kernels off, too
     header = (f"{'layer':<11}{'h':>6}{'T':>7}{'tp':>4}{'N':>7}{'K':>7}  {'phase':<16}{'torch ms':>10} "
-              f"{cand + ' ms':>17} {'torch TF/s':>11} {cand + ' TF/s':>19} {'speedup':>8}")
+              f"{cand + ' ms':>17} {'torch TF/s':>11} {cand + ' TF/s':>19} {'speedup':>8}"
+              + (f" {'sm80 kernels ms':>16} {'sm80 x':>7}" if sm80 else ""))
     print(header)
     print("-" * len(header))
     for r in rows:
         print(f"{r['layer']:<11}{r['hidden']:>6}{r['tokens']:>7}{r['tp']:>4}{r['N']:>7}{r['K']:>7}  {r['phase']:<16}"
               f"{r['torch_ms']:>10.3f} {r['kernels_ms']:>17.3f} {r['torch_tflops']:>11.2f} {r['kernels_tflops']:>19.2f}"
-              f" {r['speedup']:>7.2f}x")
+              f" {r['speedup']:>7.2f}x"
+              + (f" {r['kernels_sm80_ms']:>16.3f} {r['sm80_speedup']:>6.2f}x" if sm80 else ""))
 
 
 def main(argv=None):
@@ -270,6 +293,10 @@ def main(argv=None):
         note += f" (--quick: shapes shrunk {shrink}x)"
     print(note)
     timer = make_timer(gpu, args.reps)
+    # On a Hopper GPU the Triton backend runs the persistent TMA kernels; the sm80 kernels get a column of their own.
+    sm80_row = backend == "triton" and has_hopper_kernels(gpu)
+    if sm80_row:
+        note += "; Triton = the persistent TMA (sm90) kernels, 'sm80 kernels' = kernels.triton_ops' (use_hopper(False))"
 
     results, dropout = [], []
     for hidden in hiddens:
@@ -282,7 +309,8 @@ def main(argv=None):
                     if (4 * hidden) % tp:
                         continue
                     if "linear" in args.kernels:
-                        results += bench_case(layer, hidden, tokens, tp, dtype, device, backend, timer)
+                        results += bench_case(layer, hidden, tokens, tp, dtype, device, backend, timer,
+                                              sm80_row=sm80_row)
                     if "choices" in args.kernels and gpu:
                         measure_choices(layer, hidden, tokens, tp, dtype, device)
     if results:

@@ -96,9 +96,11 @@ def shared_bytes(config, elem_bytes, a_tiles=1, b_tiles=1):
     return config.num_stages * elem_bytes * tile_elements
 
 
-def pruner(operand_tiles=lambda constexprs: (1, 1)):
+def pruner(operand_tiles=lambda constexprs: (1, 1), epilogue_bytes=lambda constexprs, elem_bytes: 0):
     """An early_config_prune hook keeping the launching GPU's family, minus configs whose staging overflows its
-    shared memory for this dtype. `operand_tiles(constexprs) -> (a_tiles, b_tiles)` per pipeline stage.
+    shared memory for this dtype. `operand_tiles(constexprs) -> (a_tiles, b_tiles)` per pipeline stage;
+    `epilogue_bytes(constexprs, elem_bytes)`: shared memory per element of the output tile that the epilogue
+    stages on top of the operands (the TMA stores of the persistent kernels; 0 for pointer stores).
 
     Chosen at the first launch rather than at import, so importing the kernels never initialises CUDA (a parent
     process that has touched CUDA cannot fork CUDA workers). Without such pruning fp32/fp64 (2x/4x the bytes) and
@@ -107,13 +109,19 @@ def pruner(operand_tiles=lambda constexprs: (1, 1)):
     """
 
     def prune(configs, named_args, **kwargs):
-        tensor = next((v for v in named_args.values() if hasattr(v, "device") and v.device.type == "cuda"), None)
+        # (a tensor descriptor's tensor is its .base)
+        tensors = (getattr(v, "base", v) for v in named_args.values())
+        tensor = next((t for t in tensors if hasattr(t, "device") and t.device.type == "cuda"), None)
         if tensor is None:
             return configs
         index = tensor.device.index if tensor.device.index is not None else 0
         family = [c for c in configs if any(c is f for f in _family(index))] or configs
-        a_tiles, b_tiles = operand_tiles({**named_args, **kwargs})
-        size = functools.partial(shared_bytes, elem_bytes=tensor.dtype.itemsize, a_tiles=a_tiles, b_tiles=b_tiles)
+        constexprs = {**named_args, **kwargs}
+        a_tiles, b_tiles = operand_tiles(constexprs)
+        elem, per_output = tensor.dtype.itemsize, epilogue_bytes(constexprs, tensor.dtype.itemsize)
+
+        def size(c):
+            return shared_bytes(c, elem, a_tiles, b_tiles) + per_output * c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"]
         limit = _max_shared(index)
         fitting = [c for c in family if size(c) <= limit] or [min(family, key=size)]
         # TP_KERNELS_TUNE=one: the first fitting config only (bench.gpu_check compiles every test shape in minutes)
@@ -145,6 +153,24 @@ def check_interpreter() -> None:
     problem = interpreter_numpy_problem(triton.__version__, numpy.__version__)
     if problem:
         raise RuntimeError(problem)
+
+
+# The persistent TMA kernels' candidates on sm90 (kernels.triton_hopper), as (BLOCK_M, BLOCK_N, BLOCK_K, warps,
+# stages): Triton's persistent-matmul tutorial tiles (128x256x64 with 8 warps, 3 stages; 128x128x64) and narrower
+# ones for thin shards. Their epilogue stages the output tile(s) in shared memory for the TMA store, on top of the
+# operand stages: the pruner counts both (pruner's epilogue_bytes), and 64x64x64 in 3 stages fits every kernel.
+PERSISTENT_TILES = ((128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 8, 3),
+                    (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (64, 64, 64, 4, 3))
+
+
+def persistent_configs(pre_hook, small_tiles=False):
+    """The candidates of a persistent TMA kernel, each with the kernel's pre_hook (it gives the host-side tensor
+    descriptors the config's block shapes); one config under the interpreter, as matmul_configs."""
+    tiles = [(32, 32, 32, 4, 1)] if INTERPRET else PERSISTENT_TILES
+    if small_tiles:
+        tiles = [t for t in tiles if t[0] * t[1] <= 128 * 128]
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_SIZE_M": 8}, num_warps=warps,
+                          num_stages=stages, pre_hook=pre_hook) for bm, bn, bk, warps, stages in tiles]
 
 
 def matmul_configs(small_tiles=False):

@@ -75,15 +75,16 @@ _triton_import_error = None
 
 
 def _load_triton_ops():
-    """kernels.triton_ops, imported on first use (so `import kernels` stays cheap and triton optional), or None."""
+    """The Triton backend, imported on first use (so `import kernels` stays cheap and triton optional), or None:
+    kernels.triton_hopper, which runs its persistent TMA kernels on Hopper GPUs and kernels.triton_ops' elsewhere."""
     global _triton_ops, _triton_import_error
     if _triton_ops is None and _triton_import_error is None:
         try:
-            from . import triton_ops
+            from . import triton_hopper
         except ImportError as e:  # triton missing or broken: auto falls back, forced "triton" reports this
             _triton_import_error = e
         else:
-            _triton_ops = triton_ops
+            _triton_ops = triton_hopper
     return _triton_ops
 
 

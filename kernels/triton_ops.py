@@ -361,9 +361,11 @@ def linear_wgrad(dz, x, *, main_grad=None):
     return None if main_grad is not None else out
 
 
-# Shared with kernels.grouped_triton (the experts' grouped GEMMs): the dot with its interpreter upcast, the
-# per-dtype flags, the operand checks and the launch device.
+# Shared with kernels.grouped_triton (the experts' grouped GEMMs) and kernels.triton_hopper (the persistent sm90
+# GEMMs): the dot with its interpreter upcast, the grouped tile order, the per-dtype flags, the operand checks and
+# the launch device.
 dot = _dot
+tile_coords = _tile_coords
 flags = _flags
 check_operands = _check_operands
 device_of = _device_of

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from kernels import configs, ops, torch_ops, triton_ops
+from kernels import configs, ops, torch_ops, triton_hopper, triton_ops
 
 CUDA = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"  # compiled kernels on the GPU
 DEVICE = "cuda" if CUDA else "cpu"
@@ -223,10 +223,11 @@ def test_triton_path_ran():
 
 def test_backend_dispatch():
     x = torch.zeros(2, 2, device=DEVICE)
-    assert kernels.get_backend() == "triton" and ops._impl(x) is triton_ops
+    # The Triton backend's entry is kernels.triton_hopper (its Hopper kernels, else triton_ops')
+    assert kernels.get_backend() == "triton" and ops._impl(x) is triton_hopper
     with kernels.use_backend("auto"):
         # conftest sets TRITON_INTERPRET=1 when there is no CUDA, so auto picks Triton here either way ...
-        assert ops._impl(x) is triton_ops
+        assert ops._impl(x) is triton_hopper
         # ... except for dtypes the kernels do not cover.
         assert ops._impl(x.to(torch.int32)) is torch_ops
     with kernels.use_backend("torch"):

@@ -34,6 +34,11 @@ dgrad and the fp64 forward; act_bwd at the launcher's 64x64 block; the experts'
 grouped GEMM (kernels.grouped_triton: every candidate of the bf16 SwiGLU forward and of the bf16 grouped wgrad into an
 fp32 main_grad, the largest for the plain, GELU and transposed-weight dgrad forms, the smallest fp32 wgrad).
 
+The persistent TMA kernels (kernels.triton_hopper, sm90 only) are compiled for sm_90a with their host tensor
+descriptors specialised on the config's block shapes (what a launch after the config's pre_hook passes), and their
+PTX must hold wgmma and `cp.async.bulk.tensor` loads and stores (the TMA); the default run compiles each kernel's
+smallest candidate, `-m slow` every candidate of each kernel's main form and the largest of the others.
+
 Fit policy: every candidate the autotuner's pruner keeps must fit, for every dtype. (This test first found fp64 on
 Hopper, fp32 dgrad-SwiGLU on both archs and bf16 dgrad-SwiGLU 128x128x64x4 on Hopper over the limit; configs.pruner
 now drops what overflows and each family carries a small config that fits everything.)
@@ -54,7 +59,7 @@ ARCHS = (90, 80)
 DEFAULT_ARCHS = (90,)  # the default run compiles for Hopper (the GPUs this package is run on); -m slow adds Ampere
 MAX_SHARED = {90: 232448, 80: 166912}  # cudaDevAttrMaxSharedMemoryPerBlockOptin, H100 / A100
 FAMILY = {90: "HOPPER_CONFIGS", 80: "AMPERE_CONFIGS"}
-WORKER_TIMEOUT_S = 600
+WORKER_TIMEOUT_S = 1500  # -m slow compiles ~150 kernels: ~15 min on 2 busy cores
 
 FWD = "_linear_fwd_kernel"
 SWIGLU = "_swiglu_fwd_kernel"
@@ -75,7 +80,7 @@ def _spec(name, kernel, dtype, constexprs, configs="first", aligned=True, xfail=
     runtime: argument types replacing _runtime_args' (another stride pattern of the same kernel).
     """
     return dict(name=name, kernel=kernel, dtype=dtype, constexprs=constexprs, configs=configs, aligned=aligned,
-                xfail=xfail or {}, runtime=runtime or {})
+                xfail=xfail or {}, runtime=runtime or {}, archs=ARCHS, slow=False)
 
 
 SPECS = [
@@ -109,6 +114,42 @@ SPECS = [
     _spec("grouped-wgrad-acc-bf16-allcfg", GROUPED_WGRAD, "bf16", dict(ACCUMULATE=True), configs="all"),
     _spec("grouped-wgrad-noacc-fp32", GROUPED_WGRAD, "fp32", dict(ACCUMULATE=False), configs="smallest"),
 ]
+
+# kernels.triton_hopper: the persistent TMA kernels, sm90 only (the only arch that launches them). The default run
+# compiles each kernel's smallest candidate (5-30 s each on a loaded 2-core machine); -m slow the rest below.
+H_FWD = "hopper:_fwd_kernel"
+H_SWIGLU = "hopper:_swiglu_fwd_kernel"
+H_DGRAD = "hopper:_dgrad_kernel"
+H_WGRAD = "hopper:_wgrad_kernel"
+HOPPER_KERNELS = (H_FWD, H_SWIGLU, H_DGRAD, H_WGRAD)
+
+
+def _hopper_spec(name, kernel, dtype, constexprs, configs="first", slow=False):
+    return dict(_spec(name, kernel, dtype, constexprs, configs), archs=(90,), slow=slow)
+
+
+HOPPER_SPECS = [
+    _hopper_spec("h-fwd-gelu-bf16", H_FWD, "bf16", dict(ACTIVATION="gelu", **_FWD_FLAGS), "smallest"),
+    _hopper_spec("h-swiglu-fwd-bf16", H_SWIGLU, "bf16", dict(HAS_BIAS=True), "smallest"),
+    _hopper_spec("h-dgrad-bf16", H_DGRAD, "bf16", {}, "smallest"),
+    _hopper_spec("h-wgrad-acc-bf16", H_WGRAD, "bf16", dict(ACCUMULATE=True), "smallest"),
+    # -m slow: every candidate of each kernel's main form (the shared-memory fit of each), the other forms'
+    # largest candidate
+    _hopper_spec("h-fwd-gelu-bf16-allcfg", H_FWD, "bf16", dict(ACTIVATION="gelu", **_FWD_FLAGS), "all", slow=True),
+    _hopper_spec("h-fwd-none-nobias-bf16-allcfg", H_FWD, "bf16",
+                 dict(ACTIVATION="none", HAS_BIAS=False, SAVE_PREACT=False), "all", slow=True),
+    *[_hopper_spec(f"h-fwd-{act}-bf16", H_FWD, "bf16", dict(ACTIVATION=act, **_FWD_FLAGS), slow=True)
+      for act in ("none", "gelu_tanh", "silu", "relu")],
+    _hopper_spec("h-fwd-gelu-fp16", H_FWD, "fp16", dict(ACTIVATION="gelu", **_FWD_FLAGS), slow=True),
+    _hopper_spec("h-swiglu-fwd-bf16-allcfg", H_SWIGLU, "bf16", dict(HAS_BIAS=True), "all", slow=True),
+    _hopper_spec("h-swiglu-fwd-nobias-fp16", H_SWIGLU, "fp16", dict(HAS_BIAS=False), slow=True),
+    _hopper_spec("h-dgrad-bf16-allcfg", H_DGRAD, "bf16", {}, "all", slow=True),
+    _hopper_spec("h-dgrad-fp16", H_DGRAD, "fp16", {}, slow=True),
+    _hopper_spec("h-wgrad-acc-bf16-allcfg", H_WGRAD, "bf16", dict(ACCUMULATE=True), "all", slow=True),
+    _hopper_spec("h-wgrad-noacc-bf16-allcfg", H_WGRAD, "bf16", dict(ACCUMULATE=False), "all", slow=True),
+    _hopper_spec("h-wgrad-acc-fp16", H_WGRAD, "fp16", dict(ACCUMULATE=True), slow=True),
+]
+SPECS += HOPPER_SPECS
 
 # ----------------------------------------------------------------------------------------------------------------
 # Worker side: runs as `python tests/test_kernels_compile.py OUT.json` with TRITON_INTERPRET unset.
@@ -145,6 +186,8 @@ def _runtime_args(kernel, dtype, accumulate, aligned):
         return dict(a_ptr=p, b_ptr=p, c_ptr=p, z_ptr=p, offsets_ptr="*i32", E=_U, N=a, K=a, stride_am=a,
                     stride_ak=1, stride_be=a, stride_bn=a, stride_bk=1, stride_cm=a, stride_cn=1, stride_zm=a,
                     stride_zn=1)
+    if kernel in HOPPER_KERNELS:
+        return _hopper_args(kernel, dtype, accumulate)
     if kernel == GROUPED_WGRAD:
         c = ("*fp64" if dtype == "fp64" else "*fp32") if accumulate else p
         return dict(dz_ptr=p, x_ptr=p, c_ptr=c, offsets_ptr="*i32", N=a, K=a, stride_dzm=a, stride_dzn=1,
@@ -152,11 +195,32 @@ def _runtime_args(kernel, dtype, accumulate, aligned):
     raise KeyError(kernel)
 
 
+def _hopper_args(kernel, dtype, accumulate):
+    """The persistent kernels' arguments: tensor descriptors as ("desc", dtype, block dims), resolved against the
+    config's tile in _compile_one (a launch specialises a host TensorDescriptor on its dtype and block shape)."""
+    d = ("desc", dtype)
+    if kernel == H_FWD:
+        return dict(x_desc=(*d, "MK"), w_desc=(*d, "NK"), b_ptr=f"*{dtype}", y_desc=(*d, "MH"), z_desc=(*d, "MH"),
+                    M=_U, N=_A, K=_A, M_BUCKET=_A)  # H: BLOCK_N // 2 (the forward stores its tile in two halves)
+    if kernel == H_SWIGLU:
+        return dict(x_desc=(*d, "MK"), wg_desc=(*d, "NK"), wu_desc=(*d, "NK"), b_ptr=f"*{dtype}", y_desc=(*d, "MN"),
+                    zg_desc=(*d, "MN"), zu_desc=(*d, "MN"), M=_U, F=_A, K=_A, M_BUCKET=_A)
+    if kernel == H_DGRAD:
+        return dict(dz_desc=(*d, "MK"), w_desc=(*d, "KN"), dx_desc=(*d, "MN"), M=_U, N=_A, K=_A, M_BUCKET=_A)
+    c = "fp32" if accumulate else dtype  # fp32 main_grad
+    return dict(dz_desc=(*d, "KM"), x_desc=(*d, "KN"), c_desc=("desc", c, "MN"), c=f"*{c}", M=_A, N=_A, K=_U,
+                K_BUCKET=_A)
+
+
 def _kernel(name):
-    """The kernel object (Autotuner or JITFunction) of that name, from kernels.triton_ops or kernels.grouped_triton."""
+    """The kernel object (Autotuner or JITFunction) of that name, from kernels.triton_ops or kernels.grouped_triton,
+    or ("hopper:" names) kernels.triton_hopper."""
     import kernels.grouped_triton as grouped
+    import kernels.triton_hopper as hopper
     import kernels.triton_ops as ops
 
+    if name.startswith("hopper:"):
+        return getattr(hopper, name.removeprefix("hopper:"))
     return getattr(ops, name, None) or getattr(grouped, name)
 
 
@@ -178,7 +242,8 @@ def _candidates(autotuner, kernel, dtype, constexprs, arch):
     fake = types.SimpleNamespace(device=torch.device("cuda", 0), dtype=getattr(torch, _TORCH_DTYPES[dtype]))
     named = {}
     for name, ty in _runtime_args(kernel, dtype, constexprs.get("ACCUMULATE", False), True).items():
-        named[name] = fake if isinstance(ty, str) and ty.startswith("*") else (ty if isinstance(ty, int) else 4096)
+        pointer = isinstance(ty, tuple) or (isinstance(ty, str) and ty.startswith("*"))
+        named[name] = fake if pointer else (ty if isinstance(ty, int) else 4096)
     def clear():  # the per-device lru_caches hold the (stubbed) capability's answers
         for cached in (cfgs._family, cfgs._max_shared):
             cached.cache_clear()
@@ -210,7 +275,7 @@ def _expand(specs, archs):
     jobs = []
     for spec in specs:
         obj = _kernel(spec["kernel"])
-        for arch in archs:
+        for arch in (a for a in archs if a in spec["archs"]):
             if hasattr(obj, "configs"):  # autotuned GEMM
                 cands = _candidates(obj, spec["kernel"], spec["dtype"], spec["constexprs"], arch)
                 chosen = {"all": lambda: cands, "first": lambda: cands[:1],
@@ -223,6 +288,11 @@ def _expand(specs, archs):
                                  constexprs=spec["constexprs"], aligned=spec["aligned"], meta=meta,
                                  runtime=spec["runtime"]))
     return jobs
+
+
+def _job_key(job):
+    return json.dumps({k: job[k] for k in ("kernel", "dtype", "arch", "constexprs", "aligned", "meta", "runtime")},
+                      sort_keys=True, default=str)
 
 
 def _cost(job):
@@ -246,7 +316,7 @@ def _compile_one(job):
     fn = obj.fn if isinstance(obj, triton.runtime.Autotuner) else obj  # the Autotuner wraps the JITFunction
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
                    "fp64": torch.float64}[job["dtype"]]
-    acc, upcast, precision = ops._flags(torch_dtype)  # exactly what the launchers pass
+    acc, upcast, precision = ops.flags(torch_dtype)  # exactly what the launchers pass
     flags = dict(ACC_DTYPE=acc, UPCAST=upcast, DOT_PRECISION=precision)
     meta = dict(job["meta"])
     options = {k: meta.pop(k) for k in ("num_warps", "num_stages") if k in meta}
@@ -264,6 +334,11 @@ def _compile_one(job):
             signature[name] = "constexpr"
             continue
         ty = runtime.pop(name)
+        if isinstance(ty, tuple):  # ("desc", dtype, dims): a host tensor descriptor with the config's block shape
+            _, dtype, dims = ty
+            sizes = {d: meta[f"BLOCK_{d}"] for d in "MNK"} | {"H": meta["BLOCK_N"] // 2}
+            signature[name] = f"tensordesc<{dtype}[{', '.join(str(sizes[d]) for d in dims)}]>"
+            continue
         if isinstance(ty, int):  # a unit stride: Triton specialises an int argument equal to 1 into a constexpr
             signature[name] = "constexpr"
             constexprs[name] = ty
@@ -302,13 +377,15 @@ def _compile_one(job):
         cubin_bytes=len(cubin), cubin_elf=bytes(cubin[:4]) == b"\x7fELF",
         ptx_target=(re.search(r"^\.target\s+(\S+)", ptx, re.M) or [None, None])[1],
         wgmma="wgmma.mma_async" in ptx, mma_sync="mma.sync.aligned" in ptx,
+        n_wgmma=ptx.count("wgmma.mma_async"), n_tma_load=ptx.count("cp.async.bulk.tensor.2d.shared"),
+        n_tma_store=ptx.count("cp.async.bulk.tensor.2d.global"),
         regs=grab(r"Used (\d+) registers"), spill_stores=grab(r"(\d+) bytes spill stores"),
         spill_loads=grab(r"(\d+) bytes spill loads"), stack=grab(r"(\d+) bytes stack frame"),
         ptxas_log=text[-2000:])
     return result
 
 
-def _worker_main(out_path, archs):
+def _worker_main(out_path, archs, names):
     sys.path.insert(0, ROOT)
     t0 = time.perf_counter()
     assert os.environ.get("TRITON_INTERPRET") in (None, "", "0"), "the worker must run without the interpreter"
@@ -325,10 +402,17 @@ def _worker_main(out_path, archs):
                           for k in (FWD, SWIGLU, DGRAD, WGRAD)},
                 n_pruned={k: {a: len(_candidates(getattr(ops, k), k, "bf16", {}, a)) for a in ARCHS}
                           for k in (FWD, SWIGLU, DGRAD, WGRAD)})
-    jobs = sorted(_expand(SPECS, archs), key=_cost, reverse=True)  # biggest first: better packing of the pool
+    specs = [spec for spec in SPECS if spec["name"] in names]
+    jobs = sorted(_expand(specs, archs), key=_cost, reverse=True)  # biggest first: better packing of the pool
     workers = max(1, min(len(os.sched_getaffinity(0)), 8, len(jobs)))
+    # A compile two cases share (a default case's config among a slow case's) runs once: the second would hit
+    # Triton's cache, which prints no ptxas log.
+    unique = {}
+    for job in jobs:
+        unique.setdefault(_job_key(job), job)
     with multiprocessing.get_context("fork").Pool(workers) as pool:
-        results = list(pool.imap_unordered(_compile_one, jobs))
+        compiled = {_job_key(r): r for r in pool.imap_unordered(_compile_one, list(unique.values()))}
+    results = [dict(compiled[_job_key(job)], spec=job["spec"]) for job in jobs]
     info.update(workers=workers, wall_s=time.perf_counter() - t0)
     with open(out_path, "w") as f:
         json.dump(dict(info=info, results=results), f)
@@ -359,23 +443,24 @@ _MISSING = _toolchain_missing()
 pytestmark = pytest.mark.skipif(_MISSING is not None, reason=f"no AOT toolchain: {_MISSING}")
 
 
-def _selected_archs(items):
-    """The archs the selected test_compiles_and_fits cases need (Hopper at least, for the other tests)."""
-    wanted = {item.callspec.params["arch"] for item in items
-              if item.originalname == "test_compiles_and_fits" and hasattr(item, "callspec")}
-    return sorted(wanted | set(DEFAULT_ARCHS), reverse=True)
+def _selected(items):
+    """(archs, spec names) the selected test_compiles_and_fits cases need (Hopper at least, for the other tests)."""
+    cases = [item.callspec.params for item in items
+             if item.originalname == "test_compiles_and_fits" and hasattr(item, "callspec")]
+    archs = sorted({case["arch"] for case in cases} | set(DEFAULT_ARCHS), reverse=True)
+    return archs, sorted({case["spec"]["name"] for case in cases})
 
 
 @pytest.fixture(scope="module")
 def compiled(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("aot")
-    archs = _selected_archs(request.session.items)
+    archs, names = _selected(request.session.items)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(TRITON_CACHE_DIR=str(tmp / "cache"), TRITON_DUMP_PTXAS_LOG="1", CUDA_VISIBLE_DEVICES="",
                PYTHONPATH=os.pathsep.join([ROOT, env.get("PYTHONPATH", "")]).rstrip(os.pathsep))
     out = tmp / "results.json"
     t0 = time.perf_counter()
-    command = [sys.executable, os.path.abspath(__file__), str(out), ",".join(map(str, archs))]
+    command = [sys.executable, os.path.abspath(__file__), str(out), ",".join(map(str, archs)), ",".join(names)]
     proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S)
     if proc.returncode != 0 or not out.exists():
         pytest.fail(f"AOT compile worker failed (rc={proc.returncode}) -- it imports kernels.triton_ops without a GPU "
@@ -409,8 +494,8 @@ def test_worker_imports_kernels_without_gpu_or_interpreter(compiled):
 
 def _cases():
     for spec in SPECS:
-        for arch in ARCHS:
-            marks = [] if arch in DEFAULT_ARCHS else [pytest.mark.slow]
+        for arch in spec["archs"]:
+            marks = [] if arch in DEFAULT_ARCHS and not spec["slow"] else [pytest.mark.slow]
             if arch in spec["xfail"]:
                 marks.append(pytest.mark.xfail(strict=True, reason=f"known finding (sm{arch}): {spec['xfail'][arch]}"))
             yield pytest.param(spec, arch, id=f"{spec['name']}-sm{arch}", marks=marks)
@@ -434,6 +519,9 @@ def test_compiles_and_fits(compiled, spec, arch):
         if spec["kernel"] != ACT_BWD and spec["dtype"] in ("bf16", "fp16"):
             tensor_core = r["wgmma"] if arch == 90 else r["mma_sync"]
             assert tensor_core, f"{where}: no {'wgmma' if arch == 90 else 'mma.sync'} in the PTX"
+        if spec["kernel"] in HOPPER_KERNELS:  # Hopper-class: operand tiles in and the output out through TMA
+            assert r["n_tma_load"] and r["n_tma_store"], \
+                f"{where}: cp.async.bulk.tensor loads / stores in the PTX: {r['n_tma_load']} / {r['n_tma_store']}"
         if r["shared"] > MAX_SHARED[arch]:
             over.append(f"{where}: needs {r['shared']} B of shared memory, the device allows {MAX_SHARED[arch]} B")
     # Every candidate the pruner lets through must fit, whatever the dtype: one that does not would be benchmarked
@@ -449,7 +537,7 @@ def test_summary_table(compiled):
     lines = [f"AOT compile: {len(rows)} kernels, {info['workers']} workers, worker wall {info['wall_s']:.1f} s "
              f"(import {info['import_s']:.1f} s), subprocess {info['subprocess_s']:.1f} s",
              f"{'arch':5} {'case':28} {'config':18} {'smem B':>7} {'limit%':>6} {'regs':>4} {'spill st/ld B':>13} "
-             f"{'tc':>5} {'time s':>6}"]
+             f"{'tc':>5} {'wgmma/tma ld/st':>15} {'time s':>6}"]
     spilling = []
     for r in rows:
         if not r["ok"]:
@@ -461,6 +549,7 @@ def test_summary_table(compiled):
         spills = f"{r['spill_stores']}/{r['spill_loads']}"
         lines.append(f"sm{r['arch']:<3} {r['spec']:28} {_cfg_str(r):18} {r['shared']:>7} "
                      f"{100 * r['shared'] / MAX_SHARED[r['arch']]:>5.0f}% {r['regs']:>4} {spills:>13} {tc:>5} "
+                     f"{r['n_wgmma']:>5}/{r['n_tma_load']:>4}/{r['n_tma_store']:>4} "
                      f"{r['seconds']:>6.1f}")
         if (r["spill_stores"] or r["spill_loads"]) and r["dtype"] in ("bf16", "fp16"):
             spilling.append(f"sm{r['arch']} {r['spec']} {_cfg_str(r)} ({spills} B)")
@@ -471,4 +560,4 @@ def test_summary_table(compiled):
 
 
 if __name__ == "__main__":
-    _worker_main(sys.argv[1], [int(arch) for arch in sys.argv[2].split(",")])
+    _worker_main(sys.argv[1], [int(arch) for arch in sys.argv[2].split(",")], set(sys.argv[3].split(",")))
