@@ -37,6 +37,7 @@ class Key(NamedTuple):
     N: int                  # the weight's rows
     K: int                  # the weight's columns (in-features)
     device: str             # device_name
+    kernels: str            # the Triton candidate's kernels for these tensors (its kernel_family(x)): "sm90-tma"...
 
 
 def token_bucket(tokens: int) -> int:
@@ -67,10 +68,11 @@ def library_versions() -> dict[str, str | None]:
 
 
 def make_key(op: str, x: torch.Tensor, N: int, K: int, *, activation: str | None = None, bias: bool = False,
-             main_grad: bool = False) -> Key:
-    """The key of one primitive call on x's rows (x, grad_out or dz) with a weight [N, K]."""
+             main_grad: bool = False, kernels: str = "") -> Key:
+    """The key of one primitive call on x's rows (x, grad_out or dz) with a weight [N, K]; `kernels` names which
+    Triton kernels the candidate would run (a choice timed against Hopper's TMA kernels is not the sm80 ones')."""
     return Key(op, str(x.dtype).removeprefix("torch."), activation, bias, main_grad, token_bucket(x.shape[0]), N, K,
-               device_name(x.device))
+               device_name(x.device), kernels)
 
 
 def time_ms(fn: Callable[[], object], device: torch.device) -> float:

@@ -119,7 +119,8 @@ def _measured(x: torch.Tensor, op: str, weight_shape: tuple[int, int], **flags):
             or 0 in (x.shape[0], *weight_shape):
         return default
     candidates = {name: module for name, load in BACKENDS.items() if (module := load()) is not None}
-    key = choice.make_key(op, x, *weight_shape, **flags)
+    family = getattr(candidates.get("triton"), "kernel_family", None)
+    key = choice.make_key(op, x, *weight_shape, **flags, kernels=family(x) if family else "")
     return candidates[choice.choose(key, candidates, x.device)]
 
 

@@ -216,6 +216,11 @@ def runs_hopper(t: torch.Tensor) -> bool:
     return _enabled and hopper_device(t)
 
 
+def kernel_family(t: torch.Tensor) -> str:
+    """Which kernels the Triton backend runs for tensors like t ("sm90-tma" or "sm80"): part of auto's measured key."""
+    return "sm90-tma" if runs_hopper(t) else "sm80"
+
+
 @functools.cache
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count

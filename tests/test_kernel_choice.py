@@ -73,7 +73,8 @@ def test_the_fastest_candidate_runs_per_key_and_the_table_says_why(auto):
     assert run_all() == [("triton", "forward"), ("torch", "dgrad"), ("torch", "wgrad")]
     rows = {row["op"]: row for row in kernels.choices()}
     assert rows["forward"] == dict(op="forward", dtype="float32", activation="gelu", bias=True, main_grad=False,
-                                   tokens=64, N=24, K=16, device="cpu", torch_ms=2.0, triton_ms=1.0, choice="triton")
+                                   tokens=64, N=24, K=16, device="cpu", kernels="", torch_ms=2.0, triton_ms=1.0,
+                                   choice="triton")
     assert (rows["dgrad"]["choice"], rows["dgrad"]["activation"], rows["dgrad"]["bias"]) == ("torch", "gelu", False)
     assert (rows["wgrad"]["choice"], rows["wgrad"]["main_grad"], rows["wgrad"]["tokens"]) == ("torch", True, 64)
 
@@ -89,6 +90,21 @@ def test_a_key_is_measured_once_per_token_bucket(auto, monkeypatch):
     monkeypatch.setattr(choice, "time_ms", no_timer)
     kernels.linear_dgrad(torch.randn(5, 24), torch.randn(24, 16), torch.randn(5, 24), "gelu", need_input_grad=False)
     assert calls[-1] == ("torch", "dgrad")
+
+
+def test_a_choice_is_remeasured_when_the_triton_candidate_runs_other_kernels(auto, monkeypatch):
+    """Hopper's persistent TMA kernels and the sm80 ones (TP_KERNELS_HOPPER, kernels.use_hopper) are different
+    Triton candidates: a choice timed against one is not the other's."""
+    family = ["sm90-tma"]
+    monkeypatch.setattr(FAKES["triton"], "kernel_family", lambda x: family[0], raising=False)
+    run_all()
+    monkeypatch.setattr(choice, "time_ms", no_timer)
+    run_all()  # the same kernels: cached
+    family[0] = "sm80"
+    monkeypatch.setattr(choice, "time_ms", cost_timer)
+    run_all()
+    assert sorted({row["kernels"] for row in kernels.choices()}) == ["sm80", "sm90-tma"]
+    assert len(kernels.choices()) == 6
 
 
 def test_the_disk_cache_serves_a_new_process_without_timing(auto, monkeypatch):
