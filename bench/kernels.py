@@ -31,6 +31,7 @@ GPU timings are medians of triton.testing.do_bench. Without a GPU the Triton ker
 says nothing about speed); the script then times only torch on CPU, on shapes shrunk by --shrink, and says so.
 """
 import argparse
+import itertools
 import platform
 import statistics
 import time
@@ -176,10 +177,29 @@ def bench_fp8(what, tokens, n, k, dtype, device, timer, *, phases=("fwd", "dgrad
     return rows
 
 
+def fp8_rows(hiddens, tokens_list, tps, layers, squares, shrink, dtype, device, timer):
+    """bench_fp8 on every layer shard torch._scaled_mm takes (weight dims multiples of 16), then the square GEMMs."""
+    rows = []
+    for hidden, tokens, tp, layer in itertools.product(hiddens, tokens_list, tps, layers):
+        k, n, _, _ = layer_shapes(layer, hidden, tp)
+        if not ((4 * hidden) % tp or k % fp8_multiple or n % fp8_multiple):
+            rows += bench_fp8(dict(layer=layer, hidden=hidden, tp=tp), tokens, n, k, dtype, device, timer)
+    for size in (max(n // shrink // fp8_multiple, 1) * fp8_multiple for n in squares):
+        rows += bench_fp8(dict(layer="square", hidden=size, tp=1), size, size, size, dtype, device, timer,
+                          phases=("fwd",))
+    return rows
+
+
 FP8_COLUMNS = [("layer", "layer", "{}"), ("hidden", "h", "{}"), ("tp", "tp", "{}"), ("M", "M", "{}"),
                ("N", "N", "{}"), ("K", "K", "{}"), ("phase", "phase", "{}"), ("recipe", "recipe", "{}"),
                ("base_ms", "base ms", "{:.3f}"), ("fp8_ms", "fp8 ms", "{:.3f}"),
                ("base_tflops", "base TF/s", "{:.1f}"), ("fp8_tflops", "fp8 TF/s", "{:.1f}"), ("speedup", "x", "{:.2f}")]
+
+
+def print_fp8(rows, dtype):
+    print(f"\nFP8 GEMMs (kernels.fp8 through torch._scaled_mm, scaling included) vs torch's {str(dtype)[6:]} GEMM "
+          "(base)")
+    print_rows(rows, FP8_COLUMNS)
 
 
 def measure_choices(layer, hidden, tokens, tp, dtype, device):
@@ -312,7 +332,7 @@ def main(argv=None):
     print(note)
     timer = make_timer(gpu, args.reps)
 
-    results, dropout, fp8 = [], [], []
+    results, dropout = [], []
     for hidden in hiddens:
         for tokens in tokens_list:
             if "dropout" in args.kernels:
@@ -326,13 +346,8 @@ def main(argv=None):
                         results += bench_case(layer, hidden, tokens, tp, dtype, device, backend, timer)
                     if "choices" in args.kernels and gpu:
                         measure_choices(layer, hidden, tokens, tp, dtype, device)
-                    k, n, _, _ = layer_shapes(layer, hidden, tp)
-                    if "fp8" in args.kernels and not (k % fp8_multiple or n % fp8_multiple):
-                        fp8 += bench_fp8(dict(layer=layer, hidden=hidden, tp=tp), tokens, n, k, dtype, device, timer)
-    if "fp8" in args.kernels:
-        for size in (max(n // shrink // fp8_multiple, 1) * fp8_multiple for n in args.square):
-            fp8 += bench_fp8(dict(layer="square", hidden=size, tp=1), size, size, size, dtype, device, timer,
-                             phases=("fwd",))
+    fp8 = fp8_rows(hiddens, tokens_list, args.tp, args.layers, args.square, shrink, dtype, device, timer) \
+        if "fp8" in args.kernels else []
     if results:
         print_table(results, label)
     if dropout:
@@ -340,9 +355,7 @@ def main(argv=None):
               f"kernels.dropout.dropout_add on {label}")
         print_rows(dropout, DROPOUT_COLUMNS)
     if fp8:
-        print(f"\nFP8 GEMMs (kernels.fp8 through torch._scaled_mm, scaling included) vs torch's {str(dtype)[6:]} GEMM "
-              "(base)")
-        print_rows(fp8, FP8_COLUMNS)
+        print_fp8(fp8, dtype)
     choices = print_choices(gpu) if "choices" in args.kernels else []
 
     if args.out:
