@@ -15,7 +15,7 @@ Sections, in order of value (`--only` reruns some and keeps the others' earlier 
                Triton and the torch backends: loss and grad-norm difference, tokens/s, MFU, peak memory
   job          `python -m models.train` for 2 steps under torchrun with one rank
   bench_kernels  bench.kernels on MLP shard shapes and the fused dropout + residual add, and the Triton GEMM vs
-               cuBLAS on square bf16 matrices
+               cuBLAS on square bf16 matrices; fp8 GEMMs (both recipes) vs bf16 cuBLAS on those shapes and 4096³/8192³
   intensity    bench.intensity measured on the device (achieved bf16 TFLOP/s per shard shape) and its plot
   multirank    multi-rank tests with 2 and 4 ranks sharing the GPU over gloo, tensors on the GPU (TP_TEST_DEVICE=cuda)
   suite        the rest of the suite's GPU-relevant files, tensors on the GPU
@@ -187,7 +187,7 @@ def section_job(out: Path, on_gpu: bool) -> dict:
 def section_bench_kernels(out: Path, on_gpu: bool) -> dict:
     shapes = ["--hidden", "4096", "--tokens", "8192", "--tp", "1"] if on_gpu else \
         ["--quick", "--layers", "fc1", "--tp", "2", "--reps", "1"]
-    rc, text = run([sys.executable, "-m", "bench.kernels", *shapes, "--kernels", "linear", "choices", "dropout",
+    rc, text = run([sys.executable, "-m", "bench.kernels", *shapes, "--kernels", "linear", "choices", "dropout", "fp8",
                     "--out", str(out / "kernels.json")], budget(80, on_gpu))
     print(text[-20000:])
     details = {"returncode": rc, "table": text[-3000:], "ok": rc == 0}

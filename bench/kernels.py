@@ -2,7 +2,7 @@
 counter-based dropout + bias + residual add (kernels.dropout) vs `residual + F.dropout(x + bias)`.
 
     python -m bench.kernels [--out bench/results/kernels.json] [--quick] [--hidden 4096 8192] [--tokens 4096 16384]
-                            [--kernels linear dropout choices]
+                            [--kernels linear dropout choices fp8] [--square 4096 8192]
 
 Per (hidden h, tokens T, TP degree): fc1 = ColumnParallel [T, h] x [4h/TP, h]^T + bias, GELU; fc1_swiglu = the same
 with a fused gate/up weight [2·4h/TP, h]; fc2 = RowParallel [T, 4h/TP] x [h, 4h/TP]^T (bias added after the
@@ -20,6 +20,12 @@ counters). GB/s counts the fused kernel's minimal traffic for both (forward: rea
 read the gradient, write dx). On the first call of each shape the two backends' outputs are checked to give the same
 mask (the bits of the torch fallback).
 
+FP8 (`--kernels fp8`): the three GEMMs of each layer shard whose weight dims are multiples of 16 (torch._scaled_mm's
+rule): fwd x·Wᵀ, dgrad dz·W, wgrad dzᵀ·x into an fp32 main_grad; and square n³ GEMMs (`--square`, forward only).
+Each with kernels.fp8's recipes (kernels.FP8_RECIPES: e4m3 operands under dynamic scales, the amaxes and casts
+included in the time, through torch._scaled_mm: cuBLASLt on a GPU) against the same GEMM in the run's dtype by torch
+(bf16 cuBLAS on a GPU). On the CPU the baseline is fp32 and _scaled_mm an eager kernel: a smoke run of the code path.
+
 auto's choices (`--kernels choices`, GPU only): kernels.tune_linear on every layer shard under backend "auto", which
 measures Triton against torch per primitive (forward, dgrad, wgrad into an fp32 main_grad) and keeps the faster
 (kernels.choice); the table printed and saved is kernels.choices(): every key this device's cache holds.
@@ -30,6 +36,7 @@ says nothing about speed); the script then times only torch on CPU, on shapes sh
 import argparse
 import contextlib
 import functools
+import itertools
 import platform
 import statistics
 import time
@@ -38,13 +45,15 @@ import torch
 import torch.nn.functional as F
 
 import kernels
+from kernels.fp8 import MULTIPLE as fp8_multiple
+from kernels.fp8 import Fp8Scaling
 from kernels.ops import BACKENDS
 
 from .common import print_table as print_rows
 from .common import write_json
 
 LAYERS = ("fc1", "fc1_swiglu", "fc2")
-KERNELS = ("linear", "dropout", "choices")
+KERNELS = ("linear", "dropout", "choices", "fp8")
 CHOICE_COLUMNS = [("op", "op", "{}"), ("dtype", "dtype", "{}"), ("activation", "act", "{}"), ("bias", "bias", "{}"),
                   ("main_grad", "main_grad", "{}"), ("tokens", "T bucket", "{}"), ("N", "N", "{}"), ("K", "K", "{}"),
                   *[(f"{name}_ms", f"{name} ms", "{:.3f}") for name in BACKENDS], ("choice", "choice", "{}")]
@@ -163,6 +172,56 @@ def bench_case(layer, hidden, tokens, tp, dtype, device, candidate_backend, time
     return rows_json
 
 
+def _fp8_row(what, n, k, tokens, recipe, phase, ms_base, ms_fp8):
+    flops = 2 * tokens * n * k
+    return dict(**what, M=tokens, N=n, K=k, recipe=recipe, phase=phase, base_ms=ms_base, fp8_ms=ms_fp8,
+                base_tflops=flops / ms_base / 1e9, fp8_tflops=flops / ms_fp8 / 1e9, speedup=ms_base / ms_fp8)
+
+
+def bench_fp8(what, tokens, n, k, dtype, device, timer, *, phases=("fwd", "dgrad", "wgrad_main_grad")):
+    """One GEMM shape's fp8 rows (per recipe and phase) against torch's GEMM in `dtype`: x [tokens, k], W [n, k]."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(tokens, k, device=device, dtype=dtype, generator=gen)
+    w = torch.randn(n, k, device=device, dtype=dtype, generator=gen) / k**0.5
+    dz = torch.randn(tokens, n, device=device, dtype=dtype, generator=gen)
+    main_grad = torch.zeros(n, k, device=device, dtype=torch.float32)
+    base = {"fwd": lambda: x @ w.t(), "dgrad": lambda: dz @ w, "wgrad_main_grad": lambda: main_grad.add_(dz.t() @ x)}
+    base_ms = {phase: timer(base[phase]) for phase in phases}
+    rows = []
+    for recipe in kernels.FP8_RECIPES:
+        fp8 = Fp8Scaling(recipe)
+        ours = {"fwd": lambda: kernels.linear_forward(x, w, fp8=fp8),
+                "dgrad": lambda: kernels.linear_dgrad(dz, w, fp8=fp8),
+                "wgrad_main_grad": lambda: kernels.linear_wgrad(dz, x, main_grad=main_grad, fp8=fp8)}
+        rows += [_fp8_row(what, n, k, tokens, recipe, phase, base_ms[phase], timer(ours[phase])) for phase in phases]
+    return rows
+
+
+def fp8_rows(hiddens, tokens_list, tps, layers, squares, shrink, dtype, device, timer):
+    """bench_fp8 on every layer shard torch._scaled_mm takes (weight dims multiples of 16), then the square GEMMs."""
+    rows = []
+    for hidden, tokens, tp, layer in itertools.product(hiddens, tokens_list, tps, layers):
+        k, n, _, _ = layer_shapes(layer, hidden, tp)
+        if not ((4 * hidden) % tp or k % fp8_multiple or n % fp8_multiple):
+            rows += bench_fp8(dict(layer=layer, hidden=hidden, tp=tp), tokens, n, k, dtype, device, timer)
+    for size in (max(n // shrink // fp8_multiple, 1) * fp8_multiple for n in squares):
+        rows += bench_fp8(dict(layer="square", hidden=size, tp=1), size, size, size, dtype, device, timer,
+                          phases=("fwd",))
+    return rows
+
+
+FP8_COLUMNS = [("layer", "layer", "{}"), ("hidden", "h", "{}"), ("tp", "tp", "{}"), ("M", "M", "{}"),
+               ("N", "N", "{}"), ("K", "K", "{}"), ("phase", "phase", "{}"), ("recipe", "recipe", "{}"),
+               ("base_ms", "base ms", "{:.3f}"), ("fp8_ms", "fp8 ms", "{:.3f}"),
+               ("base_tflops", "base TF/s", "{:.1f}"), ("fp8_tflops", "fp8 TF/s", "{:.1f}"), ("speedup", "x", "{:.2f}")]
+
+
+def print_fp8(rows, dtype):
+    print(f"\nFP8 GEMMs (kernels.fp8 through torch._scaled_mm, scaling included) vs torch's {str(dtype)[6:]} GEMM "
+          "(base)")
+    print_rows(rows, FP8_COLUMNS)
+
+
 def measure_choices(layer, hidden, tokens, tp, dtype, device):
     """auto's measured choice of backend for one layer shard's forward, dgrad and wgrad (into a main_grad)."""
     K, rows, activation, has_bias = layer_shapes(layer, hidden, tp)
@@ -252,7 +311,7 @@ def print_table(rows, candidate_label):
               + (f" {r['kernels_sm80_ms']:>16.3f} {r['sm80_speedup']:>6.2f}x" if sm80 else ""))
 
 
-def main(argv=None):
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hidden", type=int, nargs="+", default=[4096, 8192])
     parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384])
@@ -260,6 +319,8 @@ def main(argv=None):
     parser.add_argument("--layers", nargs="+", default=list(LAYERS), choices=LAYERS)
     parser.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=KERNELS,
                         help="kernels.linear's GEMMs, the fused dropout + residual add, auto's measured choices")
+    parser.add_argument("--square", type=int, nargs="+", default=[4096, 8192],
+                        help="square n x n x n GEMMs for the fp8 rows (shrunk as the shapes without a GPU)")
     parser.add_argument("--quick", action="store_true", help="CPU-sized shapes even on a GPU (smoke run)")
     parser.add_argument("--shrink", type=int, default=32, help="divide hidden and tokens by this without a GPU")
     parser.add_argument("--reps", type=int, default=5, help="CPU repetitions per timing")
@@ -267,7 +328,11 @@ def main(argv=None):
                         help="backend for kernels.linear (default: triton on GPU, torch on CPU); on CPU 'triton' needs "
                              "TRITON_INTERPRET=1 and only smoke-tests the code path, its timings mean nothing")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None):
+    args = _parser().parse_args(argv)
 
     gpu = torch.cuda.is_available()
     shrink = args.shrink if (args.quick or not gpu) else 1
@@ -313,12 +378,16 @@ def main(argv=None):
                                               sm80_row=sm80_row)
                     if "choices" in args.kernels and gpu:
                         measure_choices(layer, hidden, tokens, tp, dtype, device)
+    fp8 = fp8_rows(hiddens, tokens_list, args.tp, args.layers, args.square, shrink, dtype, device, timer) \
+        if "fp8" in args.kernels else []
     if results:
         print_table(results, label)
     if dropout:
         print(f"\nDropout + bias + residual add (p = 0.1): torch = residual + F.dropout(x + bias), fused = "
               f"kernels.dropout.dropout_add on {label}")
         print_rows(dropout, DROPOUT_COLUMNS)
+    if fp8:
+        print_fp8(fp8, dtype)
     choices = print_choices(gpu) if "choices" in args.kernels else []
 
     if args.out:
@@ -329,7 +398,7 @@ def main(argv=None):
             meta["triton"] = triton.__version__
         except ImportError:
             meta["triton"] = None
-        write_json(args.out, dict(meta=meta, results=results, dropout=dropout, choices=choices))
+        write_json(args.out, dict(meta=meta, results=results, dropout=dropout, choices=choices, fp8=fp8))
         print(f"wrote {args.out}")
 
 

@@ -74,32 +74,57 @@ def to_e4m3(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (t.float() * scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
 
 
-def _reducing_group(fp8, recipe, contraction):
-    """The group to all-reduce this GEMM's amaxes over, or None when every rank's are already the serial ones."""
+def reducing_group(fp8: Fp8Scaling, contraction: str) -> dist.ProcessGroup | None:
+    """The group to all-reduce a GEMM's amaxes over, or None when every rank's are already the serial ones."""
     if fp8.group is None or fp8.split is None or dist.get_world_size(fp8.group) == 1:
         return None
     # tensorwise: the weight (and one activation operand) is split; rowwise: only a split contraction dim matters
-    return fp8.group if not recipe.rowwise or contraction == fp8.split else None
+    return fp8.group if not FP8_RECIPES[fp8.recipe].rowwise or contraction == fp8.split else None
+
+
+def _amax(t, dim, rowwise):
+    """amax(|t|) along `dim` (kept) or over all of t; zeros where t is empty (an expert without rows)."""
+    if not rowwise:
+        return t.abs().amax() if t.numel() else t.new_zeros(())
+    shape = list(t.shape)
+    shape[dim] = 1
+    return t.abs().amax(dim, keepdim=True) if t.numel() else t.new_zeros(shape)
+
+
+def operand_amaxes(a: torch.Tensor, b: torch.Tensor, recipe: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The amaxes a GEMM a [M, K] @ b [K, N] scales by: per row of a and column of b (rowwise) or two scalars."""
+    rowwise = FP8_RECIPES[recipe].rowwise
+    return _amax(a, 1, rowwise), _amax(b, 0, rowwise)  # [M, 1] and [1, N], or [] and []
+
+
+def all_reduce_max(amaxes: list[torch.Tensor], group: dist.ProcessGroup) -> list[torch.Tensor]:
+    """Every tensor's elementwise MAX over the group (fp32), in one all-reduce."""
+    both = torch.cat([t.reshape(-1).float() for t in amaxes])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    return [piece.view(t.shape) for piece, t in zip(both.split([t.numel() for t in amaxes]), amaxes)]
 
 
 def scaled_matmul(a: torch.Tensor, b: torch.Tensor, fp8: Fp8Scaling, *, contraction: str,
                   out_dtype: torch.dtype) -> torch.Tensor:
     """a [M, K] @ b [K, N] with both operands in e4m3 under the recipe's dynamic scales, in `out_dtype`.
     `contraction` names K among the linear's dims ("in", "out" or "tokens"), for the amax reduction."""
-    recipe = FP8_RECIPES[fp8.recipe]
+    amax_a, amax_b = operand_amaxes(a, b, fp8.recipe)
+    group = reducing_group(fp8, contraction)
+    if group is not None:  # one all-reduce for both operands' amaxes
+        amax_a, amax_b = all_reduce_max([amax_a, amax_b], group)
+    return matmul_scaled_by(a, b, amax_a, amax_b, fp8.recipe, out_dtype=out_dtype)
+
+
+def matmul_scaled_by(a: torch.Tensor, b: torch.Tensor, amax_a: torch.Tensor, amax_b: torch.Tensor, recipe: str, *,
+                     out_dtype: torch.dtype) -> torch.Tensor:
+    """a [M, K] @ b [K, N] in e4m3, each operand scaled by the recipe's scale of the given amaxes (operand_amaxes',
+    reduced where a split needs it)."""
     if out_dtype not in OUT_DTYPES:
-        raise ValueError(f"fp8_recipe={fp8.recipe!r} computes in fp32, bf16 or fp16, not {out_dtype}")
+        raise ValueError(f"fp8_recipe={recipe!r} computes in fp32, bf16 or fp16, not {out_dtype}")
     if a.numel() == 0 or b.numel() == 0:  # no amax to take (an empty micro-batch, a zero-width shard)
         return (a.float() @ b.float()).to(out_dtype)
-    abs_a, abs_b = a.abs(), b.abs()
-    amax_a = abs_a.amax(1, keepdim=True) if recipe.rowwise else abs_a.amax()  # [M, 1] or []
-    amax_b = abs_b.amax(0, keepdim=True) if recipe.rowwise else abs_b.amax()  # [1, N] or []
-    group = _reducing_group(fp8, recipe, contraction)
-    if group is not None:  # one all-reduce for both operands' amaxes
-        both = torch.cat([amax_a.reshape(-1), amax_b.reshape(-1)]).float()
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-        amax_a, amax_b = both[:amax_a.numel()].view(amax_a.shape), both[amax_a.numel():].view(amax_b.shape)
-    scale_a, scale_b = scale_of(amax_a, recipe), scale_of(amax_b, recipe)
+    rule = FP8_RECIPES[recipe]
+    scale_a, scale_b = scale_of(amax_a, rule), scale_of(amax_b, rule)
     a8 = to_e4m3(a, scale_a).contiguous()  # row-major, as cuBLASLt wants the left operand (wgrad's is dzᵀ)
     b8 = to_e4m3(b, scale_b).t().contiguous().t()  # column-major, as it wants the right one
     if a.shape[1] % MULTIPLE:  # only the wgrad's token dim can be ragged: zero rows change neither sum nor amax
@@ -107,7 +132,7 @@ def scaled_matmul(a: torch.Tensor, b: torch.Tensor, fp8: Fp8Scaling, *, contract
         a8 = torch.cat([a8, a8.new_zeros(a8.shape[0], pad)], 1)
         b8 = torch.cat([b8, b8.new_zeros(pad, b8.shape[1])], 0).t().contiguous().t()
     unscale_a, unscale_b = scale_a.reciprocal(), scale_b.reciprocal()
-    if recipe.rowwise and out_dtype != torch.bfloat16:
+    if rule.rowwise and out_dtype != torch.bfloat16:
         # cuBLASLt's rowwise kernel writes bf16 only: fp32 out through unit scales and the outer product of the
         # per-row and per-column unscales after (torchao's own fallback; exact with power-of-two scales)
         one = unscale_a.new_ones(())

@@ -8,11 +8,14 @@ otherwise): forward (activation fused), dgrad (dz = g·act'(z), then dx_e = dz_e
 accumulated into an fp32 `weight.main_grad` [E, N, K] when it exists). The torch path uses `torch._grouped_mm` where
 this torch runs it (fp32 / bf16 / fp16 on the CPU, 16-byte aligned row strides), else a loop over the groups. Under
 torch.compile each primitive runs as a custom op (tp_kernels::grouped_*): a grouped GEMM whose rows and counts are
-only known at run time (an expert dispatch's output) traces without a graph break.
+only known at run time (an expert dispatch's output) traces without a graph break. `fp8=` on the primitives
+(`fp8_recipe=` on grouped_linear) runs each expert's GEMMs in float8 (kernels.grouped_fp8; docs/fp8.md).
 """
 import torch
 
-from . import ops, torch_ops
+from . import fp8 as fp8_ops
+from . import grouped_fp8, ops, torch_ops
+from .fp8 import Fp8Scaling
 
 Counts = list[int] | torch.Tensor
 
@@ -132,34 +135,41 @@ def _run(fn, *args):
     return (_OPS[fn] if torch.compiler.is_compiling() else fn)(*args)
 
 
-def grouped_forward(x: torch.Tensor, weight: torch.Tensor, counts: Counts,
-                    activation: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def grouped_forward(x: torch.Tensor, weight: torch.Tensor, counts: Counts, activation: str | None = None, *,
+                    fp8: Fp8Scaling | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(act(x_e @ weight_eᵀ) [M, N], the pre-activation saved for backward or None); "swiglu": weight [E, 2F, K]
-    (gate rows first) gives [M, F]."""
+    (gate rows first) gives [M, F]. `fp8`: each group's GEMM in float8 with its own scales (kernels.grouped_fp8)."""
     ops.check_activation(activation)
     _check(x, weight, counts)
+    if fp8 is not None:  # (eager: a loop of torch._scaled_mm over the groups)
+        return grouped_fp8.grouped_forward(x, weight, _as_tensor(counts), activation, fp8=fp8)
     y, z = _run(_forward, x, weight, _as_tensor(counts), activation)
     return y, None if activation is None else z
 
 
 def grouped_dgrad(grad_out: torch.Tensor, weight: torch.Tensor, counts: Counts, preact: torch.Tensor | None = None,
-                  activation: str | None = None, *,
-                  need_input_grad: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
+                  activation: str | None = None, *, need_input_grad: bool = True,
+                  fp8: Fp8Scaling | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
     """(dx [M, K] = dz_e @ weight_e per group, or None; dz = grad_out · act'(preact))."""
     dz = torch_ops.activation_backward(grad_out, preact, activation)
     if not need_input_grad:
         return None, dz
+    if fp8 is not None:
+        return grouped_fp8.grouped_dgrad(dz, weight, _as_tensor(counts), fp8=fp8), dz
     return _run(_dgrad, dz, weight, _as_tensor(counts)), dz
 
 
-def grouped_wgrad(dz: torch.Tensor, x: torch.Tensor, counts: Counts, *,
-                  main_grad: torch.Tensor | None = None) -> torch.Tensor | None:
+def grouped_wgrad(dz: torch.Tensor, x: torch.Tensor, counts: Counts, *, main_grad: torch.Tensor | None = None,
+                  fp8: Fp8Scaling | None = None) -> torch.Tensor | None:
     """dW [E, N, K], dW_e = dz_eᵀ @ x_e; with a main_grad (fp32 [E, N, K]), accumulated into it and None returned."""
     counts = _as_tensor(counts)
     if main_grad is None:
-        return _run(_wgrad, dz, x, counts)
+        return _run(_wgrad, dz, x, counts) if fp8 is None else grouped_fp8.grouped_wgrad(dz, x, counts, fp8=fp8)
     ops.check_main_grad(main_grad, (len(counts), dz.shape[1], x.shape[1]), dz.device)
-    _run(_wgrad_into, dz, x, counts, main_grad)
+    if fp8 is None:
+        _run(_wgrad_into, dz, x, counts, main_grad)
+    else:
+        grouped_fp8.grouped_wgrad(dz, x, counts, fp8=fp8, main_grad=main_grad)
     hook = getattr(main_grad, "post_accumulate_hook", None)  # (as kernels.linear_wgrad: tp.optim counts arrivals)
     if hook is not None:
         hook()
@@ -181,14 +191,14 @@ def _check(x, weight, counts):
 
 class _GroupedLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, counts, activation):
+    def forward(ctx, x, weight, counts, activation, fp8):
         ctx.main_grad = getattr(weight, "main_grad", None)  # on the parameter, not on an autocast copy of it
         if torch.compiler.is_compiling() and getattr(weight, "folds_grad_into_main_grad", False):
             ctx.main_grad = None  # (.grad's hook folds it in: a compiled backward cannot run main_grad's hook)
         x, weight, _ = ops.autocast_operands(x, weight)
-        y, preact = grouped_forward(x, weight, counts, activation)
+        y, preact = grouped_forward(x, weight, counts, activation, fp8=fp8)
         ctx.save_for_backward(x, weight, preact, counts)
-        ctx.activation = activation
+        ctx.activation, ctx.fp8 = activation, fp8
         return y
 
     @staticmethod
@@ -196,17 +206,18 @@ class _GroupedLinear(torch.autograd.Function):
     def backward(ctx, grad_y):
         x, weight, preact, counts = ctx.saved_tensors
         dx, dz = grouped_dgrad(grad_y.to(weight.dtype).contiguous(), weight, counts, preact, ctx.activation,
-                               need_input_grad=ctx.needs_input_grad[0])
-        dw = grouped_wgrad(dz, x, counts, main_grad=ctx.main_grad) if ctx.needs_input_grad[1] else None
-        return dx, dw, None, None
+                               need_input_grad=ctx.needs_input_grad[0], fp8=ctx.fp8)
+        dw = grouped_wgrad(dz, x, counts, main_grad=ctx.main_grad, fp8=ctx.fp8) if ctx.needs_input_grad[1] else None
+        return dx, dw, None, None, None
 
 
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: Counts, *,
-                   activation: str | None = None) -> torch.Tensor:
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: Counts, *, activation: str | None = None,
+                   fp8_recipe: str | None = None) -> torch.Tensor:
     """act(x_e @ weight_eᵀ) for the row groups of x [M, K] (sizes `counts`: host integers, or an int tensor [E] on
     any device whose sum is not checked) and weight [E, N, K]: [M, N] (SwiGLU: weight [E, 2F, K], gate rows first,
     output [M, F]). With `weight.main_grad` (fp32 [E, N, K]) the weight gradient is accumulated there and
-    weight.grad is left untouched."""
+    weight.grad is left untouched. `fp8_recipe` (kernels.FP8_RECIPES): each expert's three GEMMs in float8 e4m3."""
     ops.check_activation(activation)
     _check(x, weight, counts)
-    return _GroupedLinear.apply(x, weight, _as_tensor(counts), activation)
+    fp8_ops.check_features(fp8_recipe, weight.shape[2], weight.shape[1], "the grouped weight")
+    return _GroupedLinear.apply(x, weight, _as_tensor(counts), activation, fp8_recipe and Fp8Scaling(fp8_recipe))

@@ -219,7 +219,8 @@ def moe_mlp(config: GPTConfig, *, group: dist.ProcessGroup | None = None, _init:
                       num_groups=c.moe_router_num_groups, group_topk=c.moe_router_group_topk,
                       scaling_factor=c.moe_router_topk_scaling_factor, seq_aux_loss_coeff=c.moe_seq_aux_loss_coeff,
                       sequence_parallel=c.sequence_parallel, grad_sync=c.sequence_parallel_grad_sync, group=group,
-                      init_std=c.init_std, output_std=c.init_std / math.sqrt(2 * c.num_layers), _init=_init)
+                      init_std=c.init_std, output_std=c.init_std / math.sqrt(2 * c.num_layers),
+                      fp8_recipe=c.fp8_recipe, _init=_init)
 
 
 class TransformerBlock(nn.Module):

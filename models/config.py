@@ -251,11 +251,9 @@ class GPTConfig:
             return
         if self.fp8_recipe not in FP8_RECIPES:
             raise ValueError(f"fp8_recipe={self.fp8_recipe!r} must be one of {FP8_RECIPES} (or None)")
-        for name, value, what in (("num_experts", self.num_experts, "the experts' grouped GEMM"),
-                                  ("multi_latent_attention", self.multi_latent_attention, "latent attention")):
-            if value:
-                raise ValueError(f"fp8_recipe={self.fp8_recipe!r} with {name}={value}: {what} has no fp8 path "
-                                 "(fp8 covers dense GQA models)")
+        if self.multi_latent_attention:
+            raise ValueError(f"fp8_recipe={self.fp8_recipe!r} with multi_latent_attention=True: latent attention has "
+                             "no fp8 path (fp8 covers GQA attention, the MLP and the experts)")
 
     def _check_fp8_sizes(self, tp: int) -> None:
         """Each fp8 linear's weight on one of `tp` ranks: both dims multiples of 16 (torch._scaled_mm)."""
@@ -265,8 +263,15 @@ class GPTConfig:
         for what, in_features, out_features in (
                 ("the QKV projection", h, self.num_heads * d // tp + 2 * kv_rows),
                 ("the attention output projection", self.num_heads * d // tp, h),
-                ("the MLP's fc1", h, fc1), ("the MLP's fc2", ffn // tp, h)):
+                ("the MLP's fc1", h, fc1), ("the MLP's fc2", ffn // tp, h), *self._fp8_shared_expert(tp)):
             fp8.check_features(self.fp8_recipe, in_features, out_features, f"{what} at tp={tp}")
+
+    def _fp8_shared_expert(self, tp):
+        if not self.num_experts or not self.moe_shared_expert_size:
+            return ()
+        shared = self.moe_shared_expert_size // tp
+        fc1 = 2 * shared if self.activation == "swiglu" else shared
+        return ("the shared expert's fc1", self.hidden_size, fc1), ("the shared expert's fc2", shared, self.hidden_size)
 
     def _check_mla(self):
         if not 0 < self.rotary_percent <= 1:
@@ -327,6 +332,11 @@ class GPTConfig:
             raise ValueError(f"num_experts={self.num_experts} is not divisible by ep={ep}")
         if self.moe_ffn_hidden_size % etp:
             raise ValueError(f"moe_ffn_hidden_size={self.moe_ffn_hidden_size} is not divisible by etp={etp}")
+        if self.fp8_recipe is not None:  # each expert's local weights, as torch._scaled_mm takes them
+            ffn = self.moe_ffn_hidden_size // etp
+            fc1 = 2 * ffn if self.activation == "swiglu" else ffn
+            fp8.check_features(self.fp8_recipe, self.hidden_size, fc1, f"the experts' fc1 at etp={etp}")
+            fp8.check_features(self.fp8_recipe, ffn, self.hidden_size, f"the experts' fc2 at etp={etp}")
 
     def check_tp(self, tp: int) -> None:
         """Raise a ValueError naming the value if this model cannot be split across `tp` ranks."""

@@ -93,9 +93,9 @@ class ActivationRecomputingExperts(tp.moe.GroupedExperts):
 
     def forward(self, x: torch.Tensor, counts: list[int] | torch.Tensor) -> torch.Tensor:  # [N, h]
         w1, w2 = self.weights
-        preact = grouped_linear(x, w1, counts)  # [N, (2)F/etp]
+        preact = grouped_linear(x, w1, counts, fp8=self.fp8_scaling(0))  # [N, (2)F/etp]
         hidden = DiscardedOutput(functools.partial(_Activation.apply, activation=self.activation), preact)
-        out = grouped_linear(hidden.output, w2, counts)
+        out = grouped_linear(hidden.output, w2, counts, fp8=self.fp8_scaling(1))
         hidden.discard(out)
         return out
 

@@ -61,9 +61,10 @@ def expert_ffn(x, fc1, fc2, activation):
 
 
 def reference_moe(x, w, *, topk, score="softmax", norm=True, activation="swiglu", capacity_factor=None,
-                  aux_coeff=0.0, z_coeff=0.0, bias=None):
+                  aux_coeff=0.0, z_coeff=0.0, bias=None, ffn=expert_ffn):
     """(out [T, h], aux + z, load-balancing loss, z loss) for the global tokens x [T, h] and dense weights w (dict:
-    router, fc1 [E, 2F, h], fc2 [E, h, F], optional shared_fc1, shared_fc2, shared_gate)."""
+    router, fc1 [E, 2F, h], fc2 [E, h, F], optional shared_fc1, shared_fc2, shared_gate); `ffn(x, fc1, fc2,
+    activation)` computes one expert (and the shared one)."""
     E = w["router"].shape[0]
     weights, indices, probs, logits = route(x, w["router"], topk, score, norm, bias)
     kept = capacity_kept(weights, indices, E, capacity_factor) if capacity_factor else torch.ones_like(
@@ -71,10 +72,10 @@ def reference_moe(x, w, *, topk, score="softmax", norm=True, activation="swiglu"
     out = torch.zeros_like(x)
     for e in range(E):
         token, slot = torch.where((indices == e) & kept)
-        y = expert_ffn(x[token], w["fc1"][e], w["fc2"][e], activation)
+        y = ffn(x[token], w["fc1"][e], w["fc2"][e], activation)
         out = out.index_add(0, token, y * weights[token, slot, None].to(x.dtype))
     if "shared_fc1" in w:
-        shared = expert_ffn(x, w["shared_fc1"], w["shared_fc2"], activation)
+        shared = ffn(x, w["shared_fc1"], w["shared_fc2"], activation)
         if "shared_gate" in w:
             shared = torch.sigmoid(x @ w["shared_gate"].t()) * shared
         out = out + shared

@@ -56,9 +56,13 @@ def test_kernels_benchmark_creates_its_output_folder(tmp_path):
     from bench import kernels as bench_kernels
 
     out = tmp_path / "new" / "kernels.json"
-    bench_kernels.main(["--hidden", "256", "--tokens", "256", "--tp", "2", "--layers", "fc2", "--reps", "1",
+    bench_kernels.main(["--hidden", "512", "--tokens", "256", "--tp", "2", "--layers", "fc2", "--reps", "1",
                         "--out", str(out)])
-    assert json.loads(out.read_text())["results"]
+    saved = json.loads(out.read_text())
+    assert saved["results"]
+    fp8 = {(r["layer"], r["phase"], r["recipe"]) for r in saved["fp8"] if r["fp8_ms"] > 0 and r["base_ms"] > 0}
+    assert fp8 == {(layer, phase, recipe) for recipe in ("tensorwise", "rowwise") for layer, phase in (
+        ("fc2", "fwd"), ("fc2", "dgrad"), ("fc2", "wgrad_main_grad"), ("square", "fwd"))}
 
 
 @pytest.mark.parametrize("module,flags,message", [

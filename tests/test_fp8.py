@@ -117,14 +117,15 @@ def test_sizes_scaled_mm_cannot_take_and_unknown_recipes_are_one_line():
     GPTConfig(**config).check_tp(1)
     with pytest.raises(ValueError, match=r"the MLP's fc2 at tp=4 has in_features=24, out_features=64"):
         GPTConfig(**config).check_tp(4)
-    with pytest.raises(ValueError, match=r"num_experts=4: the experts' grouped GEMM has no fp8 path"):
-        GPTConfig(**config, num_experts=4)
+    GPTConfig(**config, num_experts=4, moe_ffn_hidden_size=32).check_experts(2, 2)  # (the experts: test_fp8_moe)
 
 
 @pytest.mark.parametrize("flags,message", [
     (["--fp8-recipe", "rowwise", "--hidden-size", "72"], r"^error: fp8_recipe='rowwise': the QKV projection at tp=2 "
                                                           r"has in_features=72, out_features=72 \(per rank\); "),
-    (["--fp8-recipe", "tensorwise", "--model", "tiny-moe"], r"num_experts=8: the experts' grouped GEMM has no fp8"),
+    (["--fp8-recipe", "tensorwise", "--model", "tiny-moe", "--moe-ffn-hidden-size", "40"],
+     r"^error: --ep=1 --etp=2: fp8_recipe='tensorwise': the experts' fc1 at etp=2 has in_features=64, out_features=40"),
+    (["--fp8-recipe", "rowwise", "--model", "tiny-deepseek"], r"^error: .*latent attention has no fp8 path"),
 ])
 def test_a_bad_fp8_job_is_one_line_before_any_process(flags, message, capsys):
     code, out, lines = train_refusal(flags, capsys)
@@ -197,25 +198,26 @@ def _curve(tmp_path, name, world_size, *flags):
     return _losses(log)
 
 
-def _assert_serial_fp8_curve(tmp_path, splits):
-    """Each split's fp8 curve is the serial fp8 curve (1e-4: the row layer's all-reduce sums in another order than
-    the serial GEMM, and a value moved across an e4m3 rounding boundary rounds the other way), near fp32's."""
+def assert_serial_fp8_curve(tmp_path, splits, *, model=(), recipe="tensorwise", tol=1e-4):
+    """Each split's fp8 curve is the serial fp8 curve (tensorwise 1e-4: the row layer's all-reduce sums in another
+    order than the serial GEMM, and a value moved across an e4m3 rounding boundary rounds the other way), near fp32's.
+    `model`: flags every run adds (another --model)."""
     assert SMALL[SMALL.index("--steps") + 1] == "3"
-    one = ["--tp", "1", "--pp", "1", "--dp", "1"]
+    one = [*model, "--tp", "1", "--pp", "1", "--dp", "1"]
     fp32 = _curve(tmp_path, "fp32", 1, *one)
-    serial = _curve(tmp_path, "serial", 1, *one, "--fp8-recipe", "tensorwise")
+    serial = _curve(tmp_path, "serial", 1, *one, "--fp8-recipe", recipe)
     for name, (world_size, flags) in splits.items():
-        curve = _curve(tmp_path, name, world_size, *flags, "--fp8-recipe", "tensorwise")
+        curve = _curve(tmp_path, name, world_size, *model, *flags, "--fp8-recipe", recipe)
         for step, (ours, reference, exact) in enumerate(zip(curve, serial, fp32, strict=True)):
-            assert abs(ours - reference) <= 1e-4 * reference, f"{name}, step {step + 1}: {ours} vs {reference}"
+            assert abs(ours - reference) <= tol * reference, f"{name}, step {step + 1}: {ours} vs {reference}"
             assert abs(reference - exact) <= 0.02 * exact, f"step {step + 1}: fp8 {reference} vs fp32 {exact}"
 
 
 def test_an_fp8_job_trains_the_serial_fp8_curve_at_tp_2_with_sp(tmp_path):
-    _assert_serial_fp8_curve(tmp_path, {"tp2_sp": (2, ["--tp", "2", "--pp", "1", "--dp", "1", "--sequence-parallel"])})
+    assert_serial_fp8_curve(tmp_path, {"tp2_sp": (2, ["--tp", "2", "--pp", "1", "--dp", "1", "--sequence-parallel"])})
 
 
 @pytest.mark.slow
 def test_an_fp8_job_trains_the_serial_fp8_curve_at_tp_2_pp_2_dp_2(tmp_path):
-    _assert_serial_fp8_curve(tmp_path, {"tp2": (2, ["--tp", "2", "--pp", "1", "--dp", "1"]),
+    assert_serial_fp8_curve(tmp_path, {"tp2": (2, ["--tp", "2", "--pp", "1", "--dp", "1"]),
                                         "2x2x2": (8, ["--tp", "2", "--pp", "2", "--dp", "2"])})

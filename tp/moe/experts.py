@@ -8,6 +8,8 @@ all E experts' full weights from the serial init in the same order and keeps its
 experts), not over dp like the dense ones (see docs/moe.md); `tensor_parallel`/`partition_dim` tag the etp split.
 The GEMMs' backward splits like the parallel linears': under `tp.pipeline.defer_wgrad()` (zero-bubble schedules'
 B) the weight gradients are queued with their counts, computed by the W pass into the same fp32 main_grad.
+`fp8_recipe=` runs each expert's GEMMs in float8 with per-expert scales, the amaxes etp splits all-reduced over etp
+(kernels.grouped_fp8; docs/fp8.md).
 """
 import functools
 
@@ -25,13 +27,13 @@ class _GroupedLinearFn(torch.autograd.Function):
     """kernels.grouped_linear whose weight gradient a zero-bubble schedule's B may defer to its W."""
 
     @staticmethod
-    def forward(ctx, x, weight, counts, activation):
+    def forward(ctx, x, weight, counts, activation, fp8):
         ctx.main_grad = getattr(weight, "main_grad", None)  # on the parameter, not on an autocast copy of it
         ctx.weight_dtype = weight.dtype
         x, weight, _ = kernels.ops.autocast_operands(x, weight)
-        y, preact = kernels.grouped_forward(x, weight, counts, activation)
+        y, preact = kernels.grouped_forward(x, weight, counts, activation, fp8=fp8)
         ctx.save_for_backward(x, weight, preact)
-        ctx.counts, ctx.activation = counts, activation
+        ctx.counts, ctx.activation, ctx.fp8 = counts, activation, fp8
         return y
 
     @staticmethod
@@ -39,26 +41,26 @@ class _GroupedLinearFn(torch.autograd.Function):
     def backward(ctx, grad_y):
         x, weight, preact = ctx.saved_tensors
         dx, dz = kernels.grouped_dgrad(grad_y.to(weight.dtype).contiguous(), weight, ctx.counts, preact,
-                                       ctx.activation, need_input_grad=ctx.needs_input_grad[0])
+                                       ctx.activation, need_input_grad=ctx.needs_input_grad[0], fp8=ctx.fp8)
         dw = None
-        wgrad = functools.partial(_grouped_wgrad, ctx.counts)
+        wgrad = functools.partial(_grouped_wgrad, ctx.counts, ctx.fp8)
         if ctx.needs_input_grad[1] and not defer_weight_grad(ctx, 1, dz, x, wgrad=wgrad):  # (W later, deferred)
             dw = wgrad(dz, x, main_grad=ctx.main_grad)
-        return dx, dw, None, None
+        return dx, dw, None, None, None
 
 
-def _grouped_wgrad(counts, dz, x, *, main_grad=None):
-    return kernels.grouped_wgrad(dz, x, counts, main_grad=main_grad)
+def _grouped_wgrad(counts, fp8, dz, x, *, main_grad=None):
+    return kernels.grouped_wgrad(dz, x, counts, main_grad=main_grad, fp8=fp8)
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int] | torch.Tensor, *,
-                   activation: str | None = None) -> torch.Tensor:
+                   activation: str | None = None, fp8: kernels.fp8.Fp8Scaling | None = None) -> torch.Tensor:
     """kernels.grouped_linear (act(x_e @ weight_eᵀ) per row group), its weight gradient deferrable by
-    tp.pipeline.defer_wgrad."""
-    if not deferring():
+    tp.pipeline.defer_wgrad; `fp8`: the GEMMs in float8, scales reduced over its group (kernels.grouped_fp8)."""
+    if not deferring() and fp8 is None:
         return kernels.grouped_linear(x, weight, counts, activation=activation)
     kernels.ops.check_activation(activation)
-    return _GroupedLinearFn.apply(x, weight, counts, activation)
+    return _GroupedLinearFn.apply(x, weight, counts, activation, fp8)
 
 
 class GroupedExperts(nn.Module):
@@ -73,7 +75,7 @@ class GroupedExperts(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, *, activation: str = "swiglu",
                  ep_size: int = 1, ep_rank: int = 0, etp_size: int = 1, etp_rank: int = 0, init_std: float = 0.02,
                  output_std: float | None = None, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None, _init: bool = True) -> None:
+                 device: torch.device | str | None = None, fp8_recipe: str | None = None, _init: bool = True) -> None:
         super().__init__()
         if activation not in ("swiglu", "gelu", "gelu_tanh"):
             raise ValueError(f"expert activation={activation!r} must be 'swiglu', 'gelu' or 'gelu_tanh'")
@@ -87,6 +89,9 @@ class GroupedExperts(nn.Module):
         self.ep_group = self.etp_group = None
         self.local_experts, self.local_ffn = num_experts // ep_size, ffn_hidden_size // etp_size
         rows = 2 * self.local_ffn if activation == "swiglu" else self.local_ffn
+        kernels.fp8.check_features(fp8_recipe, hidden_size, rows, f"the experts' fc1 at etp={etp_size}")
+        kernels.fp8.check_features(fp8_recipe, self.local_ffn, hidden_size, f"the experts' fc2 at etp={etp_size}")
+        self.fp8_recipe = fp8_recipe
         factory = {"dtype": dtype, "device": device}
         self.register_parameter(self.names[0], nn.Parameter(torch.empty(self.local_experts, rows, hidden_size,
                                                                         **factory)))
@@ -143,15 +148,23 @@ class GroupedExperts(nn.Module):
                 w1[e - self.expert_range.start].copy_(self.shard_fc1(fc1))
                 w2[e - self.expert_range.start].copy_(self.shard_fc2(fc2))
 
+    def fp8_scaling(self, which: int) -> kernels.fp8.Fp8Scaling | None:
+        """How weight `which` (0: fc1, 1: fc2) runs its GEMMs in float8, None: not at all. etp splits fc1's output
+        dim and fc2's input dim: their amaxes are reduced over the etp group."""
+        if self.fp8_recipe is None:
+            return None
+        return kernels.fp8.Fp8Scaling(self.fp8_recipe, self.etp_group, ("out", "in")[which])
+
     def forward(self, x: torch.Tensor, counts: list[int] | torch.Tensor) -> torch.Tensor:  # [N, h]
         w1, w2 = self.weights
-        hidden = grouped_linear(x, w1, counts, activation=self.activation)  # [N, F/etp]
-        return grouped_linear(hidden, w2, counts)  # [N, h]
+        hidden = grouped_linear(x, w1, counts, activation=self.activation, fp8=self.fp8_scaling(0))  # [N, F/etp]
+        return grouped_linear(hidden, w2, counts, fp8=self.fp8_scaling(1))  # [N, h]
 
     def extra_repr(self) -> str:
+        fp8 = f", fp8_recipe={self.fp8_recipe}" if self.fp8_recipe else ""
         return (f"{self.num_experts} experts ({self.local_experts} here: {self.expert_range.start}.."
                 f"{self.expert_range.stop - 1}), {self.hidden_size} -> {self.ffn_hidden_size} ({self.local_ffn} here, "
-                f"etp={self.etp_size}), {self.activation}")
+                f"etp={self.etp_size}), {self.activation}{fp8}")
 
 
 def _all_gather(t, group):

@@ -44,16 +44,17 @@ class SharedExpert(nn.Module):
     def __init__(self, hidden_size: int, ffn_hidden_size: int, *, activation: str = "swiglu", gate: bool = False,
                  sequence_parallel: bool = False, group: dist.ProcessGroup | None = None, init_std: float = 0.02,
                  output_std: float | None = None, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None, _init: bool = True) -> None:
+                 device: torch.device | str | None = None, fp8_recipe: str | None = None, _init: bool = True) -> None:
         super().__init__()
         self.group, self.sequence_parallel = resolve_group(group), sequence_parallel
         swiglu = activation == "swiglu"
         self.fc1 = ColumnParallelLinear(hidden_size, 2 * ffn_hidden_size if swiglu else ffn_hidden_size, bias=False,
                                         activation=activation, sequence_parallel=sequence_parallel, group=self.group,
-                                        init_method=_normal(init_std), dtype=dtype, device=device, _init=_init)
+                                        init_method=_normal(init_std), dtype=dtype, device=device,
+                                        fp8_recipe=fp8_recipe, _init=_init)
         self.fc2 = RowParallelLinear(ffn_hidden_size, hidden_size, bias=False, sequence_parallel=sequence_parallel,
                                      group=self.group, init_method=_normal(output_std or init_std), dtype=dtype,
-                                     device=device, _init=_init)
+                                     device=device, fp8_recipe=fp8_recipe, _init=_init)
         self.gate = None
         if gate:
             self.gate = nn.Parameter(torch.empty(1, hidden_size, dtype=dtype, device=device))
@@ -84,7 +85,9 @@ class MoE(nn.Module):
     tokens: the aux losses' statistics and the capacity threshold), `cp_group` and `dp_group` (where a token sits
     in the micro-batches: the capacity's tie order), `sequence_group` (tp·cp: the ranks holding the rest of this
     rank's sequences, the sequence-wise loss); `data_parallel_size` the dense dp size (how many micro-batches
-    the token group holds). Each may be passed explicitly (None without a mesh: one rank).
+    the token group holds). Each may be passed explicitly (None without a mesh: one rank). `fp8_recipe` (one of
+    kernels.FP8_RECIPES) runs the experts' and the shared expert's GEMMs in float8; the router stays in the layer's
+    dtype (docs/fp8.md).
     """
 
     group, ep_group, etp_group, expert_group, token_group, sequence_group, cp_group, dp_group = (
@@ -102,7 +105,7 @@ class MoE(nn.Module):
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None,
                  num_groups: int = 1, group_topk: int | None = None, scaling_factor: float = 1.0,
                  seq_aux_loss_coeff: float = 0.0, sequence_group: dist.ProcessGroup | None = None,
-                 _init: bool = True) -> None:
+                 fp8_recipe: str | None = None, _init: bool = True) -> None:
         super().__init__()
         self.group = resolve_group(group)
         self.ep_group = ep_group if ep_group is not None else _mesh_group("ep")
@@ -131,13 +134,14 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(num_experts, hidden_size, ffn_hidden_size, activation=activation,
                                       ep_size=_size(self.ep_group), ep_rank=_rank(self.ep_group),
                                       etp_size=_size(self.etp_group), etp_rank=_rank(self.etp_group),
-                                      init_std=init_std, output_std=output_std, **factory)
+                                      init_std=init_std, output_std=output_std, fp8_recipe=fp8_recipe, **factory)
         self.experts.ep_group, self.experts.etp_group = self.ep_group, self.etp_group
         self.shared = None
         if shared_expert_size:
             self.shared = SharedExpert(hidden_size, shared_expert_size, activation=activation,
                                        gate=shared_expert_gate, sequence_parallel=sequence_parallel,
-                                       group=self.group, init_std=init_std, output_std=output_std, **factory)
+                                       group=self.group, init_std=init_std, output_std=output_std,
+                                       fp8_recipe=fp8_recipe, **factory)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [s(/tp), b, h]
         tokens = x.reshape(-1, x.shape[-1])  # [T, h]
