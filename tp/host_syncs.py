@@ -1,0 +1,120 @@
+"""Counting host syncs on any device, the CPU included: `with count_host_syncs() as syncs: step()`, then
+`len(syncs)` and `print(syncs.summary())`.
+
+A host sync is a read of a tensor's values (or of a size only its values decide) by the host: on a GPU the host then
+waits for every kernel queued before it, and the launch queue runs dry. In PyTorch each such read goes through a few
+aten ops, which a TorchDispatchMode sees whatever the device: `_local_scalar_dense` (`.item()`, `bool(t)`, `int(t)`,
+`float(t)`, `if t:`), the ops whose output size depends on the values (`nonzero`, `masked_select`, the `unique`s,
+`repeat_interleave` without `output_size`, indexing with a boolean mask, `bincount`), `equal`, and a copy from the
+device to the host (`.cpu()`, `.to("cpu")` of a device tensor); a TorchFunctionMode adds `.tolist()` and `.numpy()`,
+which read a CPU tensor without an aten op. On the CPU nothing waits, but the same code on a GPU would: so a CPU run
+counts what a GPU run syncs, and a test on CPU can hold the count. (CUDA's own
+`torch.cuda.set_sync_debug_mode("warn")` sees the CUDA runtime's syncs, including `torch.cuda.synchronize()`, which is
+no tensor op; it needs a GPU.)
+"""
+import contextlib
+import os
+import traceback
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+aten = torch.ops.aten
+# ops that read values on the host whatever their arguments
+_READS = {aten._local_scalar_dense.default, aten.equal.default, aten.nonzero.default, aten.masked_select.default,
+          aten._unique.default, aten._unique2.default, aten.unique_dim.default, aten.unique_consecutive.default,
+          aten.bincount.default, aten.repeat_interleave.Tensor}
+_INDEXING = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default}
+_HOST_READS = {torch.Tensor.tolist: "tolist", torch.Tensor.numpy: "numpy"}
+_THIS = os.path.abspath(__file__)
+_TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+
+
+@dataclass(frozen=True)
+class HostSync:
+    """One host sync: the op (`aten._local_scalar_dense.default`, `tolist`, ...) and where it was called from (the
+    innermost frames outside torch, innermost last: "file.py:line function")."""
+    op: str
+    where: tuple[str, ...]
+
+    def __str__(self) -> str:
+        return f"{self.op} at {' <- '.join(reversed(self.where))}"
+
+
+class HostSyncs(list):
+    """The HostSync of each host sync, in order."""
+
+    quiet = False  # while a counted read runs: the ops it calls are not counted again
+
+    def summary(self) -> str:
+        """One line per distinct (op, place) with its count, most frequent first."""
+        counts: dict[str, int] = {}
+        for sync in self:
+            counts[str(sync)] = counts.get(str(sync), 0) + 1
+        return "\n".join(f"{n} x {line}" for line, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
+def _where(frames: int = 3) -> tuple[str, ...]:
+    ours = [f for f in traceback.extract_stack() if not f.filename.startswith(_TORCH) and f.filename != _THIS]
+    return tuple(f"{os.path.relpath(f.filename)}:{f.lineno} {f.name}" for f in ours[-frames:])
+
+
+def _on(device, t) -> bool:
+    return isinstance(t, torch.Tensor) and t.device.type == device
+
+
+def _is_sync(func, args, kwargs, device) -> bool:
+    if func in _READS:
+        if func is aten.repeat_interleave.Tensor and kwargs.get("output_size") is not None:
+            return False
+        return any(_on(device, a) for a in args)
+    if func in _INDEXING:  # a boolean mask becomes its nonzero indices (a value-dependent size)
+        indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
+        return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices or ())
+    if func in (aten._to_copy.default, aten.copy_.default):  # device -> host
+        source, target = (args[0], kwargs.get("device")) if func is aten._to_copy.default else (args[1], args[0].device)
+        return device != "cpu" and _on(device, source) and torch.device(target or source.device).type == "cpu"
+    return False
+
+
+class _Dispatch(TorchDispatchMode):
+    def __init__(self, seen, device):
+        super().__init__()
+        self.seen, self.device = seen, device
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not self.seen.quiet and _is_sync(func, args, kwargs, self.device):
+            self.seen.append(HostSync(str(func), _where()))
+        return func(*args, **kwargs)
+
+
+class _Function(TorchFunctionMode):
+    def __init__(self, seen, device):
+        super().__init__()
+        self.seen, self.device = seen, device
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func not in _HOST_READS or not args or not _on(self.device, args[0]):
+            return func(*args, **(kwargs or {}))
+        self.seen.append(HostSync(_HOST_READS[func], _where()))
+        self.seen.quiet = True  # (its copy to the host is this one sync)
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            self.seen.quiet = False
+
+
+@contextlib.contextmanager
+def count_host_syncs(device: torch.device | str | None = None) -> Iterator[HostSyncs]:
+    """The host syncs inside the block, on tensors of `device` (default: CUDA when available, else the CPU, where
+    every tensor of the step lives): a HostSyncs list, filled as they happen. Every thread's ops are not seen:
+    only this thread's (autograd's backward runs its CPU work on this thread; on a GPU on its own, unseen: count
+    there with torch.cuda.set_sync_debug_mode)."""
+    kind = torch.device(device).type if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+    seen = HostSyncs()
+    with _Function(seen, kind), _Dispatch(seen, kind):
+        yield seen
