@@ -57,6 +57,21 @@ class HostSyncs(list):
         return "\n".join(f"{n} x {line}" for line, n in sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
+_host_only = [0]  # >0 inside host_values: its read is not counted
+
+
+def host_values(t: torch.Tensor) -> list:
+    """t.tolist() for a tensor that lives on the host on every device (the host's own numbers: timings, sizes
+    reduced over gloo), not counted by count_host_syncs: nothing waits for a device. A device tensor: ValueError."""
+    if t.device.type != "cpu":
+        raise ValueError(f"host_values: a tensor on {t.device}, not on the host (read it with .tolist(): a host sync)")
+    _host_only[0] += 1
+    try:
+        return t.tolist()
+    finally:
+        _host_only[0] -= 1
+
+
 def _where(frames: int = 3) -> tuple[str, ...]:
     ours = [f for f in traceback.extract_stack() if not f.filename.startswith(_TORCH) and f.filename != _THIS]
     return tuple(f"{os.path.relpath(f.filename)}:{f.lineno} {f.name}" for f in ours[-frames:])
@@ -87,7 +102,7 @@ class _Dispatch(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if not self.seen.quiet and _is_sync(func, args, kwargs, self.device):
+        if not (self.seen.quiet or _host_only[0]) and _is_sync(func, args, kwargs, self.device):
             self.seen.append(HostSync(str(func), _where()))
         return func(*args, **kwargs)
 
@@ -98,7 +113,7 @@ class _Function(TorchFunctionMode):
         self.seen, self.device = seen, device
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func not in _HOST_READS or not args or not _on(self.device, args[0]):
+        if func not in _HOST_READS or _host_only[0] or not args or not _on(self.device, args[0]):
             return func(*args, **(kwargs or {}))
         self.seen.append(HostSync(_HOST_READS[func], _where()))
         self.seen.quiet = True  # (its copy to the host is this one sync)
