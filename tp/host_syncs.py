@@ -6,8 +6,8 @@ waits for every kernel queued before it, and the launch queue runs dry. In PyTor
 aten ops, which a TorchDispatchMode sees whatever the device: `_local_scalar_dense` (`.item()`, `bool(t)`, `int(t)`,
 `float(t)`, `if t:`), the ops whose output size depends on the values (`nonzero`, `masked_select`, the `unique`s,
 `repeat_interleave` without `output_size`, indexing with a boolean mask, `bincount`), `equal`, and a copy from the
-device to the host (`.cpu()`, `.to("cpu")` of a device tensor); a TorchFunctionMode adds `.tolist()` and `.numpy()`,
-which read a CPU tensor without an aten op. On the CPU nothing waits, but the same code on a GPU would: so a CPU run
+device to the host (`.cpu()`, `.to("cpu")` of a device tensor); `.tolist()` and `.numpy()`, which read a CPU tensor
+without an aten op, are counted by wrapping them while a counter is open. On the CPU nothing waits, but the same code on a GPU would: so a CPU run
 counts what a GPU run syncs, and a test on CPU can hold the count. (CUDA's own
 `torch.cuda.set_sync_debug_mode("warn")` sees the CUDA runtime's syncs, including `torch.cuda.synchronize()`, which is
 no tensor op; it needs a GPU.)
@@ -19,7 +19,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 aten = torch.ops.aten
@@ -28,7 +27,7 @@ _READS = {aten._local_scalar_dense.default, aten.equal.default, aten.nonzero.def
           aten._unique.default, aten._unique2.default, aten.unique_dim.default, aten.unique_consecutive.default,
           aten.bincount.default, aten.repeat_interleave.Tensor}
 _INDEXING = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default}
-_HOST_READS = {torch.Tensor.tolist: "tolist", torch.Tensor.numpy: "numpy"}
+_HOST_READS = {"tolist": torch.Tensor.tolist, "numpy": torch.Tensor.numpy}
 _THIS = os.path.abspath(__file__)
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 
@@ -47,8 +46,6 @@ class HostSync:
 class HostSyncs(list):
     """The HostSync of each host sync, in order."""
 
-    quiet = False  # while a counted read runs: the ops it calls are not counted again
-
     def summary(self) -> str:
         """One line per distinct (op, place) with its count, most frequent first."""
         counts: dict[str, int] = {}
@@ -57,7 +54,8 @@ class HostSyncs(list):
         return "\n".join(f"{n} x {line}" for line, n in sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
-_host_only = [0]  # >0 inside host_values: its read is not counted
+_quiet = [0]  # > 0 while a read is under way that is counted already or not at all: its ops are not counted
+_counting: list[tuple[HostSyncs, str]] = []  # the counters open now (HostSyncs, device type), innermost last
 
 
 def host_values(t: torch.Tensor) -> list:
@@ -65,11 +63,29 @@ def host_values(t: torch.Tensor) -> list:
     reduced over gloo), not counted by count_host_syncs: nothing waits for a device. A device tensor: ValueError."""
     if t.device.type != "cpu":
         raise ValueError(f"host_values: a tensor on {t.device}, not on the host (read it with .tolist(): a host sync)")
-    _host_only[0] += 1
+    return _quietly(t.tolist)
+
+
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """t.cpu(), counted by count_host_syncs as the host sync it is on a device even where t is already on the host
+    (on the CPU .cpu() is no op to see): for the reads a step needs (the split sizes of a variable all-to-all)."""
+    _record("to_host", t)
+    return _quietly(t.cpu)
+
+
+def _record(op, t):
+    if not _quiet[0]:
+        for seen, device in _counting:
+            if _on(device, t):
+                seen.append(HostSync(op, _where()))
+
+
+def _quietly(read, *args, **kwargs):
+    _quiet[0] += 1
     try:
-        return t.tolist()
+        return read(*args, **kwargs)
     finally:
-        _host_only[0] -= 1
+        _quiet[0] -= 1
 
 
 def _where(frames: int = 3) -> tuple[str, ...]:
@@ -102,25 +118,18 @@ class _Dispatch(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if not (self.seen.quiet or _host_only[0]) and _is_sync(func, args, kwargs, self.device):
+        if not _quiet[0] and _is_sync(func, args, kwargs, self.device):
             self.seen.append(HostSync(str(func), _where()))
         return func(*args, **kwargs)
 
 
-class _Function(TorchFunctionMode):
-    def __init__(self, seen, device):
-        super().__init__()
-        self.seen, self.device = seen, device
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func not in _HOST_READS or _host_only[0] or not args or not _on(self.device, args[0]):
-            return func(*args, **(kwargs or {}))
-        self.seen.append(HostSync(_HOST_READS[func], _where()))
-        self.seen.quiet = True  # (its copy to the host is this one sync)
-        try:
-            return func(*args, **(kwargs or {}))
-        finally:
-            self.seen.quiet = False
+def _reading(name, method):
+    """Tensor.tolist / .numpy counted: they read a CPU tensor without an aten op (patched on torch.Tensor while a
+    counter is open: a TorchFunctionMode would not see them in the backward pass)."""
+    def read(self, *args, **kwargs):
+        _record(name, self)
+        return _quietly(method, self, *args, **kwargs)  # (its copy to the host is this one sync)
+    return read
 
 
 @contextlib.contextmanager
@@ -131,5 +140,15 @@ def count_host_syncs(device: torch.device | str | None = None) -> Iterator[HostS
     there with torch.cuda.set_sync_debug_mode)."""
     kind = torch.device(device).type if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
     seen = HostSyncs()
-    with _Function(seen, kind), _Dispatch(seen, kind):
-        yield seen
+    if not _counting:
+        for name, method in _HOST_READS.items():
+            setattr(torch.Tensor, name, _reading(name, method))
+    _counting.append((seen, kind))
+    try:
+        with _Dispatch(seen, kind):
+            yield seen
+    finally:
+        _counting[:] = [c for c in _counting if c[0] is not seen]
+        if not _counting:
+            for name, method in _HOST_READS.items():
+                setattr(torch.Tensor, name, method)
