@@ -7,10 +7,13 @@ aten ops, which a TorchDispatchMode sees whatever the device: `_local_scalar_den
 `float(t)`, `if t:`), the ops whose output size depends on the values (`nonzero`, `masked_select`, the `unique`s,
 `repeat_interleave` without `output_size`, indexing with a boolean mask, `bincount`), `equal`, and a copy from the
 device to the host (`.cpu()`, `.to("cpu")` of a device tensor); `.tolist()` and `.numpy()`, which read a CPU tensor
-without an aten op, are counted by wrapping them while a counter is open. On the CPU nothing waits, but the same code on a GPU would: so a CPU run
-counts what a GPU run syncs, and a test on CPU can hold the count. (CUDA's own
-`torch.cuda.set_sync_debug_mode("warn")` sees the CUDA runtime's syncs, including `torch.cuda.synchronize()`, which is
-no tensor op; it needs a GPU.)
+without an aten op, are counted by wrapping them while a counter is open. On the CPU nothing waits, but the same
+code on a GPU would: a CPU run counts what a GPU run would sync, and a test on the CPU can hold the count. Two
+helpers say what a read is: `host_values(t)` reads a tensor that lives on the host on every device (timings, sizes
+reduced over gloo: not counted), `to_host(t)` is a read a step needs (counted, on the CPU too).
+
+CUDA's own `torch.cuda.set_sync_debug_mode("warn")` sees the CUDA runtime's syncs on a GPU, including blocking
+host-to-device copies and `torch.cuda.synchronize()`, which are no reads of values and are not counted here.
 """
 import contextlib
 import os

@@ -28,8 +28,8 @@ from .collectives import all_gather_into_tensor
 from .data_parallel import DataParallel, default_bucket_numel
 from .pipeline import model_chunks
 
-__all__ = ["DataParallel", "DistributedOptimizer", "memory_bytes", "fast_adam", "step_if_finite", "clip_grad_norm_", "keep_param_tags", "reduced_grad",
-           "CLIP_TAGS", "default_bucket_numel"]
+__all__ = ["DataParallel", "DistributedOptimizer", "memory_bytes", "fast_adam", "step_if_finite", "clip_grad_norm_",
+           "keep_param_tags", "reduced_grad", "CLIP_TAGS", "default_bucket_numel"]
 
 
 def fast_adam(params: Iterable[Any]) -> dict[str, bool]:

@@ -33,7 +33,8 @@ def gradients_finite(module: torch.nn.Module) -> bool:
 
 class NanCheck:
     """The check of one rank: `after_gradients` each step once the global norm is known (with the gradients, or
-    whether they were finite on this rank), `after_loss` once the global loss is; either raises JobStopped. `enabled` False: nothing is checked."""
+    whether they were finite on this rank), `after_loss` once the global loss is; either raises JobStopped.
+    `enabled` False: nothing is checked."""
 
     def __init__(self, *, enabled: bool, max_skipped: int):
         self.enabled, self.max_skipped = enabled, max_skipped
