@@ -204,8 +204,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         flat = lambda t: t.reshape(-1)[start:start + master.numel()]  # noqa: E731
         if "param" in values:
             master.copy_(flat(values["param"]))
-        self.state[master] = {k: flat(v).to(master.dtype).clone() if v.shape == param.shape else v.clone()
-                              for k, v in values.items() if k != "param"}
+        scalars_to = master.device if self.optimizer.defaults.get("fused") else None  # (fused: its step there)
+        self.state[master] = {k: flat(v).to(master.dtype).clone() if v.shape == param.shape
+                              else v.to(scalars_to, copy=True) for k, v in values.items() if k != "param"}
 
 
 # ---- memory --------------------------------------------------------------------------------------------------------
