@@ -49,7 +49,8 @@ def step_if_finite(optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor) ->
     the device (torch's `found_inf` flag, as its GradScaler passes it: no host sync); any other optimizer reads the
     norm on the host (one sync)."""
     inner = optimizer.optimizer if isinstance(optimizer, DistributedOptimizer) else optimizer
-    if not getattr(inner, "_step_supports_amp_scaling", False):
+    fused = getattr(inner, "_step_supports_amp_scaling", False) and all(g.get("fused") for g in inner.param_groups)
+    if not fused:  # (also a fused one whose groups a checkpoint's load_state_dict set to another implementation)
         if grad_norm.isfinite():
             optimizer.step()
         return
