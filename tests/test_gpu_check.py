@@ -52,6 +52,7 @@ def test_every_section_runs_its_cpu_smoke(smoke):
     mfu = sections["mfu"]["details"]  # bench.mfu's rows: a rate, and the profiled step's breakdown
     assert mfu["torch"]["tokens_per_s"] > 0 and mfu["auto"]["tokens_per_s"] > 0 and mfu["compiled"].startswith("skip")
     assert set(mfu["torch"]["breakdown"]) == set(bench_mfu.BREAKDOWN) and mfu["torch"]["breakdown"]["gemm"] > 0
+    assert mfu["torch"]["host_syncs"] == mfu["auto"]["host_syncs"] == 0  # (counted off CUDA too: tp.host_syncs)
     assert sections["kernels"]["details"]["gpu_only"].startswith("skipped")
     assert sections["bench_kernels"]["details"]["square_gemm"].startswith("skipped")
     files = sorted(p.name for p in out.iterdir())
