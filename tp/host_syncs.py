@@ -107,7 +107,8 @@ def _is_sync(func, args, kwargs, device) -> bool:
         return any(_on(device, a) for a in args)
     if func in _INDEXING:  # a boolean mask becomes its nonzero indices (a value-dependent size)
         indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
-        return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices or ())
+        masks = any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices or ())
+        return masks and _on(device, args[0])
     if func in (aten._to_copy.default, aten.copy_.default):  # device -> host
         source, target = (args[0], kwargs.get("device")) if func is aten._to_copy.default else (args[1], args[0].device)
         return device != "cpu" and _on(device, source) and torch.device(target or source.device).type == "cpu"
@@ -138,9 +139,8 @@ def _reading(name, method):
 @contextlib.contextmanager
 def count_host_syncs(device: torch.device | str | None = None) -> Iterator[HostSyncs]:
     """The host syncs inside the block, on tensors of `device` (default: CUDA when available, else the CPU, where
-    every tensor of the step lives): a HostSyncs list, filled as they happen. Every thread's ops are not seen:
-    only this thread's (autograd's backward runs its CPU work on this thread; on a GPU on its own, unseen: count
-    there with torch.cuda.set_sync_debug_mode)."""
+    every tensor of a CPU run lives): a HostSyncs list, filled as they happen, the backward pass's included (autograd
+    carries the dispatch mode into it). On a GPU, torch.cuda.set_sync_debug_mode("warn") is the cross-check."""
     kind = torch.device(device).type if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
     seen = HostSyncs()
     if not _counting:
