@@ -372,11 +372,10 @@ def test_the_jobs_logged_bytes_equal_the_memory_estimate(runs):
             params, grads, optimizer = memory.parameter_memory(
                 config, tp=t, pp=p, stage=s, virtual_stages=v, dp_mode=mode,
                 precision="fp32" if precision == "fp64" else precision, shards=d * c, ep=ep, etp=etp)[:3]
-            if precision == "fp64":  # fp32's tensors at twice the bytes but AdamW's step counters, fp32 scalars
-                # whatever the parameters' dtype: fused AdamW's (tp.optim.fast_adam), and the resumed run's, read
-                # from the ep 2 checkpoint as tp.optim's DistributedOptimizer stores them (the estimate: 8 bytes of
-                # moments per 4 of parameter, then the counters)
-                steps = optimizer - 2 * params
+            if precision == "fp64":  # fp32's tensors at twice the bytes but the resumed run's AdamW step counters,
+                # read from the ep 2 checkpoint as tp.optim's DistributedOptimizer stores them (fp32 scalars; FSDP2's
+                # estimate: 8 bytes of moments per 4 of parameter, then the counters)
+                steps = optimizer - 2 * params if name.startswith("resumed") else 0
                 params, grads, optimizer = 2 * params, 2 * grads, 2 * optimizer - steps
             stages.append((params, grads, optimizer))
         want = tuple(max(stage[i] for stage in stages) for i in range(3))
