@@ -35,9 +35,11 @@ __all__ = ["DataParallel", "DistributedOptimizer", "memory_bytes", "fast_adam", 
 def fast_adam(params: Iterable[Any]) -> dict[str, bool]:
     """torch Adam/AdamW's fastest implementation for these parameters (tensors or param groups): {"fused": True} (one
     kernel over every tensor, its step count on the device: no host sync) where torch has the fused kernel (fp32,
-    bf16, fp16 plain tensors on CUDA or the CPU), else {"foreach": True} (DTensors: FSDP2's shards; fp64, the tests'
-    exact precision, whose step counts then stay fp64 scalars as memory_bytes' callers count them)."""
+    bf16, fp16 plain tensors on CUDA or the CPU); {"foreach": True} for FSDP2's DTensor shards; {} (torch's own
+    choice, as before) for fp64, the tests' exact precision."""
     params = [p for g in params for p in (g["params"] if isinstance(g, dict) else [g])]
+    if any(p.dtype == torch.float64 for p in params):
+        return {}
     devices = _get_fused_kernels_supported_devices()
     fused = all(type(p) in (torch.Tensor, nn.Parameter) and p.dtype in (torch.float32, torch.bfloat16, torch.float16)
                 and p.device.type in devices for p in params)
