@@ -1,13 +1,15 @@
 """One device, the whole training step (forward and backward over the micro-batches, gradient clipping, AdamW), of
 any model shape (a preset of models.MODELS, with overrides): tokens/s, MFU (models/flops.py's 6N + attention over
 the device's dense bf16 peak), peak memory, host syncs per step (CUDA: torch.cuda.set_sync_debug_mode counts every
-synchronising call) and a torch.profiler breakdown of one step's time by category (GEMMs, attention, norms and other
-elementwise, loss, optimizer, idle), per row: a kernels backend (torch, triton, auto), eager or compiled blocks.
+synchronising call; elsewhere tp.host_syncs.count_host_syncs counts the reads a GPU would sync on) and a
+torch.profiler breakdown of one step's time by category (GEMMs, attention, norms and other elementwise, loss,
+optimizer, idle), per row: a kernels backend (torch, triton, auto), eager or compiled blocks.
 
     python -m bench.mfu --model llama3-8b --layers 16 --hidden 2048 ... --rows torch auto auto+compile [--search]
 
-The model runs in the chosen dtype (bf16 on CUDA by default) with AdamW on its parameters (fused on CUDA, foreach
-elsewhere); the tokens are random. On CPU the MFU is left out (no peak to divide by) unless --peak-tflops is given.
+The model runs in the chosen dtype (bf16 on CUDA by default) with AdamW on its parameters (fused where torch has
+the kernel: tp.optim.fast_adam); the tokens are random. On CPU the MFU is left out (no peak to divide by) unless
+--peak-tflops is given.
 --search first tries every recompute granularity × --search-batches micro-batch size on --search-row, briefly, the
 planner's fastest predictions first, out-of-memory ones recorded and passed over, until --search-seconds are spent;
 the rows then run at the fastest. Each row's step time is written beside the planner's prediction for the same
@@ -32,6 +34,7 @@ from models import GPT, GPTConfig
 from models.flops import flops_per_token
 from models.presets import MODELS
 from models.recompute import GRANULARITIES
+from tp.host_syncs import count_host_syncs
 
 from .common import at_least, machine, median, print_table, scratch_path, write_json
 from .gpu_sections import peak_flops
@@ -80,11 +83,13 @@ def train_step(model, optimizer, batches, clip):
 
 @contextlib.contextmanager
 def counting_syncs(device):
-    """A list that collects one entry per host synchronisation inside (CUDA's sync debug mode; [] elsewhere)."""
-    seen = []
+    """A list that collects one entry per host synchronisation inside (CUDA's sync debug mode; elsewhere
+    tp.host_syncs.count_host_syncs: every read of a tensor's values by the host, as a GPU would sync on it)."""
     if device.type != "cuda":
-        yield seen
+        with count_host_syncs(device) as seen:
+            yield seen
         return
+    seen = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
@@ -153,8 +158,7 @@ def measure_row(row, base, *, device, batch, micro_batches, seq_len, steps, warm
     model = copy.deepcopy(base).to(device)  # (from the CPU: the peak memory is this row's alone)
     if compiled:
         model.compile_blocks()
-    fused = {"fused": True} if device.type == "cuda" else {"foreach": True}
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, **fused)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, **tp.optim.fast_adam(model.parameters()))
     g = torch.Generator().manual_seed(1)
     batches = [tuple(t.to(device) for t in torch.randint(0, config.vocab_size, (2, batch, seq_len), generator=g))
                for _ in range(micro_batches)]
@@ -181,7 +185,7 @@ def measure_row(row, base, *, device, batch, micro_batches, seq_len, steps, warm
             "tokens_per_s": round(rate, 1),
             "mfu": round(flops_per_token(config, seq_len) * rate / peak, 4) if peak else None,
             "peak_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None,
-            "host_syncs": max(syncs) if device.type == "cuda" else None, "breakdown": parts}
+            "host_syncs": max(syncs), "breakdown": parts}
 
 
 def measure(config: GPTConfig, rows, *, batch: int = 1, micro_batches: int = 1, seq_len: int, dtype: torch.dtype,

@@ -56,6 +56,7 @@ def test_every_section_runs_its_cpu_smoke(smoke):
     assert mfu["search"]["best"] == f"recompute {mfu['auto']['recompute']} batch {mfu['auto']['batch']}"
     assert mfu["search"]["tried"][0].split(":")[1].strip().startswith("measured")
     assert mfu["auto"]["predicted"]["profile"] == "cpu-measured" and mfu["auto"]["predicted"]["ratio"] > 0
+    assert mfu["torch"]["host_syncs"] == mfu["auto"]["host_syncs"] == 0  # (counted off CUDA too: tp.host_syncs)
     assert sections["kernels"]["details"]["gpu_only"].startswith("skipped")
     assert sections["bench_kernels"]["details"]["square_gemm"].startswith("skipped")
     files = sorted(p.name for p in out.iterdir())

@@ -69,14 +69,17 @@ def _sum_of_squares(p, grad, offset, tp_rank):
 
 
 @torch.no_grad()
-def clip_grad_norm_(params: torch.Tensor | Iterable[torch.Tensor], max_norm: float, *,
-                    mesh: Mesh | None = None) -> torch.Tensor:
+def clip_grad_norm_(params: torch.Tensor | Iterable[torch.Tensor], max_norm: float, *, mesh: Mesh | None = None,
+                    with_local: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Scale the gradients in place so that their global L2 norm is at most `max_norm` (0: measure only); returns
-    the norm before clipping (a 0-d fp32 tensor, the same on every rank; inf/nan when a gradient is not finite:
-    skip that step).
+    the norm before clipping (a 0-d fp32 tensor on the collectives' device, the same on every rank; inf/nan when a
+    gradient is not finite: skip that step). No host sync: the norm is read only where the caller reads it.
 
     Over the whole model (see the module docstring): every rank of `mesh` (default the current one) calls it with
     its parameters. `main_grad` is used when present; tp.optim.DataParallel's reductions are finished first.
+    `with_local`: (the norm, this rank's part of it before the all-reduce): not finite where a gradient this rank
+    counts is not (the lowest such rank is the lowest rank with a non-finite gradient: a copy a rank does not count
+    is counted on a lower one).
     """
     if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm >= 0:
         raise ValueError(f"max_norm={max_norm!r} must be a number >= 0 (0: measure only)")
@@ -94,16 +97,16 @@ def clip_grad_norm_(params: torch.Tensor | Iterable[torch.Tensor], max_norm: flo
         if not getattr(p, "shared", False) and _counted(p, mesh, group):
             tp_rank = 0 if getattr(p, "expert_parallel", False) else mesh.tp_rank  # (experts: no tp duplicates)
             total += _sum_of_squares(p, grad, offset, tp_rank).to(total.device)
+    local = total.clone() if with_local else None
     if mesh.world_size > 1:
         dist.all_reduce(total)
-    exact = total.sqrt().item()  # (one host sync; fp64: an fp64 model's coefficient is torch's to the last bits)
-    norm = torch.tensor(exact, dtype=torch.float32)
-    if max_norm > 0 and math.isfinite(exact):
-        coefficient = max_norm / (exact + 1e-6)
-        if coefficient < 1:
-            for grad in grads:
-                grad.mul_(coefficient)
-    return norm
+    exact = total.sqrt()  # (fp64: an fp64 model's coefficient is torch's to the last bits)
+    if max_norm > 0:  # on the device, no host sync: a coefficient of 1 (no clipping, a non-finite norm) changes nothing
+        coefficient = torch.full_like(exact, max_norm) / (exact + 1e-6)  # (not max_norm / t: t.reciprocal() * max_norm)
+        coefficient = torch.where(exact.isfinite() & (coefficient < 1), coefficient, 1.0)
+        for grad in grads:
+            grad.mul_(coefficient.to(grad.device))
+    return (exact.float(), local.sqrt().float()) if with_local else exact.float()
 
 
 CLIP_TAGS = ("tensor_parallel", "partition_dim", "replica_rows", "shared", "expert_parallel")

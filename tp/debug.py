@@ -47,10 +47,10 @@ def check_range(ids: torch.Tensor, limit: int, message: Callable[[int | str], st
                 ignore: int | None = None) -> None:
     """Every id (but `ignore`) in [0, limit), else ValueError(message(the first bad id)).
 
-    On CPU tensors the check reads two numbers on the host (no device to wait for). On a GPU and under torch.compile
-    it is a device-side assert instead (`torch._assert_async`: no host sync, so the launch queue never stalls and the
-    graph does not break; a bad id stops the process); debug mode or TP_HOST_CHECKS=1 make it the host check on a GPU
-    too (not under torch.compile).
+    It is a device-side assert (`torch._assert_async`: no host sync, so the launch queue never stalls and the graph
+    does not break): on a GPU a bad id stops the process; on the CPU the assert fails at once, and only then is the
+    bad id read for the message (tp.host_syncs counts no sync for a good batch). Debug mode or TP_HOST_CHECKS=1 make
+    it a host check on a GPU too, with the same message (not under torch.compile).
     """
     if not ids.numel():
         return
@@ -60,8 +60,15 @@ def check_range(ids: torch.Tensor, limit: int, message: Callable[[int | str], st
     if torch.compiler.is_compiling() or (ids.device.type != "cpu" and not (_enabled or _host_checks)):
         torch._assert_async(~bad.any(), message("(an id)"))
         return
-    if bad.any():
-        raise ValueError(message(ids[bad][0].item()))
+    if ids.device.type == "cpu":
+        try:
+            torch._assert_async(~bad.any(), "an id out of range")  # (on the CPU it raises at once)
+            return
+        except RuntimeError:
+            pass
+    elif not bad.any():  # (debug mode on a GPU: the host reads the flag)
+        return
+    raise ValueError(message(ids[bad][0].item()))
 
 
 def _summary(x):

@@ -21,14 +21,47 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from .clip import CLIP_TAGS, clip_grad_norm_, keep_param_tags, reduced_grad
 from .collectives import all_gather_into_tensor
 from .data_parallel import DataParallel, default_bucket_numel
 from .pipeline import model_chunks
 
-__all__ = ["DataParallel", "DistributedOptimizer", "memory_bytes", "clip_grad_norm_", "keep_param_tags", "reduced_grad",
-           "CLIP_TAGS", "default_bucket_numel"]
+__all__ = ["DataParallel", "DistributedOptimizer", "memory_bytes", "fast_adam", "step_if_finite", "clip_grad_norm_",
+           "keep_param_tags", "reduced_grad", "CLIP_TAGS", "default_bucket_numel"]
+
+
+def fast_adam(params: Iterable[Any]) -> dict[str, bool]:
+    """torch Adam/AdamW's fastest implementation for these parameters (tensors or param groups): {"fused": True} (one
+    kernel over every tensor, its step count on the device: no host sync) where torch has the fused kernel (fp32,
+    bf16, fp16 plain tensors on CUDA or the CPU); {"foreach": True} for FSDP2's DTensor shards; {} (torch's own
+    choice, as before) for fp64, the tests' exact precision."""
+    params = [p for g in params for p in (g["params"] if isinstance(g, dict) else [g])]
+    if any(p.dtype == torch.float64 for p in params):
+        return {}
+    devices = _get_fused_kernels_supported_devices()
+    fused = all(type(p) in (torch.Tensor, nn.Parameter) and p.dtype in (torch.float32, torch.bfloat16, torch.float16)
+                and p.device.type in devices for p in params)
+    return {"fused": True} if fused else {"foreach": True}
+
+
+def step_if_finite(optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor) -> None:
+    """optimizer.step() unless `grad_norm` (the global gradient norm, a 0-d tensor) is not finite: no update, the
+    model and the optimizer state as they were (Megatron's skipped step). A fused Adam/AdamW (fast_adam) decides on
+    the device (torch's `found_inf` flag, as its GradScaler passes it: no host sync); any other optimizer reads the
+    norm on the host (one sync)."""
+    inner = optimizer.optimizer if isinstance(optimizer, DistributedOptimizer) else optimizer
+    fused = getattr(inner, "_step_supports_amp_scaling", False) and all(g.get("fused") for g in inner.param_groups)
+    if not fused:  # (also a fused one whose groups a checkpoint's load_state_dict set to another implementation)
+        if grad_norm.isfinite():
+            optimizer.step()
+        return
+    inner.found_inf = (~grad_norm.isfinite()).float()
+    try:
+        optimizer.step()
+    finally:
+        del inner.found_inf
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -37,7 +70,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     their reduced fp32 gradients; `params` as torch optimizers take them (groups of the modules' parameters, each
     once). `param_groups` are the inner optimizer's: set lr / weight_decay there, or drive them with a torch LR
     scheduler. `state_dict()` / `load_state_dict()` are this rank's shard (resume at the same layout);
-    `full_state()` / `load_full_state()` give whole tensors (checkpoints that reshard)."""
+    `full_state()` / `load_full_state()` give whole tensors (checkpoints that reshard). Adam and AdamW run fused (one
+    kernel, no host sync: fast_adam) unless `fused` or `foreach` is given."""
 
     def __init__(self, module: DataParallel | Sequence[DataParallel], params: Iterable[Any] | None = None, *,
                  optimizer: type[torch.optim.Optimizer] = torch.optim.AdamW, **hyperparameters: Any) -> None:
@@ -70,6 +104,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     self.masters[p] = master
                     pieces.append(master)
             inner.append(dict(g, params=pieces))
+        if optimizer in (torch.optim.Adam, torch.optim.AdamW) and not {"fused", "foreach"} & set(hyperparameters):
+            hyperparameters |= fast_adam(self.masters.values())
         self.optimizer = optimizer(inner, **hyperparameters)
         # A torch.optim.Optimizer to LR schedulers and hooks, its groups and state the inner optimizer's (whose
         # parameters are the master shards, not the model's): so Optimizer.__init__ is not called.
@@ -172,8 +208,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         flat = lambda t: t.reshape(-1)[start:start + master.numel()]  # noqa: E731
         if "param" in values:
             master.copy_(flat(values["param"]))
-        self.state[master] = {k: flat(v).to(master.dtype).clone() if v.shape == param.shape else v.clone()
-                              for k, v in values.items() if k != "param"}
+        scalars_to = master.device if self.optimizer.defaults.get("fused") else None  # (fused: its step there)
+        self.state[master] = {k: flat(v).to(master.dtype).clone() if v.shape == param.shape
+                              else v.to(scalars_to, copy=True) for k, v in values.items() if k != "param"}
 
 
 # ---- memory --------------------------------------------------------------------------------------------------------

@@ -47,8 +47,9 @@ def device_line(job: JobConfig, world_size: int) -> str:
 
 
 def build_optimizer(module: torch.nn.Module, job: JobConfig, micro_batches: int) -> torch.optim.Optimizer:
-    """AdamW over this rank's chunks (no weight decay on 1-D parameters, norms and biases, as Megatron); with
-    tp.optim.DataParallel chunks (zero1, bf16), one DistributedOptimizer over their fp32 masters' shards."""
+    """AdamW over this rank's chunks (no weight decay on 1-D parameters, norms and biases, as Megatron), fused where
+    torch has the kernel (tp.optim.fast_adam: no host sync); with tp.optim.DataParallel chunks (zero1, bf16), one
+    DistributedOptimizer over their fp32 masters' shards (fused too)."""
     groups = [{"params": [p for p in module.parameters() if p.dim() > 1]},
               {"params": [p for p in module.parameters() if p.dim() <= 1], "weight_decay": 0.0}]
     optimizer = job.optimizer
@@ -56,7 +57,7 @@ def build_optimizer(module: torch.nn.Module, job: JobConfig, micro_batches: int)
                            weight_decay=optimizer.weight_decay)
     buffered = data_parallel_chunks(module)
     if not buffered:
-        return torch.optim.AdamW(groups, **hyperparameters)
+        return torch.optim.AdamW(groups, **hyperparameters, **tp.optim.fast_adam(groups))
     for chunk in buffered:  # a bucket reduces once its gradients have arrived from every micro-batch, any schedule
         chunk.set_micro_batches(micro_batches)
     return tp.optim.DistributedOptimizer(module, groups, **hyperparameters)

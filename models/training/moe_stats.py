@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 import tp
+from tp.host_syncs import host_values
 from tp.mesh import Mesh
 from tp.moe.router import expert_counts
 
@@ -71,21 +72,30 @@ class MoEStats:
 
     def collect(self, micro_batches: int) -> dict[str, float]:
         """The step's log entries (collective over the world; `micro_batches`: the step's, over every dp rank), then
-        zeroed for the next step."""
+        zeroed for the next step: entries(gather()), read at once (a host sync)."""
+        return self.entries(self.gather().cpu(), micro_batches)
+
+    def gather(self) -> torch.Tensor:
+        """Every rank's counts and values summed (one all-reduce over the world), left on the device; the
+        accumulators zeroed for the next step."""
         flat = torch.cat([self.counts.flatten(), self.values.flatten()])
         if dist.get_world_size() > 1:
             dist.all_reduce(flat)
-        flat = flat.cpu()
-        counts = flat[:self.counts.numel()].view(self.counts.shape)
-        aux, z, dropped, sequence = flat[self.counts.numel():].view(self.values.shape)
-        busy = counts.sum(1) > 0  # the MoE layers
-        imbalance = (counts[busy].max(1).values / counts[busy].mean(1)).max().item() if busy.any() else 1.0
-        record = {"moe_aux_loss": aux.sum().item() / micro_batches, "moe_z_loss": z.sum().item() / micro_batches,
-                  "moe_load_imbalance": imbalance}
-        if self.capacity:
-            record["moe_dropped_tokens"] = int(dropped.sum().item())
-        if self.sequence:
-            record["moe_seq_aux_loss"] = sequence.sum().item() / micro_batches
         self.counts.zero_()
         self.values.zero_()
+        return flat
+
+    def entries(self, flat: torch.Tensor, micro_batches: int) -> dict[str, float]:
+        """The log entries from what gather() returned, read on the host (a CPU tensor)."""
+        counts = flat[:self.counts.numel()].view(self.counts.shape)
+        aux, z, dropped, sequence = flat[self.counts.numel():].view(self.values.shape)
+        busy = host_values(counts.sum(1) > 0)  # the MoE layers
+        ratios = host_values(counts.max(1).values / counts.mean(1))
+        (aux,), (z,), (dropped,), (sequence,) = (host_values(t.sum().reshape(1)) for t in (aux, z, dropped, sequence))
+        record = {"moe_aux_loss": aux / micro_batches, "moe_z_loss": z / micro_batches,
+                  "moe_load_imbalance": max((r for r, b in zip(ratios, busy) if b), default=1.0)}
+        if self.capacity:
+            record["moe_dropped_tokens"] = int(dropped)
+        if self.sequence:
+            record["moe_seq_aux_loss"] = sequence / micro_batches
         return record

@@ -27,9 +27,18 @@ class MTPStats:
 
     def collect(self, micro_batches: int) -> dict[str, float]:
         """{"mtp_loss": ...} (collective over the world; `micro_batches`: the step's, over every dp rank), then
-        zeroed for the next step."""
+        zeroed for the next step: entries(gather()), read at once (a host sync)."""
+        return self.entries(self.gather().item(), micro_batches)
+
+    def gather(self) -> torch.Tensor:
+        """The step's sum over the world (one all-reduce), left on the device; zeroed for the next step."""
         total = self.total.clone()
         if dist.get_world_size() > 1:
             dist.all_reduce(total)
         self.total.zero_()
-        return {"mtp_loss": total.item() / micro_batches}
+        return total
+
+    @staticmethod
+    def entries(total: float, micro_batches: int) -> dict[str, float]:
+        """The log entry from gather()'s value, read."""
+        return {"mtp_loss": total / micro_batches}

@@ -32,20 +32,23 @@ def gradients_finite(module: torch.nn.Module) -> bool:
 
 
 class NanCheck:
-    """The check of one rank: `after_gradients` each step once the global norm is known (while the gradients are
-    there), `after_loss` once the global loss is; either raises JobStopped. `enabled` False: nothing is checked."""
+    """The check of one rank: `after_gradients` each step once the global norm is known (with the gradients, or
+    whether they were finite on this rank), `after_loss` once the global loss is; either raises JobStopped.
+    `enabled` False: nothing is checked."""
 
     def __init__(self, *, enabled: bool, max_skipped: int):
         self.enabled, self.max_skipped = enabled, max_skipped
         self.skipped: list[int] = []  # the steps of the current run of skipped steps
         self.rank: int | None = None  # the first rank whose gradients were not finite, in that run
 
-    def after_gradients(self, step: int, grad_norm: float, module: torch.nn.Module) -> None:
+    def after_gradients(self, step: int, grad_norm: float, here: torch.nn.Module | bool) -> None:
+        """`here`: this rank's model (its gradients still there), or whether its gradients were finite."""
         if math.isfinite(grad_norm):
             self.skipped, self.rank = [], None
             return
         if self.enabled and not self.skipped:
-            self.rank = first_rank(not gradients_finite(module))
+            finite = here if isinstance(here, bool) else gradients_finite(here)
+            self.rank = first_rank(not finite)
         self.skipped.append(step)
 
     def after_loss(self, step: int, local_loss: float, loss: float) -> None:

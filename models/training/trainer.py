@@ -13,11 +13,12 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 import tp
+from tp.host_syncs import host_values
 from tp.pipeline import PipelineRunner
 
 from ..flops import flops_per_token
 from ..stages import EVEN_SPLIT, allreduce_tied_embedding_grads, layers_per_stage
-from . import data, documents, failures, faults, plot, progress, resuming
+from . import data, documents, failures, faults, plot, progress, resuming, step_values
 from .build import build_mesh, build_optimizer, set_hyperparameters
 from .checkpoint_dirs import resume_path
 from .config import JobConfig
@@ -30,6 +31,7 @@ from .resuming import DATA_ORDER  # noqa: F401 (its name here before resuming.py
 from .sample import PROMPT, greedy_sample
 from .saves import Saves
 from .sinks import Sinks
+from .step_values import StepValues
 from .stragglers import StepClock, Stragglers
 
 CHECKPOINT_BYTES_PER_PARAMETER = 12  # fp32 weights and AdamW's two moments: what a save writes, about
@@ -150,7 +152,13 @@ class Trainer:
         return f"layers per {'virtual ' * (parallel.virtual_stages > 1)}stage {'|'.join(map(str, sizes))}, "
 
     def step(self, step: int) -> tuple[dict, float]:
-        """Optimizer step `step` (from 0) on the next global batch: (its log record, the global gradient norm)."""
+        """Optimizer step `step` (from 0) on the next global batch: (its log record, the global gradient norm), read
+        at once (run_step, then read)."""
+        return self.read([self.run_step(step)])[0]
+
+    def run_step(self, step: int) -> StepValues:
+        """Optimizer step `step` (from 0) on the next global batch, without a host sync: its log values stay on the
+        device until `read` (a step skipped for a non-finite gradient norm is skipped there too: fused AdamW)."""
         job, mesh, training = self.job, self.mesh, self.job.training
         started = time.perf_counter()
         self.clock.start()
@@ -169,38 +177,54 @@ class Trainer:
         if not self.buffered:  # (tp.optim.DataParallel sums the tied copies itself)
             allreduce_tied_embedding_grads(self.stage, mesh)
         faults.after_gradients(job.faults, step + 1, self.module)
-        # the global norm over tp, pp and dp (each parameter once); clipped when --clip-grad > 0
+        # the global norm over tp, pp and dp (each parameter once); clipped when --clip-grad > 0; this rank's part
         with record_function("clip_grad_norm"):
-            grad_norm = tp.clip_grad_norm_(self.module.parameters(), training.clip_grad, mesh=mesh).item()
-        if math.isfinite(grad_norm):
-            with record_function("optimizer.step"):
-                self.optimizer.step()
-        elif self.rank0:  # Megatron's behaviour: no update from a non-finite gradient, the model stays as it was
-            print(f"skipped step {step + 1}: grad norm {grad_norm}", file=sys.stderr, flush=True)
-        self.nan_check.after_gradients(step + 1, grad_norm, self.module)  # (the gradients are still there)
+            grad_norm, local_norm = tp.clip_grad_norm_(self.module.parameters(), training.clip_grad, mesh=mesh,
+                                                       with_local=True)
+        with record_function("optimizer.step"):  # Megatron's: no update from a non-finite gradient norm
+            tp.optim.step_if_finite(self.optimizer, grad_norm)
         if tp.moe.SCORES[self.config.moe_router_score].selection_bias:  # (DeepSeek-V3) from the step's global loads
             tp.moe.update_expert_bias(self.stage, EXPERT_BIAS_RATE, group=mesh.group("tp-cp-dp"))
         memory = self.max_memory_bytes() if step == self.start_step else {}  # grads and state exist now
         self.optimizer.zero_grad(set_to_none=True)
         with record_function("loss all-reduce"):
-            loss = _mean_over(stats.loss, mesh.dp_group)
-        self.nan_check.after_loss(step + 1, stats.loss, loss)  # (a non-finite loss: the job stops, nothing saved)
+            loss = stats.mean_loss.clone()
+            dist.all_reduce(loss, group=mesh.dp_group)
         elapsed = time.perf_counter() - started
         self.work_s = self.clock.stop(stats)[0]  # this rank's own work in the step (stragglers.py)
         tokens = training.global_batch_size * training.seq_len
         flops = flops_per_token(self.config, training.seq_len) * tokens  # model FLOPs (models/flops.py)
-        skipped = not math.isfinite(grad_norm)
-        record = {"step": step + 1, "loss": loss, "grad_norm": None if skipped else grad_norm,  # JSON: no NaN
-                  "lr": job.optimizer.learning_rate(step, training.steps), "tokens_per_s": tokens / elapsed,
+        device = {"loss": loss / mesh.dp_size, "local_loss": stats.mean_loss, "grad_norm": grad_norm,
+                  "local_norm": local_norm}
+        if self.moe is not None:  # moe_aux_loss, moe_z_loss, moe_load_imbalance (, moe_dropped_tokens)
+            device["moe"] = self.moe.gather()
+        if self.mtp is not None:
+            device["mtp"] = self.mtp.gather()
+        record = {"lr": job.optimizer.learning_rate(step, training.steps), "tokens_per_s": tokens / elapsed,
                   "tflops_per_rank": flops / mesh.world_size / elapsed / 1e12,
                   "bubble": stats.bubble if mesh.pp_size > 1 else None, "step_s": elapsed} | memory
+        return StepValues(step + 1, record, device)
+
+    def read(self, pending: list[StepValues]) -> list[tuple[dict, float]]:
+        """The steps' log records and gradient norms, their device values read in one host sync; each step's NaN
+        checks (nan_check.py: they raise JobStopped) before its record, in order."""
+        return [self._record(values, host) for values, host in zip(pending, step_values.read(pending))]
+
+    def _record(self, values: StepValues, host: dict) -> tuple[dict, float]:
+        step, grad_norm, micro_batches = values.step, host["grad_norm"], self.job.micro_batches * self.mesh.dp_size
+        skipped = not math.isfinite(grad_norm)
+        if skipped and self.rank0:
+            print(f"skipped step {step}: grad norm {grad_norm}", file=sys.stderr, flush=True)
+        self.nan_check.after_gradients(step, grad_norm, math.isfinite(host["local_norm"]))
+        self.nan_check.after_loss(step, host["local_loss"], host["loss"])  # (non-finite: the job stops, unsaved)
+        record = {"step": step, "loss": host["loss"], "grad_norm": None if skipped else grad_norm} | values.record
         if skipped:
             record["skipped"] = True
-        if self.moe is not None:  # moe_aux_loss, moe_z_loss, moe_load_imbalance (, moe_dropped_tokens)
-            record |= self.moe.collect(job.micro_batches * mesh.dp_size)
+        if self.moe is not None:
+            record |= self.moe.entries(torch.tensor(host["moe"], dtype=torch.float64), micro_batches)
         if self.mtp is not None:
-            record |= self.mtp.collect(job.micro_batches * mesh.dp_size)
-        return record, grad_norm
+            record |= self.mtp.entries(host["mtp"], micro_batches)
+        return record | values.after, grad_norm
 
     def evaluate(self) -> float:
         """val_loss: the mean loss over --eval-iters global batches of the held-out windows, forward only; the same
@@ -270,19 +294,26 @@ class Trainer:
         profiler = StepProfiler(job)
         first_loss = record = None
         tokens_per_step = job.training.global_batch_size * job.training.seq_len
+        pending: list[StepValues] = []  # the steps not read yet (no host sync until a step logs)
         try:
             for step in range(self.start_step, steps):
                 with profiler.step(step + 1):
-                    record, _ = self.step(step)
-                    record |= self.stragglers.gather(step + 1, self.work_s, record["step_s"], steps)
-                first_loss = record["loss"] if first_loss is None else first_loss
-                self.evaluate_and_save(step + 1, record, bar)
-                if self.sinks:
-                    self.sinks.write(record)
-                bar.update(1)
-                bar.set_postfix(**progress.postfix(record, tokens=(step + 1) * tokens_per_step,
-                                                   peak_bytes=progress.peak_memory_bytes(self.device),
-                                                   bubble=self.mesh.pp_size > 1))
+                    pending.append(self.run_step(step))
+                    pending[-1].after = self.stragglers.gather(step + 1, self.work_s, pending[-1].record["step_s"],
+                                                               steps)
+                if not self.reads_at(step + 1):
+                    continue
+                for values, host in zip(pending, step_values.read(pending)):  # (each logged before the next's check)
+                    record, _ = self._record(values, host)
+                    first_loss = record["loss"] if first_loss is None else first_loss
+                    self.evaluate_and_save(values.step, record, bar)
+                    if self.sinks:
+                        self.sinks.write(record)
+                    bar.update(1)
+                    bar.set_postfix(**progress.postfix(record, tokens=values.step * tokens_per_step,
+                                                       peak_bytes=progress.peak_memory_bytes(self.device),
+                                                       bubble=self.mesh.pp_size > 1))
+                pending = []
             if self.saves:
                 self.saves.finish()
             if job.checkpoint.export_hf:
@@ -293,6 +324,14 @@ class Trainer:
             if self.sinks:
                 self.sinks.close()
         self.finish(first_loss, record)
+
+    def reads_at(self, step: int) -> bool:
+        """Whether optimizer step `step` (from 1) reads the values of the steps since the last read (one host sync):
+        it logs a progress line (every --log-interval steps, the last), evaluates or saves. The same on every rank."""
+        job = self.job
+        every, save_every = job.evaluation.eval_every, job.checkpoint.save_every
+        return (step % job.logging.log_interval == 0 or step == job.training.steps or bool(every and step % every == 0)
+                or bool(job.checkpoint.save and save_every and step % save_every == 0))
 
     def evaluate_and_save(self, step: int, record: dict, bar) -> None:
         """After optimizer step `step` (from 1): val_loss (its time left out of the progress line's s/step) and a
@@ -361,7 +400,7 @@ class Trainer:
         sizes = tp.optim.memory_bytes(self.module, self.optimizer)
         totals = torch.tensor(list(sizes.values()), dtype=torch.int64)
         dist.all_reduce(totals, op=dist.ReduceOp.MAX)
-        return dict(zip(sizes, totals.tolist()))
+        return dict(zip(sizes, host_values(totals)))
 
 
 def train(job: JobConfig, *, config_file: str | None = None) -> int:

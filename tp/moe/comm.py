@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..collectives import all_gather_into_tensor, reduce_scatter_tensor
+from ..host_syncs import host_values
 
 
 def group_name(group: dist.ProcessGroup | None) -> str:
@@ -36,7 +37,7 @@ class Plan:
     """Where this rank's routed slots go and come from, from the count table (host integers)."""
 
     def __init__(self, table: torch.Tensor, ep_rank: int, etp_rank: int) -> None:
-        table = table.tolist()  # [etp][ep][e]: how many slots the rank (etp, ep) routes to global expert e
+        table = host_values(table)  # [etp][ep][e]: how many slots the rank (etp, ep) routes to global expert e
         L = len(table[0][0]) // len(table[0])
         mine = slice(ep_rank * L, (ep_rank + 1) * L)
         row = table[etp_rank][ep_rank]

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..collectives import all_gather_into_tensor
+from ..host_syncs import to_host
 from ..mappings import gather_from_sp_region, reduce_scatter_to_sp_region
 from .comm import combine, dispatch, group_name
 from .router import expert_counts
@@ -41,7 +42,7 @@ def count_table(counts: torch.Tensor, group: dist.ProcessGroup | None, etp_group
     if size > 1:
         every = mine.new_empty(size * mine.numel())
         all_gather_into_tensor(every, mine, group=group)
-    every = every.view(size, -1).cpu()
+    every = to_host(every.view(size, -1))  # (the one host sync: the all-to-all's split sizes)
     table = every.new_zeros(_size(etp_group), _size(ep_group), counts.shape[0])
     return table.index_put_((every[:, -2], every[:, -1]), every[:, :-2])
 

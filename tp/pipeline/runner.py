@@ -38,6 +38,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import record_function
 
+from ..host_syncs import host_values
 from ..mesh import Mesh
 from . import schedules
 from .wgrad import defer_wgrad
@@ -99,7 +100,7 @@ def unwrap(module: nn.Module) -> nn.Module:
 
 @dataclass
 class ScheduleStats:
-    loss: float = 0.0  # the mean over micro-batches (on every rank of the pipeline)
+    mean_loss: torch.Tensor | None = None  # the mean over micro-batches (0-d fp64, on the device: every pipeline rank)
     busy_s: float = 0.0  # time in forward/backward compute on this stage
     total_s: float = 0.0  # the schedule's wall time on this stage (from the stages' common start)
     bubble: float = 0.0  # the pipeline's idle fraction: 1 - Σ busy / (p · the longest stage's wall time)
@@ -107,6 +108,11 @@ class ScheduleStats:
     peak_activations: float = 0.0  # max_alive in micro-batches through a whole stage (a chunk counts 1/V)
     times: dict[str, float] = field(default_factory=dict)  # seconds per action kind ("F", "B", "W", "BW") here
     order: list[schedules.Action] = field(default_factory=list)  # the Actions in execution order
+
+    @property
+    def loss(self) -> float:
+        """mean_loss read on the host (a host sync: read it when it is logged)."""
+        return 0.0 if self.mean_loss is None else self.mean_loss.item()
 
 
 class _Transfers:
@@ -210,10 +216,9 @@ class PipelineRunner:
             if problem:
                 raise ValueError(problem)
             return
-        flags = torch.tensor([problem is not None, len(batches), -len(batches)], dtype=torch.float64,
-                             device=self._device())
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.mesh.pp_group)
-        bad, most, fewest = flags.tolist()
+        flags = torch.tensor([problem is not None, len(batches), -len(batches)], dtype=torch.float64)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.mesh.pp_group)  # (the host's numbers, over gloo)
+        bad, most, fewest = host_values(flags)
         if most != -fewest:
             raise ValueError(f"the pipeline stages were given different numbers of micro-batches: {-fewest:.0f} to "
                              f"{most:.0f}")
@@ -251,13 +256,16 @@ class PipelineRunner:
         stats.busy_s = sum(stats.times.values())
         # The loss lives on the last stage; the bubble is the theory's quantity: idle time over p x the span, which a
         # stage's own clock would understate (the stages that finish first miss the drain).
-        sums = torch.tensor([float(stats.loss), stats.busy_s], dtype=torch.float64)
-        span = torch.tensor([stats.total_s], dtype=torch.float64)
-        if p > 1:
-            dist.all_reduce(sums, group=self.mesh.pp_group)
+        if stats.mean_loss is None:  # (not the last stage: its share of the sum below)
+            stats.mean_loss = torch.zeros((), dtype=torch.float64, device=self._device())
+        stats.mean_loss = stats.mean_loss.double()
+        busy, span = (torch.tensor([t], dtype=torch.float64) for t in (stats.busy_s, stats.total_s))
+        if p > 1:  # (the loss on the device; the times on the host, over gloo: neither waits for the device)
+            dist.all_reduce(stats.mean_loss, group=self.mesh.pp_group)
+            dist.all_reduce(busy, group=self.mesh.pp_group)
             dist.all_reduce(span, op=dist.ReduceOp.MAX, group=self.mesh.pp_group)
-        stats.loss = sums[0].item()
-        stats.bubble = max(0.0, 1.0 - sums[1].item() / (p * span.item())) if span.item() else 0.0
+        (busy,), (span,) = host_values(busy), host_values(span)
+        stats.bubble = max(0.0, 1.0 - busy / (p * span)) if span else 0.0
         return stats
 
     def _execute(self, plan, batches, stats):
@@ -284,7 +292,8 @@ class PipelineRunner:
                                     **batch_inputs(batches[k]))
                     if s == last_stage:
                         out = out / m  # the mean over micro-batches, as the un-pipelined batch mean
-                        stats.loss = stats.loss + out.detach()  # (on the device: no host sync per micro-batch)
+                        total = 0.0 if stats.mean_loss is None else stats.mean_loss  # (a new tensor: out stays)
+                        stats.mean_loss = total + out.detach()  # (summed on the device: no host sync)
                     alive[c, k] = x, out
                     stats.max_alive = max(stats.max_alive, len(alive))
                 elif action.kind in ("B", "BW"):

@@ -54,7 +54,8 @@ class LoggingConfig:
     log_jsonl: str | None = option(None, "one JSON object per step: step, loss, tokens_per_s, ...", metavar="PATH",
                                    path=True)
     log_interval: int = option(10, "when stdout is not a terminal (a file, a pipe): one progress line every N steps "
-                                   "instead of a tqdm bar", metavar="N")
+                                   "instead of a tqdm bar; the log's rows are written (the steps' values read from "
+                                   "the device) every N steps", metavar="N")
     log_dir: str | None = option(
         None, "each rank's log DIR/rank-N.log: all the output of ranks other than 0, a failing rank's traceback; the "
               "run's config.toml (default: DIR/logs of --save, else a new temporary directory)", metavar="DIR",
