@@ -8,8 +8,9 @@ Sections, in order of value (`--only` reruns some and keeps the others' earlier 
   kernels      the kernel test files compiled on the GPU with one autotune config per family (TP_KERNELS_TUNE=one),
                then the GPU-only kernel tests with full tuning
   mfu          one GPU, bf16: bench.mfu's whole training step of a Llama-3.2-1B shape (hidden 2048, 16 layers, 32/8
-               heads, ffn 8192, vocab 128256, seq 4096) on the torch backend, "auto" and "auto" with compiled blocks,
-               at the recompute and micro-batch size a 45 s --search on "auto" found fastest: tokens/s, MFU, peak
+               heads, ffn 8192, vocab 128256, seq 4096) on the torch backend, "auto", "auto" with compiled blocks and
+               that in fp8 (tensorwise), at the recompute and micro-batch size a 30 s --search on "auto" found
+               fastest: tokens/s, MFU, peak
                memory, host syncs per step, the profiler's time breakdown, the planner's predicted step (mfu.json)
   gpt_step     one GPU, bf16: a GPT (hidden 2048, 8 layers, GQA 16/4 heads, vocab 32000, seq 2048) fwd+bwd on the
                Triton and the torch backends: loss and grad-norm difference, tokens/s, MFU, peak memory

@@ -40,7 +40,9 @@ from .common import at_least, machine, median, print_table, scratch_path, write_
 from .gpu_sections import peak_flops
 from .plan.measured import predict_step, predicted_rows, profile_for
 
-ROW_KINDS = (*kernels.ops.BACKENDS, "auto")  # a row: a backend, "+compile" for compiled blocks
+ROW_KINDS = (*kernels.ops.BACKENDS, "auto")  # a row: a backend, then any of ROW_OPTIONS, e.g. "auto+compile+fp8"
+ROW_OPTIONS = ("compile", "fp8")  # compiled blocks; the linears in float8 (kernels.fp8's tensorwise recipe)
+FP8_ROW_RECIPE = "tensorwise"  # torchao's default for training
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 RECOMPUTE = tuple(GRANULARITIES)
 SEARCH_BATCHES = (1, 2, 4, 8)  # --search's micro-batch sizes by default
@@ -152,11 +154,13 @@ def breakdown(run_step, device, step_s: float) -> dict:
 
 
 def measure_row(row, base, *, device, batch, micro_batches, seq_len, steps, warmup, clip, profile_step, peak):
-    """One row: the backend (and compiled blocks with "+compile") on a copy of the `base` model."""
-    backend, compiled = row.removesuffix("+compile"), row.endswith("+compile")
+    """One row: the backend (compiled blocks with "+compile", the fp8 linears with "+fp8") on a copy of `base`."""
+    backend, *options = row.split("+")
+    if "fp8" in options:
+        base = rebuilt(base, fp8_recipe=FP8_ROW_RECIPE)
     config = base.config
     model = copy.deepcopy(base).to(device)  # (from the CPU: the peak memory is this row's alone)
-    if compiled:
+    if "compile" in options:
         model.compile_blocks()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, **tp.optim.fast_adam(model.parameters()))
     g = torch.Generator().manual_seed(1)
@@ -219,12 +223,13 @@ def base_model(config: GPTConfig, dtype: torch.dtype) -> GPT:
     return GPT(config).to(dtype=dtype)
 
 
-def with_recompute(base: GPT, recompute: str) -> GPT:
-    """`base` with another recompute granularity: built on the meta device (no init), holding base's tensors."""
-    if recompute == base.config.recompute:
+def rebuilt(base: GPT, **changes) -> GPT:
+    """`base` with other config fields (runtime ones: recompute, fp8_recipe), built on the meta device (no init),
+    holding base's tensors."""
+    if all(getattr(base.config, name) == value for name, value in changes.items()):
         return base
     with torch.device("meta"):
-        model = GPT(base.config.replace(recompute=recompute))
+        model = GPT(base.config.replace(**changes))
     model.load_state_dict(base.state_dict(), assign=True)
     return model
 
@@ -264,7 +269,7 @@ def search(base: GPT, row: str, candidates: list[dict], *, seconds: float, devic
             out.append({"row": row, **candidate, "status": "skipped (time)"})
             continue
         try:
-            got = measure_row(row, with_recompute(base, candidate["recompute"]), device=device,
+            got = measure_row(row, rebuilt(base, recompute=candidate["recompute"]), device=device,
                               batch=candidate["batch"], micro_batches=micro_batches, seq_len=seq_len, steps=steps,
                               warmup=warmup, clip=clip, profile_step=False, peak=peak)
             got = {**candidate, **got, "status": "measured"}
@@ -288,9 +293,10 @@ def best_of(candidates: list[dict]) -> dict:
 
 
 def _row(text):
-    backend = text.removesuffix("+compile")
-    if backend not in ROW_KINDS:
-        raise argparse.ArgumentTypeError(f"{text!r}: a row is one of {ROW_KINDS}, optionally with +compile")
+    backend, *options = text.split("+")
+    if backend not in ROW_KINDS or any(o not in ROW_OPTIONS for o in options) or len(set(options)) < len(options):
+        raise argparse.ArgumentTypeError(f"{text!r}: a row is one of {ROW_KINDS}, then any of "
+                                         f"{', '.join('+' + o for o in ROW_OPTIONS)}")
     return text
 
 
@@ -304,7 +310,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batches", type=at_least(1), default=1, help="micro-batches per step (accumulated)")
     p.add_argument("--dtype", choices=tuple(DTYPES), help="default: bf16 on CUDA, fp32 on CPU")
     p.add_argument("--rows", type=_row, nargs="+", default=["torch", "auto"],
-                   help=f"what to measure: {', '.join(ROW_KINDS)}, each optionally +compile (compiled blocks)")
+                   help=f"what to measure: {', '.join(ROW_KINDS)}, each optionally +compile (compiled blocks) "
+                        f"and/or +fp8 (the linears in float8, {FP8_ROW_RECIPE})")
     p.add_argument("--steps", type=at_least(1), default=3, help="timed steps per row (the median is reported)")
     p.add_argument("--warmup", type=at_least(0), default=1)
     p.add_argument("--no-profile", action="store_true", help="skip the profiled step (no time breakdown)")
@@ -376,7 +383,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         base = base_model(config, DTYPES[dtype])
         if args.search:
             found = run_search(args, base, device=device, dtype=dtype, peak=peak)
-            base, batch = with_recompute(base, found["best"]["recompute"]), found["best"]["batch"]
+            base, batch = rebuilt(base, recompute=found["best"]["recompute"]), found["best"]["batch"]
         rows = [measure_row(row, base, device=device, batch=batch, micro_batches=args.micro_batches,
                             seq_len=args.seq_len, steps=args.steps, warmup=args.warmup, clip=1.0,
                             profile_step=not args.no_profile, peak=peak) for row in args.rows]
@@ -397,14 +404,14 @@ LLAMA_1B = dict(hidden="2048", layers="16", heads="32", kv_heads="8", ffn="8192"
 
 
 def gpu_check_section(on_gpu: bool, out) -> dict:
-    """bench.mfu's rows at the best recompute and micro-batch size --search finds on "auto" eager (45 s on the GPU):
-    the whole training step of the 1B shape in bf16 on the torch backend, on "auto" (the fused kernels), and "auto"
-    with compiled blocks, each beside the planner's prediction; the CPU smoke: the tiny preset, eager rows only, a
-    20 s search on torch."""
+    """bench.mfu's rows at the best recompute and micro-batch size --search finds on "auto" eager (30 s on the GPU):
+    the whole training step of the 1B shape in bf16 on the torch backend, on "auto" (the fused kernels), "auto"
+    with compiled blocks and that with fp8 linears (last: the costliest to compile), each beside the planner's
+    prediction; the CPU smoke: the tiny preset, eager rows only, a 20 s search on torch."""
     if on_gpu:
         shape = [f"--{k.replace('_', '-')}={v}" for k, v in LLAMA_1B.items()]
         flags = ["--model", "llama3-8b", *shape, "--seq-len", "4096", "--steps", "4", "--warmup", "2", "--rows",
-                 "torch", "auto", "auto+compile", "--search", "--search-seconds", "45"]
+                 "torch", "auto", "auto+compile", "auto+compile+fp8", "--search", "--search-seconds", "30"]
     else:
         flags = ["--model", "tiny", "--layers", "2", "--seq-len", "16", "--steps", "1", "--warmup", "0", "--rows",
                  "torch", "auto", "--search", "--search-row", "torch", "--search-batches", "1", "2",

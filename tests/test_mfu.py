@@ -117,3 +117,21 @@ def test_the_gpu_profiles_are_found_by_the_device_name():
     steps = [measured.predict_step(config, batch=2, micro_batches=1, seq_len=4096, recompute="none", cluster=c,
                                    software=software)["step_s"] for c in (h200, h100)]
     assert 0 < steps[0] <= steps[1]
+
+
+def test_a_fp8_row_runs_the_linears_in_float8_and_bad_rows_are_one_line(tmp_path, monkeypatch, capsys):
+    recipes = []
+    train_step = mfu.train_step
+
+    def recorded(model, *args):
+        recipes.append(model.config.fp8_recipe)
+        return train_step(model, *args)
+
+    monkeypatch.setattr(mfu, "train_step", recorded)
+    rows = mfu.main([*TINY, "--rows", "torch", "torch+fp8", "--no-profile", "--out", str(tmp_path / "m.json")])
+    assert [r["row"] for r in rows] == ["torch", "torch+fp8"] and all(r["tokens_per_s"] > 0 for r in rows)
+    assert set(recipes[:len(recipes) // 2]) == {None} and set(recipes[len(recipes) // 2:]) == {mfu.FP8_ROW_RECIPE}
+    for bad in ("auto+fp9", "auto+compile+compile", "cuda"):
+        with pytest.raises(SystemExit):
+            mfu.main([*TINY, "--rows", bad])
+        assert f"'{bad}': a row is one of" in capsys.readouterr().err
