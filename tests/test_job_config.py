@@ -329,6 +329,7 @@ def test_a_given_vocab_size_must_hold_the_data():
         validate(_job("--vocab-size", "100", "--tp", "1", "--pp", "1", "--dp", "1"))
 
 
+@pytest.mark.slow  # the docs' run block trains this command in the default suite (test_docs.test_bash_blocks_run)
 def test_llama3_8b_shrunk_trains_on_the_cpu(tmp_path):
     result = _run_job(["--model", "llama3-8b", *SHRINK, "--tp", "1", "--pp", "1", "--dp", "1", "--steps", "2",
                        "--global-batch-size", "2", "--seq-len", "32", "--no-sample", "--log-jsonl",
