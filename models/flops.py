@@ -47,7 +47,11 @@ def matmul_params(config: GPTConfig, *, active: bool = True) -> int:
     """Weights of the transformer blocks (and MTP depths) that multiply every token: N of the 6·N term
     (`active=False`: every expert, the parameters a mixture of experts holds)."""
     c = config
-    total = sum(attention_params(c) + _mlp(c, c.is_moe_layer(layer), active) for layer in range(c.num_layers))
+    moe_layers = sum(c.is_moe_layer(layer) for layer in range(c.num_layers))
+    # (each layer's count depends only on whether it is a mixture of experts: two products, not L sums, as the
+    # planner asks this for every plan it prices)
+    total = c.num_layers * attention_params(c) + (c.num_layers - moe_layers) * _mlp(c, False, active) \
+        + (moe_layers and moe_layers * _mlp(c, True, active))
     mtp = 2 * c.hidden_size ** 2 + attention_params(c) + _mlp(c, c.is_moe_layer(c.num_layers - 1), active)
     return total + c.mtp_num_layers * mtp
 
