@@ -344,10 +344,11 @@ def with_predictions(payload: dict) -> dict:
     """Each row with the planner's step time for its one-device plan and predicted / measured (an "error" where the
     device has no profile)."""
     try:
-        predicted = predicted_rows(payload, candidates=False)
+        predicted = predicted_rows(payload | {"rows": [r for r in payload["rows"] if "error" not in r]},
+                                   candidates=False)
     except ValueError as e:
         predicted = [{"error": str(e)}] * len(payload["rows"])
-    for row, got in zip(payload["rows"], predicted):
+    for row, got in zip([r for r in payload["rows"] if "error" not in r], predicted):
         row["predicted"] = got if "error" in got else {"profile": got["profile"], "step_s": got["predicted_step_s"],
                                                        "ratio": float(f"{got['ratio']:.4g}")}
     return payload
@@ -356,8 +357,8 @@ def with_predictions(payload: dict) -> dict:
 def report(payload: dict) -> None:
     """The shape line, the rows' table, the search's candidates."""
     print(f"{payload['machine']}: {payload['shape']}")
-    flat = [{**r, **{f"{k}_s": v for k, v in (r["breakdown"] or {}).items()},
-             "ratio": r["predicted"].get("ratio")} for r in payload["rows"]]
+    flat = [{**r, **{f"{k}_s": v for k, v in (r.get("breakdown") or {}).items()},
+             "ratio": r.get("predicted", {}).get("ratio")} for r in payload["rows"]]
     print_table(flat, [("row", "row", "{}"), ("tokens_per_s", "tokens/s", "{:.0f}"), ("mfu", "MFU", "{:.3f}"),
                        ("peak_gib", "peak GiB", "{:.2f}"), ("host_syncs", "syncs", "{}"),
                        *((f"{k}_s", k, "{:.4f}") for k in BREAKDOWN), ("ratio", "planner/measured", "{:.3g}")])
@@ -384,17 +385,26 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if args.search:
             found = run_search(args, base, device=device, dtype=dtype, peak=peak)
             base, batch = rebuilt(base, recompute=found["best"]["recompute"]), found["best"]["batch"]
-        rows = [measure_row(row, base, device=device, batch=batch, micro_batches=args.micro_batches,
-                            seq_len=args.seq_len, steps=args.steps, warmup=args.warmup, clip=1.0,
-                            profile_step=not args.no_profile, peak=peak) for row in args.rows]
-    shape = (f"h{config.hidden_size} L{config.num_layers} heads {config.num_heads}/{config.num_kv_heads} "
-             f"ffn {config.ffn_hidden_size} V{config.vocab_size} b{batch}x{args.micro_batches} s{args.seq_len} "
-             f"{dtype} recompute {base.config.recompute}")
-    payload = {"machine": machine(), "shape": shape, "config": dataclasses.asdict(config), "seq_len": args.seq_len,
-               "micro_batches": args.micro_batches, "dtype": dtype, "threads": torch.get_num_threads(),
-               "rows": rows, **({"search": found} if found else {})}
+        shape = (f"h{config.hidden_size} L{config.num_layers} heads {config.num_heads}/{config.num_kv_heads} "
+                 f"ffn {config.ffn_hidden_size} V{config.vocab_size} b{batch}x{args.micro_batches} s{args.seq_len} "
+                 f"{dtype} recompute {base.config.recompute}")
+        payload = {"machine": machine(), "shape": shape, "config": dataclasses.asdict(config), "seq_len": args.seq_len,
+                   "micro_batches": args.micro_batches, "dtype": dtype, "threads": torch.get_num_threads(),
+                   "rows": [], **({"search": found} if found else {})}
+        for row in args.rows:
+            try:
+                result = measure_row(row, base, device=device, batch=batch, micro_batches=args.micro_batches,
+                                     seq_len=args.seq_len, steps=args.steps, warmup=args.warmup, clip=1.0,
+                                     profile_step=not args.no_profile, peak=peak)
+            except Exception as e:  # (a compile error, out of memory): that row's result, the next rows still run
+                result = {"row": row, "error": f"{type(e).__name__}: {e}".splitlines()[0][:300]}
+            print(f"{row}: " + (result.get("error") or f"{result['tokens_per_s']:.0f} tokens/s, MFU {result['mfu']}"),
+                  flush=True)
+            payload["rows"].append(result)
+            write_json(args.out, payload)  # after every row: a run cut short keeps the rows it measured
     report(with_predictions(payload))
     write_json(args.out, payload)
+    rows = payload["rows"]
     return rows
 
 
@@ -428,7 +438,7 @@ def gpu_check_section(on_gpu: bool, out) -> dict:
                                    for c in payload["search"]["candidates"]]}
     if not on_gpu:
         details["compiled"] = "skipped (no CUDA)"
-    return {**details, "ok": all(r["tokens_per_s"] > 0 for r in rows)}
+    return {**details, "ok": all(r.get("tokens_per_s", 0) > 0 for r in rows)}
 
 
 if __name__ == "__main__":

@@ -96,7 +96,9 @@ BACKENDS = {"torch": lambda: torch_ops, "triton": _load_triton_ops}
 def _impl(x):
     """The module implementing the primitives for tensor x."""
     if _backend == "auto":
-        if not (x.is_cuda or _interpreting()):
+        # Under torch.compile, torch's ops: the compiler fuses the epilogues around cuBLAS and writes its own norm
+        # and loss kernels, which the eager measurement cannot see (the Triton backend stays one forced op away).
+        if torch.compiler.is_compiling() or not (x.is_cuda or _interpreting()):
             return torch_ops
         # Dtypes the kernels do not cover, and CPU tensors when TRITON_INTERPRET was set only after
         # kernels.triton_ops had been imported (its kernels were then built for a GPU), stay on torch.
@@ -113,7 +115,7 @@ def _impl(x):
 def _measured(x: torch.Tensor, op: str, weight_shape: tuple[int, int], **flags):
     """The module for one primitive call: under "auto" on a measurable (CUDA) device with both backends usable, the
     faster for this call's key (kernels.choice); everywhere else _impl(x). Under torch.compile's tracing nothing is
-    measured (the tensors are fakes): _impl's choice, as before."""
+    measured (the tensors are fakes): _impl's choice, torch's."""
     default = _impl(x)
     if _backend != "auto" or default is torch_ops or not choice.measurable(x) or torch.compiler.is_compiling() \
             or 0 in (x.shape[0], *weight_shape):
@@ -128,7 +130,7 @@ def fused_kernels(device: torch.device) -> bool:
     """Whether the fused Triton kernels (RMSNorm with the residual add, RoPE, the vocab-parallel loss) run for
     tensors on `device`: backend "auto" on CUDA only (CPU keeps the torch code, and its numbers), "triton" anywhere
     (CPU tensors need TRITON_INTERPRET=1), "torch" never."""
-    if _backend == "torch" or (_backend == "auto" and device.type != "cuda"):
+    if _backend == "torch" or (_backend == "auto" and (device.type != "cuda" or torch.compiler.is_compiling())):
         return False
     if _backend == "triton" and _load_triton_ops() is None:
         raise RuntimeError(f"kernels backend 'triton' was forced but triton cannot be imported: "

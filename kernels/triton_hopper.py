@@ -268,8 +268,7 @@ def _forward_shapes_ok(x, weight, bias, activation):
     return bias is None or (bias.shape == (n_rows,) and bias.dtype == x.dtype and bias.device == x.device)
 
 
-def linear_forward(x, weight, bias=None, activation=None):
-    """y = act(x @ weight.T + bias) -> (y, pre-activation or None); see torch_ops.linear_forward."""
+def _linear_forward(x, weight, bias=None, activation=None):
     check_activation(activation)
     if not _forward_shapes_ok(x, weight, bias, activation):
         return triton_ops.linear_forward(x, weight, bias, activation)
@@ -297,8 +296,7 @@ def linear_forward(x, weight, bias=None, activation=None):
     return y, preact
 
 
-def linear_dgrad(grad_out, weight, preact=None, activation=None, *, need_input_grad=True):
-    """-> (grad_input = dz @ weight or None, dz = grad_out · act'(preact)); see torch_ops.linear_dgrad."""
+def _linear_dgrad(grad_out, weight, preact=None, activation=None, *, need_input_grad=True):
     if not (need_input_grad and _takes((grad_out, weight), (weight.shape[-1],))):
         return triton_ops.linear_dgrad(grad_out, weight, preact, activation, need_input_grad=need_input_grad)
     # triton_ops validates and runs the elementwise act' pass (dz is grad_out itself without an activation)
@@ -314,8 +312,7 @@ def linear_dgrad(grad_out, weight, preact=None, activation=None, *, need_input_g
     return dx, dz
 
 
-def linear_wgrad(dz, x, *, main_grad=None):
-    """dW = dzᵀ @ x, or accumulate it into main_grad in place and return None; see torch_ops.linear_wgrad."""
+def _linear_wgrad(dz, x, *, main_grad=None):
     N, K = (dz.shape[-1], x.shape[-1])
     fp32_grad = main_grad is None or (main_grad.dtype == torch.float32 and _tma_ok(main_grad))
     if not (fp32_grad and dz.dim() == 2 and x.dim() == 2 and dz.shape[0] == x.shape[0]
@@ -328,3 +325,80 @@ def linear_wgrad(dz, x, *, main_grad=None):
         _wgrad_kernel[_grid(dz, N, K)](_desc(dz), _desc(x), _desc(out), out, N, K, tokens, token_bucket(tokens),
                                        ACCUMULATE=main_grad is not None, UPCAST=_upcast(dz.dtype))
     return None if main_grad is not None else out
+
+
+# ---------------------------------------------------------------- under torch.compile: one opaque op per primitive
+# Dynamo cannot trace the host side above (TMA's alignment check reads a data pointer; descriptors, the autotuner's
+# pre_hook), so a compiled graph calls each primitive as a custom op, as it would a cuBLAS GEMM. Outputs that may be
+# None travel as a list of the present ones; an output that is an input (dz without an activation) stays outside.
+
+@torch.library.custom_op("tp_kernels::hopper_forward", mutates_args=())
+def _forward_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                activation: str | None) -> list[torch.Tensor]:
+    return [t for t in _linear_forward(x, weight, bias, activation) if t is not None]
+
+
+@_forward_op.register_fake
+def _(x, weight, bias, activation):
+    n_rows = weight.shape[0]
+    y = x.new_empty(x.shape[0], n_rows // 2 if activation == "swiglu" else n_rows)
+    return [y] if activation is None else [y, x.new_empty(x.shape[0], n_rows)]
+
+
+@torch.library.custom_op("tp_kernels::hopper_dgrad", mutates_args=())
+def _dgrad_op(grad_out: torch.Tensor, weight: torch.Tensor, preact: torch.Tensor | None,
+              activation: str | None, need_input_grad: bool) -> list[torch.Tensor]:
+    dx, dz = _linear_dgrad(grad_out, weight, preact, activation, need_input_grad=need_input_grad)
+    return [t for t in (dx, None if activation is None else dz) if t is not None]
+
+
+@_dgrad_op.register_fake
+def _(grad_out, weight, preact, activation, need_input_grad):
+    dx = [grad_out.new_empty(grad_out.shape[0], weight.shape[1])] if need_input_grad else []
+    return dx + ([] if activation is None else [grad_out.new_empty(preact.shape)])
+
+
+@torch.library.custom_op("tp_kernels::hopper_wgrad", mutates_args=())
+def _wgrad_op(dz: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return _linear_wgrad(dz, x)
+
+
+@_wgrad_op.register_fake
+def _(dz, x):
+    return dz.new_empty(dz.shape[-1], x.shape[-1])
+
+
+@torch.library.custom_op("tp_kernels::hopper_wgrad_into", mutates_args=("main_grad",))
+def _wgrad_into_op(dz: torch.Tensor, x: torch.Tensor, main_grad: torch.Tensor) -> None:
+    _linear_wgrad(dz, x, main_grad=main_grad)
+
+
+@_wgrad_into_op.register_fake
+def _(dz, x, main_grad):
+    return None
+
+
+def linear_forward(x, weight, bias=None, activation=None):
+    """y = act(x @ weight.T + bias) -> (y, pre-activation or None); see torch_ops.linear_forward."""
+    if not torch.compiler.is_compiling():
+        return _linear_forward(x, weight, bias, activation)
+    y, *preact = _forward_op(x, weight, bias, activation)
+    return y, (preact[0] if preact else None)
+
+
+def linear_dgrad(grad_out, weight, preact=None, activation=None, *, need_input_grad=True):
+    """-> (grad_input = dz @ weight or None, dz = grad_out · act'(preact)); see torch_ops.linear_dgrad."""
+    if not torch.compiler.is_compiling():
+        return _linear_dgrad(grad_out, weight, preact, activation, need_input_grad=need_input_grad)
+    outs = _dgrad_op(grad_out, weight, preact, activation, need_input_grad)
+    return (outs[0] if need_input_grad else None), (grad_out if activation is None else outs[-1])
+
+
+def linear_wgrad(dz, x, *, main_grad=None):
+    """dW = dzᵀ @ x, or accumulate it into main_grad in place and return None; see torch_ops.linear_wgrad."""
+    if not torch.compiler.is_compiling():
+        return _linear_wgrad(dz, x, main_grad=main_grad)
+    if main_grad is None:
+        return _wgrad_op(dz, x)
+    _wgrad_into_op(dz, x, main_grad)
+    return None

@@ -56,7 +56,7 @@ def test_forward_dgrad_wgrad_match_float64(activation, dtype):
     y, preact = triton_hopper.linear_forward(x, w, b, activation)
     gy = torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(DEVICE, dtype)
     dx, dz = triton_hopper.linear_dgrad(gy, w, preact, activation)
-    main_grad = torch.randn(w.shape, generator=torch.Generator().manual_seed(2), device=DEVICE)
+    main_grad = torch.randn(w.shape, generator=torch.Generator().manual_seed(2)).to(DEVICE)
     start = main_grad.clone()
     assert triton_hopper.linear_wgrad(dz, x, main_grad=main_grad) is None
     dw = triton_hopper.linear_wgrad(dz, x)
@@ -86,6 +86,43 @@ def test_forward_without_bias_and_autograd_through_kernels_linear():
     y.backward(torch.ones_like(y))  # (y.sum()'s gradient would be expanded, stride 0: not TMA-ready)
     assert hopper_launches() == before + 2  # forward and dgrad; the weight is a constant: no wgrad
     assert leaf.grad.shape == x.shape
+
+
+def _linear_loss(x, w, b):
+    return kernels.linear(x, w, b, activation="gelu").float().square().sum()
+
+
+def test_forced_triton_compiles_with_the_kernels_as_opaque_ops():
+    """torch.compile(fullgraph=True) of a linear on the forced Triton backend: Dynamo cannot trace the TMA checks
+    (a data pointer) and host descriptors, so the Hopper entry points are custom ops in the graph; the compiled
+    forward and gradients equal eager and still run the Hopper kernels."""
+    x, w, b = operands("gelu", torch.bfloat16)
+    eager = [t.detach().requires_grad_() for t in (x, w, b)]
+    _linear_loss(*eager).backward()
+    torch._dynamo.reset()
+    compiled = [t.detach().requires_grad_() for t in (x, w, b)]
+    before = hopper_launches()
+    torch.compile(_linear_loss, fullgraph=True, backend="aot_eager")(*compiled).backward()
+    assert hopper_launches() == before + 3  # forward, dgrad, wgrad (the bias gradient is a torch sum)
+    for got, want in zip(compiled, eager):
+        assert torch.equal(got.grad, want.grad)
+    dz, main_grad = eager[0].grad.new_ones(M, N), torch.zeros(w.shape, device=w.device)  # main_grad: mutated
+    torch.compile(lambda dz, x: triton_hopper.linear_wgrad(dz, x, main_grad=main_grad), fullgraph=True,
+                  backend="aot_eager")(dz, x)
+    assert hopper_launches() == before + 4
+    assert rel_err(main_grad, dz.double().T @ x.double()) < TOL[torch.bfloat16]
+
+
+def test_auto_under_compile_leaves_the_linear_to_torch():
+    """Backend "auto" under torch.compile: the traced graph holds torch's matmul and epilogue (cuBLAS, which the
+    compiler fuses around) rather than the Triton kernels that eager measurement would pick."""
+    x, w, b = operands("gelu", torch.bfloat16)
+    before = dict(triton_ops.LAUNCHES)
+    torch._dynamo.reset()
+    with kernels.use_backend("auto"):
+        got = torch.compile(_linear_loss, fullgraph=True, backend="aot_eager")(x, w, b)
+    assert dict(triton_ops.LAUNCHES) == before
+    assert rel_err(got, reference(x.double(), w.double(), b.double(), "gelu").square().sum()) < TOL[torch.bfloat16]
 
 
 @pytest.mark.parametrize("case", ["width not a multiple of 8", "fp32", "use_hopper(False)", "strided x"])

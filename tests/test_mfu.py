@@ -135,3 +135,25 @@ def test_a_fp8_row_runs_the_linears_in_float8_and_bad_rows_are_one_line(tmp_path
         with pytest.raises(SystemExit):
             mfu.main([*TINY, "--rows", bad])
         assert f"'{bad}': a row is one of" in capsys.readouterr().err
+
+
+def test_a_failing_row_is_recorded_and_the_rows_after_it_still_run(monkeypatch, tmp_path):
+    """A row that raises (a compile error, out of memory) becomes that row's error; the JSON is written after every
+    row, so a run cut short keeps what it measured."""
+    real = mfu.measure_row
+    written = []
+
+    def measure(row, *args, **kwargs):
+        if row == "torch+compile":
+            raise RuntimeError("Dynamo cannot trace this\nsecond line")
+        return real(row, *args, **kwargs)
+
+    def write(path, payload):
+        written.append([r["row"] for r in payload["rows"]])
+
+    monkeypatch.setattr(mfu, "measure_row", measure)
+    monkeypatch.setattr(mfu, "write_json", write)
+    rows = mfu.main([*TINY, "--rows", "torch+compile", "torch", "--no-profile", "--out", str(tmp_path / "m.json")])
+    assert rows[0] == {"row": "torch+compile", "error": "RuntimeError: Dynamo cannot trace this"}
+    assert rows[1]["row"] == "torch" and rows[1]["tokens_per_s"] > 0
+    assert written[:2] == [["torch+compile"], ["torch+compile", "torch"]]
