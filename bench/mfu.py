@@ -414,14 +414,15 @@ LLAMA_1B = dict(hidden="2048", layers="16", heads="32", kv_heads="8", ffn="8192"
 
 
 def gpu_check_section(on_gpu: bool, out) -> dict:
-    """bench.mfu's rows at the best recompute and micro-batch size --search finds on "auto" eager (30 s on the GPU):
+    """bench.mfu's rows at the best recompute and micro-batch size --search finds on "torch" eager (30 s on the GPU):
     the whole training step of the 1B shape in bf16 on the torch backend, on "auto" (the fused kernels), "auto"
     with compiled blocks and that with fp8 linears (last: the costliest to compile), each beside the planner's
     prediction; the CPU smoke: the tiny preset, eager rows only, a 20 s search on torch."""
     if on_gpu:
         shape = [f"--{k.replace('_', '-')}={v}" for k, v in LLAMA_1B.items()]
         flags = ["--model", "llama3-8b", *shape, "--seq-len", "4096", "--steps", "4", "--warmup", "2", "--rows",
-                 "torch", "auto", "auto+compile", "auto+compile+fp8", "--search", "--search-seconds", "30"]
+                 "torch", "auto", "auto+compile", "auto+compile+fp8", "--search", "--search-seconds", "30",
+                 "--search-row", "torch"]  # (compiled blocks run torch's ops; "auto" eager is host-bound: run 3)
     else:
         flags = ["--model", "tiny", "--layers", "2", "--seq-len", "16", "--steps", "1", "--warmup", "0", "--rows",
                  "torch", "auto", "--search", "--search-row", "torch", "--search-batches", "1", "2",

@@ -95,7 +95,8 @@ def _grad(logits: torch.Tensor, targets: torch.Tensor, log_z: torch.Tensor, grad
           smoothing: float, vocab_size: int) -> torch.Tensor:
     """The logits' gradient [tokens, V/tp] in their dtype; grad_loss [tokens] already 0 for ignored tokens."""
     out = torch.empty_like(logits)
-    constants = torch.tensor([smoothing / vocab_size, smoothing - 1.0], dtype=log_z.dtype, device=logits.device)
+    constants = log_z.new_empty(2)  # filled on the device: torch.tensor(list) is a host copy, a GPU sync per step
+    constants[0], constants[1] = smoothing / vocab_size, smoothing - 1.0
     if out.numel():
         block = _block(logits.shape[1])
         LAUNCHES["vocab_grad"] += 1

@@ -83,6 +83,15 @@ def test_a_section_past_its_timeout_fails_with_its_last_lines(tmp_path):
     assert "===== env (rc 124" in (tmp_path / "log.txt").read_text()
 
 
+def test_a_command_past_its_timeout_is_interrupted_first_so_it_can_report(tmp_path):
+    """On timeout the command gets SIGINT before SIGKILL: pytest then prints its failures so far and writes its JUnit
+    report (run 3 on an H200 lost which multirank tests failed: killed outright, it had printed only dots)."""
+    script = ("import time\ntry:\n    print('started', flush=True)\n    time.sleep(60)\n"
+              "except KeyboardInterrupt:\n    print('reported what it had')\n")
+    rc, out = gpu_check.run([sys.executable, "-c", script], 3)
+    assert rc == 124 and "started" in out and "reported what it had" in out
+
+
 def test_the_cpu_smokes_inner_commands_get_the_cpu_budget(monkeypatch, tmp_path):
     """Each CPU smoke's inner command gets 3x its GPU timeout, as its section does: a loaded 2-core machine once took
     60 s for the multirank smoke's pytest, which had the GPU's 55 s."""
@@ -91,3 +100,25 @@ def test_the_cpu_smokes_inner_commands_get_the_cpu_budget(monkeypatch, tmp_path)
     gpu_check.section_multirank(tmp_path, on_gpu=False)
     gpu_check.section_job(tmp_path, on_gpu=False)
     assert seen == [3 * 55, 3 * 70]
+
+
+def test_budget_gives_each_section_what_is_left_and_skips_the_rest(monkeypatch, tmp_path):
+    """--budget: a section runs under min(its timeout, what is left), none starts with under MIN_SECTION_S left, and
+    summary.md is written; here each section takes its whole timeout on a fake clock."""
+    clock = [0.0]
+    ran = []
+
+    def run_section(section, out, smoke):
+        ran.append((section.name, section.timeout))
+        clock[0] += section.timeout
+        return {"name": section.name, "status": "pass", "seconds": section.timeout, "details": {}}
+
+    monkeypatch.setattr(gpu_check.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(gpu_check, "run_section", run_section)
+    gpu_check.main(["--out", str(tmp_path), "--budget", "300"])
+    first, second, third = gpu_check.SECTIONS[:3]
+    assert ran == [(first.name, first.timeout), (second.name, second.timeout),
+                   (third.name, 300 - first.timeout - second.timeout)]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert [s["status"] for s in summary["sections"]] == ["pass"] * 3 + ["skipped"] * (len(gpu_check.SECTIONS) - 3)
+    assert (tmp_path / "summary.md").exists()

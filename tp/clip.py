@@ -72,7 +72,7 @@ def _sum_of_squares(p, grad, offset, tp_rank):
 def clip_grad_norm_(params: torch.Tensor | Iterable[torch.Tensor], max_norm: float, *, mesh: Mesh | None = None,
                     with_local: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Scale the gradients in place so that their global L2 norm is at most `max_norm` (0: measure only); returns
-    the norm before clipping (a 0-d fp32 tensor on the collectives' device, the same on every rank; inf/nan when a
+    the norm before clipping (a 0-d fp32 tensor on the gradients' device, the same on every rank; inf/nan when a
     gradient is not finite: skip that step). No host sync: the norm is read only where the caller reads it.
 
     Over the whole model (see the module docstring): every rank of `mesh` (default the current one) calls it with
@@ -87,8 +87,7 @@ def clip_grad_norm_(params: torch.Tensor | Iterable[torch.Tensor], max_norm: flo
     params = list(dict.fromkeys([params] if isinstance(params, torch.Tensor) else params))  # (torch takes either)
     for finish in dict.fromkeys(p.finish_grad_sync for p in params if hasattr(p, "finish_grad_sync")):
         finish()
-    total = torch.zeros((), dtype=torch.float64, device=collective_device())
-    grads = []
+    grads, squares = [], []
     for p in params:
         grad, offset, group = reduced_grad(p)
         if grad is None:
@@ -96,10 +95,17 @@ def clip_grad_norm_(params: torch.Tensor | Iterable[torch.Tensor], max_norm: flo
         grads.append(grad)
         if not getattr(p, "shared", False) and _counted(p, mesh, group):
             tp_rank = 0 if getattr(p, "expert_parallel", False) else mesh.tp_rank  # (experts: no tp duplicates)
-            total += _sum_of_squares(p, grad, offset, tp_rank).to(total.device)
+            squares.append(_sum_of_squares(p, grad, offset, tp_rank))
+    # Summed where the gradients are, moved once: one move per gradient was a host sync each on a GPU under gloo.
+    device = grads[0].device if grads else collective_device()
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for partial in squares:
+        total += partial.to(device)  # (a no-op unless gradients sit on several devices)
     local = total.clone() if with_local else None
     if mesh.world_size > 1:
-        dist.all_reduce(total)
+        reduced = total.to(collective_device())
+        dist.all_reduce(reduced)
+        total = reduced.to(device)
     exact = total.sqrt()  # (fp64: an fp64 model's coefficient is torch's to the last bits)
     if max_norm > 0:  # on the device, no host sync: a coefficient of 1 (no clipping, a non-finite norm) changes nothing
         coefficient = torch.full_like(exact, max_norm) / (exact + 1e-6)  # (not max_norm / t: t.reciprocal() * max_norm)
