@@ -157,6 +157,9 @@ def _save(path: Path, device: str) -> None:
 
 def lookup(key: Key) -> dict | None:
     """The cached row of key (the disk cache is read once per process), or None."""
+    row = _table.get(key)
+    if row is not None:  # (every call of a tuned step: one dict lookup, no path hashing the library versions)
+        return row
     path = cache_path(key.device)
     if path not in _read:
         _read.add(path)
