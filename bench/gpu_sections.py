@@ -1,5 +1,10 @@
-"""The measuring sections of bench.gpu_check that run in-process: the one-GPU GPT step and the square GEMM."""
+"""The measuring sections of bench.gpu_check that run in-process: the one-GPU GPT step, the square GEMM and its
+sweep over the persistent kernel's tiles."""
+import json
 import math
+import os
+import subprocess
+import sys
 import time
 
 import torch
@@ -98,4 +103,44 @@ def square_gemm(sizes=(4096, 8192)) -> dict:
                 ours = triton.testing.do_bench(lambda: kernels.linear_forward(a, b))
             rows[str(n)].update({f"{name}_tflops": round(2 * n**3 / ours / 1e9, 1),
                                  f"{name}_vs_cublas": round(cublas / ours, 3)})
+    return rows
+
+
+_ONE_TILE = """
+import json, sys, torch, triton.testing, kernels
+n = int(sys.argv[1])
+a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+with kernels.use_backend("triton"):
+    print(json.dumps(triton.testing.do_bench(lambda: kernels.linear_forward(a, b))))
+"""
+
+
+def tile_sweep(n: int = 4096, seconds: float = 60.0) -> dict:
+    """The persistent forward GEMM on square bf16 n at each of its candidate tiles alone (TP_KERNELS_TUNE=i, a
+    process each, until `seconds` are spent): TFLOP/s and the ratio to cuBLAS, so that the next tuning starts from
+    which tiles come near it."""
+    import triton.testing
+
+    from kernels.configs import PERSISTENT_TILES
+
+    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    cublas = triton.testing.do_bench(lambda: a @ b.t())
+    rows, deadline = {"cublas_tflops": round(2 * n**3 / cublas / 1e9, 1)}, time.monotonic() + seconds
+    for i, (bm, bn, bk, warps, stages) in enumerate(PERSISTENT_TILES):
+        name = f"{bm}x{bn}x{bk} w{warps} s{stages}"
+        left = deadline - time.monotonic()
+        if left < 5:
+            rows[name] = "not run (time)"
+            continue
+        try:
+            done = subprocess.run([sys.executable, "-c", _ONE_TILE, str(n)], capture_output=True, text=True,
+                                  timeout=left, env={**os.environ, "TP_KERNELS_TUNE": str(i)})
+        except subprocess.TimeoutExpired:
+            rows[name] = "timed out"
+            continue
+        if done.returncode:
+            rows[name] = (done.stderr.strip().splitlines() or ["failed"])[-1][:200]
+            continue
+        ms = json.loads(done.stdout.strip().splitlines()[-1])
+        rows[name] = {"tflops": round(2 * n**3 / ms / 1e9, 1), "vs_cublas": round(cublas / ms, 3)}
     return rows

@@ -124,8 +124,14 @@ def pruner(operand_tiles=lambda constexprs: (1, 1), epilogue_bytes=lambda conste
             return shared_bytes(c, elem, a_tiles, b_tiles) + per_output * c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"]
         limit = _max_shared(index)
         fitting = [c for c in family if size(c) <= limit] or [min(family, key=size)]
-        # TP_KERNELS_TUNE=one: the first fitting config only (bench.gpu_check compiles every test shape in minutes)
-        return fitting[:1] if os.environ.get("TP_KERNELS_TUNE") == "one" else fitting
+        tune = os.environ.get("TP_KERNELS_TUNE", "")
+        if tune == "one":  # the first fitting config only (bench.gpu_check compiles every test shape in minutes)
+            return fitting[:1]
+        if tune.isdigit():  # one candidate by its place in the kernel's list (bench.gpu_sections.tile_sweep)
+            if int(tune) >= len(family):
+                raise ValueError(f"TP_KERNELS_TUNE={tune}: this kernel has {len(family)} candidates (0-based)")
+            return [family[int(tune)]]
+        return fitting
 
     return prune
 

@@ -115,10 +115,10 @@ def test_budget_gives_each_section_what_is_left_and_skips_the_rest(monkeypatch, 
 
     monkeypatch.setattr(gpu_check.time, "monotonic", lambda: clock[0])
     monkeypatch.setattr(gpu_check, "run_section", run_section)
-    gpu_check.main(["--out", str(tmp_path), "--budget", "300"])
+    gpu_check.main(["--out", str(tmp_path), "--budget", "400"])
     first, second, third = gpu_check.SECTIONS[:3]
     assert ran == [(first.name, first.timeout), (second.name, second.timeout),
-                   (third.name, 300 - first.timeout - second.timeout)]
+                   (third.name, 400 - first.timeout - second.timeout)]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert [s["status"] for s in summary["sections"]] == ["pass"] * 3 + ["skipped"] * (len(gpu_check.SECTIONS) - 3)
     assert (tmp_path / "summary.md").exists()

@@ -4,6 +4,7 @@ Without CUDA the real Triton kernels run under TRITON_INTERPRET=1 (set by confte
 test forces the Triton backend; shapes stay small and odd (the interpreter is numpy, ~0.5 s for 256³). Tests that
 need compiled kernels or autotuning are skipped without CUDA.
 """
+import functools
 import os
 
 import pytest
@@ -275,6 +276,30 @@ def test_interpreter_names_a_triton_numpy_pair_it_cannot_run(monkeypatch, triton
             triton_ops.linear_forward(x, w)
         with pytest.raises(RuntimeError, match=r"numpy<2\.4"):
             kernels.grouped_forward(x, w.unsqueeze(0), [4])
+
+
+@pytest.mark.parametrize("tune, expected", [("", [0, 1, 2]), ("one", [0]), ("2", [2]), ("3", None)])
+def test_tp_kernels_tune_pins_the_candidates(monkeypatch, tune, expected):
+    """TP_KERNELS_TUNE: "one" keeps the first fitting config, an index that one candidate alone (to time each tile),
+    one past the list is refused in one line. Fake CUDA operands, the capability stubbed to Hopper's."""
+    import types
+
+    import triton
+
+    cands = [triton.Config({"BLOCK_M": m, "BLOCK_N": 64, "BLOCK_K": 32}, num_warps=4, num_stages=2)
+             for m in (64, 128, 32)]
+    monkeypatch.setenv("TP_KERNELS_TUNE", tune)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (9, 0))
+    for cached in (configs._family, configs._max_shared):
+        cached.cache_clear()
+        monkeypatch.setattr(configs, cached.__name__, functools.cache(cached.__wrapped__))
+    fake = types.SimpleNamespace(device=torch.device("cuda", 0), dtype=torch.bfloat16)
+    prune = configs.pruner()
+    if expected is None:
+        with pytest.raises(ValueError, match=r"^TP_KERNELS_TUNE=3: this kernel has 3 candidates"):
+            prune(cands, {"x": fake})
+    else:
+        assert prune(cands, {"x": fake}) == [cands[i] for i in expected]
 
 
 def test_public_api():
