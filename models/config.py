@@ -324,6 +324,11 @@ class GPTConfig:
         freq = self.moe_layer_freq
         return bool(freq[layer]) if isinstance(freq, (list, tuple)) else layer % freq == 0
 
+    def moe_layers(self, start: int = 0, stop: int | None = None) -> int:
+        """How many of layers [start, stop) (default: all) are mixtures of experts."""
+        stop = self.num_layers if stop is None else stop
+        return sum(self.is_moe_layer(i) for i in range(start, stop)) if self.num_experts else 0
+
     def check_experts(self, ep: int, etp: int) -> None:
         """Raise a ValueError naming the value if the experts cannot be split over `ep` ranks and `etp` slices."""
         if not self.num_experts:

@@ -14,6 +14,7 @@ docstring with its accounting: bench/plan/parameters.py (each parameter's shape 
 ddp, zero1 and fsdp, the experts' buckets) and bench/plan/activations.py (what a layer saves per micro-batch, the
 tensors outside the layers, micro-batches in flight per schedule). It re-exports their public names.
 """
+import itertools
 from dataclasses import dataclass
 
 from kernels.ops import BACKENDS as KERNEL_BACKENDS
@@ -156,6 +157,7 @@ def estimate(config, *, tp, cp=1, pp, dp, micro_batch_size, seq_len, sequence_pa
                  sequence_parallel=sequence_parallel, precision=precision)
     layer_bytes = _per_layer(config, recompute=recompute, backend=backend, etp=etp, **shape)
     per_layer = max(layer_bytes)
+    prefix = list(itertools.accumulate(layer_bytes, initial=0))  # layers [start, stop) save prefix[stop]-prefix[start]
     full_layer = max(_per_layer(config, recompute="none", backend=backend, etp=etp, **shape))
     e = PRECISIONS[precision]
     # RoPE's cos/sin [s, d], cached across layers (under cp each layer indexes its own: in layer_activation_bytes)
@@ -169,7 +171,7 @@ def estimate(config, *, tp, cp=1, pp, dp, micro_batch_size, seq_len, sequence_pa
     for stage in sorted({0, pp - 1} | ({min(1, pp - 1)} if not split.even else set())):
         chunks = stage_chunks(config.num_layers, pp, stage, virtual_stages, split)
         layers = sum(stop - start for start, stop, _, _ in chunks)
-        saved = sum(layer_bytes[i] for start, stop, _, _ in chunks for i in range(start, stop))
+        saved = sum(prefix[stop] - prefix[start] for start, stop, _, _ in chunks)
         alive = in_flight(schedule, pp, stage, virtual_stages, micro_batches)
         edges = sum(edge_activation_bytes(config, first=first, last=last, backend=backend, **shape)
                     for _, _, first, last in chunks)

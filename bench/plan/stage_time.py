@@ -24,8 +24,8 @@ def chunk_times(config, plan, seq_len, cluster, software, chunk, layer_times=Non
     tokens = plan.micro_batch_size * seq_len // plan.cp
     times = StageTimes(parts={})
     layer_times = {} if layer_times is None else layer_times
-    for moe in (False, True):
-        layers = sum(config.is_moe_layer(i) == moe for i in range(start, stop))
+    moe_layers = config.moe_layers(start, stop)
+    for moe, layers in ((False, stop - start - moe_layers), (True, moe_layers)):
         if layers:
             if moe not in layer_times:
                 layer_times[moe] = single_layer_times(config, plan, seq_len, cluster, software, moe)

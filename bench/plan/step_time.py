@@ -118,7 +118,7 @@ def recompute_flops_per_token(config, seq_len, recompute):
     if recomputes(recompute, "block"):
         return (model_flops_per_token(config, seq_len) - logits) / 3
     h, glu = config.hidden_size, 3 if config.activation == "swiglu" else 2
-    moe_layers = sum(config.is_moe_layer(i) for i in range(config.num_layers))
+    moe_layers = config.moe_layers()
     flops = 2 * config.num_layers * config.num_heads * sum(attention_widths(config)) * seq_len if recomputes(
         recompute, "core_attn") else 0
     if recomputes(recompute, "mlp"):
