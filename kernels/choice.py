@@ -1,10 +1,11 @@
 """The measured choice of backend "auto" on CUDA: per call shape, the fastest module implementing the primitives.
 
 Per key (primitive, dtype, activation, bias, main_grad accumulation, token bucket, N, K, device name) the first use
-times every candidate (ops.BACKENDS: the Triton kernels, and cuBLAS with torch's epilogue) on operands of that
-shape with CUDA events, keeps the fastest and caches it: in memory, and on disk in one JSON file per (device name,
-torch and triton versions), as Triton's autotune cache does, so a second run pays nothing. The directory is
-$TP_KERNELS_CACHE_DIR, else ~/.cache/tp-layers; a corrupt or unwritable file is ignored with one warning.
+times every candidate (ops.BACKENDS: the Triton kernels, cuBLAS with torch's epilogue, cuBLAS with Triton's
+elementwise passes) on operands of that shape with CUDA events, keeps the fastest and caches it: in memory, and on
+disk in one JSON file per (device name, torch and triton versions), as Triton's autotune cache does, so a second run
+pays nothing. The directory is $TP_KERNELS_CACHE_DIR, else ~/.cache/tp-layers; a corrupt or unwritable file is
+ignored with one warning.
 
 kernels.tune_linear runs every primitive of a layer before the pipeline runner's first schedule, so the measuring
 happens there. A key first met later (a new token bucket) is measured at that call: every tensor-parallel rank sees

@@ -1,9 +1,10 @@
-"""Dispatch of the local-matmul primitives: on CUDA the faster of Triton and torch for each call's shape, measured
-once (kernels.choice); Triton under TRITON_INTERPRET=1; torch otherwise.
+"""Dispatch of the local-matmul primitives: on CUDA the fastest of Triton, torch, and torch's GEMM with Triton's
+elementwise passes for each call's shape, measured once (kernels.choice); Triton under TRITON_INTERPRET=1; torch
+otherwise.
 
 The tensor-parallel layers call only these four functions, so a backend can be swapped without touching them.
-`use_backend("torch" | "triton" | "auto")` overrides the choice (also via the env var TP_KERNELS_BACKEND); BACKENDS
-names the backends.
+`use_backend("torch" | "triton" | "triton_epilogue" | "auto")` overrides the choice (also via the env var
+TP_KERNELS_BACKEND); BACKENDS names the backends.
 """
 import functools
 import os
@@ -88,9 +89,18 @@ def _load_triton_ops():
     return _triton_ops
 
 
+def _load_triton_epilogue():
+    """torch's GEMMs with Triton's elementwise passes (kernels.triton_epilogue), or None without triton."""
+    if _load_triton_ops() is None:
+        return None
+    from . import triton_epilogue
+
+    return triton_epilogue
+
+
 # name -> the module implementing the primitives, loaded on first use (triton is optional, and slow to import; None
-# when it cannot be): the backends use_backend forces ("auto" picks one per tensor)
-BACKENDS = {"torch": lambda: torch_ops, "triton": _load_triton_ops}
+# when it cannot be): the backends use_backend forces ("auto" measures them all per call shape on CUDA)
+BACKENDS = {"torch": lambda: torch_ops, "triton": _load_triton_ops, "triton_epilogue": _load_triton_epilogue}
 
 
 def _impl(x):

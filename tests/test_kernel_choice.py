@@ -14,7 +14,8 @@ from kernels.choice import OPS
 
 calls = []  # (candidate, primitive) of every call the fake modules ran
 COST = {("triton", "forward"): 1.0, ("torch", "forward"): 2.0, ("triton", "dgrad"): 3.0, ("torch", "dgrad"): 1.5,
-        ("triton", "wgrad"): 2.0, ("torch", "wgrad"): 1.0}
+        ("triton", "wgrad"): 2.0, ("torch", "wgrad"): 1.0,
+        **{("triton_epilogue", op): 4.0 for op in OPS}}  # (the third candidate: slowest unless a test says otherwise)
 
 
 def fake_module(name):
@@ -26,7 +27,7 @@ def fake_module(name):
     return types.SimpleNamespace(**{p: recorded(p) for p in ("linear_forward", "linear_dgrad", "linear_wgrad")})
 
 
-FAKES = {name: fake_module(name) for name in ("torch", "triton")}
+FAKES = {name: fake_module(name) for name in ops.BACKENDS}
 
 
 def cost_timer(fn, device):
@@ -74,6 +75,7 @@ def test_the_fastest_candidate_runs_per_key_and_the_table_says_why(auto):
     rows = {row["op"]: row for row in kernels.choices()}
     assert rows["forward"] == dict(op="forward", dtype="float32", activation="gelu", bias=True, main_grad=False,
                                    tokens=64, N=24, K=16, device="cpu", kernels="", torch_ms=2.0, triton_ms=1.0,
+                                   triton_epilogue_ms=4.0,
                                    choice="triton")
     assert (rows["dgrad"]["choice"], rows["dgrad"]["activation"], rows["dgrad"]["bias"]) == ("torch", "gelu", False)
     assert (rows["wgrad"]["choice"], rows["wgrad"]["main_grad"], rows["wgrad"]["tokens"]) == ("torch", True, 64)
@@ -118,6 +120,14 @@ def test_the_disk_cache_serves_a_new_process_without_timing(auto, monkeypatch):
     assert len(kernels.choices()) == 3
 
 
+def test_the_third_candidate_runs_where_it_is_fastest(auto, monkeypatch):
+    """torch's GEMM with Triton's elementwise pass (kernels.triton_epilogue) is measured beside the other two and
+    taken for the key it wins."""
+    monkeypatch.setitem(COST, ("triton_epilogue", "dgrad"), 1.0)
+    assert run_all() == [("triton", "forward"), ("triton_epilogue", "dgrad"), ("torch", "wgrad")]
+    assert {row["op"]: row["choice"] for row in kernels.choices()}["dgrad"] == "triton_epilogue"
+
+
 def test_a_known_choice_costs_one_dict_lookup(auto, monkeypatch):
     """Once a key is in memory its calls never touch the cache file's path (hashing the installed versions took
     ~330 us a call: 64 ms of host time per step of the 1B model, the GPU idle for a third of eager auto's step)."""
@@ -142,7 +152,8 @@ def test_a_cache_of_another_device_or_library_version_is_not_used(auto, monkeypa
     measured = []
     monkeypatch.setattr(choice, "time_ms", lambda fn, device: measured.append(1) or cost_timer(fn, device))
     run_all()
-    assert len(measured) == 6 and len(list(auto.glob("*.json"))) == 2  # both candidates of 3 keys; its own file
+    assert len(measured) == 3 * len(ops.BACKENDS) and len(list(auto.glob("*.json"))) == 2  # every candidate of 3
+    # keys; its own file
 
 
 def test_a_file_holding_another_identity_warns_once_and_is_rebuilt(auto):
