@@ -123,8 +123,8 @@ def _impl(x):
 
 
 def _measured(x: torch.Tensor, op: str, weight_shape: tuple[int, int], **flags):
-    """The module for one primitive call: under "auto" on a measurable (CUDA) device with both backends usable, the
-    faster for this call's key (kernels.choice); everywhere else _impl(x). Under torch.compile's tracing nothing is
+    """The module for one primitive call: under "auto" on a measurable (CUDA) device, the fastest of the usable
+    backends for this call's key (kernels.choice); everywhere else _impl(x). Under torch.compile's tracing nothing is
     measured (the tensors are fakes): _impl's choice, torch's."""
     default = _impl(x)
     if _backend != "auto" or default is torch_ops or not choice.measurable(x) or torch.compiler.is_compiling() \
