@@ -3,7 +3,7 @@
 - Triton kernels run under the interpreter (TRITON_INTERPRET=1 must precede every @triton.jit) unless the tests' tensors
   are on a GPU (TP_TEST_DEVICE=cuda or nccl, with CUDA: tp/testing.py): even with a GPU present, the default run's
   tensors are on the CPU, which only the interpreter takes; so are the training jobs' (TP_DEVICE=cpu: models.train's
-  --device auto).
+  --device auto), whatever TP_TEST_DEVICE says.
 - Tests marked `slow` (expensive variants of a fast check) are left out by pytest.ini; `-m slow` runs them.
 - The test process computes on OMP_NUM_THREADS threads when it is set, else on 1 (tp.testing's ranks too, within
   their share of the cores): the suite passes at any thread count (a reduction split over threads rounds otherwise:
@@ -17,7 +17,9 @@ import torch
 
 if not torch.cuda.is_available() or os.environ.get("TP_TEST_DEVICE", "cpu") in ("", "cpu"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    os.environ.setdefault("TP_DEVICE", "cpu")  # the training jobs the tests start: gloo ranks on the CPU
+# the training jobs the tests start: gloo ranks on the CPU, also under TP_TEST_DEVICE=cuda (their 8 ranks on one GPU
+# are refused by the job; bench.gpu_check's job section runs it on the GPU)
+os.environ.setdefault("TP_DEVICE", "cpu")
 os.environ.setdefault("TP_KERNELS_BACKEND", "torch")
 os.environ.setdefault("TP_HOST_CHECKS", "1")  # bad ids raise their one-line ValueError on GPUs too (tp/debug.py)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # Hugging Face models are built from configs here: never ask the hub
