@@ -48,3 +48,26 @@ def test_is_a_backend_auto_measures_and_one_that_can_be_forced():
         assert triton_ops.LAUNCHES["act_fwd"] == before + 1
     y.sum().backward()
     assert torch.allclose(y, torch.nn.functional.gelu(x @ w.t()), atol=1e-5)
+
+
+def _swiglu_loss(x, w, b):
+    return kernels.linear(x, w, b, activation="swiglu").float().square().sum()
+
+
+def test_compiles_with_its_passes_as_opaque_ops():
+    """Forced under torch.compile(fullgraph=True): the elementwise Triton passes are custom ops in the graph (Dynamo
+    does not trace their launches); forward and gradients equal eager, and the passes still run."""
+    g = torch.Generator().manual_seed(3)
+    x, w, b = torch.randn(M, K, generator=g), torch.randn(2 * N, K, generator=g), torch.randn(2 * N, generator=g)
+    eager, compiled = ([t.to(DEVICE).requires_grad_() for t in (x, w, b)] for _ in range(2))
+    with kernels.use_backend("triton_epilogue"):
+        want = _swiglu_loss(*eager)
+        want.backward()
+        torch._dynamo.reset()
+        before = dict(triton_ops.LAUNCHES)
+        got = torch.compile(_swiglu_loss, fullgraph=True, backend="aot_eager")(*compiled)
+        got.backward()
+    assert [triton_ops.LAUNCHES[k] - before.get(k, 0) for k in ("act_fwd", "act_bwd")] == [1, 1]
+    assert rel_err(got, want.double()) < 1e-6
+    for a, e in zip(compiled, eager):
+        assert rel_err(a.grad, e.grad.double()) < 1e-6
