@@ -42,6 +42,8 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+from bench.common import at_least
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULT = "GPU_CHECK_RESULT "  # the line a section's process prints its details on
 MIN_SECTION_S = 20  # --budget: a section is not started with less left
@@ -319,8 +321,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="directory for summary.json, summary.md and the section files")
     p.add_argument("--only", nargs="+", choices=names, help="run these sections; keep the others' earlier results")
-    p.add_argument("--budget", type=float, help="seconds for the whole check: a section gets at most what is left, "
-                   f"and none starts with under {MIN_SECTION_S} s left (skipped); summary.md is written either way")
+    p.add_argument("--budget", type=at_least(MIN_SECTION_S),
+                   help="seconds for the whole check: a section gets at most what is left, and none starts with under "
+                   f"{MIN_SECTION_S} s left (skipped); summary.md is written either way")
     p.add_argument("--section", choices=names, help=argparse.SUPPRESS)  # (one section, in its own process)
     args = p.parse_args(argv)
     out = Path(args.out)
@@ -333,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     previous = out / "summary.json"
     if args.only and previous.exists():
         summary["sections"] = json.loads(previous.read_text())["sections"]
-    deadline = time.monotonic() + args.budget if args.budget else math.inf
+    deadline = math.inf if args.budget is None else time.monotonic() + args.budget
     for section in (s for s in SECTIONS if not args.only or s.name in args.only):
         left = deadline - time.monotonic()
         if left < MIN_SECTION_S:

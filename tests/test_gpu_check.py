@@ -122,3 +122,11 @@ def test_budget_gives_each_section_what_is_left_and_skips_the_rest(monkeypatch, 
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert [s["status"] for s in summary["sections"]] == ["pass"] * 3 + ["skipped"] * (len(gpu_check.SECTIONS) - 3)
     assert (tmp_path / "summary.md").exists()
+
+
+@pytest.mark.parametrize("bad", ["0", "-5", "10"])
+def test_a_budget_too_small_for_any_section_is_refused_naming_it(bad, tmp_path, capsys):
+    """--budget 0 once meant no budget at all and a negative one skipped every section silently."""
+    with pytest.raises(SystemExit):
+        gpu_check.main(["--out", str(tmp_path), "--budget", bad])
+    assert f"argument --budget: {bad} is not >= {gpu_check.MIN_SECTION_S}" in capsys.readouterr().err
