@@ -8,6 +8,9 @@ Sections, in order of value (`--only` reruns some and keeps the others' earlier 
   bench_kernels  bench.kernels on MLP shard shapes and the fused dropout + residual add, and the Triton GEMM vs
                cuBLAS on square bf16 matrices; fp8 GEMMs (both recipes) vs bf16 cuBLAS on those shapes and 4096³/8192³;
                on Hopper each persistent tile alone at 4096 (tile_sweep_4096)
+  grouped      bench.grouped: the experts' grouped GEMMs (SwiGLU fc1, fc2; fwd, dgrad, wgrad into main_grad) on the
+               torch backend, torch._grouped_mm, the Triton backend (Hopper: kernels.grouped_hopper) and the sm80
+               kernels (grouped.json)
   mfu          one GPU, bf16: bench.mfu's whole training step of a Llama-3.2-1B shape (hidden 2048, 16 layers, 32/8
                heads, ffn 8192, vocab 128256, seq 4096) on the torch backend, "auto", "auto" with compiled blocks and
                that in fp8 (tensorwise), at the recompute and micro-batch size a 30 s --search on "torch" found
@@ -24,9 +27,9 @@ Sections, in order of value (`--only` reruns some and keeps the others' earlier 
 
 DIR gets summary.json ({"device", "torch", "triton", "sections": [{"name", "status": "pass"|"fail"|"skipped",
 "seconds", "details"}]}, rewritten after every section), summary.md at the end, log.txt (every section's output),
-kernels.json, mfu.json, intensity.json and intensity.png: at most 8 files. Without CUDA every section runs a CPU
-smoke (tiny shapes, Triton's interpreter) and the GPU-only parts say "skipped": tests/test_gpu_check.py runs it so
-that it keeps working between leases.
+kernels.json, grouped.json, mfu.json, intensity.json and intensity.png: at most 9 files. Without CUDA every
+section runs a CPU smoke (tiny shapes, Triton's interpreter) and the GPU-only parts say "skipped":
+tests/test_gpu_check.py runs it so that it keeps working between leases.
 """
 import argparse
 import dataclasses
@@ -63,6 +66,7 @@ SECTIONS = [
     # bench.kernels timed out at 80 s in run 3: every Hopper and sm80 config autotuned from a cold cache (now 150 s),
     # then the square GEMM and a 60 s sweep of the persistent kernel's tiles at 4096 (it reached 0.917x cuBLAS)
     Section("bench_kernels", 240, "bench.kernels (auto's measured choices), Triton vs cuBLAS GEMM, its tiles"),
+    Section("grouped", 90, "bench.grouped: the experts' grouped GEMM, Hopper TMA vs sm80 kernels vs torch"),
     Section("mfu", 180, "bench.mfu: the 1B shape's training step at its best setting, eager and compiled"),
     Section("kernels", 150, "kernel tests compiled on the device"),
     Section("job", 75, "the training job, 2 steps, one rank under torchrun"),
@@ -220,6 +224,14 @@ def section_bench_kernels(out: Path, on_gpu: bool) -> dict:
     return details
 
 
+def section_grouped(out: Path, on_gpu: bool) -> dict:
+    shapes = [] if on_gpu else ["--shapes", "4x256x128", "--rows", "2048"]
+    rc, text = run([sys.executable, "-m", "bench.grouped", *shapes, "--out", str(out / "grouped.json")],
+                   budget(85, on_gpu))
+    print(text[-20000:])
+    return {"returncode": rc, "table": text[-3000:], "ok": rc == 0}
+
+
 def section_intensity(out: Path, on_gpu: bool) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="gpu_check_intensity_"))
     opts = ["--hidden", "4096", "--mlp", "swiglu", "--tokens", "4096", "--measure-tp", "2", "--max-message-mb", "8",
@@ -286,7 +298,9 @@ def run_section(section: Section, out: Path, smoke: bool) -> dict:
     with open(out / "log.txt", "a") as log:
         log.write(f"\n===== {section.name} (rc {rc}, {seconds} s)\n{text}")
     lines = [ln for ln in text.splitlines() if ln.startswith(RESULT)]
-    details = json.loads(lines[-1][len(RESULT):]) if lines else {"tail": text[-2500:]}
+    details = json.loads(lines[-1][len(RESULT):]) if lines else {}
+    if rc != 0 or not lines:  # (one interrupted at its timeout may still print its result in the grace period)
+        details["tail"] = text[-2500:]
     ok = rc == 0 and details.pop("ok", False)
     status = "fail" if not ok else "skipped" if "skipped" in details else "pass"  # (a section that ran nothing)
     return {"name": section.name, "status": status, "seconds": seconds, "details": details}

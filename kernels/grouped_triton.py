@@ -23,7 +23,7 @@ _PRUNE_SWIGLU = {"early_config_prune": pruner(lambda constexprs: (1, 2 if conste
 
 
 @triton.jit
-def _find_tile(offsets_ptr, E, pid_m, BLOCK_M: tl.constexpr):
+def find_tile(offsets_ptr, E, pid_m, BLOCK_M: tl.constexpr):
     """(expert, first row, end row) of row tile `pid_m` in the groups' tile order; expert -1 past the last tile."""
     expert = pid_m * 0 - 1
     start = pid_m * 0
@@ -52,7 +52,7 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, z_ptr, offsets_ptr, E, N, K,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          GROUP_SIZE_M: tl.constexpr):
     # Output [rows, N] per expert; SWIGLU: B_e has 2N rows (gate [0, N), up [N, 2N)) and the output is silu·up.
-    expert, start, end = _find_tile(offsets_ptr, E, tl.program_id(0), BLOCK_M)
+    expert, start, end = find_tile(offsets_ptr, E, tl.program_id(0), BLOCK_M)
     if expert < 0:
         return
     offs_m = start + tl.arange(0, BLOCK_M)

@@ -82,12 +82,14 @@ def _store_act(acc, y_desc, z_desc, off_m, off_n, ACTIVATION: tl.constexpr, SAVE
     y_desc.store([off_m, off_n], act_fwd(acc, ACTIVATION).to(y_desc.dtype))
 
 
-def _block_hook(blocks):
+def block_hook(blocks):
     """A config pre_hook giving each descriptor argument its block shape: {name: "MK"} -> [BLOCK_M, BLOCK_K]
-    ("H": BLOCK_N // 2, the forward's epilogue halves)."""
+    ("H": BLOCK_N // 2, the forward's epilogue halves; "1": one expert of a grouped weight [E, ., .]). `blocks` may
+    also be a function of the launch's arguments returning that dict."""
     def hook(nargs):
-        sizes = {"M": nargs["BLOCK_M"], "N": nargs["BLOCK_N"], "K": nargs["BLOCK_K"], "H": nargs["BLOCK_N"] // 2}
-        for name, dims in blocks.items():
+        sizes = {"M": nargs["BLOCK_M"], "N": nargs["BLOCK_N"], "K": nargs["BLOCK_K"], "H": nargs["BLOCK_N"] // 2,
+                 "1": 1}
+        for name, dims in (blocks(nargs) if callable(blocks) else blocks).items():
             nargs[name].block_shape = [sizes[d] for d in dims]
     return hook
 
@@ -95,11 +97,11 @@ def _block_hook(blocks):
 # The pruners count the epilogue's staging on top of the operand stages: one output tile (the stores of y, z, ...
 # take turns in one buffer: Triton waits for each TMA store before reusing it; seen in the AOT test's
 # metadata.shared), two fp32 tiles for main_grad's load-add-store.
-_FWD_HOOK = _block_hook({"x_desc": "MK", "w_desc": "NK", "y_desc": "MH", "z_desc": "MH"})
-_SWIGLU_HOOK = _block_hook({"x_desc": "MK", "wg_desc": "NK", "wu_desc": "NK", "y_desc": "MN", "zg_desc": "MN",
+_FWD_HOOK = block_hook({"x_desc": "MK", "w_desc": "NK", "y_desc": "MH", "z_desc": "MH"})
+_SWIGLU_HOOK = block_hook({"x_desc": "MK", "wg_desc": "NK", "wu_desc": "NK", "y_desc": "MN", "zg_desc": "MN",
                             "zu_desc": "MN"})
-_DGRAD_HOOK = _block_hook({"dz_desc": "MK", "w_desc": "KN", "dx_desc": "MN"})
-_WGRAD_HOOK = _block_hook({"dz_desc": "KM", "x_desc": "KN", "c_desc": "MN"})
+_DGRAD_HOOK = block_hook({"dz_desc": "MK", "w_desc": "KN", "dx_desc": "MN"})
+_WGRAD_HOOK = block_hook({"dz_desc": "KM", "x_desc": "KN", "c_desc": "MN"})
 
 
 @triton.autotune(configs=persistent_configs(_FWD_HOOK), key=["M_BUCKET", "N", "K", "ACTIVATION", "HAS_BIAS"],
@@ -226,37 +228,37 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _programs(t, tiles):
+def programs(t, tiles):
     """The persistent grid: one program per SM (never more than there are tiles)."""
     sms = _sm_count(t.device.index if t.device.index is not None else 0) if t.is_cuda else _INTERPRETER_PROGRAMS
     return lambda meta: (max(1, min(sms, tiles(meta["BLOCK_M"], meta["BLOCK_N"]))),)
 
 
 def _grid(t, M, N):
-    return _programs(t, lambda bm, bn: triton.cdiv(M, bm) * triton.cdiv(N, bn))
+    return programs(t, lambda bm, bn: triton.cdiv(M, bm) * triton.cdiv(N, bn))
 
 
-def _tma_ok(t):
-    """TMA's rules for a 2-D global tensor: unit last stride, 16-byte aligned base and leading stride."""
-    return t.dim() == 2 and t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 \
-        and t.data_ptr() % 16 == 0 and min(t.shape) > 0
+def tma_ready(t):
+    """TMA's rules for a global tensor (2-D to 5-D): unit last stride, 16-byte aligned base and other strides."""
+    return 2 <= t.dim() <= 5 and t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and min(t.shape) > 0 \
+        and all(stride * t.element_size() % 16 == 0 for stride in t.stride()[:-1])
 
 
-def _takes(operands, widths):
+def takes(operands, widths):
     """Whether a call on these operands (same device and 16-bit dtype, TMA-ready) with outputs of these row widths
     (elements; fresh contiguous allocations) runs the Hopper kernels."""
     first = operands[0]
     return runs_hopper(first) and first.dtype in _TMA_DTYPES and all(w > 0 and (w * first.element_size()) % 16 == 0
                                                                       for w in widths) \
-        and all(t.dtype == first.dtype and t.device == first.device and _tma_ok(t) for t in operands)
+        and all(t.dtype == first.dtype and t.device == first.device and tma_ready(t) for t in operands)
 
 
-def _desc(t):
+def descriptor(t):
     # The block shape is a placeholder: the chosen config's pre_hook sets it before the launch.
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), [16, 16])
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1] * (t.dim() - 2) + [16, 16])
 
 
-def _upcast(dtype):
+def upcast(dtype):
     return INTERPRET and dtype == torch.bfloat16  # triton_ops.flags' reason: the interpreter's bf16 dot
 
 
@@ -274,56 +276,57 @@ def _linear_forward(x, weight, bias=None, activation=None):
         return triton_ops.linear_forward(x, weight, bias, activation)
     n_rows = weight.shape[0]
     N = n_rows // 2 if activation == "swiglu" else n_rows
-    if not _takes((x, weight), (N, n_rows)):
+    if not takes((x, weight), (N, n_rows)):
         return triton_ops.linear_forward(x, weight, bias, activation)
     M, K = x.shape
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     preact = None if activation is None else torch.empty(M, n_rows, dtype=x.dtype, device=x.device)
     b = x if bias is None else bias.contiguous()  # x: a dummy pointer when HAS_BIAS is off
-    common = dict(M_BUCKET=token_bucket(M), HAS_BIAS=bias is not None, UPCAST=_upcast(x.dtype))
+    common = dict(M_BUCKET=token_bucket(M), HAS_BIAS=bias is not None, UPCAST=upcast(x.dtype))
     with device_of(x):
         if activation == "swiglu":
             LAUNCHES["hopper_swiglu_fwd"] += 1
             _swiglu_fwd_kernel[_grid(x, M, N)](
-                _desc(x), _desc(weight[:N]), _desc(weight[N:]), b, _desc(y), _desc(preact[:, :N]),
-                _desc(preact[:, N:]), M, N, K, **common)
+                descriptor(x), descriptor(weight[:N]), descriptor(weight[N:]), b, descriptor(y),
+                descriptor(preact[:, :N]), descriptor(preact[:, N:]), M, N, K, **common)
         else:
             LAUNCHES["hopper_fwd"] += 1
-            y_desc = _desc(y)
+            y_desc = descriptor(y)
             _fwd_kernel[_grid(x, M, N)](
-                _desc(x), _desc(weight), b, y_desc, y_desc if preact is None else _desc(preact), M, N, K,
+                descriptor(x), descriptor(weight), b, y_desc, y_desc if preact is None else descriptor(preact), M, N, K,
                 ACTIVATION=activation or "none", SAVE_PREACT=preact is not None, **common)
     return y, preact
 
 
 def _linear_dgrad(grad_out, weight, preact=None, activation=None, *, need_input_grad=True):
-    if not (need_input_grad and _takes((grad_out, weight), (weight.shape[-1],))):
+    if not (need_input_grad and takes((grad_out, weight), (weight.shape[-1],))):
         return triton_ops.linear_dgrad(grad_out, weight, preact, activation, need_input_grad=need_input_grad)
     # triton_ops validates and runs the elementwise act' pass (dz is grad_out itself without an activation)
     _, dz = triton_ops.linear_dgrad(grad_out, weight, preact, activation, need_input_grad=False)
-    if not _takes((dz, weight), (weight.shape[1],)):  # an activation's dz [M, rows]: rows may break TMA's rules
+    if not takes((dz, weight), (weight.shape[1],)):  # an activation's dz [M, rows]: rows may break TMA's rules
         return triton_ops.linear_dgrad(dz, weight)[0], dz
     M, (n_rows, K) = dz.shape[0], weight.shape
     dx = torch.empty(M, K, dtype=dz.dtype, device=dz.device)
     LAUNCHES["hopper_dgrad"] += 1
     with device_of(dz):
-        _dgrad_kernel[_grid(dz, M, K)](_desc(dz), _desc(weight), _desc(dx), M, K, n_rows, token_bucket(M),
-                                       UPCAST=_upcast(dz.dtype))
+        _dgrad_kernel[_grid(dz, M, K)](descriptor(dz), descriptor(weight), descriptor(dx), M, K, n_rows,
+                                       token_bucket(M), UPCAST=upcast(dz.dtype))
     return dx, dz
 
 
 def _linear_wgrad(dz, x, *, main_grad=None):
     N, K = (dz.shape[-1], x.shape[-1])
-    fp32_grad = main_grad is None or (main_grad.dtype == torch.float32 and _tma_ok(main_grad))
+    fp32_grad = main_grad is None or (main_grad.dtype == torch.float32 and tma_ready(main_grad))
     if not (fp32_grad and dz.dim() == 2 and x.dim() == 2 and dz.shape[0] == x.shape[0]
-            and _takes((dz, x), (K,))):
+            and takes((dz, x), (K,))):
         return triton_ops.linear_wgrad(dz, x, main_grad=main_grad)
     out = torch.empty(N, K, dtype=dz.dtype, device=dz.device) if main_grad is None else main_grad
     tokens = dz.shape[0]
     LAUNCHES["hopper_wgrad"] += 1
     with device_of(dz):
-        _wgrad_kernel[_grid(dz, N, K)](_desc(dz), _desc(x), _desc(out), out, N, K, tokens, token_bucket(tokens),
-                                       ACCUMULATE=main_grad is not None, UPCAST=_upcast(dz.dtype))
+        _wgrad_kernel[_grid(dz, N, K)](descriptor(dz), descriptor(x), descriptor(out), out, N, K, tokens,
+                                       token_bucket(tokens), ACCUMULATE=main_grad is not None,
+                                       UPCAST=upcast(dz.dtype))
     return None if main_grad is not None else out
 
 

@@ -65,6 +65,22 @@ def test_kernels_benchmark_creates_its_output_folder(tmp_path):
         ("fc2", "fwd"), ("fc2", "dgrad"), ("fc2", "wgrad_main_grad"), ("square", "fwd"))}
 
 
+def test_grouped_benchmark_times_each_expert_gemm_on_uneven_groups(tmp_path, capsys):
+    from bench import grouped as bench_grouped
+
+    counts = bench_grouped.routed_counts(512, 8)
+    assert sum(counts) == 512 and len(counts) == 8 and max(counts) > min(counts)  # a router's uneven spread
+    out = tmp_path / "grouped.json"
+    rows = bench_grouped.main(["--shapes", "4x256x128", "--rows", "1024", "--reps", "1", "--out", str(out)])
+    assert [(r["layer"], r["phase"]) for r in rows] == [(layer, phase) for layer in ("fc1", "fc2")
+                                                        for phase in bench_grouped.PHASES]
+    assert all(r["torch_ms"] > 0 and r["experts"] == 4 and r["hidden"] == 8 for r in rows)  # shrunk 32x on CPU
+    assert json.loads(out.read_text())["results"] == json.loads(json.dumps(rows))
+    with pytest.raises(SystemExit):
+        bench_grouped.main(["--shapes", "4x256"])
+    assert "'4x256' is not EXHxF" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("module,flags,message", [
     ("mlp", ["--iters", "0"], r"argument --iters: 0 is not >= 1"),
     ("mlp", ["--tp", "0"], r"argument --tp: 0 is not >= 1"),

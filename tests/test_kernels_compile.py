@@ -121,7 +121,11 @@ H_FWD = "hopper:_fwd_kernel"
 H_SWIGLU = "hopper:_swiglu_fwd_kernel"
 H_DGRAD = "hopper:_dgrad_kernel"
 H_WGRAD = "hopper:_wgrad_kernel"
-HOPPER_KERNELS = (H_FWD, H_SWIGLU, H_DGRAD, H_WGRAD)
+H_GROUPED = "grouped_hopper:_grouped_gemm_kernel"  # kernels.grouped_hopper: the experts' grouped GEMMs on sm90
+H_GROUPED_WGRAD = "grouped_hopper:_grouped_wgrad_kernel"
+HOPPER_KERNELS = (H_FWD, H_SWIGLU, H_DGRAD, H_WGRAD, H_GROUPED, H_GROUPED_WGRAD)
+POINTER_STORES = (H_GROUPED,)  # its output leaves through masked stores: a TMA box cannot stop at a group's end
+_GROUPED_FWD = dict(ACTIVATION="none", SWIGLU=False, SAVE_PREACT=False, DGRAD=False)
 
 
 def _hopper_spec(name, kernel, dtype, constexprs, configs="first", slow=False):
@@ -133,6 +137,11 @@ HOPPER_SPECS = [
     _hopper_spec("h-swiglu-fwd-bf16", H_SWIGLU, "bf16", dict(HAS_BIAS=True), "smallest"),
     _hopper_spec("h-dgrad-bf16", H_DGRAD, "bf16", {}, "smallest"),
     _hopper_spec("h-wgrad-acc-bf16", H_WGRAD, "bf16", dict(ACCUMULATE=True), "smallest"),
+    _hopper_spec("h-grouped-swiglu-bf16", H_GROUPED, "bf16", dict(_GROUPED_FWD, SWIGLU=True, SAVE_PREACT=True),
+                 "smallest"),
+    dict(_hopper_spec("h-grouped-dgrad-bf16", H_GROUPED, "bf16", dict(_GROUPED_FWD, DGRAD=True), "smallest"),
+         runtime=dict(w_desc=("desc", "bf16", "1KN"))),  # the weight as stored: dx_e = dz_e · W_e
+    _hopper_spec("h-grouped-wgrad-acc-bf16", H_GROUPED_WGRAD, "bf16", dict(ACCUMULATE=True), "smallest"),
     # -m slow: every candidate of each kernel's main form (the shared-memory fit of each), the other forms'
     # largest candidate
     _hopper_spec("h-fwd-gelu-bf16-allcfg", H_FWD, "bf16", dict(ACTIVATION="gelu", **_FWD_FLAGS), "all", slow=True),
@@ -148,6 +157,13 @@ HOPPER_SPECS = [
     _hopper_spec("h-wgrad-acc-bf16-allcfg", H_WGRAD, "bf16", dict(ACCUMULATE=True), "all", slow=True),
     _hopper_spec("h-wgrad-noacc-bf16-allcfg", H_WGRAD, "bf16", dict(ACCUMULATE=False), "all", slow=True),
     _hopper_spec("h-wgrad-acc-fp16", H_WGRAD, "fp16", dict(ACCUMULATE=True), slow=True),
+    _hopper_spec("h-grouped-swiglu-bf16-allcfg", H_GROUPED, "bf16", dict(_GROUPED_FWD, SWIGLU=True, SAVE_PREACT=True),
+                 "all", slow=True),
+    _hopper_spec("h-grouped-gelu-fp16", H_GROUPED, "fp16", dict(_GROUPED_FWD, ACTIVATION="gelu", SAVE_PREACT=True),
+                 slow=True),
+    _hopper_spec("h-grouped-none-bf16-allcfg", H_GROUPED, "bf16", _GROUPED_FWD, "all", slow=True),
+    _hopper_spec("h-grouped-wgrad-acc-bf16-allcfg", H_GROUPED_WGRAD, "bf16", dict(ACCUMULATE=True), "all", slow=True),
+    _hopper_spec("h-grouped-wgrad-noacc-bf16", H_GROUPED_WGRAD, "bf16", dict(ACCUMULATE=False), slow=True),
 ]
 SPECS += HOPPER_SPECS
 
@@ -207,20 +223,28 @@ def _hopper_args(kernel, dtype, accumulate):
                     zg_desc=(*d, "MN"), zu_desc=(*d, "MN"), M=_U, F=_A, K=_A, M_BUCKET=_A)
     if kernel == H_DGRAD:
         return dict(dz_desc=(*d, "MK"), w_desc=(*d, "KN"), dx_desc=(*d, "MN"), M=_U, N=_A, K=_A, M_BUCKET=_A)
+    if kernel == H_GROUPED:  # (the dgrad's spec overrides w_desc with "1KN")
+        return dict(a_desc=(*d, "MK"), w_desc=(*d, "1NK"), c_ptr=f"*{dtype}", z_ptr=f"*{dtype}", offsets_ptr="*i32",
+                    E=_U, M=_U, N=_A, K=_A, M_BUCKET=_A, stride_cm=_A, stride_zm=_A)
     c = "fp32" if accumulate else dtype  # fp32 main_grad
+    if kernel == H_GROUPED_WGRAD:
+        return dict(dz_desc=(*d, "KM"), x_desc=(*d, "KN"), c_desc=("desc", c, "1MN"), c=f"*{c}", offsets_ptr="*i32",
+                    E=_U, N=_A, K=_A, M_BUCKET=_A)
     return dict(dz_desc=(*d, "KM"), x_desc=(*d, "KN"), c_desc=("desc", c, "MN"), c=f"*{c}", M=_A, N=_A, K=_U,
                 K_BUCKET=_A)
 
 
 def _kernel(name):
     """The kernel object (Autotuner or JITFunction) of that name, from kernels.triton_ops or kernels.grouped_triton,
-    or ("hopper:" names) kernels.triton_hopper."""
+    or ("hopper:" / "grouped_hopper:" names) kernels.triton_hopper / kernels.grouped_hopper."""
+    import kernels.grouped_hopper as grouped_hopper
     import kernels.grouped_triton as grouped
     import kernels.triton_hopper as hopper
     import kernels.triton_ops as ops
 
-    if name.startswith("hopper:"):
-        return getattr(hopper, name.removeprefix("hopper:"))
+    module, _, short = name.rpartition(":")
+    if module:
+        return getattr({"hopper": hopper, "grouped_hopper": grouped_hopper}[module], short)
     return getattr(ops, name, None) or getattr(grouped, name)
 
 
@@ -336,7 +360,7 @@ def _compile_one(job):
         ty = runtime.pop(name)
         if isinstance(ty, tuple):  # ("desc", dtype, dims): a host tensor descriptor with the config's block shape
             _, dtype, dims = ty
-            sizes = {d: meta[f"BLOCK_{d}"] for d in "MNK"} | {"H": meta["BLOCK_N"] // 2}
+            sizes = {d: meta[f"BLOCK_{d}"] for d in "MNK"} | {"H": meta["BLOCK_N"] // 2, "1": 1}
             signature[name] = f"tensordesc<{dtype}[{', '.join(str(sizes[d]) for d in dims)}]>"
             continue
         if isinstance(ty, int):  # a unit stride: Triton specialises an int argument equal to 1 into a constexpr
@@ -377,8 +401,8 @@ def _compile_one(job):
         cubin_bytes=len(cubin), cubin_elf=bytes(cubin[:4]) == b"\x7fELF",
         ptx_target=(re.search(r"^\.target\s+(\S+)", ptx, re.M) or [None, None])[1],
         wgmma="wgmma.mma_async" in ptx, mma_sync="mma.sync.aligned" in ptx,
-        n_wgmma=ptx.count("wgmma.mma_async"), n_tma_load=ptx.count("cp.async.bulk.tensor.2d.shared"),
-        n_tma_store=ptx.count("cp.async.bulk.tensor.2d.global"),
+        n_wgmma=ptx.count("wgmma.mma_async"), n_tma_load=len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared", ptx)),
+        n_tma_store=len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.global", ptx)),
         regs=grab(r"Used (\d+) registers"), spill_stores=grab(r"(\d+) bytes spill stores"),
         spill_loads=grab(r"(\d+) bytes spill loads"), stack=grab(r"(\d+) bytes stack frame"),
         ptxas_log=text[-2000:])
@@ -520,7 +544,7 @@ def test_compiles_and_fits(compiled, spec, arch):
             tensor_core = r["wgmma"] if arch == 90 else r["mma_sync"]
             assert tensor_core, f"{where}: no {'wgmma' if arch == 90 else 'mma.sync'} in the PTX"
         if spec["kernel"] in HOPPER_KERNELS:  # Hopper-class: operand tiles in and the output out through TMA
-            assert r["n_tma_load"] and r["n_tma_store"], \
+            assert r["n_tma_load"] and (r["n_tma_store"] or spec["kernel"] in POINTER_STORES), \
                 f"{where}: cp.async.bulk.tensor loads / stores in the PTX: {r['n_tma_load']} / {r['n_tma_store']}"
         if r["shared"] > MAX_SHARED[arch]:
             over.append(f"{where}: needs {r['shared']} B of shared memory, the device allows {MAX_SHARED[arch]} B")

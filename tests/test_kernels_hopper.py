@@ -167,3 +167,61 @@ def test_bench_kernels_adds_the_sm80_kernels_column():
     assert [r["phase"] for r in rows] == ["fwd", "bwd", "wgrad_main_grad"]
     assert all(r["kernels_sm80_ms"] > 0 and r["sm80_speedup"] > 0 for r in rows)
     assert triton_hopper.runs_hopper(torch.zeros(1, device=DEVICE))  # use_hopper(False) was scoped to its calls
+
+
+# ------------------------------------------------------------------ the experts' grouped GEMMs (kernels.grouped_hopper)
+GROUP_COUNTS = [37, 0, 1, 70]  # a group over two row tiles, an empty one, one row, one over three tiles: 108 rows
+GROUPED_CASES = [(None, torch.bfloat16), ("gelu", torch.bfloat16), ("swiglu", torch.bfloat16),
+                 ("swiglu", torch.float16)]
+
+
+def grouped_reference(x, w, activation):
+    """float64 per-group reference: act(x_e @ w_eᵀ), rows in GROUP_COUNTS' groups."""
+    outs = [reference(x_e, w_e, None, activation) for x_e, w_e in zip(x.split(GROUP_COUNTS), w)]
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("activation, dtype", GROUPED_CASES, ids=[f"{a}-{str(d)[6:]}" for a, d in GROUPED_CASES])
+def test_grouped_forward_dgrad_wgrad_match_float64(activation, dtype):
+    """Forward, dgrad and wgrad (fresh and into an fp32 main_grad) of kernels.grouped on the persistent TMA kernels:
+    row tiles that end inside the next group, weight tiles past an expert's last row or column (K, N not multiples
+    of the 32-wide tile), an empty expert (zero gradient, main_grad untouched)."""
+    g = torch.Generator().manual_seed(0)
+    rows = 2 * N if activation == "swiglu" else N
+    x = torch.randn(sum(GROUP_COUNTS), K, generator=g).to(DEVICE, dtype)
+    w = (torch.randn(len(GROUP_COUNTS), rows, K, generator=g) / K**0.5).to(DEVICE, dtype)
+    before = triton_ops.LAUNCHES.copy()
+    y, preact = kernels.grouped_forward(x, w, GROUP_COUNTS, activation)
+    gy = torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(DEVICE, dtype)
+    dx, dz = kernels.grouped_dgrad(gy, w, GROUP_COUNTS, preact, activation)
+    main_grad = torch.randn(w.shape, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    start = main_grad.clone()
+    assert kernels.grouped_wgrad(dz, x, GROUP_COUNTS, main_grad=main_grad) is None
+    dw = kernels.grouped_wgrad(dz, x, GROUP_COUNTS)
+    for name, count in (("hopper_grouped_gemm", 2), ("hopper_grouped_wgrad", 2), ("grouped_gemm", 0),
+                        ("grouped_wgrad", 0)):
+        assert triton_ops.LAUNCHES[name] == before[name] + count, name
+
+    leaves = [t.double().requires_grad_() for t in (x, w)]
+    y_ref = grouped_reference(*leaves, activation)
+    y_ref.backward(gy.double())
+    tol = TOL[dtype]
+    assert y.dtype == dtype and y.shape == y_ref.shape and rel_err(y, y_ref) < tol
+    assert rel_err(dx, leaves[0].grad) < tol
+    assert rel_err(dw, leaves[1].grad) < tol and not dw[1].any()
+    assert rel_err(main_grad - start, leaves[1].grad) < tol and torch.equal(main_grad[1], start[1])
+
+
+@pytest.mark.parametrize("case", ["fp32", "width not a multiple of 8", "use_hopper(False)"])
+def test_grouped_takes_the_sm80_kernels_where_tma_cannot(case):
+    dtype = torch.float32 if case == "fp32" else torch.bfloat16
+    width = K - 3 if case == "width not a multiple of 8" else K
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(sum(GROUP_COUNTS), width, generator=g).to(DEVICE, dtype)
+    w = torch.randn(len(GROUP_COUNTS), N, width, generator=g).to(DEVICE, dtype)
+    before = triton_ops.LAUNCHES.copy()
+    with triton_hopper.use_hopper(case != "use_hopper(False)"):
+        y, _ = kernels.grouped_forward(x, w, GROUP_COUNTS)
+    assert triton_ops.LAUNCHES["hopper_grouped_gemm"] == before["hopper_grouped_gemm"]
+    assert triton_ops.LAUNCHES["grouped_gemm"] == before["grouped_gemm"] + 1
+    assert rel_err(y, grouped_reference(x.double(), w.double(), None)) < TOL[dtype]
