@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from .configs import INTERPRET
+from .opaque import opaque_under_compile
 from .rms_norm import launch_device, warps
 from .triton_ops import LAUNCHES
 
@@ -75,6 +76,7 @@ def _block(width):
     return min(INTERPRETER_BLOCK if INTERPRET else BLOCK, triton.next_power_of_2(max(width, 16)))
 
 
+@opaque_under_compile("vocab_stats")
 def _stats(logits: torch.Tensor, targets: torch.Tensor, real: int, smoothing: bool) -> torch.Tensor:
     """[3 (4 with smoothing), tokens]: max, Σ exp(x − max), target logit (, Σ x) over the first `real` columns of
     contiguous logits [tokens, V/tp]; targets [tokens] int64 local columns, −1 for none."""
@@ -91,6 +93,7 @@ def _stats(logits: torch.Tensor, targets: torch.Tensor, real: int, smoothing: bo
     return stats
 
 
+@opaque_under_compile("vocab_grad")
 def _grad(logits: torch.Tensor, targets: torch.Tensor, log_z: torch.Tensor, grad_loss: torch.Tensor, real: int,
           smoothing: float, vocab_size: int) -> torch.Tensor:
     """The logits' gradient [tokens, V/tp] in their dtype; grad_loss [tokens] already 0 for ignored tokens."""
@@ -107,24 +110,15 @@ def _grad(logits: torch.Tensor, targets: torch.Tensor, log_z: torch.Tensor, grad
     return out
 
 
-# Under torch.compile the launchers run as custom ops (one op each for the compiler); eager calls them directly.
-_OPS = {_stats: torch.library.custom_op("tp_kernels::vocab_stats", _stats, mutates_args=()),
-        _grad: torch.library.custom_op("tp_kernels::vocab_grad", _grad, mutates_args=())}
-
-
-@_OPS[_stats].register_fake
+@_stats.register_fake
 def _(logits, targets, real, smoothing):
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     return logits.new_empty(4 if smoothing else 3, logits.shape[0], dtype=dtype)
 
 
-@_OPS[_grad].register_fake
+@_grad.register_fake
 def _(logits, targets, log_z, grad_loss, real, smoothing, vocab_size):
     return torch.empty_like(logits)
-
-
-def _run(fn, *args):
-    return (_OPS[fn] if torch.compiler.is_compiling() else fn)(*args)
 
 
 def vocab_stats(logits: torch.Tensor, targets: torch.Tensor, *, real: int, smoothing: bool) -> torch.Tensor:
@@ -132,7 +126,7 @@ def vocab_stats(logits: torch.Tensor, targets: torch.Tensor, *, real: int, smoot
     `smoothing`, Σ logit, per token of logits [..., V/tp] over its first `real` columns; targets [...] are local
     column indices, −1 where another rank holds the target (or the token is ignored). fp32 (fp64 for fp64)."""
     flat = logits.reshape(-1, logits.shape[-1]).contiguous()
-    stats = _run(_stats, flat, targets.reshape(-1).long().contiguous(), real, smoothing)
+    stats = _stats(flat, targets.reshape(-1).long().contiguous(), real, smoothing)
     return stats.view(stats.shape[0], *logits.shape[:-1])
 
 
@@ -141,7 +135,7 @@ def vocab_grad(logits: torch.Tensor, targets: torch.Tensor, log_z: torch.Tensor,
     """d loss / d logits [..., V/tp] in the logits' dtype: (exp(logit − log_z) − ε/V − (1 − ε)·onehot(target)) ·
     grad_loss on the first `real` columns, 0 on the rest; grad_loss [...] is 0 for ignored tokens."""
     flat = logits.reshape(-1, logits.shape[-1]).contiguous()
-    grad = _run(_grad, flat, targets.reshape(-1).long().contiguous(), log_z.reshape(-1).contiguous(),
+    grad = _grad(flat, targets.reshape(-1).long().contiguous(), log_z.reshape(-1).contiguous(),
                 grad_loss.reshape(-1).contiguous(), real, smoothing, vocab_size)
     return grad.view(logits.shape)
 

@@ -16,6 +16,7 @@ import torch
 from . import fp8 as fp8_ops
 from . import grouped_fp8, ops, torch_ops
 from .fp8 import Fp8Scaling
+from .opaque import opaque_under_compile
 
 Counts = list[int] | torch.Tensor
 
@@ -70,6 +71,7 @@ def _triton():
     return grouped_hopper
 
 
+@opaque_under_compile("grouped_forward")
 def _forward(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
              activation: str | None) -> tuple[torch.Tensor, torch.Tensor]:
     if ops.backend_for(x) == "triton":
@@ -80,18 +82,21 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
     return y, x.new_empty(0) if z is None else z  # (no pre-activation: an empty tensor)
 
 
+@opaque_under_compile("grouped_dgrad")
 def _dgrad(dz: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     if ops.backend_for(dz) == "triton":
         return _triton().grouped_gemm(dz, weight, _offsets(counts, dz.device), transpose_b=True)[0]
     return _torch_gemm(dz, weight, counts)
 
 
+@opaque_under_compile("grouped_wgrad")
 def _wgrad(dz: torch.Tensor, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     if ops.backend_for(dz) == "triton":
         return _triton().grouped_wgrad(dz, x, _offsets(counts, dz.device), len(counts))
     return _torch_wgrad(dz, x, counts, None)
 
 
+@opaque_under_compile("grouped_wgrad_into", mutates_args=("main_grad",))
 def _wgrad_into(dz: torch.Tensor, x: torch.Tensor, counts: torch.Tensor, main_grad: torch.Tensor) -> None:
     if ops.backend_for(dz) == "triton":
         _triton().grouped_wgrad(dz, x, _offsets(counts, dz.device), len(counts), main_grad=main_grad)
@@ -99,40 +104,25 @@ def _wgrad_into(dz: torch.Tensor, x: torch.Tensor, counts: torch.Tensor, main_gr
         _torch_wgrad(dz, x, counts, main_grad)
 
 
-# Under torch.compile the primitives run as custom ops (torch.library): the compiler calls each whole, whatever its
-# row count (a data-dependent size after an expert dispatch), and never reads the counts, which the loop above needs
-# on the host. Eager calls the functions directly (no op dispatch overhead).
-_OPS = {
-    _forward: torch.library.custom_op("tp_kernels::grouped_forward", _forward, mutates_args=()),
-    _dgrad: torch.library.custom_op("tp_kernels::grouped_dgrad", _dgrad, mutates_args=()),
-    _wgrad: torch.library.custom_op("tp_kernels::grouped_wgrad", _wgrad, mutates_args=()),
-    _wgrad_into: torch.library.custom_op("tp_kernels::grouped_wgrad_into", _wgrad_into, mutates_args=("main_grad",)),
-}
-
-
-@_OPS[_forward].register_fake
+@_forward.register_fake
 def _(x, weight, counts, activation):
     n = weight.shape[1] // 2 if activation == "swiglu" else weight.shape[1]
     return x.new_empty(x.shape[0], n), x.new_empty(0 if activation is None else (x.shape[0], weight.shape[1]))
 
 
-@_OPS[_dgrad].register_fake
+@_dgrad.register_fake
 def _(dz, weight, counts):
     return dz.new_empty(dz.shape[0], weight.shape[2])
 
 
-@_OPS[_wgrad].register_fake
+@_wgrad.register_fake
 def _(dz, x, counts):
     return dz.new_empty(counts.shape[0], dz.shape[1], x.shape[1])
 
 
-@_OPS[_wgrad_into].register_fake
+@_wgrad_into.register_fake
 def _(dz, x, counts, main_grad):
     return None
-
-
-def _run(fn, *args):
-    return (_OPS[fn] if torch.compiler.is_compiling() else fn)(*args)
 
 
 def grouped_forward(x: torch.Tensor, weight: torch.Tensor, counts: Counts, activation: str | None = None, *,
@@ -143,7 +133,7 @@ def grouped_forward(x: torch.Tensor, weight: torch.Tensor, counts: Counts, activ
     _check(x, weight, counts)
     if fp8 is not None:  # (eager: a loop of torch._scaled_mm over the groups)
         return grouped_fp8.grouped_forward(x, weight, _as_tensor(counts), activation, fp8=fp8)
-    y, z = _run(_forward, x, weight, _as_tensor(counts), activation)
+    y, z = _forward(x, weight, _as_tensor(counts), activation)
     return y, None if activation is None else z
 
 
@@ -156,7 +146,7 @@ def grouped_dgrad(grad_out: torch.Tensor, weight: torch.Tensor, counts: Counts, 
         return None, dz
     if fp8 is not None:
         return grouped_fp8.grouped_dgrad(dz, weight, _as_tensor(counts), fp8=fp8), dz
-    return _run(_dgrad, dz, weight, _as_tensor(counts)), dz
+    return _dgrad(dz, weight, _as_tensor(counts)), dz
 
 
 def grouped_wgrad(dz: torch.Tensor, x: torch.Tensor, counts: Counts, *, main_grad: torch.Tensor | None = None,
@@ -164,10 +154,10 @@ def grouped_wgrad(dz: torch.Tensor, x: torch.Tensor, counts: Counts, *, main_gra
     """dW [E, N, K], dW_e = dz_eᵀ @ x_e; with a main_grad (fp32 [E, N, K]), accumulated into it and None returned."""
     counts = _as_tensor(counts)
     if main_grad is None:
-        return _run(_wgrad, dz, x, counts) if fp8 is None else grouped_fp8.grouped_wgrad(dz, x, counts, fp8=fp8)
+        return _wgrad(dz, x, counts) if fp8 is None else grouped_fp8.grouped_wgrad(dz, x, counts, fp8=fp8)
     ops.check_main_grad(main_grad, (len(counts), dz.shape[1], x.shape[1]), dz.device)
     if fp8 is None:
-        _run(_wgrad_into, dz, x, counts, main_grad)
+        _wgrad_into(dz, x, counts, main_grad)
     else:
         grouped_fp8.grouped_wgrad(dz, x, counts, fp8=fp8, main_grad=main_grad)
     hook = getattr(main_grad, "post_accumulate_hook", None)  # (as kernels.linear_wgrad: tp.optim counts arrivals)

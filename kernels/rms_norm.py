@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from .configs import INTERPRET
+from .opaque import opaque_under_compile
 from .triton_ops import LAUNCHES
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -91,6 +92,7 @@ def launch_device(t: torch.Tensor) -> contextlib.AbstractContextManager:
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
+@opaque_under_compile("rms_norm_forward")
 def _forward(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
              eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out, s = x + residual (an empty tensor without a residual: s is x), rstd [rows]) for contiguous x [rows, H]."""
@@ -110,6 +112,7 @@ def _forward(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
     return out, total, rstd
 
 
+@opaque_under_compile("rms_norm_backward")
 def _backward(grad: torch.Tensor, grad_sum: torch.Tensor | None, total: torch.Tensor, weight: torch.Tensor,
               rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx [rows, H] in s's dtype: the norm's gradient plus grad_sum's, dweight [H] in the weight's dtype)."""
@@ -129,26 +132,16 @@ def _backward(grad: torch.Tensor, grad_sum: torch.Tensor | None, total: torch.Te
     return dx, partials.sum(0).to(weight.dtype)
 
 
-# Under torch.compile the launchers run as custom ops: the compiler sees each as one op (and never traces Triton's
-# launch); eager calls them directly.
-_OPS = {_forward: torch.library.custom_op("tp_kernels::rms_norm_forward", _forward, mutates_args=()),
-        _backward: torch.library.custom_op("tp_kernels::rms_norm_backward", _backward, mutates_args=())}
-
-
-@_OPS[_forward].register_fake
+@_forward.register_fake
 def _(x, residual, weight, eps):
     return (x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype)),
             torch.empty_like(x) if residual is not None else x.new_empty(0),
             x.new_empty(x.shape[0], dtype=torch.float32))
 
 
-@_OPS[_backward].register_fake
+@_backward.register_fake
 def _(grad, grad_sum, total, weight, rstd):
     return torch.empty_like(total), weight.new_empty(weight.shape)
-
-
-def _run(fn, *args):
-    return (_OPS[fn] if torch.compiler.is_compiling() else fn)(*args)
 
 
 class _FusedAddRMSNorm(torch.autograd.Function):
@@ -156,7 +149,7 @@ class _FusedAddRMSNorm(torch.autograd.Function):
     def forward(ctx, x, residual, weight, eps):
         x2d = x.reshape(-1, x.shape[-1]).contiguous()
         residual2d = None if residual is None else residual.reshape(x2d.shape).contiguous()
-        out, total, rstd = _run(_forward, x2d, residual2d, weight.contiguous(), eps)
+        out, total, rstd = _forward(x2d, residual2d, weight.contiguous(), eps)
         total = x2d if residual is None else total
         ctx.save_for_backward(total, weight, rstd)
         ctx.shape, ctx.has_residual = x.shape, residual is not None
@@ -169,7 +162,7 @@ class _FusedAddRMSNorm(torch.autograd.Function):
         total, weight, rstd = ctx.saved_tensors
         grad_out = grad_out.reshape(total.shape).contiguous()
         grad_sum = None if grad_sum is None else grad_sum.reshape(total.shape).to(total.dtype).contiguous()
-        dx, dweight = _run(_backward, grad_out, grad_sum, total, weight.contiguous(), rstd)
+        dx, dweight = _backward(grad_out, grad_sum, total, weight.contiguous(), rstd)
         dx = dx.view(ctx.shape)
         return dx, dx if ctx.has_residual else None, dweight, None
 

@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .opaque import opaque_under_compile
 from .rms_norm import launch_device, warps
 from .triton_ops import LAUNCHES
 
@@ -41,6 +42,7 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, N, S, HALF, stride_xb, stride
     tl.store(out_row + HALF + j[None, :], (x2 * cos + x1 * sin).to(out_ptr.dtype.element_ty), mask=inside)
 
 
+@opaque_under_compile("rope")
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
     """x [b, n, s, d] (d contiguous) rotated by cos/sin [b or 1, s, d/2] (contiguous, the angles once): contiguous."""
     b, n, s, d = x.shape
@@ -57,30 +59,22 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) 
     return out
 
 
-# Under torch.compile the launcher runs as a custom op (one op for the compiler); eager calls it directly.
-_OP = torch.library.custom_op("tp_kernels::rope", _rope, mutates_args=())
-
-
-@_OP.register_fake
+@_rope.register_fake
 def _(x, cos, sin, inverse):
     return x.new_empty(x.shape)
-
-
-def _run(*args):
-    return (_OP if torch.compiler.is_compiling() else _rope)(*args)
 
 
 class _Rope(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, cos, sin):
         ctx.save_for_backward(cos, sin)
-        return _run(x, cos, sin, False)
+        return _rope(x, cos, sin, False)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         cos, sin = ctx.saved_tensors
-        return _run(grad if grad.stride(-1) == 1 else grad.contiguous(), cos, sin, True), None, None
+        return _rope(grad if grad.stride(-1) == 1 else grad.contiguous(), cos, sin, True), None, None
 
 
 def supports(x: torch.Tensor, cos: torch.Tensor) -> bool:

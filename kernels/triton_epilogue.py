@@ -16,6 +16,7 @@ from . import torch_ops, triton_ops
 from .activations import act_fwd, swiglu_fwd
 from .configs import INTERPRET
 from .dtypes import TRITON_DTYPES
+from .opaque import opaque_under_compile
 from .triton_ops import LAUNCHES, device_of
 
 __all__ = ["linear_forward", "linear_dgrad", "linear_wgrad"]
@@ -39,6 +40,7 @@ def _act_fwd_kernel(z_ptr, y_ptr, M, F, stride_zm, stride_zn, stride_ym, stride_
              mask=mask)
 
 
+@opaque_under_compile("epilogue_act_fwd")
 def _act_fwd(z: torch.Tensor, activation: str, F: int) -> torch.Tensor:
     M = z.shape[0]
     y = torch.empty(M, F, dtype=z.dtype, device=z.device)
@@ -53,27 +55,19 @@ def _act_fwd(z: torch.Tensor, activation: str, F: int) -> torch.Tensor:
     return y
 
 
+@opaque_under_compile("epilogue_act_bwd")
 def _act_bwd(grad_out: torch.Tensor, weight: torch.Tensor, preact: torch.Tensor, activation: str) -> torch.Tensor:
     return triton_ops.linear_dgrad(grad_out, weight, preact, activation, need_input_grad=False)[1]
 
 
-# Under torch.compile each pass is one custom op (Dynamo does not trace the launches); eager calls them directly.
-_OPS = {_act_fwd: torch.library.custom_op("tp_kernels::epilogue_act_fwd", _act_fwd, mutates_args=()),
-        _act_bwd: torch.library.custom_op("tp_kernels::epilogue_act_bwd", _act_bwd, mutates_args=())}
-
-
-@_OPS[_act_fwd].register_fake
+@_act_fwd.register_fake
 def _(z, activation, F):
     return z.new_empty(z.shape[0], F)
 
 
-@_OPS[_act_bwd].register_fake
+@_act_bwd.register_fake
 def _(grad_out, weight, preact, activation):
     return grad_out.new_empty(preact.shape)
-
-
-def _run(fn, *args):
-    return (_OPS[fn] if torch.compiler.is_compiling() else fn)(*args)
 
 
 def linear_forward(x, weight, bias=None, activation=None):
@@ -84,14 +78,14 @@ def linear_forward(x, weight, bias=None, activation=None):
     z = torch.nn.functional.linear(x, weight, bias)  # [M, rows]
     if activation == "swiglu" and z.shape[1] % 2:
         raise ValueError(f"swiglu needs an even number of output rows, got weight {tuple(weight.shape)}")
-    return _run(_act_fwd, z, activation, z.shape[1] // 2 if activation == "swiglu" else z.shape[1]), z
+    return _act_fwd(z, activation, z.shape[1] // 2 if activation == "swiglu" else z.shape[1]), z
 
 
 def linear_dgrad(grad_out, weight, preact=None, activation=None, *, need_input_grad=True):
     """-> (grad_input = dz @ weight or None, dz = grad_out · act'(preact)); see torch_ops.linear_dgrad."""
     if activation is None or grad_out.dtype not in TRITON_DTYPES:
         return torch_ops.linear_dgrad(grad_out, weight, preact, activation, need_input_grad=need_input_grad)
-    dz = _run(_act_bwd, grad_out, weight, preact, activation)
+    dz = _act_bwd(grad_out, weight, preact, activation)
     return (dz @ weight if need_input_grad else None), dz
 
 
