@@ -55,7 +55,8 @@ from .common import write_json
 LAYERS = ("fc1", "fc1_swiglu", "fc2")
 KERNELS = ("linear", "dropout", "choices", "fp8")
 CHOICE_COLUMNS = [("op", "op", "{}"), ("dtype", "dtype", "{}"), ("activation", "act", "{}"), ("bias", "bias", "{}"),
-                  ("main_grad", "main_grad", "{}"), ("tokens", "T bucket", "{}"), ("N", "N", "{}"), ("K", "K", "{}"),
+                  ("main_grad", "main_grad", "{}"), ("tokens", "T bucket", "{}"), ("groups", "E", "{}"),
+                  ("N", "N", "{}"), ("K", "K", "{}"),
                   *[(f"{name}_ms", f"{name} ms", "{:.3f}") for name in BACKENDS], ("choice", "choice", "{}")]
 
 

@@ -1,8 +1,9 @@
 """The measured choice of backend "auto" on CUDA: per call shape, the fastest module implementing the primitives.
 
-Per key (primitive, dtype, activation, bias, main_grad accumulation, token bucket, N, K, device name) the first use
-times every candidate (ops.BACKENDS: the Triton kernels, cuBLAS with torch's epilogue, cuBLAS with Triton's
-elementwise passes) on operands of that shape with CUDA events, keeps the fastest and caches it: in memory, and on
+Per key (primitive, dtype, activation, bias, main_grad accumulation, token bucket, N, K, device name; for the
+experts' grouped GEMM also the number of groups) the first use times every candidate (ops.BACKENDS: the Triton
+kernels, cuBLAS with torch's epilogue, cuBLAS with Triton's elementwise passes; kernels.grouped's two
+implementations) on operands of that shape with CUDA events, keeps the fastest and caches it: in memory, and on
 disk in one JSON file per (device name, torch and triton versions), as Triton's autotune cache does, so a second run
 pays nothing. The directory is $TP_KERNELS_CACHE_DIR, else ~/.cache/tp-layers; a corrupt or unwritable file is
 ignored with one warning.
@@ -25,11 +26,12 @@ from typing import NamedTuple
 import torch
 
 OPS = ("forward", "dgrad", "wgrad")
+GROUPED_OPS = ("grouped_forward", "grouped_dgrad", "grouped_wgrad")  # kernels.grouped's primitives
 WARMUP, REPS = 2, 5  # launches before timing (the first compiles and autotunes), then timed launches (median)
 
 
 class Key(NamedTuple):
-    op: str                 # one of OPS
+    op: str                 # one of OPS or GROUPED_OPS
     dtype: str              # "bfloat16", ...
     activation: str | None  # forward and dgrad only
     bias: bool              # forward only
@@ -39,6 +41,7 @@ class Key(NamedTuple):
     K: int                  # the weight's columns (in-features)
     device: str             # device_name
     kernels: str            # the Triton candidate's kernels for these tensors (its kernel_family(x)): "sm90-tma"...
+    groups: int = 0         # grouped GEMMs: the weight's groups (experts), their rows split evenly when measured
 
 
 def token_bucket(tokens: int) -> int:
@@ -69,11 +72,12 @@ def library_versions() -> dict[str, str | None]:
 
 
 def make_key(op: str, x: torch.Tensor, N: int, K: int, *, activation: str | None = None, bias: bool = False,
-             main_grad: bool = False, kernels: str = "") -> Key:
-    """The key of one primitive call on x's rows (x, grad_out or dz) with a weight [N, K]; `kernels` names which
-    Triton kernels the candidate would run (a choice timed against Hopper's TMA kernels is not the sm80 ones')."""
+             main_grad: bool = False, kernels: str = "", groups: int = 0) -> Key:
+    """The key of one primitive call on x's rows (x, grad_out or dz) with a weight [N, K] (grouped: [groups, N, K]);
+    `kernels` names which Triton kernels the candidate would run (a choice timed against Hopper's TMA kernels is not
+    the sm80 ones')."""
     return Key(op, str(x.dtype).removeprefix("torch."), activation, bias, main_grad, token_bucket(x.shape[0]), N, K,
-               device_name(x.device), kernels)
+               device_name(x.device), kernels, groups)
 
 
 def time_ms(fn: Callable[[], object], device: torch.device) -> float:
@@ -137,7 +141,9 @@ def _load(path: Path, device: str) -> dict[Key, dict]:
         data = json.loads(path.read_text())
         if any(data[name] != value for name, value in _identity(device).items()):
             raise ValueError("written for another device or library version")
-        return {Key(**{f: row[f] for f in Key._fields}): row for row in data["choices"]}
+        defaults = Key._field_defaults  # (a field added since the file was written: its default)
+        return {Key(**{f: row[f] if f in row or f not in defaults else defaults[f] for f in Key._fields}): row
+                for row in data["choices"]}
     except (FileNotFoundError, NotADirectoryError):  # nothing cached yet (an unusable directory warns at the write)
         return {}
     except (OSError, ValueError, KeyError, TypeError) as e:  # (json.JSONDecodeError is a ValueError)
@@ -168,11 +174,13 @@ def lookup(key: Key) -> dict | None:
     return _table.get(key)
 
 
-def choose(key: Key, candidates: dict[str, object], device: torch.device) -> str:
-    """The name of the fastest candidate module for key: cached, else measured now and cached."""
+def choose(key: Key, candidates: dict[str, object], device: torch.device,
+           call: Callable[[Key, torch.device], Callable[[object], object]] | None = None) -> str:
+    """The name of the fastest candidate for key: cached, else measured now and cached. `call(key, device)` gives
+    the candidate -> one run on operands of the key's shape (default: the linear primitives' on a module)."""
     row = lookup(key)
     if row is None or row["choice"] not in candidates:
-        run = _call(key, device)
+        run = (call or _call)(key, device)
         with torch.no_grad():
             times = {name: time_ms(functools.partial(run, module), device) for name, module in candidates.items()}
         row = {**key._asdict(), **{f"{name}_ms": ms for name, ms in times.items()},

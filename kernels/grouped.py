@@ -6,15 +6,19 @@ x [M, K] holds the groups' rows back to back, `counts` (E host integers, or an i
 [E, H, F]). Three primitives, dispatched like kernels.linear's (Triton on CUDA or under TRITON_INTERPRET=1, torch
 otherwise): forward (activation fused), dgrad (dz = g·act'(z), then dx_e = dz_e · W_e), wgrad (dW_e = dz_eᵀ · x_e,
 accumulated into an fp32 `weight.main_grad` [E, N, K] when it exists). The torch path uses `torch._grouped_mm` where
-this torch runs it (fp32 / bf16 / fp16 on the CPU, 16-byte aligned row strides), else a loop over the groups. Under
+this torch runs it (fp32 / bf16 / fp16 on the CPU, bf16 on CUDA, 16-byte aligned row strides), else a loop over the
+groups. Under backend "auto" on CUDA each primitive call runs the faster of the two for its key (kernels.choice:
+measured once per primitive, dtype, activation, token bucket, weight shape and device, on evenly split groups). Under
 torch.compile each primitive runs as a custom op (tp_kernels::grouped_*): a grouped GEMM whose rows and counts are
 only known at run time (an expert dispatch's output) traces without a graph break. `fp8=` on the primitives
 (`fp8_recipe=` on grouped_linear) runs each expert's GEMMs in float8 (kernels.grouped_fp8; docs/fp8.md).
 """
+import functools
+
 import torch
 
+from . import choice, grouped_fp8, ops, torch_ops
 from . import fp8 as fp8_ops
-from . import grouped_fp8, ops, torch_ops
 from .fp8 import Fp8Scaling
 from .opaque import opaque_under_compile
 
@@ -44,10 +48,17 @@ def _ranges(counts):
         start += n
 
 
+def _grouped_mm_runs(a, b):
+    """Whether torch._grouped_mm takes a and b: fp32 / bf16 / fp16 on the CPU, bf16 on CUDA (CUTLASS kernels on
+    sm90 / sm100, torch's own loop over the groups elsewhere), 16-byte aligned strides."""
+    dtypes = (torch.float32, torch.bfloat16, torch.float16) if a.device.type == "cpu" else \
+        (torch.bfloat16,) if a.is_cuda else ()
+    return hasattr(torch, "_grouped_mm") and a.dtype == b.dtype and a.dtype in dtypes and _aligned(a) and _aligned(b)
+
+
 def _torch_gemm(a, b, counts):
     """a_e @ b_e per group, for b [E, K, N] (any strides): torch._grouped_mm where it runs, else a loop."""
-    if (hasattr(torch, "_grouped_mm") and a.device.type == "cpu" and a.dtype == b.dtype
-            and a.dtype in (torch.float32, torch.bfloat16, torch.float16) and _aligned(a) and _aligned(b)):
+    if _grouped_mm_runs(a, b):
         return torch._grouped_mm(a, b, offs=_offsets(counts, a.device)[1:])
     out = a.new_empty(a.shape[0], b.shape[2])
     for e, lo, hi in _ranges(counts):
@@ -55,53 +66,108 @@ def _torch_gemm(a, b, counts):
     return out
 
 
-def _torch_wgrad(dz, x, counts, main_grad):
-    dw = dz.new_empty(len(counts), dz.shape[1], x.shape[1]) if main_grad is None else None
-    for e, lo, hi in _ranges(counts):
-        if main_grad is not None:
-            main_grad[e].addmm_(dz[lo:hi].t().to(main_grad.dtype), x[lo:hi].to(main_grad.dtype))
-        else:
-            torch.mm(dz[lo:hi].t(), x[lo:hi], out=dw[e])
-    return dw
+class _Torch:
+    """torch's grouped GEMMs: torch._grouped_mm where it runs, else a loop over the groups."""
+
+    @staticmethod
+    def forward(x, weight, counts, activation):
+        z = _torch_gemm(x, weight.transpose(1, 2), counts)
+        return (z, None) if activation is None else (torch_ops.activation_forward(z, activation), z)
+
+    @staticmethod
+    def dgrad(dz, weight, counts):
+        return _torch_gemm(dz, weight, counts)
+
+    @staticmethod
+    def wgrad(dz, x, counts, main_grad):
+        dw = dz.new_empty(len(counts), dz.shape[1], x.shape[1]) if main_grad is None else None
+        for e, lo, hi in _ranges(counts):
+            if main_grad is not None:
+                main_grad[e].addmm_(dz[lo:hi].t().to(main_grad.dtype), x[lo:hi].to(main_grad.dtype))
+            else:
+                torch.mm(dz[lo:hi].t(), x[lo:hi], out=dw[e])
+        return dw
+
+
+class _Triton:
+    """kernels.grouped_hopper: the sm90 TMA kernels, or kernels.grouped_triton's wherever those do not run."""
+
+    @staticmethod
+    def forward(x, weight, counts, activation):
+        return _triton().grouped_gemm(x, weight, _offsets(counts, x.device), activation)
+
+    @staticmethod
+    def dgrad(dz, weight, counts):
+        return _triton().grouped_gemm(dz, weight, _offsets(counts, dz.device), transpose_b=True)[0]
+
+    @staticmethod
+    def wgrad(dz, x, counts, main_grad):
+        return _triton().grouped_wgrad(dz, x, _offsets(counts, dz.device), len(counts), main_grad=main_grad)
 
 
 def _triton():
-    from . import grouped_hopper  # (the sm90 TMA kernels, or grouped_triton's wherever those do not run)
+    from . import grouped_hopper
 
     return grouped_hopper
+
+
+# The two implementations, by the answer of kernels.ops.backend_for (the backend the linears would run).
+_IMPLEMENTATIONS = {"torch": _Torch, "triton": _Triton}
+
+
+def _implementation(op, rows, weight_shape, activation=None, main_grad=False):
+    """The implementation for one call on `rows` (x, or dz) with a weight [E, N, K]: ops.backend_for's, except under
+    "auto" on a measurable (CUDA) device, where it is the faster of the two for the call's key, measured at its
+    first use (kernels.choice)."""
+    name = ops.backend_for(rows)
+    groups, N, K = weight_shape
+    if name == "triton" and ops.get_backend() == "auto" and choice.measurable(rows) and rows.shape[0] \
+            and groups * N * K:
+        family = getattr(ops.BACKENDS["triton"](), "kernel_family", None)
+        key = choice.make_key(op, rows, N, K, activation=activation, main_grad=main_grad,
+                              kernels=family(rows) if family else "", groups=groups)
+        name = choice.choose(key, _IMPLEMENTATIONS, rows.device, call=_measured_call)
+    return _IMPLEMENTATIONS[name]
+
+
+def _measured_call(key, device):
+    """implementation -> one run of the key's grouped primitive on operands of its shape, the rows split evenly."""
+    dtype = getattr(torch, key.dtype)
+    make = functools.partial(torch.randn, device=device, dtype=dtype)
+    rows, groups = key.tokens, key.groups
+    counts = torch.tensor([rows // groups + (e < rows % groups) for e in range(groups)])
+    weight, x, dz = make(groups, key.N, key.K), make(rows, key.K), make(rows, key.N)
+    if key.op == "grouped_forward":
+        return lambda impl: impl.forward(x, weight, counts, key.activation)
+    if key.op == "grouped_dgrad":
+        return lambda impl: impl.dgrad(dz, weight, counts)
+    grad_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    main_grad = torch.zeros(weight.shape, device=device, dtype=grad_dtype) if key.main_grad else None
+    return lambda impl: impl.wgrad(dz, x, counts, main_grad)
 
 
 @opaque_under_compile("grouped_forward")
 def _forward(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
              activation: str | None) -> tuple[torch.Tensor, torch.Tensor]:
-    if ops.backend_for(x) == "triton":
-        y, z = _triton().grouped_gemm(x, weight, _offsets(counts, x.device), activation)
-    else:
-        z = _torch_gemm(x, weight.transpose(1, 2), counts)
-        y, z = (z, None) if activation is None else (torch_ops.activation_forward(z, activation), z)
+    impl = _implementation("grouped_forward", x, weight.shape, activation)
+    y, z = impl.forward(x, weight, counts, activation)
     return y, x.new_empty(0) if z is None else z  # (no pre-activation: an empty tensor)
 
 
 @opaque_under_compile("grouped_dgrad")
 def _dgrad(dz: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    if ops.backend_for(dz) == "triton":
-        return _triton().grouped_gemm(dz, weight, _offsets(counts, dz.device), transpose_b=True)[0]
-    return _torch_gemm(dz, weight, counts)
+    return _implementation("grouped_dgrad", dz, weight.shape).dgrad(dz, weight, counts)
 
 
 @opaque_under_compile("grouped_wgrad")
 def _wgrad(dz: torch.Tensor, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    if ops.backend_for(dz) == "triton":
-        return _triton().grouped_wgrad(dz, x, _offsets(counts, dz.device), len(counts))
-    return _torch_wgrad(dz, x, counts, None)
+    weight_shape = (counts.shape[0], dz.shape[1], x.shape[1])
+    return _implementation("grouped_wgrad", dz, weight_shape).wgrad(dz, x, counts, None)
 
 
 @opaque_under_compile("grouped_wgrad_into", mutates_args=("main_grad",))
 def _wgrad_into(dz: torch.Tensor, x: torch.Tensor, counts: torch.Tensor, main_grad: torch.Tensor) -> None:
-    if ops.backend_for(dz) == "triton":
-        _triton().grouped_wgrad(dz, x, _offsets(counts, dz.device), len(counts), main_grad=main_grad)
-    else:
-        _torch_wgrad(dz, x, counts, main_grad)
+    _implementation("grouped_wgrad", dz, main_grad.shape, main_grad=True).wgrad(dz, x, counts, main_grad)
 
 
 @_forward.register_fake

@@ -74,7 +74,8 @@ def test_the_fastest_candidate_runs_per_key_and_the_table_says_why(auto):
     assert run_all() == [("triton", "forward"), ("torch", "dgrad"), ("torch", "wgrad")]
     rows = {row["op"]: row for row in kernels.choices()}
     assert rows["forward"] == dict(op="forward", dtype="float32", activation="gelu", bias=True, main_grad=False,
-                                   tokens=64, N=24, K=16, device="cpu", kernels="", torch_ms=2.0, triton_ms=1.0,
+                                   tokens=64, N=24, K=16, device="cpu", kernels="", groups=0, torch_ms=2.0,
+                                   triton_ms=1.0,
                                    triton_epilogue_ms=4.0,
                                    choice="triton")
     assert (rows["dgrad"]["choice"], rows["dgrad"]["activation"], rows["dgrad"]["bias"]) == ("torch", "gelu", False)
@@ -239,3 +240,107 @@ def test_bench_kernels_measures_and_prints_the_choices_of_each_layer_shard(auto,
     assert [(row["op"], row["N"], row["K"], row["tokens"], row["choice"]) for row in table] == [
         ("forward", 128, 64, 128, "triton"), ("dgrad", 128, 64, 128, "torch"), ("wgrad", 128, 64, 128, "torch")]
     assert "triton ms" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------ the experts' grouped GEMM (kernels.grouped)
+GROUPED_COST = {("triton", "grouped_forward"): 1.0, ("torch", "grouped_forward"): 2.0,
+                ("triton", "grouped_dgrad"): 3.0, ("torch", "grouped_dgrad"): 1.5,
+                ("triton", "grouped_wgrad"): 2.0, ("torch", "grouped_wgrad"): 1.0}
+COUNTS = [5, 0, 37, 1]
+
+
+def recording(name, real):
+    """An implementation that records (name, primitive) and runs `real`'s."""
+    def recorded(primitive):
+        def run(*args):
+            calls.append((name, f"grouped_{primitive}"))
+            return getattr(real, primitive)(*args)
+        return run
+    return types.SimpleNamespace(**{p: recorded(p) for p in ("forward", "dgrad", "wgrad")})
+
+
+@pytest.fixture
+def grouped_auto(auto, monkeypatch):
+    """auto over kernels.grouped's two implementations (recording fakes that run the torch one), costed."""
+    from kernels import grouped
+
+    real = grouped._IMPLEMENTATIONS["torch"]
+    monkeypatch.setattr(grouped, "_IMPLEMENTATIONS", {name: recording(name, real) for name in grouped._IMPLEMENTATIONS})
+    monkeypatch.setattr(choice, "time_ms", grouped_cost)
+    return auto
+
+
+def grouped_cost(fn, device):
+    """The cost of the implementation fn runs (its measuring runs kept out of `calls`)."""
+    ran = list(calls)
+    fn()
+    cost = GROUPED_COST[calls[-1]]
+    calls[:] = ran
+    return cost
+
+
+def grouped_step(rows_scale=1):
+    """grouped_linear forward and backward (wgrad into a main_grad) -> the (implementation, primitive) of each."""
+    counts = [n * rows_scale for n in COUNTS]
+    x = torch.randn(sum(counts), 16, requires_grad=True)
+    w = torch.randn(len(counts), 24, 16, requires_grad=True)
+    w.main_grad = torch.zeros(w.shape)
+    calls.clear()
+    kernels.grouped_linear(x, w, counts, activation="gelu").sum().backward()
+    return list(calls)
+
+
+def test_the_grouped_gemm_runs_its_faster_implementation_per_key(grouped_auto, monkeypatch):
+    """auto measures the experts' grouped GEMM too (not Triton by device): per primitive the faster of torch's
+    (torch._grouped_mm or a loop) and the Triton kernels, keyed with the number of groups; then cached."""
+    assert grouped_step() == [("triton", "grouped_forward"), ("torch", "grouped_dgrad"), ("torch", "grouped_wgrad")]
+    rows = {row["op"]: row for row in kernels.choices()}
+    assert set(rows) == set(choice.GROUPED_OPS)
+    assert rows["grouped_forward"] == dict(
+        op="grouped_forward", dtype="float32", activation="gelu", bias=False, main_grad=False, tokens=64, N=24, K=16,
+        device="cpu", kernels="", groups=4, torch_ms=2.0, triton_ms=1.0, choice="triton")
+    assert rows["grouped_wgrad"]["main_grad"] and rows["grouped_dgrad"]["activation"] is None
+    monkeypatch.setattr(choice, "time_ms", no_timer)
+    assert grouped_step() == [("triton", "grouped_forward"), ("torch", "grouped_dgrad"), ("torch", "grouped_wgrad")]
+    with kernels.use_backend("triton"):  # forced: no measurement, the Triton implementation throughout
+        assert {name for name, _ in grouped_step()} == {"triton"}
+
+
+def test_grouped_choices_survive_a_new_process_and_old_cache_rows_load(grouped_auto, monkeypatch):
+    grouped_step()
+    (path,) = grouped_auto.glob("*.json")
+    data = json.loads(path.read_text())
+    for row in data["choices"]:  # a file written before the key had `groups`: its linear rows still serve
+        if row["groups"] == 0:
+            del row["groups"]
+    path.write_text(json.dumps(data))
+    choice.clear()
+    monkeypatch.setattr(choice, "time_ms", no_timer)
+    assert grouped_step() == [("triton", "grouped_forward"), ("torch", "grouped_dgrad"), ("torch", "grouped_wgrad")]
+
+
+@pytest.mark.parametrize("favoured", ["triton", "torch"])
+def test_the_grouped_gemm_measures_its_real_implementations(tmp_path, monkeypatch, favoured):
+    """The real implementations on the measuring operands (evenly split groups; Triton interpreted): the timer's
+    verdict is what runs, and the result is the torch one's."""
+    monkeypatch.setenv("TP_KERNELS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(choice, "measurable", lambda x: True)
+
+    def timer(fn, device):
+        before = sum(triton_ops.LAUNCHES.values())
+        fn()
+        return 1.0 if (sum(triton_ops.LAUNCHES.values()) > before) == (favoured == "triton") else 2.0
+    monkeypatch.setattr(choice, "time_ms", timer)
+    choice.clear()
+    x, w = torch.randn(sum(COUNTS), 16), torch.randn(len(COUNTS), 48, 16)
+    try:
+        with kernels.use_backend("auto"):
+            y, _ = kernels.grouped_forward(x, w, COUNTS, "swiglu")
+            main_grad = torch.zeros(w.shape)
+            kernels.grouped_wgrad(torch.randn(sum(COUNTS), 48), x, COUNTS, main_grad=main_grad)
+        assert {row["op"]: row["choice"] for row in kernels.choices()} == {
+            "grouped_forward": favoured, "grouped_wgrad": favoured}
+        with kernels.use_backend("torch"):
+            torch.testing.assert_close(y, kernels.grouped_forward(x, w, COUNTS, "swiglu")[0])
+    finally:
+        choice.clear()
