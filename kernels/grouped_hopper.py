@@ -44,6 +44,28 @@ def _store_rows(ptr, stride, values, rows, cols, mask):
     tl.store(ptr + rows.to(tl.int64)[:, None] * stride + cols[None, :], values.to(ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _halves(acc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    return tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+
+
+@triton.jit
+def _epilogue(c_ptr, z_ptr, stride_cm, stride_zm, acc, acc_up, start, end, off_n, N, ACTIVATION: tl.constexpr,
+              SWIGLU: tl.constexpr, SAVE_PREACT: tl.constexpr, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):
+    """Masked stores of one [BLOCK_M, WIDTH] piece at column off_n: the rows from `end` on are the next group's."""
+    rows = start + tl.arange(0, BLOCK_M)
+    cols = off_n + tl.arange(0, WIDTH)
+    mask = (rows < end)[:, None] & (cols < N)[None, :]
+    if SAVE_PREACT:
+        _store_rows(z_ptr, stride_zm, acc, rows, cols, mask)
+    if SWIGLU:
+        _store_rows(z_ptr, stride_zm, acc_up, rows, cols + N, mask)
+        y = swiglu_fwd(acc, acc_up)
+    else:
+        y = act_fwd(acc, ACTIVATION)
+    _store_rows(c_ptr, stride_cm, y, rows, cols, mask)
+
+
 _GEMM_HOOK = block_hook(lambda nargs: {"a_desc": "MK", "w_desc": "1KN" if nargs["DGRAD"] else "1NK"})
 _WGRAD_HOOK = block_hook({"dz_desc": "KM", "x_desc": "KN", "c_desc": "1MN"})
 
@@ -72,17 +94,14 @@ def _grouped_gemm_kernel(a_desc, w_desc, c_ptr, z_ptr, offsets_ptr, E, M, N, K, 
                 if SWIGLU:
                     acc_up = dot(a, _weight_tile(w_desc, expert, off_n + N, k * BLOCK_K, DGRAD, BLOCK_N, BLOCK_K),
                                  acc_up, UPCAST, "tf32")
-            rows = start + tl.arange(0, BLOCK_M)
-            cols = off_n + tl.arange(0, BLOCK_N)
-            mask = (rows < end)[:, None] & (cols < N)[None, :]
-            if SAVE_PREACT:
-                _store_rows(z_ptr, stride_zm, acc, rows, cols, mask)
-            if SWIGLU:
-                _store_rows(z_ptr, stride_zm, acc_up, rows, cols + N, mask)
-                y = swiglu_fwd(acc, acc_up)
-            else:
-                y = act_fwd(acc, ACTIVATION)
-            _store_rows(c_ptr, stride_cm, y, rows, cols, mask)
+            # The epilogue in two column halves: half the registers for the pointers and the activation's
+            # temporaries (the SwiGLU form spilled at 128x128 in one piece, tests/test_kernels_compile.py).
+            acc_l, acc_r = _halves(acc, BLOCK_M, BLOCK_N)
+            up_l, up_r = _halves(acc_up, BLOCK_M, BLOCK_N)
+            _epilogue(c_ptr, z_ptr, stride_cm, stride_zm, acc_l, up_l, start, end, off_n, N, ACTIVATION, SWIGLU,
+                      SAVE_PREACT, BLOCK_M, BLOCK_N // 2)
+            _epilogue(c_ptr, z_ptr, stride_cm, stride_zm, acc_r, up_r, start, end, off_n + BLOCK_N // 2, N,
+                      ACTIVATION, SWIGLU, SAVE_PREACT, BLOCK_M, BLOCK_N // 2)
 
 
 @triton.jit
