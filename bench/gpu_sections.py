@@ -126,7 +126,8 @@ def tile_sweep(n: int = 4096, seconds: float = 60.0) -> dict:
     a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     cublas = triton.testing.do_bench(lambda: a @ b.t())
     rows, deadline = {"cublas_tflops": round(2 * n**3 / cublas / 1e9, 1)}, time.monotonic() + seconds
-    for i, (bm, bn, bk, warps, stages) in enumerate(PERSISTENT_TILES):
+    by_area = sorted(enumerate(PERSISTENT_TILES), key=lambda item: -item[1][0] * item[1][1])  # the likeliest first
+    for i, (bm, bn, bk, warps, stages) in by_area:
         name = f"{bm}x{bn}x{bk} w{warps} s{stages}"
         left = deadline - time.monotonic()
         if left < 5:
