@@ -27,7 +27,7 @@ from .activations import act_fwd, swiglu_fwd
 from .choice import token_bucket
 from .configs import persistent_configs, pruner
 from .grouped_triton import find_tile
-from .triton_hopper import block_hook, descriptor, programs, takes, tma_ready, upcast
+from .triton_hopper import block_hook, descriptor, halves, programs, takes, tma_ready, upcast
 from .triton_ops import LAUNCHES, check_operands, device_of, dot, tile_coords
 
 
@@ -42,11 +42,6 @@ def _weight_tile(w_desc, expert, off_n, off_k, DGRAD: tl.constexpr, BLOCK_N: tl.
 @triton.jit
 def _store_rows(ptr, stride, values, rows, cols, mask):
     tl.store(ptr + rows.to(tl.int64)[:, None] * stride + cols[None, :], values.to(ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _halves(acc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    return tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
 
 
 @triton.jit
@@ -96,8 +91,8 @@ def _grouped_gemm_kernel(a_desc, w_desc, c_ptr, z_ptr, offsets_ptr, E, M, N, K, 
                                  acc_up, UPCAST, "tf32")
             # The epilogue in two column halves: half the registers for the pointers and the activation's
             # temporaries (the SwiGLU form spilled at 128x128 in one piece, tests/test_kernels_compile.py).
-            acc_l, acc_r = _halves(acc, BLOCK_M, BLOCK_N)
-            up_l, up_r = _halves(acc_up, BLOCK_M, BLOCK_N)
+            acc_l, acc_r = halves(acc, BLOCK_M, BLOCK_N)
+            up_l, up_r = halves(acc_up, BLOCK_M, BLOCK_N)
             _epilogue(c_ptr, z_ptr, stride_cm, stride_zm, acc_l, up_l, start, end, off_n, N, ACTIVATION, SWIGLU,
                       SAVE_PREACT, BLOCK_M, BLOCK_N // 2)
             _epilogue(c_ptr, z_ptr, stride_cm, stride_zm, acc_r, up_r, start, end, off_n + BLOCK_N // 2, N,

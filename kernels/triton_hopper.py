@@ -70,6 +70,12 @@ def _mma(a_desc, b_desc, off_m, off_n, K, A_T: tl.constexpr, B_T: tl.constexpr, 
 
 
 @triton.jit
+def halves(acc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """acc [BLOCK_M, BLOCK_N] -> its left and right column halves."""
+    return tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+
+
+@triton.jit
 def _add_bias(acc, b_ptr, off_n, N, BLOCK_N: tl.constexpr):
     cols = off_n + tl.arange(0, BLOCK_N)
     return acc + tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
@@ -118,7 +124,7 @@ def _fwd_kernel(x_desc, w_desc, b_ptr, y_desc, z_desc, M, N, K, M_BUCKET,
             acc = _add_bias(acc, b_ptr, off_n, N, BLOCK_N)
         # The epilogue in two column halves: half the registers for the activation's temporaries (128x256 tiles
         # spilled with GELU in one piece, tests/test_kernels_compile.py) and half the staging buffer.
-        left, right = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+        left, right = halves(acc, BLOCK_M, BLOCK_N)
         _store_act(left, y_desc, z_desc, off_m, off_n, ACTIVATION, SAVE_PREACT)
         _store_act(right, y_desc, z_desc, off_m, off_n + BLOCK_N // 2, ACTIVATION, SAVE_PREACT)
 
