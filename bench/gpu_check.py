@@ -11,13 +11,13 @@ Sections, in order of value (`--only` reruns some and keeps the others' earlier 
   grouped      bench.grouped: the experts' grouped GEMMs (SwiGLU fc1, fc2; fwd, dgrad, wgrad into main_grad) on the
                torch backend, torch._grouped_mm, the Triton backend (Hopper: kernels.grouped_hopper) and the sm80
                kernels (grouped.json)
+  kernels      the kernel test files compiled on the GPU with one autotune config per family (TP_KERNELS_TUNE=one),
+               then the GPU-only kernel tests with full tuning
   mfu          one GPU, bf16: bench.mfu's whole training step of a Llama-3.2-1B shape (hidden 2048, 16 layers, 32/8
                heads, ffn 8192, vocab 128256, seq 4096) on the torch backend, "auto", "auto" with compiled blocks and
                that in fp8 (tensorwise), at the recompute and micro-batch size a 30 s --search on "torch" found
                fastest: tokens/s, MFU, peak memory, host syncs per step, the profiler's time breakdown, the
                planner's predicted step (mfu.json)
-  kernels      the kernel test files compiled on the GPU with one autotune config per family (TP_KERNELS_TUNE=one),
-               then the GPU-only kernel tests with full tuning
   job          `python -m models.train` for 2 steps under torchrun with one rank
   gpt_step     one GPU, bf16: a GPT (hidden 2048, 8 layers, GQA 16/4 heads, vocab 32000, seq 2048) fwd+bwd on the
                Triton and the torch backends: loss and grad-norm difference, tokens/s, MFU, peak memory
@@ -67,8 +67,9 @@ SECTIONS = [
     # then the square GEMM and a 60 s sweep of the persistent kernel's tiles at 4096 (it reached 0.917x cuBLAS)
     Section("bench_kernels", 240, "bench.kernels (auto's measured choices), Triton vs cuBLAS GEMM, its tiles"),
     Section("grouped", 90, "bench.grouped: the experts' grouped GEMM, Hopper TMA vs sm80 kernels vs torch"),
-    Section("mfu", 180, "bench.mfu: the 1B shape's training step at its best setting, eager and compiled"),
+    # the kernel tests before mfu: the grouped Hopper kernels and auto's grouped choice have never run on a GPU
     Section("kernels", 150, "kernel tests compiled on the device"),
+    Section("mfu", 180, "bench.mfu: the 1B shape's training step at its best setting, eager and compiled"),
     Section("job", 75, "the training job, 2 steps, one rank under torchrun"),
     Section("gpt_step", 60, "one-GPU bf16 GPT step: Triton vs torch"),
     Section("multirank", 60, "2 and 4 ranks sharing the device over gloo"),
