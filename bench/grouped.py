@@ -6,10 +6,12 @@ A shape EXHxF is E local experts of hidden size H and expert FFN width F: fc1 is
 (weight [E, 2F, H], output [rows, F]), fc2 the down-projection (weight [E, H, F]). `rows` routed tokens (tokens x
 top-k) are spread over the experts unevenly, as a router does (a multinomial over softmax(randn) expert weights,
 seeded), and each layer's three GEMMs are timed: fwd, dgrad (dx = dz·W, the activation's backward included) and
-wgrad into an fp32 main_grad. Columns, where they run: "torch" (the package's torch backend: torch._grouped_mm on
-the CPU, a loop of mm over the experts elsewhere), "grouped_mm" (torch._grouped_mm called directly, bf16 on a GPU
-that runs it: what torchtitan's experts call; its error is recorded where it does not), "triton" (the Triton
-backend: on a Hopper GPU the persistent TMA kernels of kernels.grouped_hopper) and, on a Hopper GPU, "sm80"
+wgrad into an fp32 main_grad. Columns, where they run: "torch" (the package's torch backend: torch._grouped_mm
+where it runs, bf16 on CUDA and fp32/bf16/fp16 on the CPU, else a loop of mm over the experts), "grouped_mm"
+(torch._grouped_mm called directly, on a GPU: what torchtitan's experts call; wgrad with a separate fp32 add; its
+error is recorded where it does not run), "triton" (the Triton backend: on a Hopper GPU the persistent TMA kernels
+of kernels.grouped_hopper), "auto" (the default: the faster of the torch and Triton backends per key, measured at
+the first call; "auto x" is that faster one's time over auto's) and, on a Hopper GPU, "sm80"
 (kernels.grouped_triton's kernels, use_hopper(False)). Without a GPU only torch runs (fp32, shapes shrunk by
 --shrink): a smoke run of the code path, not a measurement.
 """
@@ -68,8 +70,8 @@ def bench_layer(layer, experts, hidden, ffn, rows, dtype, device, timer, *, trit
     calls = {"fwd": lambda: kernels.grouped_forward(x, w, counts, activation),
              "dgrad": lambda: kernels.grouped_dgrad(gy, w, counts, preact, activation),
              "wgrad_main_grad": lambda: kernels.grouped_wgrad(dz, x, counts, main_grad=main_grad)}
-    variants = {"torch": ("torch", True), **({"triton": ("triton", True)} if triton_rows else {}),
-                **({"sm80": ("triton", False)} if sm80_row else {})}
+    variants = {"torch": ("torch", True), **({"triton": ("triton", True), "auto": ("auto", True)} if triton_rows
+                                             else {}), **({"sm80": ("triton", False)} if sm80_row else {})}
     ms = {}
     for name, (backend, hopper) in variants.items():
         with kernels.use_backend(backend), hopper_kernels(hopper):
@@ -86,13 +88,14 @@ def bench_layer(layer, experts, hidden, ffn, rows, dtype, device, timer, *, trit
     for phase in PHASES:
         row = dict(layer=layer, experts=experts, hidden=hidden, ffn=ffn, rows=rows, min_rows=min(counts),
                    max_rows=max(counts), phase=phase)
-        row.update({f"{name}_ms": ms[name, phase] for name in ("torch", "grouped_mm", "triton", "sm80")
+        row.update({f"{name}_ms": ms[name, phase] for name in ("torch", "grouped_mm", "triton", "sm80", "auto")
                     if (name, phase) in ms})
-        best = min(v for key, v in row.items() if key.endswith("_ms"))
-        row["best_tflops"] = flops / best / 1e9
+        timed = {key: v for key, v in row.items() if key.endswith("_ms") and key != "auto_ms"}
+        row["best_tflops"] = flops / min(timed.values()) / 1e9
         if "triton_ms" in row:
-            row["triton_vs_best_other"] = min(v for key, v in row.items()
-                                              if key.endswith("_ms") and key != "triton_ms") / row["triton_ms"]
+            row["triton_vs_best_other"] = min(v for key, v in timed.items() if key != "triton_ms") / row["triton_ms"]
+            # auto's candidates are the torch backend and the Triton one (kernels.choice): >= 0.98 is the aim
+            row["auto_vs_faster"] = min(row["torch_ms"], row["triton_ms"]) / row["auto_ms"]
         if phase in errors:
             row["grouped_mm_error"] = errors[phase]
         table.append(row)
@@ -103,7 +106,8 @@ COLUMNS = [("layer", "layer", "{}"), ("experts", "E", "{}"), ("hidden", "h", "{}
            ("rows", "rows", "{}"), ("max_rows", "max/expert", "{}"), ("phase", "phase", "{}"),
            ("torch_ms", "torch ms", "{:.3f}"), ("grouped_mm_ms", "_grouped_mm ms", "{:.3f}"),
            ("triton_ms", "triton ms", "{:.3f}"), ("sm80_ms", "sm80 ms", "{:.3f}"),
-           ("best_tflops", "best TF/s", "{:.1f}"), ("triton_vs_best_other", "triton x", "{:.2f}")]
+           ("auto_ms", "auto ms", "{:.3f}"), ("best_tflops", "best TF/s", "{:.1f}"),
+           ("triton_vs_best_other", "triton x", "{:.2f}"), ("auto_vs_faster", "auto x", "{:.2f}")]
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
