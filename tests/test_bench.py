@@ -66,6 +66,8 @@ def test_kernels_benchmark_creates_its_output_folder(tmp_path):
 
 
 def test_grouped_benchmark_times_each_expert_gemm_on_uneven_groups(tmp_path, capsys):
+    import torch
+
     from bench import grouped as bench_grouped
 
     counts = bench_grouped.routed_counts(512, 8)
@@ -76,6 +78,10 @@ def test_grouped_benchmark_times_each_expert_gemm_on_uneven_groups(tmp_path, cap
                                                         for phase in bench_grouped.PHASES]
     assert all(r["torch_ms"] > 0 and r["experts"] == 4 and r["hidden"] == 8 for r in rows)  # shrunk 32x on CPU
     assert json.loads(out.read_text())["results"] == json.loads(json.dumps(rows))
+    # the GPU's columns, through the same code on CPU tensors (the Triton kernels interpreted; auto takes torch here)
+    gpu_rows = bench_grouped.bench_layer("fc1", 4, 16, 8, 64, torch.float32, "cpu",
+                                         bench_grouped.make_timer(False, 1), triton_rows=True, sm80_row=False)
+    assert all(r["triton_ms"] > 0 and r["auto_ms"] > 0 and r["auto_vs_faster"] > 0 for r in gpu_rows)
     with pytest.raises(SystemExit):
         bench_grouped.main(["--shapes", "4x256"])
     assert "'4x256' is not EXHxF" in capsys.readouterr().err
