@@ -225,3 +225,25 @@ def test_grouped_takes_the_sm80_kernels_where_tma_cannot(case):
     assert triton_ops.LAUNCHES["hopper_grouped_gemm"] == before["hopper_grouped_gemm"]
     assert triton_ops.LAUNCHES["grouped_gemm"] == before["grouped_gemm"] + 1
     assert rel_err(y, grouped_reference(x.double(), w.double(), None)) < TOL[dtype]
+
+
+def test_grouped_linear_autograd_with_device_counts_and_main_grad_matches_torch():
+    """kernels.grouped_linear as the MoE layers call it (counts a tensor, as an expert dispatch returns them; the
+    weight's gradient into its main_grad) on the Hopper kernels, against the torch backend."""
+    g = torch.Generator().manual_seed(3)
+    x0 = torch.randn(sum(GROUP_COUNTS), K, generator=g).to(DEVICE, torch.bfloat16)
+    w0 = (torch.randn(len(GROUP_COUNTS), 2 * N, K, generator=g) / K**0.5).to(DEVICE, torch.bfloat16)
+    counts = torch.tensor(GROUP_COUNTS, device=DEVICE)
+    results = {}
+    for backend in ("triton", "torch"):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        w.main_grad = torch.zeros(w.shape, device=DEVICE)
+        before = triton_ops.LAUNCHES.copy()
+        with kernels.use_backend(backend):
+            y = kernels.grouped_linear(x, w, counts, activation="swiglu")
+            y.float().square().sum().backward()
+        hopper = sum(triton_ops.LAUNCHES[k] - before[k] for k in ("hopper_grouped_gemm", "hopper_grouped_wgrad"))
+        assert hopper == (3 if backend == "triton" else 0) and w.grad is None
+        results[backend] = (y, x.grad, w.main_grad)
+    for got, want in zip(results["triton"], results["torch"]):
+        assert rel_err(got, want) < TOL[torch.bfloat16]
