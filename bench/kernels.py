@@ -24,7 +24,9 @@ FP8 (`--kernels fp8`): the three GEMMs of each layer shard whose weight dims are
 rule): fwd x·Wᵀ, dgrad dz·W, wgrad dzᵀ·x into an fp32 main_grad; and square n³ GEMMs (`--square`, forward only).
 Each with kernels.fp8's recipes (kernels.FP8_RECIPES: e4m3 operands under dynamic scales, the amaxes and casts
 included in the time, through torch._scaled_mm: cuBLASLt on a GPU) against the same GEMM in the run's dtype by torch
-(bf16 cuBLAS on a GPU). On the CPU the baseline is fp32 and _scaled_mm an eager kernel: a smoke run of the code path.
+(bf16 cuBLAS on a GPU), and "GEMM only": torch._scaled_mm alone on operands quantized beforehand (what the scaling
+costs is the difference; the wgrad's out in fp32 there, added into main_grad by the full call). On the CPU the
+baseline is fp32 and _scaled_mm an eager kernel: a smoke run of the code path.
 
 auto's choices (`--kernels choices`, GPU only): kernels.tune_linear on every layer shard under backend "auto", which
 measures Triton against torch per primitive (forward, dgrad, wgrad into an fp32 main_grad) and keeps the faster
@@ -45,6 +47,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
+from kernels import fp8 as fp8_ops
 from kernels.fp8 import MULTIPLE as fp8_multiple
 from kernels.fp8 import Fp8Scaling
 from kernels.ops import BACKENDS
@@ -173,10 +176,11 @@ def bench_case(layer, hidden, tokens, tp, dtype, device, candidate_backend, time
     return rows_json
 
 
-def _fp8_row(what, n, k, tokens, recipe, phase, ms_base, ms_fp8):
+def _fp8_row(what, n, k, tokens, recipe, phase, ms_base, ms_fp8, ms_gemm):
     flops = 2 * tokens * n * k
     return dict(**what, M=tokens, N=n, K=k, recipe=recipe, phase=phase, base_ms=ms_base, fp8_ms=ms_fp8,
-                base_tflops=flops / ms_base / 1e9, fp8_tflops=flops / ms_fp8 / 1e9, speedup=ms_base / ms_fp8)
+                base_tflops=flops / ms_base / 1e9, fp8_tflops=flops / ms_fp8 / 1e9, speedup=ms_base / ms_fp8,
+                gemm_only_ms=ms_gemm, gemm_only_speedup=ms_base / ms_gemm)
 
 
 def bench_fp8(what, tokens, n, k, dtype, device, timer, *, phases=("fwd", "dgrad", "wgrad_main_grad")):
@@ -188,13 +192,19 @@ def bench_fp8(what, tokens, n, k, dtype, device, timer, *, phases=("fwd", "dgrad
     main_grad = torch.zeros(n, k, device=device, dtype=torch.float32)
     base = {"fwd": lambda: x @ w.t(), "dgrad": lambda: dz @ w, "wgrad_main_grad": lambda: main_grad.add_(dz.t() @ x)}
     base_ms = {phase: timer(base[phase]) for phase in phases}
+    operands = {"fwd": (x, w.t()), "dgrad": (dz, w), "wgrad_main_grad": (dz.t(), x)}
     rows = []
     for recipe in kernels.FP8_RECIPES:
         fp8 = Fp8Scaling(recipe)
         ours = {"fwd": lambda: kernels.linear_forward(x, w, fp8=fp8),
                 "dgrad": lambda: kernels.linear_dgrad(dz, w, fp8=fp8),
                 "wgrad_main_grad": lambda: kernels.linear_wgrad(dz, x, main_grad=main_grad, fp8=fp8)}
-        rows += [_fp8_row(what, n, k, tokens, recipe, phase, base_ms[phase], timer(ours[phase])) for phase in phases]
+        for phase in phases:  # and torch._scaled_mm alone, on operands quantized beforehand
+            a, b = operands[phase]
+            quantized = fp8_ops.quantize(a, b, *fp8_ops.operand_amaxes(a, b, recipe), recipe)
+            out_dtype = torch.float32 if phase == "wgrad_main_grad" else dtype
+            gemm_ms = timer(lambda q=quantized, out=out_dtype: fp8_ops.gemm(q, recipe, out))
+            rows.append(_fp8_row(what, n, k, tokens, recipe, phase, base_ms[phase], timer(ours[phase]), gemm_ms))
     return rows
 
 
@@ -214,12 +224,13 @@ def fp8_rows(hiddens, tokens_list, tps, layers, squares, shrink, dtype, device, 
 FP8_COLUMNS = [("layer", "layer", "{}"), ("hidden", "h", "{}"), ("tp", "tp", "{}"), ("M", "M", "{}"),
                ("N", "N", "{}"), ("K", "K", "{}"), ("phase", "phase", "{}"), ("recipe", "recipe", "{}"),
                ("base_ms", "base ms", "{:.3f}"), ("fp8_ms", "fp8 ms", "{:.3f}"),
-               ("base_tflops", "base TF/s", "{:.1f}"), ("fp8_tflops", "fp8 TF/s", "{:.1f}"), ("speedup", "x", "{:.2f}")]
+               ("base_tflops", "base TF/s", "{:.1f}"), ("fp8_tflops", "fp8 TF/s", "{:.1f}"), ("speedup", "x", "{:.2f}"),
+               ("gemm_only_ms", "GEMM only ms", "{:.3f}"), ("gemm_only_speedup", "GEMM only x", "{:.2f}")]
 
 
 def print_fp8(rows, dtype):
-    print(f"\nFP8 GEMMs (kernels.fp8 through torch._scaled_mm, scaling included) vs torch's {str(dtype)[6:]} GEMM "
-          "(base)")
+    print(f"\nFP8 GEMMs (kernels.fp8 through torch._scaled_mm, scaling included; 'GEMM only': torch._scaled_mm on "
+          f"operands quantized beforehand) vs torch's {str(dtype)[6:]} GEMM (base)")
     print_rows(rows, FP8_COLUMNS)
 
 

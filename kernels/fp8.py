@@ -70,8 +70,10 @@ def scale_of(amax: torch.Tensor, recipe: Recipe) -> torch.Tensor:
 
 
 def to_e4m3(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """t · scale saturated to ±448 and rounded to e4m3 (the cast torchao's to_fp8_saturated makes)."""
-    return (t.float() * scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    """t · scale rounded to e4m3, for a scale of t's own amax (scale_of): the product is in fp32 (t upcast exactly)
+    and within ±448 (|t| <= amax, scale <= float8_max / amax, at most an fp32 rounding above 448, which rounds to
+    448), so torchao's saturating clamp (to_fp8_saturated) would change nothing and is left out: one pass fewer."""
+    return (t * (scale if scale.dim() else scale.reshape(1))).to(E4M3)  # ([1]: a 0-dim scale would not promote t)
 
 
 def reducing_group(fp8: Fp8Scaling, contraction: str) -> dist.ProcessGroup | None:
@@ -83,12 +85,13 @@ def reducing_group(fp8: Fp8Scaling, contraction: str) -> dist.ProcessGroup | Non
 
 
 def _amax(t, dim, rowwise):
-    """amax(|t|) along `dim` (kept) or over all of t; zeros where t is empty (an expert without rows)."""
+    """amax(|t|) along `dim` (kept) or over all of t, in one pass (the inf-norm); zeros where t is empty (an expert
+    without rows)."""
     if not rowwise:
-        return t.abs().amax() if t.numel() else t.new_zeros(())
+        return torch.linalg.vector_norm(t, float("inf")) if t.numel() else t.new_zeros(())
     shape = list(t.shape)
     shape[dim] = 1
-    return t.abs().amax(dim, keepdim=True) if t.numel() else t.new_zeros(shape)
+    return torch.linalg.vector_norm(t, float("inf"), dim=dim, keepdim=True) if t.numel() else t.new_zeros(shape)
 
 
 def operand_amaxes(a: torch.Tensor, b: torch.Tensor, recipe: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,14 +118,18 @@ def scaled_matmul(a: torch.Tensor, b: torch.Tensor, fp8: Fp8Scaling, *, contract
     return matmul_scaled_by(a, b, amax_a, amax_b, fp8.recipe, out_dtype=out_dtype)
 
 
-def matmul_scaled_by(a: torch.Tensor, b: torch.Tensor, amax_a: torch.Tensor, amax_b: torch.Tensor, recipe: str, *,
-                     out_dtype: torch.dtype) -> torch.Tensor:
-    """a [M, K] @ b [K, N] in e4m3, each operand scaled by the recipe's scale of the given amaxes (operand_amaxes',
-    reduced where a split needs it)."""
-    if out_dtype not in OUT_DTYPES:
-        raise ValueError(f"fp8_recipe={recipe!r} computes in fp32, bf16 or fp16, not {out_dtype}")
-    if a.numel() == 0 or b.numel() == 0:  # no amax to take (an empty micro-batch, a zero-width shard)
-        return (a.float() @ b.float()).to(out_dtype)
+class Quantized(NamedTuple):
+    """A GEMM's operands in e4m3, laid out as cuBLASLt takes them, and the scales that undo theirs."""
+    a8: torch.Tensor        # [M, K'] row-major (K' = K padded to a multiple of 16)
+    b8: torch.Tensor        # [K', N] column-major
+    unscale_a: torch.Tensor  # [] or [M, 1], fp32
+    unscale_b: torch.Tensor  # [] or [1, N], fp32
+
+
+def quantize(a: torch.Tensor, b: torch.Tensor, amax_a: torch.Tensor, amax_b: torch.Tensor,
+             recipe: str) -> Quantized:
+    """a [M, K] and b [K, N] cast to e4m3 under the recipe's scales of the given amaxes (operand_amaxes', reduced
+    where a split needs it)."""
     rule = FP8_RECIPES[recipe]
     scale_a, scale_b = scale_of(amax_a, rule), scale_of(amax_b, rule)
     a8 = to_e4m3(a, scale_a).contiguous()  # row-major, as cuBLASLt wants the left operand (wgrad's is dzᵀ)
@@ -131,15 +138,30 @@ def matmul_scaled_by(a: torch.Tensor, b: torch.Tensor, amax_a: torch.Tensor, ama
         pad = MULTIPLE - a.shape[1] % MULTIPLE
         a8 = torch.cat([a8, a8.new_zeros(a8.shape[0], pad)], 1)
         b8 = torch.cat([b8, b8.new_zeros(pad, b8.shape[1])], 0).t().contiguous().t()
-    unscale_a, unscale_b = scale_a.reciprocal(), scale_b.reciprocal()
-    if rule.rowwise and out_dtype != torch.bfloat16:
+    return Quantized(a8, b8, scale_a.reciprocal(), scale_b.reciprocal())
+
+
+def gemm(q: Quantized, recipe: str, out_dtype: torch.dtype) -> torch.Tensor:
+    """The e4m3 GEMM of quantized operands through torch._scaled_mm, unscaled, in `out_dtype`."""
+    if FP8_RECIPES[recipe].rowwise and out_dtype != torch.bfloat16:
         # cuBLASLt's rowwise kernel writes bf16 only: fp32 out through unit scales and the outer product of the
         # per-row and per-column unscales after (torchao's own fallback; exact with power-of-two scales)
-        one = unscale_a.new_ones(())
-        out = torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.float32)
-        return out.mul_(unscale_a * unscale_b).to(out_dtype)
-    return torch._scaled_mm(a8, b8, scale_a=unscale_a.contiguous(), scale_b=unscale_b.contiguous(),
+        one = q.unscale_a.new_ones(())
+        out = torch._scaled_mm(q.a8, q.b8, scale_a=one, scale_b=one, out_dtype=torch.float32)
+        return out.mul_(q.unscale_a * q.unscale_b).to(out_dtype)
+    return torch._scaled_mm(q.a8, q.b8, scale_a=q.unscale_a.contiguous(), scale_b=q.unscale_b.contiguous(),
                             out_dtype=out_dtype)
+
+
+def matmul_scaled_by(a: torch.Tensor, b: torch.Tensor, amax_a: torch.Tensor, amax_b: torch.Tensor, recipe: str, *,
+                     out_dtype: torch.dtype) -> torch.Tensor:
+    """a [M, K] @ b [K, N] in e4m3, each operand scaled by the recipe's scale of the given amaxes (operand_amaxes',
+    reduced where a split needs it)."""
+    if out_dtype not in OUT_DTYPES:
+        raise ValueError(f"fp8_recipe={recipe!r} computes in fp32, bf16 or fp16, not {out_dtype}")
+    if a.numel() == 0 or b.numel() == 0:  # no amax to take (an empty micro-batch, a zero-width shard)
+        return (a.float() @ b.float()).to(out_dtype)
+    return gemm(quantize(a, b, amax_a, amax_b, recipe), recipe, out_dtype)
 
 
 # The primitives of kernels.ops (torch_ops' signatures) with their GEMMs in fp8.

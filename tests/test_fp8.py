@@ -9,6 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 import kernels
 import tp
@@ -94,6 +96,36 @@ def test_operands_reach_scaled_mm_in_the_layouts_cublaslt_takes(monkeypatch):
         x, w, b, dy = _inputs(torch.bfloat16, tokens=32)  # (no padding, which would copy dzᵀ row-major)
         kernels.linear(x, w, b, activation="swiglu", fp8_recipe=recipe).backward(dy[:, :24])
     assert len(calls) == 6
+
+
+class _Traffic(TorchDispatchMode):
+    """Bytes the aten ops read and write (their tensor arguments and outputs), torch._scaled_mm's and views' apart."""
+
+    def __init__(self):
+        super().__init__()
+        self.scaling, self.ops = 0, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is not torch.ops.aten._scaled_mm.default and not func.is_view:  # (a view moves nothing)
+            tensors = [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+            self.scaling += sum(t.numel() * t.element_size() for t in tensors)
+            self.ops.append(func.__name__)
+        return out
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_the_scaling_reads_each_operand_twice_and_writes_it_once(recipe):
+    """Scaling an operand costs its amax (one read) and one fp32 product cast to e4m3 (a read, an fp32 write and
+    read, an e4m3 write): 6.5 times its bf16 bytes, plus the scales. Written as torchao's recipe reads in eager
+    (|t|, then amax; t in fp32, times the scale, clamped, cast) it moved 18 times them: the clamp cannot act
+    (|t| <= amax and the scale is float8_max / amax, rounded down for rowwise), and amax(|t|) is one inf-norm pass."""
+    x = torch.randn(256, 128, dtype=torch.bfloat16)
+    w = torch.randn(192, 128, dtype=torch.bfloat16)
+    with _Traffic() as traffic:
+        kernels.fp8.scaled_matmul(x, w.t(), Fp8Scaling(recipe), contraction="in", out_dtype=torch.bfloat16)
+    operands = (x.numel() + w.numel()) * 2
+    assert traffic.scaling <= 7 * operands, (traffic.scaling / operands, traffic.ops)
 
 
 def test_the_weight_gradient_accumulates_into_main_grad_in_fp32():
