@@ -108,14 +108,15 @@ def all_reduce_max(amaxes: list[torch.Tensor], group: dist.ProcessGroup) -> list
 
 
 def scaled_matmul(a: torch.Tensor, b: torch.Tensor, fp8: Fp8Scaling, *, contraction: str,
-                  out_dtype: torch.dtype) -> torch.Tensor:
+                  out_dtype: torch.dtype, fused_cast: bool = False) -> torch.Tensor:
     """a [M, K] @ b [K, N] with both operands in e4m3 under the recipe's dynamic scales, in `out_dtype`.
-    `contraction` names K among the linear's dims ("in", "out" or "tokens"), for the amax reduction."""
+    `contraction` names K among the linear's dims ("in", "out" or "tokens"), for the amax reduction; `fused_cast`:
+    quantize's."""
     amax_a, amax_b = operand_amaxes(a, b, fp8.recipe)
     group = reducing_group(fp8, contraction)
     if group is not None:  # one all-reduce for both operands' amaxes
         amax_a, amax_b = all_reduce_max([amax_a, amax_b], group)
-    return matmul_scaled_by(a, b, amax_a, amax_b, fp8.recipe, out_dtype=out_dtype)
+    return matmul_scaled_by(a, b, amax_a, amax_b, fp8.recipe, out_dtype=out_dtype, fused_cast=fused_cast)
 
 
 class Quantized(NamedTuple):
@@ -126,14 +127,20 @@ class Quantized(NamedTuple):
     unscale_b: torch.Tensor  # [] or [1, N], fp32
 
 
-def quantize(a: torch.Tensor, b: torch.Tensor, amax_a: torch.Tensor, amax_b: torch.Tensor,
-             recipe: str) -> Quantized:
+def quantize(a: torch.Tensor, b: torch.Tensor, amax_a: torch.Tensor, amax_b: torch.Tensor, recipe: str, *,
+             fused_cast: bool = False) -> Quantized:
     """a [M, K] and b [K, N] cast to e4m3 under the recipe's scales of the given amaxes (operand_amaxes', reduced
-    where a split needs it)."""
+    where a split needs it); `fused_cast`: each cast one Triton pass (kernels.fp8_cast, the same bits)."""
     rule = FP8_RECIPES[recipe]
     scale_a, scale_b = scale_of(amax_a, rule), scale_of(amax_b, rule)
-    a8 = to_e4m3(a, scale_a).contiguous()  # row-major, as cuBLASLt wants the left operand (wgrad's is dzᵀ)
-    b8 = to_e4m3(b, scale_b).t().contiguous().t()  # column-major, as it wants the right one
+    if fused_cast:
+        from . import fp8_cast  # (Triton, imported on first use)
+
+        a8 = fp8_cast.cast_to_e4m3(a, scale_a)
+        b8 = fp8_cast.cast_to_e4m3(b, scale_b, column_major=True)
+    else:
+        a8 = to_e4m3(a, scale_a).contiguous()  # row-major, as cuBLASLt wants the left operand (wgrad's is dzᵀ)
+        b8 = to_e4m3(b, scale_b).t().contiguous().t()  # column-major, as it wants the right one
     if a.shape[1] % MULTIPLE:  # only the wgrad's token dim can be ragged: zero rows change neither sum nor amax
         pad = MULTIPLE - a.shape[1] % MULTIPLE
         a8 = torch.cat([a8, a8.new_zeros(a8.shape[0], pad)], 1)
@@ -154,21 +161,23 @@ def gemm(q: Quantized, recipe: str, out_dtype: torch.dtype) -> torch.Tensor:
 
 
 def matmul_scaled_by(a: torch.Tensor, b: torch.Tensor, amax_a: torch.Tensor, amax_b: torch.Tensor, recipe: str, *,
-                     out_dtype: torch.dtype) -> torch.Tensor:
+                     out_dtype: torch.dtype, fused_cast: bool = False) -> torch.Tensor:
     """a [M, K] @ b [K, N] in e4m3, each operand scaled by the recipe's scale of the given amaxes (operand_amaxes',
-    reduced where a split needs it)."""
+    reduced where a split needs it); `fused_cast`: quantize's."""
     if out_dtype not in OUT_DTYPES:
         raise ValueError(f"fp8_recipe={recipe!r} computes in fp32, bf16 or fp16, not {out_dtype}")
     if a.numel() == 0 or b.numel() == 0:  # no amax to take (an empty micro-batch, a zero-width shard)
         return (a.float() @ b.float()).to(out_dtype)
-    return gemm(quantize(a, b, amax_a, amax_b, recipe), recipe, out_dtype)
+    return gemm(quantize(a, b, amax_a, amax_b, recipe, fused_cast=fused_cast), recipe, out_dtype)
 
 
 # The primitives of kernels.ops (torch_ops' signatures) with their GEMMs in fp8.
 
-def linear_forward(x, weight, bias=None, activation=None, *, fp8):
+# `fused_cast`: the operands' casts as one Triton pass each (kernels.ops passes kernels.ops.fused_kernels' answer).
+
+def linear_forward(x, weight, bias=None, activation=None, *, fp8, fused_cast=False):
     """y = act(x @ weight.T + bias) -> (y, the pre-activation saved for backward, or None)."""
-    z = scaled_matmul(x, weight.t(), fp8, contraction="in", out_dtype=x.dtype)
+    z = scaled_matmul(x, weight.t(), fp8, contraction="in", out_dtype=x.dtype, fused_cast=fused_cast)
     if bias is not None:
         z = z + bias.to(z.dtype)
     if activation is None:
@@ -176,17 +185,18 @@ def linear_forward(x, weight, bias=None, activation=None, *, fp8):
     return torch_ops.activation_forward(z, activation), z
 
 
-def linear_dgrad(grad_out, weight, preact=None, activation=None, *, fp8, need_input_grad=True):
+def linear_dgrad(grad_out, weight, preact=None, activation=None, *, fp8, need_input_grad=True, fused_cast=False):
     """-> (grad_input = dz @ weight, or None; dz = grad_out · act'(preact))."""
     dz = torch_ops.activation_backward(grad_out, preact, activation)
     if not need_input_grad:
         return None, dz
-    return scaled_matmul(dz, weight, fp8, contraction="out", out_dtype=dz.dtype), dz
+    return scaled_matmul(dz, weight, fp8, contraction="out", out_dtype=dz.dtype, fused_cast=fused_cast), dz
 
 
-def linear_wgrad(dz, x, *, fp8, main_grad=None):
+def linear_wgrad(dz, x, *, fp8, main_grad=None, fused_cast=False):
     """dW = dzᵀ @ x; with a main_grad, computed in fp32 and accumulated into it in place (None returned)."""
     if main_grad is None:
-        return scaled_matmul(dz.t(), x, fp8, contraction="tokens", out_dtype=dz.dtype)
-    main_grad.add_(scaled_matmul(dz.t(), x, fp8, contraction="tokens", out_dtype=torch.float32))
+        return scaled_matmul(dz.t(), x, fp8, contraction="tokens", out_dtype=dz.dtype, fused_cast=fused_cast)
+    main_grad.add_(scaled_matmul(dz.t(), x, fp8, contraction="tokens", out_dtype=torch.float32,
+                                 fused_cast=fused_cast))
     return None

@@ -167,9 +167,10 @@ def linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
                    activation: str | None = None, *,
                    fp8: Fp8Scaling | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """y = act(x @ weight.T + bias) for 2-D x [M, K] -> (y, the pre-activation saved for backward, or None).
-    `fp8`: the GEMM in float8 (kernels.fp8) whatever the backend; each of the three primitives takes it."""
+    `fp8`: the GEMM in float8 (kernels.fp8) whatever the backend, its operands cast by one Triton pass each where
+    fused_kernels says (kernels.fp8_cast); each of the three primitives takes it."""
     if fp8 is not None:
-        return fp8_ops.linear_forward(x, weight, bias, activation, fp8=fp8)
+        return fp8_ops.linear_forward(x, weight, bias, activation, fp8=fp8, fused_cast=fused_kernels(x.device))
     module = _measured(x, "forward", weight.shape, activation=activation, bias=bias is not None)
     return module.linear_forward(x, weight, bias, activation)
 
@@ -179,7 +180,8 @@ def linear_dgrad(grad_out: torch.Tensor, weight: torch.Tensor, preact: torch.Ten
                  fp8: Fp8Scaling | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
     """(grad_input [M, K] = dz @ weight, or None; dz [M, N] = grad_out · act'(preact))."""
     if fp8 is not None:
-        return fp8_ops.linear_dgrad(grad_out, weight, preact, activation, fp8=fp8, need_input_grad=need_input_grad)
+        return fp8_ops.linear_dgrad(grad_out, weight, preact, activation, fp8=fp8, need_input_grad=need_input_grad,
+                                    fused_cast=fused_kernels(grad_out.device))
     # Without the input gradient only the activation's derivative runs: it follows the dgrad's choice (measured by
     # tune_linear), rather than a key of its own first met inside a step.
     module = _measured(grad_out, "dgrad", weight.shape, activation=activation)
@@ -193,7 +195,7 @@ def linear_wgrad(dz: torch.Tensor, x: torch.Tensor, *, main_grad: torch.Tensor |
         # dz [tokens, N] and x [tokens, K] make the weight's gradient [N, K]
         wgrad = _measured(dz, "wgrad", (dz.shape[1], x.shape[1]), main_grad=main_grad is not None).linear_wgrad
     else:
-        wgrad = functools.partial(fp8_ops.linear_wgrad, fp8=fp8)
+        wgrad = functools.partial(fp8_ops.linear_wgrad, fp8=fp8, fused_cast=fused_kernels(dz.device))
     if main_grad is None:
         return wgrad(dz, x)
     check_main_grad(main_grad, (dz.shape[1], x.shape[1]), dz.device)

@@ -253,3 +253,44 @@ def test_an_fp8_job_trains_the_serial_fp8_curve_at_tp_2_with_sp(tmp_path):
 def test_an_fp8_job_trains_the_serial_fp8_curve_at_tp_2_pp_2_dp_2(tmp_path):
     assert_serial_fp8_curve(tmp_path, {"tp2": (2, ["--tp", "2", "--pp", "1", "--dp", "1"]),
                                         "2x2x2": (8, ["--tp", "2", "--pp", "2", "--dp", "2"])})
+
+
+def test_the_fused_cast_writes_torchs_e4m3_bits():
+    """kernels.fp8_cast's one-pass cast (integer rounding on the fp32 bits, the same code on the GPU and under the
+    interpreter) against torch's cast: every e4m3 value, the midpoints between neighbours (ties to even) and their
+    fp32 neighbours, subnormals, ±0 and 448 plus an fp32 rounding; per-row and per-column scales, both layouts."""
+    from kernels import fp8_cast
+
+    values = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    values = values[values.isfinite()].unique()
+    midpoints = (values[1:] + values[:-1]) / 2
+    edges = [torch.nextafter(midpoints, torch.tensor(direction)) for direction in (1e9, -1e9)]
+    randoms = torch.randn(4000, generator=torch.Generator().manual_seed(0)) * torch.exp2(
+        torch.randint(-12, 9, (4000,), generator=torch.Generator().manual_seed(1)).float())
+    t = torch.cat([values, midpoints, *edges, randoms.clamp(-448, 448), torch.tensor([0.0, -0.0, 448.00003])])
+    t = t[: t.numel() // 64 * 64].reshape(64, -1)
+    want = t.clamp(-448, 448).to(torch.float8_e4m3fn)
+    for scale in (torch.tensor(1.0), torch.exp2(torch.arange(64.0) % 3 - 1)[:, None],
+                  torch.exp2(torch.arange(t.shape[1]) % 2 - 1.0)[None, :]):  # (powers of 2: t / scale · scale is t)
+        for column_major in (False, True):
+            got = fp8_cast.cast_to_e4m3(t / scale, scale, column_major=column_major)
+            assert got.dtype == torch.float8_e4m3fn and got.is_contiguous() != column_major
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_the_triton_backend_casts_in_one_pass_to_the_same_result(recipe):
+    """Under a Triton backend (here interpreted) the fp8 linear's casts are kernels.fp8_cast's: forward and both
+    gradients bit for bit the torch backend's."""
+    results = {}
+    for backend in ("torch", "triton"):
+        x, w, b, dy = _inputs(torch.bfloat16)
+        before = kernels.triton_ops.LAUNCHES["fp8_cast"]
+        with kernels.use_backend(backend):
+            y = kernels.linear(x, w, b, fp8_recipe=recipe)
+            y.backward(dy)
+        launches = kernels.triton_ops.LAUNCHES["fp8_cast"] - before
+        assert launches == (6 if backend == "triton" else 0)  # two operands in each of the three GEMMs
+        results[backend] = (y, x.grad, w.grad)
+    for got, want in zip(results["triton"], results["torch"]):
+        assert torch.equal(got, want)

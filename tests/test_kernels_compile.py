@@ -66,6 +66,8 @@ SWIGLU = "_swiglu_fwd_kernel"
 DGRAD = "_linear_dgrad_kernel"
 WGRAD = "_linear_wgrad_kernel"
 ACT_BWD = "_act_bwd_kernel"
+FP8_CAST = "fp8_cast:_cast_kernel"  # kernels.fp8_cast: the one-pass e4m3 cast (any GPU that runs fp8 GEMMs)
+ELEMENTWISE = (ACT_BWD, FP8_CAST)  # no dot: no tensor-core check
 GROUPED = "_grouped_gemm_kernel"  # kernels.grouped_triton: the experts' grouped GEMMs
 GROUPED_WGRAD = "_grouped_wgrad_kernel"
 
@@ -105,6 +107,7 @@ SPECS = [
     _spec("act_bwd-gelu-bf16", ACT_BWD, "bf16", dict(ACTIVATION="gelu")),
     _spec("act_bwd-silu-fp16", ACT_BWD, "fp16", dict(ACTIVATION="silu")),
     _spec("act_bwd-swiglu-bf16", ACT_BWD, "bf16", dict(ACTIVATION="swiglu")),
+    _spec("fp8-cast-bf16", FP8_CAST, "bf16", {}),
     _spec("grouped-swiglu-bf16-allcfg", GROUPED, "bf16", dict(ACTIVATION="none", SWIGLU=True, SAVE_PREACT=True),
           configs="all"),
     _spec("grouped-none-bf16", GROUPED, "bf16", dict(ACTIVATION="none", SWIGLU=False, SAVE_PREACT=False)),
@@ -195,6 +198,9 @@ def _runtime_args(kernel, dtype, accumulate, aligned):
         c = ("*fp64" if dtype == "fp64" else "*fp32") if accumulate else p
         return dict(dz_ptr=p, x_ptr=p, c_ptr=c, M=a, N=a, K=_U, K_BUCKET=_A,
                     stride_dzk=a, stride_dzm=1, stride_xk=a, stride_xn=1, stride_cm=a, stride_cn=1)
+    if kernel == FP8_CAST:  # (a broadcast scale's strides are 0: no divisibility)
+        return dict(t_ptr=p, scale_ptr="*fp32", out_ptr="*u8", M=_U, N=a, stride_tm=a, stride_tn=1, stride_sm=_U,
+                    stride_sn=_U, stride_om=a, stride_on=1)
     if kernel == ACT_BWD:
         return dict(g_ptr=p, z_ptr=p, dz_ptr=p, M=_U, N=a, F=a,
                     stride_gm=a, stride_gn=1, stride_zm=a, stride_zn=1, stride_dzm=a, stride_dzn=1)
@@ -237,6 +243,7 @@ def _hopper_args(kernel, dtype, accumulate):
 def _kernel(name):
     """The kernel object (Autotuner or JITFunction) of that name, from kernels.triton_ops or kernels.grouped_triton,
     or ("hopper:" / "grouped_hopper:" names) kernels.triton_hopper / kernels.grouped_hopper."""
+    import kernels.fp8_cast as fp8_cast
     import kernels.grouped_hopper as grouped_hopper
     import kernels.grouped_triton as grouped
     import kernels.triton_hopper as hopper
@@ -244,7 +251,7 @@ def _kernel(name):
 
     module, _, short = name.rpartition(":")
     if module:
-        return getattr({"hopper": hopper, "grouped_hopper": grouped_hopper}[module], short)
+        return getattr({"hopper": hopper, "grouped_hopper": grouped_hopper, "fp8_cast": fp8_cast}[module], short)
     return getattr(ops, name, None) or getattr(grouped, name)
 
 
@@ -540,7 +547,7 @@ def test_compiles_and_fits(compiled, spec, arch):
         assert r["ptx_target"] in (f"sm_{arch}", f"sm_{arch}a"), (where, r["ptx_target"])
         assert r["num_warps"] == r["options"].get("num_warps", 4), where
         assert r["regs"] is not None, f"{where}: ptxas -v log not captured:\n{r['ptxas_log']}"
-        if spec["kernel"] != ACT_BWD and spec["dtype"] in ("bf16", "fp16"):
+        if spec["kernel"] not in ELEMENTWISE and spec["dtype"] in ("bf16", "fp16"):
             tensor_core = r["wgmma"] if arch == 90 else r["mma_sync"]
             assert tensor_core, f"{where}: no {'wgmma' if arch == 90 else 'mma.sync'} in the PTX"
         if spec["kernel"] in HOPPER_KERNELS:  # Hopper-class: operand tiles in and the output out through TMA
@@ -568,7 +575,7 @@ def test_summary_table(compiled):
             lines.append(f"sm{r['arch']:<3} {r['spec']:28} {_cfg_str(r):18} FAILED: {r['error'][:200]}")
             continue
         tc = "wgmma" if r["wgmma"] else ("mma" if r["mma_sync"] else "fma")
-        if r["kernel"] == ACT_BWD:
+        if r["kernel"] in ELEMENTWISE:
             tc = "-"
         spills = f"{r['spill_stores']}/{r['spill_loads']}"
         lines.append(f"sm{r['arch']:<3} {r['spec']:28} {_cfg_str(r):18} {r['shared']:>7} "
