@@ -50,6 +50,7 @@ NOT_DECLARATIONS = {
     ("kernels backends", "bench/gpu_check.py"): "the torch and triton packages' versions",
     ("kernels backends", "bench/grouped.py"): "the grouped GEMM's two paths (kernels.ops.backend_for's answers), "
                                               "not the backends' list",
+    ("kernels backends", "kernels/grouped.py"): "its two implementations, by kernels.ops.backend_for's answer",
     ("context-parallel attention modes", "bench/attention.py"): "the time modelled for each mode, a formula per "
                                                                 "mode (test_the_attention_model_covers_every_mode)",
 }
