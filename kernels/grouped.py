@@ -198,7 +198,8 @@ def grouped_forward(x: torch.Tensor, weight: torch.Tensor, counts: Counts, activ
     ops.check_activation(activation)
     _check(x, weight, counts)
     if fp8 is not None:  # (eager: a loop of torch._scaled_mm over the groups)
-        return grouped_fp8.grouped_forward(x, weight, _as_tensor(counts), activation, fp8=fp8)
+        return grouped_fp8.grouped_forward(x, weight, _as_tensor(counts), activation, fp8=fp8,
+                                           fused_cast=ops.fused_kernels(x.device))
     y, z = _forward(x, weight, _as_tensor(counts), activation)
     return y, None if activation is None else z
 
@@ -211,7 +212,8 @@ def grouped_dgrad(grad_out: torch.Tensor, weight: torch.Tensor, counts: Counts, 
     if not need_input_grad:
         return None, dz
     if fp8 is not None:
-        return grouped_fp8.grouped_dgrad(dz, weight, _as_tensor(counts), fp8=fp8), dz
+        return grouped_fp8.grouped_dgrad(dz, weight, _as_tensor(counts), fp8=fp8,
+                                         fused_cast=ops.fused_kernels(dz.device)), dz
     return _dgrad(dz, weight, _as_tensor(counts)), dz
 
 
@@ -220,12 +222,14 @@ def grouped_wgrad(dz: torch.Tensor, x: torch.Tensor, counts: Counts, *, main_gra
     """dW [E, N, K], dW_e = dz_eᵀ @ x_e; with a main_grad (fp32 [E, N, K]), accumulated into it and None returned."""
     counts = _as_tensor(counts)
     if main_grad is None:
-        return _wgrad(dz, x, counts) if fp8 is None else grouped_fp8.grouped_wgrad(dz, x, counts, fp8=fp8)
+        if fp8 is None:
+            return _wgrad(dz, x, counts)
+        return grouped_fp8.grouped_wgrad(dz, x, counts, fp8=fp8, fused_cast=ops.fused_kernels(dz.device))
     ops.check_main_grad(main_grad, (len(counts), dz.shape[1], x.shape[1]), dz.device)
     if fp8 is None:
         _wgrad_into(dz, x, counts, main_grad)
     else:
-        grouped_fp8.grouped_wgrad(dz, x, counts, fp8=fp8, main_grad=main_grad)
+        grouped_fp8.grouped_wgrad(dz, x, counts, fp8=fp8, main_grad=main_grad, fused_cast=ops.fused_kernels(dz.device))
     hook = getattr(main_grad, "post_accumulate_hook", None)  # (as kernels.linear_wgrad: tp.optim counts arrivals)
     if hook is not None:
         hook()

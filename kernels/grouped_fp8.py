@@ -17,36 +17,38 @@ from .fp8 import Fp8Scaling, all_reduce_max, matmul_scaled_by, operand_amaxes, r
 
 
 def grouped_scaled_matmuls(pairs: list[tuple[torch.Tensor, torch.Tensor]], fp8: Fp8Scaling, *, contraction: str,
-                           out_dtype: torch.dtype) -> list[torch.Tensor]:
+                           out_dtype: torch.dtype, fused_cast: bool = False) -> list[torch.Tensor]:
     """[a_e @ b_e] for each group's (a_e [M_e, K], b_e [K, N]), each with its own scales; `contraction` names K
-    among the weight's dims ("in", "out") or "tokens", for the amax reduction (kernels.fp8.reducing_group)."""
+    among the weight's dims ("in", "out") or "tokens", for the amax reduction (kernels.fp8.reducing_group);
+    `fused_cast`: kernels.fp8.quantize's."""
     amaxes = [amax for a, b in pairs for amax in operand_amaxes(a, b, fp8.recipe)]
     group = reducing_group(fp8, contraction)
     if group is not None:  # every expert's amaxes in one all-reduce
         amaxes = all_reduce_max(amaxes, group)
-    return [matmul_scaled_by(a, b, amaxes[2 * e], amaxes[2 * e + 1], fp8.recipe, out_dtype=out_dtype)
-            for e, (a, b) in enumerate(pairs)]
+    return [matmul_scaled_by(a, b, amaxes[2 * e], amaxes[2 * e + 1], fp8.recipe, out_dtype=out_dtype,
+                             fused_cast=fused_cast) for e, (a, b) in enumerate(pairs)]
 
 
 def _rows(t, counts):
     return t.split(counts.tolist())  # (a device sync where the counts live on a GPU: the loop needs them)
 
 
-def _eager_forward(x, weight, counts, activation, fp8):
+def _eager_forward(x, weight, counts, activation, fp8, fused_cast):
     pairs = [(x_e, w.t()) for x_e, w in zip(_rows(x, counts), weight)]
-    z = torch.cat(grouped_scaled_matmuls(pairs, fp8, contraction="in", out_dtype=x.dtype))
+    z = torch.cat(grouped_scaled_matmuls(pairs, fp8, contraction="in", out_dtype=x.dtype, fused_cast=fused_cast))
     return (z, None) if activation is None else (torch_ops.activation_forward(z, activation), z)
 
 
-def _eager_dgrad(dz, weight, counts, fp8):
+def _eager_dgrad(dz, weight, counts, fp8, fused_cast):
     pairs = [(dz_e, w) for dz_e, w in zip(_rows(dz, counts), weight)]
-    return torch.cat(grouped_scaled_matmuls(pairs, fp8, contraction="out", out_dtype=dz.dtype))
+    return torch.cat(grouped_scaled_matmuls(pairs, fp8, contraction="out", out_dtype=dz.dtype, fused_cast=fused_cast))
 
 
-def _eager_wgrad(dz, x, counts, fp8, main_grad):
+def _eager_wgrad(dz, x, counts, fp8, main_grad, fused_cast):
     pairs = [(dz_e.t(), x_e) for dz_e, x_e in zip(_rows(dz, counts), _rows(x, counts))]
     out_dtype = dz.dtype if main_grad is None else torch.float32
-    dw = torch.stack(grouped_scaled_matmuls(pairs, fp8, contraction="tokens", out_dtype=out_dtype))
+    dw = torch.stack(grouped_scaled_matmuls(pairs, fp8, contraction="tokens", out_dtype=out_dtype,
+                                            fused_cast=fused_cast))
     if main_grad is None:
         return dw
     main_grad.add_(dw)
@@ -66,72 +68,74 @@ def _scaling(recipe, group, split):
 
 @torch.library.custom_op("tp_kernels::grouped_fp8_forward", mutates_args=())
 def _forward_op(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, activation: str | None, recipe: str,
-                group: str, split: str) -> tuple[torch.Tensor, torch.Tensor]:
-    y, z = _eager_forward(x, weight, counts, activation, _scaling(recipe, group, split))
+                group: str, split: str, fused_cast: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    y, z = _eager_forward(x, weight, counts, activation, _scaling(recipe, group, split), fused_cast)
     return y, x.new_empty(0) if z is None else z  # (no pre-activation: an empty tensor)
 
 
 @_forward_op.register_fake
-def _(x, weight, counts, activation, recipe, group, split):
+def _(x, weight, counts, activation, recipe, group, split, fused_cast):
     n = weight.shape[1] // 2 if activation == "swiglu" else weight.shape[1]
     return x.new_empty(x.shape[0], n), x.new_empty(0 if activation is None else (x.shape[0], weight.shape[1]))
 
 
 @torch.library.custom_op("tp_kernels::grouped_fp8_dgrad", mutates_args=())
 def _dgrad_op(dz: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, recipe: str, group: str,
-              split: str) -> torch.Tensor:
-    return _eager_dgrad(dz, weight, counts, _scaling(recipe, group, split))
+              split: str, fused_cast: bool) -> torch.Tensor:
+    return _eager_dgrad(dz, weight, counts, _scaling(recipe, group, split), fused_cast)
 
 
 @_dgrad_op.register_fake
-def _(dz, weight, counts, recipe, group, split):
+def _(dz, weight, counts, recipe, group, split, fused_cast):
     return dz.new_empty(dz.shape[0], weight.shape[2])
 
 
 @torch.library.custom_op("tp_kernels::grouped_fp8_wgrad", mutates_args=())
 def _wgrad_op(dz: torch.Tensor, x: torch.Tensor, counts: torch.Tensor, recipe: str, group: str,
-              split: str) -> torch.Tensor:
-    return _eager_wgrad(dz, x, counts, _scaling(recipe, group, split), None)
+              split: str, fused_cast: bool) -> torch.Tensor:
+    return _eager_wgrad(dz, x, counts, _scaling(recipe, group, split), None, fused_cast)
 
 
 @_wgrad_op.register_fake
-def _(dz, x, counts, recipe, group, split):
+def _(dz, x, counts, recipe, group, split, fused_cast):
     return dz.new_empty(counts.shape[0], dz.shape[1], x.shape[1])
 
 
 @torch.library.custom_op("tp_kernels::grouped_fp8_wgrad_into", mutates_args=("main_grad",))
 def _wgrad_into_op(dz: torch.Tensor, x: torch.Tensor, counts: torch.Tensor, main_grad: torch.Tensor, recipe: str,
-                   group: str, split: str) -> None:
-    _eager_wgrad(dz, x, counts, _scaling(recipe, group, split), main_grad)
+                   group: str, split: str, fused_cast: bool) -> None:
+    _eager_wgrad(dz, x, counts, _scaling(recipe, group, split), main_grad, fused_cast)
 
 
 @_wgrad_into_op.register_fake
-def _(dz, x, counts, main_grad, recipe, group, split):
+def _(dz, x, counts, main_grad, recipe, group, split, fused_cast):
     return None
 
 
 def grouped_forward(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, activation: str | None, *,
-                    fp8: Fp8Scaling) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(act(x_e @ weight_eᵀ), the pre-activation or None) per group, x_e's rows counts[e]."""
+                    fp8: Fp8Scaling, fused_cast: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(act(x_e @ weight_eᵀ), the pre-activation or None) per group, x_e's rows counts[e]; `fused_cast`:
+    kernels.fp8.quantize's."""
     if not torch.compiler.is_compiling():
-        return _eager_forward(x, weight, counts, activation, fp8)
-    y, z = _forward_op(x, weight, counts, activation, *_names(fp8))
+        return _eager_forward(x, weight, counts, activation, fp8, fused_cast)
+    y, z = _forward_op(x, weight, counts, activation, *_names(fp8), fused_cast)
     return y, None if activation is None else z
 
 
-def grouped_dgrad(dz: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, *, fp8: Fp8Scaling) -> torch.Tensor:
+def grouped_dgrad(dz: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, *, fp8: Fp8Scaling,
+                  fused_cast: bool = False) -> torch.Tensor:
     """dx_e = dz_e @ weight_e per group."""
     if not torch.compiler.is_compiling():
-        return _eager_dgrad(dz, weight, counts, fp8)
-    return _dgrad_op(dz, weight, counts, *_names(fp8))
+        return _eager_dgrad(dz, weight, counts, fp8, fused_cast)
+    return _dgrad_op(dz, weight, counts, *_names(fp8), fused_cast)
 
 
 def grouped_wgrad(dz: torch.Tensor, x: torch.Tensor, counts: torch.Tensor, *, fp8: Fp8Scaling,
-                  main_grad: torch.Tensor | None = None) -> torch.Tensor | None:
+                  main_grad: torch.Tensor | None = None, fused_cast: bool = False) -> torch.Tensor | None:
     """dW_e = dz_eᵀ @ x_e [E, N, K]; with a main_grad, computed in fp32 and accumulated into it (None returned)."""
     if not torch.compiler.is_compiling():
-        return _eager_wgrad(dz, x, counts, fp8, main_grad)
+        return _eager_wgrad(dz, x, counts, fp8, main_grad, fused_cast)
     if main_grad is None:
-        return _wgrad_op(dz, x, counts, *_names(fp8))
-    _wgrad_into_op(dz, x, counts, main_grad, *_names(fp8))
+        return _wgrad_op(dz, x, counts, *_names(fp8), fused_cast)
+    _wgrad_into_op(dz, x, counts, main_grad, *_names(fp8), fused_cast)
     return None

@@ -15,6 +15,7 @@ from torch.utils._pytree import tree_leaves
 import kernels
 import tp
 from kernels.fp8 import FP8_RECIPES, Fp8Scaling
+from kernels.triton_ops import LAUNCHES
 from models import GPTConfig
 from models.training.cli import parser
 from tp.testing import distributed, run
@@ -285,11 +286,11 @@ def test_the_triton_backend_casts_in_one_pass_to_the_same_result(recipe):
     results = {}
     for backend in ("torch", "triton"):
         x, w, b, dy = _inputs(torch.bfloat16)
-        before = kernels.triton_ops.LAUNCHES["fp8_cast"]
+        before = LAUNCHES["fp8_cast"]
         with kernels.use_backend(backend):
             y = kernels.linear(x, w, b, fp8_recipe=recipe)
             y.backward(dy)
-        launches = kernels.triton_ops.LAUNCHES["fp8_cast"] - before
+        launches = LAUNCHES["fp8_cast"] - before
         assert launches == (6 if backend == "triton" else 0)  # two operands in each of the three GEMMs
         results[backend] = (y, x.grad, w.grad)
     for got, want in zip(results["triton"], results["torch"]):
