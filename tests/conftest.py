@@ -32,7 +32,6 @@ threads = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
 torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0 else 1)
 
 
-
 @pytest.fixture(scope="session")
 def single_agent_run(tmp_path_factory):
     """`python -m models.train` at tests.helpers.SINGLE_AGENT from one agent on this machine, in a user's environment
