@@ -67,6 +67,13 @@ def assert_close(actual, expected, atol=1e-5, what=""):
 # then choose every token alike, on any machine.
 GREEDY_MARGIN = 1e-3
 
+# The tiny 3-step job the launch tests reproduce. Its single-agent curve at tp 2 x dp 2 (SINGLE_AGENT) is run once per
+# session (tests/conftest.py's single_agent_run): tests/test_launch.py's two torchrun agents and tests/test_slurm.py's
+# sbatch scripts each train it bit for bit.
+TINY_JOB = ["--model", "tiny", "--seq-len", "32", "--global-batch-size", "8", "--micro-batch-size", "2", "--seed", "7",
+            "--steps", "3", "--log-interval", "1"]
+SINGLE_AGENT = [*TINY_JOB, "--tp", "2", "--pp", "1", "--dp", "2"]
+
 
 def greedy_margin(logits, chosen, eos=None):
     """The smallest lead of the chosen token's logit over the best other one, over greedy steps: `logits` [b, n, V]

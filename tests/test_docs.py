@@ -5,7 +5,7 @@ Python blocks open with `# run: COMMAND FILE.py`, the command a user types:
 - `torchrun --nproc-per-node N FILE.py`: run on N ranks (gloo, OMP_NUM_THREADS=1); the blocks with the same N share
   one launch (`python -m torch.distributed.run --standalone --nproc-per-node N`), in which every rank runs them one
   after the other (this file's `__main__`), as if each were its own script;
-- `python -m pytest FILE.py`: that command.
+- `python -m pytest FILE.py`: that command (every such block's file in one run of it: each file's tests pass).
 A comment `# prints: TEXT` (or `# rank R prints: TEXT`) says what rank 0 (rank R) prints: the test checks it.
 
 Bash blocks follow a marker: `<!-- test: run -->` runs every command for real, in order, in one temporary directory
@@ -153,11 +153,15 @@ def test_multi_rank_blocks_run_under_torchrun(tmp_path):
 
 
 def test_pytest_blocks_run(tmp_path):
-    for name, (command, _, code) in _python_blocks().items():
-        if command == "python -m pytest":
-            (tmp_path / name).write_text(code)
-            assert " passed" in _run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", name],
-                                     tmp_path).stdout
+    """Every `python -m pytest FILE.py` block's file in one pytest run (one interpreter and one pool of warm ranks
+    instead of one each; the files share no state): each file's tests all pass."""
+    blocks = {name: code for name, (command, _, code) in _python_blocks().items() if command == "python -m pytest"}
+    for name, code in blocks.items():
+        (tmp_path / name).write_text(code)
+    names = list(blocks)
+    out = _run([sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", *names], tmp_path).stdout
+    for name in names:
+        assert re.search(rf"^{re.escape(name)}::\S+ PASSED", out, re.M), f"{name}: no test passed:\n{out[-3000:]}"
 
 
 def _commands(code):

@@ -15,9 +15,10 @@ import pytest
 from models.training import launch, progress
 from models.training.cli import main, parser, validate
 
+from .helpers import TINY_JOB
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-JOB = ["--model", "tiny", "--seq-len", "32", "--global-batch-size", "8", "--micro-batch-size", "2", "--seed", "7",
-       "--steps", "3", "--log-interval", "1"]
+JOB = TINY_JOB
 
 
 def env():
@@ -254,19 +255,16 @@ def test_layout_over_nodes_warns_when_a_tp_group_spans_nodes():
     assert launch.split_groups([[0, 1], [2, 3]], interleaved) == [[0, 1], [2, 3]]
 
 
-def test_two_torchrun_agents_train_the_single_agent_curve(tmp_path):
+def test_two_torchrun_agents_train_the_single_agent_curve(tmp_path, single_agent_run):
     """`torchrun --nnodes 2 --node-rank {0,1} --nproc-per-node 2 --master-addr 127.0.0.1 --master-port P`, tp=2
     (dp inferred: 2): the loss curve of the same split from one agent; the layout, the log and the checkpoint written
     once; tp groups inside a node. Output to a pipe: plain progress lines, no carriage returns."""
-    single = subprocess.run([sys.executable, "-m", "models.train", *JOB, "--tp", "2", "--pp", "1", "--dp", "2",
-                             "--log-jsonl", str(tmp_path / "single.jsonl")],
-                            capture_output=True, text=True, timeout=300, env=env())
-    assert single.returncode == 0, single.stderr[-3000:]
+    single, single_log = single_agent_run
     port = free_port()
     (out0, err0), (out1, err1) = two_agents(
         lambda node: ["--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port)],
         *JOB, "--tp", "2", "--pp", "1", "--log-jsonl", str(tmp_path / "two.jsonl"), "--save", str(tmp_path / "ckpt"))
-    assert losses(tmp_path / "two.jsonl") == losses(tmp_path / "single.jsonl")  # bit for bit, 3 rows: written once
+    assert losses(tmp_path / "two.jsonl") == losses(single_log)  # bit for bit, 3 rows: written once
     assert out1 == ""  # every line comes from global rank 0, on node 0
     layout = out0.split("\n4 ranks:")[0].splitlines()
     assert layout == ["layout: 4 ranks on 2 nodes, tp=2 cp=1 pp=1 dp=2 (order tp-cp-dp-pp)",
@@ -280,7 +278,7 @@ def test_two_torchrun_agents_train_the_single_agent_curve(tmp_path):
         line = r"^step 3/3 \| loss \d\.\d{4} \| (.* \| )?tok_s \d+ \| (.* \| )?[\d.]+ s/step$"
         assert re.search(line, out, re.M), out
         assert "bubble" not in out  # pp = 1
-    with open(tmp_path / "single.jsonl") as f:
+    with open(single_log) as f:
         assert [json.loads(line)["bubble"] for line in f] == [None] * 3  # no pipeline: no bubble in the log either
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["latest", "logs", "step-000003"]
     assert sorted(os.listdir(tmp_path / "ckpt" / "logs")) == ["config.toml", "data.txt",

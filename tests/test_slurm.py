@@ -16,9 +16,10 @@ import pytest
 
 from tp.slurm import expand_nodelist, expand_tasks_per_node, launched_by_srun, srun_environment
 
+from .helpers import TINY_JOB
+
 ROOT = Path(__file__).resolve().parent.parent
-JOB = ["--model", "tiny", "--seq-len", "32", "--global-batch-size", "8", "--micro-batch-size", "2", "--seed", "7",
-       "--steps", "3", "--log-interval", "1", "--tp", "2", "--pp", "1"]
+JOB = [*TINY_JOB, "--tp", "2", "--pp", "1"]
 NODES = "127.0.0.[1-2]"  # two nodes, the first one this machine's loopback address
 GPUS_PER_NODE = 2  # what a simulated node has (the scripts' --ntasks-per-node is capped to it)
 
@@ -180,18 +181,8 @@ def _losses(path):
         return [json.loads(line)["loss"] for line in f]
 
 
-@pytest.fixture(scope="module")
-def single_agent_curve(tmp_path_factory):
-    """tp 2 x dp 2 from `python -m models.train` on one machine."""
-    log = tmp_path_factory.mktemp("single") / "single.jsonl"
-    result = subprocess.run([sys.executable, "-m", "models.train", *JOB, "--dp", "2", "--log-jsonl", str(log)],
-                            capture_output=True, text=True, timeout=300, env=_env(log.parent))
-    assert result.returncode == 0, result.stderr[-3000:]
-    return _losses(log)
-
-
 @pytest.mark.parametrize("launcher", ["torchrun per node", "srun task per rank"])
-def test_the_docs_sbatch_scripts_train_the_single_agent_curve_on_two_nodes(launcher, single_agent_curve, tmp_path):
+def test_the_docs_sbatch_scripts_train_the_single_agent_curve_on_two_nodes(launcher, single_agent_run, tmp_path):
     scripts = _sbatch_scripts()
     assert len(scripts) == 2 and "srun torchrun" in scripts[0] and "srun python -m models.train" in scripts[1]
     script = scripts[launcher == "srun task per rank"]
@@ -201,7 +192,7 @@ def test_the_docs_sbatch_scripts_train_the_single_agent_curve_on_two_nodes(launc
     result = subprocess.run(["bash", "train.sbatch", *flags], cwd=tmp_path, env=_batch_environment(tmp_path, script),
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
-    assert _losses(log) == single_agent_curve  # bit for bit, written once
+    assert _losses(log) == _losses(single_agent_run[1])  # bit for bit, written once
     out = result.stdout
     assert out.count("layout: 4 ranks on 2 nodes, tp=2 cp=1 pp=1 dp=2") == 1 and "  node 1 (" in out
     assert "warning: tp group" not in out and out.count("done:") == 1

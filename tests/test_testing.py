@@ -192,6 +192,15 @@ def test_a_call_may_wait_longer_than_twice_the_default_timeout(monkeypatch):
         fresh.close()
 
 
+def test_a_longer_timeout_reuses_the_warm_ranks():
+    """The shared pools are built for calls up to SHARED_TIMEOUT: a test asking 300 s after one that asked the
+    default runs on the same warm ranks (respawning them cost the suite seconds per world size and timeout); only a
+    call beyond SHARED_TIMEOUT respawns them."""
+    warm = testing.pool(2)
+    assert testing.pool(2, timeout=300) is warm and testing.run(_rank, world_size=2, timeout=300) == [0, 1]
+    assert testing.pool(2, timeout=testing.SHARED_TIMEOUT) is warm
+
+
 def test_no_ranks_is_refused():
     with pytest.raises(ValueError, match=r"world_size=0 must be >= 1"):
         testing.run(_rank, world_size=0)

@@ -323,15 +323,20 @@ class WorkerPool:
 
 
 _pools = {}
+# The shared pools take calls of up to this many seconds, whatever the first call asked: a pool built for the default
+# minute was respawned (its gloo timeout is fixed at start-up) by the first call asking longer, once per world size and
+# longer timeout. A hang is still reported at each call's own timeout; only the gloo timeout behind it is longer.
+SHARED_TIMEOUT = 600.0
 
 
 def pool(world_size: int, timeout: float = DEFAULT_TIMEOUT) -> WorkerPool:
-    """The shared pool of `world_size` ranks, (re)spawned when missing, broken or built for a shorter timeout."""
+    """The shared pool of `world_size` ranks, (re)spawned when missing, broken or built for a shorter timeout (shared
+    pools are built for SHARED_TIMEOUT, or longer when the call or TP_TEST_TIMEOUT asks it)."""
     current = _pools.get(world_size)
     if current is None or current.broken or current.timeout < timeout:
         if current is not None and not current.broken:
             current.close()
-        _pools[world_size] = WorkerPool(world_size, timeout=max(timeout, DEFAULT_TIMEOUT))
+        _pools[world_size] = WorkerPool(world_size, timeout=max(timeout, DEFAULT_TIMEOUT, SHARED_TIMEOUT))
     return _pools[world_size]
 
 
