@@ -258,9 +258,12 @@ def test_an_fp8_job_trains_the_serial_fp8_curve_at_tp_2_pp_2_dp_2(tmp_path):
 
 def test_the_fused_cast_writes_torchs_e4m3_bits():
     """kernels.fp8_cast's one-pass cast (integer rounding on the fp32 bits, the same code on the GPU and under the
-    interpreter) against torch's cast: every e4m3 value, the midpoints between neighbours (ties to even) and their
-    fp32 neighbours, subnormals, ±0 and 448 plus an fp32 rounding; per-row and per-column scales, both layouts."""
+    interpreter) against torch's cast on the CPU: every e4m3 value, the midpoints between neighbours (ties to even)
+    and their fp32 neighbours, subnormals, ±0 and 448 plus an fp32 rounding; per-row and per-column scales, both
+    layouts. On a GPU (TP_TEST_DEVICE=cuda: bench.gpu_check's kernels section) the kernel runs compiled."""
     from kernels import fp8_cast
+
+    device = "cuda" if os.environ.get("TRITON_INTERPRET") != "1" and torch.cuda.is_available() else "cpu"
 
     values = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
     values = values[values.isfinite()].unique()
@@ -274,9 +277,9 @@ def test_the_fused_cast_writes_torchs_e4m3_bits():
     for scale in (torch.tensor(1.0), torch.exp2(torch.arange(64.0) % 3 - 1)[:, None],
                   torch.exp2(torch.arange(t.shape[1]) % 2 - 1.0)[None, :]):  # (powers of 2: t / scale · scale is t)
         for column_major in (False, True):
-            got = fp8_cast.cast_to_e4m3(t / scale, scale, column_major=column_major)
+            got = fp8_cast.cast_to_e4m3((t / scale).to(device), scale.to(device), column_major=column_major)
             assert got.dtype == torch.float8_e4m3fn and got.is_contiguous() != column_major
-            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+            assert torch.equal(got.view(torch.uint8).cpu(), want.view(torch.uint8))
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
