@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from . import torch_ops
 from .fp8 import Fp8Scaling, all_reduce_max, matmul_scaled_by, operand_amaxes, reducing_group
+from .opaque import opaque_under_compile
 
 
 def grouped_scaled_matmuls(pairs: list[tuple[torch.Tensor, torch.Tensor]], fp8: Fp8Scaling, *, contraction: str,
@@ -55,7 +56,8 @@ def _eager_wgrad(dz, x, counts, fp8, main_grad, fused_cast):
     return None
 
 
-# The custom ops' form: the scaling as (recipe, the group's name or "", the split or "").
+# The primitives as kernels.opaque launchers (custom ops under torch.compile), the scaling passed as (recipe, the
+# group's name or "", the split or "") since an op's schema takes no Fp8Scaling.
 
 def _names(fp8):
     group = fp8.group
@@ -66,48 +68,48 @@ def _scaling(recipe, group, split):
     return Fp8Scaling(recipe, dist.distributed_c10d._resolve_process_group(group) if group else None, split or None)
 
 
-@torch.library.custom_op("tp_kernels::grouped_fp8_forward", mutates_args=())
-def _forward_op(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, activation: str | None, recipe: str,
-                group: str, split: str, fused_cast: bool) -> tuple[torch.Tensor, torch.Tensor]:
+@opaque_under_compile("grouped_fp8_forward")
+def _forward(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, activation: str | None, recipe: str,
+             group: str, split: str, fused_cast: bool) -> tuple[torch.Tensor, torch.Tensor]:
     y, z = _eager_forward(x, weight, counts, activation, _scaling(recipe, group, split), fused_cast)
     return y, x.new_empty(0) if z is None else z  # (no pre-activation: an empty tensor)
 
 
-@_forward_op.register_fake
+@_forward.register_fake
 def _(x, weight, counts, activation, recipe, group, split, fused_cast):
     n = weight.shape[1] // 2 if activation == "swiglu" else weight.shape[1]
     return x.new_empty(x.shape[0], n), x.new_empty(0 if activation is None else (x.shape[0], weight.shape[1]))
 
 
-@torch.library.custom_op("tp_kernels::grouped_fp8_dgrad", mutates_args=())
-def _dgrad_op(dz: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, recipe: str, group: str,
-              split: str, fused_cast: bool) -> torch.Tensor:
+@opaque_under_compile("grouped_fp8_dgrad")
+def _dgrad(dz: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, recipe: str, group: str, split: str,
+           fused_cast: bool) -> torch.Tensor:
     return _eager_dgrad(dz, weight, counts, _scaling(recipe, group, split), fused_cast)
 
 
-@_dgrad_op.register_fake
+@_dgrad.register_fake
 def _(dz, weight, counts, recipe, group, split, fused_cast):
     return dz.new_empty(dz.shape[0], weight.shape[2])
 
 
-@torch.library.custom_op("tp_kernels::grouped_fp8_wgrad", mutates_args=())
-def _wgrad_op(dz: torch.Tensor, x: torch.Tensor, counts: torch.Tensor, recipe: str, group: str,
-              split: str, fused_cast: bool) -> torch.Tensor:
+@opaque_under_compile("grouped_fp8_wgrad")
+def _wgrad(dz: torch.Tensor, x: torch.Tensor, counts: torch.Tensor, recipe: str, group: str, split: str,
+           fused_cast: bool) -> torch.Tensor:
     return _eager_wgrad(dz, x, counts, _scaling(recipe, group, split), None, fused_cast)
 
 
-@_wgrad_op.register_fake
+@_wgrad.register_fake
 def _(dz, x, counts, recipe, group, split, fused_cast):
     return dz.new_empty(counts.shape[0], dz.shape[1], x.shape[1])
 
 
-@torch.library.custom_op("tp_kernels::grouped_fp8_wgrad_into", mutates_args=("main_grad",))
-def _wgrad_into_op(dz: torch.Tensor, x: torch.Tensor, counts: torch.Tensor, main_grad: torch.Tensor, recipe: str,
-                   group: str, split: str, fused_cast: bool) -> None:
+@opaque_under_compile("grouped_fp8_wgrad_into", mutates_args=("main_grad",))
+def _wgrad_into(dz: torch.Tensor, x: torch.Tensor, counts: torch.Tensor, main_grad: torch.Tensor, recipe: str,
+                group: str, split: str, fused_cast: bool) -> None:
     _eager_wgrad(dz, x, counts, _scaling(recipe, group, split), main_grad, fused_cast)
 
 
-@_wgrad_into_op.register_fake
+@_wgrad_into.register_fake
 def _(dz, x, counts, main_grad, recipe, group, split, fused_cast):
     return None
 
@@ -116,26 +118,20 @@ def grouped_forward(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
                     fp8: Fp8Scaling, fused_cast: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(act(x_e @ weight_eᵀ), the pre-activation or None) per group, x_e's rows counts[e]; `fused_cast`:
     kernels.fp8.quantize's."""
-    if not torch.compiler.is_compiling():
-        return _eager_forward(x, weight, counts, activation, fp8, fused_cast)
-    y, z = _forward_op(x, weight, counts, activation, *_names(fp8), fused_cast)
+    y, z = _forward(x, weight, counts, activation, *_names(fp8), fused_cast)
     return y, None if activation is None else z
 
 
 def grouped_dgrad(dz: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, *, fp8: Fp8Scaling,
                   fused_cast: bool = False) -> torch.Tensor:
     """dx_e = dz_e @ weight_e per group."""
-    if not torch.compiler.is_compiling():
-        return _eager_dgrad(dz, weight, counts, fp8, fused_cast)
-    return _dgrad_op(dz, weight, counts, *_names(fp8), fused_cast)
+    return _dgrad(dz, weight, counts, *_names(fp8), fused_cast)
 
 
 def grouped_wgrad(dz: torch.Tensor, x: torch.Tensor, counts: torch.Tensor, *, fp8: Fp8Scaling,
                   main_grad: torch.Tensor | None = None, fused_cast: bool = False) -> torch.Tensor | None:
     """dW_e = dz_eᵀ @ x_e [E, N, K]; with a main_grad, computed in fp32 and accumulated into it (None returned)."""
-    if not torch.compiler.is_compiling():
-        return _eager_wgrad(dz, x, counts, fp8, main_grad, fused_cast)
     if main_grad is None:
-        return _wgrad_op(dz, x, counts, *_names(fp8), fused_cast)
-    _wgrad_into_op(dz, x, counts, main_grad, *_names(fp8), fused_cast)
+        return _wgrad(dz, x, counts, *_names(fp8), fused_cast)
+    _wgrad_into(dz, x, counts, main_grad, *_names(fp8), fused_cast)
     return None
