@@ -35,6 +35,7 @@ from . import triton_ops
 from .activations import act_fwd, swiglu_fwd
 from .choice import token_bucket
 from .configs import INTERPRET, persistent_configs, pruner
+from .opaque import opaque_under_compile
 from .torch_ops import check_activation
 from .triton_ops import LAUNCHES, device_of, dot, tile_coords
 
@@ -338,10 +339,11 @@ def _linear_wgrad(dz, x, *, main_grad=None):
 
 # ---------------------------------------------------------------- under torch.compile: one opaque op per primitive
 # Dynamo cannot trace the host side above (TMA's alignment check reads a data pointer; descriptors, the autotuner's
-# pre_hook), so a compiled graph calls each primitive as a custom op, as it would a cuBLAS GEMM. Outputs that may be
-# None travel as a list of the present ones; an output that is an input (dz without an activation) stays outside.
+# pre_hook), so a compiled graph calls each primitive as a custom op (kernels.opaque), as it would a cuBLAS GEMM.
+# Outputs that may be None travel as a list of the present ones; an output that is an input (dz without an
+# activation) stays outside.
 
-@torch.library.custom_op("tp_kernels::hopper_forward", mutates_args=())
+@opaque_under_compile("hopper_forward")
 def _forward_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 activation: str | None) -> list[torch.Tensor]:
     return [t for t in _linear_forward(x, weight, bias, activation) if t is not None]
@@ -354,7 +356,7 @@ def _(x, weight, bias, activation):
     return [y] if activation is None else [y, x.new_empty(x.shape[0], n_rows)]
 
 
-@torch.library.custom_op("tp_kernels::hopper_dgrad", mutates_args=())
+@opaque_under_compile("hopper_dgrad")
 def _dgrad_op(grad_out: torch.Tensor, weight: torch.Tensor, preact: torch.Tensor | None,
               activation: str | None, need_input_grad: bool) -> list[torch.Tensor]:
     dx, dz = _linear_dgrad(grad_out, weight, preact, activation, need_input_grad=need_input_grad)
@@ -367,7 +369,7 @@ def _(grad_out, weight, preact, activation, need_input_grad):
     return dx + ([] if activation is None else [grad_out.new_empty(preact.shape)])
 
 
-@torch.library.custom_op("tp_kernels::hopper_wgrad", mutates_args=())
+@opaque_under_compile("hopper_wgrad")
 def _wgrad_op(dz: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return _linear_wgrad(dz, x)
 
@@ -377,7 +379,7 @@ def _(dz, x):
     return dz.new_empty(dz.shape[-1], x.shape[-1])
 
 
-@torch.library.custom_op("tp_kernels::hopper_wgrad_into", mutates_args=("main_grad",))
+@opaque_under_compile("hopper_wgrad_into", mutates_args=("main_grad",))
 def _wgrad_into_op(dz: torch.Tensor, x: torch.Tensor, main_grad: torch.Tensor) -> None:
     _linear_wgrad(dz, x, main_grad=main_grad)
 
@@ -389,24 +391,18 @@ def _(dz, x, main_grad):
 
 def linear_forward(x, weight, bias=None, activation=None):
     """y = act(x @ weight.T + bias) -> (y, pre-activation or None); see torch_ops.linear_forward."""
-    if not torch.compiler.is_compiling():
-        return _linear_forward(x, weight, bias, activation)
     y, *preact = _forward_op(x, weight, bias, activation)
     return y, (preact[0] if preact else None)
 
 
 def linear_dgrad(grad_out, weight, preact=None, activation=None, *, need_input_grad=True):
     """-> (grad_input = dz @ weight or None, dz = grad_out · act'(preact)); see torch_ops.linear_dgrad."""
-    if not torch.compiler.is_compiling():
-        return _linear_dgrad(grad_out, weight, preact, activation, need_input_grad=need_input_grad)
     outs = _dgrad_op(grad_out, weight, preact, activation, need_input_grad)
     return (outs[0] if need_input_grad else None), (grad_out if activation is None else outs[-1])
 
 
 def linear_wgrad(dz, x, *, main_grad=None):
     """dW = dzᵀ @ x, or accumulate it into main_grad in place and return None; see torch_ops.linear_wgrad."""
-    if not torch.compiler.is_compiling():
-        return _linear_wgrad(dz, x, main_grad=main_grad)
     if main_grad is None:
         return _wgrad_op(dz, x)
     _wgrad_into_op(dz, x, main_grad)
