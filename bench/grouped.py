@@ -22,7 +22,7 @@ import torch
 
 import kernels
 
-from .common import print_table, scratch_path, write_json
+from .common import at_least, check_out, print_table, scratch_path, write_json
 from .kernels import has_hopper_kernels, hopper_kernels, make_timer
 
 PHASES = ("fwd", "dgrad", "wgrad_main_grad")
@@ -114,11 +114,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", type=_shape, nargs="+", default=[(8, 4096, 2048), (64, 2048, 1408)],
                    help="EXHxF: local experts x hidden x expert FFN width")
-    p.add_argument("--rows", type=int, default=16384, help="routed rows (tokens x top-k) in all")
-    p.add_argument("--shrink", type=int, default=32, help="divide hidden, FFN and rows by this without a GPU")
-    p.add_argument("--reps", type=int, default=3, help="CPU repetitions per timing")
+    p.add_argument("--rows", type=at_least(1), default=16384, help="routed rows (tokens x top-k) in all")
+    p.add_argument("--shrink", type=at_least(1), default=32, help="divide hidden, FFN and rows by this without a GPU")
+    p.add_argument("--reps", type=at_least(1), default=3, help="CPU repetitions per timing")
     p.add_argument("--out", default=scratch_path("grouped.json"))
     args = p.parse_args(argv)
+    check_out(p, "--out", args.out)
     gpu = torch.cuda.is_available()
     shrink = 1 if gpu else args.shrink
     device, dtype = ("cuda", torch.bfloat16) if gpu else ("cpu", torch.float32)

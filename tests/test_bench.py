@@ -99,6 +99,9 @@ def test_grouped_benchmark_times_each_expert_gemm_on_uneven_groups(tmp_path, cap
     ("train", ["--out", "/dev/null/x.json"], r"--out /dev/null/x.json: /dev/null is not a directory"),
     ("train", ["--plot", "/dev/null/x.png"], r"--plot /dev/null/x.png: /dev/null is not a directory"),
     ("attention", ["--out", "/dev/null/x.json"], r"--out /dev/null/x.json: /dev/null is not a directory"),
+    ("grouped", ["--shrink", "0"], r"argument --shrink: 0 is not >= 1"),
+    ("grouped", ["--rows", "0"], r"argument --rows: 0 is not >= 1"),
+    ("grouped", ["--out", "/dev/null/x.json"], r"--out /dev/null/x.json: /dev/null is not a directory"),
     ("plan", ["--gpus", "2", "--model", "tiny", "--seq-len", "64", "--global-batch-size", "4", "--out", "/dev/null/x"],
      r"--out /dev/null/x: /dev/null is not a directory"),
 ])
