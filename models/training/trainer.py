@@ -221,7 +221,7 @@ class Trainer:
         if skipped:
             record["skipped"] = True
         if self.moe is not None:
-            record |= self.moe.entries(torch.tensor(host["moe"], dtype=torch.float64), micro_batches)
+            record |= self.moe.entries(torch.tensor(host["moe"], dtype=torch.float64, device="cpu"), micro_batches)
         if self.mtp is not None:
             record |= self.mtp.entries(host["mtp"], micro_batches)
         return record | values.after, grad_norm
@@ -398,7 +398,7 @@ class Trainer:
         """tp.optim.memory_bytes (this rank's param_bytes, grad_bytes, optimizer_bytes), each the largest over all
         ranks (one all-reduce)."""
         sizes = tp.optim.memory_bytes(self.module, self.optimizer)
-        totals = torch.tensor(list(sizes.values()), dtype=torch.int64)
+        totals = torch.tensor(list(sizes.values()), dtype=torch.int64, device="cpu")
         dist.all_reduce(totals, op=dist.ReduceOp.MAX)
         return dict(zip(sizes, host_values(totals)))
 
@@ -434,6 +434,6 @@ def _absolute(path):
 
 
 def _mean_over(value, group):
-    t = torch.tensor([value], dtype=torch.float64)
+    t = torch.tensor([value], dtype=torch.float64, device="cpu")
     dist.all_reduce(t, group=group)
     return t.item() / dist.get_world_size(group)

@@ -216,7 +216,7 @@ class PipelineRunner:
             if problem:
                 raise ValueError(problem)
             return
-        flags = torch.tensor([problem is not None, len(batches), -len(batches)], dtype=torch.float64)
+        flags = torch.tensor([problem is not None, len(batches), -len(batches)], dtype=torch.float64, device="cpu")
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.mesh.pp_group)  # (the host's numbers, over gloo)
         bad, most, fewest = host_values(flags)
         if most != -fewest:
@@ -259,7 +259,7 @@ class PipelineRunner:
         if stats.mean_loss is None:  # (not the last stage: its share of the sum below)
             stats.mean_loss = torch.zeros((), dtype=torch.float64, device=self._device())
         stats.mean_loss = stats.mean_loss.double()
-        busy, span = (torch.tensor([t], dtype=torch.float64) for t in (stats.busy_s, stats.total_s))
+        busy, span = (torch.tensor([t], dtype=torch.float64, device="cpu") for t in (stats.busy_s, stats.total_s))
         if p > 1:  # (the loss on the device; the times on the host, over gloo: neither waits for the device)
             dist.all_reduce(stats.mean_loss, group=self.mesh.pp_group)
             dist.all_reduce(busy, group=self.mesh.pp_group)
