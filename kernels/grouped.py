@@ -70,7 +70,7 @@ def _torch_wgrad(dz, x, counts, main_grad):
     dw = dz.new_empty(len(counts), dz.shape[1], x.shape[1]) if main_grad is None else None
     for e, lo, hi in _ranges(counts):
         if main_grad is not None:
-            main_grad[e].addmm_(dz[lo:hi].t().to(main_grad.dtype), x[lo:hi].to(main_grad.dtype))
+            torch_ops.accumulate_mm(main_grad[e], dz[lo:hi].t(), x[lo:hi])
         else:
             torch.mm(dz[lo:hi].t(), x[lo:hi], out=dw[e])
     return dw

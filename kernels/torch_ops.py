@@ -75,6 +75,20 @@ def linear_dgrad(grad_out, weight, preact=None, activation=None, *, need_input_g
 def linear_wgrad(dz, x, *, main_grad=None):
     """dW [N, K] = dzᵀ @ x; with an fp32 main_grad, accumulate into it in place and return None."""
     if main_grad is not None:
-        main_grad.addmm_(dz.t().to(main_grad.dtype), x.to(main_grad.dtype))
+        accumulate_mm(main_grad, dz.t(), x)
         return None
     return dz.t() @ x
+
+
+# Devices whose GEMM takes fp16/bf16 operands and writes fp32 (torch.mm's out_dtype: cuBLAS; "meta" has its shapes)
+_FP32_OUT_DEVICES = ("cuda", "meta")
+
+
+def accumulate_mm(main_grad: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """main_grad += a @ b in main_grad's precision: on CUDA the half-precision operands as they are, the product
+    written in fp32 (accumulated in fp32 either way); elsewhere both operands upcast first."""
+    if main_grad.dtype == torch.float32 and a.dtype in (torch.float16, torch.bfloat16) and \
+            a.device.type in _FP32_OUT_DEVICES:
+        main_grad.add_(torch.mm(a, b, out_dtype=torch.float32))
+    else:
+        main_grad.addmm_(a.to(main_grad.dtype), b.to(main_grad.dtype))

@@ -432,3 +432,29 @@ def test_layers_tune_each_shape_once(monkeypatch):
         assert calls == [((12, 8), "gelu", 6, False), ((8, 12), None, 6, False), ((12, 8), None, 6, False)]
     finally:
         tp.destroy_mesh()
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_the_torch_wgrad_into_main_grad_multiplies_half_precision_operands_as_they_are(grouped):
+    """The torch backend's wgrad into an fp32 main_grad upcast both bf16 operands and ran an fp32 GEMM: 10x cuBLAS's
+    bf16 GEMM on an H200 (run 4: 21.5 ms against 2.2 for the Triton kernel at 8192 x 16384 x 4096, so "torch" lost
+    every wgrad). cuBLAS multiplies bf16 and writes fp32 (`out_dtype`, accumulated in fp32 as the upcast GEMM
+    is): no operand is copied. Checked on "meta", which has the CUDA op's signature (the CPU has no such kernel)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from kernels import grouped as grouped_ops
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    seen = []
+    dz, x = (torch.empty(24, n, dtype=torch.bfloat16, device="meta") for n in (16, 8))
+    main_grad = torch.empty((2, 16, 8) if grouped else (16, 8), device="meta")
+    with Ops():
+        if grouped:
+            grouped_ops._torch_wgrad(dz, x, torch.tensor([10, 14]), main_grad)
+        else:
+            torch_ops.linear_wgrad(dz, x, main_grad=main_grad)
+    assert not any("_to_copy" in op for op in seen) and "aten.mm.dtype" in seen, seen
