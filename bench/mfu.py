@@ -52,8 +52,8 @@ SEARCH_BATCHES = (1, 2, 4, 8)  # --search's micro-batch sizes by default
 REGIONS = (("optimizer", r"optimizer|adam|clip_grad|_foreach_norm"),
            ("loss", r"cross_?entropy|vocab_|nll_loss|log_softmax"),
            ("attention", r"attention|flash|fmha|sdpa"))
-OPS = (("gemm", r"\b(aten::)?(mm|addmm|bmm|matmul|linear|_grouped_mm)\b|gemm|LinearFunction|GroupedLinear|nvjet|"
-                r"cutlass|xmma|_linear_\w*kernel"),
+OPS = (("gemm", r"\b(aten::)?(mm|addmm|bmm|matmul|linear|_grouped_mm|_scaled_mm)\b|gemm|LinearFunction|"
+                r"GroupedLinear|nvjet|cutlass|xmma|_linear_\w*kernel"),
        ("norm", r"norm"))
 BREAKDOWN = ("gemm", "attention", "norm", "elementwise", "loss", "optimizer", "idle")
 
@@ -133,17 +133,11 @@ def breakdown(run_step, device, step_s: float) -> dict:
     with profile(activities=activities) as prof:
         run_step()
         _sync(device)
-    seconds = dict.fromkeys(BREAKDOWN, 0.0)
     events = prof.events()
-    for event in events:
-        if event.device_type != torch.autograd.DeviceType.CPU:
-            continue
-        busy = sum(k.duration for k in event.kernels) if cuda else event.self_cpu_time_total
-        if busy > 0 and (cuda or "::" in event.name):  # (CPU: ops, not the Python-level regions around them)
-            seconds[category(_names(event))] += busy * 1e-6
+    seconds = op_seconds(events, cuda)
     if cuda:  # kernels no op claimed (a profiler that does not link them): by their own names
         kernels_s = [(e.name, e.time_range.elapsed_us() * 1e-6) for e in events
-                     if e.device_type == torch.autograd.DeviceType.CUDA]
+                     if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation]
         unclaimed = sum(s for _, s in kernels_s) - sum(seconds.values())
         if unclaimed > 0.05 * step_s:
             seconds = dict.fromkeys(BREAKDOWN, 0.0)
@@ -151,6 +145,20 @@ def breakdown(run_step, device, step_s: float) -> dict:
                 seconds[category([name])] += busy
     seconds["idle"] = max(0.0, step_s - sum(seconds.values()))
     return {k: round(v, 5) for k, v in seconds.items()}
+
+
+def op_seconds(events, cuda: bool) -> dict[str, float]:
+    """Seconds per category from the profiler's CPU-side events: on CUDA the kernels each op launched, elsewhere each
+    op's self CPU time. A region of record_function (a user annotation: the optimizer's step, clipping) is not an op:
+    on CUDA the profiler links it to its own span on the device, which would count its ops' kernels a second time."""
+    seconds = dict.fromkeys(BREAKDOWN, 0.0)
+    for event in events:
+        if event.device_type != torch.autograd.DeviceType.CPU or event.is_user_annotation:
+            continue
+        busy = sum(k.duration for k in event.kernels) if cuda else event.self_cpu_time_total
+        if busy > 0 and (cuda or "::" in event.name):  # (CPU: ops, not the Python-level regions around them)
+            seconds[category(_names(event))] += busy * 1e-6
+    return seconds
 
 
 def measure_row(row, base, *, device, batch, micro_batches, seq_len, steps, warmup, clip, profile_step, peak):
