@@ -90,18 +90,18 @@ def train_step(model, opt, mesh, step):
         model(x, y).backward()
     elif mesh.is_first_stage:
         hidden = model(x)  # [s, b/dp, h]
-        dist.send(hidden.detach(), mesh.next_stage_rank)
+        tp.collectives.isend(hidden.detach(), mesh.next_stage_rank).wait()
         grad = torch.empty_like(hidden)
-        dist.recv(grad, mesh.next_stage_rank)
+        tp.collectives.irecv(grad, mesh.next_stage_rank).wait()
         hidden.backward(grad)
     else:
         seq = SEQ // mesh.tp_size if stage.config.sequence_parallel else SEQ
         hidden = torch.empty(seq, len(x), stage.config.hidden_size,  # [s(/tp), b/dp, h]
                              dtype=next(stage.parameters()).dtype)
-        dist.recv(hidden, mesh.prev_stage_rank)
+        tp.collectives.irecv(hidden, mesh.prev_stage_rank).wait()
         hidden.requires_grad_()
         model(hidden=hidden, targets=y).backward()
-        dist.send(hidden.grad, mesh.prev_stage_rank)
+        tp.collectives.isend(hidden.grad, mesh.prev_stage_rank).wait()
     if mesh.pp_size > 1 and not isinstance(model, (list, DataParallel)) and stage.config.tie_embeddings:  # (DP sums)
         # the two copies of the tied embedding stay equal
         tied = stage.embedding.weight if mesh.is_first_stage else stage.output.weight

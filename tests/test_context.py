@@ -504,3 +504,18 @@ def test_bad_documents_and_head_splits_are_refused_before_any_communication():
             with pytest.raises(ValueError, match=message):
                 fn()
     assert collectives.get_total_counts() == 0 and p2p.calls == [] and a2a.calls == []
+
+
+@distributed(world_size=2)
+def test_the_ring_sends_device_tensors_through_host_buffers_over_gloo():
+    """gloo's send and recv take host memory only: a CUDA tensor failed in the ring's first send ("writev: Bad
+    address", H200 run 4, ranks sharing the GPU over gloo). tp.collectives stages a device tensor through a host copy
+    and lands each receive on wait(); here the CPU counts as such a device, so the landing is what the ring reads."""
+    landed = []
+    land = tp.collectives._Landing.wait
+    counted = lambda self: landed.append(self.target is not None) or land(self)  # True: a receive
+    with mock.patch.object(tp.collectives, "GLOO_P2P_DEVICES", ()), \
+            mock.patch.object(tp.collectives._Landing, "wait", counted):
+        check_against_dense(tp.init_mesh(cp=2), "ring", True, 4, 2, 1, torch.float64, 1e-12)
+    assert sum(landed) == 4 and len(landed) == 8  # cp = 2, receives and sends: the forward's KV; the backward's
+                                                  # KV and its dKV after each of two steps

@@ -380,3 +380,29 @@ def test_the_kernels_are_tuned_once_before_the_first_schedule_each_shape_once():
     runner.run(micro_batches(1))
     linears = [m for m in stage.modules() if isinstance(m, (tp.ColumnParallelLinear, tp.RowParallelLinear))]
     assert [c[0] for c in calls] == linears and {c[1:] for c in calls} == {(MICRO * SEQ, 0)}
+
+
+@distributed(world_size=2)
+def test_the_stages_send_device_tensors_through_host_buffers_over_gloo():
+    """gloo's send and recv take host memory only (a CUDA tensor: "writev: Bad address"): the runner's transfers go
+    through tp.collectives, which stages a device tensor through a host copy; here the CPU counts as such a device,
+    and the step is the same to the bit."""
+    from unittest import mock
+
+    mesh = tp.init_mesh(pp=2)
+    config = models.GPTConfig(vocab_size=VOCAB, hidden_size=16, num_layers=2, num_heads=4, ffn_hidden_size=24)
+    torch.manual_seed(0)
+    stage = build_chunks(config, mesh, 1)[0]
+    runner = PipelineRunner(stage, mesh, micro_batch_size=MICRO, seq_len=SEQ)
+    runs, landed = [], []
+    land = tp.collectives._Landing.wait
+    counted = lambda self: landed.append(self.target is not None) or land(self)  # True: a receive
+    for staged in ((), ("cpu",)):
+        stage.zero_grad()
+        with mock.patch.object(tp.collectives, "GLOO_P2P_DEVICES", staged), \
+                mock.patch.object(tp.collectives._Landing, "wait", counted):
+            loss = runner.run(micro_batches()).loss
+        runs.append([loss, *(p.grad.clone() for p in stage.parameters())])
+    # the last stage's activations (received), its gradients (sent); the first stage's the other way: per micro-batch
+    assert sum(landed) == NUM_MICRO and len(landed) == 2 * NUM_MICRO
+    assert all(torch.equal(torch.as_tensor(a), torch.as_tensor(b)) for a, b in zip(*runs))

@@ -115,3 +115,62 @@ def all_reduce_coalesced(tensors: list[torch.Tensor], group: dist.ProcessGroup, 
         for i, reduced in zip(same, flat.split([tensors[i].numel() for i in same])):
             out[i] = tensors[i].copy_(reduced.view_as(tensors[i])) if inplace else reduced.view_as(tensors[i])
     return out
+
+
+# Point-to-point: gloo's send and recv read and write host memory only (a CUDA tensor fails with "writev: Bad
+# address"), so over gloo a device tensor travels through a host copy; NCCL takes it as it is.
+GLOO_P2P_DEVICES = ("cpu",)
+
+
+def _backend_for(group: dist.ProcessGroup | None, device: torch.device) -> str:
+    """The backend `group` runs `device`'s tensors on ("cpu:gloo,cuda:nccl" -> per device)."""
+    name = str(dist.get_backend(group))
+    if ":" not in name:
+        return name
+    return dict(part.split(":", 1) for part in name.split(",")).get(device.type, "")
+
+
+def _through_host(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> bool:
+    return tensor.device.type not in GLOO_P2P_DEVICES and _backend_for(group, tensor.device) == "gloo"
+
+
+class _Landing:
+    """A transfer of a host buffer, which it keeps alive: wait() waits for it, then copies a received buffer into
+    the device tensor (`target`; None for a send)."""
+
+    def __init__(self, work: dist.Work, host: torch.Tensor, target: torch.Tensor | None) -> None:
+        self.work, self.host, self.target = work, host, target
+
+    def wait(self) -> bool:
+        self.work.wait()
+        if self.target is not None:
+            self.target.copy_(self.host)
+        return True
+
+
+def _staged(tensor: torch.Tensor, group: dist.ProcessGroup | None, receive: bool):
+    """(the tensor to hand the backend: a host copy where it needs one, work -> the work to return for it)."""
+    if not _through_host(tensor, group):
+        return tensor, lambda work: work
+    host = torch.empty_like(tensor, device="cpu") if receive else tensor.to("cpu", copy=True)
+    return host, lambda work: _Landing(work, host, tensor if receive else None)
+
+
+def batch_isend_irecv(ops: list[dist.P2POp]) -> list:
+    """dist.batch_isend_irecv, device tensors staged through the host over gloo; each wait() lands its receive."""
+    staged = [_staged(op.tensor, op.group, op.op in (dist.irecv, dist.recv)) for op in ops]
+    works = dist.batch_isend_irecv([dist.P2POp(op.op, host, op.peer, op.group, op.tag)
+                                    for op, (host, _) in zip(ops, staged)])
+    return [land(work) for work, (_, land) in zip(works, staged)]
+
+
+def isend(tensor: torch.Tensor, dst: int, *, group: dist.ProcessGroup | None = None, tag: int = 0):
+    """dist.isend (dst: a global rank), a device tensor staged through the host over gloo."""
+    host, land = _staged(tensor, group, receive=False)
+    return land(dist.isend(host, dst, group=group, tag=tag))
+
+
+def irecv(tensor: torch.Tensor, src: int, *, group: dist.ProcessGroup | None = None, tag: int = 0):
+    """dist.irecv (src: a global rank) into `tensor`, through a host buffer over gloo: wait() lands it."""
+    host, land = _staged(tensor, group, receive=True)
+    return land(dist.irecv(host, src, group=group, tag=tag))

@@ -11,6 +11,8 @@ import math
 import torch
 import torch.distributed as dist
 
+from tp.collectives import irecv, isend
+
 from ..config import GPTConfig
 from ..generation import Text
 from ..gpt import GPT
@@ -40,10 +42,10 @@ def _forward(chunks, mesh, tokens, dtype):
                 x = out
             else:
                 x = torch.empty(chunk.activation_shape(1, tokens.shape[1]), dtype=dtype, device=tokens.device)
-                dist.recv(x, ranks[(v - 1) % p], group=mesh.pp_group)
+                irecv(x, ranks[(v - 1) % p], group=mesh.pp_group).wait()
         out = chunk(tokens if v == 0 else None, hidden=x)
         if v + 1 < p * count and (v + 1) % p != owner:
-            dist.send(out.contiguous(), ranks[(v + 1) % p], group=mesh.pp_group)
+            isend(out.contiguous(), ranks[(v + 1) % p], group=mesh.pp_group).wait()
     return out if (p * count - 1) % p == mesh.pp_rank else None
 
 

@@ -18,6 +18,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from ..collectives import batch_isend_irecv
 from ..dropout import CounterDropout
 from .blocks import Block, Side, acc_dtype, attend, attend_backward, grouped, side_of, trim_blocks
 
@@ -37,8 +38,8 @@ class Ring(NamedTuple):
         """Start sending `tensor` to the next member and receiving the previous one's: (recv, works, tensor)."""
         peer = lambda step: dist.get_global_rank(self.group, self.members[(self.index + step) % self.size])
         recv = torch.empty_like(tensor)
-        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor, peer(1), self.group),
-                                        dist.P2POp(dist.irecv, recv, peer(-1), self.group)])
+        works = batch_isend_irecv([dist.P2POp(dist.isend, tensor, peer(1), self.group),
+                                   dist.P2POp(dist.irecv, recv, peer(-1), self.group)])
         return recv, works, tensor  # the send buffer is kept alive until the wait
 
 

@@ -38,6 +38,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import record_function
 
+from ..collectives import irecv, isend
 from ..host_syncs import host_values
 from ..mesh import Mesh
 from . import schedules
@@ -144,11 +145,11 @@ class _Transfers:
                     raise RuntimeError(f"pipeline schedule: {tuple(msg)} is due on the link to pipeline rank {peer} "
                                        "before this rank has computed it")
                 tensor = self.ready.pop(msg)
-                self.sending.append((dist.isend(tensor, self.ranks[peer], group=self.group, tag=self._tag(msg)),
+                self.sending.append((isend(tensor, self.ranks[peer], group=self.group, tag=self._tag(msg)),
                                      tensor))
             else:
                 buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-                self.posted[msg] = buffer, dist.irecv(buffer, self.ranks[peer], group=self.group, tag=self._tag(msg))
+                self.posted[msg] = buffer, irecv(buffer, self.ranks[peer], group=self.group, tag=self._tag(msg))
             if msg == message:
                 return
 
