@@ -1,11 +1,14 @@
 """The measuring sections of bench.gpu_check that run in-process: the one-GPU GPT step, the square GEMM and its
 sweep over the persistent kernel's tiles."""
+import functools
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -84,49 +87,78 @@ def gpt_step(on_gpu: bool) -> dict:
             "ok": loss_diff < tolerance and norm_diff < tolerance}
 
 
+ROUNDS = 5  # timing rounds of a side-by-side comparison
+
+
+def interleaved(candidates: dict[str, Callable[[], float]], rounds: int = ROUNDS) -> dict[str, list[float]]:
+    """Each candidate's time (its callable measures and returns it) in each of `rounds` rounds, every round timing
+    all of them in turn: a drift of clocks or power lands on every candidate alike, and a ratio taken round by round
+    (`ratio`) cancels it (in H200 run 4 cuBLAS's 4096³ GEMM measured 779 and 692 TFLOP/s a minute apart)."""
+    times = {name: [] for name in candidates}
+    for _ in range(rounds):
+        for name, measure in candidates.items():
+            times[name].append(measure())
+    return times
+
+
+def ratio(base: list[float], other: list[float]) -> float:
+    """other's speed-up over base: the median over rounds of base / other."""
+    return statistics.median(b / o for b, o in zip(base, other, strict=True))
+
+
+def _tflops(n: int, ms: float) -> float:
+    return round(2 * n**3 / ms / 1e9, 1)
+
+
 def square_gemm(sizes=(4096, 8192)) -> dict:
-    """The Triton forward GEMM (kernels.linear_forward, no epilogue) vs cuBLAS (torch.matmul) on square bf16; on a
-    Hopper GPU "triton" is the persistent TMA kernel and "triton_sm80" the kernels.triton_ops one it replaces."""
+    """The Triton forward GEMM (kernels.linear_forward, no epilogue) vs cuBLAS (torch.matmul) on square bf16, timed
+    in interleaved rounds; on a Hopper GPU "triton" is the persistent TMA kernel and "triton_sm80" the
+    kernels.triton_ops one it replaces."""
     import triton.testing
 
     import kernels
     from bench.kernels import has_hopper_kernels, hopper_kernels
+
+    def ours(a, b, hopper):
+        with kernels.use_backend("triton"), hopper_kernels(hopper):
+            return triton.testing.do_bench(lambda: kernels.linear_forward(a, b))
 
     variants = {"triton": True, **({"triton_sm80": False} if has_hopper_kernels(True) else {})}
     rows = {}
     for n in sizes:
         a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
         b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-        cublas = triton.testing.do_bench(lambda: a @ b.t())
-        rows[str(n)] = {"cublas_tflops": round(2 * n**3 / cublas / 1e9, 1)}
-        for name, hopper in variants.items():
-            with kernels.use_backend("triton"), hopper_kernels(hopper):
-                ours = triton.testing.do_bench(lambda: kernels.linear_forward(a, b))
-            rows[str(n)].update({f"{name}_tflops": round(2 * n**3 / ours / 1e9, 1),
-                                 f"{name}_vs_cublas": round(cublas / ours, 3)})
+        for hopper in variants.values():  # (autotuned and compiled before the first round)
+            ours(a, b, hopper)
+        times = interleaved({"cublas": lambda: triton.testing.do_bench(lambda: a @ b.t()),
+                             **{name: functools.partial(ours, a, b, hopper) for name, hopper in variants.items()}})
+        rows[str(n)] = {"cublas_tflops": _tflops(n, statistics.median(times["cublas"]))}
+        for name in variants:
+            rows[str(n)].update({f"{name}_tflops": _tflops(n, statistics.median(times[name])),
+                                 f"{name}_vs_cublas": round(ratio(times["cublas"], times[name]), 3)})
     return rows
 
 
 _ONE_TILE = """
 import json, sys, torch, triton.testing, kernels
+from bench.gpu_sections import interleaved
 n = int(sys.argv[1])
 a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
 with kernels.use_backend("triton"):
-    print(json.dumps(triton.testing.do_bench(lambda: kernels.linear_forward(a, b))))
+    kernels.linear_forward(a, b)
+    print(json.dumps(interleaved({"cublas": lambda: triton.testing.do_bench(lambda: a @ b.t()),
+                                  "tile": lambda: triton.testing.do_bench(lambda: kernels.linear_forward(a, b))},
+                                 rounds=3)))
 """
 
 
 def tile_sweep(n: int = 4096, seconds: float = 60.0) -> dict:
     """The persistent forward GEMM on square bf16 n at each of its candidate tiles alone (TP_KERNELS_TUNE=i, a
-    process each, until `seconds` are spent): TFLOP/s and the ratio to cuBLAS, so that the next tuning starts from
-    which tiles come near it."""
-    import triton.testing
-
+    process each, until `seconds` are spent), timed in rounds interleaved with cuBLAS in that process: TFLOP/s and
+    the ratio to cuBLAS, so that the next tuning starts from which tiles come near it."""
     from kernels.configs import PERSISTENT_TILES
 
-    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    cublas = triton.testing.do_bench(lambda: a @ b.t())
-    rows, deadline = {"cublas_tflops": round(2 * n**3 / cublas / 1e9, 1)}, time.monotonic() + seconds
+    rows, cublas, deadline = {}, [], time.monotonic() + seconds
     by_area = sorted(enumerate(PERSISTENT_TILES), key=lambda item: -item[1][0] * item[1][1])  # the likeliest first
     for i, (bm, bn, bk, warps, stages) in by_area:
         name = f"{bm}x{bn}x{bk} w{warps} s{stages}"
@@ -143,6 +175,8 @@ def tile_sweep(n: int = 4096, seconds: float = 60.0) -> dict:
         if done.returncode:
             rows[name] = (done.stderr.strip().splitlines() or ["failed"])[-1][:200]
             continue
-        ms = json.loads(done.stdout.strip().splitlines()[-1])
-        rows[name] = {"tflops": round(2 * n**3 / ms / 1e9, 1), "vs_cublas": round(cublas / ms, 3)}
-    return rows
+        times = json.loads(done.stdout.strip().splitlines()[-1])
+        cublas += times["cublas"]
+        rows[name] = {"tflops": _tflops(n, statistics.median(times["tile"])),
+                      "vs_cublas": round(ratio(times["cublas"], times["tile"]), 3)}
+    return {"cublas_tflops": _tflops(n, statistics.median(cublas)) if cublas else None, **rows}

@@ -139,3 +139,15 @@ def test_a_section_that_reports_during_its_grace_still_fails_with_its_last_lines
     monkeypatch.setattr(gpu_check, "run", lambda cmd, timeout, env=None: (124, printed))
     result = gpu_check.run_section(gpu_check.Section("env", 1, "too short"), tmp_path, smoke=True)
     assert result["status"] == "fail" and "timed out after" in result["details"]["tail"]
+
+
+def test_side_by_side_timings_alternate_and_take_the_ratio_round_by_round():
+    """cuBLAS's 4096³ GEMM measured 779 and 692 TFLOP/s a minute apart on one H200 (run 4): the square GEMM and the
+    tile sweep time cuBLAS and the kernel in alternating rounds and take each round's ratio, not the medians'."""
+    from bench import gpu_sections
+
+    order, base, ours = [], iter([1.0, 2.0, 9.0]), iter([1.0, 4.0, 3.0])
+    times = gpu_sections.interleaved({"base": lambda: order.append("base") or next(base),
+                                      "ours": lambda: order.append("ours") or next(ours)}, rounds=3)
+    assert order == ["base", "ours"] * 3 and times == {"base": [1.0, 2.0, 9.0], "ours": [1.0, 4.0, 3.0]}
+    assert gpu_sections.ratio(times["base"], times["ours"]) == 1.0  # rounds 1, 0.5, 3 (the medians' ratio: 2/3)
