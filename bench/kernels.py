@@ -10,7 +10,9 @@ all-reduce, so none here). Forward and backward (dgrad + wgrad + dbias) in bf16,
 accumulated into an fp32 main_grad (fused) vs `main_grad.add_(dz.T @ x)` (matmul, then a separate add).
 
 On a Hopper GPU the Triton backend runs its persistent TMA kernels (kernels.triton_hopper); the table then has a
-column for the same calls with those off ("sm80 kernels": kernels.triton_ops' kernels, which Ampere runs).
+column for the same calls with those off ("sm80 kernels": kernels.triton_ops' kernels, which Ampere runs). "auto"
+is the same call under backend "auto" (its measured choice per primitive, kernels.choice), and "auto/fastest" the
+fastest of the other columns over it: the issue's >= 0.98x, end to end.
 
 The torch baseline is eager and unfused: F.linear, then + bias, then the activation (backward through autograd).
 Dropout (`--kernels dropout`): x, residual [T/4, 4, h] and bias [h] in bf16, p = 0.1; forward, and backward (dx,
@@ -137,10 +139,11 @@ def bench_case(layer, hidden, tokens, tp, dtype, device, candidate_backend, time
     gemm_flops = 2 * tokens * K * rows  # the SwiGLU output is half as wide, but both halves are computed
     rows_out = rows // 2 if activation == "swiglu" else rows
     gy = torch.randn(tokens, rows_out, device=device, dtype=dtype, generator=gen)
-    impls = ["torch", "kernels", *(["kernels_sm80"] if sm80_row else [])]
+    impls = ["torch", "kernels", "auto", *(["kernels_sm80"] if sm80_row else [])]
 
     def under(impl, fn):
-        with kernels.use_backend(candidate_backend), hopper_kernels(impl != "kernels_sm80"):
+        backend = "auto" if impl == "auto" else candidate_backend  # auto: as a user runs it (measured choices)
+        with kernels.use_backend(backend), hopper_kernels(impl != "kernels_sm80"):
             return fn()
 
     ms = {}
@@ -172,6 +175,8 @@ def bench_case(layer, hidden, tokens, tp, dtype, device, candidate_backend, time
                    kernels_tflops=flops / ms_k / 1e9, speedup=ms_t / ms_k)
         if sm80_row:
             row.update(kernels_sm80_ms=ms["kernels_sm80", phase], sm80_speedup=ms_t / ms["kernels_sm80", phase])
+        fastest = min(ms[impl, phase] for impl in impls if impl != "auto")
+        row.update(auto_ms=ms["auto", phase], auto_vs_fastest=fastest / ms["auto", phase])
         rows_json.append(row)
     return rows_json
 
@@ -313,14 +318,15 @@ def print_table(rows, candidate_label):
     sm80 = "kernels_sm80_ms" in rows[0]  # a Hopper GPU: the Triton backend with its sm90 kernels off, too
     header = (f"{'layer':<11}{'h':>6}{'T':>7}{'tp':>4}{'N':>7}{'K':>7}  {'phase':<16}{'torch ms':>10} "
               f"{cand + ' ms':>17} {'torch TF/s':>11} {cand + ' TF/s':>19} {'speedup':>8}"
-              + (f" {'sm80 kernels ms':>16} {'sm80 x':>7}" if sm80 else ""))
+              + (f" {'sm80 kernels ms':>16} {'sm80 x':>7}" if sm80 else "") + f" {'auto ms':>9} {'auto/fastest':>13}")
     print(header)
     print("-" * len(header))
     for r in rows:
         print(f"{r['layer']:<11}{r['hidden']:>6}{r['tokens']:>7}{r['tp']:>4}{r['N']:>7}{r['K']:>7}  {r['phase']:<16}"
               f"{r['torch_ms']:>10.3f} {r['kernels_ms']:>17.3f} {r['torch_tflops']:>11.2f} {r['kernels_tflops']:>19.2f}"
               f" {r['speedup']:>7.2f}x"
-              + (f" {r['kernels_sm80_ms']:>16.3f} {r['sm80_speedup']:>6.2f}x" if sm80 else ""))
+              + (f" {r['kernels_sm80_ms']:>16.3f} {r['sm80_speedup']:>6.2f}x" if sm80 else "")
+              + f" {r['auto_ms']:>9.3f} {r['auto_vs_fastest']:>12.2f}x")
 
 
 def _parser() -> argparse.ArgumentParser:
