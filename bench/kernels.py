@@ -19,8 +19,9 @@ Dropout (`--kernels dropout`): x, residual [T/4, 4, h] and bias [h] in bf16, p =
 dresidual, dbias) of the output's gradient; "saved MiB" is what each keeps for backward (F.dropout its mask, one byte
 per element; the fused kernel only the tokens' positions and the samples' indices: it regenerates the mask from the
 counters). GB/s counts the fused kernel's minimal traffic for both (forward: read x and residual, write out; backward:
-read the gradient, write dx). On the first call of each shape the two backends' outputs are checked to give the same
-mask (the bits of the torch fallback).
+read the gradient, write dx); the fused backward's two parts are also timed alone (dx, and the bias gradient's sum).
+On the first call of each shape the two backends' outputs are checked to give the same mask (the bits of the torch
+fallback).
 
 FP8 (`--kernels fp8`): the three GEMMs of each layer shard whose weight dims are multiples of 16 (torch._scaled_mm's
 rule): fwd x·Wᵀ, dgrad dz·W, wgrad dzᵀ·x into an fp32 main_grad; and square n³ GEMMs (`--square`, forward only).
@@ -282,7 +283,6 @@ def bench_dropout(tokens, hidden, dtype, device, candidate_backend, timer, p=0.1
     def fused(backend=candidate_backend):
         with kernels.use_backend(backend):
             return dropout_add(x, residual, bias, p=p, key=1234, samples=samples, positions=positions)
-
     masks = [fused(backend) == residual for backend in ("torch", candidate_backend)]  # (where dropped)
     if not torch.equal(*masks):
         raise AssertionError(f"the {candidate_backend} kernel's mask differs from the torch fallback's")
@@ -298,6 +298,11 @@ def bench_dropout(tokens, hidden, dtype, device, candidate_backend, timer, p=0.1
         row[f"{impl}_bwd_ms"] = timer(backward, grad_to_none=leaves)
         row[f"{impl}_saved_mib"] = saved / 2**20
         del y
+    # the fused backward's two parts alone: dx (the forward's kernel on the gradient) and the bias gradient's sum
+    with kernels.use_backend(candidate_backend):
+        dx = dropout_add(gy, p=p, key=1234, samples=samples, positions=positions)
+        row["fused_bwd_dx_ms"] = timer(lambda: dropout_add(gy, p=p, key=1234, samples=samples, positions=positions))
+    row["fused_bwd_dbias_ms"] = timer(lambda: dx.flatten(0, -2).sum(0, dtype=torch.float32))
     size = x.element_size()
     row["fused_fwd_gbs"] = 3 * elements * size / row["fused_fwd_ms"] / 1e6
     row["fused_bwd_gbs"] = 2 * elements * size / row["fused_bwd_ms"] / 1e6
@@ -308,7 +313,8 @@ def bench_dropout(tokens, hidden, dtype, device, candidate_backend, timer, p=0.1
 DROPOUT_COLUMNS = [("tokens", "T", "{}"), ("hidden", "h", "{}"), ("torch_fwd_ms", "torch fwd ms", "{:.3f}"),
                    ("fused_fwd_ms", "fused fwd ms", "{:.3f}"), ("fwd_speedup", "fwd x", "{:.2f}"),
                    ("torch_bwd_ms", "torch bwd ms", "{:.3f}"), ("fused_bwd_ms", "fused bwd ms", "{:.3f}"),
-                   ("bwd_speedup", "bwd x", "{:.2f}"), ("fused_fwd_gbs", "fused fwd GB/s", "{:.0f}"),
+                   ("bwd_speedup", "bwd x", "{:.2f}"), ("fused_bwd_dx_ms", "of which dx ms", "{:.3f}"),
+                   ("fused_bwd_dbias_ms", "dbias ms", "{:.3f}"), ("fused_fwd_gbs", "fused fwd GB/s", "{:.0f}"),
                    ("fused_bwd_gbs", "fused bwd GB/s", "{:.0f}"), ("torch_saved_mib", "torch saved MiB", "{:.1f}"),
                    ("fused_saved_mib", "fused saved MiB", "{:.3f}")]
 
