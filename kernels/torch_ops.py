@@ -87,7 +87,7 @@ _FP32_OUT_DEVICES = ("cuda", "meta")
 def accumulate_mm(main_grad: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """main_grad += a @ b in main_grad's precision: on CUDA the half-precision operands as they are, the product
     written in fp32 (accumulated in fp32 either way); elsewhere both operands upcast first."""
-    if main_grad.dtype == torch.float32 and a.dtype in (torch.float16, torch.bfloat16) and \
+    if main_grad.dtype == torch.float32 and a.dtype in (torch.float16, torch.bfloat16) and b.dtype == a.dtype and \
             a.device.type in _FP32_OUT_DEVICES:
         main_grad.add_(torch.mm(a, b, out_dtype=torch.float32))
     else:

@@ -513,9 +513,31 @@ def test_the_ring_sends_device_tensors_through_host_buffers_over_gloo():
     and lands each receive on wait(); here the CPU counts as such a device, so the landing is what the ring reads."""
     landed = []
     land = tp.collectives._Landing.wait
-    counted = lambda self: landed.append(self.target is not None) or land(self)  # True: a receive
+    counted = lambda self: landed.extend(t is not None for _, t in self.pairs) or land(self)  # True: a receive
     with mock.patch.object(tp.collectives, "GLOO_P2P_DEVICES", ()), \
             mock.patch.object(tp.collectives._Landing, "wait", counted):
         check_against_dense(tp.init_mesh(cp=2), "ring", True, 4, 2, 1, torch.float64, 1e-12)
     assert sum(landed) == 4 and len(landed) == 8  # cp = 2, receives and sends: the forward's KV; the backward's
                                                   # KV and its dKV after each of two steps
+
+
+@distributed(world_size=1)
+def test_a_coalesced_batch_lands_every_staged_receive_after_its_one_work():
+    """A backend may coalesce a batch into one work (NCCL's coalescing manager does): the staged receives then land
+    when that work is waited, not one per op."""
+    from types import SimpleNamespace
+
+    recv, send = torch.zeros(3), torch.ones(3)
+
+    def coalesced(ops):
+        for op in ops:
+            if op.op is dist.irecv:
+                op.tensor.fill_(7.0)  # (the backend writes the host buffer)
+        return [SimpleNamespace(wait=lambda: True)]
+
+    with mock.patch.object(tp.collectives, "GLOO_P2P_DEVICES", ()), \
+            mock.patch.object(dist, "batch_isend_irecv", coalesced):
+        works = tp.collectives.batch_isend_irecv([dist.P2POp(dist.isend, send, 0), dist.P2POp(dist.irecv, recv, 0)])
+    assert len(works) == 1 and not recv.any()
+    works[0].wait()
+    assert torch.equal(recv, torch.full((3,), 7.0))

@@ -458,3 +458,7 @@ def test_the_torch_wgrad_into_main_grad_multiplies_half_precision_operands_as_th
         else:
             torch_ops.linear_wgrad(dz, x, main_grad=main_grad)
     assert not any("_to_copy" in op for op in seen) and "aten.mm.dtype" in seen, seen
+    seen.clear()
+    with Ops():  # operands of two dtypes: cuBLAS's out_dtype GEMM takes one, so both are upcast
+        torch_ops.accumulate_mm(main_grad.flatten(0, -2)[:16], dz.t(), x.float())
+    assert "aten.mm.dtype" not in seen and "aten.addmm_.default" in seen, seen

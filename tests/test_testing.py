@@ -220,6 +220,8 @@ def test_tp_test_device_puts_the_ranks_tensors_on_the_gpu_over_gloo_and_is_a_no_
     monkeypatch.setenv("TP_TEST_DEVICE", "nccl")
     with pytest.raises(ValueError, match=r"TP_TEST_DEVICE=nccl needs one GPU per rank: 4 ranks, 1 GPUs"):
         testing._backend(4)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)  # nccl for the GPU's tensors, gloo for the host's
+    assert testing._backend(4) == "cpu:gloo,cuda:nccl"  # (numbers the package keeps on the host: clocks, flags)
     monkeypatch.setenv("TP_TEST_DEVICE", "gpu")
     with pytest.raises(ValueError, match=r"TP_TEST_DEVICE='gpu' must be one of cpu, cuda, nccl"):
         testing.device_mode()

@@ -135,25 +135,31 @@ def _through_host(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> bool
 
 
 class _Landing:
-    """A transfer of a host buffer, which it keeps alive: wait() waits for it, then copies a received buffer into
-    the device tensor (`target`; None for a send)."""
+    """Transfers of host buffers, which it keeps alive: wait() waits for the works, then copies each received buffer
+    into its device tensor. `pairs`: (host buffer, device tensor, or None for a send)."""
 
-    def __init__(self, work: dist.Work, host: torch.Tensor, target: torch.Tensor | None) -> None:
-        self.work, self.host, self.target = work, host, target
+    def __init__(self, works: list, pairs: list[tuple[torch.Tensor, torch.Tensor | None]]) -> None:
+        self.works, self.pairs = works, pairs
 
     def wait(self) -> bool:
-        self.work.wait()
-        if self.target is not None:
-            self.target.copy_(self.host)
+        for work in self.works:
+            work.wait()
+        for host, target in self.pairs:
+            if target is not None:
+                target.copy_(host)
         return True
 
 
 def _staged(tensor: torch.Tensor, group: dist.ProcessGroup | None, receive: bool):
-    """(the tensor to hand the backend: a host copy where it needs one, work -> the work to return for it)."""
+    """(the tensor to hand the backend: a host copy where it needs one, (that copy, the device tensor a receive
+    lands in) or None where nothing is staged)."""
     if not _through_host(tensor, group):
-        return tensor, lambda work: work
-    host = torch.empty_like(tensor, device="cpu") if receive else tensor.to("cpu", copy=True)
-    return host, lambda work: _Landing(work, host, tensor if receive else None)
+        return tensor, None
+    if receive:
+        host = torch.empty_like(tensor, device="cpu")
+        return host, (host, tensor)
+    host = tensor.to("cpu", copy=True)
+    return host, (host, None)
 
 
 def batch_isend_irecv(ops: list[dist.P2POp]) -> list:
@@ -161,16 +167,23 @@ def batch_isend_irecv(ops: list[dist.P2POp]) -> list:
     staged = [_staged(op.tensor, op.group, op.op in (dist.irecv, dist.recv)) for op in ops]
     works = dist.batch_isend_irecv([dist.P2POp(op.op, host, op.peer, op.group, op.tag)
                                     for op, (host, _) in zip(ops, staged)])
-    return [land(work) for work, (_, land) in zip(works, staged)]
+    pairs = [pair for _, pair in staged]
+    if not any(pairs):
+        return works
+    if len(works) != len(ops):  # a backend that coalesced the batch into one work: every landing after it
+        return [_Landing(works, [pair for pair in pairs if pair])]
+    return [_Landing([work], [pair]) if pair else work for work, pair in zip(works, pairs)]
 
 
 def isend(tensor: torch.Tensor, dst: int, *, group: dist.ProcessGroup | None = None, tag: int = 0):
     """dist.isend (dst: a global rank), a device tensor staged through the host over gloo."""
-    host, land = _staged(tensor, group, receive=False)
-    return land(dist.isend(host, dst, group=group, tag=tag))
+    host, pair = _staged(tensor, group, receive=False)
+    work = dist.isend(host, dst, group=group, tag=tag)
+    return _Landing([work], [pair]) if pair else work
 
 
 def irecv(tensor: torch.Tensor, src: int, *, group: dist.ProcessGroup | None = None, tag: int = 0):
     """dist.irecv (src: a global rank) into `tensor`, through a host buffer over gloo: wait() lands it."""
-    host, land = _staged(tensor, group, receive=True)
-    return land(dist.irecv(host, src, group=group, tag=tag))
+    host, pair = _staged(tensor, group, receive=True)
+    work = dist.irecv(host, src, group=group, tag=tag)
+    return _Landing([work], [pair]) if pair else work

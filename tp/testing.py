@@ -24,8 +24,9 @@ Outside pytest: `run(fn, world_size=4, **kwargs)` returns the list of per-rank r
 
 `TP_TEST_DEVICE` picks where the ranks' tensors live: `cpu` (the default) gloo on CPU tensors; `cuda` gloo on CUDA
 tensors, every rank's default device a GPU (ranks share the GPUs round-robin: gloo takes CUDA tensors for all-reduce,
-broadcast and all-gather, and several ranks may share one GPU, which NCCL refuses); `nccl` NCCL, one GPU per rank.
-Without CUDA every mode is the CPU's.
+broadcast and all-gather, point-to-point through host copies, and several ranks may share one GPU, which NCCL
+refuses); `nccl` NCCL for CUDA tensors, one GPU per rank, and gloo for the host's ("cpu:gloo,cuda:nccl", as a job
+runs). Without CUDA every mode is the CPU's.
 
 Each rank runs torch's intra-op work on `OMP_NUM_THREADS` threads (torch's own reading of it; 1 when it is unset), at
 most its share of the machine's cores (cores // world_size, at least 1): the ranks never oversubscribe the machine.
@@ -89,7 +90,7 @@ def _backend(world_size):
     if mode == "nccl" and torch.cuda.device_count() < world_size:
         raise ValueError(f"TP_TEST_DEVICE=nccl needs one GPU per rank: {world_size} ranks, "
                          f"{torch.cuda.device_count()} GPUs (TP_TEST_DEVICE=cuda shares them over gloo)")
-    return "nccl" if mode == "nccl" else "gloo"
+    return "cpu:gloo,cuda:nccl" if mode == "nccl" else "gloo"  # (nccl: the host's numbers over gloo, as in a job)
 
 
 def device() -> torch.device:
