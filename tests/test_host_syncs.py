@@ -198,3 +198,17 @@ def _records_under(flags):
                             for record, _ in trainer.read(values)])
         tp.destroy_mesh()
     return records
+
+
+@distributed(world_size=2)
+def test_the_straggler_gather_reads_host_clocks_without_a_device_sync():
+    """Every rank's step clocks are host numbers: gathered on the host (gloo) and read at once, never as 2 x world
+    `.item()` reads of device tensors (on a GPU each one a sync, at every log step)."""
+    from models.training.stragglers import Stragglers
+
+    watch = Stragglers(interval=1, factor=2.0, rank0=False)
+    rank = torch.distributed.get_rank()
+    with count_host_syncs() as syncs, torch.device("meta"):  # (meta: a CUDA job's default device, see above)
+        row = watch.gather(1, 0.5 + rank, 0.75 + rank, 1)
+    assert len(syncs) == 0, syncs.summary()
+    assert row == {"slowest_rank": 1, "rank_step_s_max": 1.5, "rank_step_s_min": 0.5, "rank_wait_s_max": 0.25}

@@ -16,6 +16,9 @@ import time
 import torch
 import torch.distributed as dist
 
+from tp.collectives import all_gather_into_tensor
+from tp.host_syncs import host_values
+
 PERSISTENT = 3  # gathers running before a rank is called a straggler
 
 
@@ -37,8 +40,8 @@ class StepClock:
 class Stragglers:
     """Collective every `interval` steps (every rank calls `gather` each step)."""
 
-    def __init__(self, *, interval: int, factor: float, rank0: bool, device: torch.device):
-        self.interval, self.factor, self.rank0, self.device = interval, factor, rank0, device
+    def __init__(self, *, interval: int, factor: float, rank0: bool):
+        self.interval, self.factor, self.rank0 = interval, factor, rank0
         self.running: dict[int, int] = {}  # rank -> gathers running it was slower than factor x median
         self.warned: set[int] = set()
 
@@ -47,11 +50,10 @@ class Stragglers:
         rank_wait_s_max}; else {}."""
         if step % self.interval and step != total:
             return {}
-        mine = torch.tensor([work_s, wall_s - work_s], dtype=torch.float64, device=self.device)
-        every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-        dist.all_gather(every, mine)
-        work = [t[0].item() for t in every]
-        waits = [t[1].item() for t in every]
+        mine = torch.tensor([work_s, wall_s - work_s], dtype=torch.float64, device="cpu")  # (the host's clocks)
+        every = mine.new_empty(2 * dist.get_world_size())
+        all_gather_into_tensor(every, mine)  # (over gloo: no device involved)
+        work, waits = zip(*host_values(every.view(-1, 2)))
         slowest = max(range(len(work)), key=work.__getitem__)
         if self.rank0:
             self._watch(step, work)

@@ -75,7 +75,7 @@ class Trainer:
         self.device = device = next(self.stage.parameters()).device
         self.clock, self.work_s = StepClock(device), 0.0
         self.stragglers = Stragglers(interval=job.logging.log_interval, factor=job.logging.straggler_factor,
-                                     rank0=self.rank0, device=device)
+                                     rank0=self.rank0)
         self.nan_check = NanCheck(enabled=training.check_for_nan_in_loss_and_grad,
                                   max_skipped=training.max_skipped_steps)
         self.saves = Saves(job, self.mesh, size_bytes=CHECKPOINT_BYTES_PER_PARAMETER * self.total_params) \
