@@ -171,13 +171,15 @@ def test_clipping_leaves_the_norm_on_the_device():
     assert params[0].grad[0].item() == pytest.approx(2 / math.sqrt(28), rel=1e-6)
 
 
-@pytest.mark.parametrize("world_size,flags", [(1, ["--tp", "1", "--pp", "1"]), (2, ["--tp", "1", "--pp", "2"]),
-                                              (1, MOE)])
+@pytest.mark.parametrize("world_size,flags", [
+    (1, ["--tp", "1", "--pp", "1"]), (2, ["--tp", "1", "--pp", "2"]), (1, MOE),
+    (2, ["--tp", "1", "--pp", "1", "--dp", "2", "--dp-mode", "fsdp"])])
 def test_a_step_makes_its_host_numbers_on_the_host_under_any_default_device(world_size, flags):
     """A CUDA job sets CUDA as the default device: a host-side number made without a device (the runner's clocks,
     the batch check's flags, the memory totals, the MoE counts) then lands on the GPU and host_values refuses it
-    (run 4 on an H200: `python -m models.train --device cuda` failed at its first step). Here the default device is
-    "meta" while the job runs on the CPU: the steps log what they log without it."""
+    (run 4 on an H200: `python -m models.train --device cuda` failed at its first step; FSDP2's clipping read each
+    gradient's shard offset from the device). Here the default device is "meta" while the job runs on the CPU: the
+    steps log what they log without it."""
     from tp.testing import run
 
     for plain, meta in run(_records_under, world_size, flags=flags, timeout=300):

@@ -29,13 +29,17 @@ def reduced_grad(p: torch.Tensor) -> tuple[torch.Tensor | None, int, dist.Proces
     grad = p.grad if grad is None else grad
     if grad is not None and hasattr(grad, "to_local"):  # FSDP2: a DTensor sharded on dim 0
         from torch.distributed.tensor import Shard
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
         if grad.device_mesh.ndim != 1 or grad.placements[0] != Shard(0):
             raise ValueError(f"clip_grad_norm_: a DTensor gradient placed {grad.placements} on a "
                              f"{grad.device_mesh.ndim}-D mesh (expected FSDP2's Shard(0) on one dim)")
-        _, offset = compute_local_shape_and_global_offset(grad.shape, grad.device_mesh, grad.placements)
-        return grad.to_local(), offset[0] * math.prod(grad.shape[1:]), grad.device_mesh.get_group()
+        # Shard(0) splits dim 0 as torch.chunk does: rank r's rows start at min(r·ceil(n/size), n). (torch's
+        # compute_local_shape_and_global_offset builds the offsets on the default device and reads them: a device
+        # sync per parameter on a GPU.)
+        group = grad.device_mesh.get_group()
+        rows = grad.shape[0]
+        first_row = min(dist.get_rank(group) * -(-rows // dist.get_world_size(group)), rows)
+        return grad.to_local(), first_row * math.prod(grad.shape[1:]), group
     return grad, 0, None
 
 

@@ -53,9 +53,9 @@ class Plan:
         if self.etp * self.ep == 1 or self.local_experts == 1:
             return None
         sizes = torch.tensor(self.chunks, device=device)
-        r, i, e = torch.meshgrid(torch.arange(self.etp), torch.arange(self.ep), torch.arange(self.local_experts),
+        r, i, e = torch.meshgrid(*(torch.arange(n, device=device) for n in (self.etp, self.ep, self.local_experts)),
                                  indexing="ij")
-        key = (e * self.etp * self.ep + r * self.ep + i).flatten().to(device)
+        key = (e * self.etp * self.ep + r * self.ep + i).flatten()
         return torch.repeat_interleave(key, sizes, output_size=sum(self.chunks)).argsort(stable=True)
 
 
