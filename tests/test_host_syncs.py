@@ -214,3 +214,21 @@ def test_the_straggler_gather_reads_host_clocks_without_a_device_sync():
         row = watch.gather(1, 0.5 + rank, 0.75 + rank, 1)
     assert len(syncs) == 0, syncs.summary()
     assert row == {"slowest_rank": 1, "rank_step_s_max": 1.5, "rank_step_s_min": 0.5, "rank_wait_s_max": 0.25}
+
+
+
+@distributed(world_size=2)
+def test_a_whole_run_with_evaluation_and_a_checkpoint_takes_no_default_device():
+    """The rest of a CUDA job's run beside its steps: validation, and a checkpoint (its DeviceMesh's rank table and
+    the shards' dense indices are host numbers; made on a CUDA default device they went to the GPU, where "meta"
+    cannot hold them). tp 2 under a "meta" default device trains, evaluates and saves as on the CPU."""
+    import os
+    import tempfile
+
+    folder = [tempfile.mkdtemp()]
+    torch.distributed.broadcast_object_list(folder)  # (rank 0's folder for both)
+    trainer = _trainer(["--tp", "2", "--pp", "1", "--eval-interval", "2", "--eval-iters", "1",
+                        "--save", os.path.join(folder[0], "ckpt"), "--log-dir", folder[0]])
+    with torch.device("meta"):
+        trainer.fit()
+    assert sorted(os.listdir(os.path.join(folder[0], "ckpt"))) == ["latest", "step-000004"]

@@ -25,5 +25,5 @@ def shard_parts(master, dim, rank, size, parts, replicas):
 
 def rank_major_order(parts, size):
     """Dense indices in the order the ranks' shards concatenate ([rank 0's slices of each part | rank 1's | ...])."""
-    dense = torch.arange(sum(parts))
+    dense = torch.arange(sum(parts), device="cpu")
     return torch.cat([shard_parts(dense, 0, r, size, parts, (1,) * len(parts)) for r in range(size)])

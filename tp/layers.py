@@ -104,7 +104,7 @@ class _ParallelLinear(nn.Module):
     def shard_indices(self) -> torch.Tensor:
         """The dense indices, along the sharded dim (rows: column layer; columns: row layer), this rank holds."""
         n = (self.out_features, self.in_features)[self.shard_dim]
-        return shard_parts(torch.arange(n), 0, self.tp_rank, self.tp_size, self.parts, self.part_replicas)
+        return shard_parts(torch.arange(n, device="cpu"), 0, self.tp_rank, self.tp_size, self.parts, self.part_replicas)
 
     def shard_dense(self, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's slice of a dense weight-shaped tensor (or, for the column layer, a bias-shaped one)."""
@@ -121,12 +121,13 @@ class _ParallelLinear(nn.Module):
         pieces = [torch.empty_like(tensor) for _ in range(self.tp_size)]
         dist.all_gather(pieces, tensor.contiguous(), group=self.group)
         n = (self.out_features, self.in_features)[self.shard_dim]
-        index = torch.cat([shard_parts(torch.arange(n), 0, r, self.tp_size, self.parts, self.part_replicas)
+        dense = torch.arange(n, device="cpu")
+        index = torch.cat([shard_parts(dense, 0, r, self.tp_size, self.parts, self.part_replicas)
                            for r in range(self.tp_size)])
         order = index.argsort(stable=True)  # replicated chunks: each dense row taken from its first holder
         ordered = index[order]
         first = torch.empty_like(index, dtype=torch.bool)
-        first[order] = torch.cat([torch.tensor([True]), ordered[1:] != ordered[:-1]])
+        first[order] = torch.cat([torch.tensor([True], device="cpu"), ordered[1:] != ordered[:-1]])
         shape = list(tensor.shape)
         shape[dim] = n
         kept = first.nonzero().squeeze(1).to(tensor.device)

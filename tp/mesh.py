@@ -150,7 +150,7 @@ class Mesh:
         default). `flat_device_mesh("dp-cp")` is the one-dimensional mesh of a composite group (FSDP2 over dp×cp)."""
         if self._device_mesh is None:
             names = tuple(reversed(self.order))  # DeviceMesh is row-major: last dim fastest
-            mesh = torch.arange(self.world_size).reshape([self.sizes[a] for a in names])
+            mesh = torch.arange(self.world_size, device="cpu").reshape([self.sizes[a] for a in names])
             self._device_mesh = DeviceMesh.from_group(
                 [self.group(a) for a in names], collective_device().type, mesh=mesh, mesh_dim_names=names
             )
@@ -161,7 +161,8 @@ class Mesh:
         "dp-cp"), its dim named `axis` with "_" for "-"; on `device_type` (default: the collectives' device), e.g.
         "cpu" for CPU tensors under a cpu:gloo,cuda:nccl group (a DTensor on a CUDA mesh would copy them to the GPU)."""
         return DeviceMesh.from_group(self.group(axis), device_type or collective_device().type,
-                                     mesh=torch.tensor(self.ranks(axis)), mesh_dim_names=(axis.replace("-", "_"),))
+                                     mesh=torch.tensor(self.ranks(axis), device="cpu"),
+                                     mesh_dim_names=(axis.replace("-", "_"),))
 
     def __repr__(self) -> str:
         coords = ", ".join(f"{a}={self.local_rank(a)}/{self.sizes[a]}" for a in self.order)

@@ -72,7 +72,7 @@ def router_biases(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
 def tp_sharding(module: nn.Module, attr: str) -> tuple[int, int, torch.Tensor] | None:
     """(dim, dense size along it, dense indices this rank holds) for a sharded parameter; None if replicated."""
     if isinstance(module, VocabParallelEmbedding):
-        return 0, module.num_embeddings, torch.arange(module.vocab_start, module.vocab_end)
+        return 0, module.num_embeddings, torch.arange(module.vocab_start, module.vocab_end, device="cpu")
     if isinstance(module, ColumnParallelLinear) or (isinstance(module, RowParallelLinear) and attr == "weight"):
         dim = module.shard_dim if attr == "weight" else 0
         return dim, (module.out_features, module.in_features)[module.shard_dim], module.shard_indices()
