@@ -59,19 +59,19 @@ def test_one_rank_never_moves_the_norm_to_the_collectives_device(monkeypatch):
         assert torch.allclose(q.grad, p.grad, rtol=1e-12, atol=0)
 
 
-@distributed(world_size=3)
+@distributed(world_size=2)
 def test_an_fsdp2_gradients_offset_is_torchs_without_reading_a_tensor():
     """FSDP2's Shard(0) splits dim 0 as torch.chunk does; clipping computes each rank's first row itself (torch's
     compute_local_shape_and_global_offset builds and reads a tensor on the default device: a GPU sync a parameter).
-    Odd row counts over 3 ranks, with empty shards among them."""
+    Odd row counts over 2 ranks, an empty shard among them."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     from tp.clip import reduced_grad
 
-    mesh = init_device_mesh("cpu", (3,))
-    for rows in (1, 2, 5, 7, 9):
+    mesh = init_device_mesh("cpu", (2,))
+    for rows in (1, 3, 7):
         layer = fully_shard(nn.Linear(4, rows, bias=False), mesh=mesh)
         layer(torch.randn(2, 4)).sum().backward()
         grad, offset, _ = reduced_grad(layer.weight)
