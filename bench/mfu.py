@@ -21,7 +21,6 @@ import copy
 import dataclasses
 import gc
 import json
-import re
 import time
 import warnings
 
@@ -38,6 +37,7 @@ from tp.host_syncs import count_host_syncs
 
 from .common import at_least, machine, median, print_table, scratch_path, write_json
 from .gpu_sections import peak_flops
+from .mfu_profile import BREAKDOWN, breakdown, sync
 from .plan.measured import predict_step, predicted_rows, profile_for
 
 ROW_KINDS = (*kernels.ops.BACKENDS, "auto")  # a row: a backend, then any of ROW_OPTIONS, e.g. "auto+compile+fp8"
@@ -46,16 +46,6 @@ FP8_ROW_RECIPE = "tensorwise"  # torchao's default for training
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 RECOMPUTE = tuple(GRANULARITIES)
 SEARCH_BATCHES = (1, 2, 4, 8)  # --search's micro-batch sizes by default
-# (category, pattern on the profiler's op names: an op's own and its enclosing ones'), in order: an op inside the
-# optimizer's or the loss's region counts there, then the first name from the op outwards that matches attention,
-# GEMM or norm; the rest is "elementwise" (activations, residual adds, copies, casts, collectives on one rank)
-REGIONS = (("optimizer", r"optimizer|adam|clip_grad|_foreach_norm"),
-           ("loss", r"cross_?entropy|vocab_|nll_loss|log_softmax"),
-           ("attention", r"attention|flash|fmha|sdpa"))
-OPS = (("gemm", r"\b(aten::)?(mm|addmm|bmm|matmul|linear|_grouped_mm|_scaled_mm)\b|gemm|LinearFunction|"
-                r"GroupedLinear|nvjet|cutlass|xmma|_linear_\w*kernel"),
-       ("norm", r"norm"))
-BREAKDOWN = ("gemm", "attention", "norm", "elementwise", "loss", "optimizer", "idle")
 
 
 def config_of(args) -> GPTConfig:
@@ -65,11 +55,6 @@ def config_of(args) -> GPTConfig:
     shape = MODELS[args.model] | {k: v for k, v in overrides.items() if v is not None}
     return GPTConfig(**shape).replace(max_seq_len=max(args.seq_len, shape.get("max_seq_len", 0)),
                                       recompute=args.recompute)
-
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def train_step(model, optimizer, batches, clip):
@@ -102,65 +87,6 @@ def counting_syncs(device):
     seen.extend(w for w in caught if "synchroniz" in str(w.message))
 
 
-def category(names: list[str]) -> str:
-    """The category of an op from its name and its enclosing ops' (nearest first)."""
-    for kind, pattern in REGIONS:
-        if any(re.search(pattern, n, re.I) for n in names):
-            return kind
-    for name in names:
-        for kind, pattern in OPS:
-            if re.search(pattern, name, re.I):
-                return kind
-    return "elementwise"
-
-
-def _names(event):
-    names = []
-    while event is not None:
-        names.append(event.name)
-        event = event.cpu_parent
-    return names
-
-
-def breakdown(run_step, device, step_s: float) -> dict:
-    """Seconds of one step per category from torch.profiler: on CUDA the device time of the kernels each op
-    launched, elsewhere each op's self CPU time; idle: the step's wall time not covered (CPU: Python, the
-    interpreter's overhead; CUDA: the device waiting for the host)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda = device.type == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof:
-        run_step()
-        _sync(device)
-    events = prof.events()
-    seconds = op_seconds(events, cuda)
-    if cuda:  # kernels no op claimed (a profiler that does not link them): by their own names
-        kernels_s = [(e.name, e.time_range.elapsed_us() * 1e-6) for e in events
-                     if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation]
-        unclaimed = sum(s for _, s in kernels_s) - sum(seconds.values())
-        if unclaimed > 0.05 * step_s:
-            seconds = dict.fromkeys(BREAKDOWN, 0.0)
-            for name, busy in kernels_s:
-                seconds[category([name])] += busy
-    seconds["idle"] = max(0.0, step_s - sum(seconds.values()))
-    return {k: round(v, 5) for k, v in seconds.items()}
-
-
-def op_seconds(events, cuda: bool) -> dict[str, float]:
-    """Seconds per category from the profiler's CPU-side events: on CUDA the kernels each op launched, elsewhere each
-    op's self CPU time. A region of record_function (a user annotation: the optimizer's step, clipping) is not an op:
-    on CUDA the profiler links it to its own span on the device, which would count its ops' kernels a second time."""
-    seconds = dict.fromkeys(BREAKDOWN, 0.0)
-    for event in events:
-        if event.device_type != torch.autograd.DeviceType.CPU or event.is_user_annotation:
-            continue
-        busy = sum(k.duration for k in event.kernels) if cuda else event.self_cpu_time_total
-        if busy > 0 and (cuda or "::" in event.name):  # (CPU: ops, not the Python-level regions around them)
-            seconds[category(_names(event))] += busy * 1e-6
-    return seconds
-
-
 def measure_row(row, base, *, device, batch, micro_batches, seq_len, steps, warmup, clip, profile_step, peak):
     """One row: the backend (compiled blocks with "+compile", the fp8 linears with "+fp8") on a copy of `base`."""
     backend, *options = row.split("+")
@@ -181,11 +107,11 @@ def measure_row(row, base, *, device, batch, micro_batches, seq_len, steps, warm
         def run_step():
             train_step(model, optimizer, batches, clip)
         for i in range(warmup + steps):
-            _sync(device)
+            sync(device)
             start = time.perf_counter()
             with counting_syncs(device) as seen:
                 run_step()
-            _sync(device)
+            sync(device)
             if i >= warmup:
                 times.append(time.perf_counter() - start)
                 syncs.append(len(seen))

@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from bench import mfu
+from bench import mfu, mfu_profile
 from bench import plan as bench_plan
 from bench.plan import hardware, measured
 from bench.plan.software import OURS_CPU
@@ -175,6 +175,6 @@ def test_the_cuda_breakdown_counts_each_kernel_once_and_fp8_gemms_as_gemms():
     step = op("Optimizer.step#AdamW.step", [10_000], annotation=True)
     events = [step, op("aten::_fused_adamw_", [9_000], step), op("aten::_scaled_mm", [4_000]),
               op("aten::mm", [3_000]), op("aten::add_", [500])]
-    seconds = mfu.op_seconds(events, cuda=True)
+    seconds = mfu_profile.op_seconds(events, cuda=True)
     assert seconds == pytest.approx({"gemm": 0.007, "attention": 0, "norm": 0, "elementwise": 0.0005, "loss": 0,
                                      "optimizer": 0.009, "idle": 0})
