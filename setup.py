@@ -1,5 +1,7 @@
 from setuptools import find_packages, setup
 
+TRANSFORMERS = "transformers>=4.48,<5.25"
+
 setup(
     name="tp-layers",
     version="0.1.0",
@@ -16,12 +18,13 @@ setup(
         "tomli>=1.1; python_version < '3.11'",  # --config job.toml (tomllib from Python 3.11)
     ],
     extras_require={
-        "hf": ["transformers>=4.48"],  # optional: GPT.from_hf / save_hf, tp.parallelize on HF models
+        # transformers 5.25 requires Hugging Face's `kernels` distribution, whose import name is our kernels package's
+        "hf": [TRANSFORMERS],  # optional: GPT.from_hf / save_hf, tp.parallelize on HF models
         "bench": ["matplotlib"],  # (also the JSONL log's plot at the end of a run)
         "data": ["pyarrow>=14"],  # optional: parquet files and save_to_disk directories as --data
         "tensorboard": ["tensorboard"],  # optional: --tensorboard-dir
         "wandb": ["wandb"],  # optional: --wandb-project
-        "test": ["pytest>=7", "pytest-timeout", "transformers>=4.48", "matplotlib", "ruff>=0.6", "pyarrow>=14",
+        "test": ["pytest>=7", "pytest-timeout", TRANSFORMERS, "matplotlib", "ruff>=0.6", "pyarrow>=14",
                  "tensorboard"],
     },
 )
