@@ -12,7 +12,8 @@ torch otherwise (`kernels.use_backend`).
 
 - `keep_mask(key, p, samples, rows, cols, heads=, first_head=)`: the bool mask [b, heads, m, n] of attention tiles.
 - `dropout_add(x, residual, bias, p=, key=, samples=, positions=)`: residual + dropout(x + bias) on [rows, b, h],
-  fused in one kernel; backward regenerates the mask (saved: samples and positions only).
+  fused in one kernel; backward (`dropout_backward`) regenerates the mask (saved: samples and positions only), and
+  with a bias sums its gradient in the same pass.
 """
 import torch
 
@@ -115,6 +116,22 @@ def _dropout_add(x, residual, bias, key, p, samples, positions):
                                      positions=positions.to(torch.int64).contiguous())
 
 
+def dropout_backward(grad: torch.Tensor, *, p: float, key: int, samples: torch.Tensor, positions: torch.Tensor,
+                     bias_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """dropout_add's backward for its output's gradient [rows, b, h]: (dx, and with `bias_grad` the bias's gradient,
+    dx summed over its rows in fp32 (fp64 for fp64), else None). Triton does both in one pass over grad where it
+    runs; torch computes dx and then its sum."""
+    triton_module = _triton(grad.device)
+    if bias_grad and triton_module is not None and grad.dtype != torch.float64:
+        return triton_module.dropout_grad(grad.contiguous(), key=key, threshold=threshold(p), scale=1.0 / (1.0 - p),
+                                          samples=samples.to(torch.int64).contiguous(),
+                                          positions=positions.to(torch.int64).contiguous())
+    dx = _dropout_add(grad, None, None, key, p, samples, positions)
+    if not bias_grad:
+        return dx, None
+    return dx, dx.flatten(0, -2).sum(0, dtype=torch.float64 if dx.dtype == torch.float64 else torch.float32)
+
+
 class _DropoutAdd(torch.autograd.Function):
     """forward: residual + dropout(x + bias) · backward: the mask regenerated from the counters."""
 
@@ -128,10 +145,8 @@ class _DropoutAdd(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         samples, positions = ctx.saved_tensors
-        dx = _dropout_add(grad, None, None, ctx.key, ctx.p, samples, positions)
-        dbias = None
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            dbias = dx.flatten(0, -2).sum(0, dtype=torch.float64 if dx.dtype == torch.float64 else torch.float32)
+        dx, dbias = dropout_backward(grad, p=ctx.p, key=ctx.key, samples=samples, positions=positions,
+                                     bias_grad=ctx.has_bias and ctx.needs_input_grad[2])
         return dx, grad if ctx.needs_input_grad[1] else None, dbias, None, None, None, None
 
 

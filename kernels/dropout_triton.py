@@ -22,6 +22,7 @@ from .configs import INTERPRET
 from .triton_ops import LAUNCHES  # (the tests assert it grows to prove the Triton path ran)
 
 BLOCK = 1024  # columns per program (the hidden size of one row, or a tile's keys)
+GRAD_CHUNK = 64  # rows per program of the backward with a bias gradient (its partial sums: rows / 64 x h in fp32)
 
 
 @triton.jit
@@ -32,13 +33,21 @@ def _pick(w0, w1, w2, w3, which):
 
 
 @triton.jit
-def _dropout_add_kernel(x_ptr, residual_ptr, bias_ptr, out_ptr, samples_ptr, positions_ptr, B, H, key, threshold,
-                        scale, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0)  # (token, sample) row of [rows, b, h]
-    groups = tl.program_id(1) * (BLOCK // 4) + tl.arange(0, BLOCK // 4)  # [BLOCK/4]: four columns each
+def _columns(col_block, H, BLOCK: tl.constexpr):
+    """A column block as [BLOCK/4, 4]: its groups of four columns [BLOCK/4] (a Philox call each), each column's word
+    [1, 4], the columns, and which are inside the row."""
+    groups = col_block * (BLOCK // 4) + tl.arange(0, BLOCK // 4)
     which = tl.arange(0, 4)[None, :]
-    cols = groups[:, None] * 4 + which  # [BLOCK/4, 4]
-    inside = cols < H
+    cols = groups[:, None] * 4 + which
+    return groups, which, cols, cols < H
+
+
+@triton.jit
+def _kept_row(x_ptr, bias_ptr, samples_ptr, positions_ptr, row, col_block, B, H, key, threshold, scale,
+              HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    """keep·(x + bias)·scale of one (token, sample) row's column block in fp32 [BLOCK/4, 4], with its offsets and
+    in-bounds mask."""
+    groups, which, cols, inside = _columns(col_block, H, BLOCK)
     c0 = groups[:, None].to(tl.uint32)  # [BLOCK/4, 1]: the words broadcast over the four columns in place
     zero = c0 * 0
     position = tl.load(positions_ptr + row // B).to(tl.uint32)  # (truncated to the low 32 bits)
@@ -49,10 +58,37 @@ def _dropout_add_kernel(x_ptr, residual_ptr, bias_ptr, out_ptr, samples_ptr, pos
     x = tl.load(x_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
     if HAS_BIAS:
         x += tl.load(bias_ptr + cols, mask=inside, other=0.0).to(tl.float32)
-    y = tl.where(keep, x * scale, 0.0)
+    return tl.where(keep, x * scale, 0.0), offsets, inside
+
+
+@triton.jit
+def _dropout_add_kernel(x_ptr, residual_ptr, bias_ptr, out_ptr, samples_ptr, positions_ptr, B, H, key, threshold,
+                        scale, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)  # (token, sample) row of [rows, b, h]
+    y, offsets, inside = _kept_row(x_ptr, bias_ptr, samples_ptr, positions_ptr, row, tl.program_id(1), B, H, key,
+                                   threshold, scale, HAS_BIAS, BLOCK)
     if HAS_RESIDUAL:
         y += tl.load(residual_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
     tl.store(out_ptr + offsets, y.to(out_ptr.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def _dropout_grad_kernel(grad_ptr, dx_ptr, partial_ptr, samples_ptr, positions_ptr, ROWS, B, H, key, threshold,
+                         scale, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """dx = keep·grad·scale over CHUNK rows, and the column sums of the stored (rounded) dx into partial [chunk, H]
+    in fp32: the bias gradient's first stage, in the same pass."""
+    chunk = tl.program_id(0)
+    _groups, _which, cols, inside = _columns(tl.program_id(1), H, BLOCK)
+    total = tl.zeros([BLOCK // 4, 4], dtype=tl.float32)
+    for i in range(CHUNK):
+        row = tl.minimum(chunk * CHUNK + i, ROWS - 1)  # (the last chunk's tail repeats the last row, not stored)
+        dx, offsets, _inside = _kept_row(grad_ptr, grad_ptr, samples_ptr, positions_ptr, row, tl.program_id(1), B,
+                                         H, key, threshold, scale, False, BLOCK)
+        dx = dx.to(dx_ptr.dtype.element_ty)
+        valid = tl.full([BLOCK // 4, 4], chunk * CHUNK + i, tl.int32) < ROWS
+        tl.store(dx_ptr + offsets, dx, mask=inside & valid)
+        total += tl.where(valid, dx.to(tl.float32), 0.0)
+    tl.store(partial_ptr + chunk.to(tl.int64) * H + cols, total, mask=inside)
 
 
 @triton.jit
@@ -98,6 +134,26 @@ def dropout_add(x: torch.Tensor, residual: torch.Tensor | None, bias: torch.Tens
             x, residual if residual is not None else x, bias if bias is not None else x, out, samples, positions,
             b, h, key, threshold, scale, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, BLOCK=block)
     return out
+
+
+def dropout_grad(grad: torch.Tensor, *, key: int, threshold: int, scale: float, samples: torch.Tensor,
+                 positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx = keep·grad·scale in grad's dtype, the bias gradient: dx's sum over its rows in fp32) for contiguous grad
+    [rows, b, h], in one pass over grad (the column sums of each chunk of rows in the kernel, then over the chunks)."""
+    _check_device(grad)
+    rows, b, h = grad.shape
+    dx = torch.empty_like(grad)
+    if dx.numel() == 0:
+        return dx, torch.zeros(h, dtype=torch.float32, device=grad.device)
+    chunks = triton.cdiv(rows * b, GRAD_CHUNK)
+    partial = torch.empty(chunks, h, dtype=torch.float32, device=grad.device)  # [rows·b / chunk, h]
+    block = _block(h)
+    LAUNCHES["dropout_add"] += 1
+    with torch.cuda.device(grad.device) if grad.is_cuda else contextlib.nullcontext():
+        _dropout_grad_kernel[(chunks, triton.cdiv(h, block))](
+            grad, dx, partial, samples, positions, rows * b, b, h, key, threshold, scale, CHUNK=GRAD_CHUNK,
+            BLOCK=block)
+    return dx, partial.sum(0)
 
 
 def keep_mask(*, key: int, threshold: int, samples: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor,

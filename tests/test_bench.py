@@ -63,7 +63,7 @@ def test_kernels_benchmark_creates_its_output_folder(tmp_path):
     # the "torch, Triton and auto times" per row: auto as a user runs it, against the fastest candidate
     assert all(r["auto_ms"] > 0 and r["auto_vs_fastest"] == min(r["torch_ms"], r["kernels_ms"]) / r["auto_ms"]
                for r in saved["results"])
-    assert all(r["fused_bwd_dx_ms"] > 0 and r["fused_bwd_dbias_ms"] > 0 for r in saved["dropout"])
+    assert all(r["fused_bwd_dx_ms"] > 0 and r["fused_bwd_dx_dbias_ms"] > 0 for r in saved["dropout"])
     fp8 = {(r["layer"], r["phase"], r["recipe"]) for r in saved["fp8"]
            if r["fp8_ms"] > 0 and r["base_ms"] > 0 and r["gemm_only_ms"] > 0}
     assert fp8 == {(layer, phase, recipe) for recipe in ("tensorwise", "rowwise") for layer, phase in (

@@ -61,7 +61,8 @@ def test_philox_gives_the_published_answers_and_tritons_bits():
 def test_triton_kernels_and_the_torch_fallback_give_the_same_bits():
     """keep_mask (counters beyond 2³¹, samples beyond 2³²) and dropout_add forward and backward, with and without
     residual and bias, fp32 / bf16 / fp16, odd widths: the Triton kernels and torch agree bit for bit (in bf16 the
-    interpreter's cast at the store truncates where torch and a GPU round: there the same mask, values to an ulp)."""
+    interpreter's cast at the store truncates where torch and a GPU round: there the same mask, values to an ulp;
+    the bias gradient, summed in another order, to its dtype's rounding)."""
     samples, rows, cols = _ints(0, 5, 2**33 + 7), _ints(3, 17, 2**31 + 5, 4_000_000_000), torch.arange(37)
     samples, rows, cols = samples.to(DEVICE), rows.to(DEVICE), cols.to(DEVICE)
     torch_mask = kd.keep_mask(2**61 + 11, 0.3, samples, rows, cols, heads=3, first_head=5)
@@ -81,13 +82,50 @@ def test_triton_kernels_and_the_torch_fallback_give_the_same_bits():
                     out = kd.dropout_add(x, r, b, p=0.25, key=99, samples=samples, positions=positions)
                     out.backward(randn(5, 3, 45, seed=4, dtype=dtype).to(DEVICE))
                 results.append([out, x.grad] + [t.grad for t in (r, b) if t is not None])
-            for got, want in zip(*results):
-                assert got.dtype == want.dtype == dtype and torch.equal(got == 0, want == 0), (dtype, residual, bias)
-                if dtype == torch.bfloat16 and INTERPRET:  # (the interpreter's fp32 -> bf16 cast truncates)
-                    assert_close(got.float(), want.float(), 2**-7 * want.abs().max().item())
+            for i, (got, want) in enumerate(zip(*results)):
+                dbias = bias and i == len(results[0]) - 1  # (summed in another order: to its dtype's rounding)
+                assert got.dtype == want.dtype == dtype and (dbias or torch.equal(got == 0, want == 0))
+                if (dtype == torch.bfloat16 and INTERPRET) or dbias:  # (the interpreter's bf16 cast truncates)
+                    ulp = 2**-7 if dtype == torch.bfloat16 else 2**-10 if dtype == torch.float16 else 1e-6
+                    assert_close(got.float(), want.float(), ulp * want.abs().max().item())
                 else:
                     assert torch.equal(got, want), (dtype, residual, bias)
     assert triton_ops.LAUNCHES["dropout_add"] >= 18  # forward and backward of each case above
+
+
+def test_the_triton_backward_sums_the_bias_gradient_in_its_one_pass():
+    """With a bias, the Triton backward writes dx and the bias gradient's per-chunk partial sums in one kernel (no
+    second pass of torch over dx): dx bit for bit the torch fallback's, the bias gradient its sum to fp32 rounding
+    (the order differs), over more rows than one program takes (the chunks' tail masked) and an odd width."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class FullSizeSums(TorchDispatchMode):
+        def __init__(self, numel):
+            super().__init__()
+            self.numel, self.count = numel, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += func.overloadpacket is torch.ops.aten.sum and args[0].numel() == self.numel
+            return func(*args, **(kwargs or {}))
+
+    rows, b, h = 67, 3, 45
+    samples, positions = _ints(4, 9, 2**33).to(DEVICE), torch.arange(100, 100 + rows).to(DEVICE)
+    grad = randn(rows, b, h, seed=4, dtype=torch.float32).to(DEVICE)
+    grads = {}
+    for backend in ("torch", "triton"):
+        x = randn(rows, b, h, seed=1, dtype=torch.float32).to(DEVICE).requires_grad_()
+        bias = randn(h, seed=3, dtype=torch.float32).to(DEVICE).requires_grad_()
+        with kernels.use_backend(backend):
+            out = kd.dropout_add(x, None, bias, p=0.3, key=5, samples=samples, positions=positions)
+            launches, sums = triton_ops.LAUNCHES["dropout_add"], FullSizeSums(x.numel())
+            with sums:
+                out.backward(grad)
+        grads[backend] = x.grad, bias.grad
+        if backend == "triton":
+            assert triton_ops.LAUNCHES["dropout_add"] == launches + 1 and sums.count == 0
+    assert torch.equal(grads["triton"][0], grads["torch"][0])
+    assert_close(grads["triton"][1], grads["torch"][1], 1e-6 * grads["torch"][1].abs().max().item())
+    assert not torch.equal(grads["torch"][1], torch.zeros(h))
 
 
 def test_keep_rate_is_one_minus_p_and_masks_are_uncorrelated():

@@ -32,7 +32,8 @@ wgrad with ACCUMULATE (fp32 main_grad), the bf16 dgrad and the fp64 wgrad; the l
 not multiples of 16); the smallest candidate for the fp32 (IEEE FMA dot: torch's default allow_tf32=False) forward and
 dgrad and the fp64 forward; act_bwd at the launcher's 64x64 block; the experts'
 grouped GEMM (kernels.grouped_triton: every candidate of the bf16 SwiGLU forward and of the bf16 grouped wgrad into an
-fp32 main_grad, the largest for the plain, GELU and transposed-weight dgrad forms, the smallest fp32 wgrad).
+fp32 main_grad, the largest for the plain, GELU and transposed-weight dgrad forms, the smallest fp32 wgrad); the
+fp8 cast and the dropout kernels (forward with residual and bias; the backward with the bias gradient's partial sums).
 
 The persistent TMA kernels (kernels.triton_hopper, sm90 only) are compiled for sm_90a with their host tensor
 descriptors specialised on the config's block shapes (what a launch after the config's pre_hook passes), and their
@@ -67,22 +68,26 @@ DGRAD = "_linear_dgrad_kernel"
 WGRAD = "_linear_wgrad_kernel"
 ACT_BWD = "_act_bwd_kernel"
 FP8_CAST = "fp8_cast:_cast_kernel"  # kernels.fp8_cast: the one-pass e4m3 cast (any GPU that runs fp8 GEMMs)
-ELEMENTWISE = (ACT_BWD, FP8_CAST)  # no dot: no tensor-core check
+DROPOUT_ADD = "dropout_triton:_dropout_add_kernel"  # kernels.dropout_triton: counter-based dropout + residual add
+DROPOUT_GRAD = "dropout_triton:_dropout_grad_kernel"  # its backward with the bias gradient's partial sums
+ELEMENTWISE = (ACT_BWD, FP8_CAST, DROPOUT_ADD, DROPOUT_GRAD)  # no dot: no tensor-core check
 GROUPED = "_grouped_gemm_kernel"  # kernels.grouped_triton: the experts' grouped GEMMs
 GROUPED_WGRAD = "_grouped_wgrad_kernel"
 
 _FWD_FLAGS = dict(HAS_BIAS=True, SAVE_PREACT=True)
 
 
-def _spec(name, kernel, dtype, constexprs, configs="first", aligned=True, xfail=None, runtime=None):
+def _spec(name, kernel, dtype, constexprs, configs="first", aligned=True, xfail=None, runtime=None, meta=None):
     """One test case: a kernel specialisation compiled for some of the autotuner's candidates on each arch.
 
     configs: "all" candidates, the "first" (the family's largest tile) or the "smallest" tile.
+    meta: a kernel without autotuning's block constexprs (default: the 64x64 block of act_bwd and the fp8 cast).
     xfail: {arch: reason} for known, reported findings (strict: the mark must be removed once they are fixed).
     runtime: argument types replacing _runtime_args' (another stride pattern of the same kernel).
     """
     return dict(name=name, kernel=kernel, dtype=dtype, constexprs=constexprs, configs=configs, aligned=aligned,
-                xfail=xfail or {}, runtime=runtime or {}, archs=ARCHS, slow=False)
+                xfail=xfail or {}, runtime=runtime or {}, archs=ARCHS, slow=False,
+                meta=meta or dict(BLOCK_M=64, BLOCK_N=64))
 
 
 SPECS = [
@@ -108,6 +113,8 @@ SPECS = [
     _spec("act_bwd-silu-fp16", ACT_BWD, "fp16", dict(ACTIVATION="silu")),
     _spec("act_bwd-swiglu-bf16", ACT_BWD, "bf16", dict(ACTIVATION="swiglu")),
     _spec("fp8-cast-bf16", FP8_CAST, "bf16", {}),
+    _spec("dropout-add-bf16", DROPOUT_ADD, "bf16", dict(HAS_RESIDUAL=True, HAS_BIAS=True), meta=dict(BLOCK=1024)),
+    _spec("dropout-grad-bf16", DROPOUT_GRAD, "bf16", {}, meta=dict(BLOCK=1024, CHUNK=64)),
     _spec("grouped-swiglu-bf16-allcfg", GROUPED, "bf16", dict(ACTIVATION="none", SWIGLU=True, SAVE_PREACT=True),
           configs="all"),
     _spec("grouped-none-bf16", GROUPED, "bf16", dict(ACTIVATION="none", SWIGLU=False, SAVE_PREACT=False)),
@@ -201,6 +208,12 @@ def _runtime_args(kernel, dtype, accumulate, aligned):
     if kernel == FP8_CAST:  # (a broadcast scale's strides are 0: no divisibility)
         return dict(t_ptr=p, scale_ptr="*fp32", out_ptr="*u8", M=_U, N=a, stride_tm=a, stride_tn=1, stride_sm=_U,
                     stride_sn=_U, stride_om=a, stride_on=1)
+    if kernel == DROPOUT_ADD:  # (a 64-bit key and a threshold past 2^31: i64)
+        return dict(x_ptr=p, residual_ptr=p, bias_ptr=p, out_ptr=p, samples_ptr="*i64", positions_ptr="*i64", B=_U,
+                    H=a, key="i64", threshold="i64", scale="fp32")
+    if kernel == DROPOUT_GRAD:
+        return dict(grad_ptr=p, dx_ptr=p, partial_ptr="*fp32", samples_ptr="*i64", positions_ptr="*i64", ROWS=_U,
+                    B=_U, H=a, key="i64", threshold="i64", scale="fp32")
     if kernel == ACT_BWD:
         return dict(g_ptr=p, z_ptr=p, dz_ptr=p, M=_U, N=a, F=a,
                     stride_gm=a, stride_gn=1, stride_zm=a, stride_zn=1, stride_dzm=a, stride_dzn=1)
@@ -243,6 +256,7 @@ def _hopper_args(kernel, dtype, accumulate):
 def _kernel(name):
     """The kernel object (Autotuner or JITFunction) of that name, from kernels.triton_ops or kernels.grouped_triton,
     or ("hopper:" / "grouped_hopper:" names) kernels.triton_hopper / kernels.grouped_hopper."""
+    import kernels.dropout_triton as dropout_triton
     import kernels.fp8_cast as fp8_cast
     import kernels.grouped_hopper as grouped_hopper
     import kernels.grouped_triton as grouped
@@ -251,7 +265,8 @@ def _kernel(name):
 
     module, _, short = name.rpartition(":")
     if module:
-        return getattr({"hopper": hopper, "grouped_hopper": grouped_hopper, "fp8_cast": fp8_cast}[module], short)
+        return getattr({"hopper": hopper, "grouped_hopper": grouped_hopper, "fp8_cast": fp8_cast,
+                        "dropout_triton": dropout_triton}[module], short)
     return getattr(ops, name, None) or getattr(grouped, name)
 
 
@@ -312,8 +327,8 @@ def _expand(specs, archs):
                 chosen = {"all": lambda: cands, "first": lambda: cands[:1],
                           "smallest": lambda: [_smallest(cands)]}[spec["configs"]]()
                 metas = [dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages) for c in chosen]
-            else:  # _act_bwd_kernel: the launcher's 64x64 block, Triton's default warps / stages
-                metas = [dict(BLOCK_M=64, BLOCK_N=64)]
+            else:  # act_bwd, the fp8 cast, dropout: the launcher's block, Triton's default warps / stages
+                metas = [spec["meta"]]
             for meta in metas:
                 jobs.append(dict(spec=spec["name"], kernel=spec["kernel"], dtype=spec["dtype"], arch=arch,
                                  constexprs=spec["constexprs"], aligned=spec["aligned"], meta=meta,
