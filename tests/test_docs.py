@@ -24,6 +24,7 @@ import runpy
 import shlex
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from unittest import mock
 
@@ -201,7 +202,9 @@ def _parse_with_program(module, args):
         raise _Parsed(parse_args(self, args, namespace))
 
     with mock.patch.object(argparse.ArgumentParser, "parse_args", parse_and_stop), \
-            mock.patch.object(sys, "argv", [module, *args]):
+            mock.patch.object(sys, "argv", [module, *args]), warnings.catch_warnings():
+        # (this process imported the module already, which `python -m` would not have: runpy's warning says so)
+        warnings.filterwarnings("ignore", r"'.*' found in sys\.modules after import of package", RuntimeWarning)
         try:
             runpy.run_module(module, run_name="__main__", alter_sys=True)
         except _Parsed as parsed:
