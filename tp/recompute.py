@@ -2,8 +2,9 @@
 CheckpointWithoutOutput, megatron/core/tensor_parallel/random.py, >= 0.12).
 
 `DiscardedOutput(fn, *inputs, params=...)` runs fn once in forward without recording its graph, its node keeping only
-`inputs` (`params`: the parameters fn reads, whose gradients the recomputed graph accumulates; the node needs a
-gradient when they do). Its `output` is then usually kept by its consumers for their backward (a norm's output is
+`inputs` (`params`: every parameter fn reads: the node returns their gradients from the recomputed graph, so the
+backward that runs it accumulates each once, hooks and DDP's reducer included; the node needs a gradient when they
+do). Its `output` is then usually kept by its consumers for their backward (a norm's output is
 the next linear's saved input, an activation's output the next GEMM's): once they ran forward, `discard(after)` frees
 the output's storage and registers its refill on `after`, a tensor whose gradient arrives before theirs (their
 output). When it does, fn runs again on the kept inputs, with autograd: the output's storage is refilled (the
@@ -25,7 +26,7 @@ class _Run(torch.autograd.Function):
         inputs = inputs_and_params[:count]
         with torch.no_grad():
             output = fn(*inputs)
-        ctx.fn, ctx.recomputed, ctx.params = fn, None, len(inputs_and_params) - count
+        ctx.fn, ctx.recomputed, ctx.params = fn, None, inputs_and_params[count:]
         ctx.save_for_backward(*inputs)
         return output
 
@@ -33,8 +34,11 @@ class _Run(torch.autograd.Function):
     def backward(ctx, grad):
         inputs, output = ctx.recomputed or _recompute(ctx)
         ctx.recomputed = None
-        torch.autograd.backward(output, grad)  # (the parameters' gradients accumulate here)
-        return (None, None, *(x.grad if x.requires_grad else None for x in inputs), *(None,) * ctx.params)
+        # The parameters' gradients are this node's, accumulated once by the backward that runs it (accumulated inside
+        # here as well, DDP's reducer would see each parameter ready twice).
+        wanted = [t for t in (*inputs, *ctx.params) if t.requires_grad]
+        found = iter(torch.autograd.grad(output, wanted, grad, allow_unused=True) if wanted else ())
+        return (None, None, *(next(found) if t.requires_grad else None for t in (*inputs, *ctx.params)))
 
 
 def _recompute(ctx):
