@@ -129,6 +129,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         model = GPT.from_hf(args.from_hf, group=mesh.tp_group)
     show = mesh.rank == 0
+    if show and text.tokenizer is None and config.vocab_size > 256:
+        print(f"note: no tokenizer for a vocabulary of {config.vocab_size}: the prompt is read as UTF-8 bytes and "
+              "tokens past 255 print as <|id|> (--tokenizer DIR gives text)", file=sys.stderr)
     if show:
         sys.stdout.write(args.prompt)
         sys.stdout.flush()

@@ -161,7 +161,8 @@ def generate(model: nn.Module, tokens: torch.Tensor, max_new_tokens: int, *, tem
 
 
 class Text:
-    """The prompt's ids and the continuation's text: a Hugging Face tokenizer, or UTF-8 bytes."""
+    """The prompt's ids and the continuation's text: a Hugging Face tokenizer, or UTF-8 bytes (a token past 255, from
+    a model with a larger vocabulary and no tokenizer, shown as <|id|>)."""
 
     def __init__(self, tokenizer: Any | None):
         self.tokenizer = tokenizer
@@ -175,6 +176,8 @@ class Text:
     def more(self, token: int) -> str:
         """The text `token` adds to the continuation (streaming: a multi-byte character once it is whole)."""
         if self.tokenizer is None:
+            if token > 255:  # (an unfinished character before it ends as U+FFFD)
+                return self.bytes.decode(b"", final=True) + f"<|{token}|>"
             return self.bytes.decode(bytes([token]))
         self.ids.append(token)
         text = self.tokenizer.decode(self.ids, skip_special_tokens=True)

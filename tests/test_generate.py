@@ -111,6 +111,17 @@ def test_bad_generation_input_is_one_line():
             model.generate(x, **kwargs)
 
 
+
+def test_without_a_tokenizer_bytes_stream_and_larger_ids_print_as_placeholders():
+    """No tokenizer: ids 0-255 are UTF-8 bytes (a character shown once whole), and an id past 255 (a model with a
+    larger vocabulary) prints as <|id|>, an unfinished character before it as U+FFFD (it was a crash)."""
+    from models.generation import Text
+
+    text = Text(None)
+    assert text.encode("dé") == [100, 0xC3, 0xA9]
+    assert [text.more(t) for t in (100, 0xC3, 0xA9, 300, 0xC3, 511, 33)] == ["d", "", "é", "<|300|>", "",
+                                                                           "\ufffd<|511|>", "!"]
+
 # ---- python -m models.generate ---------------------------------------------------------------------------------------
 
 
