@@ -353,3 +353,5 @@ def test_a_resume_at_another_schedule_says_so_with_the_lr_before_and_after():
     assert resuming.schedule_change(job, None, 2, 7e-3) == (  # a checkpoint that kept no schedule: its last lr
         "note: the learning-rate schedule differs from the checkpoint's run: its step 2 ran at lr 0.007, this schedule "
         "gives 0.0012 (step 3: 0.0018)")
+    job.evaluation.eval_only = True  # --eval-only trains no step: neither the schedule nor the data order applies
+    assert resuming.notes(job, {"lr_schedule": saved, "seed": 7}, 2, 7e-3) == []

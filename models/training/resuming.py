@@ -136,7 +136,9 @@ def check_save_forward(job: JobConfig, start: int) -> None:
 def notes(job: JobConfig, extra: dict[str, Any], start: int, saved_lr: float | None) -> list[str]:
     """The lines a resume at step `start` prints about what changed since the checkpoint's run: the data order, the
     learning-rate schedule (`saved_lr`: the lr of the checkpoint's last step, for checkpoints that kept no
-    schedule)."""
+    schedule); no line for --eval-only, which trains no step."""
+    if job.evaluation.eval_only:
+        return []
     lines = []
     changed = [f"--{k.replace('_', '-')}={v}" for k, v in extra.items()
                if k in DATA_ORDER and getattr(job.training, k) != v]
