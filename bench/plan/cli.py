@@ -249,7 +249,8 @@ def print_plans(rows, config, args, cluster, count):
     print(f"{args.model or args.hf_config or 'model'}: {config.num_layers} layers, hidden {config.hidden_size}, "
           f"{attention_shape(config)}, ffn {config.ffn_hidden_size} ({config.activation}), "
           f"vocab {config.vocab_size}{experts}{mtp}; seq {args.seq_len}, global batch {args.global_batch_size}; "
-          f"{args.gpus} x {cluster.name} ({cluster.device.gpus_per_node} per node); {len(rows)} of {count} plans fit"
+          f"{args.gpus} x {cluster.name} ({cluster.device.gpus_per_node} per node); {len(rows):,} of {count:,} plans "
+          "fit"
           + (f"; priced as {SOFTWARE[args.software].describe()}" if args.software != "ours" else ""))
     shown = rows[:args.top] if args.top else rows
     print_table(shown, table_columns(config, shown))
