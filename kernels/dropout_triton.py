@@ -22,7 +22,8 @@ from .configs import INTERPRET
 from .triton_ops import LAUNCHES  # (the tests assert it grows to prove the Triton path ran)
 
 BLOCK = 1024  # columns per program (the hidden size of one row, or a tile's keys)
-GRAD_CHUNK = 64  # rows per program of the backward with a bias gradient (its partial sums: rows / 64 x h in fp32)
+GRAD_CHUNK = 64  # at most, rows per program of the backward with a bias gradient (partial sums: rows / chunk x h)
+GRAD_PROGRAMS = 4096  # fewer rows per program (down to 8) until the grid has this many (each loads one row at a time)
 
 
 @triton.jit
@@ -145,14 +146,16 @@ def dropout_grad(grad: torch.Tensor, *, key: int, threshold: int, scale: float, 
     dx = torch.empty_like(grad)
     if dx.numel() == 0:
         return dx, torch.zeros(h, dtype=torch.float32, device=grad.device)
-    chunks = triton.cdiv(rows * b, GRAD_CHUNK)
-    partial = torch.empty(chunks, h, dtype=torch.float32, device=grad.device)  # [rows·b / chunk, h]
     block = _block(h)
+    col_blocks, chunk = triton.cdiv(h, block), GRAD_CHUNK
+    while chunk > 8 and triton.cdiv(rows * b, chunk) * col_blocks < GRAD_PROGRAMS:  # (partials: 2/chunk of the bytes)
+        chunk //= 2
+    chunks = triton.cdiv(rows * b, chunk)
+    partial = torch.empty(chunks, h, dtype=torch.float32, device=grad.device)  # [rows·b / chunk, h]
     LAUNCHES["dropout_add"] += 1
     with torch.cuda.device(grad.device) if grad.is_cuda else contextlib.nullcontext():
-        _dropout_grad_kernel[(chunks, triton.cdiv(h, block))](
-            grad, dx, partial, samples, positions, rows * b, b, h, key, threshold, scale, CHUNK=GRAD_CHUNK,
-            BLOCK=block)
+        _dropout_grad_kernel[(chunks, col_blocks)](
+            grad, dx, partial, samples, positions, rows * b, b, h, key, threshold, scale, CHUNK=chunk, BLOCK=block)
     return dx, partial.sum(0)
 
 

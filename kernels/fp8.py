@@ -112,11 +112,17 @@ def scaled_matmul(a: torch.Tensor, b: torch.Tensor, fp8: Fp8Scaling, *, contract
     """a [M, K] @ b [K, N] with both operands in e4m3 under the recipe's dynamic scales, in `out_dtype`.
     `contraction` names K among the linear's dims ("in", "out" or "tokens"), for the amax reduction; `fused_cast`:
     quantize's."""
+    amax_a, amax_b = _reduced_amaxes(a, b, fp8, contraction)
+    return matmul_scaled_by(a, b, amax_a, amax_b, fp8.recipe, out_dtype=out_dtype, fused_cast=fused_cast)
+
+
+def _reduced_amaxes(a, b, fp8, contraction):
+    """operand_amaxes, reduced over the group where the split needs it (one all-reduce for both)."""
     amax_a, amax_b = operand_amaxes(a, b, fp8.recipe)
     group = reducing_group(fp8, contraction)
-    if group is not None:  # one all-reduce for both operands' amaxes
+    if group is not None:
         amax_a, amax_b = all_reduce_max([amax_a, amax_b], group)
-    return matmul_scaled_by(a, b, amax_a, amax_b, fp8.recipe, out_dtype=out_dtype, fused_cast=fused_cast)
+    return amax_a, amax_b
 
 
 class Quantized(NamedTuple):
@@ -141,11 +147,17 @@ def quantize(a: torch.Tensor, b: torch.Tensor, amax_a: torch.Tensor, amax_b: tor
     else:
         a8 = to_e4m3(a, scale_a).contiguous()  # row-major, as cuBLASLt wants the left operand (wgrad's is dzᵀ)
         b8 = to_e4m3(b, scale_b).t().contiguous().t()  # column-major, as it wants the right one
-    if a.shape[1] % MULTIPLE:  # only the wgrad's token dim can be ragged: zero rows change neither sum nor amax
-        pad = MULTIPLE - a.shape[1] % MULTIPLE
+    return Quantized(*_padded(a8, b8), scale_a.reciprocal(), scale_b.reciprocal())
+
+
+def _padded(a8, b8):
+    """a8 [M, K] and b8 [K, N] with K zero-padded to a multiple of 16: only the wgrad's token dim can be ragged (zero
+    rows change neither the sum nor an amax)."""
+    if a8.shape[1] % MULTIPLE:
+        pad = MULTIPLE - a8.shape[1] % MULTIPLE
         a8 = torch.cat([a8, a8.new_zeros(a8.shape[0], pad)], 1)
         b8 = torch.cat([b8, b8.new_zeros(pad, b8.shape[1])], 0).t().contiguous().t()
-    return Quantized(a8, b8, scale_a.reciprocal(), scale_b.reciprocal())
+    return a8, b8
 
 
 def gemm(q: Quantized, recipe: str, out_dtype: torch.dtype) -> torch.Tensor:
@@ -178,6 +190,10 @@ def matmul_scaled_by(a: torch.Tensor, b: torch.Tensor, amax_a: torch.Tensor, ama
 def linear_forward(x, weight, bias=None, activation=None, *, fp8, fused_cast=False):
     """y = act(x @ weight.T + bias) -> (y, the pre-activation saved for backward, or None)."""
     z = scaled_matmul(x, weight.t(), fp8, contraction="in", out_dtype=x.dtype, fused_cast=fused_cast)
+    return _epilogue(z, bias, activation)
+
+
+def _epilogue(z, bias, activation):
     if bias is not None:
         z = z + bias.to(z.dtype)
     if activation is None:
@@ -199,4 +215,72 @@ def linear_wgrad(dz, x, *, fp8, main_grad=None, fused_cast=False):
         return scaled_matmul(dz.t(), x, fp8, contraction="tokens", out_dtype=dz.dtype, fused_cast=fused_cast)
     main_grad.add_(scaled_matmul(dz.t(), x, fp8, contraction="tokens", out_dtype=torch.float32,
                                  fused_cast=fused_cast))
+    return None
+
+
+# A tensorwise linear casts its input x and its output's gradient dz once each (one scale per tensor, whichever GEMM
+# reads it: the same amax, reduced over the same group) and keeps the casts for the wgrad: no second amax, cast or
+# all-reduce there, and x is saved for backward at one byte an element. Rowwise scales along each GEMM's contraction
+# dim, so each of its GEMMs casts its own operands.
+
+class Fp8Operand(NamedTuple):
+    """A linear's x or dz cast once to e4m3 under its tensorwise scale, for each GEMM that reads it."""
+    data: torch.Tensor      # e4m3 [rows, cols], row-major
+    unscale: torch.Tensor   # [] fp32: 1 / the scale
+    dtype: torch.dtype      # the operand's own (the GEMMs' output dtype)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+
+def keeps_operands(fp8: Fp8Scaling | None) -> bool:
+    """Whether a linear with this fp8 casts x and dz once for all its GEMMs (the tensorwise recipe)."""
+    return fp8 is not None and not FP8_RECIPES[fp8.recipe].rowwise
+
+
+def linear_forward_keeping_input(x, weight, bias=None, activation=None, *, fp8, fused_cast=False):
+    """linear_forward for a tensorwise fp8 and non-empty operands -> (y, the pre-activation or None, x as an
+    Fp8Operand for the wgrad)."""
+    amax_x, amax_w = _reduced_amaxes(x, weight.t(), fp8, "in")
+    q = quantize(x, weight.t(), amax_x, amax_w, fp8.recipe, fused_cast=fused_cast)
+    return *_epilogue(gemm(q, fp8.recipe, x.dtype), bias, activation), Fp8Operand(q.a8, q.unscale_a, x.dtype)
+
+
+def linear_dgrad_keeping_grad(grad_out, weight, preact=None, activation=None, *, fp8, need_input_grad=True,
+                              fused_cast=False):
+    """linear_dgrad for a tensorwise fp8 and non-empty operands -> (grad_input or None, dz, dz as an Fp8Operand for
+    the wgrad, or None without grad_input: the wgrad then casts dz itself)."""
+    dz = torch_ops.activation_backward(grad_out, preact, activation)
+    if not need_input_grad:
+        return None, dz, None
+    amax_dz, amax_w = _reduced_amaxes(dz, weight, fp8, "out")
+    q = quantize(dz, weight, amax_dz, amax_w, fp8.recipe, fused_cast=fused_cast)
+    return gemm(q, fp8.recipe, dz.dtype), dz, Fp8Operand(q.a8, q.unscale_a, dz.dtype)
+
+
+def linear_wgrad_kept(dz, x: Fp8Operand, *, fp8, main_grad=None, fused_cast=False):
+    """linear_wgrad on the input the forward kept and dz (an Fp8Operand the dgrad kept, else cast here): dzᵀ·x."""
+    if not isinstance(dz, Fp8Operand):
+        amax = _amax(dz, None, False)
+        group = reducing_group(fp8, "tokens")
+        if group is not None:
+            (amax,) = all_reduce_max([amax], group)
+        scale = scale_of(amax, FP8_RECIPES[fp8.recipe])
+        if fused_cast:
+            from . import fp8_cast
+
+            dz = Fp8Operand(fp8_cast.cast_to_e4m3(dz, scale), scale.reciprocal(), dz.dtype)
+        else:
+            dz = Fp8Operand(to_e4m3(dz, scale), scale.reciprocal(), dz.dtype)
+    a8, b8 = _padded(dz.data.t().contiguous(), x.data.t().contiguous().t())  # [N, tokens] row-, [tokens, K] col-major
+    out = gemm(Quantized(a8, b8, dz.unscale, x.unscale), fp8.recipe,
+               dz.dtype if main_grad is None else torch.float32)
+    if main_grad is None:
+        return out
+    main_grad.add_(out)
     return None

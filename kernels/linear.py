@@ -52,8 +52,14 @@ class _LinearFunction(torch.autograd.Function):
         ctx.x_shape, ctx.bias_dtype = x.shape, None if bias is None else bias.dtype
         x, weight, bias = ops.autocast_operands(x, weight, bias)
         x2d = _flatten(x)
-        y, preact = ops.linear_forward(x2d, weight, bias, activation, fp8=fp8_scaling)
-        ctx.save_for_backward(x2d, weight, preact)
+        ctx.kept = keeps_operands(fp8_scaling, x2d, weight)
+        if ctx.kept:  # x cast once: the wgrad's too, saved at one byte an element
+            y, preact, x8 = fp8.linear_forward_keeping_input(x2d, weight, bias, activation, fp8=fp8_scaling,
+                                                             fused_cast=ops.fused_kernels(x.device))
+            x2d, ctx.x_dtype = x8.data, x8.dtype
+        else:
+            y, preact = ops.linear_forward(x2d, weight, bias, activation, fp8=fp8_scaling)
+        ctx.save_for_backward(x2d, weight, preact, *((x8.unscale,) if ctx.kept else ()))
         ctx.activation, ctx.fp8 = activation, fp8_scaling
         # detach: a plain tensor rather than a view of one made in here, so callers may modify it in place (the
         # row-parallel layer all-reduces its matmul output in its own storage).
@@ -62,12 +68,35 @@ class _LinearFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_y):
-        x2d, weight, preact = ctx.saved_tensors
+        x2d, weight, preact, *x_unscale = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         grad_2d = _flatten(grad_y).to(weight.dtype)
         # dz (= grad through the activation) comes back even without dx: wgrad and dbias reuse it.
-        grad_x, dz = ops.linear_dgrad(grad_2d, weight, preact, ctx.activation, need_input_grad=need_x, fp8=ctx.fp8)
+        grad_x, dz, dz_for_w = dgrad_and_wgrad_operand(ctx, grad_2d, weight, preact, need_x)
+        if ctx.kept:
+            x2d = fp8.Fp8Operand(x2d, x_unscale[0], ctx.x_dtype)
         # With main_grad: accumulated in place (α = β = 1), no low-precision dW, weight.grad stays None.
-        grad_w = ops.linear_wgrad(dz, x2d, main_grad=ctx.main_grad, fp8=ctx.fp8) if need_w else None
+        grad_w = ops.linear_wgrad(dz_for_w, x2d, main_grad=ctx.main_grad, fp8=ctx.fp8) if need_w else None
         grad_b = ops.bias_grad(dz, ctx.bias_dtype) if need_b else None
         return (None if grad_x is None else grad_x.view(ctx.x_shape)), grad_w, grad_b, None, None
+
+
+def keeps_operands(fp8_scaling: fp8.Fp8Scaling | None, x2d: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a linear's Function keeps the fp8 casts of x and dz for its wgrad (kernels.fp8.keeps_operands), its
+    operands non-empty."""
+    return fp8.keeps_operands(fp8_scaling) and x2d.numel() > 0 and weight.numel() > 0
+
+
+def dgrad_and_wgrad_operand(ctx, grad_2d: torch.Tensor, weight: torch.Tensor, preact: torch.Tensor | None,
+                            need_input_grad: bool
+                            ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | fp8.Fp8Operand]:
+    """A linear Function's dgrad -> (grad_input or None, dz, the dz its wgrad takes: the fp8 cast the dgrad kept
+    when `ctx.kept`, else dz)."""
+    if not ctx.kept:
+        grad_x, dz = ops.linear_dgrad(grad_2d, weight, preact, ctx.activation, need_input_grad=need_input_grad,
+                                      fp8=ctx.fp8)
+        return grad_x, dz, dz
+    grad_x, dz, dz8 = fp8.linear_dgrad_keeping_grad(grad_2d, weight, preact, ctx.activation, fp8=ctx.fp8,
+                                                    need_input_grad=need_input_grad,
+                                                    fused_cast=ops.fused_kernels(grad_2d.device))
+    return grad_x, dz, dz if dz8 is None else dz8

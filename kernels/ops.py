@@ -188,14 +188,16 @@ def linear_dgrad(grad_out: torch.Tensor, weight: torch.Tensor, preact: torch.Ten
     return module.linear_dgrad(grad_out, weight, preact, activation, need_input_grad=need_input_grad)
 
 
-def linear_wgrad(dz: torch.Tensor, x: torch.Tensor, *, main_grad: torch.Tensor | None = None,
-                 fp8: Fp8Scaling | None = None) -> torch.Tensor | None:
-    """dW [N, K] = dzᵀ @ x; with a main_grad (fp32 [N, K]), accumulated into it in place and None returned."""
+def linear_wgrad(dz: torch.Tensor | fp8_ops.Fp8Operand, x: torch.Tensor | fp8_ops.Fp8Operand, *,
+                 main_grad: torch.Tensor | None = None, fp8: Fp8Scaling | None = None) -> torch.Tensor | None:
+    """dW [N, K] = dzᵀ @ x; with a main_grad (fp32 [N, K]), accumulated into it in place and None returned. Under a
+    tensorwise fp8, x (and dz) may be the casts the forward (and the dgrad) kept (kernels.fp8.Fp8Operand)."""
     if fp8 is None:
         # dz [tokens, N] and x [tokens, K] make the weight's gradient [N, K]
         wgrad = _measured(dz, "wgrad", (dz.shape[1], x.shape[1]), main_grad=main_grad is not None).linear_wgrad
-    else:
-        wgrad = functools.partial(fp8_ops.linear_wgrad, fp8=fp8, fused_cast=fused_kernels(dz.device))
+    else:  # (x an Fp8Operand: the input a tensorwise forward kept, cast)
+        kept = fp8_ops.linear_wgrad_kept if isinstance(x, fp8_ops.Fp8Operand) else fp8_ops.linear_wgrad
+        wgrad = functools.partial(kept, fp8=fp8, fused_cast=fused_kernels(dz.device))
     if main_grad is None:
         return wgrad(dz, x)
     check_main_grad(main_grad, (dz.shape[1], x.shape[1]), dz.device)

@@ -2,8 +2,10 @@
 of the fp32 linear, keeps main_grad's fp32 accumulation; both recipes give the serial result at tp 2 with and without
 sequence parallelism (docs/fp8.md's claim); a job with --fp8-recipe trains the serial fp8 curve at tp 2, near fp32's;
 sizes torch._scaled_mm cannot take are one ValueError line at construction."""
+import contextlib
 import os
 import re
+from unittest import mock
 
 import pytest
 import torch
@@ -115,6 +117,19 @@ class _Traffic(TorchDispatchMode):
         return out
 
 
+
+class _Gathers(TorchDispatchMode):
+    """The dtypes the all-gathers (all_gather_into_tensor) send, in order."""
+
+    def __init__(self):
+        super().__init__()
+        self.dtypes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket is torch.ops.c10d._allgather_base_:
+            self.dtypes.append(args[1].dtype)
+        return func(*args, **(kwargs or {}))
+
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_the_scaling_reads_each_operand_twice_and_writes_it_once(recipe):
     """Scaling an operand costs its amax (one read) and one fp32 product cast to e4m3 (a read, an fp32 write and
@@ -128,6 +143,76 @@ def test_the_scaling_reads_each_operand_twice_and_writes_it_once(recipe):
     operands = (x.numel() + w.numel()) * 2
     assert traffic.scaling <= 7 * operands, (traffic.scaling / operands, traffic.ops)
 
+
+
+def _casting_once(on: bool):
+    """kernels.fp8.keeps_operands as it is (on) or answering False: every GEMM casting its own operands (the path
+    rowwise takes), to compare the two."""
+    return contextlib.nullcontext() if on else mock.patch.object(kernels.fp8, "keeps_operands", lambda fp8: False)
+
+
+class _Amaxes(TorchDispatchMode):
+    """The amax passes (inf-norms) over tensors of at least `numel` elements, and the saved tensors' dtypes."""
+
+    def __init__(self, numel):
+        super().__init__()
+        self.numel, self.passes = numel, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.passes += func.overloadpacket is torch.ops.aten.linalg_vector_norm and args[0].numel() >= self.numel
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("activation", [None, "swiglu"])
+def test_a_tensorwise_linear_casts_x_and_dz_once_and_saves_x_in_fp8(activation):
+    """Tensorwise scales are per tensor, so the forward's cast of x is the wgrad's and the dgrad's cast of dz is the
+    wgrad's: 4 amax passes instead of 6 (the weight's twice), and x is saved for backward as its e4m3 cast (one byte
+    an element instead of two). The results are bit for bit those of each GEMM casting its own operands."""
+    results = {}
+    for once in (True, False):
+        x, w, b, dy = _inputs(torch.bfloat16)
+        dy = dy[:, :24] if activation else dy
+        saved = []
+        with _casting_once(once), _Amaxes(min(x.numel(), dy.numel())) as amaxes, \
+                torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            y = kernels.linear(x, w, b, activation=activation, fp8_recipe="tensorwise")
+            y.backward(dy)
+        results[once] = y, x.grad, w.grad, b.grad
+        x_saved = [t for t in saved if t.shape == x.shape]
+        assert amaxes.passes == (4 if once else 6)
+        assert [t.dtype for t in x_saved] == [torch.float8_e4m3fn if once else torch.bfloat16]
+    for got, want in zip(results[True], results[False]):
+        assert torch.equal(got, want)
+
+
+@distributed(world_size=2)
+def test_at_tp_2_the_kept_casts_save_an_all_reduce_per_linear_and_gather_x_in_fp8():
+    """A column- and a row-parallel tensorwise linear at tp 2, with and without SP: the wgrad reuses the amaxes the
+    forward and the dgrad reduced (one all-reduce fewer per linear), under SP the backward re-gathers x's e4m3 cast
+    (half the bytes), and every output and gradient is bit for bit the per-GEMM casts'."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    tp.init_mesh(tp=2)
+    rank = dist.get_rank()
+    g = torch.Generator().manual_seed(1)
+    x, dy = torch.randn(8, 3, 32, generator=g), torch.randn(8, 3, 32, generator=g)
+    w1, w2, b2 = torch.randn(128, 32, generator=g) / 6, torch.randn(32, 64, generator=g) / 8, torch.randn(32)
+    for sp in (False, True):
+        results, reduces, gathered = {}, {}, {}
+        for once in (True, False):
+            fc1, fc2 = _mlp("tensorwise", sp, w1, w2, b2)
+            x_local = (x.chunk(2)[rank] if sp else x).clone().requires_grad_()
+            with _casting_once(once), CommDebugMode() as comms, _Gathers() as gathers:
+                y = fc2(fc1(x_local))
+                y.backward(dy.chunk(2)[rank] if sp else dy)
+            results[once] = y, x_local.grad, fc1.weight.grad, fc2.weight.grad, fc2.bias.grad
+            reduces[once] = comms.get_comm_counts()[torch.ops.c10d.allreduce_]
+            gathered[once] = gathers.dtypes
+        for got, want in zip(results[True], results[False]):
+            assert torch.equal(got, want), sp
+        assert reduces[True] == reduces[False] - 2, (sp, reduces)
+        if sp:  # fc1's input; in backward fc2's output gradient, then fc1's input again (its e4m3 bytes, kept)
+            assert gathered == {True: [torch.float32, torch.float32, torch.uint8], False: [torch.float32] * 3}
 
 def test_the_weight_gradient_accumulates_into_main_grad_in_fp32():
     x, w, b, dy = _inputs(torch.bfloat16)
@@ -246,8 +331,10 @@ def assert_serial_fp8_curve(tmp_path, splits, *, model=(), recipe="tensorwise", 
             assert abs(reference - exact) <= 0.02 * exact, f"step {step + 1}: fp8 {reference} vs fp32 {exact}"
 
 
-def test_an_fp8_job_trains_the_serial_fp8_curve_at_tp_2_with_sp(tmp_path):
-    assert_serial_fp8_curve(tmp_path, {"tp2_sp": (2, ["--tp", "2", "--pp", "1", "--dp", "1", "--sequence-parallel"])})
+def test_an_fp8_job_trains_the_serial_fp8_curve_at_tp_2_with_sp_and_at_pp_2_zero_bubble(tmp_path):
+    """(zb: the weight gradients deferred with the e4m3 casts of x and dz the linears kept)"""
+    assert_serial_fp8_curve(tmp_path, {"tp2_sp": (2, ["--tp", "2", "--pp", "1", "--dp", "1", "--sequence-parallel"]),
+                                       "pp2_zb": (2, ["--tp", "1", "--pp", "2", "--dp", "1", "--schedule", "zb"])})
 
 
 @pytest.mark.slow
@@ -294,7 +381,8 @@ def test_the_triton_backend_casts_in_one_pass_to_the_same_result(recipe):
             y = kernels.linear(x, w, b, fp8_recipe=recipe)
             y.backward(dy)
         launches = LAUNCHES["fp8_cast"] - before
-        assert launches == (6 if backend == "triton" else 0)  # two operands in each of the three GEMMs
+        # two operands in each of the three GEMMs; tensorwise casts x and dz once for two GEMMs each
+        assert launches == ({"tensorwise": 4, "rowwise": 6}[recipe] if backend == "triton" else 0)
         results[backend] = (y, x.grad, w.grad)
     for got, want in zip(results["triton"], results["torch"]):
         assert torch.equal(got, want)

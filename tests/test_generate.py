@@ -111,7 +111,6 @@ def test_bad_generation_input_is_one_line():
             model.generate(x, **kwargs)
 
 
-
 def test_without_a_tokenizer_bytes_stream_and_larger_ids_print_as_placeholders():
     """No tokenizer: ids 0-255 are UTF-8 bytes (a character shown once whole), and an id past 255 (a model with a
     larger vocabulary) prints as <|id|>, an unfinished character before it as U+FFFD (it was a crash)."""
@@ -191,7 +190,6 @@ def test_bad_input_is_one_line_before_any_process(byte_model, flags, message, ca
     assert out == "" and len(err.strip().splitlines()) == 1 and re.search(message, err), err
     assert main(["--from-hf", str(tmp_path / "nowhere"), "--prompt", "x"]) == 2
     assert "--from-hf" in capsys.readouterr().err
-
 
 
 def test_a_torchrun_rank_exits_without_tearing_its_process_groups_down(monkeypatch):

@@ -161,7 +161,6 @@ def test_init_draws_on_the_cpu_and_moves_to_the_default_device():
     assert {p.device.type for p in model.parameters()} == {"meta"}
 
 
-
 @distributed(world_size=2)
 def test_recomputed_norms_under_torch_ddp_give_each_gradient_once():
     """Selective recompute of the norms under torch DDP at dp 2 (both norms and biases): each parameter's gradient
@@ -184,6 +183,23 @@ def test_recomputed_norms_under_torch_ddp_give_each_gradient_once():
     assert recomputed.keys() == plain.keys()
     for name, grad in recomputed.items():  # (the norms' input gradient joins the residual's in another order)
         assert_close(grad, plain[name], 1e-6, name)
+
+
+def test_a_recomputed_function_reading_an_undeclared_parameter_is_refused():
+    """DiscardedOutput returns the gradients of its inputs and declared params; one that fn reads undeclared would
+    get none: its backward names it instead."""
+    from tp.recompute import DiscardedOutput
+
+    norm, scale = torch.nn.LayerNorm(4), torch.nn.Parameter(torch.ones(4))
+    x = torch.randn(3, 4, requires_grad=True)
+    kept = DiscardedOutput(lambda t: norm(t) * scale, x, params=norm.parameters())
+    with pytest.raises(RuntimeError, match=r"reads a tensor that needs a gradient but is not among its inputs or "
+                                           r"params: a Parameter of shape \(4,\)"):
+        kept.output.sum().backward()
+    done = DiscardedOutput(lambda t: norm(t) * scale, x, params=[*norm.parameters(), scale])
+    done.output.sum().backward()
+    assert scale.grad is not None and norm.weight.grad is not None
+
 
 @distributed(world_size=2)
 def test_dropout_masks_and_recompute_give_the_same_gradients():

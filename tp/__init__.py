@@ -1,11 +1,9 @@
 """Megatron-style tensor parallelism: hybrid mesh, conjugate mappings, parallel layers."""
-from pathlib import Path as _Path
-
 import kernels as _kernels
 
 # tp-layers installs a top-level `kernels` beside `tp`; Hugging Face's `kernels` distribution (which transformers 5.25
-# requires) has the same import name, and whichever comes first on sys.path hides the other.
-if _Path(_kernels.__file__).resolve().parent != _Path(__file__).resolve().parent.parent / "kernels":
+# requires) has the same import name, and whichever comes first on sys.path (or was installed last) hides the other.
+if not all(hasattr(_kernels, name) for name in ("use_backend", "choices", "linear_wgrad")):
     raise ImportError(f"tp-layers needs its own `kernels` package but `import kernels` found {_kernels.__file__} "
                       "(Hugging Face's `kernels`, which transformers>=5.25 requires, has the same name): "
                       "pip uninstall kernels && pip install 'transformers<5.25'")

@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 import kernels
+from kernels.linear import dgrad_and_wgrad_operand, keeps_operands
 
 from .collectives import all_reduce, gather_first, reduce_scatter_first, wait
 from .grads import main_grad_of
@@ -27,36 +28,51 @@ class _ParallelLinearFn(torch.autograd.Function):
         ctx.has_bias, ctx.weight_dtype = bias is not None, weight.dtype
         x, weight, bias = kernels.ops.autocast_operands(x, weight, bias)  # cast before gathering: half the bytes
         x_total = gather_first(x, group) if comm == "sequence" else x  # [s, b, in]
-        y, preact = kernels.linear_forward(x_total.reshape(-1, x.shape[-1]), weight, bias, activation, fp8=fp8)
-        ctx.save_for_backward(x, weight, preact)
+        x_2d = x_total.reshape(-1, x.shape[-1])
+        ctx.kept = keeps_operands(fp8, x_2d, weight)
+        if ctx.kept:  # x cast once (the wgrad's too) and saved at one byte an element: this rank's rows under SP
+            y, preact, x8 = kernels.fp8.linear_forward_keeping_input(
+                x_2d, weight, bias, activation, fp8=fp8, fused_cast=kernels.ops.fused_kernels(x.device))
+            x8_mine = x8.data
+            if comm == "sequence":  # this rank's [s/tp · b] rows of [s · b], copied (not the whole x8 kept)
+                rows = x.numel() // x.shape[-1]
+                x8_mine = x8.data[dist.get_rank(group) * rows:][:rows].clone()
+            ctx.x_dtype = x8.dtype
+            saved = (x8_mine, weight, preact, x8.unscale)
+        else:
+            y, preact = kernels.linear_forward(x_2d, weight, bias, activation, fp8=fp8)
+            saved = (x, weight, preact)
+        ctx.save_for_backward(*saved)
         ctx.activation, ctx.group, ctx.comm, ctx.fp8 = activation, group, comm, fp8
         return y.view(*x_total.shape[:-1], y.shape[-1]).detach()  # [s, b, out/tp]; not a view (see kernels.linear)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        x, weight, preact = ctx.saved_tensors
+        x, weight, preact, *x_unscale = ctx.saved_tensors
         group, comm = ctx.group, ctx.comm
-        if comm == "sequence":  # re-gather the input while dgrad runs
-            x_total, gather = gather_first(x, group, async_op=True)
+        if comm == "sequence":  # re-gather the input while dgrad runs (in fp8 when kept: half the bytes)
+            x_total, gather = gather_first(x.view(torch.uint8) if ctx.kept else x, group, async_op=True)
         else:
             x_total, gather = x, None
         dy = grad_out.reshape(-1, grad_out.shape[-1]).to(weight.dtype)  # [s*b, out/tp]
         need_dx = ctx.needs_input_grad[0]
-        dx, dz = kernels.linear_dgrad(dy, weight, preact, ctx.activation, need_input_grad=need_dx, fp8=ctx.fp8)
+        dx, dz, dz_for_w = dgrad_and_wgrad_operand(ctx, dy, weight, preact, need_dx)
         wait(gather)
+        if ctx.kept:
+            x_total = kernels.fp8.Fp8Operand(x_total.view(x.dtype), x_unscale[0], ctx.x_dtype)  # [s*b, in]
         pending = None
         if need_dx:
-            dx = dx.view(*x_total.shape)  # [s, b, in]
+            dx = dx.view(*grad_out.shape[:-1], dx.shape[-1])  # [s, b, in]
             if comm == "all-reduce":
                 dx, pending = all_reduce(dx, group, inplace=True, async_op=True)
             elif comm == "sequence":
                 dx, pending = reduce_scatter_first(dx, group, async_op=True)  # [s/tp, b, in]
         dw = None
-        x_2d = x_total.reshape(-1, x_total.shape[-1])
+        x_2d = x_total if ctx.kept else x_total.reshape(-1, x_total.shape[-1])
         wgrad = functools.partial(kernels.linear_wgrad, fp8=ctx.fp8)
-        if ctx.needs_input_grad[1] and not defer_weight_grad(ctx, 1, dz, x_2d, wgrad=wgrad):  # (W later: defer_wgrad)
-            dw = wgrad(dz, x_2d, main_grad=ctx.main_grad)
+        if ctx.needs_input_grad[1] and not defer_weight_grad(ctx, 1, dz_for_w, x_2d, wgrad=wgrad):  # (W: later)
+            dw = wgrad(dz_for_w, x_2d, main_grad=ctx.main_grad)
         db = kernels.ops.bias_grad(dz, dz.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
         wait(pending)
         return dx, dw, db, None, None, None, None

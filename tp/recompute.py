@@ -37,8 +37,25 @@ class _Run(torch.autograd.Function):
         # The parameters' gradients are this node's, accumulated once by the backward that runs it (accumulated inside
         # here as well, DDP's reducer would see each parameter ready twice).
         wanted = [t for t in (*inputs, *ctx.params) if t.requires_grad]
+        _check_declared(output, wanted)
         found = iter(torch.autograd.grad(output, wanted, grad, allow_unused=True) if wanted else ())
         return (None, None, *(next(found) if t.requires_grad else None for t in (*inputs, *ctx.params)))
+
+
+def _check_declared(output, wanted):
+    """Refuse a recomputed graph that reaches a leaf needing a gradient other than fn's inputs and params: the node
+    returns only theirs, so that one would get none."""
+    known, seen, todo = {id(t) for t in wanted}, set(), [output.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        leaf = getattr(node, "variable", None)  # (an AccumulateGrad node's tensor)
+        if leaf is not None and id(leaf) not in known:
+            raise RuntimeError(f"DiscardedOutput: fn reads a tensor that needs a gradient but is not among its inputs "
+                               f"or params: a {type(leaf).__name__} of shape {tuple(leaf.shape)}; pass it in params")
+        todo.extend(next_node for next_node, _ in node.next_functions)
 
 
 def _recompute(ctx):
