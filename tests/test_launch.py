@@ -234,6 +234,43 @@ def test_init_mesh_in_a_lone_process_names_the_torchrun_command(tmp_path):
     assert len(lines) <= 8, result.stderr  # (was 14 lines ending in "world_size=1 is not divisible by tp*pp=2*1=2")
 
 
+def test_every_run_under_torchruns_static_rendezvous_or_an_srun_step_gets_its_own_log_directory(monkeypatch,
+                                                                                                  tmp_path):
+    """Plain torchrun (no --standalone) calls every run "none" on the same port, and every srun step of a job has
+    the same port: their logs went to one directory, each run overwriting the last one's. The ranks of one torchrun
+    run now agree on a new name through torchrun's store (the same on every rank); an srun step is named by the job
+    and the step."""
+    import torch.distributed as dist
+
+    from models.training.config import JobConfig
+
+    for key in ("TORCHELASTIC_RUN_ID", "MASTER_PORT", "SLURM_JOB_ID", "SLURM_STEP_ID", "RANK"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
+    with socket.socket() as probe:  # a free port
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    runs = []
+    for _ in range(2):  # two runs, one after the other, on the same port
+        store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)  # (torchrun's agent's)
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+        monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        monkeypatch.setenv("MASTER_PORT", str(port))
+        runs.append({launch.log_dir(JobConfig()) for _rank in range(3)})
+        del store
+    assert all(len(names) == 1 for names in runs) and runs[0] != runs[1], runs
+    assert all(name.startswith(str(tmp_path / "tp-layers" / "runs" / "torchrun-")) for (name,) in runs)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "a1b2")  # a rendezvous id (--standalone, c10d): the run's own name
+    assert launch.log_dir(JobConfig()).endswith(f"torchrun-a1b2-{os.environ['MASTER_PORT']}")
+    for key in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE"):
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("SLURM_STEP_ID", "3")
+    monkeypatch.setenv("RANK", "5")
+    assert launch.log_dir(JobConfig()).endswith("/slurm-4242.3")
+
+
 def test_print_layout_without_processes(capsys):
     assert main(["--print-layout", "--tp", "2", "--cp", "2", "--pp", "2", "--dp", "1"]) == 0
     out = capsys.readouterr().out.splitlines()

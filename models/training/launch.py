@@ -197,15 +197,35 @@ def runs_dir() -> str:
 
 
 def log_dir(job: JobConfig) -> str:
-    """Where each rank's log goes: --log-dir, else DIR/logs of --save, else RUNS/torchrun-RUNID-PORT under torchrun
-    (its run id and port, the same on every rank), else RUNS/DATE-TIME-PID (RUNS: runs_dir())."""
+    """Where each rank's log goes: --log-dir, else DIR/logs of --save, else RUNS/NAME (RUNS: runs_dir(); NAME: the
+    same on every rank of the run, another for each run: run_name())."""
     if job.logging.log_dir:
         return job.logging.log_dir
     if job.checkpoint.save:
         return os.path.join(job.checkpoint.save, "logs")
-    run = "-".join(os.environ.get(k, "") for k in ("TORCHELASTIC_RUN_ID", "MASTER_PORT")).strip("-")
-    name = f"torchrun-{run}" if run else f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-    return os.path.join(runs_dir(), name)
+    return os.path.join(runs_dir(), run_name())
+
+
+def run_name() -> str:
+    """torchrun-RUNID-PORT under a torchrun rendezvous with a run id (--standalone's, c10d's); torchrun-DATE-TIME-HEX
+    under its static rendezvous (every run there is "none" on the same port), agreed through torchrun's store;
+    slurm-JOB.STEP in an srun step; torchrun-PORT under another launcher; DATE-TIME-PID outside any."""
+    env = os.environ
+    run_id = env.get("TORCHELASTIC_RUN_ID")
+    if run_id == "none" and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        import torch.distributed as dist
+
+        store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
+                              timeout=datetime.timedelta(seconds=60))
+        mine = f"torchrun-{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(3).hex()}"
+        return store.compare_set("tp-layers/run-name", "", mine).decode()  # (the first rank's)
+    if run_id:
+        return f"torchrun-{run_id}-{env.get('MASTER_PORT', '')}".rstrip("-")
+    if "RANK" in env and "SLURM_JOB_ID" in env and "SLURM_STEP_ID" in env:
+        return f"slurm-{env['SLURM_JOB_ID']}.{env['SLURM_STEP_ID']}"
+    if "MASTER_PORT" in env and "RANK" in env:
+        return f"torchrun-{env['MASTER_PORT']}"
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
 
 
 def remove_stale_rank_logs(logs: str, world: int) -> None:
