@@ -257,6 +257,17 @@ def hf_with_tokenizer(tmp_path_factory, corpus):
     return str(path)
 
 
+def _tokenizer_without_eos(path):
+    """A byte-level BPE saved by the tokenizers library alone (tokenizer.json, no special tokens)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel()
+    bpe.train_from_iterator(["some text to learn from"] * 4, trainers.BpeTrainer(vocab_size=300))
+    path.mkdir()
+    bpe.save(str(path / "tokenizer.json"))
+
+
 @pytest.mark.parametrize("flags,message", [
     (["--data", "{missing}"], r"^--data .*missing: no such file or directory$"),
     (["--data", "{big_prefix}"], r"^--data .*big: no such file or directory \(a token file\? .*big.bin\)$"),
@@ -277,7 +288,15 @@ def hf_with_tokenizer(tmp_path_factory, corpus):
     (["--data", "{text}", "--data-cache-dir", "{empty_file}"], r"^--data-cache-dir .*empty.txt exists and is not a "
                                                                 r"directory$"),
     (["--data", "{text}", "--tokenizer", "{missing}"], r"^--tokenizer .*missing: no such directory"),
-    (["--data", "{text}", "--tokenizer", "{no_text}"], r"^--tokenizer .*no_text: cannot load a tokenizer"),
+    (["--data", "{text}", "--tokenizer", "{no_text}"], r"^--tokenizer .*no_text holds no tokenizer files "
+                                                       r"\(tokenizer.json, tokenizer_config.json, tokenizer.model or "
+                                                       r"vocab.json\)$"),
+    (["--data", "{text}", "--tokenizer", "{empty_config}"], r"^--tokenizer .*empty_config: cannot load a tokenizer: "
+                                                            r"Couldn't instantiate the backend tokenizer from one of: "
+                                                            r"\S.*$"),  # (transformers' lines, joined: all of them)
+    (["--data", "{text}", "--tokenizer", "{no_eos}"], r"^--tokenizer .*no_eos: the tokenizer has no EOS token to "
+                                                      r"end documents with: name one \(eos_token in its "
+                                                      r"tokenizer_config.json\)$"),
     (["--from-hf", "{hf}", "--seq-len", "32"], r"^the tokenizer of --from-hf .*llama has 400 tokens, more than the "
                                                r"model's vocab_size=300$"),
     (["--from-hf", "{hf}", "--tokenizer", "{tokenizer}", "--seq-len", "32"],
@@ -296,6 +315,9 @@ def test_bad_data_values_are_one_line_naming_them(flags, message, corpus, hf_wit
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "no_text").mkdir()
     (tmp_path / "no_text" / "data.csv").write_text("a,b\n")
+    (tmp_path / "empty_config").mkdir()
+    (tmp_path / "empty_config" / "tokenizer_config.json").write_text("{}")
+    _tokenizer_without_eos(tmp_path / "no_eos")
     (tmp_path / "blank").mkdir()
     (tmp_path / "blank" / "x.txt").write_text("")
     (tmp_path / "blank" / "y.jsonl").write_text("")
@@ -312,7 +334,8 @@ def test_bad_data_values_are_one_line_naming_them(flags, message, corpus, hf_wit
              "bin_alone": str(tmp_path / "alone.bin"), "text": corpus["text"], "hf": hf_with_tokenizer,
              "tokenizer": corpus["tokenizer"], "tiny": str(tmp_path / "tiny.txt"), "big_bin": str(tmp_path / "big.bin"),
              "big_prefix": str(tmp_path / "big"), "latin1": str(tmp_path / "latin1.txt"),
-             "binary_dir": str(tmp_path / "binary")}  # Megatron's habit: a token file named without its .bin
+             "binary_dir": str(tmp_path / "binary"), "empty_config": str(tmp_path / "empty_config"),
+             "no_eos": str(tmp_path / "no_eos")}  # Megatron's habit: a token file named without its .bin
     args = _args(*[flag.format(**paths) for flag in flags])
     with pytest.raises(ValueError) as error:
         validate(args)

@@ -3,12 +3,17 @@ import functools
 import os
 from typing import Any
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")  # any one of them
+
 
 @functools.lru_cache(maxsize=8)
 def load_tokenizer(directory: str) -> Any:
     """transformers.AutoTokenizer of a local directory (no downloads); one-line errors."""
     if not os.path.isdir(directory):
         raise ValueError(f"--tokenizer {directory}: no such directory (a Hugging Face tokenizer directory)")
+    if not has_tokenizer(directory):
+        raise ValueError(f"--tokenizer {directory} holds no tokenizer files ({', '.join(TOKENIZER_FILES[:-1])} or "
+                         f"{TOKENIZER_FILES[-1]})")
     try:
         import transformers
     except ImportError:
@@ -17,10 +22,11 @@ def load_tokenizer(directory: str) -> Any:
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(directory, local_files_only=True)
     except (OSError, ValueError, KeyError, TypeError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"--tokenizer {directory}: cannot load a tokenizer: {first}") from None
+        said = " ".join(str(e).split()) or type(e).__name__  # (transformers' lines, joined into one)
+        raise ValueError(f"--tokenizer {directory}: cannot load a tokenizer: {said}") from None
     if tokenizer.eos_token_id is None:
-        raise ValueError(f"--tokenizer {directory}: the tokenizer has no EOS token to end documents with")
+        raise ValueError(f"--tokenizer {directory}: the tokenizer has no EOS token to end documents with: name one "
+                         "(eos_token in its tokenizer_config.json)")
     return tokenizer
 
 
@@ -31,5 +37,5 @@ def tokenizer_vocab_size(tokenizer: Any) -> int:
 
 def has_tokenizer(directory: str) -> bool:
     """Whether a (Hugging Face model) directory holds tokenizer files."""
-    return any(os.path.isfile(os.path.join(directory, name))
-               for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json"))
+    return any(os.path.isfile(os.path.join(directory, name)) for name in TOKENIZER_FILES)
+
