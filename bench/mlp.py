@@ -75,7 +75,12 @@ def parser():
 
 
 def main(argv=None):
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
+    ffns = [ffn for _, ffn, _ in SHAPES]
+    for tp_size in args.tp:
+        if any(ffn % tp_size for ffn in ffns):  # (fc1's output and fc2's input are split)
+            p.error(f"--tp {tp_size} must divide the MLP's ffn sizes {', '.join(map(str, ffns))}")
     rows = []
     for hidden, ffn, tokens in SHAPES:
         for tp_size in args.tp:

@@ -2,6 +2,7 @@
 import os
 import tempfile
 
+import pytest
 import torch
 
 from bench import mlp
@@ -20,3 +21,11 @@ def test_bench_mlp_waits_for_every_collective_and_writes_to_scratch():
     out = mlp.parser().parse_args([]).out
     repo = os.path.dirname(os.path.dirname(os.path.abspath(mlp.__file__)))
     assert out.startswith(tempfile.gettempdir()) and not os.path.abspath(out).startswith(repo)
+
+
+def test_a_tp_that_does_not_divide_the_shapes_is_one_line_before_any_process(capsys):
+    with pytest.raises(SystemExit) as done:
+        mlp.main(["--tp", "2", "3"])
+    assert done.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
+        "error: --tp 3 must divide the MLP's ffn sizes 512, 2048, 4096")
