@@ -198,6 +198,16 @@ def test_megatron_flags_are_the_same_fields(megatron, ours):
     assert _job(*megatron) == _job(*ours)
 
 
+def test_virtual_stages_without_a_schedule_choose_the_interleaved_one_as_megatrons_flag_does():
+    """--virtual-stages V > 1 alone ran into the default schedule's refusal (1f1b runs one chunk per rank), which
+    named a --schedule the user never gave; as --virtual-pipeline-model-parallel-size, it now picks interleaved."""
+    assert _job("--pp", "2", "--virtual-stages", "2") == _job("--pp", "2", "--virtual-pipeline-model-parallel-size",
+                                                              "2")
+    assert _job("--pp", "2", "--virtual-stages", "2").parallelism.schedule == "interleaved"
+    assert _job("--pp", "2", "--virtual-stages", "2", "--schedule", "zb").parallelism.schedule == "zb"
+    assert _job("--pp", "2", "--virtual-stages", "1").parallelism.schedule == "1f1b"
+
+
 @pytest.mark.parametrize("flags,message", [
     (["--num-layers-per-virtual-pipeline-stage", "3"],  # tiny: 4 layers, 2 per stage at --pp 2
      r"^--num-layers-per-virtual-pipeline-stage=3 does not divide the 4 layers' 2 per pipeline stage \(--pp=2\)$"),

@@ -63,7 +63,17 @@ def job_config(args: argparse.Namespace) -> JobConfig:
         job = JobConfig().with_flags(flags)
     else:
         job = JobConfig.from_toml(args.config).with_flags({k: flags[k] for k in given if k in flags})
-    return megatron_virtual_pipeline(job, args, schedule_given="schedule" in given)
+    job = megatron_virtual_pipeline(job, args, schedule_given="schedule" in given)
+    if "virtual_stages" in given and "schedule" not in given:
+        interleave(job.parallelism)
+    return job
+
+
+def interleave(parallel) -> None:
+    """More than one model chunk per pipeline rank, the schedule not given: the interleaved one (Megatron's 1F1B with
+    a virtual pipeline), not the default 1f1b's refusal."""
+    if parallel.virtual_stages > 1 and parallel.schedule == "1f1b":
+        parallel.schedule = "interleaved"
 
 
 def megatron_virtual_pipeline(job: JobConfig, args: argparse.Namespace, *, schedule_given: bool) -> JobConfig:
@@ -89,8 +99,8 @@ def megatron_virtual_pipeline(job: JobConfig, args: argparse.Namespace, *, sched
                              f"layers' {layers / parallel.pp:g} per pipeline stage (--pp={parallel.pp})")
         stages = layers // (parallel.pp * per_chunk)
     parallel.virtual_stages = stages
-    if stages > 1 and not schedule_given and parallel.schedule == "1f1b":
-        parallel.schedule = "interleaved"  # (Megatron's 1F1B with a virtual pipeline)
+    if not schedule_given:
+        interleave(parallel)
     return job
 
 
