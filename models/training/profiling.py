@@ -9,6 +9,7 @@ https://pytorch.org/memory_viz)."""
 import contextlib
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -35,6 +36,7 @@ class StepProfiler:
             self.window = None
         self.dir, self.profiler = profile_dir(job), None
         self.cuda = torch.cuda.is_available()
+        self.export_s = 0.0  # writing the trace: not training (take_export_s)
 
     @contextlib.contextmanager
     def step(self, n: int):
@@ -53,7 +55,13 @@ class StepProfiler:
         with _quiet_stderr():
             self.profiler.__enter__()
 
+    def take_export_s(self) -> float:
+        """Seconds the last step spent stopping the profiler and writing its trace (0 for others), once."""
+        seconds, self.export_s = self.export_s, 0.0
+        return seconds
+
     def _stop(self):
+        started = time.perf_counter()
         with _quiet_stderr():
             self.profiler.__exit__(None, None, None)
         os.makedirs(self.dir, exist_ok=True)
@@ -63,6 +71,7 @@ class StepProfiler:
             torch.cuda.memory._dump_snapshot(os.path.join(self.dir, f"rank-{self.rank}-memory.pickle"))
             torch.cuda.memory._record_memory_history(enabled=None)
         self.profiler = None
+        self.export_s = time.perf_counter() - started
         if self.rank == 0:
             print(f"profile of steps {self.window[0]}..{self.window[1]}: {self.dir}/rank-N.json (one per rank "
                   "profiled; open in ui.perfetto.dev)", flush=True)

@@ -301,6 +301,7 @@ class Trainer:
                     pending.append(self.run_step(step))
                     pending[-1].after = self.stragglers.gather(step + 1, self.work_s, pending[-1].record["step_s"],
                                                                steps)
+                progress.exclude(bar, profiler.take_export_s())  # (the trace's writing is not a step's time)
                 if not self.reads_at(step + 1):
                     continue
                 for values, host in zip(pending, step_values.read(pending)):  # (each logged before the next's check)
