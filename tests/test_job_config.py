@@ -69,7 +69,11 @@ def test_flags_given_on_the_command_line_win_over_the_file(tmp_path):
     ("[training]\nstepz = 3\n", r"unknown key 'stepz' in \[training\] \(keys: steps, "),
     ("[trainer]\nsteps = 3\n", r"unknown section \[trainer\] \(sections: model, parallelism, "),
     ("[training]\nsteps = \"3\"\n", r"\[training\] steps = '3' must be an integer"),
-    ("[parallelism]\nschedule = \"1F1B\"\n", r"--schedule=1F1B must be one of gpipe, 1f1b, interleaved, zb"),
+    ("[parallelism]\nschedule = \"1F1B\"\n", r"^error: --config .*job.toml: \[parallelism\] schedule = '1F1B' must "
+                                             r"be one of gpipe, 1f1b, interleaved, zb$"),
+    ("[parallelism]\nrecompute_modules = [\"mlp\", \"norm\"]\n", r": \[parallelism\] recompute_modules = 'norm' must "
+                                                               r"be one of "),
+    ("[trainer]\nsteps = 3\n", r"\(sections: model, parallelism, .*, launch\)$"),  # (not the tests' [faults])
     ("[training\n", r"not TOML"),
 ])
 def test_a_bad_file_is_refused_in_one_line(tmp_path, capsys, text, message):

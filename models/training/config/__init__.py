@@ -182,12 +182,19 @@ class JobConfig:
         sections = job.sections()
         for name, table in tables.items():
             if name not in sections or not isinstance(table, Mapping):
-                raise ValueError(f"{source}: unknown section [{name}] (sections: {', '.join(sections)})")
+                shown = [s for s, section in sections.items() if s != "faults"]  # (the tests' fault injection)
+                raise ValueError(f"{source}: unknown section [{name}] (sections: {', '.join(shown)})")
             fields = {f.name: f for f in dataclasses.fields(sections[name])}
             for key, value in table.items():
                 if key not in fields:
                     raise ValueError(f"{source}: unknown key {key!r} in [{name}] (keys: {', '.join(fields)})")
-                setattr(sections[name], key, typed(value, fields[key].type, f"{source}: [{name}] {key}"))
+                value = typed(value, fields[key].type, f"{source}: [{name}] {key}")
+                choices = fields[key].metadata.get("choices")
+                for item in (value if isinstance(value, (list, tuple)) else [value]) if choices else ():
+                    if isinstance(item, str) and item not in choices:  # (TOML's true/false: a section's check)
+                        raise ValueError(f"{source}: [{name}] {key} = {item!r} must be one of "
+                                         f"{', '.join(map(str, choices))}")
+                setattr(sections[name], key, value)
         return job
 
     @classmethod
