@@ -226,8 +226,12 @@ def linear_wgrad(dz, x, *, fp8, main_grad=None, fused_cast=False):
 class Fp8Operand(NamedTuple):
     """A linear's x or dz cast once to e4m3 under its tensorwise scale, for each GEMM that reads it."""
     data: torch.Tensor      # e4m3 [rows, cols], row-major
-    unscale: torch.Tensor   # [] fp32: 1 / the scale
+    scale: torch.Tensor     # [] fp32: scale_of its amax
     dtype: torch.dtype      # the operand's own (the GEMMs' output dtype)
+
+    @property
+    def unscale(self) -> torch.Tensor:
+        return self.scale.reciprocal()  # (as quantize's)
 
     @property
     def shape(self) -> torch.Size:
@@ -248,7 +252,8 @@ def linear_forward_keeping_input(x, weight, bias=None, activation=None, *, fp8, 
     Fp8Operand for the wgrad)."""
     amax_x, amax_w = _reduced_amaxes(x, weight.t(), fp8, "in")
     q = quantize(x, weight.t(), amax_x, amax_w, fp8.recipe, fused_cast=fused_cast)
-    return *_epilogue(gemm(q, fp8.recipe, x.dtype), bias, activation), Fp8Operand(q.a8, q.unscale_a, x.dtype)
+    x8 = Fp8Operand(q.a8, scale_of(amax_x, FP8_RECIPES[fp8.recipe]), x.dtype)
+    return *_epilogue(gemm(q, fp8.recipe, x.dtype), bias, activation), x8
 
 
 def linear_dgrad_keeping_grad(grad_out, weight, preact=None, activation=None, *, fp8, need_input_grad=True,
@@ -260,7 +265,7 @@ def linear_dgrad_keeping_grad(grad_out, weight, preact=None, activation=None, *,
         return None, dz, None
     amax_dz, amax_w = _reduced_amaxes(dz, weight, fp8, "out")
     q = quantize(dz, weight, amax_dz, amax_w, fp8.recipe, fused_cast=fused_cast)
-    return gemm(q, fp8.recipe, dz.dtype), dz, Fp8Operand(q.a8, q.unscale_a, dz.dtype)
+    return gemm(q, fp8.recipe, dz.dtype), dz, Fp8Operand(q.a8, scale_of(amax_dz, FP8_RECIPES[fp8.recipe]), dz.dtype)
 
 
 def linear_wgrad_kept(dz, x: Fp8Operand, *, fp8, main_grad=None, fused_cast=False):
@@ -270,13 +275,7 @@ def linear_wgrad_kept(dz, x: Fp8Operand, *, fp8, main_grad=None, fused_cast=Fals
         group = reducing_group(fp8, "tokens")
         if group is not None:
             (amax,) = all_reduce_max([amax], group)
-        scale = scale_of(amax, FP8_RECIPES[fp8.recipe])
-        if fused_cast:
-            from . import fp8_cast
-
-            dz = Fp8Operand(fp8_cast.cast_to_e4m3(dz, scale), scale.reciprocal(), dz.dtype)
-        else:
-            dz = Fp8Operand(to_e4m3(dz, scale), scale.reciprocal(), dz.dtype)
+        dz = cast_kept(dz, scale_of(amax, FP8_RECIPES[fp8.recipe]), fused_cast=fused_cast)
     a8, b8 = _padded(dz.data.t().contiguous(), x.data.t().contiguous().t())  # [N, tokens] row-, [tokens, K] col-major
     out = gemm(Quantized(a8, b8, dz.unscale, x.unscale), fp8.recipe,
                dz.dtype if main_grad is None else torch.float32)
@@ -284,3 +283,13 @@ def linear_wgrad_kept(dz, x: Fp8Operand, *, fp8, main_grad=None, fused_cast=Fals
         return out
     main_grad.add_(out)
     return None
+
+
+def cast_kept(t: torch.Tensor, scale: torch.Tensor, *, fused_cast: bool = False) -> Fp8Operand:
+    """t [rows, cols] cast to e4m3 under a tensorwise scale already taken (the forward's, for an x kept in its own
+    dtype), as quantize casts a left operand: the same bits."""
+    if fused_cast:
+        from . import fp8_cast
+
+        return Fp8Operand(fp8_cast.cast_to_e4m3(t, scale), scale, t.dtype)
+    return Fp8Operand(to_e4m3(t, scale).contiguous(), scale, t.dtype)

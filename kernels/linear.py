@@ -53,13 +53,14 @@ class _LinearFunction(torch.autograd.Function):
         x, weight, bias = ops.autocast_operands(x, weight, bias)
         x2d = _flatten(x)
         ctx.kept = keeps_operands(fp8_scaling, x2d, weight)
-        if ctx.kept:  # x cast once: the wgrad's too, saved at one byte an element
+        if ctx.kept:  # x cast once: the wgrad's too, saved at one byte an element (unless its producer keeps x)
             y, preact, x8 = fp8.linear_forward_keeping_input(x2d, weight, bias, activation, fp8=fp8_scaling,
                                                              fused_cast=ops.fused_kernels(x.device))
-            x2d, ctx.x_dtype = x8.data, x8.dtype
+            ctx.x_dtype, ctx.recast = x8.dtype, getattr(x, KEPT_BY_PRODUCER, False)
+            x2d = x2d if ctx.recast else x8.data
         else:
             y, preact = ops.linear_forward(x2d, weight, bias, activation, fp8=fp8_scaling)
-        ctx.save_for_backward(x2d, weight, preact, *((x8.unscale,) if ctx.kept else ()))
+        ctx.save_for_backward(x2d, weight, preact, *((x8.scale,) if ctx.kept else ()))
         ctx.activation, ctx.fp8 = activation, fp8_scaling
         # detach: a plain tensor rather than a view of one made in here, so callers may modify it in place (the
         # row-parallel layer all-reduces its matmul output in its own storage).
@@ -68,17 +69,30 @@ class _LinearFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_y):
-        x2d, weight, preact, *x_unscale = ctx.saved_tensors
+        x2d, weight, preact, *x_scale = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         grad_2d = _flatten(grad_y).to(weight.dtype)
         # dz (= grad through the activation) comes back even without dx: wgrad and dbias reuse it.
         grad_x, dz, dz_for_w = dgrad_and_wgrad_operand(ctx, grad_2d, weight, preact, need_x)
         if ctx.kept:
-            x2d = fp8.Fp8Operand(x2d, x_unscale[0], ctx.x_dtype)
+            x2d = kept_input(ctx, x2d, x_scale[0])
         # With main_grad: accumulated in place (α = β = 1), no low-precision dW, weight.grad stays None.
         grad_w = ops.linear_wgrad(dz_for_w, x2d, main_grad=ctx.main_grad, fp8=ctx.fp8) if need_w else None
         grad_b = ops.bias_grad(dz, ctx.bias_dtype) if need_b else None
         return (None if grad_x is None else grad_x.view(ctx.x_shape)), grad_w, grad_b, None, None
+
+
+# Set (True) on a tensor whose producer keeps it for backward anyway (tp.recompute's DiscardedOutput refills a norm's
+# output then): a tensorwise fp8 linear saves it as it is rather than an e4m3 copy beside it, and casts it again in
+# its wgrad under the forward's scale (the same bits; no amax, no all-reduce).
+KEPT_BY_PRODUCER = "kept_by_producer"
+
+
+def kept_input(ctx, saved: torch.Tensor, scale: torch.Tensor) -> fp8.Fp8Operand:
+    """The x a linear Function kept for its wgrad, as an Fp8Operand: its e4m3 cast, or (ctx.recast) x cast again."""
+    if ctx.recast:
+        return fp8.cast_kept(saved, scale, fused_cast=ops.fused_kernels(saved.device))
+    return fp8.Fp8Operand(saved, scale, ctx.x_dtype)
 
 
 def keeps_operands(fp8_scaling: fp8.Fp8Scaling | None, x2d: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -17,6 +17,7 @@ from torch.utils._pytree import tree_leaves
 import kernels
 import tp
 from kernels.fp8 import FP8_RECIPES, Fp8Scaling
+from kernels.linear import KEPT_BY_PRODUCER
 from kernels.triton_ops import LAUNCHES
 from models import GPTConfig
 from models.training.cli import parser
@@ -118,16 +119,18 @@ class _Traffic(TorchDispatchMode):
 
 
 
-class _Gathers(TorchDispatchMode):
-    """The dtypes the all-gathers (all_gather_into_tensor) send, in order."""
+class _Collectives(TorchDispatchMode):
+    """The all-reduces, and the dtypes the all-gathers (all_gather_into_tensor) send, in order. (A dispatch mode:
+    CommDebugMode, a function mode too, hands autograd Functions other tensor objects than the caller's.)"""
 
     def __init__(self):
         super().__init__()
-        self.dtypes = []
+        self.all_reduces, self.gathered = 0, []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.all_reduces += func.overloadpacket is torch.ops.c10d.allreduce_
         if func.overloadpacket is torch.ops.c10d._allgather_base_:
-            self.dtypes.append(args[1].dtype)
+            self.gathered.append(args[1].dtype)
         return func(*args, **(kwargs or {}))
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -167,22 +170,29 @@ class _Amaxes(TorchDispatchMode):
 def test_a_tensorwise_linear_casts_x_and_dz_once_and_saves_x_in_fp8(activation):
     """Tensorwise scales are per tensor, so the forward's cast of x is the wgrad's and the dgrad's cast of dz is the
     wgrad's: 4 amax passes instead of 6 (the weight's twice), and x is saved for backward as its e4m3 cast (one byte
-    an element instead of two). The results are bit for bit those of each GEMM casting its own operands."""
+    an element instead of two), unless x's producer keeps it anyway (a norm recomputed by DiscardedOutput): then x
+    itself, cast again in the wgrad under the forward's scale. The results are bit for bit those of each GEMM
+    casting its own operands."""
     results = {}
-    for once in (True, False):
+    for once, producer_keeps in ((True, False), (True, True), (False, False)):
         x, w, b, dy = _inputs(torch.bfloat16)
         dy = dy[:, :24] if activation else dy
+        if producer_keeps:
+            setattr(x, KEPT_BY_PRODUCER, True)
         saved = []
         with _casting_once(once), _Amaxes(min(x.numel(), dy.numel())) as amaxes, \
                 torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
             y = kernels.linear(x, w, b, activation=activation, fp8_recipe="tensorwise")
             y.backward(dy)
-        results[once] = y, x.grad, w.grad, b.grad
+        results[once, producer_keeps] = y, x.grad, w.grad, b.grad
         x_saved = [t for t in saved if t.shape == x.shape]
         assert amaxes.passes == (4 if once else 6)
-        assert [t.dtype for t in x_saved] == [torch.float8_e4m3fn if once else torch.bfloat16]
-    for got, want in zip(results[True], results[False]):
-        assert torch.equal(got, want)
+        assert [t.dtype for t in x_saved] == [torch.float8_e4m3fn if once and not producer_keeps else torch.bfloat16]
+        assert (producer_keeps or not once) == (x_saved[0].untyped_storage().data_ptr() ==
+                                                x.untyped_storage().data_ptr())  # (x itself, not a copy)
+    for kept in ((True, False), (True, True)):
+        for got, want in zip(results[kept], results[False, False]):
+            assert torch.equal(got, want), kept
 
 
 @distributed(world_size=2)
@@ -190,29 +200,29 @@ def test_at_tp_2_the_kept_casts_save_an_all_reduce_per_linear_and_gather_x_in_fp
     """A column- and a row-parallel tensorwise linear at tp 2, with and without SP: the wgrad reuses the amaxes the
     forward and the dgrad reduced (one all-reduce fewer per linear), under SP the backward re-gathers x's e4m3 cast
     (half the bytes), and every output and gradient is bit for bit the per-GEMM casts'."""
-    from torch.distributed.tensor.debug import CommDebugMode
-
     tp.init_mesh(tp=2)
     rank = dist.get_rank()
     g = torch.Generator().manual_seed(1)
     x, dy = torch.randn(8, 3, 32, generator=g), torch.randn(8, 3, 32, generator=g)
     w1, w2, b2 = torch.randn(128, 32, generator=g) / 6, torch.randn(32, 64, generator=g) / 8, torch.randn(32)
-    for sp in (False, True):
+    for sp, producer_keeps in ((False, False), (True, False), (True, True)):
         results, reduces, gathered = {}, {}, {}
         for once in (True, False):
             fc1, fc2 = _mlp("tensorwise", sp, w1, w2, b2)
             x_local = (x.chunk(2)[rank] if sp else x).clone().requires_grad_()
-            with _casting_once(once), CommDebugMode() as comms, _Gathers() as gathers:
+            if producer_keeps:  # (fc1 saves x itself and re-gathers it in fp32, as the per-GEMM path does)
+                setattr(x_local, KEPT_BY_PRODUCER, True)
+            with _casting_once(once), _Collectives() as collectives:
                 y = fc2(fc1(x_local))
                 y.backward(dy.chunk(2)[rank] if sp else dy)
             results[once] = y, x_local.grad, fc1.weight.grad, fc2.weight.grad, fc2.bias.grad
-            reduces[once] = comms.get_comm_counts()[torch.ops.c10d.allreduce_]
-            gathered[once] = gathers.dtypes
+            reduces[once], gathered[once] = collectives.all_reduces, collectives.gathered
         for got, want in zip(results[True], results[False]):
             assert torch.equal(got, want), sp
         assert reduces[True] == reduces[False] - 2, (sp, reduces)
         if sp:  # fc1's input; in backward fc2's output gradient, then fc1's input again (its e4m3 bytes, kept)
-            assert gathered == {True: [torch.float32, torch.float32, torch.uint8], False: [torch.float32] * 3}
+            kept_gather = torch.float32 if producer_keeps else torch.uint8
+            assert gathered == {True: [torch.float32, torch.float32, kept_gather], False: [torch.float32] * 3}
 
 def test_the_weight_gradient_accumulates_into_main_grad_in_fp32():
     x, w, b, dy = _inputs(torch.bfloat16)

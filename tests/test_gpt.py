@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 import models
 import tp
+from kernels.linear import KEPT_BY_PRODUCER
 from models.hf import hf_state_dict
 from tp.testing import distributed
 
@@ -197,6 +198,7 @@ def test_a_recomputed_function_reading_an_undeclared_parameter_is_refused():
                                            r"params: a Parameter of shape \(4,\)"):
         kept.output.sum().backward()
     done = DiscardedOutput(lambda t: norm(t) * scale, x, params=[*norm.parameters(), scale])
+    assert getattr(done.output, KEPT_BY_PRODUCER)  # (an fp8 linear reading it saves it, not a copy)
     done.output.sum().backward()
     assert scale.grad is not None and norm.weight.grad is not None
 

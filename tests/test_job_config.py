@@ -212,6 +212,18 @@ def test_virtual_stages_without_a_schedule_choose_the_interleaved_one_as_megatro
     assert _job("--pp", "2", "--virtual-stages", "1").parallelism.schedule == "1f1b"
 
 
+def test_virtual_stages_in_a_config_file_without_a_schedule_choose_the_interleaved_one(tmp_path):
+    """The same rule for a --config file: its virtual_stages without a schedule of its own (or a flag's) picks
+    interleaved; a schedule the file names stays."""
+    path = tmp_path / "job.toml"
+    path.write_text("[parallelism]\npp = 2\nvirtual_stages = 2\n")
+    assert _job("--config", str(path)).parallelism.schedule == "interleaved"
+    path.write_text("[parallelism]\npp = 2\nvirtual_stages = 2\nschedule = \"zb\"\n")
+    assert _job("--config", str(path)).parallelism.schedule == "zb"
+    path.write_text("[parallelism]\npp = 2\nschedule = \"1f1b\"\n")
+    assert _job("--config", str(path), "--virtual-stages", "2").parallelism.schedule == "1f1b"  # (then refused)
+
+
 @pytest.mark.parametrize("flags,message", [
     (["--num-layers-per-virtual-pipeline-stage", "3"],  # tiny: 4 layers, 2 per stage at --pp 2
      r"^--num-layers-per-virtual-pipeline-stage=3 does not divide the 4 layers' 2 per pipeline stage \(--pp=2\)$"),

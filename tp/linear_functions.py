@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 import kernels
-from kernels.linear import dgrad_and_wgrad_operand, keeps_operands
+from kernels.linear import KEPT_BY_PRODUCER, dgrad_and_wgrad_operand, keeps_operands, kept_input
 
 from .collectives import all_reduce, gather_first, reduce_scatter_first, wait
 from .grads import main_grad_of
@@ -33,12 +33,12 @@ class _ParallelLinearFn(torch.autograd.Function):
         if ctx.kept:  # x cast once (the wgrad's too) and saved at one byte an element: this rank's rows under SP
             y, preact, x8 = kernels.fp8.linear_forward_keeping_input(
                 x_2d, weight, bias, activation, fp8=fp8, fused_cast=kernels.ops.fused_kernels(x.device))
-            x8_mine = x8.data
-            if comm == "sequence":  # this rank's [s/tp · b] rows of [s · b], copied (not the whole x8 kept)
+            ctx.x_dtype, ctx.recast = x8.dtype, getattr(x, KEPT_BY_PRODUCER, False)
+            x_saved = x if ctx.recast else x8.data  # (x when its producer keeps it anyway: cast again in the wgrad)
+            if comm == "sequence" and not ctx.recast:  # this rank's [s/tp · b] rows of [s · b], copied
                 rows = x.numel() // x.shape[-1]
-                x8_mine = x8.data[dist.get_rank(group) * rows:][:rows].clone()
-            ctx.x_dtype = x8.dtype
-            saved = (x8_mine, weight, preact, x8.unscale)
+                x_saved = x8.data[dist.get_rank(group) * rows:][:rows].clone()
+            saved = (x_saved, weight, preact, x8.scale)
         else:
             y, preact = kernels.linear_forward(x_2d, weight, bias, activation, fp8=fp8)
             saved = (x, weight, preact)
@@ -49,18 +49,20 @@ class _ParallelLinearFn(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        x, weight, preact, *x_unscale = ctx.saved_tensors
+        x, weight, preact, *x_scale = ctx.saved_tensors
         group, comm = ctx.group, ctx.comm
-        if comm == "sequence":  # re-gather the input while dgrad runs (in fp8 when kept: half the bytes)
-            x_total, gather = gather_first(x.view(torch.uint8) if ctx.kept else x, group, async_op=True)
+        e4m3 = ctx.kept and not ctx.recast
+        if comm == "sequence":  # re-gather the input while dgrad runs (its e4m3 bytes when kept so: half the bytes)
+            x_total, gather = gather_first(x.view(torch.uint8) if e4m3 else x, group, async_op=True)
         else:
             x_total, gather = x, None
         dy = grad_out.reshape(-1, grad_out.shape[-1]).to(weight.dtype)  # [s*b, out/tp]
         need_dx = ctx.needs_input_grad[0]
         dx, dz, dz_for_w = dgrad_and_wgrad_operand(ctx, dy, weight, preact, need_dx)
         wait(gather)
-        if ctx.kept:
-            x_total = kernels.fp8.Fp8Operand(x_total.view(x.dtype), x_unscale[0], ctx.x_dtype)  # [s*b, in]
+        if ctx.kept:  # [s*b, in]
+            x_total = kept_input(ctx, x_total.view(x.dtype) if e4m3 else x_total.reshape(-1, x.shape[-1]),
+                                 x_scale[0])
         pending = None
         if need_dx:
             dx = dx.view(*grad_out.shape[:-1], dx.shape[-1])  # [s, b, in]

@@ -17,6 +17,8 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from kernels.linear import KEPT_BY_PRODUCER
+
 
 class _Run(torch.autograd.Function):
     """fn(*inputs) without its graph; backward through the recomputed one."""
@@ -73,6 +75,7 @@ class DiscardedOutput:
     def __init__(self, fn: Callable[..., torch.Tensor], *inputs: torch.Tensor,
                  params: Iterable[torch.Tensor] = ()) -> None:
         self.output = _Run.apply(fn, len(inputs), *inputs, *params)
+        setattr(self.output, KEPT_BY_PRODUCER, True)  # (refilled in backward: a consumer need not keep a copy)
         self.node = self.output.grad_fn  # (None when nothing needs a gradient)
         self.nbytes = 0  # the output's, once discarded
 

@@ -31,6 +31,7 @@ from ..presets import DEFAULT_MODEL, MODELS
 from ..stages import EVEN_SPLIT
 from . import data, failures, launch, preflight, trainer
 from .config import JobConfig
+from .config.toml_io import read_toml
 from .flags import Parser, add_job_flags, usage_formatter
 
 # Megatron's virtual pipeline flags: no field of ours (virtual_stages counts chunks per rank), converted by job_config
@@ -63,22 +64,23 @@ def job_config(args: argparse.Namespace) -> JobConfig:
         job = JobConfig().with_flags(flags)
     else:
         job = JobConfig.from_toml(args.config).with_flags({k: flags[k] for k in given if k in flags})
-    job = megatron_virtual_pipeline(job, args, schedule_given="schedule" in given)
-    if "virtual_stages" in given and "schedule" not in given:
+    job = megatron_virtual_pipeline(job, args)
+    if "schedule" not in given and (args.config is None or "schedule" not in read_toml(args.config).get(
+            "parallelism", {})):
         interleave(job.parallelism)
     return job
 
 
 def interleave(parallel) -> None:
-    """More than one model chunk per pipeline rank, the schedule not given: the interleaved one (Megatron's 1F1B with
-    a virtual pipeline), not the default 1f1b's refusal."""
+    """More than one model chunk per pipeline rank and no schedule given (by a flag or the --config file): the
+    interleaved one (Megatron's 1F1B with a virtual pipeline), not the default 1f1b's refusal."""
     if parallel.virtual_stages > 1 and parallel.schedule == "1f1b":
         parallel.schedule = "interleaved"
 
 
-def megatron_virtual_pipeline(job: JobConfig, args: argparse.Namespace, *, schedule_given: bool) -> JobConfig:
+def megatron_virtual_pipeline(job: JobConfig, args: argparse.Namespace) -> JobConfig:
     """`job` with Megatron's virtual pipeline flags, if given, as virtual_stages: V chunks per pipeline rank, or the
-    layers per chunk (which must divide each stage's layers); their schedule, interleaved, unless --schedule says."""
+    layers per chunk (which must divide each stage's layers); job_config then picks their schedule (interleave)."""
     per_chunk, stages = (getattr(args, name, None) for name in VIRTUAL_PIPELINE_FLAGS)
     if per_chunk is None and stages is None:
         return job
@@ -99,8 +101,6 @@ def megatron_virtual_pipeline(job: JobConfig, args: argparse.Namespace, *, sched
                              f"layers' {layers / parallel.pp:g} per pipeline stage (--pp={parallel.pp})")
         stages = layers // (parallel.pp * per_chunk)
     parallel.virtual_stages = stages
-    if not schedule_given:
-        interleave(parallel)
     return job
 
 

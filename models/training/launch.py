@@ -215,10 +215,14 @@ def run_name() -> str:
     if run_id == "none" and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         import torch.distributed as dist
 
-        store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
-                              timeout=datetime.timedelta(seconds=60))
         mine = f"torchrun-{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(3).hex()}"
-        return store.compare_set("tp-layers/run-name", "", mine).decode()  # (the first rank's)
+        try:
+            store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
+                                  timeout=datetime.timedelta(seconds=60))
+            return store.compare_set("tp-layers/run-name", "", mine).decode()  # (the first rank's)
+        except (RuntimeError, ValueError) as e:  # (DistNetworkError, DistStoreError: RuntimeErrors)
+            print(f"warning: torchrun's store did not answer ({type(e).__name__}): logs in torchrun-none-"
+                  f"{env['MASTER_PORT']}, which another run on this port also uses", file=sys.stderr, flush=True)
     if run_id:
         return f"torchrun-{run_id}-{env.get('MASTER_PORT', '')}".rstrip("-")
     if "RANK" in env and "SLURM_JOB_ID" in env and "SLURM_STEP_ID" in env:

@@ -11,9 +11,6 @@ def load_tokenizer(directory: str) -> Any:
     """transformers.AutoTokenizer of a local directory (no downloads); one-line errors."""
     if not os.path.isdir(directory):
         raise ValueError(f"--tokenizer {directory}: no such directory (a Hugging Face tokenizer directory)")
-    if not has_tokenizer(directory):
-        raise ValueError(f"--tokenizer {directory} holds no tokenizer files ({', '.join(TOKENIZER_FILES[:-1])} or "
-                         f"{TOKENIZER_FILES[-1]})")
     try:
         import transformers
     except ImportError:
@@ -22,6 +19,9 @@ def load_tokenizer(directory: str) -> Any:
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(directory, local_files_only=True)
     except (OSError, ValueError, KeyError, TypeError) as e:
+        if not has_tokenizer(directory):
+            raise ValueError(f"--tokenizer {directory} holds no tokenizer files ({', '.join(TOKENIZER_FILES[:-1])} "
+                             f"or {TOKENIZER_FILES[-1]})") from None
         said = " ".join(str(e).split()) or type(e).__name__  # (transformers' lines, joined into one)
         raise ValueError(f"--tokenizer {directory}: cannot load a tokenizer: {said}") from None
     if tokenizer.eos_token_id is None:
