@@ -139,15 +139,20 @@ def quantize(a: torch.Tensor, b: torch.Tensor, amax_a: torch.Tensor, amax_b: tor
     where a split needs it); `fused_cast`: each cast one Triton pass (kernels.fp8_cast, the same bits)."""
     rule = FP8_RECIPES[recipe]
     scale_a, scale_b = scale_of(amax_a, rule), scale_of(amax_b, rule)
+    a8 = _cast(a, scale_a, column_major=False, fused_cast=fused_cast)  # (the wgrad's left operand is dzᵀ)
+    b8 = _cast(b, scale_b, column_major=True, fused_cast=fused_cast)
+    return Quantized(*_padded(a8, b8), scale_a.reciprocal(), scale_b.reciprocal())
+
+
+def _cast(t, scale, *, column_major, fused_cast):
+    """t cast to e4m3 under `scale`, row-major (as cuBLASLt wants the left operand) or column-major (the right one);
+    `fused_cast`: one Triton pass (kernels.fp8_cast, the same bits)."""
     if fused_cast:
         from . import fp8_cast  # (Triton, imported on first use)
 
-        a8 = fp8_cast.cast_to_e4m3(a, scale_a)
-        b8 = fp8_cast.cast_to_e4m3(b, scale_b, column_major=True)
-    else:
-        a8 = to_e4m3(a, scale_a).contiguous()  # row-major, as cuBLASLt wants the left operand (wgrad's is dzᵀ)
-        b8 = to_e4m3(b, scale_b).t().contiguous().t()  # column-major, as it wants the right one
-    return Quantized(*_padded(a8, b8), scale_a.reciprocal(), scale_b.reciprocal())
+        return fp8_cast.cast_to_e4m3(t, scale, column_major=column_major)
+    t8 = to_e4m3(t, scale)
+    return t8.t().contiguous().t() if column_major else t8.contiguous()
 
 
 def _padded(a8, b8):
@@ -288,8 +293,4 @@ def linear_wgrad_kept(dz, x: Fp8Operand, *, fp8, main_grad=None, fused_cast=Fals
 def cast_kept(t: torch.Tensor, scale: torch.Tensor, *, fused_cast: bool = False) -> Fp8Operand:
     """t [rows, cols] cast to e4m3 under a tensorwise scale already taken (the forward's, for an x kept in its own
     dtype), as quantize casts a left operand: the same bits."""
-    if fused_cast:
-        from . import fp8_cast
-
-        return Fp8Operand(fp8_cast.cast_to_e4m3(t, scale), scale, t.dtype)
-    return Fp8Operand(to_e4m3(t, scale).contiguous(), scale, t.dtype)
+    return Fp8Operand(_cast(t, scale, column_major=False, fused_cast=fused_cast), scale, t.dtype)

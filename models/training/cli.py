@@ -60,13 +60,14 @@ def job_config(args: argparse.Namespace) -> JobConfig:
     values."""
     flags = {k: v for k, v in vars(args).items() if k not in ("config", "given_flags", *VIRTUAL_PIPELINE_FLAGS)}
     given = set(getattr(args, "given_flags", flags)) - {"config"}
+    tables = {} if args.config is None else read_toml(args.config)
     if args.config is None:
         job = JobConfig().with_flags(flags)
     else:
-        job = JobConfig.from_toml(args.config).with_flags({k: flags[k] for k in given if k in flags})
+        job = JobConfig.from_dict(tables, f"--config {args.config}").with_flags({k: flags[k] for k in given
+                                                                                 if k in flags})
     job = megatron_virtual_pipeline(job, args)
-    if "schedule" not in given and (args.config is None or "schedule" not in read_toml(args.config).get(
-            "parallelism", {})):
+    if "schedule" not in given and "schedule" not in tables.get("parallelism", {}):
         interleave(job.parallelism)
     return job
 

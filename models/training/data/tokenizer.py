@@ -38,4 +38,3 @@ def tokenizer_vocab_size(tokenizer: Any) -> int:
 def has_tokenizer(directory: str) -> bool:
     """Whether a (Hugging Face model) directory holds tokenizer files."""
     return any(os.path.isfile(os.path.join(directory, name)) for name in TOKENIZER_FILES)
-
