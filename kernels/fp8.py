@@ -276,18 +276,28 @@ def linear_dgrad_keeping_grad(grad_out, weight, preact=None, activation=None, *,
 def linear_wgrad_kept(dz, x: Fp8Operand, *, fp8, main_grad=None, fused_cast=False):
     """linear_wgrad on the input the forward kept and dz (an Fp8Operand the dgrad kept, else cast here): dzᵀ·x."""
     if not isinstance(dz, Fp8Operand):
-        amax = _amax(dz, None, False)
-        group = reducing_group(fp8, "tokens")
-        if group is not None:
-            (amax,) = all_reduce_max([amax], group)
-        dz = cast_kept(dz, scale_of(amax, FP8_RECIPES[fp8.recipe]), fused_cast=fused_cast)
-    a8, b8 = _padded(dz.data.t().contiguous(), x.data.t().contiguous().t())  # [N, tokens] row-, [tokens, K] col-major
-    out = gemm(Quantized(a8, b8, dz.unscale, x.unscale), fp8.recipe,
-               dz.dtype if main_grad is None else torch.float32)
+        (dz,) = cast_tensorwise([dz], fp8, fused_cast=fused_cast)
+    out = kept_wgrad_gemm(dz, x, fp8.recipe, dz.dtype if main_grad is None else torch.float32)
     if main_grad is None:
         return out
     main_grad.add_(out)
     return None
+
+
+def kept_wgrad_gemm(dz: Fp8Operand, x: Fp8Operand, recipe: str, out_dtype: torch.dtype) -> torch.Tensor:
+    """dzᵀ·x [N, K] of kept casts dz [tokens, N] and x [tokens, K] (tokens zero-padded to a multiple of 16)."""
+    a8, b8 = _padded(dz.data.t().contiguous(), x.data.t().contiguous().t())  # [N, tokens] row-, [tokens, K] col-major
+    return gemm(Quantized(a8, b8, dz.unscale, x.unscale), recipe, out_dtype)
+
+
+def cast_tensorwise(ts: list[torch.Tensor], fp8: Fp8Scaling, *, fused_cast: bool = False) -> list[Fp8Operand]:
+    """Each t (a wgrad's dz, a group's rows) cast under its own tensorwise scale, the amaxes all-reduced (one call)
+    where the wgrad's split needs it."""
+    amaxes = [_amax(t, None, False) for t in ts]
+    group = reducing_group(fp8, "tokens")
+    if group is not None:
+        amaxes = all_reduce_max(amaxes, group)
+    return [cast_kept(t, scale_of(amax, FP8_RECIPES[fp8.recipe]), fused_cast=fused_cast) for t, amax in zip(ts, amaxes)]
 
 
 def cast_kept(t: torch.Tensor, scale: torch.Tensor, *, fused_cast: bool = False) -> Fp8Operand:

@@ -201,7 +201,7 @@ def grouped_forward(x: torch.Tensor, weight: torch.Tensor, counts: Counts, activ
     _check(x, weight, counts)
     if fp8 is not None:  # (eager: a loop of torch._scaled_mm over the groups)
         return grouped_fp8.grouped_forward(x, weight, _as_tensor(counts), activation, fp8=fp8,
-                                           fused_cast=ops.fused_kernels(x.device))
+                                           fused_cast=ops.fused_kernels(x.device))[:2]
     y, z = _forward(x, weight, _as_tensor(counts), activation)
     return y, None if activation is None else z
 
@@ -215,8 +215,44 @@ def grouped_dgrad(grad_out: torch.Tensor, weight: torch.Tensor, counts: Counts, 
         return None, dz
     if fp8 is not None:
         return grouped_fp8.grouped_dgrad(dz, weight, _as_tensor(counts), fp8=fp8,
-                                         fused_cast=ops.fused_kernels(dz.device)), dz
+                                         fused_cast=ops.fused_kernels(dz.device))[0], dz
     return _dgrad(dz, weight, _as_tensor(counts)), dz
+
+
+# A tensorwise fp8 grouped GEMM casts each expert's x and dz once (kernels.grouped_fp8): its Function keeps those
+# casts for the wgrad, which then takes them in place of x and dz.
+
+def forward_keeping_input(x: torch.Tensor, weight: torch.Tensor, counts: Counts, activation: str | None, *,
+                          fp8: Fp8Scaling | None) -> tuple[torch.Tensor, torch.Tensor | None,
+                                                           torch.Tensor | fp8_ops.Fp8Operand]:
+    """grouped_forward -> (y, the pre-activation or None, the x its wgrad takes: x's kept cast under a tensorwise
+    fp8, else x)."""
+    if not fp8_ops.keeps_operands(fp8):
+        return *grouped_forward(x, weight, counts, activation, fp8=fp8), x
+    _check(x, weight, counts)
+    return grouped_fp8.grouped_forward(x, weight, _as_tensor(counts), activation, fp8=fp8, keep=True,
+                                       fused_cast=ops.fused_kernels(x.device))
+
+
+def dgrad_keeping_grad(grad_out: torch.Tensor, weight: torch.Tensor, counts: Counts,
+                       preact: torch.Tensor | None, activation: str | None, *, need_input_grad: bool,
+                       fp8: Fp8Scaling | None) -> tuple[torch.Tensor | None, torch.Tensor | fp8_ops.Fp8Operand]:
+    """grouped_dgrad -> (dx or None, the dz its wgrad takes: dz's kept cast under a tensorwise fp8 with dx, else
+    dz)."""
+    if not (need_input_grad and fp8_ops.keeps_operands(fp8)):
+        return grouped_dgrad(grad_out, weight, counts, preact, activation, need_input_grad=need_input_grad, fp8=fp8)
+    dz = torch_ops.activation_backward(grad_out, preact, activation)
+    return grouped_fp8.grouped_dgrad(dz, weight, _as_tensor(counts), fp8=fp8, keep=True,
+                                     fused_cast=ops.fused_kernels(dz.device))
+
+
+def saved_operand(t: torch.Tensor | fp8_ops.Fp8Operand) -> tuple[torch.Tensor, ...]:
+    """The tensors a Function saves for an operand: itself, or a kept cast's data and scales (operand() undoes)."""
+    return (t.data, t.scale) if isinstance(t, fp8_ops.Fp8Operand) else (t,)
+
+
+def operand(saved: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor | fp8_ops.Fp8Operand:
+    return fp8_ops.Fp8Operand(*saved, dtype) if len(saved) == 2 else saved[0]
 
 
 def grouped_wgrad(dz: torch.Tensor, x: torch.Tensor, counts: Counts, *, main_grad: torch.Tensor | None = None,
@@ -258,18 +294,19 @@ class _GroupedLinear(torch.autograd.Function):
         if torch.compiler.is_compiling() and getattr(weight, "folds_grad_into_main_grad", False):
             ctx.main_grad = None  # (.grad's hook folds it in: a compiled backward cannot run main_grad's hook)
         x, weight, _ = ops.autocast_operands(x, weight)
-        y, preact = grouped_forward(x, weight, counts, activation, fp8=fp8)
-        ctx.save_for_backward(x, weight, preact, counts)
-        ctx.activation, ctx.fp8 = activation, fp8
+        y, preact, x_for_w = forward_keeping_input(x, weight, counts, activation, fp8=fp8)
+        ctx.save_for_backward(weight, preact, counts, *saved_operand(x_for_w))  # (x, or its e4m3 cast)
+        ctx.activation, ctx.fp8, ctx.x_dtype = activation, fp8, x.dtype
         return y
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_y):
-        x, weight, preact, counts = ctx.saved_tensors
-        dx, dz = grouped_dgrad(grad_y.to(weight.dtype).contiguous(), weight, counts, preact, ctx.activation,
-                               need_input_grad=ctx.needs_input_grad[0], fp8=ctx.fp8)
-        dw = grouped_wgrad(dz, x, counts, main_grad=ctx.main_grad, fp8=ctx.fp8) if ctx.needs_input_grad[1] else None
+        weight, preact, counts, *x = ctx.saved_tensors
+        dx, dz = dgrad_keeping_grad(grad_y.to(weight.dtype).contiguous(), weight, counts, preact, ctx.activation,
+                                    need_input_grad=ctx.needs_input_grad[0], fp8=ctx.fp8)
+        dw = (grouped_wgrad(dz, operand(x, ctx.x_dtype), counts, main_grad=ctx.main_grad, fp8=ctx.fp8)
+              if ctx.needs_input_grad[1] else None)
         return dx, dw, None, None, None
 
 

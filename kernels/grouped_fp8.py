@@ -8,52 +8,89 @@ group is the etp group and its split the weight dim etp splits (fc1: "out", fc2:
 changes, every expert's, are all-reduced (MAX) in one all-reduce per GEMM, so the scales are the serial layer's.
 Under torch.compile each primitive runs as a custom op (tp_kernels::grouped_fp8_*, the scaling passed by names), as
 kernels.grouped's do: the loop needs the counts on the host, which a traced graph cannot read.
+Tensorwise experts cast x and dz once, as kernels.fp8's linears do: the forward keeps each expert's e4m3 rows of x
+(one scale per expert, Fp8Operand's scale [E]) and the dgrad dz's, and the wgrad multiplies those (same bits, no
+amax, cast or all-reduce there; x saved at one byte an element).
 """
 import torch
 import torch.distributed as dist
 
+from . import fp8 as fp8_ops
 from . import torch_ops
-from .fp8 import Fp8Scaling, all_reduce_max, matmul_scaled_by, operand_amaxes, reducing_group
+from .fp8 import Fp8Operand, Fp8Scaling, all_reduce_max, matmul_scaled_by, operand_amaxes, reducing_group
 from .opaque import opaque_under_compile
 
 
 def grouped_scaled_matmuls(pairs: list[tuple[torch.Tensor, torch.Tensor]], fp8: Fp8Scaling, *, contraction: str,
-                           out_dtype: torch.dtype, fused_cast: bool = False) -> list[torch.Tensor]:
-    """[a_e @ b_e] for each group's (a_e [M_e, K], b_e [K, N]), each with its own scales; `contraction` names K
-    among the weight's dims ("in", "out") or "tokens", for the amax reduction (kernels.fp8.reducing_group);
-    `fused_cast`: kernels.fp8.quantize's."""
+                           out_dtype: torch.dtype, fused_cast: bool = False, keep: bool = False
+                           ) -> tuple[list[torch.Tensor], Fp8Operand | None]:
+    """([a_e @ b_e] for each group's (a_e [M_e, K], b_e [K, N]), each with its own scales; with `keep` (tensorwise)
+    the a_e's e4m3 casts [sum M_e, K] with their scales [E], else None). `contraction` names K among the weight's
+    dims ("in", "out") or "tokens", for the amax reduction (kernels.fp8.reducing_group); `fused_cast`:
+    kernels.fp8.quantize's."""
     amaxes = [amax for a, b in pairs for amax in operand_amaxes(a, b, fp8.recipe)]
     group = reducing_group(fp8, contraction)
     if group is not None:  # every expert's amaxes in one all-reduce
         amaxes = all_reduce_max(amaxes, group)
-    return [matmul_scaled_by(a, b, amaxes[2 * e], amaxes[2 * e + 1], fp8.recipe, out_dtype=out_dtype,
-                             fused_cast=fused_cast) for e, (a, b) in enumerate(pairs)]
+    if not keep:
+        return [matmul_scaled_by(a, b, amaxes[2 * e], amaxes[2 * e + 1], fp8.recipe, out_dtype=out_dtype,
+                                 fused_cast=fused_cast) for e, (a, b) in enumerate(pairs)], None
+    outs, casts = [], []
+    for e, (a, b) in enumerate(pairs):
+        if a.numel() == 0:  # (an expert without rows)
+            outs.append(a.new_zeros(0, b.shape[1], dtype=out_dtype))
+            casts.append(a.to(fp8_ops.E4M3))
+            continue
+        q = fp8_ops.quantize(a, b, amaxes[2 * e], amaxes[2 * e + 1], fp8.recipe, fused_cast=fused_cast)
+        outs.append(fp8_ops.gemm(q, fp8.recipe, out_dtype))
+        casts.append(q.a8)
+    scales = torch.stack([fp8_ops.scale_of(amaxes[2 * e], fp8_ops.FP8_RECIPES[fp8.recipe]) for e in range(len(pairs))])
+    return outs, Fp8Operand(torch.cat(casts), scales, pairs[0][0].dtype)
 
 
 def _rows(t, counts):
     return t.split(counts.tolist())  # (a device sync where the counts live on a GPU: the loop needs them)
 
 
-def _eager_forward(x, weight, counts, activation, fp8, fused_cast):
+def _eager_forward(x, weight, counts, activation, fp8, fused_cast, keep):
     pairs = [(x_e, w.t()) for x_e, w in zip(_rows(x, counts), weight)]
-    z = torch.cat(grouped_scaled_matmuls(pairs, fp8, contraction="in", out_dtype=x.dtype, fused_cast=fused_cast))
-    return (z, None) if activation is None else (torch_ops.activation_forward(z, activation), z)
+    zs, x8 = grouped_scaled_matmuls(pairs, fp8, contraction="in", out_dtype=x.dtype, fused_cast=fused_cast, keep=keep)
+    z = torch.cat(zs)
+    return (z, None, x8) if activation is None else (torch_ops.activation_forward(z, activation), z, x8)
 
 
-def _eager_dgrad(dz, weight, counts, fp8, fused_cast):
+def _eager_dgrad(dz, weight, counts, fp8, fused_cast, keep):
     pairs = [(dz_e, w) for dz_e, w in zip(_rows(dz, counts), weight)]
-    return torch.cat(grouped_scaled_matmuls(pairs, fp8, contraction="out", out_dtype=dz.dtype, fused_cast=fused_cast))
+    dxs, dz8 = grouped_scaled_matmuls(pairs, fp8, contraction="out", out_dtype=dz.dtype, fused_cast=fused_cast,
+                                      keep=keep)
+    return torch.cat(dxs), dz8
 
 
-def _eager_wgrad(dz, x, counts, fp8, main_grad, fused_cast):
-    pairs = [(dz_e.t(), x_e) for dz_e, x_e in zip(_rows(dz, counts), _rows(x, counts))]
-    out_dtype = dz.dtype if main_grad is None else torch.float32
-    dw = torch.stack(grouped_scaled_matmuls(pairs, fp8, contraction="tokens", out_dtype=out_dtype,
-                                            fused_cast=fused_cast))
+def _eager_wgrad(dz, x, counts, fp8, main_grad, fused_cast, out_dtype):
+    """dz and x tensors (each GEMM casts its operands), or x the forward's kept cast and dz the dgrad's (or a tensor,
+    cast here): Fp8Operands."""
+    out_dtype = out_dtype if main_grad is None else torch.float32
+    if isinstance(x, Fp8Operand):
+        if isinstance(dz, Fp8Operand):
+            dz8 = _split(dz, counts)
+        else:  # (the dgrad kept none: no input gradient)
+            dz8 = fp8_ops.cast_tensorwise(list(_rows(dz, counts)), fp8, fused_cast=fused_cast)
+        dw = torch.stack([fp8_ops.kept_wgrad_gemm(dz_e, x_e, fp8.recipe, out_dtype) if x_e.shape[0] else
+                          x.data.new_zeros(dz_e.shape[1], x_e.shape[1], dtype=out_dtype)
+                          for dz_e, x_e in zip(dz8, _split(x, counts))])
+    else:
+        pairs = [(dz_e.t(), x_e) for dz_e, x_e in zip(_rows(dz, counts), _rows(x, counts))]
+        dw = torch.stack(grouped_scaled_matmuls(pairs, fp8, contraction="tokens", out_dtype=out_dtype,
+                                                fused_cast=fused_cast)[0])
     if main_grad is None:
         return dw
     main_grad.add_(dw)
     return None
+
+
+def _split(t8: Fp8Operand, counts):
+    """A kept cast's groups as Fp8Operands, each with its scale."""
+    return [Fp8Operand(rows, scale, t8.dtype) for rows, scale in zip(_rows(t8.data, counts), t8.scale)]
 
 
 # The primitives as kernels.opaque launchers (custom ops under torch.compile), the scaling passed as (recipe, the
@@ -68,70 +105,101 @@ def _scaling(recipe, group, split):
     return Fp8Scaling(recipe, dist.distributed_c10d._resolve_process_group(group) if group else None, split or None)
 
 
+# A kept cast crosses an op as two tensors, its e4m3 data and scales [E] (empty: not kept), and its dtype.
+
+def _joined(t):
+    return (t.data, t.scale) if isinstance(t, Fp8Operand) else (t, t.new_empty(0, dtype=torch.float32))
+
+
+def _operand(data, scales, dtype):
+    return Fp8Operand(data, scales, dtype) if data.dtype == fp8_ops.E4M3 else data
+
+
+def _kept_or_empty(t8, like):
+    return _joined(t8 if t8 is not None else like.new_empty(0, dtype=fp8_ops.E4M3))
+
+
 @opaque_under_compile("grouped_fp8_forward")
 def _forward(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, activation: str | None, recipe: str,
-             group: str, split: str, fused_cast: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    y, z = _eager_forward(x, weight, counts, activation, _scaling(recipe, group, split), fused_cast)
-    return y, x.new_empty(0) if z is None else z  # (no pre-activation: an empty tensor)
+             group: str, split: str, fused_cast: bool, keep: bool
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    y, z, x8 = _eager_forward(x, weight, counts, activation, _scaling(recipe, group, split), fused_cast, keep)
+    return y, x.new_empty(0) if z is None else z, *_kept_or_empty(x8, x)  # (none: empty tensors)
 
 
 @_forward.register_fake
-def _(x, weight, counts, activation, recipe, group, split, fused_cast):
+def _(x, weight, counts, activation, recipe, group, split, fused_cast, keep):
     n = weight.shape[1] // 2 if activation == "swiglu" else weight.shape[1]
-    return x.new_empty(x.shape[0], n), x.new_empty(0 if activation is None else (x.shape[0], weight.shape[1]))
+    return (x.new_empty(x.shape[0], n), x.new_empty(0 if activation is None else (x.shape[0], weight.shape[1])),
+            *_fake_kept(x, counts, keep))
+
+
+def _fake_kept(t, counts, keep):
+    return (t.new_empty(t.shape if keep else 0, dtype=fp8_ops.E4M3),
+            t.new_empty(counts.shape[0] if keep else 0, dtype=torch.float32))
 
 
 @opaque_under_compile("grouped_fp8_dgrad")
 def _dgrad(dz: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, recipe: str, group: str, split: str,
-           fused_cast: bool) -> torch.Tensor:
-    return _eager_dgrad(dz, weight, counts, _scaling(recipe, group, split), fused_cast)
+           fused_cast: bool, keep: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dx, dz8 = _eager_dgrad(dz, weight, counts, _scaling(recipe, group, split), fused_cast, keep)
+    return dx, *_kept_or_empty(dz8, dz)
 
 
 @_dgrad.register_fake
-def _(dz, weight, counts, recipe, group, split, fused_cast):
-    return dz.new_empty(dz.shape[0], weight.shape[2])
+def _(dz, weight, counts, recipe, group, split, fused_cast, keep):
+    return dz.new_empty(dz.shape[0], weight.shape[2]), *_fake_kept(dz, counts, keep)
 
 
 @opaque_under_compile("grouped_fp8_wgrad")
-def _wgrad(dz: torch.Tensor, x: torch.Tensor, counts: torch.Tensor, recipe: str, group: str, split: str,
-           fused_cast: bool) -> torch.Tensor:
-    return _eager_wgrad(dz, x, counts, _scaling(recipe, group, split), None, fused_cast)
+def _wgrad(dz: torch.Tensor, dz_scales: torch.Tensor, x: torch.Tensor, x_scales: torch.Tensor, counts: torch.Tensor,
+           out_dtype: torch.dtype, recipe: str, group: str, split: str, fused_cast: bool) -> torch.Tensor:
+    return _eager_wgrad(_operand(dz, dz_scales, out_dtype), _operand(x, x_scales, out_dtype), counts,
+                        _scaling(recipe, group, split), None, fused_cast, out_dtype)
 
 
 @_wgrad.register_fake
-def _(dz, x, counts, recipe, group, split, fused_cast):
-    return dz.new_empty(counts.shape[0], dz.shape[1], x.shape[1])
+def _(dz, dz_scales, x, x_scales, counts, out_dtype, recipe, group, split, fused_cast):
+    return dz.new_empty(counts.shape[0], dz.shape[1], x.shape[1], dtype=out_dtype)
 
 
 @opaque_under_compile("grouped_fp8_wgrad_into", mutates_args=("main_grad",))
-def _wgrad_into(dz: torch.Tensor, x: torch.Tensor, counts: torch.Tensor, main_grad: torch.Tensor, recipe: str,
-                group: str, split: str, fused_cast: bool) -> None:
-    _eager_wgrad(dz, x, counts, _scaling(recipe, group, split), main_grad, fused_cast)
+def _wgrad_into(dz: torch.Tensor, dz_scales: torch.Tensor, x: torch.Tensor, x_scales: torch.Tensor,
+                counts: torch.Tensor, main_grad: torch.Tensor, out_dtype: torch.dtype, recipe: str, group: str,
+                split: str, fused_cast: bool) -> None:
+    _eager_wgrad(_operand(dz, dz_scales, out_dtype), _operand(x, x_scales, out_dtype), counts,
+                 _scaling(recipe, group, split), main_grad, fused_cast, out_dtype)
 
 
 @_wgrad_into.register_fake
-def _(dz, x, counts, main_grad, recipe, group, split, fused_cast):
+def _(dz, dz_scales, x, x_scales, counts, main_grad, out_dtype, recipe, group, split, fused_cast):
     return None
 
 
 def grouped_forward(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, activation: str | None, *,
-                    fp8: Fp8Scaling, fused_cast: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(act(x_e @ weight_eᵀ), the pre-activation or None) per group, x_e's rows counts[e]; `fused_cast`:
+                    fp8: Fp8Scaling, fused_cast: bool = False, keep: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor | None, Fp8Operand | None]:
+    """(act(x_e @ weight_eᵀ) per group, x_e's rows counts[e]; the pre-activation or None; with `keep` (a
+    tensorwise fp8: kernels.fp8.keeps_operands) x's per-expert e4m3 casts for the wgrad, else None); `fused_cast`:
     kernels.fp8.quantize's."""
-    y, z = _forward(x, weight, counts, activation, *_names(fp8), fused_cast)
-    return y, None if activation is None else z
+    y, z, x8, scales = _forward(x, weight, counts, activation, *_names(fp8), fused_cast, keep)
+    return y, None if activation is None else z, Fp8Operand(x8, scales, x.dtype) if keep else None
 
 
 def grouped_dgrad(dz: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, *, fp8: Fp8Scaling,
-                  fused_cast: bool = False) -> torch.Tensor:
-    """dx_e = dz_e @ weight_e per group."""
-    return _dgrad(dz, weight, counts, *_names(fp8), fused_cast)
+                  fused_cast: bool = False, keep: bool = False) -> tuple[torch.Tensor, Fp8Operand | None]:
+    """(dx_e = dz_e @ weight_e per group; with `keep`, dz's per-expert e4m3 casts for the wgrad, else None)."""
+    dx, dz8, scales = _dgrad(dz, weight, counts, *_names(fp8), fused_cast, keep)
+    return dx, Fp8Operand(dz8, scales, dz.dtype) if keep else None
 
 
-def grouped_wgrad(dz: torch.Tensor, x: torch.Tensor, counts: torch.Tensor, *, fp8: Fp8Scaling,
-                  main_grad: torch.Tensor | None = None, fused_cast: bool = False) -> torch.Tensor | None:
-    """dW_e = dz_eᵀ @ x_e [E, N, K]; with a main_grad, computed in fp32 and accumulated into it (None returned)."""
+def grouped_wgrad(dz: torch.Tensor | Fp8Operand, x: torch.Tensor | Fp8Operand, counts: torch.Tensor, *,
+                  fp8: Fp8Scaling, main_grad: torch.Tensor | None = None, fused_cast: bool = False
+                  ) -> torch.Tensor | None:
+    """dW_e = dz_eᵀ @ x_e [E, N, K]; with a main_grad, computed in fp32 and accumulated into it (None returned).
+    x (and dz) may be the casts the forward (and the dgrad) kept."""
+    out_dtype = dz.dtype
     if main_grad is None:
-        return _wgrad(dz, x, counts, *_names(fp8), fused_cast)
-    _wgrad_into(dz, x, counts, main_grad, *_names(fp8), fused_cast)
+        return _wgrad(*_joined(dz), *_joined(x), counts, out_dtype, *_names(fp8), fused_cast)
+    _wgrad_into(*_joined(dz), *_joined(x), counts, main_grad, out_dtype, *_names(fp8), fused_cast)
     return None

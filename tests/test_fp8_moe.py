@@ -2,6 +2,8 @@
 wgrad accumulates into the fp32 main_grad; the MoE layer in fp8 at ep 2, tp 2 (SP) x ep 2 x etp 1 and etp 2 equals
 the serial fp8 layer on the same tokens, output and every gradient (docs/fp8.md's claim), and without the amax
 reduction over etp it would not; sizes torch._scaled_mm cannot take are one ValueError line."""
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -15,7 +17,7 @@ from tp.testing import distributed
 
 from .helpers import assert_close, randn
 from .moe_reference import MARGIN, dense_weights, reference_moe, routing_margin
-from .test_fp8 import assert_serial_fp8_curve
+from .test_fp8 import _Amaxes, _casting_once, _Collectives, assert_serial_fp8_curve
 
 RECIPES = tuple(FP8_RECIPES)
 H, F, E, TOPK = 32, 32, 4, 2  # every local weight dim a multiple of 16 at etp 2
@@ -52,9 +54,11 @@ def test_the_grouped_gemm_is_each_experts_fp8_linear(recipe):
     assert ((y - exact).norm() / exact.norm()).item() < 0.1  # (fp8's error: e4m3 keeps 3 mantissa bits)
 
 
-def test_under_a_triton_backend_the_experts_cast_in_one_pass_to_the_same_result():
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_under_a_triton_backend_the_experts_cast_in_one_pass_to_the_same_result(recipe):
     """The fused cast (kernels.fp8_cast, interpreted here) in the experts' fp8 GEMMs: bit for bit the torch
-    backend's output and gradients, two casts per non-empty expert in each of the three GEMMs of both layers."""
+    backend's output and gradients, two casts per non-empty expert in each of the three GEMMs of both layers (rowwise)
+    or in the forward and dgrad (tensorwise: the wgrad takes theirs)."""
     counts = [5, 0, 19, 8]
     results = {}
     for backend in ("torch", "triton"):
@@ -65,13 +69,78 @@ def test_under_a_triton_backend_the_experts_cast_in_one_pass_to_the_same_result(
         before = LAUNCHES["fp8_cast"]
         with kernels.use_backend(backend):
             y = kernels.grouped_linear(kernels.grouped_linear(x, w1, counts, activation="swiglu",
-                                                              fp8_recipe="rowwise"), w2, counts, fp8_recipe="rowwise")
+                                                              fp8_recipe=recipe), w2, counts, fp8_recipe=recipe)
             y.backward(torch.randn(y.shape, generator=g))
         casts = LAUNCHES["fp8_cast"] - before
-        assert casts == (2 * 3 * 2 * 3 if backend == "triton" else 0)  # 2 operands, 3 GEMMs, 2 layers, 3 experts
+        gemms = 3 if recipe == "rowwise" else 2
+        assert casts == (2 * gemms * 2 * 3 if backend == "triton" else 0)  # 2 operands, the GEMMs, 2 layers, 3 experts
         results[backend] = (y, x.grad, w1.grad, w2.grad)
     for got, want in zip(results["triton"], results["torch"]):
         assert torch.equal(got, want)
+
+
+def _two_layers(counts, deferred=None, x_grad=True):
+    """x, w1, w2 (parameters: a deferred wgrad needs their accumulators) and the grouped SwiGLU FFN's output in
+    tensorwise fp8 through tp.moe.experts' grouped GEMM (kernels.grouped_linear's Function without deferral)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(sum(counts), H, generator=g, dtype=torch.bfloat16, requires_grad=x_grad)
+    w1 = torch.nn.Parameter(torch.randn(E, 2 * F, H, generator=g, dtype=torch.bfloat16) / 4)
+    w2 = torch.nn.Parameter(torch.randn(E, H, F, generator=g, dtype=torch.bfloat16) / 4)
+    fp8 = Fp8Scaling("tensorwise")
+    if deferred is None:
+        grouped = kernels.grouped_linear
+        y = grouped(grouped(x, w1, counts, activation="swiglu", fp8_recipe="tensorwise"), w2, counts,
+                    fp8_recipe="tensorwise")
+    else:
+        grouped = tp.moe.experts.grouped_linear
+        y = grouped(grouped(x, w1, counts, activation="swiglu", fp8=fp8), w2, counts, fp8=fp8)
+    return x, w1, w2, y
+
+
+@pytest.mark.parametrize("deferred, x_grad", [(False, True), (True, True), (False, False)])
+def test_tensorwise_experts_cast_x_and_dz_once_and_save_x_in_fp8(deferred, x_grad):
+    """As the dense tensorwise linear (tests/test_fp8.py): each expert's x and dz cast once for the GEMMs that read
+    them, per-expert scales: two amax passes fewer per non-empty expert and layer (one in a layer without an input
+    gradient: its wgrad casts dz), the layers' inputs saved for backward as e4m3, and bit for bit each GEMM casting
+    its own operands, a zero-bubble W (deferred wgrads) too."""
+    counts = [5, 0, 19, 8]
+    results, passes = {}, {}
+    for once in (True, False):
+        saved = []
+        with _casting_once(once), _Amaxes(1) as amaxes, \
+                torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            with tp.pipeline.defer_wgrad() if deferred else contextlib.nullcontext() as wgrads:
+                x, w1, w2, y = _two_layers(counts, deferred, x_grad)
+                y.backward(torch.ones_like(y))
+            if deferred:
+                assert w1.grad is None and len(wgrads) == 2
+                wgrads.run()
+        results[once], passes[once] = (y, x.grad, w1.grad, w2.grad), amaxes.passes
+        inputs = [t.dtype for t in saved if t.shape in ((sum(counts), H), (sum(counts), F))]
+        assert inputs == [torch.float8_e4m3fn if once else torch.bfloat16] * 2
+    assert passes[True] == passes[False] - 3 * (2 + 2 if x_grad else 2 + 1)  # (3 experts with rows; fc2, fc1)
+    for got, want in zip(results[True], results[False]):
+        assert got is want is None or torch.equal(got, want)
+
+
+@distributed(world_size=2)
+def test_at_etp_2_the_tensorwise_experts_reuse_the_reduced_amaxes_in_the_wgrad():
+    """At tp 2 (SP) with etp 2 the experts' wgrads reuse the amaxes the forward and dgrad all-reduced over etp: one
+    all-reduce fewer per grouped GEMM, the same bits."""
+    tp.init_mesh(tp=2)
+    results, reduces = {}, {}
+    for once in (True, False):
+        torch.manual_seed(0)
+        moe = tp.moe.MoE(H, F, E, TOPK, sequence_parallel=True, fp8_recipe="tensorwise")
+        x = randn(R // 2, B, H, seed=3 + dist.get_rank(), dtype=torch.float32, requires_grad=True)
+        with _casting_once(once), _Collectives() as collectives:
+            y = moe(x)
+            y.backward(torch.ones_like(y))
+        results[once] = y, x.grad, moe.experts.fc1.grad, moe.experts.fc2.grad
+        reduces[once] = collectives.all_reduces
+    for got, want in zip(results[True], results[False]):
+        assert torch.equal(got, want)
+    assert reduces[True] == reduces[False] - 2, reduces
 
 
 def test_the_fp8_wgrad_accumulates_into_main_grad():
@@ -166,13 +235,15 @@ def test_a_rowwise_fp8_moe_job_trains_the_serial_curve_with_ep_inside_tp_and_at_
     assert_serial_fp8_curve(tmp_path, splits, model=["--model", "tiny-moe"], recipe="rowwise", tol=1e-5)
 
 
-def test_the_compiled_fp8_moe_layer_is_the_eager_one():
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_the_compiled_fp8_moe_layer_is_the_eager_one(recipe):
     """Under torch.compile (fullgraph, tp.moe.dynamic_shapes: what the job does on a GPU) the fp8 grouped GEMMs run as
-    custom ops: the same output and gradients as eager, no graph break."""
+    custom ops (tensorwise's passing its kept casts between them): the same output and gradients as eager, no graph
+    break."""
     tp.init_mesh()
     try:
         torch.manual_seed(0)
-        moe = tp.moe.MoE(H, F, E, TOPK, fp8_recipe="rowwise")
+        moe = tp.moe.MoE(H, F, E, TOPK, fp8_recipe=recipe)
         x = randn(R, B, H, seed=5, dtype=torch.float32, requires_grad=True)
         results = []
         for run in (moe, torch.compile(moe, fullgraph=True)):

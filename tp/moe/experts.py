@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 import kernels
+from kernels import grouped
 
 from ..mesh import SharedGroup
 from ..pipeline.wgrad import defer_weight_grad, deferring
@@ -31,17 +32,18 @@ class _GroupedLinearFn(torch.autograd.Function):
         ctx.main_grad = getattr(weight, "main_grad", None)  # on the parameter, not on an autocast copy of it
         ctx.weight_dtype = weight.dtype
         x, weight, _ = kernels.ops.autocast_operands(x, weight)
-        y, preact = kernels.grouped_forward(x, weight, counts, activation, fp8=fp8)
-        ctx.save_for_backward(x, weight, preact)
-        ctx.counts, ctx.activation, ctx.fp8 = counts, activation, fp8
+        y, preact, x_for_w = grouped.forward_keeping_input(x, weight, counts, activation, fp8=fp8)
+        ctx.save_for_backward(weight, preact, *grouped.saved_operand(x_for_w))  # (x, or its e4m3 cast)
+        ctx.counts, ctx.activation, ctx.fp8, ctx.x_dtype = counts, activation, fp8, x.dtype
         return y
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_y):
-        x, weight, preact = ctx.saved_tensors
-        dx, dz = kernels.grouped_dgrad(grad_y.to(weight.dtype).contiguous(), weight, ctx.counts, preact,
-                                       ctx.activation, need_input_grad=ctx.needs_input_grad[0], fp8=ctx.fp8)
+        weight, preact, *x = ctx.saved_tensors
+        x = grouped.operand(x, ctx.x_dtype)
+        dx, dz = grouped.dgrad_keeping_grad(grad_y.to(weight.dtype).contiguous(), weight, ctx.counts, preact,
+                                            ctx.activation, need_input_grad=ctx.needs_input_grad[0], fp8=ctx.fp8)
         dw = None
         wgrad = functools.partial(_grouped_wgrad, ctx.counts, ctx.fp8)
         if ctx.needs_input_grad[1] and not defer_weight_grad(ctx, 1, dz, x, wgrad=wgrad):  # (W later, deferred)
