@@ -132,8 +132,9 @@ def test_a_blend_through_the_job_and_its_bad_values(two_sources, tmp_path):
     train_windows, held, notes = data.datasets(job, data.resolve(job))
     assert isinstance(train_windows, data.Blend) and notes == []
     assert len(held.datasets[0]) == math.ceil(((len(data.load(a)) - 1) // 16) / 100)  # ~1% of each dataset's
-    with pytest.raises(ValueError, match=r"^--data .*b.txt makes 0 sequences of --seq-len=16 to train on \(and 1 "
-                                         r"held out\): too few for a blend$"):
+    with pytest.raises(ValueError, match=r"^--data .*b.txt has 9 tokens: one sequence of --seq-len=16 to train on "
+                                         r"and one held out for validation need 34; lower --seq-len or give more "
+                                         r"data$"):
         (tmp_path / "b.txt").write_text("too short")
         data.prepare(job)
 

@@ -308,6 +308,8 @@ def _tokenizer_without_eos(path):
     (["--eval-only"], r"^--eval-only evaluates a model: give --load DIR"),
     (["--data", "{tiny}", "--global-batch-size", "8"], r"^--global-batch-size=8 exceeds the 5 sequences of "
                                                        r"--seq-len=64 in .*tiny.txt left for training"),
+    (["--data", "{short}"], r"^--data .*short.txt has 10 tokens: one sequence of --seq-len=64 to train on and one "
+                            r"held out for validation need 130; lower --seq-len or give more data$"),
 ])
 def test_bad_data_values_are_one_line_naming_them(flags, message, corpus, hf_with_tokenizer, tmp_path):
     import re
@@ -325,6 +327,7 @@ def test_bad_data_values_are_one_line_naming_them(flags, message, corpus, hf_wit
     np.arange(200, dtype=np.uint16).tofile(tmp_path / "big.bin")
     (tmp_path / "big.json").write_text(json.dumps({"dtype": "uint16", "count": 200, "vocab_size": 500}))
     (tmp_path / "tiny.txt").write_text("x" * 400)  # 6 windows of 64 bytes: 5 to train on, 1 held out
+    (tmp_path / "short.txt").write_text("hello wor\n")
     (tmp_path / "latin1.txt").write_bytes("caf\u00e9: d\u00e9j\u00e0 vu".encode("latin-1"))
     (tmp_path / "binary").mkdir()
     (tmp_path / "binary" / "a.txt").write_text("fine text")
@@ -335,7 +338,8 @@ def test_bad_data_values_are_one_line_naming_them(flags, message, corpus, hf_wit
              "tokenizer": corpus["tokenizer"], "tiny": str(tmp_path / "tiny.txt"), "big_bin": str(tmp_path / "big.bin"),
              "big_prefix": str(tmp_path / "big"), "latin1": str(tmp_path / "latin1.txt"),
              "binary_dir": str(tmp_path / "binary"), "empty_config": str(tmp_path / "empty_config"),
-             "no_eos": str(tmp_path / "no_eos")}  # Megatron's habit: a token file named without its .bin
+             "no_eos": str(tmp_path / "no_eos"),  # big_prefix, Megatron's habit: a token file named without its .bin
+             "short": str(tmp_path / "short.txt")}
     args = _args(*[flag.format(**paths) for flag in flags])
     with pytest.raises(ValueError) as error:
         validate(args)

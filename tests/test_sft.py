@@ -103,6 +103,10 @@ def test_windows_carry_targets_only_on_assistant_tokens_into_the_models_loss(tmp
                                       f"longer than --seq-len + 1 = 49 tokens (the longest {longest}): left out, not "
                                       "truncated"]
     assert len(held) == 1 and len(train_windows) >= 30
+    kept = index.lengths[index.lengths <= 49]
+    (line,) = data.prepare(job)  # what the job prints: the conversations and tokens it trains on, those left out
+    assert line.startswith(f"data: {chats} (jsonl): {len(kept)} of {len(CHATS)} conversations ({too_long} longer "
+                           f"than --seq-len + 1: left out), {int(kept.sum()):,} tokens; "), line
     tokens_all, mask_all = data.load(prefix), data.load(prefix + sft.MASK_SUFFIX)
     for i in range(len(train_windows)):
         x, y = train_windows[i]
@@ -154,8 +158,8 @@ def test_the_token_cli_writes_the_pair_that_sft_reads_in_place(tmp_path, tokeniz
                          r"starts with the user$"),
     ("no_tokenizer", r"^--sft renders chats with a tokenizer's chat template: give --tokenizer DIR$"),
     ("text", r"^--data .*notes.txt: --sft reads rows with \"messages\" \(.jsonl, parquet, save_to_disk\), not text$"),
-    ("all_too_long", r"^--global-batch-size=4 exceeds the 0 windows of packed conversations \(120 of them\) of "
-                     r"--seq-len=8 in .*chats.jsonl left for training \(1 held out for validation\)$"),
+    ("all_too_long", r"^--data .*chats.jsonl: each of its 120 conversations is longer than --seq-len \+ 1 = 9 "
+                     r"tokens \(the shortest \d+\): nothing to train on; raise --seq-len$"),
 ])
 def test_bad_chat_input_is_one_line_before_any_process(tmp_path, tokenizers, chats, case, message):
     bad = tmp_path / "bad.jsonl"

@@ -59,6 +59,7 @@ class Opened:
     tokens: int
     documents: int | None
     notes: tuple[str, ...] = ()
+    left_out: int = 0  # --sft: conversations longer than a window, of `documents`
 
 
 @dataclass(frozen=True)
@@ -200,12 +201,20 @@ class DataPlan:
         documents = source.format.documents(token_file)
         if not self.reading.sft:
             train, held, _ = split_sizes(len(tokens), seq_len)
-            if train < 1 or (not self.blended and self.global_batch_size > train):
+            if train < 1:
+                raise ValueError(f"--data {source.name} has {len(tokens):,} tokens: one sequence of --seq-len="
+                                 f"{seq_len} to train on and one held out for validation need {2 * seq_len + 2}; "
+                                 "lower --seq-len or give more data")
+            if not self.blended and self.global_batch_size > train:
                 raise ValueError(self.too_small(source, train, held))
             return Opened(source, *split(tokens, seq_len), len(tokens), documents)
         index = indexed.read_index(token_file)
         mask = indexed.read_tokens(check_mask(token_file, index))
         starts, ends, too_long = pack(index.lengths, seq_len + 1)
+        if too_long == len(index.lengths):
+            raise ValueError(f"--data {source.name}: each of its {too_long} conversations is longer than --seq-len + 1 "
+                             f"= {seq_len + 1} tokens (the shortest {int(index.lengths.min())}): nothing to train on; "
+                             "raise --seq-len")
         notes = (f"note: --sft: {too_long} of {len(index.lengths)} conversations in {source.name} are longer than "
                  f"--seq-len + 1 = {seq_len + 1} tokens (the longest {int(index.lengths.max())}): left out, not "
                  "truncated",) if too_long else ()
@@ -213,14 +222,15 @@ class DataPlan:
         held = max(1, math.ceil(len(windows) * HOLDOUT))
         if len(windows) - held < 1 or (not self.blended and self.global_batch_size > len(windows) - held):
             raise ValueError(self.too_small(source, max(0, len(windows) - held), held, chats=len(index.lengths)))
-        return Opened(source, *windows.split(held), len(tokens), documents, notes)
+        kept_tokens = int(index.lengths[index.lengths <= seq_len + 1].sum())
+        return Opened(source, *windows.split(held), kept_tokens, documents, notes, left_out=too_long)
 
     def too_small(self, source: Source, train: int, held: int, chats: int | None = None) -> str:
         what = f"windows of packed conversations ({chats} of them)" if chats is not None else "sequences"
         if self.blended:
-            return f"--data {source.name} makes {max(train, 0)} {what} of --seq-len={self.seq_len} to train on " \
+            return f"--data {source.name} makes {train} {what} of --seq-len={self.seq_len} to train on " \
                    f"(and {held} held out): too few for a blend"
-        return f"--global-batch-size={self.global_batch_size} exceeds the {max(train, 0)} {what} of " \
+        return f"--global-batch-size={self.global_batch_size} exceeds the {train} {what} of " \
                f"--seq-len={self.seq_len} in {source.name} left for training ({held} held out for validation)"
 
     def opened(self, resolved: list[str | None]) -> list[Opened]:
@@ -249,8 +259,13 @@ class DataPlan:
             share = o.source.weight / total
             epochs = self.steps * self.global_batch_size * share / len(o.train) if self.blended else \
                 self.steps / (len(o.train) // self.global_batch_size)  # (whole global batches per epoch: batches())
-            documents = "no document index" if o.documents is None else \
-                f"{o.documents:,} document{'s' * (o.documents != 1)}"
+            if o.documents is None:
+                documents = "no document index"
+            elif self.reading.sft:  # (the tokens: the conversations it trains on)
+                documents = f"{o.documents - o.left_out:,} of {o.documents:,} conversations ({o.left_out:,} longer " \
+                            "than --seq-len + 1: left out)" if o.left_out else f"{o.documents:,} conversations"
+            else:
+                documents = f"{o.documents:,} document{'s' * (o.documents != 1)}"
             lines.append(f"data: {o.source.name} ({o.source.kind}): {documents}, {o.tokens:,} tokens"
                          + (f", {share:.1%} of the blend" if self.blended else "")
                          + f"; {self.steps} steps take {epochs:.3g} epochs of its {len(o.train):,} training windows")
