@@ -3,10 +3,10 @@
 Per key (primitive, dtype, activation, bias, main_grad accumulation, token bucket, N, K, device name; for the
 experts' grouped GEMM also the number of groups) the first use times every candidate (ops.BACKENDS: the Triton
 kernels, cuBLAS with torch's epilogue, cuBLAS with Triton's elementwise passes; kernels.grouped's two
-implementations) on operands of that shape with CUDA events, keeps the fastest and caches it: in memory, and on
-disk in one JSON file per (device name, torch and triton versions), as Triton's autotune cache does, so a second run
-pays nothing. The directory is $TP_KERNELS_CACHE_DIR, else ~/.cache/tp-layers; a corrupt or unwritable file is
-ignored with one warning.
+implementations) on operands of that shape with CUDA events, in alternating rounds (ROUNDS), keeps the fastest and
+caches it: in memory, and on disk in one JSON file per (device name, torch and triton versions), as Triton's
+autotune cache does, so a second run pays nothing. The directory is $TP_KERNELS_CACHE_DIR, else
+~/.cache/tp-layers; a corrupt or unwritable file is ignored with one warning.
 
 kernels.tune_linear runs every primitive of a layer before the pipeline runner's first schedule, so the measuring
 happens there. A key first met later (a new token bucket) is measured at that call: every tensor-parallel rank sees
@@ -28,6 +28,7 @@ import torch
 OPS = ("forward", "dgrad", "wgrad")
 GROUPED_OPS = ("grouped_forward", "grouped_dgrad", "grouped_wgrad")  # kernels.grouped's primitives
 WARMUP, REPS = 2, 5  # launches before timing (the first compiles and autotunes), then timed launches (median)
+ROUNDS = 3  # each candidate timed once per round, the order reversed every other round; its median round kept
 
 
 class Key(NamedTuple):
@@ -182,12 +183,23 @@ def choose(key: Key, candidates: dict[str, object], device: torch.device,
     if row is None or row["choice"] not in candidates:
         run = (call or _call)(key, device)
         with torch.no_grad():
-            times = {name: time_ms(functools.partial(run, module), device) for name, module in candidates.items()}
+            times = _rounds({name: functools.partial(run, module) for name, module in candidates.items()}, device)
         row = {**key._asdict(), **{f"{name}_ms": ms for name, ms in times.items()},
                "choice": min(times, key=times.get)}
         _table[key] = row
         _save(cache_path(key.device), key.device)
     return row["choice"]
+
+
+def _rounds(runs: dict[str, Callable[[], object]], device: torch.device) -> dict[str, float]:
+    """Each candidate's median over ROUNDS rounds of time_ms, the rounds alternating the order: a GPU whose clocks
+    ramp or drift while it measures (cuBLAS's square GEMM moved 13 % between two measurements on an H200) slows
+    every candidate alike rather than the one measured first."""
+    names, rounds = list(runs), {name: [] for name in runs}
+    for r in range(ROUNDS):
+        for name in names if r % 2 == 0 else reversed(names):
+            rounds[name].append(time_ms(runs[name], device))
+    return {name: statistics.median(ms) for name, ms in rounds.items()}
 
 
 def choices() -> list[dict]:
