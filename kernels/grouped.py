@@ -252,12 +252,14 @@ def saved_operand(t: torch.Tensor | fp8_ops.Fp8Operand) -> tuple[torch.Tensor, .
 
 
 def operand(saved: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor | fp8_ops.Fp8Operand:
+    """The operand saved_operand saved (`dtype`: its own, for a kept cast)."""
     return fp8_ops.Fp8Operand(*saved, dtype) if len(saved) == 2 else saved[0]
 
 
-def grouped_wgrad(dz: torch.Tensor, x: torch.Tensor, counts: Counts, *, main_grad: torch.Tensor | None = None,
-                  fp8: Fp8Scaling | None = None) -> torch.Tensor | None:
-    """dW [E, N, K], dW_e = dz_eᵀ @ x_e; with a main_grad (fp32 [E, N, K]), accumulated into it and None returned."""
+def grouped_wgrad(dz: torch.Tensor | fp8_ops.Fp8Operand, x: torch.Tensor | fp8_ops.Fp8Operand, counts: Counts, *,
+                  main_grad: torch.Tensor | None = None, fp8: Fp8Scaling | None = None) -> torch.Tensor | None:
+    """dW [E, N, K], dW_e = dz_eᵀ @ x_e; with a main_grad (fp32 [E, N, K]), accumulated into it and None returned.
+    Under a tensorwise fp8, x (and dz) may be the casts the forward (and the dgrad) kept (forward_keeping_input)."""
     counts = _as_tensor(counts)
     if main_grad is None:
         if fp8 is None:
