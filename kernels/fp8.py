@@ -165,8 +165,14 @@ def _padded(a8, b8):
     return a8, b8
 
 
+def check_out_dtype(recipe: str, out_dtype: torch.dtype) -> None:
+    if out_dtype not in OUT_DTYPES:
+        raise ValueError(f"fp8_recipe={recipe!r} computes in fp32, bf16 or fp16, not {out_dtype}")
+
+
 def gemm(q: Quantized, recipe: str, out_dtype: torch.dtype) -> torch.Tensor:
     """The e4m3 GEMM of quantized operands through torch._scaled_mm, unscaled, in `out_dtype`."""
+    check_out_dtype(recipe, out_dtype)
     if FP8_RECIPES[recipe].rowwise and out_dtype != torch.bfloat16:
         # cuBLASLt's rowwise kernel writes bf16 only: fp32 out through unit scales and the outer product of the
         # per-row and per-column unscales after (torchao's own fallback; exact with power-of-two scales)
@@ -181,8 +187,7 @@ def matmul_scaled_by(a: torch.Tensor, b: torch.Tensor, amax_a: torch.Tensor, ama
                      out_dtype: torch.dtype, fused_cast: bool = False) -> torch.Tensor:
     """a [M, K] @ b [K, N] in e4m3, each operand scaled by the recipe's scale of the given amaxes (operand_amaxes',
     reduced where a split needs it); `fused_cast`: quantize's."""
-    if out_dtype not in OUT_DTYPES:
-        raise ValueError(f"fp8_recipe={recipe!r} computes in fp32, bf16 or fp16, not {out_dtype}")
+    check_out_dtype(recipe, out_dtype)
     if a.numel() == 0 or b.numel() == 0:  # no amax to take (an empty micro-batch, a zero-width shard)
         return (a.float() @ b.float()).to(out_dtype)
     return gemm(quantize(a, b, amax_a, amax_b, recipe, fused_cast=fused_cast), recipe, out_dtype)

@@ -20,6 +20,7 @@ import torch
 from . import choice, grouped_fp8, ops, torch_ops
 from . import fp8 as fp8_ops
 from .fp8 import Fp8Scaling
+from .linear import KEPT_BY_PRODUCER
 from .opaque import opaque_under_compile
 
 Counts = list[int] | torch.Tensor
@@ -226,12 +227,15 @@ def forward_keeping_input(x: torch.Tensor, weight: torch.Tensor, counts: Counts,
                           fp8: Fp8Scaling | None) -> tuple[torch.Tensor, torch.Tensor | None,
                                                            torch.Tensor | fp8_ops.Fp8Operand]:
     """grouped_forward -> (y, the pre-activation or None, the x its wgrad takes: x's kept cast under a tensorwise
-    fp8, else x)."""
+    fp8 (holding x itself when x carries KEPT_BY_PRODUCER), else x)."""
     if not fp8_ops.keeps_operands(fp8):
         return *grouped_forward(x, weight, counts, activation, fp8=fp8), x
     _check(x, weight, counts)
-    return grouped_fp8.grouped_forward(x, weight, _as_tensor(counts), activation, fp8=fp8, keep=True,
-                                       fused_cast=ops.fused_kernels(x.device))
+    y, preact, x8 = grouped_fp8.grouped_forward(x, weight, _as_tensor(counts), activation, fp8=fp8, keep=True,
+                                                fused_cast=ops.fused_kernels(x.device))
+    if getattr(x, KEPT_BY_PRODUCER, False):  # x itself, no e4m3 copy beside it: cast again in the wgrad
+        x8 = x8._replace(data=x)
+    return y, preact, x8
 
 
 def dgrad_keeping_grad(grad_out: torch.Tensor, weight: torch.Tensor, counts: Counts,

@@ -28,6 +28,7 @@ def grouped_scaled_matmuls(pairs: list[tuple[torch.Tensor, torch.Tensor]], fp8: 
     the a_e's e4m3 casts [sum M_e, K] with their scales [E], else None). `contraction` names K among the weight's
     dims ("in", "out") or "tokens", for the amax reduction (kernels.fp8.reducing_group); `fused_cast`:
     kernels.fp8.quantize's."""
+    fp8_ops.check_out_dtype(fp8.recipe, out_dtype)
     amaxes = [amax for a, b in pairs for amax in operand_amaxes(a, b, fp8.recipe)]
     group = reducing_group(fp8, contraction)
     if group is not None:  # every expert's amaxes in one all-reduce
@@ -35,17 +36,18 @@ def grouped_scaled_matmuls(pairs: list[tuple[torch.Tensor, torch.Tensor]], fp8: 
     if not keep:
         return [matmul_scaled_by(a, b, amaxes[2 * e], amaxes[2 * e + 1], fp8.recipe, out_dtype=out_dtype,
                                  fused_cast=fused_cast) for e, (a, b) in enumerate(pairs)], None
-    outs, casts = [], []
-    for e, (a, b) in enumerate(pairs):
+    rows = [a.shape[0] for a, _ in pairs]
+    kept = pairs[0][0].new_empty(sum(rows), pairs[0][0].shape[1], dtype=fp8_ops.E4M3)  # (filled expert by expert)
+    outs = []
+    for (a, b), a8, e in zip(pairs, kept.split(rows), range(len(pairs))):
         if a.numel() == 0:  # (an expert without rows)
             outs.append(a.new_zeros(0, b.shape[1], dtype=out_dtype))
-            casts.append(a.to(fp8_ops.E4M3))
             continue
         q = fp8_ops.quantize(a, b, amaxes[2 * e], amaxes[2 * e + 1], fp8.recipe, fused_cast=fused_cast)
         outs.append(fp8_ops.gemm(q, fp8.recipe, out_dtype))
-        casts.append(q.a8)
+        a8.copy_(q.a8)
     scales = torch.stack([fp8_ops.scale_of(amaxes[2 * e], fp8_ops.FP8_RECIPES[fp8.recipe]) for e in range(len(pairs))])
-    return outs, Fp8Operand(torch.cat(casts), scales, pairs[0][0].dtype)
+    return outs, Fp8Operand(kept, scales, pairs[0][0].dtype)
 
 
 def _rows(t, counts):
@@ -72,12 +74,12 @@ def _eager_wgrad(dz, x, counts, fp8, main_grad, fused_cast, out_dtype):
     out_dtype = out_dtype if main_grad is None else torch.float32
     if isinstance(x, Fp8Operand):
         if isinstance(dz, Fp8Operand):
-            dz8 = _split(dz, counts)
+            dz8 = _split(dz, counts, fused_cast)
         else:  # (the dgrad kept none: no input gradient)
             dz8 = fp8_ops.cast_tensorwise(list(_rows(dz, counts)), fp8, fused_cast=fused_cast)
         dw = torch.stack([fp8_ops.kept_wgrad_gemm(dz_e, x_e, fp8.recipe, out_dtype) if x_e.shape[0] else
                           x.data.new_zeros(dz_e.shape[1], x_e.shape[1], dtype=out_dtype)
-                          for dz_e, x_e in zip(dz8, _split(x, counts))])
+                          for dz_e, x_e in zip(dz8, _split(x, counts, fused_cast))])
     else:
         pairs = [(dz_e.t(), x_e) for dz_e, x_e in zip(_rows(dz, counts), _rows(x, counts))]
         dw = torch.stack(grouped_scaled_matmuls(pairs, fp8, contraction="tokens", out_dtype=out_dtype,
@@ -88,9 +90,13 @@ def _eager_wgrad(dz, x, counts, fp8, main_grad, fused_cast, out_dtype):
     return None
 
 
-def _split(t8: Fp8Operand, counts):
-    """A kept cast's groups as Fp8Operands, each with its scale."""
-    return [Fp8Operand(rows, scale, t8.dtype) for rows, scale in zip(_rows(t8.data, counts), t8.scale)]
+def _split(t8: Fp8Operand, counts, fused_cast):
+    """A kept cast's groups as Fp8Operands, each with its scale; kept in its own dtype (its producer keeps it: see
+    kernels.linear.KEPT_BY_PRODUCER), each group cast again under its scale (the same bits)."""
+    if t8.data.dtype == fp8_ops.E4M3:
+        return [Fp8Operand(rows, scale, t8.dtype) for rows, scale in zip(_rows(t8.data, counts), t8.scale)]
+    return [fp8_ops.cast_kept(rows, scale, fused_cast=fused_cast) for rows, scale in zip(_rows(t8.data, counts),
+                                                                                          t8.scale)]
 
 
 # The primitives as kernels.opaque launchers (custom ops under torch.compile), the scaling passed as (recipe, the
@@ -105,14 +111,15 @@ def _scaling(recipe, group, split):
     return Fp8Scaling(recipe, dist.distributed_c10d._resolve_process_group(group) if group else None, split or None)
 
 
-# A kept cast crosses an op as two tensors, its e4m3 data and scales [E] (empty: not kept), and its dtype.
+# A kept cast crosses an op as two tensors, its data (e4m3, or the operand itself when its producer keeps it) and
+# scales [E] (empty: not kept), and its dtype.
 
 def _joined(t):
     return (t.data, t.scale) if isinstance(t, Fp8Operand) else (t, t.new_empty(0, dtype=torch.float32))
 
 
 def _operand(data, scales, dtype):
-    return Fp8Operand(data, scales, dtype) if data.dtype == fp8_ops.E4M3 else data
+    return Fp8Operand(data, scales, dtype) if scales.numel() else data
 
 
 def _kept_or_empty(t8, like):

@@ -241,6 +241,15 @@ def test_sizes_scaled_mm_cannot_take_and_unknown_recipes_are_one_line():
         kernels.linear(x, torch.randn(48, 24), fp8_recipe="tensorwise")
     with pytest.raises(ValueError, match=r"unknown fp8_recipe 'e5m2'; expected one of \('tensorwise', 'rowwise'\)"):
         kernels.linear(x, torch.randn(48, 24), fp8_recipe="e5m2")
+    for recipe in RECIPES:  # (fp64: torch._scaled_mm has no such output)
+        with pytest.raises(ValueError, match=rf"^fp8_recipe='{recipe}' computes in fp32, bf16 or fp16, not "
+                                             r"torch.float64$"):
+            kernels.linear(torch.randn(4, 32, dtype=torch.float64), torch.randn(16, 32, dtype=torch.float64),
+                           fp8_recipe=recipe)
+        with pytest.raises(ValueError, match=rf"^fp8_recipe='{recipe}' computes in fp32, bf16 or fp16, not "
+                                             r"torch.float64$"):
+            kernels.grouped_linear(torch.randn(4, 32, dtype=torch.float64), torch.randn(2, 16, 32, dtype=torch.float64),
+                                   [3, 1], fp8_recipe=recipe)
     config = dict(hidden_size=64, num_heads=4, num_kv_heads=2, ffn_hidden_size=96, fp8_recipe="tensorwise")
     GPTConfig(**config).check_tp(1)
     with pytest.raises(ValueError, match=r"the MLP's fc2 at tp=4 has in_features=24, out_features=64"):

@@ -11,6 +11,7 @@ import torch.distributed as dist
 import kernels
 import tp
 from kernels.fp8 import FP8_RECIPES, Fp8Scaling
+from kernels.linear import KEPT_BY_PRODUCER
 from kernels.triton_ops import LAUNCHES
 from models import GPTConfig
 from tp.testing import distributed
@@ -79,13 +80,15 @@ def test_under_a_triton_backend_the_experts_cast_in_one_pass_to_the_same_result(
         assert torch.equal(got, want)
 
 
-def _two_layers(counts, deferred=None, x_grad=True):
+def _two_layers(counts, deferred=None, x_grad=True, producer_keeps=False):
     """x, w1, w2 (parameters: a deferred wgrad needs their accumulators) and the grouped SwiGLU FFN's output in
     tensorwise fp8 through tp.moe.experts' grouped GEMM (kernels.grouped_linear's Function without deferral)."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(sum(counts), H, generator=g, dtype=torch.bfloat16, requires_grad=x_grad)
     w1 = torch.nn.Parameter(torch.randn(E, 2 * F, H, generator=g, dtype=torch.bfloat16) / 4)
     w2 = torch.nn.Parameter(torch.randn(E, H, F, generator=g, dtype=torch.bfloat16) / 4)
+    if producer_keeps:  # (as tp.recompute's DiscardedOutput marks what it refills in backward)
+        setattr(x, KEPT_BY_PRODUCER, True)
     fp8 = Fp8Scaling("tensorwise")
     if deferred is None:
         grouped = kernels.grouped_linear
@@ -97,12 +100,15 @@ def _two_layers(counts, deferred=None, x_grad=True):
     return x, w1, w2, y
 
 
-@pytest.mark.parametrize("deferred, x_grad", [(False, True), (True, True), (False, False)])
-def test_tensorwise_experts_cast_x_and_dz_once_and_save_x_in_fp8(deferred, x_grad):
+@pytest.mark.parametrize("deferred, x_grad, producer_keeps", [(False, True, False), (True, True, False),
+                                                                (False, False, False), (False, True, True),
+                                                                (True, True, True)])
+def test_tensorwise_experts_cast_x_and_dz_once_and_save_x_in_fp8(deferred, x_grad, producer_keeps):
     """As the dense tensorwise linear (tests/test_fp8.py): each expert's x and dz cast once for the GEMMs that read
     them, per-expert scales: two amax passes fewer per non-empty expert and layer (one in a layer without an input
-    gradient: its wgrad casts dz), the layers' inputs saved for backward as e4m3, and bit for bit each GEMM casting
-    its own operands, a zero-bubble W (deferred wgrads) too."""
+    gradient: its wgrad casts dz), the layers' inputs saved for backward as e4m3 (x itself when its producer keeps
+    it anyway: `--recompute-modules moe_act` refills fc2's input; cast again in the wgrad under the forward's
+    scales), and bit for bit each GEMM casting its own operands, a zero-bubble W (deferred wgrads) too."""
     counts = [5, 0, 19, 8]
     results, passes = {}, {}
     for once in (True, False):
@@ -110,14 +116,17 @@ def test_tensorwise_experts_cast_x_and_dz_once_and_save_x_in_fp8(deferred, x_gra
         with _casting_once(once), _Amaxes(1) as amaxes, \
                 torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
             with tp.pipeline.defer_wgrad() if deferred else contextlib.nullcontext() as wgrads:
-                x, w1, w2, y = _two_layers(counts, deferred, x_grad)
+                x, w1, w2, y = _two_layers(counts, deferred, x_grad, producer_keeps)
                 y.backward(torch.ones_like(y))
             if deferred:
                 assert w1.grad is None and len(wgrads) == 2
                 wgrads.run()
         results[once], passes[once] = (y, x.grad, w1.grad, w2.grad), amaxes.passes
-        inputs = [t.dtype for t in saved if t.shape in ((sum(counts), H), (sum(counts), F))]
-        assert inputs == [torch.float8_e4m3fn if once else torch.bfloat16] * 2
+        inputs = [t for t in saved if t.shape in ((sum(counts), H), (sum(counts), F))]  # fc1's x, fc2's
+        e4m3 = torch.float8_e4m3fn if once else torch.bfloat16
+        assert [t.dtype for t in inputs] == [torch.bfloat16 if producer_keeps else e4m3, e4m3]
+        assert (producer_keeps or not once) == (inputs[0].untyped_storage().data_ptr() ==
+                                                x.untyped_storage().data_ptr())  # (x itself, not a copy)
     assert passes[True] == passes[False] - 3 * (2 + 2 if x_grad else 2 + 1)  # (3 experts with rows; fc2, fc1)
     for got, want in zip(results[True], results[False]):
         assert got is want is None or torch.equal(got, want)
