@@ -1,7 +1,8 @@
 """Generation (`GPT.generate`, `python -m models.generate`): greedy output through the KV cache equals Hugging Face's
-`generate` on the same weights token for token (Llama with GQA, GPT-2's learned positions), at tp 1 and tp 2 (the
-cache sharded by heads: kv heads fewer than, equal to tp); the cache path gives the no-cache logits; sampling is
-seeded; bad input is one line. The command: prompt then continuation, streamed; its refusals before any process."""
+`generate` on the same weights token for token (Llama with GQA, GPT-2's learned positions, Mixtral's experts on one
+prompt: odd token counts at tp 2), at tp 1 and tp 2 (the cache sharded by heads: kv heads fewer than, equal to tp);
+the cache path gives the no-cache logits; sampling is seeded; bad input is one line. The command: prompt then
+continuation, streamed; its refusals before any process."""
 import os
 import re
 import shutil
@@ -26,7 +27,12 @@ VOCAB = 50
 
 def hf_model(family, kv_heads=2, seed=0, positions=48):
     torch.manual_seed(seed)
-    if family == "gpt2":
+    if family == "mixtral":
+        config = transformers.MixtralConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=24,
+                                            num_hidden_layers=2, head_dim=4, num_attention_heads=4,
+                                            num_key_value_heads=kv_heads, max_position_embeddings=positions,
+                                            num_local_experts=4, num_experts_per_tok=2)
+    elif family == "gpt2":
         config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=16, n_layer=2, n_head=4, n_positions=positions,
                                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     else:
@@ -49,10 +55,11 @@ def prompts():
 def test_greedy_equals_hugging_face_token_for_token(tp_size):
     tp.init_mesh(tp=tp_size, dp=2 // tp_size)
     group = tp.get_mesh().tp_group
-    for family, kv_heads in (("llama", 1), ("llama", 2), ("gpt2", 4)):
-        hf = hf_model(family, kv_heads)
+    for family, kv_heads, batch, seed in (("llama", 1, 2, 0), ("llama", 2, 2, 0), ("gpt2", 4, 2, 0),
+                                          ("mixtral", 2, 1, 7)):
+        hf = hf_model(family, kv_heads, seed)
         model = models.GPT.from_hf(hf, group=group)
-        x = prompts()
+        x = prompts()[:batch]  # (one prompt of 5 tokens, then 1 a step: token counts tp 2 does not divide, MoE)
         expected = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=12, do_sample=False,
                                pad_token_id=0)
         ours = model.generate(x, 12)
@@ -62,11 +69,11 @@ def test_greedy_equals_hugging_face_token_for_token(tp_size):
             reference = hf(expected).logits
             assert (model(expected) - reference).abs().max().item() <= 1e-4
         assert greedy_margin(reference[:, 4:-1], expected[:, 5:]) >= GREEDY_MARGIN, (family, kv_heads)
-        assert ours.shape == (2, 17) and torch.equal(ours, expected), (family, kv_heads, ours, expected)
+        assert ours.shape == (batch, 17) and torch.equal(ours, expected), (family, kv_heads, ours, expected)
         assert len(set(ours[:, 5:].flatten().tolist())) > 3  # (a real continuation, not one token repeated)
         # the cache path's logits are the full forward's at every position
         full = model(ours)
-        cache = models.generation.KVCache(model, 2, 17)
+        cache = models.generation.KVCache(model, batch, 17)
         pieces = [model(ours[:, :5], cache=cache)] + [model(ours[:, i:i + 1], cache=cache) for i in range(5, 17)]
         assert torch.allclose(torch.cat(pieces, 1), full, atol=1e-5)
 

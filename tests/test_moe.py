@@ -33,13 +33,13 @@ def _all_reduce(t, group):
     return t
 
 
-def _run(mesh, moe, dtype, sp, *, seed=1, transform=None, topk, **ref):
+def _run(mesh, moe, dtype, sp, *, seed=1, transform=None, topk, rows=R, batch=B, **ref):
     """Forward and backward of the layer and of the reference; checks outputs, losses and gradients."""
     cp_dp = mesh.size("dp-cp")
     mb = mesh.dp_rank * mesh.cp_size + mesh.cp_rank  # this rank's micro-batch
-    X = randn(cp_dp, R, B, H, seed=seed, dtype=dtype)
+    X = randn(cp_dp, rows, batch, H, seed=seed, dtype=dtype)
     X = X if transform is None else transform(X)
-    G = randn(cp_dp, R, B, H, seed=seed + 1, dtype=dtype)
+    G = randn(cp_dp, rows, batch, H, seed=seed + 1, dtype=dtype)
     mine = (lambda t: t[mb].chunk(mesh.tp_size, 0)[mesh.tp_rank]) if sp else (lambda t: t[mb])
     x = mine(X).clone().requires_grad_()
     y = moe(x)
@@ -96,6 +96,36 @@ def test_moe_layer_matches_the_dense_reference(split):
          capacity_factor=extra.get("capacity_factor"))
     if "capacity_factor" in extra:  # some slots were dropped (somewhere): the policy was exercised
         assert _all_reduce(moe.dropped_slots.clone(), mesh.group("tp-cp-dp")) > 0
+
+
+@distributed(world_size=4)
+def test_replicated_over_tp_any_token_count_routes_as_the_reference():
+    """tp 2 without SP: each tp rank routes its share of the micro-batch's tokens, ceil(T/tp) rows and the rest on
+    the last rank, so a count tp does not divide (a prompt of odd length, generation's one token per step, a rank
+    left without tokens) gives the reference's output, losses and gradients at every dispatcher, with capacity, and
+    the sequence-wise aux loss's value."""
+    from tp.moe.losses import sequence_aux_loss
+
+    from .moe_reference import route
+
+    torch.set_default_dtype(torch.float64)
+    for ep, etp, dispatcher, capacity in ((2, 1, "alltoall", 1.0), (2, 1, "allgather", None), (1, 2, "alltoall", None)):
+        mesh = tp.init_mesh(tp=2, ep=ep, etp=etp)
+        for rows, batch in ((5, 1), (1, 1), (3, 3)):
+            torch.manual_seed(0)
+            moe = tp.moe.MoE(H, F, 6, 2, shared_expert_size=SHARED, aux_loss_coeff=0.1, capacity_factor=capacity,
+                             dispatcher=dispatcher, data_parallel_size=1)
+            _run(mesh, moe, torch.float64, False, topk=2, rows=rows, batch=batch, aux_coeff=0.1,
+                 capacity_factor=capacity)
+            moe.seq_aux_loss_coeff = 0.1
+            x = randn(mesh.dp_size, rows, batch, H, seed=7)
+            with torch.no_grad():
+                moe(x[mesh.dp_rank])
+                _, indices, probs, _ = route(x[mesh.dp_rank].reshape(-1, H), moe.router.weight, 2)
+                _, expected = sequence_aux_loss(probs, indices, torch.arange(rows * batch) % batch, batch,
+                                                coeff=0.1, group=None)
+            assert_close(moe.last.sequence, expected, 1e-12, f"sequence aux loss at {rows}x{batch}")
+        tp.destroy_mesh(keep_groups=True)
 
 
 @pytest.mark.parametrize("tp_size,ep,aux", [(1, 2, False), (1, 4, True), (2, 2, False)])

@@ -77,10 +77,6 @@ def check_experts(job: JobConfig, config: GPTConfig) -> None:
         config.check_experts(parallel.ep, etp)
     except ValueError as e:
         raise ValueError(f"--ep={parallel.ep} --etp={etp}: {e}") from None
-    tokens = job.training.micro_batch_size * job.training.seq_len // parallel.cp
-    if parallel.tp > 1 and not parallel.sequence_parallel and tokens % parallel.tp:
-        raise ValueError(f"--micro-batch-size * --seq-len / --cp = {tokens} tokens do not split over --tp="
-                         f"{parallel.tp} (each tp rank routes its share of them; or use --sequence-parallel)")
 
 
 def check_resume(job: JobConfig, config: GPTConfig) -> None:

@@ -52,18 +52,20 @@ def token_order(rows: int, batch: int, *, sequence_parallel: bool, group: dist.P
 
 def keep_mask(weights: torch.Tensor, indices: torch.Tensor, num_experts: int, capacity_factor: float,
               group: dist.ProcessGroup | None, *,
-              order: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              order: torch.Tensor | None = None, max_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(kept [T, k] bool, C): the slots each expert keeps under the policy above, and the capacity (a 0-d int64
     tensor on the device: computed there, nothing is read on the host). `order` [T]: each token's index among the
     group's tokens (token_order; unique, below T x the group's size), which breaks ties; None: slots tied with the
-    C-th are all kept (an expert may then exceed C)."""
+    C-th are all kept (an expert may then exceed C). `max_rows`: the most rows a rank of the group holds, where
+    they differ (default: this rank's), so that every rank packs the order into the same bits."""
     ranks = 1 if group is None else dist.get_world_size(group)
     reduce = ranks > 1
     tokens = torch.tensor([weights.shape[0]], dtype=torch.int64, device=weights.device)
     keys = weights.detach().float().contiguous().view(torch.int32).to(torch.int64)  # >= 0: order-preserving
     index_bits = 0
     if order is not None:  # below the weight: among equal weights the lower index is the larger key
-        index_bits = _round_up(max(1, (weights.shape[0] * ranks - 1).bit_length()), _BITS)
+        rows = weights.shape[0] if max_rows is None else max_rows
+        index_bits = _round_up(max(1, (rows * ranks - 1).bit_length()), _BITS)
         keys = (keys << index_bits) | ((1 << index_bits) - 1 - order)[:, None]
     keys, experts = keys.flatten(), indices.flatten()
     rounds = _WEIGHT_ROUNDS + index_bits // _BITS

@@ -24,6 +24,12 @@ from .comm import combine, dispatch, group_name
 from .router import expert_counts
 
 
+def pad_rows(t: torch.Tensor, rows: int, value: float = 0) -> torch.Tensor:
+    """t [n, ...] with rows of `value` appended up to `rows` (t itself when it has them): padding a rank's tokens
+    to its peers' count, the padding routed nowhere (indices -1)."""
+    return t if t.shape[0] == rows else torch.cat([t, t.new_full((rows - t.shape[0], *t.shape[1:]), value)])
+
+
 def _size(group):
     return 1 if group is None else dist.get_world_size(group)
 

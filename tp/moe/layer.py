@@ -1,12 +1,13 @@
 """The mixture-of-experts layer: router -> token dispatch over ep -> grouped experts -> combine, plus shared experts.
 
 Activations are Megatron's [s, b, h]. Under tensor parallelism the tokens each tp rank routes are its own: with
-sequence parallelism the layer's input already is [s/tp, b, h] (Megatron's requirement for MoE with tp > 1);
-without it the input is replicated over tp, so each tp rank takes a 1/tp share of the tokens, routes and dispatches
-only those, and the outputs are all-gathered back: no token is routed or computed twice. Every rank thus routes
-different tokens; ep ranks exchange them (ep ranks are data-parallel ranks of the dense part, or its tp ranks under
-SP). With context parallelism each rank routes its share of the sequence; the aux losses still cover the whole
-micro-batch (tp.moe.losses).
+sequence parallelism the layer's input already is [s/tp, b, h] (Megatron's requirement for MoE with tp > 1); without
+it the input is replicated over tp, so each tp rank takes a 1/tp share of the tokens (ceil(T/tp) rows, the last ranks
+fewer when tp does not divide T: a prompt of odd length, generation's one token a step), routes and dispatches only
+those, and the outputs are all-gathered back: no token is routed or computed twice. Every rank thus routes different
+tokens; ep ranks exchange them (ep ranks are data-parallel ranks of the dense part, or its tp ranks under SP). With
+context parallelism each rank routes its share of the sequence; the aux losses still cover the whole micro-batch
+(tp.moe.losses).
 
 Communication per layer and step at ep > 1 ("alltoall"): forward one all-gather of E + 2 integers (the counts) and one
 all-to-all each way over ep; backward the same two all-to-alls; nothing else over ep. With etp > 1 add an
@@ -25,7 +26,7 @@ from ..layers import ColumnParallelLinear, RowParallelLinear
 from ..mappings import gather_from_sp_region, scatter_to_sp_region
 from ..mesh import SharedGroup, current_mesh, resolve_group
 from .capacity import keep_mask, token_order
-from .dispatch import DISPATCHERS, dispatch_and_combine
+from .dispatch import DISPATCHERS, dispatch_and_combine, pad_rows
 from .experts import GroupedExperts
 from .losses import AuxLosses, attach_aux_grad, aux_losses, sequence_aux_loss
 from .router import TopKRouter
@@ -145,9 +146,13 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [s(/tp), b, h]
         tokens = x.reshape(-1, x.shape[-1])  # [T, h]
+        total = tokens.shape[0]
         replicated = self.tp_size > 1 and not self.sequence_parallel
-        if replicated:  # each tp rank routes its own share
-            tokens = scatter_to_sp_region(tokens, self.group)  # [T/tp, h]
+        share = -(-total // self.tp_size) if replicated else total  # rows a rank routes at most (the last fewer)
+        mine = total
+        if replicated:  # each tp rank routes its own share: rows [rank·share, ...) of T padded to tp·share
+            mine = min(share, max(0, total - _rank(self.group) * share))
+            tokens = scatter_to_sp_region(pad_rows(tokens, share * self.tp_size), self.group)[:mine]  # [T/tp, h]
         routing = self.router(tokens)
         weights, indices = routing.weights, routing.indices
         if self.aux_loss_coeff or self.z_loss_coeff:
@@ -157,19 +162,23 @@ class MoE(nn.Module):
         else:
             self.last = None
         if self.seq_aux_loss_coeff:
-            first = dist.get_rank(self.group) * len(tokens) if replicated else 0
+            first = _rank(self.group) * share if replicated else 0
             weights = self._sequence_aux_loss(routing, weights, x.shape[1], first)
         if self.capacity_factor is not None:
             kept, _ = keep_mask(weights, indices, self.num_experts, self.capacity_factor, self.token_group,
-                                order=self._token_order(x, replicated))
+                                order=self._token_order(x, replicated, share), max_rows=share)
             indices = torch.where(kept, indices, -1)
             self.dropped_slots = (~kept).sum()
+        uneven = replicated and share * self.tp_size != total
+        if uneven:  # every rank dispatches `share` rows (the allgather dispatcher's rule), its padding routed nowhere
+            tokens, weights = pad_rows(tokens, share), pad_rows(weights, share)
+            indices = pad_rows(indices, share, -1)
         out = dispatch_and_combine(tokens, weights.to(tokens.dtype), indices, self.experts, dispatcher=self.dispatcher,
                                    ep_group=self.ep_group, etp_group=self.etp_group, expert_group=self.expert_group,
-                                   dropping=self.capacity_factor is not None)
-        if replicated:
-            out = gather_from_sp_region(out, self.group, tensor_parallel_output_grad=False)  # backward: split
-        out = out.view(x.shape)
+                                   dropping=self.capacity_factor is not None or uneven)
+        if replicated:  # backward: split
+            out = gather_from_sp_region(pad_rows(out[:mine], share), self.group, tensor_parallel_output_grad=False)
+        out = out[:total].view(x.shape)
         return out if self.shared is None else out + self.shared(x)
 
     def _sequence_aux_loss(self, routing, weights, batch, first):
@@ -184,7 +193,7 @@ class MoE(nn.Module):
         self.last.sequence = value
         return attach_aux_grad(weights, loss, self.aux_loss_scale)  # (a mean per micro-batch, as the LM loss)
 
-    def _token_order(self, x, replicated):
+    def _token_order(self, x, replicated, share):
         """The global index of each token this rank routes (capacity ties go to the lower): its place in the
         micro-batch, after those of the lower dp ranks when the token group holds several micro-batches."""
         pooled = _size(self.token_group) > self.tp_size * _size(self.cp_group)  # (tp.moe's default: tp·cp·dp)
@@ -192,7 +201,7 @@ class MoE(nn.Module):
         first = _rank(self.dp_group) * batch if pooled else 0
         order = token_order(x.shape[0], batch, sequence_parallel=self.sequence_parallel, group=self.group,
                             cp_group=self.cp_group, first_sample=first, device=x.device)
-        return order.chunk(self.tp_size)[_rank(self.group)] if replicated else order
+        return order[_rank(self.group) * share:][:share] if replicated else order
 
     def extra_repr(self) -> str:
         extra = f", capacity_factor={self.capacity_factor}" if self.capacity_factor is not None else ""

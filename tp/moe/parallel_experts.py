@@ -4,8 +4,9 @@ HF MoE block's `mlp.experts` (HF's plans: "moe_tp_experts", "ep_dispatch_experts
 The module keeps HF's interface, forward(hidden_states [T, h], top_k_index [T, k], top_k_weights [T, k]) -> [T, h]
 with the routing left to HF's router, and HF's parameter names (gate_up_proj [E, 2F, h], down_proj [E, h, F]), each
 rank holding its experts (ep) and its slice of their F (etp) from the current mesh. HF models replicate the tokens
-over tp, so each tp rank takes 1/tp of them (no token computed twice), dispatches them over ep with the package's
-dispatcher and grouped GEMM, and the outputs are all-gathered back.
+over tp, so each tp rank takes 1/tp of them (no token computed twice; padded rows routed nowhere where tp does not
+divide them), dispatches them over ep with the package's dispatcher and grouped GEMM, and the outputs are
+all-gathered back.
 """
 import torch
 import torch.distributed as dist
@@ -14,7 +15,7 @@ from torch import nn
 from ..collectives import split_first
 from ..mappings import gather_from_sp_region, scatter_to_sp_region
 from ..mesh import SharedGroup, current_mesh, resolve_group
-from .dispatch import DISPATCHERS, dispatch_and_combine
+from .dispatch import DISPATCHERS, dispatch_and_combine, pad_rows
 from .experts import GroupedExperts
 
 
@@ -70,13 +71,16 @@ class ParallelExperts(GroupedExperts):
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         split = _size(self.group) > 1  # HF replicates the tokens over tp: each rank takes its share
         tokens, indices, weights = hidden_states, top_k_index, top_k_weights
+        total = tokens.shape[0]
+        rows = -(-total // _size(self.group)) * _size(self.group)  # (padded when tp does not divide T)
         if split:
-            tokens = scatter_to_sp_region(tokens, self.group)
-            weights = scatter_to_sp_region(weights, self.group)
-            indices = split_first(indices, self.group)
+            tokens = scatter_to_sp_region(pad_rows(tokens, rows), self.group)
+            weights = scatter_to_sp_region(pad_rows(weights, rows), self.group)
+            indices = split_first(pad_rows(indices, rows, -1), self.group)  # (the padding routed nowhere)
         out = dispatch_and_combine(tokens, weights.to(tokens.dtype), indices, self.grouped, dispatcher=self.dispatcher,
-                                   ep_group=self.ep_group, etp_group=self.etp_group, expert_group=self.expert_group)
-        return gather_from_sp_region(out, self.group, tensor_parallel_output_grad=False) if split else out
+                                   ep_group=self.ep_group, etp_group=self.etp_group, expert_group=self.expert_group,
+                                   dropping=rows != total)
+        return gather_from_sp_region(out, self.group, tensor_parallel_output_grad=False)[:total] if split else out
 
     def grouped(self, x: torch.Tensor, counts: list[int] | torch.Tensor) -> torch.Tensor:
         """The experts on rows sorted by local expert (GroupedExperts.forward, which this module's forward hides)."""
