@@ -2,6 +2,7 @@
 totals, the published-run validation (every figure within the issue's 20 %, the calibrated numbers a minimum), and
 the command line on a small and a large model, with infeasible requests ending in one line."""
 import json
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -313,6 +314,32 @@ def test_a_sequence_longer_than_a_learned_position_table_is_refused(capsys, tmp_
     code, out, err = _run(capsys, *flags, "--seq-len", "256")
     assert code == 1 and not out and err.strip() == ("error: --seq-len 256 exceeds the model's 128 learned positions "
                                                      "(max_seq_len)")
+
+
+def test_unreadable_or_partial_files_are_one_line_naming_the_flag_and_file(capsys, tmp_path):
+    """--hf-config and --check-mfu files: missing, not JSON, not the expected object, or a config without the
+    model's shape (transformers would fill in its own defaults, Llama-2-7B's for "llama"): one line naming both."""
+    (tmp_path / "bad.json").write_text("{")
+    (tmp_path / "empty.json").write_text("{}")
+    (tmp_path / "partial.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    (tmp_path / "gpt2.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 64, "n_layer": 2}))
+    plan_flags = ["--gpus", "2", "--seq-len", "64", "--global-batch-size", "4", "--hf-config"]
+    cases = [
+        (["--check-mfu", str(tmp_path / "missing.json")], r"--check-mfu .*missing.json: No such file or directory"),
+        (["--check-mfu", str(tmp_path / "bad.json")], r"--check-mfu .*bad.json: not JSON \(Expecting property name"),
+        (["--check-mfu", str(tmp_path / "empty.json")], r"--check-mfu .*empty.json: not bench.mfu's JSON \(no "
+                                                        r"'config'\)"),
+        ([*plan_flags, str(tmp_path / "bad.json")], r"--hf-config .*bad.json: not JSON"),
+        ([*plan_flags, str(tmp_path / "empty.json")], r"--hf-config .*empty.json: no model_type"),
+        ([*plan_flags, str(tmp_path / "partial.json")], r"--hf-config .*partial.json: no num_hidden_layers, "
+                                                        r"num_attention_heads, intermediate_size, vocab_size "
+                                                        r"\(transformers' defaults would stand in for the model's\)"),
+        ([*plan_flags, str(tmp_path / "gpt2.json")], r"--hf-config .*gpt2.json: no num_attention_heads \(n_head\), "
+                                                     r"vocab_size"),
+    ]
+    for argv, message in cases:
+        code, out, err = _run(capsys, *argv)
+        assert code == 1 and not out and len(err.splitlines()) == 1 and re.match("error: " + message, err), err
 
 
 def test_fix_pins_a_micro_batch_size_or_virtual_stages_outside_the_default_sweep(capsys):

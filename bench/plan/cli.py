@@ -117,17 +117,33 @@ def parse_fix(text):
     return fixed
 
 
+def read_json(path, flag):
+    """The JSON object of the file a flag names; an unreadable file is one ValueError line naming both."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: {e.strerror or e}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{flag} {path}: not JSON ({e})") from None
+
+
 def read_hf_config(path, seq_len):
     """The GPTConfig of a Hugging Face config.json (or the directory holding it), its positions covering `seq_len`:
     RoPE may plan a longer context than the model was trained on, learned positions may not."""
     import transformers  # (only here: it takes seconds to import)
 
-    if os.path.isdir(path):
-        hf = transformers.AutoConfig.from_pretrained(path)
-    else:
-        with open(path) as f:
-            fields = json.load(f)
-        hf = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
+    fields = read_json(os.path.join(path, "config.json") if os.path.isdir(path) else path, "--hf-config")
+    if not isinstance(fields, dict) or "model_type" not in fields:
+        raise ValueError(f"--hf-config {path}: no model_type (a Hugging Face config.json names its family)")
+    hf = transformers.AutoConfig.for_model(**fields)
+    shape = ["hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"]
+    aliases = getattr(hf, "attribute_map", {})  # (GPT-2's n_embd, n_layer, n_head)
+    missing = [f"{name} ({aliases[name]})" if name in aliases else name for name in shape
+               if hasattr(hf, name) and name not in fields and aliases.get(name) not in fields]
+    if missing:
+        raise ValueError(f"--hf-config {path}: no {', '.join(missing)} (transformers' defaults would stand in for the "
+                         "model's)")
     config = config_from_hf(hf)
     if config.position == "learned" and seq_len > config.max_seq_len:
         raise ValueError(f"--seq-len {seq_len} exceeds the model's {config.max_seq_len} learned positions "
@@ -317,8 +333,11 @@ def main(argv=None):
         if args.validate:
             return validate(json_out=args.json, out=args.out)
         if args.check_mfu:
-            with open(args.check_mfu) as f:
-                check_mfu(json.load(f))
+            try:
+                check_mfu(read_json(args.check_mfu, "--check-mfu"))
+            except (KeyError, TypeError) as e:  # (a field missing, or not an object)
+                raise ValueError(f"--check-mfu {args.check_mfu}: not bench.mfu's JSON "
+                                 f"({f'no {e}' if isinstance(e, KeyError) else e})") from None
             return 0
         fixed = parse_fix(args.fix)
         cluster = cluster_of(args.hardware, args.gpus_per_node)
