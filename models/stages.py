@@ -84,9 +84,14 @@ def _uneven_ranks(num_layers, pp, virtual_stages, split):
     if not middle and rest:
         raise ValueError(f"{split_text(split)}: the first and last stages' layers must add up to "
                          f"num_layers={num_layers} (pp={pp}: no middle stage)")
-    if rest < middle or (middle and rest % middle):
+    stages = f"{f'{middle} middle' if len(given) == 2 else f'other {middle}'} stage{'s' * (middle != 1)} of pp={pp}"
+    if rest < middle:
+        raise ValueError(f"{split_text(split)}: the given stage{'s hold' if len(given) == 2 else ' holds'} "
+                         f"{sum(given)} of num_layers={num_layers} layers, leaving {max(rest, 0)} for the {stages} "
+                         "(each needs at least one)")
+    if middle and rest % middle:
         raise ValueError(f"{split_text(split)}: the other {rest} of num_layers={num_layers} layers do not split "
-                         f"evenly over the {middle} middle stage{'s' * (middle != 1)} of pp={pp}")
+                         f"evenly over the {stages}")
     ranks = [rest // middle if middle else 0] * pp
     ranks[0] = ranks[0] if first is None else first
     ranks[-1] = ranks[-1] if last is None else last

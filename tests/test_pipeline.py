@@ -53,6 +53,13 @@ def test_megatrons_split_flags_place_the_layers():
                                        r"must add up to num_layers=5 \(pp=2: no middle stage\)"),
             ((7, 4), StageSplit(1, 1), r"the other 5 of num_layers=7 layers do not split evenly over the 2 middle "
                                        r"stages of pp=4"),
+            ((6, 4), StageSplit(first_stage_layers=7), r"^first_stage_layers=7: the given stage holds 7 of "
+                                                       r"num_layers=6 layers, leaving 0 for the other 3 stages of "
+                                                       r"pp=4 \(each needs at least one\)$"),
+            ((6, 2), StageSplit(last_stage_layers=6), r"^last_stage_layers=6: the given stage holds 6 of num_layers=6 "
+                                                      r"layers, leaving 0 for the other 1 stage of pp=2"),
+            ((7, 3), StageSplit(last_stage_layers=2), r"the other 5 of num_layers=7 layers do not split evenly over "
+                                                      r"the other 2 stages of pp=3"),
             ((8, 2, 2), StageSplit(first_stage_layers=3), r"pipeline rank 0's 3 layers do not split into "
                                                           r"virtual_stages=2 equal chunks"),
             ((4, 1), StageSplit(first_stage_layers=4), r"need pp >= 2 \(pp=1\)"),
