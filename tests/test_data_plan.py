@@ -51,6 +51,17 @@ def test_each_path_is_found_as_its_format(tmp_path):
     assert set(found.values()) == set(data.FORMATS)  # (each format of the registry found from a path)
 
 
+def test_the_data_line_names_a_directorys_files_by_kind(tmp_path):
+    """A directory of documents is read by the "text" format (its files each by suffix): what the job prints says
+    which files it holds, not "text"."""
+    (tmp_path / "shards" / "sub").mkdir(parents=True)
+    for name in ("a.parquet", "b.parquet", "sub/c.txt"):
+        (tmp_path / "shards" / name).write_text("x")
+    source = data.Source(str(tmp_path / "shards"))
+    assert source.kind == "text" and source.label == "a directory of 2 .parquet and 1 .txt files"
+    assert data.Source("a.txt").label == "text" and data.Source(None).label == "bundled"
+
+
 class NpyTokens(formats.Format):
     """A format as a user would add it: a numpy .npy array of token ids, read in place."""
 

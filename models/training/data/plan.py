@@ -7,6 +7,7 @@ import hashlib
 import math
 import os
 import sys
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -43,6 +44,15 @@ class Source:
     def kind(self) -> str:
         """Its format's name in FORMATS."""
         return self.format.name
+
+    @property
+    def label(self) -> str:
+        """Its kind, or for a directory of documents the files it holds by suffix (what the data line says)."""
+        if self.kind != "text" or not self.path or not os.path.isdir(self.path):
+            return self.kind
+        suffixes = Counter(os.path.splitext(f)[1] for f in sources.data_files(self.path))
+        counts = [f"{n} {suffix}" for suffix, n in suffixes.most_common()]
+        return f"a directory of {' and '.join(counts)} file{'s' * (sum(suffixes.values()) != 1)}"
 
     @property
     def name(self) -> str:
@@ -266,7 +276,7 @@ class DataPlan:
                             "than --seq-len + 1: left out)" if o.left_out else f"{o.documents:,} conversations"
             else:
                 documents = f"{o.documents:,} document{'s' * (o.documents != 1)}"
-            lines.append(f"data: {o.source.name} ({o.source.kind}): {documents}, {o.tokens:,} tokens"
+            lines.append(f"data: {o.source.name} ({o.source.label}): {documents}, {o.tokens:,} tokens"
                          + (f", {share:.1%} of the blend" if self.blended else "")
                          + f"; {self.steps} steps take {epochs:.3g} epochs of its {len(o.train):,} training windows")
         return lines
