@@ -352,6 +352,12 @@ def test_a_jsonl_row_without_text_is_named_and_nothing_is_cached(tmp_path):
     with pytest.raises(ValueError, match=r"rows.jsonl line 2: no field \"text\"$"):
         data.prepare(_args("--data", str(tmp_path / "rows.jsonl")))
     assert os.listdir(tmp_path / "xdg" / "tp-layers" / "tokens") == []  # the half-written file removed
+    for name, text in (("one_line.json", '[{"text": "a"}, {"text": "b"}]\n'),
+                       ("pretty.json", '[\n  {"text": "a"}\n]\n')):  # a JSON array: not one object a line
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ValueError, match=rf"{name} line 1: a JSON array; JSON lines hold one object a line "
+                                             r"\(\{\"text\": \.\.\.\}\)$"):
+            data.prepare(_args("--data", str(tmp_path / name)))
     (tmp_path / "numbers.jsonl").write_text('{"text": "fine"}\n{"text": 3}\n')
     with pytest.raises(ValueError, match=r"numbers.jsonl line 2: \"text\" is not a string \(--data-column names "
                                          r"the text\)$"):

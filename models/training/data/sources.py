@@ -110,6 +110,9 @@ def _json_rows(path, column, done):
             done += len(line)
             if not line.strip():
                 continue
+            if line.lstrip().startswith(b"["):
+                raise ValueError(f"--data {path} line {number}: a JSON array; JSON lines hold one object a line "
+                                 f"({{\"{column}\": ...}})")
             try:
                 row = json.loads(line)
             except UnicodeDecodeError as e:
