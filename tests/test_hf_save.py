@@ -218,6 +218,10 @@ def test_input_errors_name_what_the_caller_passed():
     with pytest.raises(ValueError, match=r"targets shape \(8, 2\) != tokens shape \(2, 8\)"):
         model(tokens, torch.zeros(8, 2, dtype=torch.long))
     assert model(tokens, tokens).dim() == 0  # still works
+    for missing in ("/no/such/model", "no-such-dir"):  # (not transformers' hub-id message: local directories only)
+        with pytest.raises(ValueError, match=rf"^from_hf {missing}: no such directory \(from_hf reads a directory "
+                                             r"save_pretrained wrote\)$"):
+            models.GPT.from_hf(missing)
 
 
 @pytest.mark.parametrize("scaling", [dict(rope_type="linear", factor=4.0),

@@ -157,6 +157,9 @@ def load_hf(cls: type[nn.Module], hf_model_or_path: "PreTrainedModel | str | os.
             stage: dict[str, Any] | None = None, **overrides: Any) -> nn.Module:
     """`stage`: GPT options of one pipeline stage (layers, pre_process, post_process); `overrides`: GPTConfig fields."""
     if isinstance(hf_model_or_path, (str, os.PathLike)):
+        if not os.path.isdir(hf_model_or_path):
+            raise ValueError(f"from_hf {os.fspath(hf_model_or_path)}: no such directory (from_hf reads a directory "
+                             "save_pretrained wrote)")
         import transformers
 
         config = config_from_hf(transformers.AutoConfig.from_pretrained(hf_model_or_path), **overrides)
