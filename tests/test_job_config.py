@@ -84,6 +84,18 @@ def test_a_bad_file_is_refused_in_one_line(tmp_path, capsys, text, message):
     assert len(lines) == 1 and lines[0].startswith("error: ") and re.search(message, lines[0]), lines
 
 
+def test_a_refusal_names_the_config_file_keys_behind_the_flags_it_names(tmp_path, capsys):
+    """The checks name flags; a value the --config file gave (not the command line) is named as the file's key too."""
+    path = tmp_path / "job.toml"
+    path.write_text('[parallelism]\npp = 2\nvirtual_stages = 2\nschedule = "zb"\n')
+    assert main(["--config", str(path), "--tp", "1", "--dp", "1"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("error: --schedule zb: virtual_stages=2: ") and line.endswith(
+        f" ([parallelism] schedule, virtual_stages: from --config {path})"), line
+    assert main(["--config", str(path), "--tp", "1", "--dp", "1", "--schedule", "zb"]) == 2  # (--schedule given)
+    assert capsys.readouterr().err.strip().endswith(f" ([parallelism] virtual_stages: from --config {path})")
+
+
 def test_a_run_writes_its_resolved_config_beside_its_logs(tmp_path):
     flags = ["--model", "tiny", "--seq-len", "32", "--global-batch-size", "4", "--micro-batch-size", "2",
              "--steps", "2", "--tp", "1", "--pp", "1", "--lr", "0.002", "--log-dir", str(tmp_path / "logs")]

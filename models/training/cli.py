@@ -22,6 +22,7 @@ import argparse
 import datetime
 import functools
 import os
+import re
 import sys
 
 from tp.mesh import DEFAULT_ORDER, launched_by_torchrun
@@ -127,6 +128,21 @@ def train(args: argparse.Namespace | JobConfig) -> int:
     return trainer.train(job_config(args), config_file=args.config)
 
 
+def from_the_file(message: str, args: argparse.Namespace) -> str:
+    """" ([section] key, ...: from --config FILE)" for the flags a refusal names whose values the --config file gave
+    (not the command line), else ""."""
+    if args.config is None or message.startswith(f"--config {args.config}"):
+        return ""
+    named = {flag.replace("-", "_") for flag in re.findall(r"--([a-z][a-z0-9-]*)", message)}
+    given = set(getattr(args, "given_flags", ()))
+    keys = {}
+    for section, table in read_toml(args.config).items():
+        for key in sorted(named.intersection(table) - given):
+            keys.setdefault(section, []).append(key)
+    where = ", ".join(f"[{section}] {', '.join(names)}" for section, names in keys.items())
+    return f" ({where}: from --config {args.config})" if where else ""
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parser().parse_args(argv)
@@ -142,9 +158,10 @@ def main(argv: list[str] | None = None) -> int:
         if not under_torchrun:
             data.prepare(job)  # a user's text tokenized once, here, before any rank starts
     except (ValueError, ImportError, OSError) as e:
+        message = f"{e}{from_the_file(str(e), args)}"
         if under_torchrun:  # every rank refuses; rank 0 alone says why
-            return failures.refuse(str(e))
-        print(f"error: {e}", file=sys.stderr)
+            return failures.refuse(message)
+        print(f"error: {message}", file=sys.stderr)
         return 2
     if not under_torchrun:
         return launch.launch(job)
