@@ -19,7 +19,8 @@ Sections, in order of value (`--only` reruns some and keeps the others' earlier 
                then the GPU-only kernel tests with full tuning
   grouped      bench.grouped: the experts' grouped GEMMs (SwiGLU fc1, fc2; fwd, dgrad, wgrad into main_grad) on the
                torch backend, torch._grouped_mm, the Triton backend (Hopper: kernels.grouped_hopper) and the sm80
-               kernels (grouped.json)
+               kernels; each layer's forward + backward in fp8, tensorwise with and without the kept casts, rowwise
+               (grouped.json)
   gpt_step     one GPU, bf16: a GPT (hidden 2048, 8 layers, GQA 16/4 heads, vocab 32000, seq 2048) fwd+bwd on the
                Triton and the torch backends: loss and grad-norm difference, tokens/s, MFU, peak memory
   intensity    bench.intensity measured on the device (achieved bf16 TFLOP/s per shard shape) and its plot

@@ -13,10 +13,14 @@ error is recorded where it does not run), "triton" (the Triton backend: on a Hop
 of kernels.grouped_hopper), "auto" (the default: the faster of the torch and Triton backends per key, measured at
 the first call; "auto x" is that faster one's time over auto's) and, on a Hopper GPU, "sm80"
 (kernels.grouped_triton's kernels, use_hopper(False)). Without a GPU only torch runs (fp32, shapes shrunk by
---shrink): a smoke run of the code path, not a measurement.
+--shrink): a smoke run of the code path, not a measurement. A second table times each layer's forward + backward
+(kernels.grouped_linear, wgrad into main_grad) in the input dtype and in fp8: tensorwise, tensorwise with every GEMM
+casting its own operands (before the experts kept their x and dz casts), rowwise; JSON key "fp8".
 """
 import argparse
+import contextlib
 import platform
+from unittest import mock
 
 import torch
 
@@ -102,6 +106,43 @@ def bench_layer(layer, experts, hidden, ffn, rows, dtype, device, timer, *, trit
     return table
 
 
+FP8_VARIANTS = ("bf16", "tensorwise", "tensorwise_per_gemm", "rowwise")
+
+
+def bench_fp8(layer, experts, hidden, ffn, rows, dtype, device, timer) -> dict | None:
+    """One expert layer's forward + backward through kernels.grouped_linear (wgrad into an fp32 main_grad) in the
+    input dtype and in each fp8 recipe, tensorwise also with every GEMM casting its own operands (what it ran before
+    keeping each expert's x and dz casts for the wgrad): ms each. None where a weight dim is not a multiple of 16
+    (torch._scaled_mm's rule)."""
+    n, k, activation = (2 * ffn, hidden, "swiglu") if layer == "fc1" else (hidden, ffn, None)
+    if n % 16 or k % 16:
+        return None
+    counts = routed_counts(rows, experts)
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(rows, k, device=device, dtype=dtype, generator=gen).requires_grad_()
+    w = (torch.randn(experts, n, k, device=device, dtype=dtype, generator=gen) / k**0.5).requires_grad_()
+    w.main_grad = torch.zeros(w.shape, device=device, dtype=torch.float32)
+    gy = torch.randn(rows, n // 2 if activation == "swiglu" else n, device=device, dtype=dtype, generator=gen)
+
+    def step(recipe):
+        kernels.grouped_linear(x, w, counts, activation=activation, fp8_recipe=recipe).backward(gy)
+    row = dict(layer=layer, experts=experts, hidden=hidden, ffn=ffn, rows=rows)
+    for variant in FP8_VARIANTS:
+        recipe = None if variant == "bf16" else variant.removesuffix("_per_gemm")
+        per_gemm = mock.patch.object(kernels.fp8, "keeps_operands", lambda fp8: False)
+        with per_gemm if variant.endswith("_per_gemm") else contextlib.nullcontext():
+            row[f"{variant}_ms"] = timer(lambda: step(recipe), grad_to_none=[x])
+    row["tensorwise_speedup"] = row["bf16_ms"] / row["tensorwise_ms"]
+    row["kept_casts_speedup"] = row["tensorwise_per_gemm_ms"] / row["tensorwise_ms"]
+    return row
+
+
+FP8_COLUMNS = [("layer", "layer", "{}"), ("experts", "E", "{}"), ("hidden", "h", "{}"), ("ffn", "F", "{}"),
+               ("rows", "rows", "{}"), ("bf16_ms", "bf16 ms", "{:.3f}"), ("tensorwise_ms", "tensorwise ms", "{:.3f}"),
+               ("tensorwise_per_gemm_ms", "per-GEMM casts ms", "{:.3f}"), ("rowwise_ms", "rowwise ms", "{:.3f}"),
+               ("tensorwise_speedup", "bf16/tensorwise", "{:.2f}"), ("kept_casts_speedup", "kept casts x", "{:.2f}")]
+
+
 COLUMNS = [("layer", "layer", "{}"), ("experts", "E", "{}"), ("hidden", "h", "{}"), ("ffn", "F", "{}"),
            ("rows", "rows", "{}"), ("max_rows", "max/expert", "{}"), ("phase", "phase", "{}"),
            ("torch_ms", "torch ms", "{:.3f}"), ("grouped_mm_ms", "_grouped_mm ms", "{:.3f}"),
@@ -128,14 +169,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
           f"the experts' grouped GEMMs, {str(dtype)[6:]}")
     meta = dict(device=torch.cuda.get_device_name() if gpu else platform.processor() or "cpu", gpu=gpu,
                 dtype=str(dtype), torch=torch.__version__, shrink=shrink, hopper_kernels=hopper)
-    rows = []
+    rows, fp8_rows = [], []
     for experts, hidden, ffn in args.shapes:
         for layer in ("fc1", "fc2"):
-            rows += bench_layer(layer, experts, max(hidden // shrink, 8), max(ffn // shrink, 8),
-                                max(args.rows // shrink, experts), dtype, device, timer, triton_rows=gpu,
-                                sm80_row=hopper)
-            write_json(args.out, dict(meta=meta, results=rows))  # after every layer: a timed-out run keeps these
-    print_table(rows, COLUMNS)
+            sizes = (experts, max(hidden // shrink, 8), max(ffn // shrink, 8), max(args.rows // shrink, experts))
+            rows += bench_layer(layer, *sizes, dtype, device, timer, triton_rows=gpu, sm80_row=hopper)
+            fp8_rows += [row for row in [bench_fp8(layer, *sizes, dtype, device, timer)] if row]
+            write_json(args.out, dict(meta=meta, results=rows, fp8=fp8_rows))  # after every layer: a timed-out run
+    print_table(rows, COLUMNS)                                                   # keeps these
+    print("\nforward + backward of a layer in fp8 (kernels.grouped_linear, wgrad into main_grad):")
+    print_table(fp8_rows, FP8_COLUMNS)
     return rows
 
 

@@ -87,6 +87,12 @@ def test_grouped_benchmark_times_each_expert_gemm_on_uneven_groups(tmp_path, cap
     gpu_rows = bench_grouped.bench_layer("fc1", 4, 16, 8, 64, torch.float32, "cpu",
                                          bench_grouped.make_timer(False, 1), triton_rows=True, sm80_row=False)
     assert all(r["triton_ms"] > 0 and r["auto_ms"] > 0 and r["auto_vs_faster"] > 0 for r in gpu_rows)
+    # the fp8 table: a layer's forward + backward per variant (None where torch._scaled_mm cannot take the dims)
+    fp8 = bench_grouped.bench_fp8("fc2", 4, 16, 32, 64, torch.float32, "cpu", bench_grouped.make_timer(False, 1))
+    assert all(fp8[f"{variant}_ms"] > 0 for variant in bench_grouped.FP8_VARIANTS) and fp8["kept_casts_speedup"] > 0
+    assert bench_grouped.bench_fp8("fc2", 4, 8, 16, 64, torch.float32, "cpu", bench_grouped.make_timer(False, 1)) \
+        is None
+    assert json.loads(out.read_text())["fp8"] == []  # (the shrunk 8-wide layers: no fp8 rows)
     with pytest.raises(SystemExit):
         bench_grouped.main(["--shapes", "4x256"])
     assert "'4x256' is not EXHxF" in capsys.readouterr().err
