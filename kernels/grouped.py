@@ -19,6 +19,7 @@ import torch
 
 from . import choice, grouped_fp8, ops, torch_ops
 from . import fp8 as fp8_ops
+from .first_order import first_order
 from .fp8 import Fp8Scaling
 from .linear import KEPT_BY_PRODUCER
 from .opaque import opaque_under_compile
@@ -306,7 +307,7 @@ class _GroupedLinear(torch.autograd.Function):
         return y
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @first_order
     def backward(ctx, grad_y):
         weight, preact, counts, *x = ctx.saved_tensors
         dx, dz = dgrad_keeping_grad(grad_y.to(weight.dtype).contiguous(), weight, counts, preact, ctx.activation,

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from . import fp8, ops, torch_ops
+from .first_order import first_order
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -67,7 +68,7 @@ class _LinearFunction(torch.autograd.Function):
         return y.view(*x.shape[:-1], y.shape[-1]).detach()
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @first_order
     def backward(ctx, grad_y):
         x2d, weight, preact, *x_scale = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from .configs import INTERPRET
+from .first_order import first_order
 from .opaque import opaque_under_compile
 from .triton_ops import LAUNCHES
 
@@ -157,7 +158,7 @@ class _FusedAddRMSNorm(torch.autograd.Function):
         return (out, total.view(x.shape)) if ctx.has_residual else (out, None)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @first_order
     def backward(ctx, grad_out, grad_sum):
         total, weight, rstd = ctx.saved_tensors
         grad_out = grad_out.reshape(total.shape).contiguous()

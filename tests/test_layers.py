@@ -236,6 +236,27 @@ def test_from_linear_keeps_dtype_and_repr_shows_sharding():
 
 
 @distributed(world_size=2)
+def test_a_second_derivative_through_the_layers_raises_rather_than_missing_terms():
+    """docs/layers.md: backward is first-order. A gradient penalty (create_graph=True) whose first backward meets
+    gradients that need none (y.sum()'s ones) still reads the weights: its result must refuse a second backward,
+    not drop the weights' terms silently (the column layer at tp 2, gathered or not; the fused linear, main_grad)."""
+    tp.init_mesh(tp=2)
+    torch.manual_seed(0)
+    dense = nn.Linear(8, 6, dtype=torch.float64)
+    x = torch.randn(5, 8, dtype=torch.float64)
+    fused = nn.Linear(8, 6, dtype=torch.float64)
+    fused.weight.main_grad = torch.zeros_like(fused.weight)
+    for layer in (tp.ColumnParallelLinear.from_linear(dense, gather_output=True),
+                  tp.ColumnParallelLinear.from_linear(dense, gather_output=False),
+                  lambda t: kernels.linear(t, fused.weight, fused.bias)):
+        xi = x.clone().requires_grad_()
+        (g,) = torch.autograd.grad(layer(xi).sum(), xi, create_graph=True)  # (= ones @ W: depends on W)
+        assert g.requires_grad
+        with pytest.raises(RuntimeError, match="trying to differentiate twice"):
+            g.square().sum().backward()
+
+
+@distributed(world_size=2)
 def test_bad_layer_arguments_raise_on_every_rank():
     tp.init_mesh(tp=2)
     with pytest.raises(ValueError, match="out_features = 7 is not divisible across 2 ranks"):

@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import kernels.ops
+from kernels.first_order import first_order
 
 from . import debug
 from .collectives import gather_first
@@ -90,7 +91,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return loss.masked_fill(~valid, 0)  # not in place: torch 2.11's compile zeroes the grad of an in-place output
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @first_order
     def backward(ctx, grad_loss):  # [...]
         if ctx.fused:
             logits, targets, log_z, valid = ctx.saved_tensors

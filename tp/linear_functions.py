@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 import kernels
+from kernels.first_order import first_order
 from kernels.linear import KEPT_BY_PRODUCER, dgrad_and_wgrad_operand, keeps_operands, kept_input
 
 from .collectives import all_reduce, gather_first, reduce_scatter_first, wait
@@ -47,7 +48,7 @@ class _ParallelLinearFn(torch.autograd.Function):
         return y.view(*x_total.shape[:-1], y.shape[-1]).detach()  # [s, b, out/tp]; not a view (see kernels.linear)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @first_order
     def backward(ctx, grad_out):
         x, weight, preact, *x_scale = ctx.saved_tensors
         group, comm = ctx.group, ctx.comm
@@ -105,7 +106,7 @@ class SumReplicaGrads(torch.autograd.Function):
         return tuple(None if t is None else t.view_as(t) for t in tensors)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @first_order
     def backward(ctx, *grads):
         rank = dist.get_rank(ctx.group)
         grads = [None if g is None else g.clone() for g in grads]

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from kernels.first_order import first_order
+
 from ..collectives import gather_first, reduce_scatter_first
 from .blocks import attend, attend_backward, dense_attention, grouped, side_of, trim_blocks
 from .layout import rank_order, sequence_order
@@ -59,7 +61,7 @@ class AllGatherAttention(torch.autograd.Function):
         return out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @first_order
     def backward(ctx, dout):
         q, kv, out, lse = ctx.saved_tensors
         group, kv_heads, (sides, blocks) = ctx.group, kv.shape[2], ctx.plan

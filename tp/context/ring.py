@@ -18,6 +18,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from kernels.first_order import first_order
+
 from ..collectives import batch_isend_irecv
 from ..dropout import CounterDropout
 from .blocks import Block, Side, acc_dtype, attend, attend_backward, grouped, side_of, trim_blocks
@@ -126,7 +128,7 @@ class RingAttention(torch.autograd.Function):
         return out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @first_order
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         return *_backward(dout, q, k, v, out, lse, ctx.scale, ctx.ring, ctx.plan, ctx.dropout), *[None] * 5

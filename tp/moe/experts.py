@@ -19,6 +19,7 @@ from torch import nn
 
 import kernels
 from kernels import grouped
+from kernels.first_order import first_order
 
 from ..mesh import SharedGroup
 from ..pipeline.wgrad import defer_weight_grad, deferring
@@ -38,7 +39,7 @@ class _GroupedLinearFn(torch.autograd.Function):
         return y
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @first_order
     def backward(ctx, grad_y):
         weight, preact, *x = ctx.saved_tensors
         x = grouped.operand(x, ctx.x_dtype)
