@@ -256,6 +256,23 @@ def test_a_second_derivative_through_the_layers_raises_rather_than_missing_terms
             g.square().sum().backward()
 
 
+@distributed(world_size=4)
+def test_a_group_this_rank_is_not_in_is_one_line():
+    """A layer (or mapping) given a group its rank is not a member of: one line naming the rank and the group's
+    ranks (was a negative-dimension error from the rank's world size of -1); the members build theirs."""
+    import torch.distributed as dist
+
+    group = dist.new_group([2, 3])
+    if dist.get_rank() in (2, 3):
+        assert tp.ColumnParallelLinear(8, 16, group=group).weight.shape == (8, 8)
+        return
+    with pytest.raises(ValueError, match=rf"^rank {dist.get_rank()} is not a member of the group it was given "
+                                         r"\(ranks \[2, 3\]\)$"):
+        tp.ColumnParallelLinear(8, 16, group=group)
+    with pytest.raises(ValueError, match="is not a member"):
+        tp.copy_to_tp_region(torch.ones(2), group)
+
+
 @distributed(world_size=2)
 def test_bad_layer_arguments_raise_on_every_rank():
     tp.init_mesh(tp=2)

@@ -267,8 +267,13 @@ def current_mesh() -> Mesh | None:
 
 
 def resolve_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
-    """`group` itself, or the current mesh's tensor-parallel group when None."""
-    return get_mesh().tp_group if group is None else group
+    """`group` itself (this rank must be one of its members), or the current mesh's tensor-parallel group when None."""
+    if group is None:
+        return get_mesh().tp_group
+    if not torch.compiler.is_compiling() and dist.get_rank(group) < 0:  # (a rank outside the group: -1)
+        raise ValueError(f"rank {dist.get_rank()} is not a member of the group it was given (ranks "
+                         f"{dist.get_process_group_ranks(group)})")
+    return group
 
 
 def resolve_cp_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
