@@ -302,6 +302,10 @@ def test_bad_layer_arguments_raise_on_every_rank():
         tp.ColumnParallelLinear(4, 8)(torch.zeros(3, 4, dtype=torch.float64))
     with pytest.raises(ValueError, match=r"master bias shape \(1,\) != \(8,\)"):
         tp.RowParallelLinear(4, 8).load_master(torch.zeros(8, 4), torch.zeros(1))
+    with pytest.raises(ValueError, match=r"^the layer has a bias: give load_master\(weight, bias\)"):
+        tp.RowParallelLinear(4, 8).load_master(torch.zeros(8, 4))  # (was: the init's bias kept silently)
+    with pytest.raises(ValueError, match=r"^the layer has no bias \(bias=False\), but load_master was given one"):
+        tp.ColumnParallelLinear(4, 8, bias=False).load_master(torch.zeros(8, 4), torch.zeros(8))
     with pytest.raises(ValueError, match=r"sequence_parallel ColumnParallelLinear needs \[s, b, h\].*got shape \(4,\)"):
         tp.ColumnParallelLinear(4, 8, sequence_parallel=True)(torch.zeros(4))
     layer = tp.ColumnParallelLinear(4, 8)

@@ -139,10 +139,13 @@ class _ParallelLinear(nn.Module):
         """Copy this rank's slice of the dense [out, in] weight (and bias) into the local parameters."""
         if tuple(weight.shape) != (self.out_features, self.in_features):
             raise ValueError(f"master weight shape {tuple(weight.shape)} != {(self.out_features, self.in_features)}")
+        if (self.bias is None) != (bias is None):
+            raise ValueError("the layer has a bias: give load_master(weight, bias)" if bias is None else
+                             "the layer has no bias (bias=False), but load_master was given one")
         if bias is not None and tuple(bias.shape) != (self.out_features,):
             raise ValueError(f"master bias shape {tuple(bias.shape)} != {(self.out_features,)}")
         self.weight.copy_(self.shard_dense(weight))
-        if self.bias is not None and bias is not None:
+        if bias is not None:
             self.bias.copy_(self.shard_dense(bias) if self.shard_dim == 0 else bias)
 
     @classmethod
