@@ -215,7 +215,8 @@ def test_expert_layout_errors(kwargs, message):
     (dict(world_size=8, tp=True), r"tp=True must be an integer >= 1"),  # bools are ints to Python, not to us
     (dict(world_size=8, tp=2.0), r"tp=2.0 must be an integer >= 1"),
     (dict(world_size=8, tp=2, dp=False), r"dp=False must be an integer >= 1"),
-    (dict(world_size=4, order="tp-dp-xp"), r"order='tp-dp-xp' .*unknown: \['xp'\]"),
+    (dict(world_size=4, order="tp-dp-xp"), r"order='tp-dp-xp' .*\(unknown: \['xp'\]\)$"),  # (cp of size 1: not named)
+    (dict(world_size=2, cp=2, order="cp-tp-cp"), r"order='cp-tp-cp' .*\(repeated: \['cp'\]\)$"),
     (dict(world_size=4, pp=2, order="tp-dp"), r"missing: \['pp'\]"),
     (dict(world_size=4, order="tp-tp-dp-pp"), r"repeated: \['tp'\]"),
 ])

@@ -35,12 +35,12 @@ def parse_order(order: str, sizes: dict[str, int] | None = None) -> list[str]:
     repeated = sorted({a for a in tokens if tokens.count(a) > 1})
     axes = [a for a in tokens if a != "ep"]
     unknown = [a for a in axes if a not in AXES]
-    missing = [a for a in AXES if a not in axes and (sizes is None or sizes[a] > 1)]
-    if unknown or repeated or not axes or (sizes is not None and missing):
-        raise ValueError(
-            f"order={order!r} must list each of {'/'.join(AXES)}/ep at most once, and every axis of size > 1 "
-            f"(unknown: {unknown}, missing: {missing}, repeated: {repeated})"
-        )
+    missing = [a for a in AXES if a not in axes and sizes is not None and sizes[a] > 1]
+    if unknown or repeated or not axes or missing:
+        wrong = ", ".join(f"{what}: {names}" for what, names in (("unknown", unknown), ("missing", missing),
+                                                                 ("repeated", repeated)) if names)
+        raise ValueError(f"order={order!r} must list each of {'/'.join(AXES)}/ep at most once, and every axis of "
+                         f"size > 1 ({wrong or 'no axis'})")
     return axes + [a for a in AXES if a not in axes]
 
 
