@@ -295,6 +295,17 @@ def test_shard_unshard_and_positions():
     assert tp.cp_shard(x, 0) is x and tp.cp_unshard(x, 0) is x and tp.cp_positions(5).tolist() == list(range(5))
 
 
+def test_without_a_mesh_one_process_is_cp_1():
+    """docs/sequence-context-parallel.md: on one rank the attention is SDPA itself; with no mesh at all (no
+    init_mesh, no process group) the cp functions run as cp = 1 rather than ask for a tensor-parallel mesh."""
+    with pytest.raises(RuntimeError, match="no tensor-parallel mesh"):
+        tp.get_mesh()
+    q, k, v = (torch.randn(1, 2, 8, 4, generator=rng(i)) for i in range(3))
+    out = tp.context_parallel_attention(q, k, v)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    assert tp.cp_shard(q, 2) is q and tp.cp_unshard(q, 2) is q and tp.cp_positions(8).tolist() == list(range(8))
+
+
 @distributed(world_size=2)
 def test_bad_inputs_are_refused_before_any_communication():
     tp.init_mesh(cp=2)
@@ -316,6 +327,9 @@ def test_bad_inputs_are_refused_before_any_communication():
         (lambda: tp.cp_shard(torch.zeros(3, 6), 1), r"cp_shard: dim 1 of size 6 is not divisible by 2·cp = 4"),
         (lambda: tp.cp_positions(10), r"seq_len of size 10 is not divisible by 2·cp = 4"),
         (lambda: tp.cp_unshard(torch.zeros(3, 5), -1), r"cp_unshard: dim -1 of size 5 is odd"),
+        (lambda: tp.cp_shard(torch.zeros(3, 8), 5), r"^cp_shard: dim 5 is out of range for a tensor of shape "
+                                                     r"\(3, 8\)$"),
+        (lambda: tp.cp_unshard(torch.zeros(3, 8), -3), r"^cp_unshard: dim -3 is out of range for a tensor of shape "),
     ]
     with CommDebugMode() as collectives, P2PCounter() as p2p:
         for fn, message in cases:

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from .allgather import AllGatherAttention, local_attention
 from .blocks import document_attention_mask
-from .layout import cp_group_or_mesh, cp_positions, cp_shard, cp_unshard
+from .layout import cp_group_and_size, cp_positions, cp_shard, cp_unshard
 from .ring import ring_attention, whole_ring
 from .ulysses import ulysses_attention
 
@@ -142,8 +142,7 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     (tp.dropout.CounterDropout, its first_head this rank's first head; None: none). One rank: SDPA itself (with
     dropout: local_attention).
     """
-    group = cp_group_or_mesh(group)
-    cp, where = dist.get_world_size(group), "context_parallel_attention"
+    (group, cp), where = cp_group_and_size(group), "context_parallel_attention"
     if mode not in MODES:  # every rank sees the same shapes and options: every rank raises, before any communication
         raise ValueError(f"{where}: unknown mode {mode!r}; expected one of {tuple(MODES)}")
     _check_shapes(q, k, v, cp, where)

@@ -12,11 +12,20 @@ import torch.distributed as dist
 from kernels.first_order import first_order
 
 from ..collectives import gather_first
-from ..mesh import get_mesh
+from ..mesh import resolve_cp_group
 
 
-def cp_group_or_mesh(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
-    return get_mesh().cp_group if group is None else group
+def cp_group_and_size(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup | None, int]:
+    """(the cp group: `group`, else the current mesh's, else None without a mesh; its size, 1 for None)."""
+    group = resolve_cp_group(group)
+    return group, 1 if group is None else dist.get_world_size(group)
+
+
+def check_dim(x: torch.Tensor, dim: int, what: str) -> int:
+    """dim as a non-negative index of x's dims, or one line naming it."""
+    if not -x.dim() <= dim < x.dim():
+        raise ValueError(f"{what}: dim {dim} is out of range for a tensor of shape {tuple(x.shape)}")
+    return dim % x.dim()
 
 
 def check_chunks(size: int, cp: int, what: str) -> None:
@@ -50,8 +59,8 @@ def cp_shard(x: torch.Tensor, dim: int, *, group: dist.ProcessGroup | None = Non
     embeddings on every cp rank) gets a partial gradient per rank that sums over the cp group to the full one (the
     dp×cp gradient reduction does that sum for parameters).
     """
-    group = cp_group_or_mesh(group)
-    cp = dist.get_world_size(group)
+    check_dim(x, dim, "cp_shard")
+    group, cp = cp_group_and_size(group)
     if cp == 1:
         return x
     check_chunks(x.shape[dim], cp, f"cp_shard: dim {dim}")
@@ -78,8 +87,8 @@ class _CPUnshard(torch.autograd.Function):
 def cp_unshard(x: torch.Tensor, dim: int, *, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """The full tensor from every rank's share along `dim` (one all-gather). Backward keeps this rank's slots of
     the gradient (no reduction): the consumer (the loss on full logits) is computed identically on every cp rank."""
-    group = cp_group_or_mesh(group)
-    cp = dist.get_world_size(group)
+    check_dim(x, dim, "cp_unshard")
+    group, cp = cp_group_and_size(group)
     if cp == 1:
         return x
     if x.shape[dim] % 2:
@@ -91,8 +100,8 @@ def cp_positions(seq_len: int, *, group: dist.ProcessGroup | None = None,
                  device: torch.device | str | None = None) -> torch.Tensor:
     """The global positions (LongTensor [seq_len/cp]) this rank holds, in its local order (for RoPE, learned
     position embeddings)."""
-    group = cp_group_or_mesh(group)
-    cp, positions = dist.get_world_size(group), torch.arange(seq_len, device=device)
+    group, cp = cp_group_and_size(group)
+    positions = torch.arange(seq_len, device=device)
     if cp == 1:
         return positions
     check_chunks(seq_len, cp, "cp_positions: seq_len")
