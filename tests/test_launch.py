@@ -119,6 +119,8 @@ def _inputs(tmp_path):
     (["--log-jsonl", "{pictures}/run.jsonl"],
      r"^--log-jsonl's plot \S+pictures/run.png exists and is not a plot models.train drew"),
     (["--log-jsonl", "{pictures}/run.png"], r"^--log-jsonl \S+run.png: its plot would be the same file"),
+    (["--export-hf", "{pictures}"], r"^--export-hf \S+pictures holds files models.train did not export \(run.png\): "
+                                    r"the export would replace them or sit beside them; give a new or empty directory"),
 ])
 def test_outputs_never_replace_inputs_or_foreign_files(flags, message, tmp_path):
     """Issue 35: `--log-jsonl PATH` replaced whatever was at PATH (the --data file, emptied; /dev/full as root, a
@@ -129,6 +131,19 @@ def test_outputs_never_replace_inputs_or_foreign_files(flags, message, tmp_path)
     with pytest.raises(ValueError, match=message):
         validate(args)
     assert {name: os.stat(path).st_mtime_ns for name, path in names.items()} == before
+
+
+def test_an_earlier_export_of_models_train_may_be_replaced(tmp_path):
+    """--export-hf into a directory models.train exported to before (its mark) is accepted: the new export replaces
+    that one's files (tests/test_hf_save.py); an empty directory too."""
+    from models.training.destinations import EXPORT_MARK
+
+    (tmp_path / "empty").mkdir()
+    validate(parser().parse_args(["--export-hf", str(tmp_path / "empty")]))
+    (tmp_path / "earlier").mkdir()
+    for name in ("config.json", "model.safetensors", EXPORT_MARK):
+        (tmp_path / "earlier" / name).write_text("{}")
+    validate(parser().parse_args(["--export-hf", str(tmp_path / "earlier")]))
 
 
 def test_the_issues_log_over_the_data_is_one_line_and_leaves_the_data_whole(tmp_path, capsys):

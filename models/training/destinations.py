@@ -8,7 +8,8 @@ its plot PATH.png (files). Each is refused, in one line naming the flag, when it
 - exists and is not a directory (directory destinations) or not a regular file (a device node, a FIFO: a run as
   root would replace /dev/full with a file);
 - is an existing file that is not the job's own: --log-jsonl must be a log of models.train (a resume appends to it,
-  a fresh run starts it again), its plot a picture models.train drew (plot.py marks it);
+  a fresh run starts it again), its plot a picture models.train drew (plot.py marks it); --export-hf, a directory
+  holding files, must hold an earlier export of models.train (EXPORT_MARK beside it);
 - cannot be written: a probe file is created, written and removed there (or in the nearest existing parent, without
   creating the directory): permission bits say little as root, and /proc or /sys refuse what they seem to allow.
 """
@@ -20,6 +21,7 @@ from . import launch, plot
 from .config import JobConfig
 
 PROBE = ".models.train-probe"  # (its name in a destination while it is checked, with the checking process's pid)
+EXPORT_MARK = ".models.train-export"  # (written into --export-hf beside an export: a later one may replace it)
 
 
 def destinations(job: JobConfig) -> list[tuple[str, str, str]]:
@@ -61,8 +63,20 @@ def check(job: JobConfig, *, config_file: str | None = None) -> None:
         check_kind(flag, path, kind)
         if kind == "file" and os.path.exists(path):
             check_own_file(flag, path)
+        if flag == "--export-hf" and os.path.isdir(path):
+            check_own_export(path)
     for flag, path, _ in targets:  # (once every destination is known to be the job's: the probes touch nothing else)
         probe(flag, path)
+
+
+def check_own_export(path: str) -> None:
+    """Refuse an --export-hf directory holding files unless an earlier export of models.train wrote them (its
+    mark): the export removes stale weight files and writes config.json and the weights over whatever is there."""
+    entries = sorted(os.listdir(path))
+    if entries and EXPORT_MARK not in entries:
+        shown = ", ".join(entries[:3]) + (f", ... ({len(entries)} entries)" if len(entries) > 3 else "")
+        raise ValueError(f"--export-hf {path} holds files models.train did not export ({shown}): the export would "
+                         "replace them or sit beside them; give a new or empty directory")
 
 
 def check_not_an_input(flag: str, path: str, sources: list[tuple[str, str]]) -> None:

@@ -18,7 +18,7 @@ from tp.pipeline import PipelineRunner
 
 from ..flops import flops_per_token
 from ..stages import EVEN_SPLIT, allreduce_tied_embedding_grads, layers_per_stage
-from . import data, documents, failures, faults, plot, progress, resuming, step_values
+from . import data, destinations, documents, failures, faults, plot, progress, resuming, step_values
 from .build import build_mesh, build_optimizer, set_hyperparameters
 from .checkpoint_dirs import resume_path
 from .config import JobConfig
@@ -283,6 +283,8 @@ class Trainer:
         save_hf(self.chunks, self.job.checkpoint.export_hf, group=mesh.tp_group,
                 pp_group=mesh.pp_group if mesh.pp_size > 1 else None, dp_group=mesh.group("dp-cp"),
                 tokenizer=self.data.reading.tokenizer())  # its files and token ids go with the model
+        if self.rank0:  # (a later run may export over this one: destinations.check_own_export)
+            open(os.path.join(self.job.checkpoint.export_hf, destinations.EXPORT_MARK), "w").close()
 
     def fit(self) -> None:
         """The steps from start_step to --steps: profiled, evaluated, saved and logged as the job says; then the
