@@ -155,6 +155,20 @@ def test_the_slow_rank_is_named(watched):
     assert len(warnings) == 1 and warnings[0].startswith("warning: rank 2 is a straggler"), result.stderr[-2000:]
 
 
+def test_at_two_ranks_a_straggler_is_measured_against_the_other(capsys):
+    """The median of two step times is their mean, never below half the slower one: at --straggler-factor >= 2 a
+    rank 35x slower than its peer was never named. Each rank is measured against the median of the others."""
+    from models.training.stragglers import PERSISTENT, Stragglers
+
+    watch = Stragglers(interval=1, factor=2.0, rank0=True)
+    for step in range(1, PERSISTENT + 1):
+        watch._watch(step, [0.029, 1.02])
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"warning: rank 1 is a straggler: its steps took 1.02 s at step {PERSISTENT}, 35.2x the "
+                           "median 0.029 s of the other ranks"), line
+    watch._watch(1, [0.5])  # (one rank: nobody to compare with)
+
+
 def test_the_run_ends_with_its_plot_and_a_sample_that_generate_continues(watched):
     tmp, result = watched
     png = tmp / "run.png"

@@ -1,6 +1,6 @@
 """Naming the slow rank: every --log-interval steps each rank's step time is gathered (one all-gather of two numbers
 over every rank), the log row gets `slowest_rank`, `rank_step_s_max` and `rank_step_s_min`, and rank 0 warns when
-one rank's step time is --straggler-factor times the median three gathers running.
+one rank's step time is --straggler-factor times the median of the other ranks' three gathers running.
 
 A rank's step time here is its own work, not its waiting for others: in a synchronous job every rank's wall time per
 step is the same (the fast ones wait in collectives for the slow one), so the wall clock cannot name the straggler.
@@ -61,12 +61,15 @@ class Stragglers:
                 "rank_wait_s_max": max(waits)}
 
     def _watch(self, step, work):
-        median = statistics.median(work)
         for rank, seconds in enumerate(work):
+            others = work[:rank] + work[rank + 1:]  # (with the rank itself, two ranks' median is their mean)
+            if not others:
+                return
+            median = statistics.median(others)
             slow = seconds > self.factor * median
             self.running[rank] = self.running.get(rank, 0) + 1 if slow else 0
             if self.running[rank] >= PERSISTENT and rank not in self.warned:
                 self.warned.add(rank)
                 print(f"warning: rank {rank} is a straggler: its steps took {seconds:.3g} s at step {step}, "
-                      f"{seconds / median:.1f}x the median {median:.3g} s over the ranks ({PERSISTENT} checks "
+                      f"{seconds / median:.1f}x the median {median:.3g} s of the other ranks ({PERSISTENT} checks "
                       "running; see slowest_rank in the log)", file=sys.stderr, flush=True)
