@@ -348,6 +348,23 @@ def test_a_full_device_during_a_save_is_one_line_and_keeps_latest(tmp_path):
     assert (ckpt / "latest").read_text() == "step-000001"
 
 
+def test_a_full_device_removes_the_step_directory_on_any_rank(tmp_path):
+    """A save's ENOSPC reaches every rank (DCP spreads it); each removes the step directory's files (rank 0 alone
+    did: when the launcher stopped the job on another rank's line first, an async save's half-written step directory
+    stayed, and on nodes without a shared file system only rank 0's node's files would go)."""
+    import errno
+
+    from models.training.saves import Saves
+
+    saves = object.__new__(Saves)  # (rank 1 of a job: no groups needed to handle the error)
+    saves.root, saves.rank0, saves.size_bytes = str(tmp_path), False, 10**6
+    (tmp_path / "step-000004").mkdir()
+    (tmp_path / "step-000004" / "__1_0.distcp").write_bytes(b"")
+    with pytest.raises(failures.JobStopped, match=r"^no space left on device at .*step-000004"):
+        saves.failed(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), "step-000004")
+    assert os.listdir(tmp_path) == []
+
+
 def test_torch_saves_full_device_error_is_known_as_one():
     """torch.save into a full device raises `enforce fail at inline_container.cc:672 ... unexpected pos`, the OSError
     only in its context: the save's writer names it (an OSError(ENOSPC) survives DCP's gathering of errors)."""

@@ -90,13 +90,14 @@ class Saves:
             checkpoint_dirs.keep_last(self.root, keep)
 
     def failed(self, error: BaseException, name: str) -> None:
-        """A save that raised `error`: on a full device, its step directory removed (rank 0) and JobStopped raised
-        with the one line; otherwise nothing (the caller raises `error`)."""
+        """A save that raised `error`: on a full device, its step directory removed and JobStopped raised with the
+        one line; otherwise nothing (the caller raises `error`). Every rank gets the error and removes what it can:
+        the launcher may stop the job on one rank's line before another handles it, and nodes need not share the
+        file system."""
         if not manifest.no_space(error):
             return
         path = os.path.join(self.root, name)
-        if self.rank0:
-            shutil.rmtree(path, ignore_errors=True)
+        shutil.rmtree(path, ignore_errors=True)  # (ranks of one file system race: whatever one left, another takes)
         raise JobStopped(f"no space left on device at {path} (this save needs about "
                          f"{self.needed_bytes() / 1e9:.2g} GB)") from None
 
