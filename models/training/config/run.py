@@ -58,7 +58,8 @@ class LoggingConfig:
                                    "the device) every N steps", metavar="N")
     log_dir: str | None = option(
         None, "each rank's log DIR/rank-N.log: all the output of ranks other than 0, a failing rank's traceback; the "
-              "run's config.toml (default: DIR/logs of --save, else a new temporary directory)", metavar="DIR",
+              "run's config.toml (default: DIR/logs of --save, else ~/.local/state/tp-layers/runs/NAME, one "
+              "directory per run; $XDG_STATE_HOME in place of ~/.local/state when set)", metavar="DIR",
         path=True)
     tensorboard_dir: str | None = option(
         None, "TensorBoard scalars (the JSONL log's) and the configuration, written by rank 0 (pip install "
