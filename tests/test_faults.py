@@ -258,6 +258,11 @@ def test_save_and_load_the_same_directory_starts_fresh_until_it_holds_a_checkpoi
     checkpoint_dirs.commit(root, "step-000009")
     with pytest.raises(ValueError, match=r"latest names step-000009, which holds no complete checkpoint"):
         checkpoint_dirs.resume_path(root, root)
+    with open(os.path.join(root, "latest"), "w"):  # (emptied by hand, or by a full device)
+        pass
+    with pytest.raises(ValueError, match=r"run/latest is empty: it names the step directory to load \(e.g. "
+                                         r"step-000004\)$"):
+        checkpoint_dirs.resume_path(root, root)
 
 
 def test_the_jsonl_log_keeps_one_run_across_resumes(tmp_path):

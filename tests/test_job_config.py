@@ -75,6 +75,7 @@ def test_flags_given_on_the_command_line_win_over_the_file(tmp_path):
                                                                r"be one of "),
     ("[trainer]\nsteps = 3\n", r"\(sections: model, parallelism, .*, launch\)$"),  # (not the tests' [faults])
     ("[training\n", r"not TOML"),
+    ("steps = 3\n", r": steps = 3 is outside any section; each key belongs to one \(\[training\] steps\)$"),
 ])
 def test_a_bad_file_is_refused_in_one_line(tmp_path, capsys, text, message):
     path = tmp_path / "job.toml"

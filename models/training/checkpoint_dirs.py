@@ -71,6 +71,10 @@ def resume_path(load: str | None, save: str | None = None) -> str | None:
     path = latest(load)
     if not is_complete(path):
         named = _pointer(load)
+        if named is not None and not os.path.basename(named):
+            complete = [name for _, name in sorted(_steps(load).items()) if is_complete(os.path.join(load, name))]
+            raise ValueError(f"--load {load}: {load}/latest is empty: it names the step directory to load (e.g. "
+                             f"{complete[-1] if complete else 'step-000100'})")
         raise ValueError(f"--load {load}: " + (f"{load}/latest names {os.path.basename(named)}, which holds no "
                                                "complete checkpoint" if named else
                                                "holds no checkpoint (no step-N directory with a .metadata)"))

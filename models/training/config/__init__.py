@@ -183,6 +183,10 @@ class JobConfig:
         for name, table in tables.items():
             if name not in sections or not isinstance(table, Mapping):
                 shown = [s for s, section in sections.items() if s != "faults"]  # (the tests' fault injection)
+                owners = [s for s, section in sections.items() if name in {f.name for f in dataclasses.fields(section)}]
+                if not isinstance(table, Mapping):  # a key above every section
+                    raise ValueError(f"{source}: {name} = {table!r} is outside any section; each key belongs to one "
+                                     f"({f'[{owners[0]}] {name}' if owners else 'sections: ' + ', '.join(shown)})")
                 raise ValueError(f"{source}: unknown section [{name}] (sections: {', '.join(shown)})")
             fields = {f.name: f for f in dataclasses.fields(sections[name])}
             for key, value in table.items():
