@@ -9,6 +9,7 @@ import re
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -419,3 +420,41 @@ def test_ctrl_c_ends_the_job_in_one_line():
         time.sleep(0.5)
     assert job.returncode == 130 and "Traceback" not in out + err, (out + err)[-3000:]
     assert err.strip().splitlines()[-1].startswith("interrupted"), err[-3000:]
+
+
+def test_a_rank_dies_with_its_launcher(tmp_path):
+    """(Linux) `kill -9` of the launcher (ours or torchrun's agent) left its ranks training on, unwatched, to the end
+    of the run: each rank asks the kernel for SIGTERM when the process that started it dies."""
+    import signal
+    import textwrap
+
+    child = "from models.training.launch import die_with_launcher; import time; die_with_launcher(); time.sleep(60)"
+    parent = textwrap.dedent(f"""
+        import subprocess, sys, time
+        child = subprocess.Popen([sys.executable, "-c", {child!r}])
+        print(child.pid, flush=True)
+        time.sleep(60)
+    """)
+    launcher = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE, text=True,
+                                env=os.environ | {"OMP_NUM_THREADS": "1"})
+    rank = int(launcher.stdout.readline())
+    time.sleep(3)  # (the child's imports and its prctl)
+    assert _alive(rank)
+    launcher.kill()
+    launcher.wait()
+    deadline = time.time() + 10
+    while _alive(rank) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not _alive(rank)
+    if _alive(rank, zombies=True):  # (reparented to a PID 1 that does not reap: not ours to wait for)
+        os.kill(rank, signal.SIGKILL)
+
+
+def _alive(pid, zombies=False):
+    """Whether process `pid` runs (a zombie counts only with `zombies`)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return zombies or state != "Z"

@@ -165,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if not under_torchrun:
         return launch.launch(job)
+    launch.die_with_launcher()  # (a launcher killed with SIGKILL takes its ranks along)
     timeout = datetime.timedelta(minutes=job.launch.distributed_timeout_minutes)
     if job.launch.print_layout:
         return launch.print_layout_under_torchrun(job.parallelism.sizes, timeout)

@@ -1,6 +1,7 @@
 """How `python -m models.train` starts a job and what a user reads when it cannot: path checks before any process,
 the rank layout over nodes, the ranks' log directory and the resolved configuration written there, the launcher on
 this machine and its one-line failure summary. (The ranks' side of failures is models/training/failures.py.)"""
+import ctypes
 import dataclasses
 import datetime
 import logging
@@ -188,6 +189,22 @@ def print_layout_under_torchrun(sizes: dict[str, int], timeout: datetime.timedel
 
 
 # ---- our own launcher --------------------------------------------------------------------------------------------
+
+PR_SET_PDEATHSIG = 1  # (linux/prctl.h)
+
+
+def die_with_launcher() -> None:
+    """(Linux) This rank gets SIGTERM when the process that started it dies: a launcher killed with SIGKILL cannot
+    stop its ranks, which would otherwise train on alone, unwatched (under plain torchrun too)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):  # (no prctl in this libc: the ranks outlive a killed launcher, as before)
+        return
+    if os.getppid() == 1:  # it died before the request: no signal will come
+        os.kill(os.getpid(), signal.SIGTERM)
+
 
 def runs_dir() -> str:
     """Where a run's logs go without --log-dir or --save: $XDG_STATE_HOME/tp-layers/runs, else
