@@ -353,6 +353,29 @@ def test_a_full_device_during_a_save_is_one_line_and_keeps_latest(tmp_path):
     assert (ckpt / "latest").read_text() == "step-000001"
 
 
+def test_a_rank_stopped_by_a_peers_failure_reports_that_failure(tmp_path, monkeypatch):
+    """Under two torchrun agents, node 0's agent sees only its own ranks, which fail with "connection reset by peer"
+    when rank 3 on node 1 raises: its report named rank 1's echo. The first rank to fail on its own puts its line in
+    torchrun's store (later failures keep it); a rank failing because a peer is gone reports that line."""
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    monkeypatch.setattr(failures, "_store", lambda: store)
+    monkeypatch.setattr(failures, "PEER_GRACE_S", 0.0)
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    failures.publish_first_failure("rank 3 of 4 failed (node 1, local rank 1): ValueError: boom (traceback: x)")
+    failures.publish_first_failure("rank 2 of 4 failed (node 1, local rank 0): an echo")  # (the first one stays)
+
+    def echo(job):
+        raise RuntimeError("[gloo] Read error [127.0.0.1]:1234: Connection reset by peer")
+    assert failures.run_rank(echo, None, str(tmp_path / "logs"), 60.0) == 1
+    reported = json.loads((tmp_path / "error.json").read_text())["message"]["message"]
+    assert reported.startswith("rank 3 of 4 failed (node 1, local rank 1): ValueError: boom"), reported
+    assert "stopped by it: rank 0" in reported
+
+
 def test_a_full_device_removes_the_step_directory_on_any_rank(tmp_path):
     """A save's ENOSPC reaches every rank (DCP spreads it); each removes the step directory's files (rank 0 alone
     did: when the launcher stopped the job on another rank's line first, an async save's half-written step directory

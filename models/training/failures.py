@@ -9,7 +9,8 @@ and the facts our launcher picks the first failing rank from. Four kinds of fail
   device): its message is the line, no traceback to read;
 - "error": the rank's own exception (for torch's CheckpointException, the error of its first failing rank);
 - "peer": a collective failed because another rank is gone (connection closed or reset): this rank waits a moment
-  before exiting, so that the agent sees the rank that failed first;
+  before exiting, so that the agent sees the rank that failed first, and reports that rank's line when the first
+  rank to fail on its own put it in torchrun's store (an agent on another node sees only its own ranks);
 - "timeout": a collective timed out (--distributed-timeout-minutes): the ranks that timed out register in torchrun's
   store, and those that never do are named as hung.
 """
@@ -113,11 +114,37 @@ def kind(exc: BaseException) -> str:
     return "error"
 
 
-def _hung_ranks(rank, world, grace):
-    """Register this timed-out rank in torchrun's store; the ranks that do not register within `grace` seconds."""
+def _store():
+    """torchrun's store (the default process group's), which every rank of every node reaches."""
     import torch.distributed as dist
 
-    store = dist.distributed_c10d._get_default_store()
+    return dist.distributed_c10d._get_default_store()
+
+
+def _first_failure_key():
+    return f"models.train/first-failure/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
+def publish_first_failure(line: str) -> None:
+    """A rank's own failure: its line in torchrun's store unless an earlier one is there (best effort)."""
+    try:
+        _store().compare_set(_first_failure_key(), "", line)
+    except Exception:  # (no store, or it is gone: the agents' reports stay as they are)
+        pass
+
+
+def first_failure() -> str | None:
+    """The line the first rank that failed on its own put in the store, if any."""
+    try:
+        store, key = _store(), _first_failure_key()
+        return store.get(key).decode() if store.check([key]) else None
+    except Exception:
+        return None
+
+
+def _hung_ranks(rank, world, grace):
+    """Register this timed-out rank in torchrun's store; the ranks that do not register within `grace` seconds."""
+    store = _store()
     prefix = f"models.train/timed-out/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
     store.set(prefix + str(rank), "1")
     keys = [prefix + str(r) for r in range(world)]
@@ -211,6 +238,10 @@ def run_rank(fn: Callable[[Job], int], job: Job, log_dir: str, timeout_s: float)
         elif record["kind"] == "peer":
             time.sleep(PEER_GRACE_S)
         line = summary_of(record)
+        if record["kind"] == "error":
+            publish_first_failure(line)
+        elif record["kind"] == "peer" and (cause := first_failure()):  # (another node's agent named the cause)
+            line = f"{cause}; stopped by it: rank {rank} ({where(rank)})"
         log.write(f"== summary: {line}\n")
         log.flush()
         _write_error_file(line, record)
