@@ -98,8 +98,10 @@ def run(cmd: list[str], timeout: float, env: dict | None = None) -> tuple[int, s
     timeout."""
     path = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])  # (the user's entries kept)
     env = {**os.environ, "PYTHONPATH": path, **(env or {})}
+    # SIGINT's default restored in the command: started from a background shell or nohup (which ignore SIGINT, and
+    # children inherit that), it would ignore the interrupt below and lose its report to the SIGKILL
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         out, _ = proc.communicate(timeout=timeout)
         return proc.returncode, out

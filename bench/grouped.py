@@ -106,7 +106,8 @@ def bench_layer(layer, experts, hidden, ffn, rows, dtype, device, timer, *, trit
     return table
 
 
-FP8_VARIANTS = ("bf16", "tensorwise", "tensorwise_per_gemm", "rowwise")
+KEEPING = next(name for name, recipe in kernels.fp8.FP8_RECIPES.items() if not recipe.rowwise)  # (keeps its casts)
+FP8_VARIANTS = ("bf16", *kernels.fp8.FP8_RECIPES, f"{KEEPING}_per_gemm")
 
 
 def bench_fp8(layer, experts, hidden, ffn, rows, dtype, device, timer) -> dict | None:
@@ -128,7 +129,7 @@ def bench_fp8(layer, experts, hidden, ffn, rows, dtype, device, timer) -> dict |
         kernels.grouped_linear(x, w, counts, activation=activation, fp8_recipe=recipe).backward(gy)
     row = dict(layer=layer, experts=experts, hidden=hidden, ffn=ffn, rows=rows)
     for variant in FP8_VARIANTS:
-        recipe = None if variant == "bf16" else variant.removesuffix("_per_gemm")
+        recipe = None if variant == "bf16" else variant.removesuffix("_per_gemm")  # (the per-GEMM casts: patched)
         per_gemm = mock.patch.object(kernels.fp8, "keeps_operands", lambda fp8: False)
         with per_gemm if variant.endswith("_per_gemm") else contextlib.nullcontext():
             row[f"{variant}_ms"] = timer(lambda: step(recipe), grad_to_none=[x])
