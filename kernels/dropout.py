@@ -18,7 +18,6 @@ torch otherwise (`kernels.use_backend`).
 import torch
 
 from . import ops
-from .first_order import first_order
 
 _M32 = 0xFFFFFFFF
 _ROUND_A, _ROUND_B = 0xD2511F53, 0xCD9E8D57  # Philox-4x32's multipliers and Weyl key increments (Salmon et al.)
@@ -143,7 +142,7 @@ class _DropoutAdd(torch.autograd.Function):
         return _dropout_add(x, residual, bias, key, p, samples, positions)
 
     @staticmethod
-    @first_order
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         samples, positions = ctx.saved_tensors
         dx, dbias = dropout_backward(grad, p=ctx.p, key=ctx.key, samples=samples, positions=positions,

@@ -15,7 +15,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .first_order import first_order
 from .opaque import opaque_under_compile
 from .rms_norm import launch_device, warps
 from .triton_ops import LAUNCHES
@@ -72,7 +71,7 @@ class _Rope(torch.autograd.Function):
         return _rope(x, cos, sin, False)
 
     @staticmethod
-    @first_order
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         cos, sin = ctx.saved_tensors
         return _rope(grad if grad.stride(-1) == 1 else grad.contiguous(), cos, sin, True), None, None

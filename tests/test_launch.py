@@ -141,6 +141,8 @@ def test_an_earlier_export_of_models_train_may_be_replaced(tmp_path):
 
     (tmp_path / "empty").mkdir()
     validate(parser().parse_args(["--export-hf", str(tmp_path / "empty")]))
+    (tmp_path / "empty" / ".models.train-probe-123").write_text("")  # (another rank's probe, for a moment)
+    validate(parser().parse_args(["--export-hf", str(tmp_path / "empty")]))
     (tmp_path / "earlier").mkdir()
     for name in ("config.json", "model.safetensors", EXPORT_MARK):
         (tmp_path / "earlier" / name).write_text("{}")
@@ -458,3 +460,21 @@ def _alive(pid, zombies=False):
     except FileNotFoundError:
         return False
     return zombies or state != "Z"
+
+
+def test_a_rank_whose_launcher_is_pid_1_lives(monkeypatch):
+    """A launcher that is a container's command runs as PID 1: its ranks' parent is PID 1 from the start, which says
+    nothing of its death (every rank killed itself at start); only a parent that changed across the request does."""
+    import signal
+
+    from models.training import launch
+
+    killed, parents = [], iter([1, 1])
+    monkeypatch.setattr(launch.ctypes, "CDLL", lambda *a, **k: type("Libc", (), {"prctl": lambda *a: 0})())
+    monkeypatch.setattr(launch.os, "getppid", lambda: next(parents))
+    monkeypatch.setattr(launch.os, "kill", lambda pid, sig: killed.append(sig))
+    launch.die_with_launcher()
+    assert killed == []
+    parents = iter([4242, 1])  # (the launcher died between the two reads: reparented)
+    launch.die_with_launcher()
+    assert killed == [signal.SIGTERM]

@@ -128,6 +128,22 @@ def test_replicated_over_tp_any_token_count_routes_as_the_reference():
         tp.destroy_mesh(keep_groups=True)
 
 
+def test_a_2d_input_is_one_sequence_for_the_sequence_aux_loss():
+    """[T, h] is one sequence of T tokens ([T, 1, h]): the sequence-wise loss took h for the batch size."""
+    tp.init_mesh()
+    try:
+        torch.manual_seed(0)
+        moe = tp.moe.MoE(H, F, 6, 2, seq_aux_loss_coeff=0.1, data_parallel_size=1)
+        x = randn(R, H, seed=3, dtype=torch.float32)
+        with torch.no_grad():
+            moe(x.unsqueeze(1))
+            expected = moe.last.sequence.clone()
+            moe(x)
+        assert torch.equal(moe.last.sequence, expected)
+    finally:
+        tp.destroy_mesh()
+
+
 @pytest.mark.parametrize("tp_size,ep,aux", [(1, 2, False), (1, 4, True), (2, 2, False)])
 @distributed(world_size=4)
 def test_communication_per_layer(tp_size, ep, aux):

@@ -106,7 +106,7 @@ class SumReplicaGrads(torch.autograd.Function):
         return tuple(None if t is None else t.view_as(t) for t in tensors)
 
     @staticmethod
-    @first_order
+    @torch.autograd.function.once_differentiable
     def backward(ctx, *grads):
         rank = dist.get_rank(ctx.group)
         grads = [None if g is None else g.clone() for g in grads]

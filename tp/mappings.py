@@ -9,8 +9,6 @@ communication when the group has one rank. In debug mode (tp.set_debug) each fir
 import torch
 import torch.distributed as dist
 
-from kernels.first_order import first_order
-
 from . import debug
 from .collectives import all_reduce, gather_first, gather_last, reduce_scatter_first, split_first, split_last
 from .mesh import resolve_group
@@ -26,7 +24,7 @@ def _mapping(name, fwd, bwd):
         ctx.group = group
         return fwd(x, group)
 
-    @first_order
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         return bwd(grad, ctx.group), None
 

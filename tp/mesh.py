@@ -271,8 +271,8 @@ def resolve_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     if group is None:
         return get_mesh().tp_group
     if not torch.compiler.is_compiling() and dist.get_rank(group) < 0:  # (a rank outside the group: -1)
-        raise ValueError(f"rank {dist.get_rank()} is not a member of the group it was given (ranks "
-                         f"{dist.get_process_group_ranks(group)})")
+        raise ValueError(f"rank {dist.get_rank()} is not a member of the process group it was given (build the layer "
+                         "on the group's ranks, or pass a group holding this rank)")
     return group
 
 

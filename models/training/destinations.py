@@ -72,7 +72,7 @@ def check(job: JobConfig, *, config_file: str | None = None) -> None:
 def check_own_export(path: str) -> None:
     """Refuse an --export-hf directory holding files unless an earlier export of models.train wrote them (its
     mark): the export removes stale weight files and writes config.json and the weights over whatever is there."""
-    entries = sorted(os.listdir(path))
+    entries = sorted(e for e in os.listdir(path) if not e.startswith(PROBE))  # (another rank's probe, for a moment)
     if entries and EXPORT_MARK not in entries:
         shown = ", ".join(entries[:3]) + (f", ... ({len(entries)} entries)" if len(entries) > 3 else "")
         raise ValueError(f"--export-hf {path} holds files models.train did not export ({shown}): the export would "

@@ -14,6 +14,7 @@ and the facts our launcher picks the first failing rank from. Four kinds of fail
 - "timeout": a collective timed out (--distributed-timeout-minutes): the ranks that timed out register in torchrun's
   store, and those that never do are named as hung.
 """
+import datetime
 import faulthandler
 import json
 import os
@@ -137,6 +138,7 @@ def first_failure() -> str | None:
     """The line the first rank that failed on its own put in the store, if any."""
     try:
         store, key = _store(), _first_failure_key()
+        store.set_timeout(datetime.timedelta(seconds=PEER_GRACE_S + 3))  # (a store gone silent: not the default 30 min)
         return store.get(key).decode() if store.check([key]) else None
     except Exception:
         return None

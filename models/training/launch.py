@@ -198,11 +198,12 @@ def die_with_launcher() -> None:
     stop its ranks, which would otherwise train on alone, unwatched (under plain torchrun too)."""
     if not sys.platform.startswith("linux"):
         return
+    parent = os.getppid()  # (may be PID 1 itself: a launcher that is a container's command)
     try:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     except (OSError, AttributeError):  # (no prctl in this libc: the ranks outlive a killed launcher, as before)
         return
-    if os.getppid() == 1:  # it died before the request: no signal will come
+    if os.getppid() != parent:  # it died between the two: no signal will come
         os.kill(os.getpid(), signal.SIGTERM)
 
 

@@ -18,8 +18,6 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from kernels.first_order import first_order
-
 from .allgather import local_attention
 from .layout import rank_order, sequence_order
 from .ring import Ring, ring_attention
@@ -70,7 +68,7 @@ class _AllToAll(torch.autograd.Function):
         return (heads_to_sequence if to_sequence else sequence_to_heads)(x, group, members)
 
     @staticmethod
-    @first_order
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         inverse = sequence_to_heads if ctx.to_sequence else heads_to_sequence
         return inverse(grad, ctx.group, ctx.members), None, None, None

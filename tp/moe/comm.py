@@ -16,8 +16,6 @@ their names (an op takes no ProcessGroup), "" for none.
 import torch
 import torch.distributed as dist
 
-from kernels.first_order import first_order
-
 from ..collectives import all_gather_into_tensor, reduce_scatter_tensor
 from ..host_syncs import host_values
 
@@ -133,7 +131,7 @@ class _Dispatch(torch.autograd.Function):
         return _dispatch(x, table, ep_group, etp_group, rows)
 
     @staticmethod
-    @first_order
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         return _combine(grad, *ctx.args), None, None, None, None
 
@@ -145,7 +143,7 @@ class _Combine(torch.autograd.Function):
         return _combine(y, table, ep_group, etp_group, rows)
 
     @staticmethod
-    @first_order
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         return _dispatch(grad.contiguous(), *ctx.args), None, None, None, None
 

@@ -163,7 +163,7 @@ class MoE(nn.Module):
             self.last = None
         if self.seq_aux_loss_coeff:
             first = _rank(self.group) * share if replicated else 0
-            weights = self._sequence_aux_loss(routing, weights, x.shape[1], first)
+            weights = self._sequence_aux_loss(routing, weights, x.shape[1] if x.dim() > 2 else 1, first)
         if self.capacity_factor is not None:
             kept, _ = keep_mask(weights, indices, self.num_experts, self.capacity_factor, self.token_group,
                                 order=self._token_order(x, replicated, share), max_rows=share)
