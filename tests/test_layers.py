@@ -254,17 +254,18 @@ def test_a_second_derivative_through_the_layers_raises_rather_than_missing_terms
         assert g.requires_grad
         with pytest.raises(RuntimeError, match="trying to differentiate twice"):
             g.square().sum().backward()
-    # the collectives' backward is linear in the incoming gradient and reads no weight: a second derivative through
-    # them stays exact (torch's rule there), here a hand-made column layer: F.linear between two mappings
-    weight = dense.weight.detach().chunk(2)[tp.get_mesh().tp_rank].clone().requires_grad_()
-    xi = x.clone().requires_grad_()
-    y = tp.gather_from_tp_region(F.linear(tp.copy_to_tp_region(xi), weight))
-    (g,) = torch.autograd.grad(y.sum(), xi, create_graph=True)
+    # a collective's backward is linear in the incoming gradient and reads no weight: where that gradient needs none
+    # (the layer's output side), a second derivative past it stays exact, as torch's rule has it: a row layer by
+    # hand, F.linear on this rank's input columns, then the all-reduce (its backward: the identity)
+    rank = tp.get_mesh().tp_rank
+    weight = dense.weight.detach().chunk(2, 1)[rank].clone().requires_grad_()
+    xi = x.chunk(2, 1)[rank].clone().requires_grad_()
+    (g,) = torch.autograd.grad(tp.reduce_from_tp_region(F.linear(xi, weight)).sum(), xi, create_graph=True)
     g.square().sum().backward()
     W, xd = dense.weight.detach().clone().requires_grad_(), x.clone().requires_grad_()
     (g_dense,) = torch.autograd.grad(F.linear(xd, W).sum(), xd, create_graph=True)
     g_dense.square().sum().backward()
-    torch.testing.assert_close(weight.grad, W.grad.chunk(2)[tp.get_mesh().tp_rank])
+    torch.testing.assert_close(weight.grad, W.grad.chunk(2, 1)[rank])
 
 
 @distributed(world_size=4)
