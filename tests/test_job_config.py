@@ -95,6 +95,13 @@ def test_a_refusal_names_the_config_file_keys_behind_the_flags_it_names(tmp_path
         f" ([parallelism] schedule, virtual_stages: from --config {path})"), line
     assert main(["--config", str(path), "--tp", "1", "--dp", "1", "--schedule", "zb"]) == 2  # (--schedule given)
     assert capsys.readouterr().err.strip().endswith(f" ([parallelism] virtual_stages: from --config {path})")
+    # a run's resolved config.toml (which our launcher hands its ranks) holds every key: it blames none
+    from models.training import launch
+    from models.training.cli import from_the_file
+
+    written = launch.write_config(JobConfig(), str(tmp_path / "logs"))
+    args = parser().parse_args(["--config", written])
+    assert from_the_file("--schedule zb: virtual_stages=2: ... --virtual-stages", args) == ""
 
 
 def test_a_run_writes_its_resolved_config_beside_its_logs(tmp_path):

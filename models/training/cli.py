@@ -133,10 +133,14 @@ def from_the_file(message: str, args: argparse.Namespace) -> str:
     (not the command line), else ""."""
     if args.config is None or message.startswith(f"--config {args.config}"):
         return ""
+    tables = read_toml(args.config)
+    written = tables.get("logging", {}).get("log_dir")  # (a run's resolved config.toml, in its log directory)
+    if written and os.path.realpath(os.path.join(written, launch.CONFIG_FILE)) == os.path.realpath(args.config):
+        return ""  # (every key is in it: our launcher's ranks read it; the launcher named the user's file already)
     named = {flag.replace("-", "_") for flag in re.findall(r"--([a-z][a-z0-9-]*)", message)}
     given = set(getattr(args, "given_flags", ()))
     keys = {}
-    for section, table in read_toml(args.config).items():
+    for section, table in tables.items():
         for key in sorted(named.intersection(table) - given):
             keys.setdefault(section, []).append(key)
     where = ", ".join(f"[{section}] {', '.join(names)}" for section, names in keys.items())
