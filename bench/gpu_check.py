@@ -214,7 +214,7 @@ def section_job(out: Path, on_gpu: bool) -> dict:
 
 def section_bench_kernels(out: Path, on_gpu: bool) -> dict:
     shapes = ["--hidden", "4096", "--tokens", "8192", "--tp", "1"] if on_gpu else \
-        ["--quick", "--layers", "fc1", "--tp", "2", "--reps", "1"]
+        ["--quick", "--shrink", "128", "--layers", "fc1", "--tp", "2", "--reps", "1"]
     rc, text = run([sys.executable, "-m", "bench.kernels", *shapes, "--kernels", "linear", "choices", "dropout", "fp8",
                     "--out", str(out / "kernels.json")], budget(150, on_gpu))
     print(text[-20000:])

@@ -184,13 +184,21 @@ def _bash_commands(marker):
 
 
 def test_bash_blocks_run(tmp_path):
-    """The commands in order, in one interpreter (its imports paid once), each as `python -m` runs it: its module
-    as `__main__` with its arguments in sys.argv."""
+    """The commands in order, each as `python -m` runs it (its module as `__main__` with its arguments in sys.argv), in
+    two interpreters at once (each pays its imports once): the models' commands (a job's checkpoint feeds the next
+    one's --load), and the others (the planner's searches and the benchmarks, which read no job's files)."""
     commands = _bash_commands("run")
     assert commands
     for words in commands:
         assert words[:2] == ["python", "-m"], f"only `python -m ...` commands run here: {shlex.join(words)}"
-    _run([sys.executable, str(Path(__file__)), "--modules", json.dumps([words[2:] for words in commands])], tmp_path)
+    jobs = [words[2:] for words in commands if words[2].startswith("models.")]
+    others = [words[2:] for words in commands if not words[2].startswith("models.")]
+    runs = [subprocess.Popen([sys.executable, str(Path(__file__)), "--modules", json.dumps(chain)], cwd=tmp_path,
+                             env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for chain in (jobs, others) if chain]
+    for run in runs:
+        out, err = run.communicate(timeout=TIMEOUT)
+        assert run.returncode == 0, f"{shlex.join(run.args[-2:])[:300]} failed:\n{out[-3000:]}\n{err[-5000:]}"
 
 
 class _Parsed(Exception):
