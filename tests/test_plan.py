@@ -287,6 +287,20 @@ def test_equally_fast_plans_rank_the_simpler_first():
     assert not inversions, inversions[:2]
 
 
+def test_a_search_in_forked_processes_gives_the_one_process_result(monkeypatch):
+    """A long search runs in parts over a fork pool: the same rows in the same order (ties included), the same
+    smallest infeasible plan and count as one process (parts made small here to split a short search)."""
+    config = models.GPTConfig(**(plan.MODELS["llama3-8b"] | {"max_seq_len": 4096}))
+    where = dict(gpus=8, seq_len=4096, global_batch_size=32, cluster=rl.CLUSTERS["a100-80g"])
+    alone = plan.search(config, **where, workers=1)
+    monkeypatch.setattr(plan_search, "PARALLEL_PLANS", 1)
+    monkeypatch.setattr(plan_search, "PART_PLANS", 997)
+    pools, real_pool = [], plan_search._pool
+    monkeypatch.setattr(plan_search, "_pool", lambda workers, work: pools.append(workers) or real_pool(workers, work))
+    forked = plan.search(config, **where, workers=2)
+    assert pools == [2] and forked == alone and alone[1] is not None and len(alone[0]) > 997 and alone[2] > 2 * 997
+
+
 def test_cli_from_another_directory_top_zero_and_a_repeated_fix(capsys, tmp_path, monkeypatch):
     """The measured profile and --validate find their JSON from any working directory; --top 0 shows every plan in
     the table as in --json; a key given twice to --fix is refused, not silently overridden."""

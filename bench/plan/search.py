@@ -8,6 +8,11 @@ multiple of pp). Recompute: the granularities and the output-discarding modules 
 experts also search ep (dividing the experts), etp (1 or tp: Megatron-Core's usual choices; any other by --fix) with
 ep·etp dividing tp·cp·dp, and the token dispatchers the software implements.
 """
+import contextlib
+import functools
+import itertools
+import multiprocessing
+import os
 import time
 
 from models.flops import matmul_params
@@ -178,28 +183,75 @@ def evaluate(config, plan, *, seq_len, global_batch_size, cluster, software, wit
     return row
 
 
-def search(config, *, gpus, seq_len, global_batch_size, cluster, fixed=(), software=None, progress=None):
+def search(config, *, gpus, seq_len, global_batch_size, cluster, fixed=(), software=None, progress=None,
+           workers=None):
     """(feasible rows best first, the smallest-memory infeasible row or None, number of candidate plans). `progress`:
-    called as progress(done, total, feasible, seconds) every PROGRESS_EVERY seconds of a longer search."""
+    called as progress(done, total, feasible, seconds) every PROGRESS_EVERY seconds of a longer search. `workers`:
+    processes evaluating the plans (None: one per core this process may use; 1: this process alone); a search of
+    fewer than PARALLEL_PLANS plans, or where fork is not available, runs here. The result is the same either way."""
     software = software or software_of(cluster)
     plans = list(candidate_plans(config, gpus=gpus, seq_len=seq_len, global_batch_size=global_batch_size,
                                  cluster=cluster, fixed=fixed, software=software))
-    rows, smallest, counts = [], None, parameter_counts(config)
+    evaluate_part = functools.partial(_evaluate_part, config, plans, seq_len=seq_len,
+                                      global_batch_size=global_batch_size, cluster=cluster, software=software,
+                                      counts=parameter_counts(config))
+    parts = [range(i, min(i + PART_PLANS, len(plans))) for i in range(0, len(plans), PART_PLANS)]
+    workers = min(workers or _usable_cores(), len(parts))
+    rows, smallest = [], None
     start = last = time.monotonic()
-    for done, plan in enumerate(plans, 1):
-        row = evaluate(config, plan, seq_len=seq_len, global_batch_size=global_batch_size, cluster=cluster,
-                       software=software, with_time=False, counts=counts)
-        if row["fits"]:
-            rows.append(row)
-        elif smallest is None or row["memory_per_gpu_gb"] < smallest["memory_per_gpu_gb"]:
-            smallest = row
-        if progress and time.monotonic() - last >= PROGRESS_EVERY:
-            last = time.monotonic()
-            progress(done, len(plans), len(rows), last - start)
+    with _pool(workers if len(plans) >= PARALLEL_PLANS else 1, evaluate_part) as pool:
+        for done, (fit, unfit) in zip(itertools.accumulate(map(len, parts)),
+                                      pool.imap(_forked_part, parts) if pool else map(evaluate_part, parts)):
+            rows += fit  # (in the plans' order, part after part: ties rank as in one process)
+            if unfit is not None and (smallest is None or unfit["memory_per_gpu_gb"] < smallest["memory_per_gpu_gb"]):
+                smallest = unfit
+            if progress and time.monotonic() - last >= PROGRESS_EVERY:
+                last = time.monotonic()
+                progress(done, len(plans), len(rows), last - start)
     rows.sort(key=rank_key)
     return rows, smallest, len(plans)
 
 
+def _evaluate_part(config, plans, indices, **where):
+    """(the rows of plans[indices] that fit, in order; the first smallest-memory one that does not, or None)."""
+    fit, smallest = [], None
+    for i in indices:
+        row = evaluate(config, plans[i], with_time=False, **where)
+        if row["fits"]:
+            fit.append(row)
+        elif smallest is None or row["memory_per_gpu_gb"] < smallest["memory_per_gpu_gb"]:
+            smallest = row
+    return fit, smallest
+
+
+def _usable_cores():
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+_FORKED_WORK = []  # the search's evaluate_part, which the pool's forked processes inherit
+
+
+def _forked_part(indices):
+    return _FORKED_WORK[-1](indices)
+
+
+@contextlib.contextmanager
+def _pool(workers, work):
+    """A fork pool of `workers` processes running `work` on parts of the plans (they inherit it with the plans and
+    the memo tables: only the parts' indices and the rows are pickled), or None for this process alone."""
+    if workers <= 1 or "fork" not in multiprocessing.get_all_start_methods():
+        yield None
+        return
+    _FORKED_WORK.append(work)
+    try:
+        with multiprocessing.get_context("fork").Pool(workers) as pool:
+            yield pool
+    finally:
+        _FORKED_WORK.pop()
+
+
+PART_PLANS = 1000  # plans per task of a parallel search
+PARALLEL_PLANS = 4000  # smaller searches take ~2 s in one process: a pool's start-up is not worth it
 PROGRESS_EVERY = 5.0  # seconds between progress reports of a long search
 
 
