@@ -400,3 +400,22 @@ def test_megatron_flags_run_and_the_written_config_reruns_them_from_another_dire
               "--log-jsonl", "log.jsonl", "--no-sample"], cwd=first)
     _run_job(["--config", "../first/logs/config.toml", "--log-dir", "logs", "--log-jsonl", "log.jsonl"], cwd=second)
     assert _losses(second / "log.jsonl") == _losses(first / "log.jsonl") and len(_losses(first / "log.jsonl")) == 3
+
+
+def test_use_checkpoint_args_takes_the_runs_seq_len_and_dropout_unless_given(monkeypatch, tmp_path):
+    """--use-checkpoint-args (as Megatron's load_args_from_checkpoint): the sequence length and the dropout rates the
+    command line leaves out come from the checkpoint's run (they fell back to the defaults, 64 and 0.0, silently);
+    given ones win."""
+    from models.training import cli, resuming
+
+    saved = {"config": {"dropout": 0.1, "attention_dropout": 0.05}, "extra": {"seq_len": 48}}
+    monkeypatch.setattr(resuming, "_saved", lambda job: (str(tmp_path / "step-000002"), saved))
+
+    def job(*flags):
+        return cli.job_config(cli.parser().parse_args(["--load", str(tmp_path), *flags]))
+
+    taken = job("--use-checkpoint-args")
+    assert (taken.training.seq_len, taken.model.dropout, taken.model.attention_dropout) == (48, 0.1, 0.05)
+    given = job("--use-checkpoint-args", "--seq-len", "32", "--hidden-dropout", "0.2")
+    assert (given.training.seq_len, given.model.dropout, given.model.attention_dropout) == (32, 0.2, 0.05)
+    assert job().training.seq_len == 64

@@ -236,3 +236,8 @@ def test_software_and_moe_fix_keys_on_the_cli(capsys):
     assert code == 1 and "--software ours implements alltoall, allgather" in err
     code, _, err = _run(capsys, *flags, "--fix", "grad_reduce=bf16")
     assert code == 1 and "--software ours reduces gradients in fp32" in err
+    for software, mode, runs in (("megatron-core", "fsdp", "ddp, zero1"), ("torchtitan", "zero1", "ddp, fsdp")):
+        code, _, err = _run(capsys, *flags, "--software", software, "--fix", f"dp_mode={mode}")  # (it blamed the
+        # sizes' divisions)
+        assert code == 1 and err.strip().splitlines() == [
+            f"error: --fix dp_mode={mode}: --software {software} does not run it (it runs {runs})"], err

@@ -130,13 +130,19 @@ def backward_all_reduces(family, config, tp_size):
     return LAYERS * (CONFIGS[family][1] + replica_sums) if tp_size > 1 else 0
 
 
-def assert_full_state_dict(model, dense):
-    """tp.full_state_dict gives the dense model's state dict back: same names, shapes and (trained) values."""
+def assert_full_state_dict(model, dense, fresh=None):
+    """tp.full_state_dict gives the dense model's state dict back: same names, shapes and (trained) values; and
+    tp.load_full_state_dict puts it into `fresh` (the model parallelized again, untrained) shard for shard."""
     full, expected = tp.full_state_dict(model), dense.state_dict()
     assert list(full) == list(expected)
     for name, tensor in expected.items():
         assert full[name].shape == tensor.shape, name
         assert_close(full[name], tensor, ATOL, f"full_state_dict[{name!r}]")
+    if fresh is not None:
+        assert any(not torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
+        tp.load_full_state_dict(fresh, full)
+        for (name, want), got in zip(model.state_dict().items(), fresh.state_dict().values()):
+            assert torch.equal(got, want), f"load_full_state_dict: {name}"
 
 
 def check_family(family, tp_size):
@@ -154,7 +160,8 @@ def check_family(family, tp_size):
     check_against_dense(dense, model, fwd=_all_reduces(2 * LAYERS),
                         bwd=_all_reduces(backward_all_reduces(family, dense.config, tp_size)))
     assert_described(model)
-    assert_full_state_dict(model, dense)  # after the SGD steps: fused parts, replicated kv rows, Conv1D layout
+    # after the SGD steps: fused parts, replicated kv rows, Conv1D layout; and back into an untrained model
+    assert_full_state_dict(model, dense, fresh=parallelize(tiny(family)))
     kv_heads = getattr(dense.config, "num_key_value_heads", None) or 4
     heads = rf"{4 // tp_size} heads, {kv_heads * max(1, tp_size // kv_heads) // tp_size} kv heads per rank"
     assert len(re.findall(heads, describe(model))) == LAYERS, describe(model)
@@ -201,7 +208,7 @@ def test_vocab_parallel_embedding_and_head(tp_size, family, head_style):
     check_against_dense(dense, model, logits_shard=shard,
                         fwd={ALL_REDUCE: fwd, ALL_GATHER: gathers, REDUCE_SCATTER: 0}, bwd=_all_reduces(bwd))
     assert ("loss_function" in describe(model)) == local
-    assert_full_state_dict(model, dense)
+    assert_full_state_dict(model, dense, fresh=parallelize(tiny(family), plan))
     if local:  # greedy decoding over this rank's slice of the vocabulary would be silently wrong
         with pytest.raises(RuntimeError, match="generate\\(\\) needs full-vocabulary logits"):
             model.generate(tokens(seed=3), max_new_tokens=2)
@@ -220,6 +227,46 @@ def test_full_state_dict_of_a_model_around_the_parallelized_one():
     assert list(full) == list(dense.state_dict())
     for name, tensor in dense.state_dict().items():
         assert torch.equal(full[name], tensor), name
+
+
+@distributed(world_size=2)
+def test_gpt_from_a_parallelized_hf_model_reads_its_dense_weights():
+    """models.GPT.from_hf of an HF model tp.parallelize has split: the GPT's logits are those of the GPT built from
+    the model before the split (from_hf read each local shard as if it were the dense tensor: off by ~0.4)."""
+    import models
+
+    tp.init_mesh(tp=2)
+    dense = tiny("llama")
+    want = models.GPT.from_hf(dense)
+    got = models.GPT.from_hf(parallelize(copy.deepcopy(dense)))
+    x = tokens(seed=5)
+    assert torch.equal(got(x), want(x))
+
+
+@distributed(world_size=4)
+def test_full_state_dict_and_save_pretrained_under_fsdp2(tmp_path):
+    """tp 2 x dp 2, FSDP2 over dp on each layer and the model (docs/optim.md's way): full_state_dict gathers each
+    DTensor over dp, then the shards over tp (it raised "c10d.allgather_ ... no sharding strategy"), and
+    save_pretrained writes the dense model."""
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+
+    mesh = tp.init_mesh(tp=2, dp=2)
+    dense = tiny("llama")
+    model = parallelize(copy.deepcopy(dense))
+    with tp.optim.keep_param_tags(model):
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh.device_mesh["dp"])
+        fully_shard(model, mesh=mesh.device_mesh["dp"])
+    full = tp.full_state_dict(model)
+    assert list(full) == list(dense.state_dict())
+    for name, tensor in dense.state_dict().items():
+        assert torch.equal(full[name], tensor), name
+    path = tmp_path / "saved"  # (each rank's own tmp_path: every dp rank 0 of its tp rank writes its own)
+    model.save_pretrained(path, is_main_process=mesh.dp_rank == 0)
+    if mesh.dp_rank == 0 and mesh.tp_rank == 0:
+        for name, tensor in AutoModelForCausalLM.from_pretrained(path).state_dict().items():
+            assert torch.equal(tensor, dense.state_dict()[name]), name
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])

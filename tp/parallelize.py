@@ -144,22 +144,48 @@ def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     """The module's state dict with every tensor-parallel parameter gathered to its dense shape, under the same
     names and layout as before `parallelize` (HF Conv1D weights back to [in, out]), for the module `parallelize`
     was given or any module containing it. A collective: every rank of the tp group calls it; every rank gets the
-    dense tensors."""
-    state = module.state_dict()
+    dense tensors. Under FSDP2 (DTensor parameters) each is gathered over its data-parallel mesh first."""
+    state = {key: value.full_tensor() if hasattr(value, "full_tensor") else value  # (FSDP2's DTensors)
+             for key, value in module.state_dict().items()}
     gathered = {}  # tied parameters (embedding and lm_head) gathered once, still one tensor
-    for name, sub in module.named_modules():
-        if not isinstance(sub, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, ParallelExperts)):
-            continue
-        for pname, param in sub.named_parameters(recurse=False):
-            key = f"{name}.{pname}" if name else pname
-            if key in state:
-                if id(param) not in gathered:
-                    dense = sub.gather_dense(state[key], pname) if isinstance(sub, ParallelExperts) else \
-                        sub.gather_dense(state[key])
-                    transposed = getattr(sub, "_tp_from_conv1d", False) and pname == "weight"
-                    gathered[id(param)] = dense.t().contiguous() if transposed else dense
-                state[key] = gathered[id(param)]
+    for key, sub, pname, param in _parallel_parameters(module, state):
+        if id(param) not in gathered:
+            local = state[key]
+            dense = sub.gather_dense(local, pname) if isinstance(sub, ParallelExperts) else sub.gather_dense(local)
+            gathered[id(param)] = dense.t().contiguous() if _conv1d_weight(sub, pname) else dense
+        state[key] = gathered[id(param)]
     return state
+
+
+@torch.no_grad()
+def load_full_state_dict(module: nn.Module, state_dict: dict[str, torch.Tensor], *, strict: bool = True) -> None:
+    """Load a dense state dict (full_state_dict's, or the model's before `parallelize`: the same names, shapes and
+    layout) into a parallelized module: each rank keeps its shards of the tensor-parallel parameters. No
+    collective; call it before wrapping the module in FSDP2. `strict` as in `load_state_dict`."""
+    local = dict(state_dict)
+    for key, sub, pname, _ in _parallel_parameters(module, state_dict):
+        dense = state_dict[key].t() if _conv1d_weight(sub, pname) else state_dict[key]
+        if isinstance(sub, ParallelExperts):
+            local[key] = sub.shard_fc1(dense) if pname == sub.names[0] else sub.shard_fc2(dense)
+        elif isinstance(sub, VocabParallelEmbedding):
+            local[key] = dense[sub.vocab_start:sub.vocab_end]
+        elif not (isinstance(sub, RowParallelLinear) and pname == "bias"):  # (a row layer's bias is whole)
+            local[key] = sub.shard_dense(dense)
+    module.load_state_dict(local, strict=strict)
+
+
+def _parallel_parameters(module, state):
+    """(state key, tp layer, parameter name, parameter) of every tensor-parallel parameter of `module` in `state`."""
+    for name, sub in module.named_modules():
+        if isinstance(sub, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, ParallelExperts)):
+            for pname, param in sub.named_parameters(recurse=False):
+                key = f"{name}.{pname}" if name else pname
+                if key in state:
+                    yield key, sub, pname, param
+
+
+def _conv1d_weight(sub, pname):
+    return getattr(sub, "_tp_from_conv1d", False) and pname == "weight"
 
 
 def describe(module: nn.Module) -> str:

@@ -70,11 +70,15 @@ def cluster_of(name, gpus_per_node=None):
 
 def chosen_software(name, cluster, fixed):
     """The Software --software names (this package in fp32 on the CPU profile), with --fix's gradient reduction;
-    ValueError when it cannot run what --fix asks (a dispatcher it lacks, bf16 reduction it does not do)."""
+    ValueError when it cannot run what --fix asks (a dispatcher or dp mode it lacks, bf16 reduction it does not do)."""
     software = OURS_CPU if name == "ours" and cluster.cores else SOFTWARE[name]
     if fixed.get("dispatcher", software.dispatchers[0]) not in software.dispatchers:
         raise ValueError(f"--fix dispatcher={fixed['dispatcher']}: --software {name} implements "
                          f"{', '.join(software.dispatchers)}")
+    if fixed.get("dp_mode") in software.lacks_dp_modes:
+        runs = [mode for mode in DP_MODES if mode not in software.lacks_dp_modes]
+        raise ValueError(f"--fix dp_mode={fixed['dp_mode']}: --software {name} does not run it (it runs "
+                         f"{', '.join(runs)})")
     if fixed.get("grad_reduce") == "bf16":
         if not software.bf16_grad_reduce:
             raise ValueError(f"--fix grad_reduce=bf16: --software {name} reduces gradients in fp32 "

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import tp
 from tp.moe import GroupedExperts
 
 from .convert import config_from_hf, hf_family
@@ -166,7 +167,8 @@ def load_hf(cls: type[nn.Module], hf_model_or_path: "PreTrainedModel | str | os.
         reader = _SafetensorsReader(hf_model_or_path)
     else:
         config = config_from_hf(hf_model_or_path.config, **overrides)
-        reader = _StateDictReader(hf_model_or_path.state_dict())
+        # the dense tensors of a model tp.parallelize split (a collective over its tp group) or FSDP2 shards
+        reader = _StateDictReader(tp.full_state_dict(hf_model_or_path))
     if config.mtp_num_layers and "mtp_num_layers" not in overrides and not reader.has(_first_mtp_tensor(config)):
         config = config.replace(mtp_num_layers=0)  # (a config naming MTP layers whose weights were left out)
     model = cls(config, group=group, _init=False, **(stage or {}))

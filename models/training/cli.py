@@ -30,7 +30,7 @@ from tp.mesh import DEFAULT_ORDER, launched_by_torchrun
 from ..config import GPTConfig
 from ..presets import DEFAULT_MODEL, MODELS
 from ..stages import EVEN_SPLIT
-from . import data, failures, launch, preflight, trainer
+from . import data, failures, launch, preflight, resuming, trainer
 from .config import JobConfig
 from .config.toml_io import read_toml
 from .flags import Parser, add_job_flags, usage_formatter
@@ -70,6 +70,8 @@ def job_config(args: argparse.Namespace) -> JobConfig:
     job = megatron_virtual_pipeline(job, args)
     if "schedule" not in given and "schedule" not in tables.get("parallelism", {}):
         interleave(job.parallelism)
+    if job.checkpoint.use_checkpoint_args:
+        resuming.take_run_args(job, given | {key for table in tables.values() for key in table})
     return job
 
 

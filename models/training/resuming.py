@@ -83,6 +83,23 @@ def use_checkpoint_args(job: JobConfig) -> dict[str, Any] | None:
     return saved
 
 
+RUN_ARGS = {"seq_len": ("training", "extra"), "dropout": ("model", "config"), "attention_dropout": ("model", "config")}
+
+
+def take_run_args(job: JobConfig, given: set[str]) -> None:
+    """--use-checkpoint-args: the checkpoint's run's sequence length and dropout rates set into `job` where neither
+    the command line nor --config gave them (`given`: their field names), as Megatron's load_args_from_checkpoint
+    does. Nothing when there is no checkpoint to read (use_checkpoint_args says so in one line)."""
+    try:
+        _, meta = _saved(job)
+    except ValueError:
+        return
+    for field, (section, source) in RUN_ARGS.items():
+        value = ((meta or {}).get(source) or {}).get(field)
+        if field not in given and value is not None:
+            setattr(getattr(job, section), field, value)
+
+
 def _take_tokenizer(job, saved):
     given = job.data.tokenizer
     if given is None:
