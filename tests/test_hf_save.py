@@ -273,3 +273,24 @@ def test_bad_rope_scaling_is_refused_by_name(scaling, message):
 def test_rope_scaling_needs_rope():
     with pytest.raises(ValueError, match="scaling applies to RoPE only"):
         cfg(**GPT2_LIKE, rope_scaling=dict(rope_type="linear", factor=2.0))
+
+
+@distributed(world_size=1)
+def test_from_hf_then_save_hf_keeps_the_token_ids_and_the_generation_config(tmp_path):
+    """An HF model's bos/eos/pad ids (eos a list, as Llama 3's) and its generation_config.json, read by from_hf
+    (directory or model object), are written back by save_hf: the export stops generating where the source did (it
+    wrote the family's defaults, eos 2, and no generation config)."""
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    tp.init_mesh(tp=1)
+    ids = dict(bos_token_id=5, eos_token_id=[6, 7], pad_token_id=0)
+    source = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=64, **ids))
+    source.generation_config = GenerationConfig(**ids, max_new_tokens=7, do_sample=True, temperature=0.6)
+    source.save_pretrained(tmp_path / "source")
+    for name, read in (("dir", tmp_path / "source"), ("object", source)):
+        models.GPT.from_hf(read).save_hf(tmp_path / name)
+        config = transformers.AutoConfig.from_pretrained(tmp_path / name)
+        assert {k: getattr(config, k) for k in ids} == ids, name
+        generation = GenerationConfig.from_pretrained(tmp_path / name)
+        assert (generation.eos_token_id, generation.max_new_tokens, generation.temperature) == ([6, 7], 7, 0.6), name

@@ -153,6 +153,18 @@ def _first_mtp_tensor(config):
     return hf_sources(config, "mtp.0.proj.weight")[0][0]
 
 
+TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def _generation_config(path):
+    """The directory's generation_config.json as a transformers GenerationConfig, or None."""
+    if not os.path.isfile(os.path.join(path, "generation_config.json")):
+        return None
+    import transformers
+
+    return transformers.GenerationConfig.from_pretrained(path)
+
+
 def load_hf(cls: type[nn.Module], hf_model_or_path: "PreTrainedModel | str | os.PathLike", *,
             group: dist.ProcessGroup | None = None, dtype: torch.dtype | None = None,
             stage: dict[str, Any] | None = None, **overrides: Any) -> nn.Module:
@@ -163,14 +175,20 @@ def load_hf(cls: type[nn.Module], hf_model_or_path: "PreTrainedModel | str | os.
                              "save_pretrained wrote)")
         import transformers
 
-        config = config_from_hf(transformers.AutoConfig.from_pretrained(hf_model_or_path), **overrides)
+        hf_config = transformers.AutoConfig.from_pretrained(hf_model_or_path)
+        generation = _generation_config(hf_model_or_path)
+        config = config_from_hf(hf_config, **overrides)
         reader = _SafetensorsReader(hf_model_or_path)
     else:
-        config = config_from_hf(hf_model_or_path.config, **overrides)
+        hf_config, generation = hf_model_or_path.config, getattr(hf_model_or_path, "generation_config", None)
+        config = config_from_hf(hf_config, **overrides)
         # the dense tensors of a model tp.parallelize split (a collective over its tp group) or FSDP2 shards
         reader = _StateDictReader(tp.full_state_dict(hf_model_or_path))
     if config.mtp_num_layers and "mtp_num_layers" not in overrides and not reader.has(_first_mtp_tensor(config)):
         config = config.replace(mtp_num_layers=0)  # (a config naming MTP layers whose weights were left out)
     model = cls(config, group=group, _init=False, **(stage or {}))
     load_hf_weights(model, reader)
+    # what save_hf writes back: the source's token ids (not the family's defaults) and its generation settings
+    model.hf_token_ids = {name: getattr(hf_config, name, None) for name in TOKEN_IDS}
+    model.hf_generation_config = generation
     return model if dtype is None else model.to(dtype)

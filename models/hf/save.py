@@ -17,6 +17,7 @@ from tp.pipeline import model_chunks
 
 from .convert import check_hf, config_to_hf, hf_family
 from .experts import to_disk
+from .load import TOKEN_IDS
 from .names import fused_part_size, hf_sources, parameter_owners, router_biases, tp_sharding
 
 
@@ -84,9 +85,13 @@ def save_hf(model: nn.Module | list[nn.Module], path: str | os.PathLike, *, grou
 
     chunks = model_chunks(model)
     hf_config = config_to_hf(chunks[0].config)  # every rank, before any collective or write: the same error on all
-    if tokenizer is not None:
-        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
-            setattr(hf_config, name, getattr(tokenizer, name, None))
+    source_ids = getattr(chunks[0], "hf_token_ids", None)  # (a model from_hf read: its source's ids, where they
+    if tokenizer is not None or source_ids:  # are tokens of this vocabulary)
+        for name in TOKEN_IDS:
+            token = getattr(tokenizer, name, None) if tokenizer is not None else source_ids[name]
+            valid = tokenizer is not None or all(0 <= t < hf_config.vocab_size for t in
+                                                 (token if isinstance(token, list) else [token]) if t is not None)
+            setattr(hf_config, name, token if valid else None)
     group = tp.mesh.resolve_group(group)
     family = hf_family(chunks[0].config)
     tensors = [to_disk(hf_state_dict(chunk, group), family) for chunk in chunks]  # (experts: per expert)
@@ -112,6 +117,9 @@ def save_hf(model: nn.Module | list[nn.Module], path: str | os.PathLike, *, grou
         os.chmod(os.path.join(path, files[c * ranks + rank]), mode)
     if rank == 0:
         hf_config.save_pretrained(path)
+        generation = getattr(chunks[0], "hf_generation_config", None)
+        if generation is not None:
+            generation.save_pretrained(path)
         if tokenizer is not None:
             tokenizer.save_pretrained(path)
         if stages > 1:
