@@ -240,7 +240,8 @@ def test_ids_beyond_the_vocabulary_and_a_missing_tokenizer_are_refused(tmp_path,
                                          r"--tokenizer .*tokenizer$"):
         data.prepare(job)
     with pytest.raises(ValueError, match=r"^--data .*big: a Megatron dataset of uint16 ids needs the vocabulary it "
-                                         r"was tokenized with: give --tokenizer DIR$"):
+                                         r"was tokenized with: give --tokenizer DIR \(a Hugging Face tokenizer "
+                                         r"directory, as save_pretrained writes\)$"):
         validate(_job("--data", str(tmp_path / "big")))
     _write(str(tmp_path / "fine"), [[1, 2, 3, 0]] * 30)
     fine = _job("--data", str(tmp_path / "fine"), "--tokenizer", tokenizer)

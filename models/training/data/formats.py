@@ -171,7 +171,8 @@ class Indexed(Format):
         index = indexed.read_index(prefix)
         if reading.tokenizer_dir is None and index.dtype != np.uint8:
             raise ValueError(f"--data {self.path}: a Megatron dataset of {index.dtype.name} ids needs the vocabulary "
-                             "it was tokenized with: give --tokenizer DIR")
+                             "it was tokenized with: give --tokenizer DIR (a Hugging Face tokenizer directory, "
+                             "as save_pretrained writes)")
         if reading.sft:
             check_mask(prefix, index)
 
