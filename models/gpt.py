@@ -189,10 +189,11 @@ class GPT(nn.Module):
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be [batch, seq], got shape {tuple(tokens.shape)}")
         seq = tokens.shape[1]
-        limit = min(c.max_seq_len, c.sliding_window or c.max_seq_len)
-        if seq > limit:
-            raise ValueError(f"sequence length {seq} exceeds max_seq_len={c.max_seq_len}"
-                             + (f" / sliding_window={c.sliding_window} (not implemented)" if c.sliding_window else ""))
+        if seq > c.max_seq_len:
+            raise ValueError(f"sequence length {seq} exceeds max_seq_len={c.max_seq_len}")
+        if c.sliding_window and seq > c.sliding_window:
+            raise ValueError(f"sequence length {seq} exceeds sliding_window={c.sliding_window} (attention within a "
+                             "sliding window is not implemented: sequences up to it run as full attention)")
         if self.cp_size > 1:
             c.check_seq_len(seq, tp=self.tp_size, cp=self.cp_size)
         # (the padded embedding rows exist, but are not tokens; on a GPU a device assert: no host sync)

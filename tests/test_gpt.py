@@ -264,6 +264,11 @@ def test_bad_configs_raise_on_every_rank_before_any_collective():
         model(torch.full((2, 8), VOCAB))
     with pytest.raises(ValueError, match=r"sequence length 300 exceeds max_seq_len=256"):
         model(torch.zeros(2, 300, dtype=torch.long))
+    windowed = models.GPT(models.GPTConfig(**base, sliding_window=8))  # (Mistral's: it read "exceeds max_seq_len=256 /
+    # sliding_window=8", as if 12 > 256)
+    with pytest.raises(ValueError, match=r"^sequence length 12 exceeds sliding_window=8 \(attention within a sliding "
+                                         r"window is not implemented: sequences up to it run as full attention\)$"):
+        windowed(torch.zeros(2, 12, dtype=torch.long))
 
 
 @pytest.mark.parametrize("family,kv_heads", [("llama", 2), ("gpt2", 4)])

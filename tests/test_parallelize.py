@@ -361,6 +361,8 @@ REFUSALS = [  # (family, config overrides, plan or None, keyword arguments, what
      "config.qk_rope_head_dim features, and LlamaForCausalLM has no config.qk_rope_head_dim"),
     ("granite", dict(num_key_value_heads=2), None, {},  # a family tp has not checked: kv heads never replicated
      "num_key_value_heads = 2 < tp and replicating kv heads is not verified"),
+    ("llama", {}, ["colwise"], {}, "plan=['colwise'] must be a dict {module name pattern: style} (or None: the "
+                                   "family's default plan)"),
 ]
 
 

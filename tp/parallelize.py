@@ -75,6 +75,9 @@ def parallelize(module: nn.Module, plan: dict[str, str] | None = None, *, group:
         raise ValueError("sequence_parallel=True is not supported by tp.parallelize: Hugging Face models keep "
                          "activations batch-first [b, s, h] and their attention takes the sequence length from its "
                          "input, so sequence-sharded norms would need each family's attention rewritten")
+    if plan is not None and not isinstance(plan, dict):
+        raise ValueError(f"plan={plan!r} must be a dict {{module name pattern: style}} (or None: the family's default "
+                         "plan)")
     if hasattr(module, _RECORD):
         raise ValueError(f"{type(module).__name__} is already parallelized (tp.describe shows how)")
     group = resolve_group(group)
