@@ -405,7 +405,8 @@ class GPT(nn.Module):
                 stage: dict[str, Any] | None = None, **overrides: Any) -> "GPT":
         """Build from a Hugging Face Llama/Mistral/Qwen2/GPT-2 model or a directory saved with save_pretrained,
         each rank reading only its shards. `overrides` replace GPTConfig fields (e.g. sequence_parallel=True);
-        `stage` (dict of layers, pre_process, post_process) builds one pipeline stage."""
+        `stage` (dict of layers, pre_process, post_process) builds one pipeline stage. A model tp.parallelize split
+        (or FSDP2 sharded) is read through tp.full_state_dict: a collective, which every rank of its groups calls."""
         from .hf import load_hf
 
         stage = stage if cp_group is None else {**(stage or {}), "cp_group": cp_group}

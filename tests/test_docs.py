@@ -193,12 +193,20 @@ def test_bash_blocks_run(tmp_path):
         assert words[:2] == ["python", "-m"], f"only `python -m ...` commands run here: {shlex.join(words)}"
     jobs = [words[2:] for words in commands if words[2].startswith("models.")]
     others = [words[2:] for words in commands if not words[2].startswith("models.")]
-    runs = [subprocess.Popen([sys.executable, str(Path(__file__)), "--modules", json.dumps(chain)], cwd=tmp_path,
-                             env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            for chain in (jobs, others) if chain]
-    for run in runs:
-        out, err = run.communicate(timeout=TIMEOUT)
-        assert run.returncode == 0, f"{shlex.join(run.args[-2:])[:300]} failed:\n{out[-3000:]}\n{err[-5000:]}"
+    runs = []  # (each chain's output to files: a full pipe would stall it while the other is waited for)
+    try:
+        for name, chain in (("jobs", jobs), ("others", others)):
+            with open(tmp_path / f"{name}.out", "w") as out:
+                runs.append((name, subprocess.Popen([sys.executable, str(Path(__file__)), "--modules",
+                                                     json.dumps(chain)], cwd=tmp_path, env=_env(), stdout=out,
+                                                    stderr=subprocess.STDOUT)))
+        for name, run in runs:
+            run.wait(timeout=TIMEOUT)
+            output = (tmp_path / f"{name}.out").read_text()
+            assert run.returncode == 0, f"the {name}' commands failed:\n{output[-6000:]}"
+    finally:
+        for _, run in runs:
+            run.kill()
 
 
 class _Parsed(Exception):

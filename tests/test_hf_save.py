@@ -294,3 +294,9 @@ def test_from_hf_then_save_hf_keeps_the_token_ids_and_the_generation_config(tmp_
         assert {k: getattr(config, k) for k in ids} == ids, name
         generation = GenerationConfig.from_pretrained(tmp_path / name)
         assert (generation.eos_token_id, generation.max_new_tokens, generation.temperature) == ([6, 7], 7, 0.6), name
+    tokenizer = type("Tokenizer", (), dict(bos_token_id=1, eos_token_id=2, pad_token_id=3, save_pretrained=print))()
+    # an SFT run's tokenizer: its ids in both files (generate reads them from generation_config.json)
+    hf_io.save_hf(models.GPT.from_hf(source), tmp_path / "retokenized", tokenizer=tokenizer)
+    for config in (transformers.AutoConfig, GenerationConfig):
+        read = config.from_pretrained(tmp_path / "retokenized")
+        assert [getattr(read, k) for k in ids] == [1, 2, 3], config

@@ -403,9 +403,9 @@ def test_megatron_flags_run_and_the_written_config_reruns_them_from_another_dire
 
 
 def test_use_checkpoint_args_takes_the_runs_seq_len_and_dropout_unless_given(monkeypatch, tmp_path):
-    """--use-checkpoint-args (as Megatron's load_args_from_checkpoint): the sequence length and the dropout rates the
-    command line leaves out come from the checkpoint's run (they fell back to the defaults, 64 and 0.0, silently);
-    given ones win."""
+    """--use-checkpoint-args: the sequence length and the dropout rates the command line leaves out come from the
+    checkpoint's run (they fell back to the defaults, 64 and 0.0, silently); given ones win, a given --dropout for the
+    attention's too."""
     from models.training import cli, resuming
 
     saved = {"config": {"dropout": 0.1, "attention_dropout": 0.05}, "extra": {"seq_len": 48}}
@@ -417,5 +417,8 @@ def test_use_checkpoint_args_takes_the_runs_seq_len_and_dropout_unless_given(mon
     taken = job("--use-checkpoint-args")
     assert (taken.training.seq_len, taken.model.dropout, taken.model.attention_dropout) == (48, 0.1, 0.05)
     given = job("--use-checkpoint-args", "--seq-len", "32", "--hidden-dropout", "0.2")
-    assert (given.training.seq_len, given.model.dropout, given.model.attention_dropout) == (32, 0.2, 0.05)
+    assert (given.training.seq_len, given.model.dropout, given.model.attention_dropout) == (32, 0.2, None)  # (--dropout
+    # drives the attention's)
+    both = job("--use-checkpoint-args", "--attention-dropout", "0.3")
+    assert (both.model.dropout, both.model.attention_dropout) == (0.1, 0.3)
     assert job().training.seq_len == 64

@@ -91,6 +91,12 @@ def test_parallelized_moe_saves_the_dense_model():
     dist.barrier()
     original = hf_moe("mixtral", dtype=torch.float32).state_dict()
     assert set(state) == set(original) and all(torch.equal(state[k], original[k]) for k in state)
+    fresh = tp.parallelize(hf_moe("mixtral", dtype=torch.float32))  # the dense state dict back into one: this
+    with torch.no_grad():  # rank's experts (ep), their etp slices (the experts' slice was left out at ep 2)
+        for p in fresh.parameters():
+            p.zero_()
+    tp.load_full_state_dict(fresh, state)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(root[0], experts_implementation="eager")
     assert all(torch.equal(t, original[k]) for k, t in reloaded.state_dict().items())
     dist.barrier()

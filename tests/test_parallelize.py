@@ -230,6 +230,25 @@ def test_full_state_dict_of_a_model_around_the_parallelized_one():
 
 
 @distributed(world_size=2)
+def test_load_full_state_dict_takes_a_tied_weight_once_and_refuses_a_wrong_shape():
+    """safetensors keeps one name of a tied pair: the other is filled from it (strict load); a dense tensor of
+    another shape is one line naming its key (index_select would have taken a wrong slice silently)."""
+    tp.init_mesh(tp=2)
+    plan = default_plan(tiny("gemma")) | {"model.embed_tokens": "vocab", "lm_head": "colwise"}
+    model = parallelize(tiny("gemma"), plan)
+    full = tp.full_state_dict(model)
+    del full["lm_head.weight"]
+    fresh = parallelize(tiny("gemma", initializer_range=0.5), plan)
+    tp.load_full_state_dict(fresh, full)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
+    key = "model.layers.0.self_attn.o_proj.weight"
+    wide = full | {key: torch.cat([full[key], full[key]], dim=1)}
+    with pytest.raises(ValueError, match=rf"^load_full_state_dict: {re.escape(key)} has shape \(32, 64\), the dense "
+                                         r"RowParallelLinear's is \(32, 32\)$"):
+        tp.load_full_state_dict(fresh, wide)
+
+
+@distributed(world_size=2)
 def test_gpt_from_a_parallelized_hf_model_reads_its_dense_weights():
     """models.GPT.from_hf of an HF model tp.parallelize has split: the GPT's logits are those of the GPT built from
     the model before the split (from_hf read each local shard as if it were the dense tensor: off by ~0.4)."""

@@ -163,18 +163,47 @@ def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
 @torch.no_grad()
 def load_full_state_dict(module: nn.Module, state_dict: dict[str, torch.Tensor], *, strict: bool = True) -> None:
     """Load a dense state dict (full_state_dict's, or the model's before `parallelize`: the same names, shapes and
-    layout) into a parallelized module: each rank keeps its shards of the tensor-parallel parameters. No
-    collective; call it before wrapping the module in FSDP2. `strict` as in `load_state_dict`."""
+    layout) into a parallelized module: each rank keeps its shards of the tensor-parallel parameters (its experts'
+    under ep). A tied weight saved once (safetensors keeps one name of shared tensors) fills every name it has. A
+    dense shape the layer does not have is a ValueError naming the key. No collective; call it before wrapping the
+    module in FSDP2. `strict` as in `load_state_dict`."""
     local = dict(state_dict)
-    for key, sub, pname, _ in _parallel_parameters(module, state_dict):
-        dense = state_dict[key].t() if _conv1d_weight(sub, pname) else state_dict[key]
+    for names in _tied_names(module):
+        given = next((name for name in names if name in state_dict), None)
+        local |= {name: state_dict[given] for name in names if given is not None and name not in state_dict}
+    for key, sub, pname, _ in _parallel_parameters(module, local):
+        dense = local[key].t() if _conv1d_weight(sub, pname) else local[key]
+        expected = _dense_shape(sub, pname)
+        if tuple(dense.shape) != expected:
+            raise ValueError(f"load_full_state_dict: {key} has shape {tuple(local[key].shape)}, the dense "
+                             f"{type(sub).__name__}'s is {expected if dense is local[key] else expected[::-1]}")
         if isinstance(sub, ParallelExperts):
-            local[key] = sub.shard_fc1(dense) if pname == sub.names[0] else sub.shard_fc2(dense)
+            mine = dense[sub.expert_range.start:sub.expert_range.stop]
+            local[key] = sub.shard_fc1(mine) if pname == sub.names[0] else sub.shard_fc2(mine)
         elif isinstance(sub, VocabParallelEmbedding):
             local[key] = dense[sub.vocab_start:sub.vocab_end]
         elif not (isinstance(sub, RowParallelLinear) and pname == "bias"):  # (a row layer's bias is whole)
             local[key] = sub.shard_dense(dense)
     module.load_state_dict(local, strict=strict)
+
+
+def _dense_shape(sub, pname):
+    """The dense shape of tensor-parallel layer `sub`'s parameter `pname` (experts: [E, ...] over every expert)."""
+    if isinstance(sub, ParallelExperts):
+        rows = 2 * sub.ffn_hidden_size if sub.activation == "swiglu" else sub.ffn_hidden_size
+        return (sub.num_experts, rows, sub.hidden_size) if pname == sub.names[0] else \
+            (sub.num_experts, sub.hidden_size, sub.ffn_hidden_size)
+    if isinstance(sub, VocabParallelEmbedding):
+        return sub.num_embeddings, sub.embedding_dim
+    return (sub.out_features, sub.in_features) if pname == "weight" else (sub.out_features,)
+
+
+def _tied_names(module):
+    """The names of each parameter that has more than one (a tied embedding and output layer)."""
+    names = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
 
 
 def _parallel_parameters(module, state):

@@ -13,6 +13,7 @@ import functools
 import itertools
 import multiprocessing
 import os
+import sys
 import time
 
 from models.flops import matmul_params
@@ -188,7 +189,7 @@ def search(config, *, gpus, seq_len, global_batch_size, cluster, fixed=(), softw
     """(feasible rows best first, the smallest-memory infeasible row or None, number of candidate plans). `progress`:
     called as progress(done, total, feasible, seconds) every PROGRESS_EVERY seconds of a longer search. `workers`:
     processes evaluating the plans (None: one per core this process may use; 1: this process alone); a search of
-    fewer than PARALLEL_PLANS plans, or where fork is not available, runs here. The result is the same either way."""
+    fewer than PARALLEL_PLANS plans, or off Linux (_pool), runs here. The result is the same either way."""
     software = software or software_of(cluster)
     plans = list(candidate_plans(config, gpus=gpus, seq_len=seq_len, global_batch_size=global_batch_size,
                                  cluster=cluster, fixed=fixed, software=software))
@@ -228,26 +229,29 @@ def _usable_cores():
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-_FORKED_WORK = []  # the search's evaluate_part, which the pool's forked processes inherit
+_FORKED_WORK = None  # (in a pool's process: the search's evaluate_part, inherited through fork)
+
+
+def _set_forked_work(work):
+    global _FORKED_WORK
+    _FORKED_WORK = work
 
 
 def _forked_part(indices):
-    return _FORKED_WORK[-1](indices)
+    return _FORKED_WORK(indices)
 
 
 @contextlib.contextmanager
 def _pool(workers, work):
-    """A fork pool of `workers` processes running `work` on parts of the plans (they inherit it with the plans and
-    the memo tables: only the parts' indices and the rows are pickled), or None for this process alone."""
-    if workers <= 1 or "fork" not in multiprocessing.get_all_start_methods():
+    """A pool of `workers` processes forked from this one, running `work` on parts of the plans (they inherit it
+    with the plans and the memo tables: only the parts' indices and the rows are pickled), or None for this process
+    alone: one worker, not Linux (macOS can fork but its system libraries are not fork-safe), or this process a
+    daemon (a multiprocessing worker may not start processes)."""
+    if workers <= 1 or sys.platform != "linux" or multiprocessing.current_process().daemon:
         yield None
         return
-    _FORKED_WORK.append(work)
-    try:
-        with multiprocessing.get_context("fork").Pool(workers) as pool:
-            yield pool
-    finally:
-        _FORKED_WORK.pop()
+    with multiprocessing.get_context("fork").Pool(workers, initializer=_set_forked_work, initargs=(work,)) as pool:
+        yield pool
 
 
 PART_PLANS = 1000  # plans per task of a parallel search

@@ -1,6 +1,7 @@
 """Hugging Face weights out: the shards gathered over tp into dense HF tensors (hf_state_dict), and a
 `save_pretrained` directory written on tp rank 0 (config.json + safetensors, one file per pipeline stage, with an
 index)."""
+import copy
 import json
 import os
 import re
@@ -118,8 +119,11 @@ def save_hf(model: nn.Module | list[nn.Module], path: str | os.PathLike, *, grou
     if rank == 0:
         hf_config.save_pretrained(path)
         generation = getattr(chunks[0], "hf_generation_config", None)
-        if generation is not None:
-            generation.save_pretrained(path)
+        if generation is not None:  # (written as it is: transformers' save_pretrained may refuse a config it loads)
+            generation = copy.deepcopy(generation)
+            for name in TOKEN_IDS:  # (generate reads the ids from here: the config's, the tokenizer's if given)
+                setattr(generation, name, getattr(hf_config, name))
+            generation.to_json_file(os.path.join(path, "generation_config.json"))
         if tokenizer is not None:
             tokenizer.save_pretrained(path)
         if stages > 1:

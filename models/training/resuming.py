@@ -88,12 +88,15 @@ RUN_ARGS = {"seq_len": ("training", "extra"), "dropout": ("model", "config"), "a
 
 def take_run_args(job: JobConfig, given: set[str]) -> None:
     """--use-checkpoint-args: the checkpoint's run's sequence length and dropout rates set into `job` where neither
-    the command line nor --config gave them (`given`: their field names), as Megatron's load_args_from_checkpoint
-    does. Nothing when there is no checkpoint to read (use_checkpoint_args says so in one line)."""
+    the command line nor --config gave them (`given`: their field names; Megatron's load_args_from_checkpoint takes
+    the sequence length so, its dropout rates even over given flags). Nothing when there is no checkpoint to read
+    (use_checkpoint_args says so in one line)."""
     try:
         _, meta = _saved(job)
     except ValueError:
         return
+    if "dropout" in given:  # (a given --dropout drives the attention's too, as without the flag)
+        given = given | {"attention_dropout"}
     for field, (section, source) in RUN_ARGS.items():
         value = ((meta or {}).get(source) or {}).get(field)
         if field not in given and value is not None:
