@@ -71,13 +71,7 @@ def parallelize(module: nn.Module, plan: dict[str, str] | None = None, *, group:
     that cannot be right: heads not divisible by tp, an unknown style, a pattern matching nothing, a module of the
     wrong kind, a tied weight sharded on one side only.
     """
-    if sequence_parallel:
-        raise ValueError("sequence_parallel=True is not supported by tp.parallelize: Hugging Face models keep "
-                         "activations batch-first [b, s, h] and their attention takes the sequence length from its "
-                         "input, so sequence-sharded norms would need each family's attention rewritten")
-    if plan is not None and not isinstance(plan, dict):
-        raise ValueError(f"plan={plan!r} must be a dict {{module name pattern: style}} (or None: the family's default "
-                         "plan)")
+    _check_arguments(plan, sequence_parallel)
     if hasattr(module, _RECORD):
         raise ValueError(f"{type(module).__name__} is already parallelized (tp.describe shows how)")
     group = resolve_group(group)
@@ -141,6 +135,16 @@ def parallelize(module: nn.Module, plan: dict[str, str] | None = None, *, group:
     setattr(module, _RECORD, {"tp": tp_size, "tp_rank": dist.get_rank(group), "plan": source,
                                "entries": sorted(record)})
     return module
+
+
+def _check_arguments(plan, sequence_parallel):
+    if sequence_parallel:
+        raise ValueError("sequence_parallel=True is not supported by tp.parallelize: Hugging Face models keep "
+                         "activations batch-first [b, s, h] and their attention takes the sequence length from its "
+                         "input, so sequence-sharded norms would need each family's attention rewritten")
+    if plan is not None and not isinstance(plan, dict):
+        raise ValueError(f"plan={plan!r} must be a dict {{module name pattern: style}} (or None: the family's default "
+                         "plan)")
 
 
 def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
