@@ -25,8 +25,9 @@ what the autotuner would benchmark on an H100 / A100. The kernel arguments are s
 contiguous tensors specialises them: unit strides become constexpr 1, feature dimensions, leading strides and
 pointers carry tt.divisibility=16, token counts carry nothing; the other constexprs come from triton_ops._flags.
 
-Matrix (about 90 compiles over both archs, ~60 s wall on 2 cores; the default run compiles the sm90 half, and
-`-m slow` adds sm80): every candidate for the bf16 gelu forward, the bf16
+Matrix (about 90 compiles over both archs, ~60 s wall on 2 cores; the default run compiles the sm90 half with one
+candidate per specialisation, the largest, and `-m slow` every candidate and sm80): every candidate for the bf16 gelu
+forward, the bf16
 wgrad with ACCUMULATE (fp32 main_grad), the bf16 dgrad and the fp64 wgrad; the largest candidate for the rest
 (every forward activation, fp16, swiglu forward, fp16 dgrad, wgrad without ACCUMULATE, a forward whose feature dims are
 not multiples of 16); the smallest candidate for the fp32 (IEEE FMA dot: torch's default allow_tf32=False) forward and
@@ -124,6 +125,12 @@ SPECS = [
     _spec("grouped-wgrad-acc-bf16-allcfg", GROUPED_WGRAD, "bf16", dict(ACCUMULATE=True), configs="all"),
     _spec("grouped-wgrad-noacc-fp32", GROUPED_WGRAD, "fp32", dict(ACCUMULATE=False), configs="smallest"),
 ]
+
+# The default run compiles the all-candidate specs' largest candidate (the family's first: the most shared memory)
+# for sm90; -m slow every candidate on both archs.
+SPECS = [dict(spec, slow=True) if spec["configs"] == "all" else spec for spec in SPECS] + \
+    [dict(spec, name=f"{spec['name'].removesuffix('-allcfg')}-largest", configs="first", archs=(90,))
+     for spec in SPECS if spec["configs"] == "all"]
 
 # kernels.triton_hopper: the persistent TMA kernels, sm90 only (the only arch that launches them). The default run
 # compiles each kernel's smallest candidate (5-30 s each on a loaded 2-core machine); -m slow the rest below.
