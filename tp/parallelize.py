@@ -36,7 +36,6 @@ import functools
 import types
 import warnings
 
-import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
@@ -48,6 +47,7 @@ from .layers import ColumnParallelLinear, RowParallelLinear
 from .mesh import resolve_group
 from .moe import ParallelExperts
 from .parallelize_hooks import HeadsRngFork, SharedInputCopy, TailGradSum, sum_grads_in_backward
+from .state_dict import full_state_dict
 
 GATHER_OUTPUT = {"colwise": False, "colwise_gather_output": True}
 INPUT_IS_PARALLEL = {"rowwise": True, "rowwise_split_input": False}
@@ -145,83 +145,6 @@ def _check_arguments(plan, sequence_parallel):
     if plan is not None and not isinstance(plan, dict):
         raise ValueError(f"plan={plan!r} must be a dict {{module name pattern: style}} (or None: the family's default "
                          "plan)")
-
-
-def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
-    """The module's state dict with every tensor-parallel parameter gathered to its dense shape, under the same
-    names and layout as before `parallelize` (HF Conv1D weights back to [in, out]), for the module `parallelize`
-    was given or any module containing it. A collective: every rank of the tp group calls it; every rank gets the
-    dense tensors. Under FSDP2 (DTensor parameters) each is gathered over its data-parallel mesh first."""
-    state = {key: value.full_tensor() if hasattr(value, "full_tensor") else value  # (FSDP2's DTensors)
-             for key, value in module.state_dict().items()}
-    gathered = {}  # tied parameters (embedding and lm_head) gathered once, still one tensor
-    for key, sub, pname, param in _parallel_parameters(module, state):
-        if id(param) not in gathered:
-            local = state[key]
-            dense = sub.gather_dense(local, pname) if isinstance(sub, ParallelExperts) else sub.gather_dense(local)
-            gathered[id(param)] = dense.t().contiguous() if _conv1d_weight(sub, pname) else dense
-        state[key] = gathered[id(param)]
-    return state
-
-
-@torch.no_grad()
-def load_full_state_dict(module: nn.Module, state_dict: dict[str, torch.Tensor], *, strict: bool = True) -> None:
-    """Load a dense state dict (full_state_dict's, or the model's before `parallelize`: the same names, shapes and
-    layout) into a parallelized module: each rank keeps its shards of the tensor-parallel parameters (its experts'
-    under ep). A tied weight saved once (safetensors keeps one name of shared tensors) fills every name it has. A
-    dense shape the layer does not have is a ValueError naming the key. No collective; call it before wrapping the
-    module in FSDP2. `strict` as in `load_state_dict`."""
-    local = dict(state_dict)
-    for names in _tied_names(module):
-        given = next((name for name in names if name in state_dict), None)
-        local |= {name: state_dict[given] for name in names if given is not None and name not in state_dict}
-    for key, sub, pname, _ in _parallel_parameters(module, local):
-        dense = local[key].t() if _conv1d_weight(sub, pname) else local[key]
-        expected = _dense_shape(sub, pname)
-        if tuple(dense.shape) != expected:
-            raise ValueError(f"load_full_state_dict: {key} has shape {tuple(local[key].shape)}, the dense "
-                             f"{type(sub).__name__}'s is {expected if dense is local[key] else expected[::-1]}")
-        if isinstance(sub, ParallelExperts):
-            mine = dense[sub.expert_range.start:sub.expert_range.stop]
-            local[key] = sub.shard_fc1(mine) if pname == sub.names[0] else sub.shard_fc2(mine)
-        elif isinstance(sub, VocabParallelEmbedding):
-            local[key] = dense[sub.vocab_start:sub.vocab_end]
-        elif not (isinstance(sub, RowParallelLinear) and pname == "bias"):  # (a row layer's bias is whole)
-            local[key] = sub.shard_dense(dense)
-    module.load_state_dict(local, strict=strict)
-
-
-def _dense_shape(sub, pname):
-    """The dense shape of tensor-parallel layer `sub`'s parameter `pname` (experts: [E, ...] over every expert)."""
-    if isinstance(sub, ParallelExperts):
-        rows = 2 * sub.ffn_hidden_size if sub.activation == "swiglu" else sub.ffn_hidden_size
-        return (sub.num_experts, rows, sub.hidden_size) if pname == sub.names[0] else \
-            (sub.num_experts, sub.hidden_size, sub.ffn_hidden_size)
-    if isinstance(sub, VocabParallelEmbedding):
-        return sub.num_embeddings, sub.embedding_dim
-    return (sub.out_features, sub.in_features) if pname == "weight" else (sub.out_features,)
-
-
-def _tied_names(module):
-    """The names of each parameter that has more than one (a tied embedding and output layer)."""
-    names = {}
-    for name, param in module.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(name)
-    return [group for group in names.values() if len(group) > 1]
-
-
-def _parallel_parameters(module, state):
-    """(state key, tp layer, parameter name, parameter) of every tensor-parallel parameter of `module` in `state`."""
-    for name, sub in module.named_modules():
-        if isinstance(sub, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, ParallelExperts)):
-            for pname, param in sub.named_parameters(recurse=False):
-                key = f"{name}.{pname}" if name else pname
-                if key in state:
-                    yield key, sub, pname, param
-
-
-def _conv1d_weight(sub, pname):
-    return getattr(sub, "_tp_from_conv1d", False) and pname == "weight"
 
 
 def describe(module: nn.Module) -> str:

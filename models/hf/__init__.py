@@ -14,10 +14,10 @@ experts.py (the experts fused in memory and per expert on disk), load.py and sav
 """
 from .convert import check_hf, config_from_hf, config_to_hf, hf_family, hf_problems
 from .experts import disk_name, expert_names
-from .load import check_safetensors, index_runs, load_hf, load_hf_weights
+from .load import check_safetensors, load_hf, load_hf_weights
 from .names import fused_part_size, hf_sources, parameter_owners, tp_sharding
 from .save import hf_state_dict, save_hf
 
 __all__ = ["check_hf", "check_safetensors", "config_from_hf", "config_to_hf", "disk_name", "expert_names",
-           "fused_part_size", "hf_family", "hf_problems", "hf_sources", "hf_state_dict", "index_runs", "load_hf",
+           "fused_part_size", "hf_family", "hf_problems", "hf_sources", "hf_state_dict", "load_hf",
            "load_hf_weights", "parameter_owners", "save_hf", "tp_sharding"]

@@ -11,6 +11,7 @@ from torch import nn
 
 import tp
 from tp.moe import GroupedExperts
+from tp.state_dict import index_runs
 
 from .convert import config_from_hf, hf_family
 from .experts import disk_name, read_experts
@@ -81,17 +82,6 @@ def check_safetensors(path: str) -> None:
     if not os.path.isdir(path):
         raise ValueError("no such directory (a save_pretrained directory)")
     _SafetensorsReader(path)
-
-
-def index_runs(indices: torch.Tensor) -> list[list[int]]:
-    """Consecutive runs [(start, stop)] of a 1-D index tensor, in order."""
-    runs = []
-    for i in indices.tolist():
-        if runs and runs[-1][1] == i:
-            runs[-1][1] = i + 1
-        else:
-            runs.append([i, i + 1])
-    return runs
 
 
 def _read_dense_slice(reader, sources, dim, indices):

@@ -9,6 +9,7 @@ from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 
 import tp
 from tp.pipeline import model_chunks
+from tp.state_dict import index_runs
 
 from ..gpt import GPT
 from ..hf import (
@@ -17,7 +18,6 @@ from ..hf import (
     fused_part_size,
     hf_family,
     hf_sources,
-    index_runs,
     parameter_owners,
     tp_sharding,
 )

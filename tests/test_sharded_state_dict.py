@@ -1,0 +1,118 @@
+"""tp.sharded_state_dict with torch's DCP: a parallelized model's checkpoint holds the dense tensors (each block
+written once), loads at another tp / ep / etp split, into the dense model, under FSDP2, and from the dense model's
+own checkpoint; every load compared exactly with the dense model's trained weights."""
+import copy
+import math
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+pytest.importorskip("transformers")
+
+import tp  # noqa: E402
+from tp.testing import distributed  # noqa: E402
+
+from .test_moe_hf import hf_moe  # noqa: E402
+from .test_parallelize import tiny  # noqa: E402
+
+
+def trained(model, seed=7):
+    """`model` with every parameter moved off its initial values (a seeded step), the same on every rank."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=generator, dtype=p.dtype))
+    return model
+
+
+def assert_holds(model, dense, what):
+    """The parallelized (or dense) `model` holds exactly `dense`'s weights (a collective when parallelized)."""
+    got = tp.full_state_dict(model)
+    for name, tensor in dense.state_dict().items():
+        assert torch.equal(got[name], tensor), f"{what}: {name}"
+
+
+def assert_dense_checkpoint(path, dense):
+    """The checkpoint stores every tensor at its dense shape, each element once (a kv row several ranks hold too)."""
+    stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    for name, tensor in dense.state_dict().items():
+        assert tuple(stored[name].size) == tuple(tensor.shape), name
+        assert sum(math.prod(c.sizes) for c in stored[name].chunks) == tensor.numel(), name
+
+
+@pytest.mark.parametrize("family", ["llama", "phi3", "gpt2", "gemma"])
+@distributed(world_size=4)
+def test_a_dcp_checkpoint_reshards_to_any_tp_and_to_the_dense_model(family, tmp_path):
+    """Saved at tp 2 (x dp 2: replicas); loaded at tp 4 (kv rows on two ranks each; phi3: unequal fused qkv parts;
+    gpt2: Conv1D [in, out], fused q|k|v) and into the dense model; the dense model's own checkpoint loaded at tp 2."""
+    tp.init_mesh(tp=2)
+    dense = trained(tiny(family))
+    model = tp.parallelize(copy.deepcopy(dense))
+    dcp.save(tp.sharded_state_dict(model), checkpoint_id=tmp_path / "tp2")
+    assert_dense_checkpoint(tmp_path / "tp2", dense)
+
+    tp.destroy_mesh(keep_groups=True)
+    tp.init_mesh(tp=4)
+    fresh = tp.parallelize(tiny(family))
+    dcp.load(tp.sharded_state_dict(fresh), checkpoint_id=tmp_path / "tp2")
+    assert_holds(fresh, dense, "tp 2 -> tp 4")
+    dense_again = tiny(family)
+    dcp.load(dense_again.state_dict(), checkpoint_id=tmp_path / "tp2")
+    assert_holds(dense_again, dense, "tp 2 -> dense")
+
+    dcp.save(dense.state_dict(), checkpoint_id=tmp_path / "dense")
+    tp.destroy_mesh(keep_groups=True)
+    tp.init_mesh(tp=2)
+    fresh = tp.parallelize(tiny(family))
+    dcp.load(tp.sharded_state_dict(fresh), checkpoint_id=tmp_path / "dense")
+    assert_holds(fresh, dense, "dense -> tp 2")
+
+
+@pytest.mark.filterwarnings("ignore:tp.parallelize")
+@distributed(world_size=4)
+def test_moe_experts_reshard_across_ep_and_etp(tmp_path):
+    """Qwen2-MoE (shared expert, experts' gate|up rows split over etp) saved at tp 2 x ep 2 x etp 1, loaded at tp 4
+    x ep 2 x etp 2 and at tp 1 x ep 4, and into the dense model."""
+    tp.init_mesh(tp=2, ep=2, etp=1)
+    dense = trained(hf_moe("qwen2_moe", experts=4))
+    model = tp.parallelize(copy.deepcopy(dense))
+    dcp.save(tp.sharded_state_dict(model), checkpoint_id=tmp_path)
+    assert_dense_checkpoint(tmp_path, dense)
+    for split in (dict(tp=4, ep=2, etp=2), dict(tp=1, ep=4)):
+        tp.destroy_mesh(keep_groups=True)
+        tp.init_mesh(**split)
+        fresh = tp.parallelize(hf_moe("qwen2_moe", experts=4))
+        dcp.load(tp.sharded_state_dict(fresh), checkpoint_id=tmp_path)
+        assert_holds(fresh, dense, f"tp 2 x ep 2 -> {split}")
+    dense_again = hf_moe("qwen2_moe", experts=4)
+    dcp.load(dense_again.state_dict(), checkpoint_id=tmp_path)
+    assert_holds(dense_again, dense, "tp 2 x ep 2 -> dense")
+
+
+@distributed(world_size=4)
+def test_under_fsdp2_each_rank_saves_and_loads_its_dp_shard_of_its_tp_shard(tmp_path):
+    """tp 2 x dp 2 with FSDP2 per layer: the checkpoint is the dense model's; it loads in place into another FSDP2
+    model at the same split and into a plain tp 4 one."""
+    from torch.distributed.fsdp import fully_shard
+
+    def sharded_model(mesh, dense):
+        model = tp.parallelize(copy.deepcopy(dense))
+        with tp.optim.keep_param_tags(model):
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=mesh.device_mesh["dp"])
+            fully_shard(model, mesh=mesh.device_mesh["dp"])
+        return model
+
+    mesh = tp.init_mesh(tp=2, dp=2)
+    dense = trained(tiny("llama"))
+    dcp.save(tp.sharded_state_dict(sharded_model(mesh, dense)), checkpoint_id=tmp_path)
+    assert_dense_checkpoint(tmp_path, dense)
+    fresh = sharded_model(mesh, tiny("llama"))
+    dcp.load(tp.sharded_state_dict(fresh), checkpoint_id=tmp_path)
+    assert_holds(fresh, dense, "fsdp2 -> fsdp2")
+    tp.destroy_mesh(keep_groups=True)
+    tp.init_mesh(tp=4)
+    fresh = tp.parallelize(tiny("llama"))
+    dcp.load(tp.sharded_state_dict(fresh), checkpoint_id=tmp_path)
+    assert_holds(fresh, dense, "fsdp2 tp 2 x dp 2 -> tp 4")
