@@ -338,23 +338,31 @@ def test_frozen_parameters_stay_out_and_follow_param_dtype():
 
 
 
+@pytest.mark.parametrize("param_dtype,model_first", [(None, False), (torch.bfloat16, False), (torch.bfloat16, True)])
 @distributed(world_size=2)
-def test_torch_lr_schedulers_and_state_dicts_drive_it_as_any_torch_optimizer():
+def test_torch_lr_schedulers_and_state_dicts_drive_it_as_any_torch_optimizer(param_dtype, model_first):
     """A torch.optim.Optimizer to torch: LR schedulers step its param_groups' lr; state_dict() / load_state_dict()
     (this rank's shard, for the same layout; full_state() reshards) resume it bit for bit, with the module's
-    state_dict() taken right after a step (its parameters' all-gathers still in flight: waited for first)."""
+    state_dict() taken right after a step (its parameters' all-gathers still in flight: waited for first). bf16
+    parameters: the optimizer's state dict holds the fp32 masters (the bf16 weights alone lose their low bits),
+    whichever of the module and the optimizer loads first."""
     mesh = tp.init_mesh()
 
     def run(steps, state=None):
-        model = DataParallel(net(None), bucket_numel=10)
+        model = DataParallel(net(None, dtype=torch.float64 if param_dtype is None else torch.float32), bucket_numel=10,
+                             param_dtype=param_dtype)
         opt = DistributedOptimizer(model, lr=1e-2)
         scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5 ** step)
         if state is not None:
+            if model_first:
+                model.load_state_dict(state["model"])
             opt.load_state_dict(state["opt"])
             scheduler.load_state_dict(state["scheduler"])
-            model.load_state_dict(state["model"])
+            if not model_first:
+                model.load_state_dict(state["model"])
         for step in steps:
-            model(batch(step, mesh.dp_rank, mesh.dp_size)).square().mean().backward()
+            x = batch(step, mesh.dp_rank, mesh.dp_size)
+            model(x if param_dtype is None else x.float()).float().square().mean().backward()
             opt.step()
             opt.zero_grad()
             scheduler.step()
@@ -365,11 +373,13 @@ def test_torch_lr_schedulers_and_state_dicts_drive_it_as_any_torch_optimizer():
     assert any(b.gather is not None for b in model.buckets)  # the last step's all-gathers in flight
     state = {"opt": opt.state_dict(), "scheduler": scheduler.state_dict(), "model": model.state_dict()}
     assert all(b.gather is None for b in model.buckets)  # waited for: the state dict holds the updated values
-    straight = run(range(3))[0]
-    resumed = run(range(2, 3), state)[0]
+    straight, straight_opt, _ = run(range(3))
+    resumed, resumed_opt, _ = run(range(2, 3), state)
     for m in (straight, resumed):  # a step's all-gathers are waited for by the next forward (or a state_dict)
         m.finish_param_sync()
     assert all(torch.equal(a, b) for a, b in zip(straight.parameters(), resumed.parameters()))
+    masters = [opt.full_state() for opt in (straight_opt, resumed_opt)]
+    assert all(torch.equal(a["param"], b["param"]) for a, b in zip(*(m.values() for m in masters)))
 
 
 

@@ -217,14 +217,19 @@ class DataParallel(nn.Module):
     @torch.no_grad()
     def _load_masters(self, module, state_dict, prefix, *_):
         """Weights loaded after wrapping: the fp32 masters kept apart from bf16 parameters take the loaded values
-        (unrounded), or the next step would copy the old masters back over them."""
+        (unrounded), or the next step would copy the old masters back over them; a value that is its master rounded
+        to the value's dtype leaves the master as it is."""
         for name, p in module.named_parameters():
             b, value = self._bucket_of.get(p), state_dict.get(prefix + name)
             if b is None or b.master_shard is b.param_shard or not torch.is_tensor(value) or value.shape != p.shape:
                 continue
             if (piece := b.piece(p)) is not None:
                 start, where = piece
-                b.master_shard[where] = value.reshape(-1)[start:start + where.stop - where.start]
+                loaded = value.reshape(-1)[start:start + where.stop - where.start]
+                # (a checkpoint's bf16 weights are this master rounded when the optimizer's state dict, holding the
+                # fp32 master, loaded first: keep its low bits)
+                if not torch.equal(b.master_shard[where].to(loaded.dtype), loaded.to(b.master_shard.device)):
+                    b.master_shard[where] = loaded
 
     def extra_repr(self) -> str:
         experts = sum(b.group is not self.group for b in self.buckets)

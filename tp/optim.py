@@ -64,6 +64,9 @@ def step_if_finite(optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor) ->
         del inner.found_inf
 
 
+MASTER_SHARDS = "master_shards"  # the state dict's key of the fp32 masters kept apart from bf16 parameters
+
+
 class DistributedOptimizer(torch.optim.Optimizer):
     """`optimizer` (a torch optimizer class, AdamW by default) over this rank's shard of the fp32 masters of one
     `DataParallel` module, or of several (a list: a pipeline rank's model chunks, each wrapped on its own), with
@@ -121,12 +124,32 @@ class DistributedOptimizer(torch.optim.Optimizer):
     defaults = property(lambda self: self.optimizer.defaults)
 
     def state_dict(self) -> dict[str, Any]:
-        """The inner optimizer's state dict: this rank's master shards' state (reload at the same layout)."""
-        return self.optimizer.state_dict()
+        """The inner optimizer's state dict: this rank's master shards' state (reload at the same layout), and under
+        param_dtype=bf16 the fp32 master shards themselves (`master_shards`, per bucket kept apart from its bf16
+        parameters: the parameters are only their rounding)."""
+        return self.optimizer.state_dict() | {MASTER_SHARDS: [b.master_shard for b in self._separate_masters()]}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load what state_dict returned (at the same layout)."""
+        """Load what state_dict returned (at the same layout), the module's state dict before or after it."""
+        state_dict = dict(state_dict)
+        shards, mine = state_dict.pop(MASTER_SHARDS, None), self._separate_masters()
+        if shards is None:  # (a state dict without them: the masters stay what the module's weights gave)
+            shards, mine = [], []
+        if [tuple(t.shape) for t in shards] != [tuple(b.master_shard.shape) for b in mine]:
+            raise ValueError(f"DistributedOptimizer.load_state_dict: {MASTER_SHARDS} of shapes "
+                             f"{[tuple(t.shape) for t in shards]}, this rank's buckets' are "
+                             f"{[tuple(b.master_shard.shape) for b in mine]} (another layout or param_dtype)")
         self.optimizer.load_state_dict(state_dict)
+        for m in self.modules:
+            m.finish_param_sync()
+        with torch.no_grad():
+            for b, shard in zip(mine, shards):
+                b.master_shard.copy_(shard)
+                b.param_shard.copy_(b.master_shard)
+
+    def _separate_masters(self):
+        """The buckets whose masters are kept apart from their (bf16) parameters, in the modules' order."""
+        return [b for m in self.modules for b in m.buckets if b.master_shard is not b.param_shard]
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Refused: the parameters are fixed by the DataParallel buckets."""
