@@ -386,9 +386,10 @@ def test_torch_lr_schedulers_and_state_dicts_drive_it_as_any_torch_optimizer(par
 @distributed(world_size=2)
 def test_debug_mode_names_buckets_reduced_in_different_orders():
     """A parameter used on some dp ranks only starts its bucket at finish_grad_sync there, after the others: the
-    reductions pair up wrongly across ranks. Debug mode compares the order and raises, naming the ranks."""
+    reductions pair up wrongly across ranks. Debug mode compares the order before any bucket's reduction starts and
+    raises, naming the ranks (buckets of other sizes paired up abort gloo: the check came after they were launched)."""
     mesh = tp.init_mesh()
-    model = DataParallel(nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3)), bucket_numel=1)  # a bucket per tensor
+    model = DataParallel(nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2)), bucket_numel=1)  # a bucket per tensor
     first, second = model.module
     x = torch.ones(2, 3)
     with tp.set_debug(True):

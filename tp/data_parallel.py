@@ -38,6 +38,7 @@ from .collectives import all_gather_into_tensor, reduce_scatter_tensor
 from .mesh import SharedGroup, get_mesh
 
 _DONE = object()  # the handle of a reduction that needed no collective (a group of one rank)
+_QUEUED = object()  # a bucket ready to reduce whose collective waits for the debug-mode order check
 
 
 def default_bucket_numel(dp_size: int) -> int:
@@ -280,7 +281,14 @@ class DataParallel(nn.Module):
                 self._reduce(b)
 
     def _reduce(self, b):
+        """Start bucket `b`'s reduction; in debug mode queue it: finish_grad_sync compares the ranks' orders first
+        (buckets of other sizes paired up abort gloo or hang NCCL before any check could run)."""
         self._order.append(self.buckets.index(b))
+        b.handle = _QUEUED
+        if not debug.is_debug():
+            self._launch(b)
+
+    def _launch(self, b):
         if b.tied_group is not None and dist.get_world_size(b.tied_group) > 1:
             dist.all_reduce(b.grad_data, group=b.tied_group)  # the copies' sum first, then dp
         if b.size == 1:
@@ -302,6 +310,9 @@ class DataParallel(nn.Module):
             debug.check(torch.tensor(self._order, dtype=torch.float64, device=self.buckets[0].grad_data.device),
                         self.group, "the order DataParallel reduced its buckets in (a parameter used on some dp "
                         "ranks only?)", replicated=True, group_name="dp")
+            for b in (self.buckets[i] for i in self._order):
+                if b.handle is _QUEUED:
+                    self._launch(b)
         self._order = []
         for b in self.buckets:
             if b.handle is not _DONE:
@@ -315,13 +326,13 @@ class DataParallel(nn.Module):
     def zero_grad_buffer(self) -> None:
         """Zero every main_grad (and drop .grad) for the next step."""
         for b in self.buckets:
-            if b.handle not in (None, _DONE):
+            if b.handle not in (None, _DONE, _QUEUED):
                 b.handle.wait()
             b.grad_data.zero_()
             b.handle, b.waiting = None, set(b.params)
             for p in b.params:
                 p.grad = None
-        self._reduced = False
+        self._reduced, self._order = False, []
         self._arrivals.clear()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
