@@ -19,8 +19,9 @@ RSS. err = max |out − dense out| over this rank's share; "vs ring" = the large
 grads from the ring's.
 
 Modelled (per layer and rank, causal, balanced, batch 1, bf16 on the wire and in the blocks, fp32 dK/dV in the ring;
-roofline.py's profiles, compute at the peak C, the α-β model with α = --latency-us per message or collective): n =
-S/cp tokens per rank, a KV message is 2·Hkv·n·d·e bytes. Every ring step computes the same causal work, half of an
+roofline.py's profiles, compute at the peak C, the α-β model with α = --latency-us per message or collective; W the
+profile's link, each GPU's NIC (inter_node) once cp exceeds its GPUs per node): n = S/cp tokens per rank, a KV
+message is 2·Hkv·n·d·e bytes. Every ring step computes the same causal work, half of an
 n x n block of H heads: t_blk = 2·H·n²·d / C forward, 2.5x that backward (flash's 5 matmuls for 2), plus folding the
 partial output (forward) or dq (backward) into an fp32 accumulator, t_acc = 3·4·H·n·d / HBM. The transfer hides
 under the block when t_blk >= t_kv + α, i.e. n >= (Hkv/H)·e·C/W without latency.
@@ -59,7 +60,7 @@ from tp import context, testing
 
 from . import attention_mla
 from .common import at_least, check_out, machine, print_table, round_robin_times, scratch_path, step_memory, write_json
-from .roofline import HARDWARE
+from .roofline import HARDWARE, group_link
 
 MODES = tuple(context.MODES)
 memory = step_memory  # (its name here before bench.common held it)
@@ -192,19 +193,20 @@ def model_row(hw, seq, cp, heads, kv_heads, head_dim, latency, a2a_size=4):
     n, e, acc, d = seq // cp, hw.element_size, 4, head_dim
     t_blk = 2 * heads * n * n * d / hw.flops
     t_acc = 3 * acc * heads * n * d / hw.hbm
-    t_kv, t_dkv = (2 * kv_heads * n * d * size / hw.link for size in (e, acc))
+    link = group_link(hw, cp)[0]  # (each GPU's NIC once the group spans nodes)
+    t_kv, t_dkv = (2 * kv_heads * n * d * size / link for size in (e, acc))
     ring = _ring_seconds(cp, t_blk, t_kv, t_dkv, t_acc, latency)
     allgather = (cp - 1) * t_kv + latency + cp * t_blk + cp * 2.5 * t_blk + (cp - 1) * t_dkv + latency
-    a2a = 3.5 * cp * t_blk + _a2a_seconds(cp, [x * n * d * e for x in (heads, max(kv_heads, cp)) * 2], hw.link,
-                                          latency)
+    a2a = 3.5 * cp * t_blk + _a2a_seconds(cp, [x * n * d * e for x in (heads, max(kv_heads, cp)) * 2], link, latency)
     a, kv_a = a2a_size, max(kv_heads, a2a_size)  # the ring's ranks hold a·n tokens of heads/a heads
-    a2a_ring = _a2a_seconds(a, [x * n * d * e for x in (heads, kv_a) * 2], NODE_LINK.get(hw.name, hw.link), latency)
-    a2a_ring += _ring_seconds(cp // a, a * t_blk, 2 * kv_a * n * d * e / hw.link, 2 * kv_a * n * d * acc / hw.link,
+    a2a_ring = _a2a_seconds(a, [x * n * d * e for x in (heads, kv_a) * 2],
+                            NODE_LINK.get(hw.name, group_link(hw, a)[0]), latency)
+    a2a_ring += _ring_seconds(cp // a, a * t_blk, 2 * kv_a * n * d * e / link, 2 * kv_a * n * d * acc / link,
                               t_acc, latency)
     times = {"ring": ring, "allgather": allgather, "a2a": a2a, "a2a+ring": a2a_ring}
     return {"hardware": hw.name, "seq": seq, "cp": cp, "heads": f"{heads}/{kv_heads}", "n": n,
             "block_us": 1e6 * t_blk, "kv_us": 1e6 * (t_kv + latency), "hidden": t_blk >= t_kv + latency,
-            "hide_from_n": kv_heads / heads * e * hw.flops_per_link_byte,
+            "hide_from_n": kv_heads / heads * e * hw.flops / link,
             **{f"{mode.replace('+', '_')}_ms": 1e3 * t for mode, t in times.items()},
             "compute_ms": 1e3 * 3.5 * cp * t_blk, "winner": min(times, key=times.get)}
 
@@ -288,8 +290,10 @@ def main(argv=None):
         payload["model_table"] = print_table(modelled, MODEL_COLUMNS)
         for name in a.hardware:
             hw = PROFILES[name]
+            past_node = f"; cp > {hw.gpus_per_node}, over each GPU's NIC: " \
+                f"{hw.element_size * hw.flops / hw.inter_node:.0f}·Hkv/H" if hw.gpus_per_node else ""
             print(f"{name}: ring hides the KV transfer once n >= (Hkv/H)·e·C/W = "
-                  f"{hw.element_size * hw.flops_per_link_byte:.0f}·Hkv/H tokens per rank (without α)")
+                  f"{hw.element_size * hw.flops_per_link_byte:.0f}·Hkv/H tokens per rank{past_node} (without α)")
         print("\nMLA vs GQA at equal attention parameters (bench/attention_mla.py): per layer, bf16, modelled on "
               f"{latent['model'][0]['hardware']}")
         print_table(latent["model"], attention_mla.MODEL_COLUMNS)

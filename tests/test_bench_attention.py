@@ -78,10 +78,27 @@ def test_model_compute_is_the_same_in_both_modes_and_the_transfer_hides_from_the
         assert below["hide_from_n"] == pytest.approx(threshold)
 
 
+def test_a_cp_group_larger_than_a_node_is_priced_at_each_gpus_nic():
+    """cp = 16 on 8-GPU NVLink nodes: the KV messages and the all-to-alls cross nodes at each GPU's NIC (inter_node),
+    as bench.intensity and bench.plan price a group past the node (it was charged at NVLink): the same as the
+    h100-ib-gpu profile, whose a2a+ring also keeps its all-to-alls inside the node."""
+    hw = attention.PROFILES["h100-nvlink"]
+    n = 8192 // 16
+    inside, across = (attention.model_row(hw, 8192, cp, 32, 32, 128, latency=0.0) for cp in (8, 16))
+    assert inside["kv_us"] == pytest.approx(1e6 * 2 * 32 * 1024 * 128 * hw.element_size / hw.link)
+    assert across["kv_us"] == pytest.approx(1e6 * 2 * 32 * n * 128 * hw.element_size / hw.inter_node)
+    assert across["hide_from_n"] == pytest.approx(hw.element_size * hw.flops / hw.inter_node)
+    ib = attention.PROFILES["h100-ib-gpu"]  # the same GPUs, every message over its NIC
+    assert across["a2a_ms"] == pytest.approx(attention.model_row(ib, 8192, 16, 32, 32, 128, latency=0.0)["a2a_ms"])
+    assert across["a2a_ring_ms"] == pytest.approx(attention.model_row(ib, 8192, 16, 32, 32, 128, latency=0.0)
+                                                  ["a2a_ring_ms"])
+
+
 def test_ulysses_moves_the_same_bytes_per_rank_whatever_cp():
     """a2a: 4 all-to-alls each way of [n = S/cp]-token tensors, (cp−1)/cp of each leaving the rank: at a fixed S a
     rank's volume falls as (cp−1)/cp², where the ring's (cp−1) KV messages of n tokens stay about constant."""
-    hw = dataclasses.replace(attention.PROFILES["h100-nvlink"], flops=math.inf, hbm=math.inf)  # communication only
+    hw = dataclasses.replace(attention.PROFILES["h100-nvlink"], flops=math.inf, hbm=math.inf,  # communication only
+                             gpus_per_node=32)  # (one NVLink domain)
     rows = [attention.model_row(hw, 65536, cp, 32, 32, 128, latency=0.0) for cp in (8, 16, 32)]
     volume = [2 * 4 * 32 * (65536 // cp) * 128 * 2 * (cp - 1) / cp / hw.link * 1e3 for cp in (8, 16, 32)]
     assert [r["a2a_ms"] for r in rows] == pytest.approx(volume)
