@@ -370,9 +370,12 @@ class GPTConfig:
                              f"{self.cp_a2a_size}")
         size = context.heads_split(self.cp_mode, cp, self.cp_a2a_size)
         heads, kv_heads = self.num_heads // tp, max(self.num_kv_heads // tp, 1)  # per tp rank (kv replicated)
-        if heads % size or (kv_heads % size and size % kv_heads):
+        if heads % size:
             raise ValueError(f"cp_mode={self.cp_mode!r} splits each tp rank's num_heads/tp={heads} (kv heads "
                              f"{kv_heads}) over {size} ranks: not divisible")
+        if kv_heads % size and size % kv_heads:
+            raise ValueError(f"cp_mode={self.cp_mode!r} splits each tp rank's kv heads over {size} ranks: kv heads "
+                             f"{kv_heads} neither divides nor is divisible by {size} (num_heads/tp={heads} divides)")
 
     def check_seq_len(self, seq_len: int, *, tp: int = 1, cp: int = 1) -> None:
         """Raise a ValueError naming both numbers unless `seq_len` splits into 2·cp load-balanced chunks (and each

@@ -272,6 +272,9 @@ def test_document_flags_train_the_serial_curve(tmp_path):
      r"corpus as bytes has none"),
     (["--cp", "2", "--cp-mode", "a2a", "--tp", "2", "--num-heads", "2", "--num-kv-heads", "2"],
      r"--cp-mode a2a with --cp=2 --tp=2: cp_mode='a2a' splits each tp rank's num_heads/tp=1 .* over 2 ranks"),
+    (["--cp", "2", "--cp-mode", "a2a", "--tp", "1", "--num-heads", "6", "--num-kv-heads", "3", "--hidden-size", "96"],
+     r"--cp-mode a2a with --cp=2 --tp=1: cp_mode='a2a' splits each tp rank's kv heads over 2 ranks: kv heads 3 neither "
+     r"divides nor is divisible by 2 \(num_heads/tp=6 divides\)"),
     (["--cp", "4", "--cp-mode", "a2a+ring", "--cp-a2a-size", "3"],
      r"--cp-mode a2a\+ring needs --cp-a2a-size, a divisor of --cp=4 .*; got 3"),
     (["--cp", "2", "--cp-a2a-size", "2"], r"--cp-a2a-size=2 is for --cp-mode a2a\+ring, not ring"),
