@@ -317,6 +317,18 @@ def test_cli_from_another_directory_top_zero_and_a_repeated_fix(capsys, tmp_path
     assert code == 1 and not out and err.strip() == "error: --fix 'tp=1': tp is given twice"
 
 
+def test_gpus_that_fill_no_whole_number_of_nodes_are_refused(capsys):
+    """64 GPUs on 3-GPU nodes is no cluster the placement model knows (it planned them as 8-GPU nodes); fewer GPUs
+    than a node are one partial node."""
+    small = ["--model", "tiny", "--seq-len", "64", "--global-batch-size", "64"]
+    code, out, err = _run(capsys, "--gpus", "64", *small, "--gpus-per-node", "3")
+    assert code == 1 and not out and err.strip() == "error: --gpus 64 is not a whole number of h100-sxm's 3-GPU nodes"
+    code, out, err = _run(capsys, "--gpus", "12", *small)
+    assert code == 1 and err.strip() == ("error: --gpus 12 is not a whole number of h100-sxm's 8-GPU nodes "
+                                         "(--gpus-per-node sets another node size)")
+    assert _run(capsys, "--gpus", "2", *small, "--gpus-per-node", "3")[0] == 0
+
+
 def test_a_sequence_longer_than_a_learned_position_table_is_refused(capsys, tmp_path):
     """A Hugging Face GPT-2 config holds n_positions learned positions: a longer --seq-len cannot run (models.train
     refuses it too), so the planner says so in one line rather than plan it."""
@@ -400,6 +412,21 @@ def test_infeasible_requests_end_in_one_line(capsys):
 def test_an_impossible_fix_names_the_constraint_that_fails(capsys, fix, constraint):
     """A --fix no split satisfies ends in one line naming the broken constraint (the tiny model: 4 layers)."""
     code, _, err = _run(capsys, "--gpus", "8", "--model", "tiny", "--seq-len", "64", "--global-batch-size", "16",
+                        "--fix", fix)
+    assert code == 1 and len(err.strip().splitlines()) == 1 and err.startswith(f"error: --fix {fix}: "), err
+    assert constraint in err, err
+
+
+@pytest.mark.parametrize("fix,constraint", [
+    ("pp=2,vp=2,dp=4", "vp=2: no micro-batch size makes the 3 sequences per dp rank a multiple of pp=2 micro-batches "
+                       "(interleaving)"),
+    ("tp=1,cp=1,pp=2,vp=2", "vp=2: no micro-batch size makes the 3 sequences per dp rank a multiple of pp=2"),
+    ("pp=2,vp=2,dp=4,mbs=1", "vp=2: the 3 micro-batches are not a multiple of pp=2 (interleaving)"),
+])
+def test_interleaving_without_a_micro_batch_count_pp_divides_is_named(capsys, fix, constraint):
+    """vp > 1 needs the micro-batches a multiple of pp: with dp pinned (or given by tp, cp and pp) and no mbs making
+    them one, the line names it (it blamed the model's heads and sizes)."""
+    code, _, err = _run(capsys, "--gpus", "8", "--model", "tiny", "--seq-len", "64", "--global-batch-size", "12",
                         "--fix", fix)
     assert code == 1 and len(err.strip().splitlines()) == 1 and err.startswith(f"error: --fix {fix}: "), err
     assert constraint in err, err

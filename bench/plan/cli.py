@@ -345,6 +345,10 @@ def main(argv=None):
             return 0
         fixed = parse_fix(args.fix)
         cluster = cluster_of(args.hardware, args.gpus_per_node)
+        per_node = cluster.device.gpus_per_node
+        if per_node and args.gpus > per_node and args.gpus % per_node:  # (the groups' placement assumes whole nodes)
+            raise ValueError(f"--gpus {args.gpus} is not a whole number of {cluster.name}'s {per_node}-GPU nodes"
+                             + ("" if args.gpus_per_node else " (--gpus-per-node sets another node size)"))
         config = config_to_plan(args)
         software = chosen_software(args.software, cluster, fixed)
     except (ValueError, OSError, KeyError) as e:

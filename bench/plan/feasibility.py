@@ -64,11 +64,14 @@ def _pipeline_conflict(config, gpus, seq_len, global_batch_size, fixed):
     conflict = _split_conflict(config, pp, vp, [split] if split else [EVEN, ACCOUNTED])
     if conflict:
         return conflict
-    if vp > 1 and all(k in fixed for k in ("tp", "cp", "mbs")):
-        dp = fixed.get("dp", gpus // (fixed["tp"] * fixed["cp"] * pp))
-        micro_batches = global_batch_size // (dp * fixed["mbs"])
-        if micro_batches % pp:
-            return f"vp={vp}: the {micro_batches} micro-batches are not a multiple of pp={pp} (interleaving)"
+    dp = fixed.get("dp") or (gpus // (fixed["tp"] * fixed["cp"] * pp) if "tp" in fixed and "cp" in fixed else None)
+    if vp > 1 and dp and global_batch_size % dp == 0:
+        per_rank = global_batch_size // dp
+        if "mbs" in fixed and per_rank % fixed["mbs"] == 0 and (per_rank // fixed["mbs"]) % pp:
+            return f"vp={vp}: the {per_rank // fixed['mbs']} micro-batches are not a multiple of pp={pp} (interleaving)"
+        if not any(per_rank % mbs == 0 and (per_rank // mbs) % pp == 0 for mbs in range(1, per_rank + 1)):
+            return (f"vp={vp}: no micro-batch size makes the {per_rank} sequences per dp rank a multiple of pp={pp} "
+                    "micro-batches (interleaving)")
     return None
 
 
