@@ -14,7 +14,7 @@ import tp  # noqa: E402
 from tp.testing import distributed  # noqa: E402
 
 from .test_moe_hf import hf_moe  # noqa: E402
-from .test_parallelize import tiny  # noqa: E402
+from .test_parallelize import tiny, tokens  # noqa: E402
 
 
 def trained(model, seed=7):
@@ -116,3 +116,45 @@ def test_under_fsdp2_each_rank_saves_and_loads_its_dp_shard_of_its_tp_shard(tmp_
     fresh = tp.parallelize(tiny("llama"))
     dcp.load(tp.sharded_state_dict(fresh), checkpoint_id=tmp_path)
     assert_holds(fresh, dense, "fsdp2 tp 2 x dp 2 -> tp 4")
+
+
+def adamw_steps(model, optimizer, steps, seed=11):
+    """`steps` AdamW steps of the language-model loss on one batch per step (the same on every rank)."""
+    for step in range(steps):
+        x = tokens(seed + step)
+        model(x, labels=x).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+@distributed(world_size=4)
+def test_the_optimizer_state_resumes_at_the_same_split_exactly_and_at_another_or_dense(tmp_path):
+    """tp.ShardedOptimizerState beside the model in one DCP checkpoint (AdamW after 2 steps at tp 2): a fresh
+    optimizer (no state yet) resumes the third step bit for bit at tp 2, and to fp32 rounding at tp 4 and densely."""
+    tp.init_mesh(tp=2)
+    model = tp.parallelize(tiny("llama"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    adamw_steps(model, optimizer, 2)
+    dcp.save({"model": tp.sharded_state_dict(model), "optim": tp.ShardedOptimizerState(model, optimizer)},
+             checkpoint_id=tmp_path)
+    stored = dcp.FileSystemReader(str(tmp_path)).read_metadata().state_dict_metadata
+    key = "optim.state.model.layers.0.self_attn.k_proj.weight.exp_avg"  # (kv rows on two ranks at tp 4)
+    assert tuple(stored[key].size) == (16, 32)
+    adamw_steps(model, optimizer, 1, seed=13)
+    want = tp.full_state_dict(model)
+
+    for split, exact in ((2, True), (4, False), (None, False)):
+        tp.destroy_mesh(keep_groups=True)
+        tp.init_mesh(tp=split or 1)
+        fresh = tp.parallelize(tiny("llama")) if split else tiny("llama")
+        fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=0.5, weight_decay=0.0)  # (loaded over)
+        state = {"model": tp.sharded_state_dict(fresh), "optim": tp.ShardedOptimizerState(fresh, fresh_optimizer)}
+        dcp.load(state, checkpoint_id=tmp_path)
+        assert fresh_optimizer.param_groups[0]["lr"] == 1e-2 and fresh_optimizer.param_groups[0]["weight_decay"] == 0.1
+        adamw_steps(fresh, fresh_optimizer, 1, seed=13)
+        got = tp.full_state_dict(fresh) if split else fresh.state_dict()
+        for name, tensor in want.items():
+            if exact:
+                assert torch.equal(got[name], tensor), f"tp {split}: {name}"
+            else:
+                torch.testing.assert_close(got[name], tensor, rtol=1e-5, atol=1e-5, msg=f"tp {split}: {name}")

@@ -32,7 +32,7 @@ from .mappings import (
 from .mesh import Mesh, destroy_mesh, get_mesh, init_mesh, layout
 from .parallelize import describe, parallelize
 from .random import fork_rng, get_rng_state, get_rng_tracker, model_parallel_seed, set_rng_state
-from .state_dict import full_state_dict, load_full_state_dict, sharded_state_dict
+from .state_dict import ShardedOptimizerState, full_state_dict, load_full_state_dict, sharded_state_dict
 
 __all__ = [
     "layout", "init_mesh", "get_mesh", "destroy_mesh", "Mesh",
@@ -41,7 +41,7 @@ __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
     "allreduce_sequence_parallel_grads", "sync_grads_over_tp", "allreduce_main_grads", "ddp_ignore_main_grads",
     "parallelize", "describe", "default_plan", "full_state_dict", "load_full_state_dict",
-    "sharded_state_dict",
+    "sharded_state_dict", "ShardedOptimizerState",
     "cp_shard", "cp_unshard", "cp_positions", "context_parallel_attention",
     "clip_grad_norm_", "optim", "moe", "dropout",
     "set_debug", "is_debug",

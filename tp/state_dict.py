@@ -2,6 +2,7 @@
 built from the layers: their dense shapes): dense (`full_state_dict`, gathered; `load_full_state_dict`, sliced) and
 sharded for torch's distributed checkpoint (`sharded_state_dict`: each rank's blocks placed in the dense tensors)."""
 import itertools
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -109,10 +110,7 @@ def sharded_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     if not dist.is_initialized():  # (no process group: every layer is whole)
         return state
     for key, sub, pname, _ in _parallel_parameters(module, state):
-        device_type = state[key].device.type  # DCP reads only the DTensors' local chunks, whatever their mesh
-        mesh = meshes.get(device_type) or meshes.setdefault(device_type, DeviceMesh.from_group(dist.group.WORLD,
-                                                                                               device_type))
-        sharded = _sharded(state[key], sub, pname, mesh)
+        sharded = _sharded(state[key], sub, pname, _world_mesh(meshes, state[key].device.type))
         if sharded is None:  # (an FSDP2 shard with no rows: nothing to save or load here)
             del state[key]
         else:
@@ -150,6 +148,14 @@ def _sharded(value, sub, pname, mesh):
     return DTensor(LocalShardsWrapper(pieces, offsets), spec, requires_grad=False)
 
 
+def _world_mesh(meshes, device_type):
+    """A 1-D mesh over every rank, one per device type (`meshes`): the sharded DTensors' (DCP reads only their local
+    chunks, whatever their mesh)."""
+    if device_type not in meshes:
+        meshes[device_type] = DeviceMesh.from_group(dist.group.WORLD, device_type)
+    return meshes[device_type]
+
+
 def _dense_indices(sub, pname):
     """Per dim of `sub`'s tp-local parameter `pname`: the dense indices its positions hold (None: all, in order)."""
     if isinstance(sub, GroupedExperts):  # [E/ep, 2F/etp (gate, up), h] / [E/ep, h, F/etp]
@@ -185,3 +191,46 @@ def index_runs(indices: torch.Tensor) -> list[list[int]]:
         else:
             runs.append([i, i + 1])
     return runs
+
+
+class ShardedOptimizerState:
+    """`optimizer`'s state for torch's DCP beside `sharded_state_dict(module)`: a Stateful (DCP calls state_dict() to
+    save, and load_state_dict() after loading into it), under a key of the checkpoint's dict. Its state dict is
+    torch's `get_optimizer_state_dict(module, optimizer)` (state and param_groups by parameter name; the state made
+    first if the optimizer has not stepped, as torch does) with each state tensor shaped like a tensor-parallel
+    parameter made a DTensor of the dense shape as sharded_state_dict makes the parameter: views of the state, so
+    `dcp.load` reads this rank's blocks in place, from a checkpoint of any tp / ep / etp split or of the dense model.
+    No collective."""
+
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.module, self.optimizer = module, optimizer
+        self._local = {}  # (parameter name, state name) -> the state tensor a sharded view stands for
+
+    def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        state, self._local = get_optimizer_state_dict(self.module, self.optimizer), {}
+        if not dist.is_initialized():
+            return state
+        layers = {key: (sub, pname, param) for key, sub, pname, param in
+                  _parallel_parameters(self.module, dict(self.module.named_parameters()))}
+        meshes = {}
+        for name in list(state["state"]):
+            sub, pname, param = layers.get(name, (None, None, None))
+            entries = state["state"][name] = dict(state["state"][name])  # (torch's may be the optimizer's own)
+            for key, value in list(entries.items()) if sub is not None else ():
+                if torch.is_tensor(value) and value.shape == param.shape:
+                    self._local[name, key] = value
+                    entries[key] = _sharded(value, sub, pname, _world_mesh(meshes, value.device.type))
+                    if entries[key] is None:  # (an FSDP2 shard with no rows)
+                        del entries[key]
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Hand what DCP loaded to the optimizer (the sharded tensors were read into its state in place)."""
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        for (name, key), local in self._local.items():
+            state_dict["state"][name][key] = local
+        set_optimizer_state_dict(self.module, self.optimizer, state_dict)
+
