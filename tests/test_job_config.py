@@ -277,6 +277,22 @@ def test_recompute_and_stage_split_flags_refuse_what_does_not_apply(flags, messa
         _job(*flags).validate(world_size=None)
 
 
+@pytest.mark.parametrize("flags,refused", [
+    (["--lr-warmup-iters", "10", "--train-iters", "3"], True),
+    (["--warmup-steps", "4", "--lr-decay-steps", "4", "--steps", "10"], True),
+    (["--warmup-steps", "2", "--steps", "3"], False),
+    (["--steps", "2"], False),  # the default 5 warm-up steps in a short run (the docs' smoke runs)
+])
+def test_a_given_warmup_the_decay_never_follows_is_refused(flags, refused):
+    """Megatron asserts lr_warmup_steps < lr_decay_steps: a warm-up as long as the run never reaches --lr."""
+    if refused:
+        with pytest.raises(ValueError, match=r"^--warmup-steps=\d+ must be less than the decay's \d+ steps "
+                                             r"\(--lr-decay-steps, default --steps\)"):
+            _job(*flags)
+    else:
+        _job(*flags)
+
+
 @pytest.mark.parametrize("flag,line", [
     ("--tensor-parallel-size", "error: unknown flag --tensor-parallel-size: did you mean --tensor-model-parallel-size"),
     ("--trainiters", "error: unknown flag --trainiters: did you mean --train-iters"),

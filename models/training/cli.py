@@ -70,8 +70,16 @@ def job_config(args: argparse.Namespace) -> JobConfig:
     job = megatron_virtual_pipeline(job, args)
     if "schedule" not in given and "schedule" not in tables.get("parallelism", {}):
         interleave(job.parallelism)
+    named = given | {key for table in tables.values() for key in table}  # (by a flag or by the --config file)
     if job.checkpoint.use_checkpoint_args:
-        resuming.take_run_args(job, given | {key for table in tables.values() for key in table})
+        resuming.take_run_args(job, named)
+    optimizer, decay_steps = job.optimizer, job.optimizer.lr_decay_steps or job.training.steps
+    # given on the command line (the default 5 in a short run is left, and so is a --config file's: the resolved one
+    # the launcher hands its ranks holds every value)
+    if "warmup_steps" in given and 0 < decay_steps <= optimizer.warmup_steps:
+        raise ValueError(f"--warmup-steps={optimizer.warmup_steps} must be less than the decay's {decay_steps} steps "
+                         "(--lr-decay-steps, default --steps): the learning rate would never reach --lr (Megatron "
+                         "asserts it too)")
     return job
 
 
