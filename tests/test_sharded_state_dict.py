@@ -158,3 +158,6 @@ def test_the_optimizer_state_resumes_at_the_same_split_exactly_and_at_another_or
                 assert torch.equal(got[name], tensor), f"tp {split}: {name}"
             else:
                 torch.testing.assert_close(got[name], tensor, rtol=1e-5, atol=1e-5, msg=f"tp {split}: {name}")
+    zero1 = tp.optim.DistributedOptimizer(tp.optim.DataParallel(fresh))
+    with pytest.raises(TypeError, match="^ShardedOptimizerState takes a torch optimizer over the module's parameters"):
+        tp.ShardedOptimizerState(fresh, zero1)

@@ -203,6 +203,12 @@ class ShardedOptimizerState:
     No collective."""
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        from .optim import DistributedOptimizer
+
+        if isinstance(optimizer, DistributedOptimizer):  # (its parameters are master shards, not the module's)
+            raise TypeError("ShardedOptimizerState takes a torch optimizer over the module's parameters; a "
+                            "tp.optim.DistributedOptimizer checkpoints through its state_dict() (this rank's shard, "
+                            "the same layout) or full_state() / load_full_state() (whole tensors)")
         self.module, self.optimizer = module, optimizer
         self._local = {}  # (parameter name, state name) -> the state tensor a sharded view stands for
 
