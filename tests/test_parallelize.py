@@ -266,7 +266,8 @@ def test_gpt_from_a_parallelized_hf_model_reads_its_dense_weights():
 def test_full_state_dict_and_save_pretrained_under_fsdp2(tmp_path):
     """tp 2 x dp 2, FSDP2 over dp on each layer and the model (docs/optim.md's way): full_state_dict gathers each
     DTensor over dp, then the shards over tp (it raised "c10d.allgather_ ... no sharding strategy"), and
-    save_pretrained writes the dense model."""
+    save_pretrained writes the dense model. parallelize after fully_shard and load_full_state_dict after it are one
+    line each (torch's "mixed torch.Tensor and DTensor")."""
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForCausalLM
 
@@ -281,6 +282,14 @@ def test_full_state_dict_and_save_pretrained_under_fsdp2(tmp_path):
     assert list(full) == list(dense.state_dict())
     for name, tensor in dense.state_dict().items():
         assert torch.equal(full[name], tensor), name
+    with pytest.raises(ValueError, match=r"^load_full_state_dict: model.embed_tokens.weight is FSDP2's DTensor: load "
+                                         r"the dense state dict before fully_shard"):
+        tp.load_full_state_dict(model, full)
+    sharded_first = tiny("llama")
+    fully_shard(sharded_first, mesh=mesh.device_mesh["dp"])
+    with pytest.raises(ValueError, match=r"^tp.parallelize: model.embed_tokens.weight is already a DTensor \(FSDP2's "
+                                         r"fully_shard\?\): parallelize first, then fully_shard"):
+        parallelize(sharded_first)
     path = tmp_path / "saved"  # (each rank's own tmp_path: every dp rank 0 of its tp rank writes its own)
     model.save_pretrained(path, is_main_process=mesh.dp_rank == 0)
     if mesh.dp_rank == 0 and mesh.tp_rank == 0:

@@ -161,3 +161,29 @@ def test_the_optimizer_state_resumes_at_the_same_split_exactly_and_at_another_or
     zero1 = tp.optim.DistributedOptimizer(tp.optim.DataParallel(fresh))
     with pytest.raises(TypeError, match="^ShardedOptimizerState takes a torch optimizer over the module's parameters"):
         tp.ShardedOptimizerState(fresh, zero1)
+
+
+@distributed(world_size=2)
+def test_blocks_in_torchs_checkpoint_wrapper_keep_their_state_dict_names(tmp_path):
+    """torchtitan's activation checkpointing wraps each block (checkpoint_wrapper): the module names gain
+    `_checkpoint_wrapped_module.`, the state dict's do not. Every tp parameter is still found by its state-dict name
+    (it was skipped: local shards saved as the dense tensors, silently)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    tp.init_mesh(tp=2)
+    dense = trained(tiny("llama"))
+    model = tp.parallelize(copy.deepcopy(dense))
+    for i, layer in enumerate(model.model.layers):
+        model.model.layers[i] = checkpoint_wrapper(layer, preserve_rng_state=False)
+    assert_holds(model, dense, "full_state_dict")
+    optimizer = torch.optim.AdamW(model.parameters())
+    dcp.save({"model": tp.sharded_state_dict(model), "optim": tp.ShardedOptimizerState(model, optimizer)},
+             checkpoint_id=tmp_path)
+    stored = dcp.FileSystemReader(str(tmp_path)).read_metadata().state_dict_metadata
+    for name, tensor in dense.state_dict().items():
+        assert tuple(stored[f"model.{name}"].size) == tuple(tensor.shape), name
+        if name in dict(dense.named_parameters()):
+            assert tuple(stored[f"optim.state.{name}.exp_avg"].size) == tuple(tensor.shape), name
+    fresh = tiny("llama")
+    dcp.load({"model": fresh.state_dict()}, checkpoint_id=tmp_path)
+    assert_holds(fresh, dense, "into the dense model")

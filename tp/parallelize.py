@@ -47,7 +47,7 @@ from .layers import ColumnParallelLinear, RowParallelLinear
 from .mesh import resolve_group
 from .moe import ParallelExperts
 from .parallelize_hooks import HeadsRngFork, SharedInputCopy, TailGradSum, sum_grads_in_backward
-from .state_dict import full_state_dict
+from .state_dict import fsdp_sharded, full_state_dict
 
 GATHER_OUTPUT = {"colwise": False, "colwise_gather_output": True}
 INPUT_IS_PARALLEL = {"rowwise": True, "rowwise_split_input": False}
@@ -74,6 +74,9 @@ def parallelize(module: nn.Module, plan: dict[str, str] | None = None, *, group:
     _check_arguments(plan, sequence_parallel)
     if hasattr(module, _RECORD):
         raise ValueError(f"{type(module).__name__} is already parallelized (tp.describe shows how)")
+    if (name := fsdp_sharded(module)) is not None:
+        raise ValueError(f"tp.parallelize: {name} is already a DTensor (FSDP2's fully_shard?): parallelize first, "
+                         "then fully_shard")
     group = resolve_group(group)
     family = hf.family_of(module)
     if family is not None and not family.checked:

@@ -44,6 +44,9 @@ def load_full_state_dict(module: nn.Module, state_dict: dict[str, torch.Tensor],
     under ep). A tied weight saved once (safetensors keeps one name of shared tensors) fills every name it has. A
     dense shape the layer does not have is a ValueError naming the key. No collective; call it before wrapping the
     module in FSDP2. `strict` as in `load_state_dict`."""
+    if (name := fsdp_sharded(module)) is not None:
+        raise ValueError(f"load_full_state_dict: {name} is FSDP2's DTensor: load the dense state dict before "
+                         "fully_shard")
     local = dict(state_dict)
     for names in _tied_names(module):
         given = next((name for name in names if name in state_dict), None)
@@ -62,6 +65,11 @@ def load_full_state_dict(module: nn.Module, state_dict: dict[str, torch.Tensor],
         elif not (isinstance(sub, RowParallelLinear) and pname == "bias"):  # (a row layer's bias is whole)
             local[key] = sub.shard_dense(dense)
     module.load_state_dict(local, strict=strict)
+
+
+def fsdp_sharded(module: nn.Module) -> str | None:
+    """The name of the module's first parameter that is a DTensor (FSDP2 has sharded it), or None."""
+    return next((name for name, p in module.named_parameters() if isinstance(p, DTensor)), None)
 
 
 def _dense_shape(sub, pname):
@@ -84,12 +92,16 @@ def _tied_names(module):
 
 
 def _parallel_parameters(module, state):
-    """(state key, tp layer, parameter name, parameter) of every tensor-parallel parameter of `module` in `state`."""
-    for name, sub in module.named_modules():
+    """(state key, tp layer, parameter name, parameter) of every tensor-parallel parameter of `module` in `state`,
+    under its state-dict names (wrappers such as torch's checkpoint_wrapper drop their own from those)."""
+    keys = {}
+    for key, value in module.state_dict(keep_vars=True).items():
+        if key in state:
+            keys.setdefault(id(value), []).append(key)
+    for sub in module.modules():
         if isinstance(sub, _TP_LAYERS):
             for pname, param in sub.named_parameters(recurse=False):
-                key = f"{name}.{pname}" if name else pname
-                if key in state:
+                for key in keys.pop(id(param), ()):  # (a weight two layers share: under each of its names, once)
                     yield key, sub, pname, param
 
 
@@ -219,7 +231,7 @@ class ShardedOptimizerState:
         if not dist.is_initialized():
             return state
         layers = {key: (sub, pname, param) for key, sub, pname, param in
-                  _parallel_parameters(self.module, dict(self.module.named_parameters()))}
+                  _parallel_parameters(self.module, self.module.state_dict(keep_vars=True))}
         meshes = {}
         for name in list(state["state"]):
             sub, pname, param = layers.get(name, (None, None, None))
