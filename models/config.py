@@ -27,6 +27,10 @@ QK_NORMS = ("head", "full")
 RUNTIME_FIELDS = ("sequence_parallel", "sequence_parallel_grad_sync", "recompute", "recompute_modules",
                   "recompute_method", "recompute_num_layers", "dropout", "attention_dropout", "dropout_seed", "cp_mode",
                   "cp_a2a_size", "moe_dispatcher", "fp8_recipe")
+# the loss's weights and the experts' token dropping: training choices, no weights (Megatron's runtime arguments), so a
+# resume or a fine-tune may change them as it may the learning rate
+TRAINING_FIELDS = ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_capacity_factor", "moe_seq_aux_loss_coeff",
+                   "mtp_loss_scaling_factor")
 CP_MODES = tuple(context.MODES)
 FP8_RECIPES = tuple(fp8.FP8_RECIPES)
 

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from tp.mesh import Mesh
 from tp.pipeline import model_chunks, unwrap
 
-from .config import RUNTIME_FIELDS, GPTConfig
+from .config import RUNTIME_FIELDS, TRAINING_FIELDS, GPTConfig
 from .gpt import GPT
 
 
@@ -130,10 +130,6 @@ def build_stage(config: GPTConfig, mesh: Mesh, *, split: StageSplit = EVEN_SPLIT
 
 
 # what training sets on a Hugging Face model beyond the runtime fields (HF configs do not carry them for ours)
-HF_TRAINING_FIELDS = ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_capacity_factor", "moe_seq_aux_loss_coeff",
-                      "mtp_loss_scaling_factor")
-
-
 def build_chunks(config: GPTConfig, mesh: Mesh, virtual_stages: int, *, from_hf: str | None = None,
                  split: StageSplit = EVEN_SPLIT) -> list[GPT]:
     """This rank's V model chunks (a list of GPT stages), each with the weights of the one-stage model's layers
@@ -146,7 +142,7 @@ def build_chunks(config: GPTConfig, mesh: Mesh, virtual_stages: int, *, from_hf:
         options = stage_options(config, mesh, c, virtual_stages, split=split)
         if from_hf:
             chunks.append(GPT.from_hf(from_hf, group=mesh.tp_group, cp_group=mesh.cp_group, stage=options,
-                                      **{f: getattr(config, f) for f in RUNTIME_FIELDS + HF_TRAINING_FIELDS}))
+                                      **{f: getattr(config, f) for f in RUNTIME_FIELDS + TRAINING_FIELDS}))
         else:
             chunks.append(GPT(config, group=mesh.tp_group, cp_group=mesh.cp_group, **options))
     return chunks

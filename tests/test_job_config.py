@@ -438,3 +438,31 @@ def test_use_checkpoint_args_takes_the_runs_seq_len_and_dropout_unless_given(mon
     both = job("--use-checkpoint-args", "--attention-dropout", "0.3")
     assert (both.model.dropout, both.model.attention_dropout) == (0.1, 0.3)
     assert job().training.seq_len == 64
+
+
+def test_moe_loss_weights_and_capacity_are_training_choices_on_a_resume(monkeypatch, tmp_path):
+    """The aux / z-loss coefficients and the capacity factor (Megatron's runtime arguments) hold no weights: a resume
+    or --finetune may change them (they were compared like the model's shape, and refused); --use-checkpoint-args
+    takes the checkpoint's unless given."""
+    import dataclasses
+
+    from models.training import checkpoint_meta, cli, model, resuming
+
+    def job(*flags):
+        return cli.job_config(cli.parser().parse_args(["--model", "tiny-moe", "--tp", "1", *flags]))
+
+    saved_config = model.gpt_config_from_job(job("--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "0.001"))
+    saved = dataclasses.asdict(saved_config)
+    changed = model.gpt_config_from_job(job("--moe-aux-loss-coeff", "0.1", "--moe-capacity-factor", "1.0"))
+    assert checkpoint_meta.config_differences(saved, changed) == {}
+    meta = {"config": saved, "extra": {}}
+    monkeypatch.setattr(resuming, "_saved", lambda job: (str(tmp_path / "step-000002"), meta))
+
+    def resumed(*flags):
+        return model.gpt_config_from_job(cli.job_config(cli.parser().parse_args(
+            ["--load", str(tmp_path), "--use-checkpoint-args", "--tp", "1", *flags])))
+
+    taken = resumed()
+    assert (taken.moe_aux_loss_coeff, taken.moe_z_loss_coeff, taken.moe_capacity_factor) == (0.01, 0.001, None)
+    given = resumed("--moe-aux-loss-coeff", "0.1", "--moe-capacity-factor", "1.25")
+    assert (given.moe_aux_loss_coeff, given.moe_z_loss_coeff, given.moe_capacity_factor) == (0.1, 0.001, 1.25)

@@ -12,7 +12,7 @@ import torch.distributed.checkpoint as dcp
 
 import tp
 
-from ..config import RUNTIME_FIELDS, GPTConfig
+from ..config import RUNTIME_FIELDS, TRAINING_FIELDS, GPTConfig
 from . import manifest
 from .checkpoint_parts import is_distributed
 
@@ -32,8 +32,9 @@ def split_of(mesh):
 
 def config_differences(saved: dict, config: GPTConfig) -> dict[str, tuple[Any, Any]]:
     """{field: (the checkpoint's value, `config`'s)} of the GPTConfig fields that define weights and differ: runtime
-    fields may differ, and max_seq_len too unless positions are learned (RoPE holds no position weights)."""
-    free = RUNTIME_FIELDS + (() if config.position == "learned" else ("max_seq_len",))
+    and training fields may differ, and max_seq_len too unless positions are learned (RoPE holds no position
+    weights)."""
+    free = RUNTIME_FIELDS + TRAINING_FIELDS + (() if config.position == "learned" else ("max_seq_len",))
     return {k: (saved.get(k), v) for k, v in dataclasses.asdict(config).items() if k not in free and saved.get(k) != v}
 
 

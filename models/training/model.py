@@ -8,7 +8,7 @@ import torch.distributed as dist
 import tp
 from tp.mesh import Mesh
 
-from ..config import GPTConfig
+from ..config import TRAINING_FIELDS, GPTConfig
 from ..gpt import GPT
 from ..presets import DEFAULT_MODEL, MODELS
 from ..stages import build_chunks, tied_embedding
@@ -34,7 +34,8 @@ def gpt_config_from_job(job: JobConfig) -> GPTConfig:
     saved = resuming.use_checkpoint_args(job)  # --use-checkpoint-args: the checkpoint's GPTConfig
     if saved is not None:
         dispatcher = {"moe_dispatcher": model.moe_dispatcher} if model.moe_dispatcher else {}
-        return resuming.checkpoint_model(saved, runtime | dispatcher, job.training.seq_len)
+        training = {f: v for f, v in model.moe_fields().items() if f in TRAINING_FIELDS}  # (given ones win)
+        return resuming.checkpoint_model(saved, runtime | dispatcher | training, job.training.seq_len)
     if model.from_hf:
         import transformers
 

@@ -2,8 +2,9 @@
 with it, the way a Megatron-LM user resumes:
 
 - --use-checkpoint-args: the model (the checkpoint's GPTConfig), the tokenizer and the data format come from the
-  checkpoint; the command line gives the layout, the steps and the paths. A model, tokenizer or data-format flag the
-  command line gives that differs is refused in one line naming it. Without the flag, a checkpoint of another model
+  checkpoint; the command line gives the layout, the steps and the paths (and may give the MoE loss weights and
+  capacity factor, config.TRAINING_FIELDS). A model, tokenizer or data-format flag the command line gives that
+  differs is refused in one line naming it. Without the flag, a checkpoint of another model
   is refused naming the flags that differ.
 - --finetune: the weights alone, from step 0 (a fresh optimizer, schedule and data order); --no-load-optim,
   --no-load-rng: the step, without the optimizer's state or the generators'.
@@ -17,7 +18,7 @@ import math
 import os
 from typing import Any
 
-from ..config import RUNTIME_FIELDS, GPTConfig
+from ..config import RUNTIME_FIELDS, TRAINING_FIELDS, GPTConfig
 from .checkpoint_dirs import committed, resume_path, saved_step
 from .config import JobConfig
 from .config.fields import flag_of
@@ -67,7 +68,8 @@ def use_checkpoint_args(job: JobConfig) -> dict[str, Any] | None:
         if value is not None:
             raise ValueError(f"{flag} {value} with --use-checkpoint-args: the model comes from the checkpoint "
                              f"{path}; drop {flag}")
-    for field in (f for f in MODEL_FLAGS if f not in RUNTIME_FIELDS and getattr(model, f) is not None):
+    shape_flags = [f for f in MODEL_FLAGS if f not in RUNTIME_FIELDS + TRAINING_FIELDS]  # (given training ones win)
+    for field in (f for f in shape_flags if getattr(model, f) is not None):
         given = model.layer_freq() if field == "moe_layer_freq" else getattr(model, field)
         if given != saved.get(field):
             raise ValueError(f"{flag_of(field)}={getattr(model, field)}: the checkpoint's model has "
