@@ -466,3 +466,32 @@ def test_moe_loss_weights_and_capacity_are_training_choices_on_a_resume(monkeypa
     assert (taken.moe_aux_loss_coeff, taken.moe_z_loss_coeff, taken.moe_capacity_factor) == (0.01, 0.001, None)
     given = resumed("--moe-aux-loss-coeff", "0.1", "--moe-capacity-factor", "1.25")
     assert (given.moe_aux_loss_coeff, given.moe_z_loss_coeff, given.moe_capacity_factor) == (0.1, 0.001, 1.25)
+
+
+def test_an_export_no_hugging_face_family_holds_is_refused_before_any_process(capsys, tmp_path):
+    """--export-hf of a model no Hugging Face family represents (small-moe's dense first layer and shared expert) was
+    found after the training, at the save; it is one line before any process starts. A sigmoid router fits
+    glm4_moe, which --hf-model-type chooses."""
+    from tests.helpers import train_refusal
+
+    code, _, lines = train_refusal(["--model", "small-moe", "--hidden-size", "64", "--num-heads", "4",
+                                    "--num-kv-heads", "2", "--tp", "1", "--pp", "1", "--dp", "1",
+                                    "--export-hf", str(tmp_path / "out")], capsys)
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith(f"error: --export-hf {tmp_path / 'out'}: this GPTConfig has no Hugging Face mixtral "
+                               "equivalent"), lines
+    sigmoid = ["--model", "tiny-moe", "--moe-router-score", "sigmoid", "--tp", "1", "--pp", "1", "--dp", "1",
+               "--export-hf", str(tmp_path / "out")]
+    code, _, lines = train_refusal(sigmoid, capsys)
+    assert code == 2 and "hf_model_type='glm4_moe' fits (--hf-model-type)" in lines[0], lines
+    config = model_of(*sigmoid, "--hf-model-type", "glm4_moe")
+    assert config.hf_model_type == "glm4_moe"
+    from models.hf import check_hf
+
+    assert check_hf(config) == "glm4_moe"
+
+
+def model_of(*flags):
+    from models.training import model
+
+    return model.gpt_config_from_job(_job(*flags))

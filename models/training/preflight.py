@@ -7,7 +7,7 @@ import os
 from tp.mesh import launched_by_torchrun
 
 from ..config import GPTConfig
-from ..hf import check_safetensors
+from ..hf import check_hf, check_safetensors
 from ..stages import layers_per_stage
 from . import data, destinations, documents, resuming, sinks
 from .checkpoint_dirs import resume_path
@@ -31,6 +31,12 @@ def check(job: JobConfig, world_size: int | None = None, *, config_file: str | N
     plan.check()  # --data / --tokenizer / --sft: paths, headers, schemas, text, a loadable tokenizer
     documents.check(job.data, plan.eod_id())  # --reset-attention-mask etc.: an end-of-document token to find them by
     config = gpt_config_from_job(job)
+    if job.checkpoint.export_hf:  # (found at the save, after the training, otherwise)
+        try:
+            check_hf(config)
+        except ValueError as e:  # (naming the flag that sets hf_model_type)
+            why = str(e).replace(" fits)", " fits (--hf-model-type))")
+            raise ValueError(f"--export-hf {job.checkpoint.export_hf}: {why}") from None
     check_model_fits(job, config)
     check_compile(job)  # --compile with what it cannot trace
     plan.check_vocab(config.vocab_size)

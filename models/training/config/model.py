@@ -4,14 +4,15 @@ import dataclasses
 import math
 from typing import Any
 
-from ...config import MOE_DISPATCHERS, MOE_SCORES
+from ...config import MOE_DISPATCHERS, MOE_SCORES, hf_families
 from ...presets import DEFAULT_MODEL, MODELS
 from .fields import at_least, flag_of, one_of, option
 
 # [model] fields that replace the preset's GPTConfig field of the same name (not with --from-hf, whose config has
 # them): its sizes, then the rest of its shape
 SIZE_FIELDS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_hidden_size", "head_dim", "vocab_size")
-SHAPE_FIELDS = SIZE_FIELDS + ("rope_theta", "norm_eps", "init_std", "make_vocab_size_divisible_by")
+# (hf_model_type: the Hugging Face family, whose tensor names the checkpoints use too)
+SHAPE_FIELDS = SIZE_FIELDS + ("rope_theta", "norm_eps", "init_std", "make_vocab_size_divisible_by", "hf_model_type")
 # [model] fields that are GPTConfig fields of the same name: a mixture of experts' shape (a preset's otherwise; not
 # with --from-hf, whose config has them), then its training hyperparameters (over a preset or a --from-hf model)
 MOE_SHAPE_FIELDS = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq",
@@ -55,6 +56,9 @@ class ModelConfig:
                                     metavar="STD", aliases=("--init-method-std",))
     make_vocab_size_divisible_by: int | None = option(
         None, f"the vocabulary is padded to a multiple of tp times this (default: {_PRESETS})", metavar="N")
+    hf_model_type: str | None = option(
+        None, "the Hugging Face family --export-hf writes (default: --from-hf's, else inferred from the model; "
+              "glm4_moe for a sigmoid router)", choices=hf_families(), metavar="TYPE")
     dropout: float = option(0.0, "residual (and, unless given, attention) dropout", metavar="P",
                             aliases=("--hidden-dropout",))
     attention_dropout: float | None = option(None, "attention-probability dropout (default: --dropout)", metavar="P")
@@ -108,7 +112,8 @@ class ModelConfig:
             if value is not None and not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{flag_of(name)}={value} must be a finite number > 0")
         self.layer_freq()
-        for flag, value, allowed in (("--moe-router-score", self.moe_router_score, MOE_SCORES),
+        for flag, value, allowed in (("--hf-model-type", self.hf_model_type, hf_families()),
+                                     ("--moe-router-score", self.moe_router_score, MOE_SCORES),
                                      ("--moe-dispatcher", self.moe_dispatcher, MOE_DISPATCHERS)):
             if value is not None:
                 one_of(flag, value, allowed)
