@@ -495,3 +495,14 @@ def model_of(*flags):
     from models.training import model
 
     return model.gpt_config_from_job(_job(*flags))
+
+
+def test_moe_flags_on_a_dense_model_are_refused_as_ep_is(capsys):
+    """--moe-router-topk / --moe-capacity-factor with a dense model trained it without them, silently."""
+    from tests.helpers import train_refusal
+
+    code, _, lines = train_refusal(["--model", "tiny", "--moe-router-topk", "2", "--moe-capacity-factor", "1.0"],
+                                   capsys)
+    assert code == 2 and lines == ["error: --moe-router-topk=2 --moe-capacity-factor=1.0 configure a mixture of "
+                                   "experts, and the model has none: give --num-experts E (or --model tiny-moe / "
+                                   "small-moe)"], lines

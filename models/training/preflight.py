@@ -12,6 +12,7 @@ from ..stages import layers_per_stage
 from . import data, destinations, documents, resuming, sinks
 from .checkpoint_dirs import resume_path
 from .config import JobConfig
+from .config.fields import flag_of
 from .model import check_compile, gpt_config_from_job
 
 
@@ -78,6 +79,10 @@ def check_experts(job: JobConfig, config: GPTConfig) -> None:
         if parallel.experts_apart:
             raise ValueError(f"--ep={parallel.ep} --etp={etp} split the experts of a mixture of experts, and the "
                              "model has none: give --num-experts E (or --model tiny-moe / small-moe)")
+        given = [f"{flag_of(f)}={v}" for f, v in job.model.moe_fields().items() if f.startswith("moe_")]
+        if given:  # (a dense model would train without them, silently)
+            raise ValueError(f"{' '.join(given)} configure a mixture of experts, and the model has none: give "
+                             "--num-experts E (or --model tiny-moe / small-moe)")
         return
     try:
         config.check_experts(parallel.ep, etp)
