@@ -9,6 +9,8 @@ import sys
 import time
 
 import pytest
+import torch
+import torch.distributed.checkpoint as dcp
 
 from models.training import checkpoint, resuming
 from models.training.cli import job_config, parser, train
@@ -123,6 +125,18 @@ def test_every_split_trains_the_same_curve(tmp_path, capsys):
                                                                   "order")
     code, _, lines = train_refusal([*SMALL, "--load", ckpt, "--steps", "2"], capsys)
     assert code == 2 and "--steps=2 does not go beyond the checkpoint's step 2" in lines[-1]
+    # with --export-hf: the checkpoint's model written as it is, no step taken (it was refused: nothing to train)
+    exported_only = tmp_path / "ckpt_hf"
+    run = _run(*SMALL, "--tp", "1", "--pp", "1", "--dp", "1", "--load", ckpt, "--steps", "2", "--export-hf",
+               str(exported_only))
+    assert run.returncode == 0 and "nothing to train" in run.stdout, run.stderr[-3000:]
+    from safetensors.torch import load_file
+
+    tensors = {k: v for f in exported_only.glob("*.safetensors") for k, v in load_file(f).items()}
+    stored = {f"model.{k}": torch.empty_like(v) for k, v in tensors.items()}
+    with pytest.warns(UserWarning, match="load in a single process"):  # (this process has no process group)
+        dcp.load(stored, checkpoint_id=os.path.join(ckpt, "step-000002"), no_dist=True)
+    assert tensors and all(torch.equal(stored[f"model.{k}"], v) for k, v in tensors.items())
     code, _, lines = train_refusal([*SMALL, "--load", ckpt, "--hidden-size", "128"], capsys)
     assert code == 2 and "the checkpoint's model has --hidden-size 64 (this job: 128)" in lines[-1]  # (once)
 

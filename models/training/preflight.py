@@ -108,7 +108,7 @@ def check_resume(job: JobConfig, config: GPTConfig) -> None:
         resuming.check_model(job, meta["config"], config)
         start = resuming.start_step(job, meta["step"])
         restarted = os.path.realpath(save or "") == os.path.realpath(load)  # (the trainer says it is done)
-        if job.training.steps <= start and not job.evaluation.eval_only and not restarted:
+        if job.training.steps <= start and not (job.evaluation.eval_only or restarted or job.checkpoint.export_hf):
             raise ValueError(f"--steps={job.training.steps} does not go beyond the checkpoint's step {start}: "
-                             "nothing to train")
+                             "nothing to train (with --export-hf: the checkpoint's model exported as it is)")
     resuming.check_save_forward(job, start)

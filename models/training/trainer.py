@@ -414,8 +414,10 @@ def train(job: JobConfig, *, config_file: str | None = None) -> int:
         trainer.evaluate_only()
     elif trainer.start_step >= job.training.steps:
         if trainer.rank0:
-            print(f"nothing to train: the checkpoint is at step {trainer.start_step}, --steps={job.training.steps}",
-                  flush=True)
+            print(f"nothing to train: the checkpoint is at step {trainer.start_step}, --steps={job.training.steps}"
+                  + (f"; exporting it to {job.checkpoint.export_hf}" if job.checkpoint.export_hf else ""), flush=True)
+        if job.checkpoint.export_hf:  # (Megatron converts a checkpoint with a tool of its own)
+            trainer.export_hf()
     else:
         trainer.fit()
     # The groups are kept (a next mesh of the same layout reuses them): destroyed here, the last reference would be
