@@ -471,10 +471,11 @@ def test_from_hf_qwen3_moe_trains_at_ep_2_and_exports_qwen3_moe(tmp_path):
 
 
 def test_sigmoid_routers_bias_updates_are_the_same_at_every_split(tmp_path):
-    """--moe-router-score sigmoid: after each step every router's selection bias moves by 1e-3 · sign(mean load -
-    load) from the step's global loads (over the stage's tp·cp·dp ranks), so the one-process run and the tp 2 x dp 2
-    ep 2 run end with the same biases (read from their checkpoints, where they are stored as HF's
-    e_score_correction_bias) and the same curve. (In fp64: a load is a count of routings, fp64 routes alike.)"""
+    """--moe-router-score sigmoid: after each step every router's selection bias moves by 1e-3 · sign(mean load - load)
+    (--moe-router-bias-update-rate; 0: they stay) from the step's global loads (over the stage's tp·cp·dp ranks), so
+    the one-process run and the tp 2 x dp 2 ep 2 run end with the same biases (read from their checkpoints, where they
+    are stored as HF's e_score_correction_bias) and the same curve. (In fp64: a load is a count of routings, fp64
+    routes alike.)"""
     sigmoid = ["--moe-router-score", "sigmoid", "--steps", "2"]
     serial = _records(str(tmp_path), "serial", 1, "--tp", "1", "--pp", "1", "--dp", "1", *sigmoid,
                       "--save", str(tmp_path / "serial"))
@@ -487,6 +488,11 @@ def test_sigmoid_routers_bias_updates_are_the_same_at_every_split(tmp_path):
               for run in ("serial", "split")]
     for key in keys:
         assert torch.equal(biases[0][key], biases[1][key]) and biases[0][key].abs().sum() > 0, key
+    _records(str(tmp_path), "frozen", 1, "--tp", "1", "--pp", "1", "--dp", "1", *sigmoid, "--steps", "1",
+             "--moe-router-bias-update-rate", "0", "--save", str(tmp_path / "frozen"))  # (Megatron's flag)
+    frozen = _read_checkpoint({k: torch.empty(8, dtype=torch.float64) for k in keys},
+                              tmp_path / "frozen" / "step-000001")
+    assert all(not value.any() for value in frozen.values())
 
 
 def test_capacity_sp_and_full_recompute_at_ep_2_follow_the_one_process_run(tmp_path):

@@ -2,6 +2,7 @@
 written once), loads at another tp / ep / etp split, into the dense model, under FSDP2, and from the dense model's
 own checkpoint; every load compared exactly with the dense model's trained weights."""
 import copy
+import functools
 import math
 
 import pytest
@@ -15,6 +16,8 @@ from tp.testing import distributed  # noqa: E402
 
 from .test_moe_hf import hf_moe  # noqa: E402
 from .test_parallelize import tiny, tokens  # noqa: E402
+
+tiny_model = tiny
 
 
 def trained(model, seed=7):
@@ -41,12 +44,15 @@ def assert_dense_checkpoint(path, dense):
         assert sum(math.prod(c.sizes) for c in stored[name].chunks) == tensor.numel(), name
 
 
-@pytest.mark.parametrize("family", ["llama", "phi3", "gpt2", "gemma"])
+@pytest.mark.parametrize("family,overrides", [("llama", {}), ("phi3", {}), ("phi3", {"num_key_value_heads": 1}),
+                                              ("gpt2", {}), ("gemma", {})])
 @distributed(world_size=4)
-def test_a_dcp_checkpoint_reshards_to_any_tp_and_to_the_dense_model(family, tmp_path):
-    """Saved at tp 2 (x dp 2: replicas); loaded at tp 4 (kv rows on two ranks each; phi3: unequal fused qkv parts;
-    gpt2: Conv1D [in, out], fused q|k|v) and into the dense model; the dense model's own checkpoint loaded at tp 2."""
+def test_a_dcp_checkpoint_reshards_to_any_tp_and_to_the_dense_model(family, overrides, tmp_path):
+    """Saved at tp 2 (x dp 2: replicas); loaded at tp 4 (kv rows on two ranks each; phi3: unequal fused qkv parts,
+    and with one kv head a rank's q rows that run on into k and v, which DCP refused as overlapping chunks; gpt2:
+    Conv1D [in, out], fused q|k|v) and into the dense model; the dense model's own checkpoint loaded at tp 2."""
     tp.init_mesh(tp=2)
+    tiny = functools.partial(tiny_model, **overrides)
     dense = trained(tiny(family))
     model = tp.parallelize(copy.deepcopy(dense))
     dcp.save(tp.sharded_state_dict(model), checkpoint_id=tmp_path / "tp2")
@@ -187,3 +193,23 @@ def test_blocks_in_torchs_checkpoint_wrapper_keep_their_state_dict_names(tmp_pat
     fresh = tiny("llama")
     dcp.load({"model": fresh.state_dict()}, checkpoint_id=tmp_path)
     assert_holds(fresh, dense, "into the dense model")
+
+
+@distributed(world_size=2)
+def test_the_optimizer_state_of_a_ddp_model_and_state_it_cannot_reshard():
+    """torch DDP's prefix is not in the optimizer state dict's names (nor compile's): the tp parameters are still
+    found by identity (they were not: their local moments saved as the dense ones, silently); Adafactor's row and
+    column statistics, shaped otherwise than the parameter, are refused."""
+    from torch.distributed.tensor import DTensor
+
+    mesh = tp.init_mesh(tp=2)
+    model = torch.nn.parallel.DistributedDataParallel(tp.parallelize(tiny("llama")), process_group=mesh.dp_group)
+    optimizer = torch.optim.AdamW(model.parameters())
+    state = tp.ShardedOptimizerState(model, optimizer).state_dict()
+    key = "state.model.layers.0.self_attn.q_proj.weight.exp_avg"
+    assert isinstance(state[key], DTensor) and tuple(state[key].shape) == (32, 32)
+    adafactor = torch.optim.Adafactor(model.parameters())
+    adamw_steps(model, adafactor, 1)
+    with pytest.raises(ValueError, match=r"^ShardedOptimizerState: model\.layers\.0\.self_attn\.q_proj\.weight's "
+                                         r"'(row|col)_var' has shape"):
+        tp.ShardedOptimizerState(model, adafactor).state_dict()

@@ -310,9 +310,9 @@ class DataParallel(nn.Module):
             debug.check(torch.tensor(self._order, dtype=torch.float64, device=self.buckets[0].grad_data.device),
                         self.group, "the order DataParallel reduced its buckets in (a parameter used on some dp "
                         "ranks only?)", replicated=True, group_name="dp")
-            for b in (self.buckets[i] for i in self._order):
-                if b.handle is _QUEUED:
-                    self._launch(b)
+        for b in (self.buckets[i] for i in self._order):  # (queued in debug mode, even if it was turned off since)
+            if b.handle is _QUEUED:
+                self._launch(b)
         self._order = []
         for b in self.buckets:
             if b.handle is not _DONE:

@@ -2,6 +2,7 @@
 built from the layers: their dense shapes): dense (`full_state_dict`, gathered; `load_full_state_dict`, sliced) and
 sharded for torch's distributed checkpoint (`sharded_state_dict`: each rank's blocks placed in the dense tensors)."""
 import itertools
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -141,7 +142,9 @@ def _sharded(value, sub, pname, mesh):
         _, start = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
         indices = [(torch.arange(n, device="cpu") if i is None else i)[s:s + size]
                    for i, n, s, size in zip(indices, value.shape, start, local.shape)]
-    runs = [[(0, n, 0)] if i is None else _runs(i) for i, n in zip(indices, local.shape)]
+    fused_dim, starts = _part_starts(sub, pname)
+    runs = [[(0, n, 0)] if i is None else _runs(i, starts if d == fused_dim else ())
+            for d, (i, n) in enumerate(zip(indices, local.shape))]
     transposed = _conv1d_weight(sub, pname)  # stored [in, out]
     pieces, offsets = [], []
     for block in itertools.product(*runs):
@@ -185,20 +188,32 @@ def _dense_indices(sub, pname):
     return indices
 
 
-def _runs(indices):
-    """(local start, length, dense start) of each run of consecutive dense indices in `indices`."""
+def _part_starts(sub, pname):
+    """(dim, the dense indices where each fused part after the first starts) of a fused parameter (q|k|v, gate|up):
+    a run of rows stops there, so replicated kv rows make the same chunks on every rank that holds them (one kv head
+    at tp 2: a rank's q rows run on into k and v, another's do not, and DCP refuses overlapping chunks)."""
+    if isinstance(sub, GroupedExperts):
+        return 1, ({sub.ffn_hidden_size} if pname == sub.names[0] and sub.activation == "swiglu" else set())
+    if isinstance(sub, (ColumnParallelLinear, RowParallelLinear)):
+        return (sub.shard_dim if pname == "weight" else 0), set(itertools.accumulate(sub.parts[:-1]))
+    return 0, set()
+
+
+def _runs(indices, starts=()):
+    """(local start, length, dense start) of each run of consecutive dense indices in `indices` (a new run at each
+    of `starts`)."""
     runs, position = [], 0
-    for start, stop in index_runs(indices):
+    for start, stop in index_runs(indices, starts):
         runs.append((position, stop - start, start))
         position += stop - start
     return runs
 
 
-def index_runs(indices: torch.Tensor) -> list[list[int]]:
-    """Consecutive runs [(start, stop)] of a 1-D index tensor, in order."""
-    runs = []
+def index_runs(indices: torch.Tensor, starts: Iterable[int] = ()) -> list[list[int]]:
+    """Consecutive runs [(start, stop)] of a 1-D index tensor, in order (a new one at each index in `starts`)."""
+    runs, starts = [], set(starts)
     for i in indices.tolist():
-        if runs and runs[-1][1] == i:
+        if runs and runs[-1][1] == i and i not in starts:
             runs[-1][1] = i + 1
         else:
             runs.append([i, i + 1])
@@ -208,11 +223,11 @@ def index_runs(indices: torch.Tensor) -> list[list[int]]:
 class ShardedOptimizerState:
     """`optimizer`'s state for torch's DCP beside `sharded_state_dict(module)`: a Stateful (DCP calls state_dict() to
     save, and load_state_dict() after loading into it), under a key of the checkpoint's dict. Its state dict is
-    torch's `get_optimizer_state_dict(module, optimizer)` (state and param_groups by parameter name; the state made
-    first if the optimizer has not stepped, as torch does) with each state tensor shaped like a tensor-parallel
-    parameter made a DTensor of the dense shape as sharded_state_dict makes the parameter: views of the state, so
-    `dcp.load` reads this rank's blocks in place, from a checkpoint of any tp / ep / etp split or of the dense model.
-    No collective."""
+    torch's flattened `get_optimizer_state_dict(module, optimizer)` ("state.<name>.<entry>", "param_groups.<name>.
+    <hyperparameter>": every pipeline stage's own keys; the state made first if the optimizer has not stepped, as
+    torch does) with each state tensor of a tensor-parallel parameter made a DTensor of the dense shape as
+    sharded_state_dict makes the parameter: views of the state, so `dcp.load` reads this rank's blocks in place, from
+    a checkpoint of any tp / ep / etp split or of the dense model. No collective."""
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         from .optim import DistributedOptimizer
@@ -222,33 +237,43 @@ class ShardedOptimizerState:
                             "tp.optim.DistributedOptimizer checkpoints through its state_dict() (this rank's shard, "
                             "the same layout) or full_state() / load_full_state() (whole tensors)")
         self.module, self.optimizer = module, optimizer
-        self._local = {}  # (parameter name, state name) -> the state tensor a sharded view stands for
+        self._local = {}  # state key -> the state tensor a sharded view stands for
 
     def state_dict(self) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-        state, self._local = get_optimizer_state_dict(self.module, self.optimizer), {}
+        # flattened: each pipeline stage's keys its own (nested, every stage's param_groups.0.params collide)
+        flat = StateDictOptions(flatten_optimizer_state_dict=True)
+        state, self._local = get_optimizer_state_dict(self.module, self.optimizer, options=flat), {}
         if not dist.is_initialized():
             return state
-        layers = {key: (sub, pname, param) for key, sub, pname, param in
-                  _parallel_parameters(self.module, self.module.state_dict(keep_vars=True))}
-        meshes = {}
-        for name in list(state["state"]):
-            sub, pname, param = layers.get(name, (None, None, None))
-            entries = state["state"][name] = dict(state["state"][name])  # (torch's may be the optimizer's own)
-            for key, value in list(entries.items()) if sub is not None else ():
-                if torch.is_tensor(value) and value.shape == param.shape:
-                    self._local[name, key] = value
-                    entries[key] = _sharded(value, sub, pname, _world_mesh(meshes, value.device.type))
-                    if entries[key] is None:  # (an FSDP2 shard with no rows)
-                        del entries[key]
+        layers, meshes = self._tp_parameters(), {}
+        for key in [k for k in state if k.startswith("state.")]:
+            name, _, entry = key[len("state."):].rpartition(".")
+            value = state[key]
+            if name not in layers or not torch.is_tensor(value) or value.dim() == 0:  # (AdamW's step: whole)
+                continue
+            sub, pname, param = layers[name]
+            if value.shape != param.shape:  # (Adafactor's row / column statistics): no dense form to place it in
+                raise ValueError(f"ShardedOptimizerState: {name}'s {entry!r} has shape {tuple(value.shape)}, not its "
+                                 f"tensor-parallel parameter's {tuple(param.shape)}: it cannot be resharded")
+            self._local[key] = value
+            state[key] = _sharded(value, sub, pname, _world_mesh(meshes, value.device.type))
+            if state[key] is None:  # (an FSDP2 shard with no rows)
+                del state[key]
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Hand what DCP loaded to the optimizer (the sharded tensors were read into its state in place)."""
-        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-        for (name, key), local in self._local.items():
-            state_dict["state"][name][key] = local
-        set_optimizer_state_dict(self.module, self.optimizer, state_dict)
+        set_optimizer_state_dict(self.module, self.optimizer, state_dict | self._local,
+                                 options=StateDictOptions(flatten_optimizer_state_dict=True))
 
+    def _tp_parameters(self):
+        """{torch's name of the parameter (no DDP, compile or wrapper prefixes): (tp layer, its name, parameter)}."""
+        from torch.distributed.checkpoint.state_dict import _get_fqns
+
+        names = {id(p): next(iter(_get_fqns(self.module, name))) for name, p in self.module.named_parameters()}
+        return {names[id(p)]: (sub, pname, p) for sub in self.module.modules() if isinstance(sub, _TP_LAYERS)
+                for pname, p in sub.named_parameters(recurse=False) if id(p) in names}

@@ -35,7 +35,6 @@ from .step_values import StepValues
 from .stragglers import StepClock, Stragglers
 
 CHECKPOINT_BYTES_PER_PARAMETER = 12  # fp32 weights and AdamW's two moments: what a save writes, about
-EXPERT_BIAS_RATE = 1e-3  # sigmoid routers' bias update per step (DeepSeek-V3's gamma, Megatron's default)
 
 
 def to_device(micro_batches: list, device: torch.device) -> list:
@@ -184,7 +183,7 @@ class Trainer:
         with record_function("optimizer.step"):  # Megatron's: no update from a non-finite gradient norm
             tp.optim.step_if_finite(self.optimizer, grad_norm)
         if tp.moe.SCORES[self.config.moe_router_score].selection_bias:  # (DeepSeek-V3) from the step's global loads
-            tp.moe.update_expert_bias(self.stage, EXPERT_BIAS_RATE, group=mesh.group("tp-cp-dp"))
+            tp.moe.update_expert_bias(self.stage, job.model.moe_router_bias_update_rate, group=mesh.group("tp-cp-dp"))
         memory = self.max_memory_bytes() if step == self.start_step else {}  # grads and state exist now
         self.optimizer.zero_grad(set_to_none=True)
         with record_function("loss all-reduce"):

@@ -77,7 +77,10 @@ class ModelConfig:
         aliases=("--moe-shared-expert-intermediate-size",))
     moe_router_score: str | None = option(
         None, "softmax (Mixtral, Qwen) or sigmoid with DeepSeek-V3's auxiliary-loss-free bias, updated after each "
-              "step (rate 1e-3)", choices=MOE_SCORES, aliases=("--moe-router-score-function",))
+              "step (--moe-router-bias-update-rate)", choices=MOE_SCORES, aliases=("--moe-router-score-function",))
+    moe_router_bias_update_rate: float = option(
+        1e-3, "sigmoid routers: how far DeepSeek-V3's selection biases move after each optimizer step, toward even "
+              "loads (0: frozen)", metavar="R")
     moe_aux_loss_coeff: float | None = option(
         None, "load-balancing loss coefficient (Switch; over each micro-batch's global tokens)", metavar="C")
     moe_z_loss_coeff: float | None = option(None, "router z-loss coefficient", metavar="Z")
@@ -121,6 +124,9 @@ class ModelConfig:
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{flag_of(name)}={value} must be a finite number >= 0 (0: off)")
+        rate = self.moe_router_bias_update_rate
+        if not (math.isfinite(rate) and rate >= 0):
+            raise ValueError(f"--moe-router-bias-update-rate={rate} must be a finite number >= 0 (0: the biases stay)")
         factor = self.moe_capacity_factor
         if factor is not None and not (math.isfinite(factor) and factor > 0):
             raise ValueError(f"--moe-capacity-factor={factor} must be a positive number (leave it out: dropless)")
