@@ -83,6 +83,21 @@ def measured_modes(cp, heads, kv_heads, a2a_size):
     return modes
 
 
+def left_out(cp, heads, kv_heads, a2a_size):
+    """Why each mode measured_modes leaves out at this cp does not run, one line each."""
+    lines = []
+    for name, mode in context.MODES.items():
+        if name in measured_modes(cp, heads, kv_heads, a2a_size):
+            continue
+        if mode.sub_groups and (cp <= a2a_size or cp % a2a_size):
+            lines.append(f"cp={cp}: {name} left out (cp is not a larger multiple of --a2a-size {a2a_size})")
+        else:
+            size = context.heads_split(name, cp, a2a_size)
+            lines.append(f"cp={cp}: {name} left out (--heads {heads} / --kv-heads {kv_heads} do not split over "
+                         f"{size} ranks)")
+    return lines
+
+
 # ---- measured ------------------------------------------------------------------------------------------------------
 
 
@@ -286,6 +301,9 @@ def main(argv=None):
         print(f"\nCausal attention fwd+bwd, batch 1, {a.heads}/{a.kv_heads} heads, head dim {a.head_dim}, fp32, median "
               f"of {a.iters}, on {machine()}; memory per rank (the largest rank)")
         payload["measured_table"] = print_table(measured, MEASURED_COLUMNS)
+        for cp in sorted({cp for cp in a.cp if cp > 1}):
+            for line in left_out(cp, a.heads, a.kv_heads, a.a2a_size):
+                print(line)
         print(f"\nModel: per layer and rank, bf16, α = {a.latency_us:g} us, compute at peak (see the docstring)")
         payload["model_table"] = print_table(modelled, MODEL_COLUMNS)
         for name in a.hardware:

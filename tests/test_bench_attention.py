@@ -114,3 +114,11 @@ def test_impossible_arguments_are_one_usage_error(flags, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         attention.main(flags)
     assert exit_info.value.code == 2 and re.search(message, capsys.readouterr().err)
+
+
+def test_a_mode_a_cp_size_cannot_run_is_named_with_why():
+    """--cp 3 with 4 heads: a2a and a2a+ring are not measured; the run says why instead of leaving them out silently."""
+    assert attention.left_out(3, 4, 4, 2) == [
+        "cp=3: a2a left out (--heads 4 / --kv-heads 4 do not split over 3 ranks)",
+        "cp=3: a2a+ring left out (cp is not a larger multiple of --a2a-size 2)"]
+    assert attention.left_out(4, 4, 4, 2) == []
