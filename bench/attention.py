@@ -85,9 +85,9 @@ def measured_modes(cp, heads, kv_heads, a2a_size):
 
 def left_out(cp, heads, kv_heads, a2a_size):
     """Why each mode measured_modes leaves out at this cp does not run, one line each."""
-    lines = []
+    lines, measured = [], measured_modes(cp, heads, kv_heads, a2a_size)
     for name, mode in context.MODES.items():
-        if name in measured_modes(cp, heads, kv_heads, a2a_size):
+        if name in measured:
             continue
         if mode.sub_groups and (cp <= a2a_size or cp % a2a_size):
             lines.append(f"cp={cp}: {name} left out (cp is not a larger multiple of --a2a-size {a2a_size})")

@@ -76,8 +76,7 @@ def fsdp_sharded(module: nn.Module) -> str | None:
 def _dense_shape(sub, pname):
     """The dense shape of tensor-parallel layer `sub`'s parameter `pname` (experts: [E, ...] over every expert)."""
     if isinstance(sub, GroupedExperts):
-        rows = 2 * sub.ffn_hidden_size if sub.activation == "swiglu" else sub.ffn_hidden_size
-        return (sub.num_experts, rows, sub.hidden_size) if pname == sub.names[0] else \
+        return (sub.num_experts, _fc1_rows(sub), sub.hidden_size) if pname == sub.names[0] else \
             (sub.num_experts, sub.hidden_size, sub.ffn_hidden_size)
     if isinstance(sub, VocabParallelEmbedding):
         return sub.num_embeddings, sub.embedding_dim
@@ -110,6 +109,9 @@ def _conv1d_weight(sub, pname):
     return getattr(sub, "_tp_from_conv1d", False) and pname == "weight"
 
 
+def _fc1_rows(experts):
+    """The dense rows of each expert's fc1: gate and up (SwiGLU), else the FFN's."""
+    return 2 * experts.ffn_hidden_size if experts.activation == "swiglu" else experts.ffn_hidden_size
 
 
 def sharded_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -123,12 +125,18 @@ def sharded_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     if not dist.is_initialized():  # (no process group: every layer is whole)
         return state
     for key, sub, pname, _ in _parallel_parameters(module, state):
-        sharded = _sharded(state[key], sub, pname, _world_mesh(meshes, state[key].device.type))
-        if sharded is None:  # (an FSDP2 shard with no rows: nothing to save or load here)
-            del state[key]
-        else:
-            state[key] = sharded
+        _put_sharded(state, key, sub, pname, meshes)
     return state
+
+
+def _put_sharded(state, key, sub, pname, meshes):
+    """state[key] (`sub`'s parameter `pname`, or state shaped like it) made _sharded; dropped where this rank holds
+    none of it (an FSDP2 shard with no rows: nothing to save or load here)."""
+    sharded = _sharded(state[key], sub, pname, _world_mesh(meshes, state[key].device.type))
+    if sharded is None:
+        del state[key]
+    else:
+        state[key] = sharded
 
 
 def _sharded(value, sub, pname, mesh):
@@ -175,9 +183,8 @@ def _dense_indices(sub, pname):
     """Per dim of `sub`'s tp-local parameter `pname`: the dense indices its positions hold (None: all, in order)."""
     if isinstance(sub, GroupedExperts):  # [E/ep, 2F/etp (gate, up), h] / [E/ep, h, F/etp]
         experts = torch.arange(sub.expert_range.start, sub.expert_range.stop, device="cpu")
-        rows = 2 * sub.ffn_hidden_size if sub.activation == "swiglu" else sub.ffn_hidden_size
         if pname == sub.names[0]:
-            return [experts, sub.shard_fc1(torch.arange(rows, device="cpu")[:, None])[:, 0], None]
+            return [experts, sub.shard_fc1(torch.arange(_fc1_rows(sub), device="cpu")[:, None])[:, 0], None]
         return [experts, None, sub.shard_fc2(torch.arange(sub.ffn_hidden_size, device="cpu"))]
     if isinstance(sub, VocabParallelEmbedding):
         return [torch.arange(sub.vocab_start, sub.vocab_end, device="cpu"), None]
@@ -258,9 +265,7 @@ class ShardedOptimizerState:
                 raise ValueError(f"ShardedOptimizerState: {name}'s {entry!r} has shape {tuple(value.shape)}, not its "
                                  f"tensor-parallel parameter's {tuple(param.shape)}: it cannot be resharded")
             self._local[key] = value
-            state[key] = _sharded(value, sub, pname, _world_mesh(meshes, value.device.type))
-            if state[key] is None:  # (an FSDP2 shard with no rows)
-                del state[key]
+            _put_sharded(state, key, sub, pname, meshes)
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
