@@ -214,3 +214,47 @@ def test_the_optimizer_state_of_a_ddp_model_and_state_it_cannot_reshard():
     with pytest.raises(ValueError, match=r"^ShardedOptimizerState: model\.layers\.0\.self_attn\.q_proj\.weight's "
                                          r"'(row|col)_var' has shape"):
         tp.ShardedOptimizerState(model, adafactor).state_dict()
+
+
+def pipeline_stage(model, stage):
+    """`model` cut to pipeline stage `stage` of 2 as torchtitan cuts it: the other stage's modules gone, the kept
+    layers under their own names (stage 0: the embedding and layer 0; stage 1: layer 1, the norm and the head)."""
+    inner = model.model
+    if stage == 0:
+        inner.layers[1], inner.norm, model.lm_head = torch.nn.Identity(), None, None
+    else:
+        inner.layers[0], inner.embed_tokens = torch.nn.Identity(), None
+    return model
+
+
+@distributed(world_size=4)
+def test_pipeline_stages_save_their_own_optimizer_state_into_one_checkpoint(tmp_path):
+    """tp 2 x pp 2: each stage saves its own parameters' AdamW state (torch's flattened names, no collision between
+    stages' param_groups); the checkpoint resumes at tp 4 without pipeline parallelism as the unsplit run steps."""
+    mesh = tp.init_mesh(tp=2, pp=2)
+    model = tp.parallelize(tiny("llama"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    adamw_steps(model, optimizer, 2)
+    stage = pipeline_stage(model, mesh.pp_rank)
+    stage_optimizer = torch.optim.AdamW(stage.parameters(), lr=1e-2, weight_decay=0.1)
+    stage_optimizer.state.update({p: optimizer.state[p] for p in stage.parameters()})  # (what the stage trained)
+    dcp.save({"model": tp.sharded_state_dict(stage), "optim": tp.ShardedOptimizerState(stage, stage_optimizer)},
+             checkpoint_id=tmp_path)
+
+    tp.destroy_mesh(keep_groups=True)
+    tp.init_mesh(tp=2)
+    unsplit = tp.parallelize(tiny("llama"))
+    unsplit_optimizer = torch.optim.AdamW(unsplit.parameters(), lr=1e-2, weight_decay=0.1)
+    adamw_steps(unsplit, unsplit_optimizer, 3)
+    want = tp.full_state_dict(unsplit)
+
+    tp.destroy_mesh(keep_groups=True)
+    tp.init_mesh(tp=4)
+    fresh = tp.parallelize(tiny("llama"))
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=0.5)
+    dcp.load({"model": tp.sharded_state_dict(fresh), "optim": tp.ShardedOptimizerState(fresh, fresh_optimizer)},
+             checkpoint_id=tmp_path)
+    adamw_steps(fresh, fresh_optimizer, 1, seed=13)
+    got = tp.full_state_dict(fresh)
+    for name, tensor in want.items():
+        torch.testing.assert_close(got[name], tensor, rtol=1e-5, atol=1e-5, msg=name)
