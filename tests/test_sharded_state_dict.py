@@ -97,25 +97,27 @@ def test_moe_experts_reshard_across_ep_and_etp(tmp_path):
     assert_holds(dense_again, dense, "tp 2 x ep 2 -> dense")
 
 
+def fsdp2_model(mesh, dense):
+    """`dense` copied, parallelized over the mesh's tp group and sharded by FSDP2 over its dp group per layer."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = tp.parallelize(copy.deepcopy(dense))
+    with tp.optim.keep_param_tags(model):
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh.device_mesh["dp"])
+        fully_shard(model, mesh=mesh.device_mesh["dp"])
+    return model
+
+
 @distributed(world_size=4)
 def test_under_fsdp2_each_rank_saves_and_loads_its_dp_shard_of_its_tp_shard(tmp_path):
     """tp 2 x dp 2 with FSDP2 per layer: the checkpoint is the dense model's; it loads in place into another FSDP2
     model at the same split and into a plain tp 4 one."""
-    from torch.distributed.fsdp import fully_shard
-
-    def sharded_model(mesh, dense):
-        model = tp.parallelize(copy.deepcopy(dense))
-        with tp.optim.keep_param_tags(model):
-            for layer in model.model.layers:
-                fully_shard(layer, mesh=mesh.device_mesh["dp"])
-            fully_shard(model, mesh=mesh.device_mesh["dp"])
-        return model
-
     mesh = tp.init_mesh(tp=2, dp=2)
     dense = trained(tiny("llama"))
-    dcp.save(tp.sharded_state_dict(sharded_model(mesh, dense)), checkpoint_id=tmp_path)
+    dcp.save(tp.sharded_state_dict(fsdp2_model(mesh, dense)), checkpoint_id=tmp_path)
     assert_dense_checkpoint(tmp_path, dense)
-    fresh = sharded_model(mesh, tiny("llama"))
+    fresh = fsdp2_model(mesh, tiny("llama"))
     dcp.load(tp.sharded_state_dict(fresh), checkpoint_id=tmp_path)
     assert_holds(fresh, dense, "fsdp2 -> fsdp2")
     tp.destroy_mesh(keep_groups=True)
@@ -247,6 +249,31 @@ def test_pipeline_stages_save_their_own_optimizer_state_into_one_checkpoint(tmp_
     unsplit_optimizer = torch.optim.AdamW(unsplit.parameters(), lr=1e-2, weight_decay=0.1)
     adamw_steps(unsplit, unsplit_optimizer, 3)
     want = tp.full_state_dict(unsplit)
+
+    tp.destroy_mesh(keep_groups=True)
+    tp.init_mesh(tp=4)
+    fresh = tp.parallelize(tiny("llama"))
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=0.5)
+    dcp.load({"model": tp.sharded_state_dict(fresh), "optim": tp.ShardedOptimizerState(fresh, fresh_optimizer)},
+             checkpoint_id=tmp_path)
+    adamw_steps(fresh, fresh_optimizer, 1, seed=13)
+    got = tp.full_state_dict(fresh)
+    for name, tensor in want.items():
+        torch.testing.assert_close(got[name], tensor, rtol=1e-5, atol=1e-5, msg=name)
+
+
+@distributed(world_size=4)
+def test_fsdp2_optimizer_state_resumes_at_tp_4(tmp_path):
+    """tp 2 x dp 2 under FSDP2: each rank saves AdamW's state of its dp shard of its tp shard; it resumes at tp 4
+    (no FSDP2) as the run without FSDP2 steps."""
+    mesh = tp.init_mesh(tp=2, dp=2)
+    model = fsdp2_model(mesh, tiny("llama"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    adamw_steps(model, optimizer, 2)
+    dcp.save({"model": tp.sharded_state_dict(model), "optim": tp.ShardedOptimizerState(model, optimizer)},
+             checkpoint_id=tmp_path)
+    adamw_steps(model, optimizer, 1, seed=13)
+    want = tp.full_state_dict(model)
 
     tp.destroy_mesh(keep_groups=True)
     tp.init_mesh(tp=4)
