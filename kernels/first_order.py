@@ -1,6 +1,7 @@
 """`first_order`: torch's `once_differentiable` for the package's autograd Functions whose backward reads saved
-tensors that need grad (a weight, attention's q/k/v, the logits); those linear in the incoming gradient (the
-collectives, RoPE, dropout's mask) keep torch's, under which a second derivative through them is exact.
+tensors that need grad (a weight, attention's q/k/v, the logits); those linear in the incoming gradient (RoPE,
+dropout's mask, the context-parallel and MoE exchanges) keep torch's, whose second backward raises where it reaches
+them. (tp's mappings record their backward as the conjugate mapping: a second derivative through them is exact.)
 
 torch's decorator marks a backward's results as not differentiable again (a second backward through them raises)
 only when the incoming gradients need grad. A gradient penalty's first backward (`create_graph=True`) often starts

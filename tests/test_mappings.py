@@ -63,6 +63,25 @@ def test_mapping(name, tp_size):
             assert counted[op] == 1, (name, counted)
 
 
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("tp_size", [2, 4])
+@distributed(world_size=4)
+def test_the_backward_is_differentiable_its_derivative_the_forward(name, tp_size):
+    """A mapping is linear: its backward is its conjugate's forward, whose own backward is the mapping's forward, so
+    a second derivative through it (a gradient penalty, create_graph=True) is exact; it raised."""
+    fn, shape, expect_out, _, _, input_replicated = CASES[name]
+    mesh = tp.init_mesh(tp=tp_size)
+    p, r = tp_size, mesh.tp_rank
+    xs = [randn(*shape(p), seed=100 * mesh.dp_rank + q) for q in range(p)]
+    x = xs[r].requires_grad_()
+    y = fn(x)
+    grad = randn(*y.shape, seed=7 + 100 * mesh.dp_rank + r).requires_grad_()  # (any: its gradient is the question)
+    (x_grad,) = torch.autograd.grad(y, x, grad, create_graph=True)
+    vs = [randn(*x.shape, seed=9 + 100 * mesh.dp_rank + (0 if input_replicated else q)) for q in range(p)]
+    (grad_grad,) = torch.autograd.grad(x_grad, grad, noncontiguous(vs[r]))
+    assert_close(grad_grad, expect_out(vs, r, p), atol=1e-12, what="second derivative")
+
+
 @distributed(world_size=2)
 def test_split_not_divisible_raises_on_every_rank():
     tp.init_mesh(tp=2)

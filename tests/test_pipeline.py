@@ -1,6 +1,8 @@
 """The pipeline runner against the un-pipelined model: every schedule (GPipe, 1F1B, interleaved, ZB-H1) at pp = 2
 and 4 with dp = 2 (DDP and FSDP2; tp and SP inside the stages, uneven layer splits, tied embeddings across stages)
 gives the serial loss and every gradient; the layers' B/W split gives the fused backward's gradients."""
+import warnings
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -413,3 +415,85 @@ def test_the_stages_send_device_tensors_through_host_buffers_over_gloo():
     # the last stage's activations (received), its gradients (sent); the first stage's the other way: per micro-batch
     assert sum(landed) == NUM_MICRO and len(landed) == 2 * NUM_MICRO
     assert all(torch.equal(torch.as_tensor(a), torch.as_tensor(b)) for a, b in zip(*runs))
+
+
+class _Toy(torch.nn.Module):
+    """A stage of one or two: the first embeds and projects ([s, b, h] out, or what `mistake` makes of it), the last
+    projects and returns the mean square; every rank builds both parts (the same weights)."""
+
+    def __init__(self, mistake=None):
+        super().__init__()
+        self.mistake = mistake
+        self.embed, self.first, self.last = torch.nn.Embedding(VOCAB, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def forward(self, tokens, targets, *, hidden=None):
+        x = hidden
+        if tokens is not None:
+            x = self.first(self.embed(tokens))  # [b, s, h]
+            x = {"transposed": x, "tuple": (x.transpose(0, 1), x)}.get(self.mistake, x.transpose(0, 1))
+        if targets is None:
+            return x
+        return self.last(x) if self.mistake == "per token" else self.last(x).float().pow(2).mean()
+
+    def activation_shape(self, micro_batch_size, seq_len):
+        return (seq_len, micro_batch_size, 4)
+
+
+@pytest.mark.parametrize("mistake,message", [
+    ("transposed", r"pipeline stage 0's output for micro-batch 0 is a float32 tensor of shape \(2, 8, 4\); the runner "
+                   r"moves activation_shape\(2, 8\) = \(8, 2, 4\) in float32"),
+    ("autocast", r"pipeline stage 0's output for micro-batch 0 is a bfloat16 tensor of shape \(8, 2, 4\); the runner "
+                 r"moves activation_shape\(2, 8\) = \(8, 2, 4\) in float32 \(PipelineRunner\(activation_dtype=\) "),
+    ("tuple", r"pipeline stage 0's output for micro-batch 0 is a tuple; the runner moves"),
+    ("per token", r"the last pipeline stage returned shape \(8, 2, 4\) for micro-batch 0: it returns the "
+                  r"micro-batch's mean loss \(a 0-d tensor\)")])
+@distributed(world_size=2)
+def test_a_stage_output_the_next_stage_cannot_receive_is_refused_before_it_is_sent(mistake, message):
+    """The receiving rank builds its buffer from activation_shape and the activation dtype: an output of another
+    shape or dtype was read as garbage (a silently wrong loss; under autocast, bf16 bytes read as fp32) or aborted
+    gloo. The sending stage refuses it in one line before sending (the receiving one waits, as under
+    torch.pipelining; torchrun stops it): here the receiving rank joins only the runner's first all-reduce, and the
+    last stage's non-scalar loss is shown at pp 1."""
+    mesh = tp.init_mesh(pp=1 if mistake == "per token" else 2)  # (one stage: no rank waits on the failing one)
+    runner = PipelineRunner(_Toy(mistake), mesh, micro_batch_size=MICRO, seq_len=SEQ)
+    batches = micro_batches(count=2)
+    for call in (runner.run, runner.forward_only):
+        if mesh.pp_rank == 1:
+            runner._check_batches(batches)
+            continue
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mistake == "autocast"), \
+                pytest.raises(ValueError, match=f"^{message}"):
+            call(batches)
+
+
+@distributed(world_size=2)
+def test_under_autocast_the_stages_move_the_activation_dtype_they_are_given():
+    """fp32 parameters under bf16 autocast, PipelineRunner(activation_dtype=torch.bfloat16): the loss is the
+    unpipelined model's under the same autocast, to the bit (the activation contiguous, as it arrives: bf16 matmuls
+    round by layout); a stage with no parameters takes its dtype from there."""
+    mesh = tp.init_mesh(pp=2)
+    torch.manual_seed(0)
+    toy = _Toy()
+    runner = PipelineRunner(toy, mesh, micro_batch_size=MICRO, seq_len=SEQ, activation_dtype=torch.bfloat16)
+    batches = micro_batches(count=2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = runner.run(batches).loss
+        serial = sum(toy(None, y, hidden=toy(x, None).contiguous()) / len(batches) for x, y in batches)  # (fp32)
+    assert loss == serial.double().item()
+    identity = type("Identity", (torch.nn.Module,), {"forward": lambda self, tokens, targets, *, hidden=None: hidden,
+                                                     "activation_shape": _Toy.activation_shape})()
+    assert PipelineRunner(identity, mesh, micro_batch_size=MICRO, seq_len=SEQ).dtype == torch.float32
+
+
+@distributed(world_size=2)
+def test_zero_bubble_over_layers_that_cannot_defer_their_weight_gradients_warns():
+    """zb's W runs the weight gradients B queued; plain nn.Linear layers queue none (B computes them all, W does
+    nothing: 1F1B's timing under zb's name). The runner says so once; the gradients are right either way."""
+    mesh = tp.init_mesh(pp=2)
+    runner = PipelineRunner(_Toy(), mesh, micro_batch_size=MICRO, seq_len=SEQ)
+    with pytest.warns(UserWarning, match=r"^schedule 'zb': pipeline stage [01]'s backward deferred no weight "
+                                         r"gradient"):
+        runner.run(micro_batches(count=2), "zb")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        runner.run(micro_batches(count=2), "zb")  # (once per runner)

@@ -17,19 +17,28 @@ from .mesh import resolve_group
 
 
 def _mapping(name, fwd, bwd):
-    """An autograd Function: forward(x) = fwd(x, group), backward(g) = bwd(g, group). Only applied to groups of more
-    than one rank. (Static methods closing over fwd and bwd: torch.compile traces those, not class methods.)"""
+    """An autograd Function: forward(x) = fwd(x, group), backward(g) = bwd(g, group), which runs as its conjugate
+    mapping's forward (`conjugate`, set by _conjugates), so a second derivative through it is exact (the mappings are
+    linear: the backward's own backward is fwd). Only applied to groups of more than one rank. (Static methods closing
+    over fwd and bwd: torch.compile traces those, not class methods.)"""
 
     def forward(ctx, x, group):
         ctx.group = group
         return fwd(x, group)
 
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
+        if torch.is_grad_enabled():  # (create_graph: the backward recorded as the conjugate mapping)
+            return mapping.conjugate.apply(grad, ctx.group), None
         return bwd(grad, ctx.group), None
 
-    methods = {"forward": staticmethod(forward), "backward": staticmethod(backward)}
-    return type(name, (torch.autograd.Function,), methods)
+    mapping = type(name, (torch.autograd.Function,), {"forward": staticmethod(forward),
+                                                      "backward": staticmethod(backward)})
+    return mapping
+
+
+def _conjugates(a, b):
+    """a's backward is b's forward and b's backward a's forward."""
+    a.conjugate, b.conjugate = b, a
 
 
 def _identity(x, group):
@@ -38,6 +47,7 @@ def _identity(x, group):
 
 _CopyToTP = _mapping("_CopyToTP", _identity, all_reduce)
 _ReduceFromTP = _mapping("_ReduceFromTP", all_reduce, _identity)
+_conjugates(_CopyToTP, _ReduceFromTP)
 
 
 class _ReduceFromTPInPlace(torch.autograd.Function):
@@ -55,7 +65,7 @@ class _ReduceFromTPInPlace(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        return (_CopyToTP.apply(grad, ctx.group) if torch.is_grad_enabled() else grad), None
 
 
 _ScatterToTP = _mapping("_ScatterToTP", split_last, gather_last)
@@ -64,6 +74,9 @@ _ScatterToSP = _mapping("_ScatterToSP", split_first, gather_first)
 _GatherFromSP = _mapping("_GatherFromSP", gather_first, reduce_scatter_first)
 _GatherFromSPReplicatedGrad = _mapping("_GatherFromSPReplicatedGrad", gather_first, split_first)
 _ReduceScatterToSP = _mapping("_ReduceScatterToSP", reduce_scatter_first, gather_first)
+_conjugates(_ScatterToTP, _GatherFromTP)
+_conjugates(_ScatterToSP, _GatherFromSPReplicatedGrad)
+_conjugates(_GatherFromSP, _ReduceScatterToSP)
 
 
 def _apply(mapping: type[torch.autograd.Function], x: torch.Tensor, group: dist.ProcessGroup | None, *,

@@ -27,7 +27,9 @@ returns:
   post-backward (reduce-scatter) runs once, as torch.distributed.pipelining does.
 """
 import contextlib
+import itertools
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -39,6 +41,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import record_function
 
 from ..collectives import irecv, isend
+from ..default_group import collective_device
 from ..host_syncs import host_values
 from ..mesh import Mesh
 from . import schedules
@@ -52,7 +55,7 @@ Batch = tuple[torch.Tensor | None, torch.Tensor | None] | tuple[torch.Tensor | N
 
 class PipelineStage(Protocol):
     """What the runner needs of a stage (an nn.Module; inside DDP, or itself an FSDP2 module). Its parameters give
-    the activations' dtype and device."""
+    the activations' device and, unless the runner is given `activation_dtype`, their dtype."""
 
     def __call__(self, tokens: torch.Tensor | None, targets: torch.Tensor | None, *,
                  hidden: torch.Tensor | None, **inputs: torch.Tensor) -> torch.Tensor:
@@ -72,6 +75,24 @@ def tune_kernels(module: nn.Module, tokens: int) -> int:
     sequence); how many linears launched (0 on the torch backend)."""
     seen: set = set()
     return sum(m.tune_kernels(tokens, seen) for m in module.modules() if hasattr(m, "tune_kernels"))
+
+
+def _first_tensor(stage, default):
+    """The stage's first parameter (else buffer): the activations' dtype and device; `default` for neither."""
+    return next(itertools.chain(stage.parameters(), stage.buffers()), default)
+
+
+def _dtype_name(dtype):
+    return str(dtype).removeprefix("torch.")
+
+
+def _check_loss(out, micro):
+    """The last stage's output, if it is the micro-batch's loss (a 0-d tensor: backward starts from it)."""
+    if not (torch.is_tensor(out) and out.dim() == 0):
+        shape = tuple(out.shape) if torch.is_tensor(out) else type(out).__name__
+        raise ValueError(f"the last pipeline stage returned shape {shape} for micro-batch {micro}: it returns the "
+                         "micro-batch's mean loss (a 0-d tensor)")
+    return out
 
 
 def _param_groups(fsdp_state):
@@ -121,9 +142,10 @@ class _Transfers:
     agree on; sends asynchronous (waited at the end), receives posted in that order and waited when needed; two
     chunks on this rank hand over locally."""
 
-    def __init__(self, schedule, mesh, shape, dtype, device, pairs=None):
+    def __init__(self, schedule, mesh, runner, device, pairs=None):
         self.rank, self.group, self.ranks = mesh.pp_rank, mesh.pp_group, mesh.ranks("pp")
-        self.shape, self.dtype, self.device, self.m = shape, dtype, device, schedule.micro_batches
+        self.shape, self.dtype, self.device, self.m = runner.shape, runner.dtype, device, schedule.micro_batches
+        self.batch_shape = runner.batch_shape
         self.links = {}  # peer -> [(message, outgoing)]
         for (a, b), transfers in (pairs or schedules.pair_order(schedule)).items():
             if self.rank in (a, b):
@@ -154,11 +176,26 @@ class _Transfers:
                 return
 
     def send(self, message, dst, tensor):
+        self._check(message, tensor)
         if dst == self.rank:
             self.local[message] = tensor.detach()
             return
         self.ready[message] = tensor.detach().contiguous()
         self._issue(dst, message)
+
+    def _check(self, message, tensor):
+        """One line if `tensor` is not what the receiving side's buffer holds (it would read its bytes as that)."""
+        if torch.is_tensor(tensor) and tuple(tensor.shape) == self.shape and tensor.dtype == self.dtype:
+            return
+        what = (f"a {_dtype_name(tensor.dtype)} tensor of shape {tuple(tensor.shape)}" if torch.is_tensor(tensor)
+                else "None" if tensor is None else f"a {type(tensor).__name__}")
+        sent = (f"pipeline stage {message.stage - 1}'s output for micro-batch {message.micro}"  # (the receiver's)
+                if message.kind == "act" else
+                f"the gradient of pipeline stage {message.stage + 1}'s input for micro-batch {message.micro}")
+        hint = (" (PipelineRunner(activation_dtype=) sets it: under autocast, the autocast dtype)"
+                if torch.is_tensor(tensor) and tensor.dtype != self.dtype else "")
+        raise ValueError(f"{sent} is {what}; the runner moves activation_shape{self.batch_shape} = {self.shape} in "
+                         f"{_dtype_name(self.dtype)}{hint}")
 
     def recv(self, message, src):
         if src == self.rank:
@@ -185,19 +222,21 @@ class PipelineRunner:
     """
 
     def __init__(self, module: nn.Module | Sequence[nn.Module], mesh: Mesh, *, micro_batch_size: int,
-                 seq_len: int) -> None:
+                 seq_len: int, activation_dtype: torch.dtype | None = None) -> None:
         self.module, self.mesh = module, mesh
         self.chunks = model_chunks(module)
         self.stages = [unwrap(c) for c in self.chunks]
         self.stage = self.stages[0]
         self.shape = tuple(self.stage.activation_shape(micro_batch_size, seq_len))  # what p2p carries
         self.batch_shape = (micro_batch_size, seq_len)
-        self.dtype = next(self.stage.parameters()).dtype
+        # what p2p carries: given (bf16 activations of fp32 parameters under autocast), else the parameters'
+        self.dtype = activation_dtype or _first_tensor(self.stage, torch.empty(())).dtype
         self._plans, self._pairs = {}, {}  # (name, m) -> Schedule; Schedule -> its link order (pair_order)
         self._tuned = False
+        self._warned_nothing_deferred = False
 
     def _device(self):
-        return next(self.stage.parameters()).device
+        return _first_tensor(self.stage, torch.empty((), device=collective_device())).device
 
     def _expected(self, name, t):
         """(what, shape): [micro_batch_size, seq_len], or [micro_batch_size] for a 1-D input (per sample)."""
@@ -273,7 +312,7 @@ class PipelineRunner:
         rank, last_stage, m = self.mesh.pp_rank, plan.num_stages - 1, plan.micro_batches
         if plan not in self._pairs:  # (simulated once per schedule, not every step)
             self._pairs[plan] = schedules.pair_order(plan)
-        links = _Transfers(plan, self.mesh, self.shape, self.dtype, self._device(), self._pairs[plan])
+        links = _Transfers(plan, self.mesh, self, self._device(), self._pairs[plan])
         alive, deferred = {}, {}
         backwards, weights = [0] * len(self.chunks), [0] * len(self.chunks)
         split = plan.split_backward
@@ -292,6 +331,7 @@ class PipelineRunner:
                         out = chunk(tokens if s == 0 else None, targets if s == last_stage else None, hidden=x,
                                     **batch_inputs(batches[k]))
                     if s == last_stage:
+                        _check_loss(out, k)
                         out = out / m  # the mean over micro-batches, as the un-pipelined batch mean
                         total = 0.0 if stats.mean_loss is None else stats.mean_loss  # (a new tensor: out stays)
                         stats.mean_loss = total + out.detach()  # (summed on the device: no host sync)
@@ -307,6 +347,7 @@ class PipelineRunner:
                         torch.autograd.backward(out, grad_tensors=grad)
                     if queue is not None:
                         deferred[c, k] = queue
+                        self._warn_if_nothing_deferred(plan, s, queue)
                     del out
                 else:  # W
                     weights[c] += 1
@@ -323,6 +364,15 @@ class PipelineRunner:
         links.finish()
         assert not (alive or deferred or links.posted or links.local), "the schedule left work undone"
         stats.peak_activations = stats.max_alive / plan.virtual_stages
+
+    def _warn_if_nothing_deferred(self, plan, stage, queue):
+        if len(queue) or self._warned_nothing_deferred:
+            return
+        self._warned_nothing_deferred = True
+        warnings.warn(f"schedule {plan.name!r}: pipeline stage {stage}'s backward deferred no weight gradient (the "
+                      "parallel linears and experts defer theirs; another Function can through "
+                      "tp.pipeline.wgrad.defer_weight_grad): B computed them all and W does nothing, 1F1B's timing",
+                      stacklevel=4)
 
     # ---- data parallelism ----------------------------------------------------------------------------------------
 
@@ -356,7 +406,7 @@ class PipelineRunner:
         self._check_batches(batches)
         plan = schedules.forward_only(self.mesh.pp_size, len(batches), len(self.chunks))
         rank, last_stage = self.mesh.pp_rank, plan.num_stages - 1
-        links = _Transfers(plan, self.mesh, self.shape, self.dtype, self._device())
+        links = _Transfers(plan, self.mesh, self, self._device())
         total = torch.zeros((), dtype=torch.float64, device=self._device())
         was_training = [s.training for s in self.stages]
         try:
@@ -369,7 +419,7 @@ class PipelineRunner:
                     out = stage(batch[0] if s == 0 else None, batch[1] if s == last_stage else None, hidden=x,
                                 **batch_inputs(batch))
                     if s == last_stage:
-                        total += out.double()
+                        total += _check_loss(out, action.micro).double()
                     for message, dst in plan.sends(rank, action):
                         links.send(message, dst, out)
             links.finish()
