@@ -3,6 +3,8 @@
 Every rank builds the dense model from one seed, shards it with `from_linear`, and compares output, input gradient
 and every weight/bias gradient with the dense run (fp32, max abs err <= 1e-5), plus the exact collective counts.
 """
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -617,3 +619,36 @@ def test_from_linear_refuses_what_is_not_a_linear():
     for cls in (tp.ColumnParallelLinear, tp.RowParallelLinear):
         with pytest.raises(TypeError, match="from_linear needs an nn.Linear .* got Conv2d"):
             cls.from_linear(nn.Conv2d(2, 2, 1))
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+@pytest.mark.parametrize("tp_size", [1, 2])
+@distributed(world_size=2)
+def test_skip_bias_add_returns_the_bias_for_the_caller_to_add(tp_size, sequence_parallel):
+    """Megatron's skip_bias_add: forward returns (output without the bias, bias) for a fused bias-dropout-add; the
+    caller's `y + b` gives the plain layer's output and every gradient (the row bias's summed over the sequence
+    shards under SP, replicated parts' rows over their replicas)."""
+    mesh = tp.init_mesh(tp=tp_size)
+    options = dict(sequence_parallel=sequence_parallel, dtype=torch.float64)
+    layers = {  # kind: (build, input features, whether the input differs per rank)
+        "column": (lambda **o: tp.ColumnParallelLinear(6, 10, parts=(6, 2, 2), part_replicas=(1, tp_size, tp_size), **o), 6,
+                   sequence_parallel),
+        "row": (lambda **o: tp.RowParallelLinear(10, 7, **o), 10 // tp_size, True)}
+    for kind, (build, features, sharded) in layers.items():
+        torch.manual_seed(0)
+        plain = build(**options)
+        torch.manual_seed(0)
+        skipping = build(**options, skip_bias_add=True)
+        rows = 6 // tp_size if sequence_parallel and kind == "column" else 6  # (SP: the column's input is a shard)
+        x = randn(rows, 3, features, seed=1 + (mesh.tp_rank if sharded else 0), dtype=torch.float64)
+        want = plain(x)
+        y, bias = skipping(x)
+        assert_close(y + bias, want, atol=1e-12, what=kind)
+        want.square().sum().backward()
+        (y + bias).square().sum().backward()
+        for (name, a), b in zip(plain.named_parameters(), skipping.parameters()):
+            assert_close(b.grad, a.grad, atol=1e-12, what=f"{kind} {name}.grad")
+        assert "skip_bias_add=True" in repr(skipping)
+    with pytest.raises(ValueError, match=r"^skip_bias_add=True with activation='gelu': the bias is added before the "
+                                         r"activation"):
+        tp.ColumnParallelLinear(6, 10, activation="gelu", skip_bias_add=True)

@@ -204,3 +204,12 @@ def test_cross_entropy_with_a_rank_whose_logits_are_all_masked():
     assert torch.isfinite(loss) and abs(loss.item() - expected.item()) <= 1e-10, (loss.item(), expected.item())
     loss.backward()
     assert torch.isfinite(local.grad).all()
+
+
+@distributed(world_size=2)
+def test_megatrons_positional_label_smoothing_is_accepted():
+    """Megatron's vocab_parallel_cross_entropy(logits, target, label_smoothing): the third argument positional."""
+    tp.init_mesh(tp=2)
+    logits, targets = randn(4, 3, 5, seed=1), torch.randint(0, 10, (4, 3), generator=torch.Generator().manual_seed(2))
+    assert torch.equal(tp.vocab_parallel_cross_entropy(logits, targets, 0.1, reduction="none"),
+                       tp.vocab_parallel_cross_entropy(logits, targets, label_smoothing=0.1, reduction="none"))

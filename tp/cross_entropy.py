@@ -132,7 +132,7 @@ def _check(logits_shard, targets, label_smoothing, ignore_index, reduction, voca
 
 
 def vocab_parallel_cross_entropy(
-    logits_shard: torch.Tensor, targets: torch.Tensor, *, label_smoothing: float = 0.0, ignore_index: int = -100,
+    logits_shard: torch.Tensor, targets: torch.Tensor, label_smoothing: float = 0.0, *, ignore_index: int = -100,
     reduction: str = "mean", vocab_size: int | None = None, group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """F.cross_entropy over vocab-parallel logits, without gathering them.

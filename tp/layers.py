@@ -229,8 +229,14 @@ class ColumnParallelLinear(_ParallelLinear):
         sequence_parallel: bool = False, group: dist.ProcessGroup | None = None, init_method: InitMethod | None = None,
         dtype: torch.dtype | None = None, device: torch.device | str | None = None, stride: int | None = None,
         parts: Sequence[int] | None = None, part_replicas: Sequence[int] | None = None, activation: str | None = None,
-        disable_grad_reduce: bool = False, fp8_recipe: str | None = None, _init: bool = True,
+        disable_grad_reduce: bool = False, fp8_recipe: str | None = None, skip_bias_add: bool = False,
+        _init: bool = True,
     ) -> None:
+        if skip_bias_add and (activation or gather_output):
+            raise ValueError(f"skip_bias_add=True with activation={activation!r}: the bias is added before the "
+                             "activation" if activation else "skip_bias_add=True with gather_output=True: the "
+                             "returned bias would be this rank's shard of the gathered output's")
+        self.skip_bias_add = skip_bias_add
         if disable_grad_reduce and sequence_parallel:
             raise ValueError("disable_grad_reduce=True with sequence_parallel=True: the sequence-parallel input "
                              "needs the layer's own all-gather and reduce-scatter")
@@ -252,7 +258,7 @@ class ColumnParallelLinear(_ParallelLinear):
         if activation == "swiglu":  # the output is F wide, each rank's slice its chunk of F: already dense-ordered
             self._dense_from_rank_major = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [s(/tp), b, in]
+    def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:  # [s(/tp), b, in]
         self._check_input(x, self.in_features, "in_features", replicated=not self.sequence_parallel)
         comm = None if self.tp_size == 1 or self.disable_grad_reduce else \
             "sequence" if self.sequence_parallel else "all-reduce"
@@ -264,6 +270,8 @@ class ColumnParallelLinear(_ParallelLinear):
                 raise ValueError(f"weight.main_grad with part_replicas={self.part_replicas} is not supported: the "
                                  "replicated rows' grads are summed in backward, which main_grad accumulation skips")
             weight, bias = SumReplicaGrads.apply(self._replica_layout, self.group, weight, bias)
+        if self.skip_bias_add:  # [s, b, out/tp] and bias [out/tp] for the caller's fused bias(-dropout)-add
+            return local_linear(x, weight, None, None, self.group, comm, self._fp8()), bias
         y = local_linear(x, weight, bias, self.activation, self.group, comm, self._fp8())  # [s, b, out/tp]
         if not self.gather_output or self.tp_size == 1:
             return y
@@ -275,6 +283,7 @@ class ColumnParallelLinear(_ParallelLinear):
     def extra_repr(self) -> str:
         act = f", activation={self.activation}" if self.activation else ""
         act += ", disable_grad_reduce=True" if self.disable_grad_reduce else ""
+        act += ", skip_bias_add=True" if self.skip_bias_add else ""
         return f"{super().extra_repr()}, gather_output={self.gather_output}, " \
                f"sequence_parallel={self.sequence_parallel}{act}"
 
@@ -295,9 +304,10 @@ class RowParallelLinear(_ParallelLinear):
         sequence_parallel: bool = False, group: dist.ProcessGroup | None = None, init_method: InitMethod | None = None,
         dtype: torch.dtype | None = None, device: torch.device | str | None = None, stride: int | None = None,
         parts: Sequence[int] | None = None, sequence_parallel_grad_sync: bool = True, fp8_recipe: str | None = None,
-        _init: bool = True,
+        skip_bias_add: bool = False, _init: bool = True,
     ) -> None:
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
+        self.skip_bias_add = skip_bias_add
         super().__init__(
             in_features, out_features, bias, group=group, init_method=init_method, dtype=dtype, device=device,
             stride=stride, parts=parts, fp8_recipe=fp8_recipe, _init=_init,
@@ -308,7 +318,8 @@ class RowParallelLinear(_ParallelLinear):
         if self.bias is not None:
             self.bias.sequence_parallel = sequence_parallel and not sequence_parallel_grad_sync
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [s, b, in/tp] (or [s, b, in] when not input_is_parallel)
+    def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
+        # x: [s, b, in/tp] (or [s, b, in] when not input_is_parallel)
         if not self.input_is_parallel and self.tp_size > 1:
             self._check_input(x, self.in_features, "in_features", replicated=True)
             if self._rank_major is not None:  # rank-major, so the split hands out the fused parts
@@ -316,18 +327,23 @@ class RowParallelLinear(_ParallelLinear):
             x = scatter_to_tp_region(x, self.group)
         else:
             self._check_input(x, self.weight.shape[1], "in_features/tp")
-        if self.tp_size == 1:  # nothing to reduce: the bias joins the matmul
+        if self.tp_size == 1 and not self.skip_bias_add:  # nothing to reduce: the bias joins the matmul
             return local_linear(x, self.weight, self.bias, None, self.group, None, self._fp8())
         y = local_linear(x, self.weight, None, None, self.group, None, self._fp8())  # [s, b, out] partial sums
-        if self.sequence_parallel:
+        if self.tp_size == 1:
+            pass
+        elif self.sequence_parallel:
             y = reduce_scatter_to_sp_region(y, self.group, check=False)  # [s/tp, b, out] (its input was checked)
         else:
             y = reduce_from_tp_region(y, self.group, in_place=True, check=False)  # a fresh tensor: its own storage
         if self.bias is None:
-            return y
+            return (y, None) if self.skip_bias_add else y
         bias, = sync_grads_over_tp(self.bias, group=self.group) if self.sync_bias_grad else (self.bias,)
+        if self.skip_bias_add:  # [s(/tp), b, out] and bias [out] for the caller's fused bias(-dropout)-add
+            return y, bias
         return y + bias.to(y.dtype)  # (autocast: y may be bf16)
 
     def extra_repr(self) -> str:
+        skip = ", skip_bias_add=True" if self.skip_bias_add else ""
         return f"{super().extra_repr()}, input_is_parallel={self.input_is_parallel}, " \
-               f"sequence_parallel={self.sequence_parallel}"
+               f"sequence_parallel={self.sequence_parallel}{skip}"
