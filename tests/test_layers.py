@@ -3,8 +3,6 @@
 Every rank builds the dense model from one seed, shards it with `from_linear`, and compares output, input gradient
 and every weight/bias gradient with the dense run (fp32, max abs err <= 1e-5), plus the exact collective counts.
 """
-import copy
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -631,8 +629,8 @@ def test_skip_bias_add_returns_the_bias_for_the_caller_to_add(tp_size, sequence_
     mesh = tp.init_mesh(tp=tp_size)
     options = dict(sequence_parallel=sequence_parallel, dtype=torch.float64)
     layers = {  # kind: (build, input features, whether the input differs per rank)
-        "column": (lambda **o: tp.ColumnParallelLinear(6, 10, parts=(6, 2, 2), part_replicas=(1, tp_size, tp_size), **o), 6,
-                   sequence_parallel),
+        "column": (lambda **o: tp.ColumnParallelLinear(6, 10, parts=(6, 2, 2), part_replicas=(1, tp_size, tp_size),
+                                                       **o), 6, sequence_parallel),
         "row": (lambda **o: tp.RowParallelLinear(10, 7, **o), 10 // tp_size, True)}
     for kind, (build, features, sharded) in layers.items():
         torch.manual_seed(0)
