@@ -58,6 +58,9 @@ def test_hang_times_out_and_shows_where_it_hung():
         testing.run(_hang_on_rank_zero, world_size=2, timeout=4)
     assert _stuck_in(str(hang.value), 0, "barrier", "_hang_on_rank_zero")
     assert "rank 1" not in str(hang.value)  # it finished: no stack
+    # the stuck thread first, the worker's own queue threads left out (they buried it)
+    assert str(hang.value).split("---- rank 0 stuck here ----\n")[1].startswith("Current thread")
+    assert "multiprocessing" not in str(hang.value).split("stuck here")[1]
     assert testing.run(_rank, world_size=2) == [0, 1]
 
 

@@ -45,6 +45,7 @@ import importlib.util
 import os
 import pickle
 import queue
+import re
 import signal
 import sys
 import tempfile
@@ -143,6 +144,19 @@ def _threads(world_size):
 
 def _stack_path(workdir, rank):
     return Path(workdir, f"stack{rank}")
+
+
+def _stuck_thread_first(dump: str) -> str:
+    """faulthandler's dump of every thread with the current one (where the rank is stuck) first, without the threads
+    that only run the worker's multiprocessing queues and the interpreter's threading machinery, nor the process's
+    start-up frames below the worker's."""
+    blocks = re.split(r"\n(?=\S)", dump.strip())  # one per thread: its header line, then its indented frames
+    frames = [re.findall(r'File "([^"]+)"', block) for block in blocks]
+    plumbing = [bool(f) and all("multiprocessing" in p or p.endswith("threading.py") for p in f) for f in frames]
+    process_start = re.compile(r'\n\s+File "(<string>|[^"]*multiprocessing[^"]*)".*')  # (below the worker's frame)
+    kept = [process_start.sub("", b) for b, drop in zip(blocks, plumbing) if not drop]
+    kept.sort(key=lambda block: not block.startswith("Current thread"))
+    return "\n".join(kept) + "\n" if kept else ""
 
 
 def _worker(rank, world_size, workdir, tasks, results, collective_timeout):
@@ -305,7 +319,8 @@ class WorkerPool:
             time.sleep(0.05)
         time.sleep(0.05)  # a dump that has begun is done in microseconds
         not_started = "(no stack: still starting up, or dead)\n"
-        return {r: (paths[r].read_text() or "(no stack dumped)\n") if r in started else not_started for r in ranks}
+        return {r: (_stuck_thread_first(paths[r].read_text()) or "(no stack dumped)\n") if r in started
+                else not_started for r in ranks}
 
     def close(self) -> None:
         """Stop the workers (the pool is then broken: `pool` spawns a new one)."""
