@@ -231,7 +231,7 @@ def fp8_rows(hiddens, tokens_list, tps, layers, squares, shrink, dtype, device, 
 FP8_COLUMNS = [("layer", "layer", "{}"), ("hidden", "h", "{}"), ("tp", "tp", "{}"), ("M", "M", "{}"),
                ("N", "N", "{}"), ("K", "K", "{}"), ("phase", "phase", "{}"), ("recipe", "recipe", "{}"),
                ("base_ms", "base ms", "{:.3f}"), ("fp8_ms", "fp8 ms", "{:.3f}"),
-               ("base_tflops", "base TF/s", "{:.3g}"), ("fp8_tflops", "fp8 TF/s", "{:.3g}"), ("speedup", "x", "{:.2f}"),
+               ("base_tflops", "base TF/s", "{:.4g}"), ("fp8_tflops", "fp8 TF/s", "{:.4g}"), ("speedup", "x", "{:.2f}"),
                ("gemm_only_ms", "GEMM only ms", "{:.3f}"), ("gemm_only_speedup", "GEMM only x", "{:.2f}")]
 
 
@@ -331,7 +331,7 @@ def print_table(rows, candidate_label):
     print("-" * len(header))
     for r in rows:
         print(f"{r['layer']:<11}{r['hidden']:>6}{r['tokens']:>7}{r['tp']:>4}{r['N']:>7}{r['K']:>7}  {r['phase']:<16}"
-              f"{r['torch_ms']:>10.3f} {r['kernels_ms']:>17.3f} {r['torch_tflops']:>11.3g} {r['kernels_tflops']:>19.3g}"
+              f"{r['torch_ms']:>10.3f} {r['kernels_ms']:>17.3f} {r['torch_tflops']:>11.4g} {r['kernels_tflops']:>19.4g}"
               f" {r['speedup']:>7.2f}x"
               + (f" {r['kernels_sm80_ms']:>16.3f} {r['sm80_speedup']:>6.2f}x" if sm80 else "")
               + f" {r['auto_ms']:>9.3f} {r['auto_vs_fastest']:>12.2f}x")

@@ -26,13 +26,27 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     (weight dims multiples of 16).
     """
     ops.check_activation(activation)
-    if x.shape[-1] != weight.shape[-1]:
-        raise ValueError(f"x has {x.shape[-1]} features but weight is {tuple(weight.shape)}")
+    _check_operands(x, weight, bias, activation)
     fp8.check_features(fp8_recipe, weight.shape[1], weight.shape[0], "the weight")
     if fp8_recipe is None and ops.backend_for(x) == "torch" and not hasattr(weight, "main_grad"):
         # Nothing to fuse or accumulate: autograd's own ops are the same math with less Python per call.
         return torch_ops.activation_forward(F.linear(x, weight, bias), activation)
     return _LinearFunction.apply(x, weight, bias, activation, fp8_recipe and fp8.Fp8Scaling(fp8_recipe))
+
+
+def _check_operands(x, weight, bias, activation):
+    """One line, the same on every backend, for operands none of them takes."""
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D [out_features, in_features], got shape {tuple(weight.shape)}")
+    if x.shape[-1] != weight.shape[-1]:
+        raise ValueError(f"x has {x.shape[-1]} features but weight is {tuple(weight.shape)}")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"bias must be [out_features] = ({weight.shape[0]},), got shape {tuple(bias.shape)}")
+    if activation == "swiglu" and weight.shape[0] % 2:
+        raise ValueError(f"activation='swiglu' needs an even number of weight rows (gate, up), got weight shape "
+                         f"{tuple(weight.shape)}")
+    if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
+        raise TypeError(f"x is {x.dtype} but weight is {weight.dtype} (outside autocast the operands share one dtype)")
 
 
 def swiglu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,

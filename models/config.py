@@ -171,10 +171,12 @@ class GPTConfig:
             raise ValueError(f"num_kv_heads={self.num_kv_heads} with multi_latent_attention: every head has its own "
                              f"keys and values (leave it None)")
         self.num_kv_heads = self.num_kv_heads or self.num_heads
-        if self.head_dim is None and self.num_heads > 0 and self.hidden_size % self.num_heads:
+        if self.head_dim is None and not self.multi_latent_attention and self.num_heads > 0 \
+                and self.hidden_size % self.num_heads:
             raise ValueError(f"hidden_size={self.hidden_size} is not divisible by num_heads={self.num_heads}: give "
                              "head_dim (Megatron's kv_channels)")
-        self.head_dim = self.head_dim or self.hidden_size // max(self.num_heads, 1)
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // max(self.num_heads, 1)
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = (-(-8 * self.hidden_size // 3 // 64) * 64 if self.activation == "swiglu"
                                     else 4 * self.hidden_size)

@@ -252,6 +252,7 @@ def test_bad_configs_raise_on_every_rank_before_any_collective():
         (dict(num_heads=12, num_kv_heads=3, head_dim=2), r"tp=4 is not divisible by num_kv_heads=3"),
         (dict(ffn_hidden_size=30), r"ffn_hidden_size=30 is not divisible by tp=4"),
         (dict(hidden_size=26), r"hidden_size=26 is not divisible by num_heads=4: give head_dim"),  # (was 6, silently)
+        (dict(head_dim=0), r"head_dim=0 must be"),  # (was hidden_size // num_heads, silently)
     ]
     for changes, message in cases:
         with pytest.raises(ValueError, match=message):

@@ -462,3 +462,25 @@ def test_the_torch_wgrad_into_main_grad_multiplies_half_precision_operands_as_th
     with Ops():  # operands of two dtypes: cuBLAS's out_dtype GEMM takes one, so both are upcast
         torch_ops.accumulate_mm(main_grad.flatten(0, -2)[:16], dz.t(), x.float())
     assert "aten.mm.dtype" not in seen and "aten.addmm_.default" in seen, seen
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_operands_no_backend_takes_get_the_same_line_on_every_backend(backend):
+    """A bias of another shape, a 1-D weight, swiglu's odd row count and mixed dtypes: one line naming the value,
+    the same on each backend (the Triton one named 3-D shapes the caller never passed, torch's took [1, N] biases
+    and gave raw shape and dtype errors)."""
+    x, weight = torch.randn(4, 8), torch.randn(6, 8)
+    cases = [
+        (dict(bias=torch.randn(1, 6)), ValueError, r"^bias must be \[out_features\] = \(6,\), got shape \(1, 6\)$"),
+        (dict(weight=torch.randn(8)), ValueError, r"^weight must be 2-D \[out_features, in_features\], got shape "
+                                                  r"\(8,\)$"),
+        (dict(weight=torch.randn(7, 8), activation="swiglu"), ValueError,
+         r"^activation='swiglu' needs an even number of weight rows \(gate, up\), got weight shape \(7, 8\)$"),
+        (dict(x=x.bfloat16()), TypeError, r"^x is torch.bfloat16 but weight is torch.float32 \(outside autocast "
+                                          r"the operands share one dtype\)$"),
+    ]
+    with kernels.use_backend(backend):
+        for changes, error, message in cases:
+            args = dict(x=x, weight=weight) | changes
+            with pytest.raises(error, match=message):
+                kernels.linear(args.pop("x"), args.pop("weight"), **args)

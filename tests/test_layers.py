@@ -246,14 +246,18 @@ def test_a_second_derivative_through_the_layers_raises_rather_than_missing_terms
     x = torch.randn(5, 8, dtype=torch.float64)
     fused = nn.Linear(8, 6, dtype=torch.float64)
     fused.weight.main_grad = torch.zeros_like(fused.weight)
+    first_order = r"^_\w+Backward is first-order: a second derivative through it \(create_graph=True"
     for layer in (tp.ColumnParallelLinear.from_linear(dense, gather_output=True),
                   tp.ColumnParallelLinear.from_linear(dense, gather_output=False),
                   lambda t: kernels.linear(t, fused.weight, fused.bias)):
         xi = x.clone().requires_grad_()
         (g,) = torch.autograd.grad(layer(xi).sum(), xi, create_graph=True)  # (= ones @ W: depends on W)
         assert g.requires_grad
-        with pytest.raises(RuntimeError, match="trying to differentiate twice"):
+        with pytest.raises(RuntimeError, match=first_order):
             g.square().sum().backward()
+        weight = fused.weight if not isinstance(layer, nn.Module) else layer.weight
+        with pytest.raises(RuntimeError, match=first_order):  # (was: "appears to not have been used in the graph")
+            torch.autograd.grad(g.square().sum(), weight)
     # a collective's backward is linear in the incoming gradient and reads no weight: where that gradient needs none
     # (the layer's output side), a second derivative past it stays exact, as torch's rule has it: a row layer by
     # hand, F.linear on this rank's input columns, then the all-reduce (its backward: the identity)
@@ -650,3 +654,16 @@ def test_skip_bias_add_returns_the_bias_for_the_caller_to_add(tp_size, sequence_
     with pytest.raises(ValueError, match=r"^skip_bias_add=True with activation='gelu': the bias is added before the "
                                          r"activation"):
         tp.ColumnParallelLinear(6, 10, activation="gelu", skip_bias_add=True)
+
+
+@distributed(world_size=2)
+def test_kernels_are_tuned_for_the_bias_the_forward_fuses(monkeypatch):
+    """tune_kernels tunes the matmul the forward runs: without the bias where the caller adds it (skip_bias_add) or
+    a row layer adds it after its all-reduce (the autotune key holds HAS_BIAS: it tuned the other variant)."""
+    tp.init_mesh(tp=2)
+    tuned = []
+    monkeypatch.setattr(kernels, "tune_linear", lambda weight, bias, act, **_: tuned.append(bias is None) or True)
+    for layer in (tp.ColumnParallelLinear(8, 16), tp.ColumnParallelLinear(8, 16, skip_bias_add=True),
+                  tp.RowParallelLinear(16, 8)):
+        layer.tune_kernels(32)
+    assert tuned == [False, True, True]

@@ -80,6 +80,11 @@ def test_the_backward_is_differentiable_its_derivative_the_forward(name, tp_size
     vs = [randn(*x.shape, seed=9 + 100 * mesh.dp_rank + (0 if input_replicated else q)) for q in range(p)]
     (grad_grad,) = torch.autograd.grad(x_grad, grad, noncontiguous(vs[r]))
     assert_close(grad_grad, expect_out(vs, r, p), atol=1e-12, what="second derivative")
+    if name == "reduce_from_tp_region":  # the in-place all-reduce of a fresh tensor (a row layer's output)
+        y = tp.reduce_from_tp_region(x * 1, in_place=True)
+        (x_grad,) = torch.autograd.grad(y, x, grad, create_graph=True)
+        (grad_grad,) = torch.autograd.grad(x_grad, grad, noncontiguous(vs[r]))
+        assert_close(grad_grad, expect_out(vs, r, p), atol=1e-12, what="second derivative, in place")
 
 
 @distributed(world_size=2)

@@ -470,7 +470,8 @@ def test_a_stage_output_the_next_stage_cannot_receive_is_refused_before_it_is_se
 def test_under_autocast_the_stages_move_the_activation_dtype_they_are_given():
     """fp32 parameters under bf16 autocast, PipelineRunner(activation_dtype=torch.bfloat16): the loss is the
     unpipelined model's under the same autocast, to the bit (the activation contiguous, as it arrives: bf16 matmuls
-    round by layout); a stage with no parameters takes its dtype from there."""
+    round by layout). A stage with no floating parameter or buffer (a bool mask) moves torch's default dtype (was:
+    StopIteration, then the mask's bool)."""
     mesh = tp.init_mesh(pp=2)
     torch.manual_seed(0)
     toy = _Toy()
@@ -482,7 +483,36 @@ def test_under_autocast_the_stages_move_the_activation_dtype_they_are_given():
     assert loss == serial.double().item()
     identity = type("Identity", (torch.nn.Module,), {"forward": lambda self, tokens, targets, *, hidden=None: hidden,
                                                      "activation_shape": _Toy.activation_shape})()
-    assert PipelineRunner(identity, mesh, micro_batch_size=MICRO, seq_len=SEQ).dtype == torch.float32
+    identity.register_buffer("mask", torch.ones(SEQ, dtype=torch.bool))
+    runner = PipelineRunner(identity, mesh, micro_batch_size=MICRO, seq_len=SEQ)
+    assert (runner.dtype, runner._device()) == (torch.float32, torch.device("cpu"))
+
+
+@distributed(world_size=2)
+def test_stages_whose_runners_would_move_other_buffers_are_refused_on_every_stage():
+    """Each side builds its buffers from its own stage (its activation_shape, its first floating parameter's dtype):
+    a stage whose first parameter is bf16 beside an fp32 one would send and receive other bytes than the other
+    expects. The first all-reduce compares them: every stage raises the one line."""
+    mesh = tp.init_mesh(pp=2)
+    toy = _Toy()
+    if mesh.pp_rank == 1:
+        toy.embed.to(torch.bfloat16)
+    runner = PipelineRunner(toy, mesh, micro_batch_size=MICRO, seq_len=SEQ)
+    with pytest.raises(ValueError, match=r"^the pipeline stages' runners disagree on the activations they move \(this "
+                                         r"one: activation_shape\(2, 8\) = \(8, 2, 4\) in (float32|bfloat16)\)"):
+        runner.run(micro_batches(count=2))
+
+
+def test_a_stage_input_without_a_gradient_and_a_one_element_loss():
+    """The gradient a stage sends back is None when its output ignored `hidden`: that, not a shape, is named. A loss
+    of shape [1] is the micro-batch's loss (as autograd takes it)."""
+    from tp.pipeline.runner import _check_loss, check_sent
+    from tp.pipeline.schedules import Message
+
+    with pytest.raises(ValueError, match=r"^pipeline stage 2's backward gave its input `hidden` no gradient for "
+                                         r"micro-batch 3: its output does not depend on it \(detached or unused\)$"):
+        check_sent(Message("grad", 1, 3), None, ((8, 2, 4), torch.float32, (2, 8)))
+    assert _check_loss(torch.ones(1), 0).shape == ()
 
 
 @distributed(world_size=2)

@@ -196,12 +196,14 @@ class _ParallelLinear(nn.Module):
         act, main_grad = getattr(self, "activation", None), hasattr(self.weight, "main_grad")
         if self.fp8_recipe is not None:  # torch._scaled_mm: no Triton kernel to tune
             return False
-        key = (tuple(self.weight.shape), self.weight.dtype, self.weight.device, self.bias is None, act, main_grad)
+        # the bias joins the matmul unless the caller adds it (skip_bias_add) or a row layer's reduction comes first
+        fused_bias = None if self.skip_bias_add or (self.shard_dim == 1 and self.tp_size > 1) else self.bias
+        key = (tuple(self.weight.shape), self.weight.dtype, self.weight.device, fused_bias is None, act, main_grad)
         if seen is not None:
             if key in seen:
                 return False
             seen.add(key)
-        return kernels.tune_linear(self.weight, self.bias, act, tokens=tokens, main_grad=main_grad)
+        return kernels.tune_linear(self.weight, fused_bias, act, tokens=tokens, main_grad=main_grad)
 
 
 class ColumnParallelLinear(_ParallelLinear):
@@ -220,6 +222,8 @@ class ColumnParallelLinear(_ParallelLinear):
     `disable_grad_reduce=True` (Megatron's option) leaves the input gradient partial: the caller feeds several
     column layers that read one tensor through a single `copy_to_tp_region` of it, so their summed input gradient
     is all-reduced once (q, k and v; gate and up) instead of once per layer.
+
+    `skip_bias_add=True` (Megatron's) returns (Y without the bias, bias [out/tp]) for the caller to add.
     """
 
     shard_dim = 0
@@ -295,6 +299,7 @@ class RowParallelLinear(_ParallelLinear):
     With sequence parallelism each rank's bias gradient covers its sequence shard only: backward sums it over the
     group (one small all-reduce), unless `sequence_parallel_grad_sync=False`, which tags the bias
     `sequence_parallel = True` for `tp.allreduce_sequence_parallel_grads` to sum after backward instead.
+    `skip_bias_add=True` (Megatron's) returns (Y without the bias, bias [out]) for the caller to add.
     """
 
     shard_dim = 1

@@ -58,6 +58,7 @@ class _ReduceFromTPInPlace(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
+        ctx.group = group
         if not x.is_contiguous():
             return all_reduce(x, group)
         ctx.mark_dirty(x)

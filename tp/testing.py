@@ -153,8 +153,8 @@ def _stuck_thread_first(dump: str) -> str:
     blocks = re.split(r"\n(?=\S)", dump.strip())  # one per thread: its header line, then its indented frames
     frames = [re.findall(r'File "([^"]+)"', block) for block in blocks]
     plumbing = [bool(f) and all("multiprocessing" in p or p.endswith("threading.py") for p in f) for f in frames]
-    process_start = re.compile(r'\n\s+File "(<string>|[^"]*multiprocessing[^"]*)".*')  # (below the worker's frame)
-    kept = [process_start.sub("", b) for b, drop in zip(blocks, plumbing) if not drop]
+    below_worker = re.compile(r"(line \d+ in _worker)\n.*", re.DOTALL)  # the process's start-up frames
+    kept = [below_worker.sub(r"\1", b) for b, drop in zip(blocks, plumbing) if not drop]
     kept.sort(key=lambda block: not block.startswith("Current thread"))
     return "\n".join(kept) + "\n" if kept else ""
 

@@ -28,6 +28,7 @@ returns:
 """
 import contextlib
 import itertools
+import math
 import time
 import warnings
 from collections.abc import Sequence
@@ -77,22 +78,58 @@ def tune_kernels(module: nn.Module, tokens: int) -> int:
     return sum(m.tune_kernels(tokens, seen) for m in module.modules() if hasattr(m, "tune_kernels"))
 
 
-def _first_tensor(stage, default):
-    """The stage's first parameter (else buffer): the activations' dtype and device; `default` for neither."""
-    return next(itertools.chain(stage.parameters(), stage.buffers()), default)
+def _activation_dtype(stage):
+    """The stage's first floating parameter's (else buffer's) dtype, else torch's default (a stage holding none)."""
+    tensors = itertools.chain(stage.parameters(), stage.buffers())
+    return next((t.dtype for t in tensors if t.is_floating_point()), torch.get_default_dtype())
+
+
+def _stage_device(stage):
+    """Where the stage's first parameter (else buffer) lives, else the collectives' device (a stage holding none)."""
+    first = next(itertools.chain(stage.parameters(), stage.buffers()), None)
+    return first.device if first is not None else collective_device()
+
+
+_DTYPE_CODES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _buffer_code(shape, dtype):
+    """The p2p buffers' shape and dtype as numbers, for the stages to compare in their first all-reduce."""
+    dims = [*shape[:8], *[0] * (8 - len(shape[:8]))]
+    return [_DTYPE_CODES.index(dtype) if dtype in _DTYPE_CODES else 99, len(shape), math.prod(shape), *dims]
 
 
 def _dtype_name(dtype):
     return str(dtype).removeprefix("torch.")
 
 
+def check_sent(message: schedules.Message, tensor, buffer: tuple | None) -> None:
+    """One line if `tensor` is not one tensor, or (`buffer`: (shape, dtype, batch shape) of the receiving side's
+    buffer, which the runners agreed on) not what that buffer holds: the receiver would read its bytes as that."""
+    if message.kind == "grad" and tensor is None:
+        raise ValueError(f"pipeline stage {message.stage + 1}'s backward gave its input `hidden` no gradient for "
+                         f"micro-batch {message.micro}: its output does not depend on it (detached or unused)")
+    sent = f"pipeline stage {message.stage - 1}'s output for micro-batch {message.micro}"  # (the receiver's - 1)
+    if not torch.is_tensor(tensor):
+        raise ValueError(f"{sent} is {'None' if tensor is None else 'a ' + type(tensor).__name__}; the runner moves "
+                         "one tensor")
+    if buffer is None or (tuple(tensor.shape), tensor.dtype) == buffer[:2]:
+        return
+    (shape, dtype, batch_shape), hint = buffer, ""
+    if tensor.dtype != dtype:
+        hint = " (PipelineRunner(activation_dtype=) sets it: under autocast, the autocast dtype)"
+    raise ValueError(f"{sent} is a {_dtype_name(tensor.dtype)} tensor of shape {tuple(tensor.shape)}; the runner "
+                     f"moves activation_shape{batch_shape} = {shape} in {_dtype_name(dtype)}{hint}")
+
+
 def _check_loss(out, micro):
-    """The last stage's output, if it is the micro-batch's loss (a 0-d tensor: backward starts from it)."""
-    if not (torch.is_tensor(out) and out.dim() == 0):
+    """The last stage's output as a 0-d tensor, if it is the micro-batch's loss (one element: backward starts
+    from it)."""
+    if not (torch.is_tensor(out) and out.numel() == 1):
         shape = tuple(out.shape) if torch.is_tensor(out) else type(out).__name__
         raise ValueError(f"the last pipeline stage returned shape {shape} for micro-batch {micro}: it returns the "
                          "micro-batch's mean loss (a 0-d tensor)")
-    return out
+    return out.reshape(())
 
 
 def _param_groups(fsdp_state):
@@ -176,26 +213,13 @@ class _Transfers:
                 return
 
     def send(self, message, dst, tensor):
-        self._check(message, tensor)
-        if dst == self.rank:
+        local = dst == self.rank  # (a hand-over between two chunks of this rank: no buffer to fit)
+        check_sent(message, tensor, None if local else (self.shape, self.dtype, self.batch_shape))
+        if local:
             self.local[message] = tensor.detach()
             return
         self.ready[message] = tensor.detach().contiguous()
         self._issue(dst, message)
-
-    def _check(self, message, tensor):
-        """One line if `tensor` is not what the receiving side's buffer holds (it would read its bytes as that)."""
-        if torch.is_tensor(tensor) and tuple(tensor.shape) == self.shape and tensor.dtype == self.dtype:
-            return
-        what = (f"a {_dtype_name(tensor.dtype)} tensor of shape {tuple(tensor.shape)}" if torch.is_tensor(tensor)
-                else "None" if tensor is None else f"a {type(tensor).__name__}")
-        sent = (f"pipeline stage {message.stage - 1}'s output for micro-batch {message.micro}"  # (the receiver's)
-                if message.kind == "act" else
-                f"the gradient of pipeline stage {message.stage + 1}'s input for micro-batch {message.micro}")
-        hint = (" (PipelineRunner(activation_dtype=) sets it: under autocast, the autocast dtype)"
-                if torch.is_tensor(tensor) and tensor.dtype != self.dtype else "")
-        raise ValueError(f"{sent} is {what}; the runner moves activation_shape{self.batch_shape} = {self.shape} in "
-                         f"{_dtype_name(self.dtype)}{hint}")
 
     def recv(self, message, src):
         if src == self.rank:
@@ -230,13 +254,13 @@ class PipelineRunner:
         self.shape = tuple(self.stage.activation_shape(micro_batch_size, seq_len))  # what p2p carries
         self.batch_shape = (micro_batch_size, seq_len)
         # what p2p carries: given (bf16 activations of fp32 parameters under autocast), else the parameters'
-        self.dtype = activation_dtype or _first_tensor(self.stage, torch.empty(())).dtype
+        self.dtype = activation_dtype or _activation_dtype(self.stage)
         self._plans, self._pairs = {}, {}  # (name, m) -> Schedule; Schedule -> its link order (pair_order)
         self._tuned = False
         self._warned_nothing_deferred = False
 
     def _device(self):
-        return _first_tensor(self.stage, torch.empty((), device=collective_device())).device
+        return _stage_device(self.stage)
 
     def _expected(self, name, t):
         """(what, shape): [micro_batch_size, seq_len], or [micro_batch_size] for a 1-D input (per sample)."""
@@ -256,12 +280,19 @@ class PipelineRunner:
             if problem:
                 raise ValueError(problem)
             return
-        flags = torch.tensor([problem is not None, len(batches), -len(batches)], dtype=torch.float64, device="cpu")
+        agreed = [len(batches), *_buffer_code(self.shape, self.dtype)]  # (the same on every stage, or refused)
+        flags = torch.tensor([problem is not None, *agreed, *(-v for v in agreed)], dtype=torch.float64, device="cpu")
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.mesh.pp_group)  # (the host's numbers, over gloo)
-        bad, most, fewest = host_values(flags)
+        bad, *values = host_values(flags)
+        (most, *highest), (fewest, *lowest) = values[:len(agreed)], values[len(agreed):]
         if most != -fewest:
             raise ValueError(f"the pipeline stages were given different numbers of micro-batches: {-fewest:.0f} to "
                              f"{most:.0f}")
+        if highest != [-v for v in lowest]:
+            raise ValueError(f"the pipeline stages' runners disagree on the activations they move (this one: "
+                             f"activation_shape{self.batch_shape} = {self.shape} in {_dtype_name(self.dtype)}): each "
+                             "stage's activation_shape() and activation dtype (its first floating parameter's, or "
+                             "activation_dtype=) must agree")
         if bad:
             raise ValueError(problem or "another pipeline stage's micro-batches do not have the shape "
                              f"[micro_batch_size, seq_len] {self.batch_shape} this runner was built for")
@@ -331,8 +362,7 @@ class PipelineRunner:
                         out = chunk(tokens if s == 0 else None, targets if s == last_stage else None, hidden=x,
                                     **batch_inputs(batches[k]))
                     if s == last_stage:
-                        _check_loss(out, k)
-                        out = out / m  # the mean over micro-batches, as the un-pipelined batch mean
+                        out = _check_loss(out, k) / m  # the mean over micro-batches, as the un-pipelined batch mean
                         total = 0.0 if stats.mean_loss is None else stats.mean_loss  # (a new tensor: out stays)
                         stats.mean_loss = total + out.detach()  # (summed on the device: no host sync)
                     alive[c, k] = x, out
