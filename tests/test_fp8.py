@@ -3,6 +3,7 @@ of the fp32 linear, keeps main_grad's fp32 accumulation; both recipes give the s
 sequence parallelism (docs/fp8.md's claim); a job with --fp8-recipe trains the serial fp8 curve at tp 2, near fp32's;
 sizes torch._scaled_mm cannot take are one ValueError line at construction."""
 import contextlib
+import math
 import os
 import re
 from unittest import mock
@@ -362,30 +363,49 @@ def test_an_fp8_job_trains_the_serial_fp8_curve_at_tp_2_pp_2_dp_2(tmp_path):
                                         "2x2x2": (8, ["--tp", "2", "--pp", "2", "--dp", "2"])})
 
 
-def test_the_fused_cast_writes_torchs_e4m3_bits():
-    """kernels.fp8_cast's one-pass cast (integer rounding on the fp32 bits, the same code on the GPU and under the
-    interpreter) against torch's cast on the CPU: every e4m3 value, the midpoints between neighbours (ties to even)
-    and their fp32 neighbours, subnormals, ±0 and 448 plus an fp32 rounding; per-row and per-column scales, both
-    layouts. On a GPU (TP_TEST_DEVICE=cuda: bench.gpu_check's kernels section) the kernel runs compiled."""
+def _check_the_fused_cast(dtype):
+    """kernels.fp8_cast's cast to `dtype` against torch's on the CPU: every finite value of dtype, the midpoints
+    between neighbours (ties to even) and their fp32 neighbours, subnormals, ±0, ±max and max plus an fp32 rounding,
+    random values over dtype's range; per-row and per-column scales, both layouts."""
     from kernels import fp8_cast
 
     device = "cuda" if os.environ.get("TRITON_INTERPRET") != "1" and torch.cuda.is_available() else "cpu"
-
-    values = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    top, tiny = torch.finfo(dtype).max, torch.finfo(dtype).smallest_normal
+    values = torch.arange(256, dtype=torch.uint8).view(dtype).float()
     values = values[values.isfinite()].unique()
     midpoints = (values[1:] + values[:-1]) / 2
     edges = [torch.nextafter(midpoints, torch.tensor(direction)) for direction in (1e9, -1e9)]
-    randoms = torch.randn(4000, generator=torch.Generator().manual_seed(0)) * torch.exp2(
-        torch.randint(-12, 9, (4000,), generator=torch.Generator().manual_seed(1)).float())
-    t = torch.cat([values, midpoints, *edges, randoms.clamp(-448, 448), torch.tensor([0.0, -0.0, 448.00003])])
+    exponents = torch.randint(int(math.log2(tiny)) - 6, math.ceil(math.log2(top)), (4000,),
+                              generator=torch.Generator().manual_seed(1))
+    randoms = torch.randn(4000, generator=torch.Generator().manual_seed(0)) * torch.exp2(exponents.float())
+    above = torch.nextafter(torch.tensor([top]), torch.tensor(math.inf))  # (an fp32 rounding over the max)
+    t = torch.cat([values, midpoints, *edges, randoms.clamp(-top, top), torch.tensor([0.0, -0.0]), above, -above])
     t = t[: t.numel() // 64 * 64].reshape(64, -1)
-    want = t.clamp(-448, 448).to(torch.float8_e4m3fn)
+    want = t.clamp(-top, top).to(dtype)
     for scale in (torch.tensor(1.0), torch.exp2(torch.arange(64.0) % 3 - 1)[:, None],
                   torch.exp2(torch.arange(t.shape[1]) % 2 - 1.0)[None, :]):  # (powers of 2: t / scale · scale is t)
         for column_major in (False, True):
-            got = fp8_cast.cast_to_e4m3((t / scale).to(device), scale.to(device), column_major=column_major)
-            assert got.dtype == torch.float8_e4m3fn and got.is_contiguous() != column_major
+            got = fp8_cast.cast_to_float8((t / scale).to(device), scale.to(device), dtype, column_major=column_major)
+            assert got.dtype == dtype and got.is_contiguous() != column_major
             assert torch.equal(got.view(torch.uint8).cpu(), want.view(torch.uint8))
+
+
+def test_the_fused_cast_writes_torchs_e4m3_bits():
+    """kernels.fp8_cast's one-pass cast (integer rounding on the fp32 bits, the same code on the GPU and under the
+    interpreter) against torch's cast on the CPU (_check_the_fused_cast). On a GPU (TP_TEST_DEVICE=cuda:
+    bench.gpu_check's kernels section) the kernel runs compiled."""
+    _check_the_fused_cast(torch.float8_e4m3fn)
+    from kernels import fp8_cast
+
+    t, scale = torch.randn(64, 32), torch.tensor(2.0)
+    assert torch.equal(fp8_cast.cast_to_e4m3(t, scale).view(torch.uint8),  # (the e4m3 name, kept)
+                       fp8_cast.cast_to_float8(t, scale, torch.float8_e4m3fn).view(torch.uint8))
+
+
+def test_the_fused_cast_writes_torchs_e5m2_bits():
+    """The same for e5m2 (tensorwise's output gradients): 2 mantissa bits, exponent bias 15, max 57344, subnormals
+    down to 2^-16."""
+    _check_the_fused_cast(torch.float8_e5m2)
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
