@@ -189,7 +189,8 @@ def section_env(out: Path, on_gpu: bool) -> dict:
 
 def section_kernels(out: Path, on_gpu: bool) -> dict:
     files = ["tests/test_kernels.py", "tests/test_moe_kernels.py", "tests/test_kernels_hopper.py",
-             "tests/test_fp8.py::test_the_fused_cast_writes_torchs_e4m3_bits"]
+             "tests/test_fp8.py::test_the_fused_cast_writes_torchs_e4m3_bits",
+             "tests/test_fp8.py::test_the_fused_cast_writes_torchs_e5m2_bits"]
     if not on_gpu:  # the suite runs these files in full on CPU; here one interpreter test keeps the path alive
         result = pytest([files[0], "-k", "test_weight_only_gradient_skips_dgrad and gelu"], budget(120, on_gpu))
         return {"interpreter": result, "gpu_only": "skipped (no CUDA)", "ok": passed(result)}

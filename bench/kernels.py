@@ -26,7 +26,7 @@ fallback).
 
 FP8 (`--kernels fp8`): the three GEMMs of each layer shard whose weight dims are multiples of 16 (torch._scaled_mm's
 rule): fwd x·Wᵀ, dgrad dz·W, wgrad dzᵀ·x into an fp32 main_grad; and square n³ GEMMs (`--square`, forward only).
-Each with kernels.fp8's recipes (kernels.FP8_RECIPES: e4m3 operands under dynamic scales, the amaxes and casts
+Each with kernels.fp8's recipes (kernels.FP8_RECIPES: float8 operands under dynamic scales, the amaxes and casts
 included in the time, through torch._scaled_mm: cuBLASLt on a GPU) against the same GEMM in the run's dtype by torch
 (bf16 cuBLAS on a GPU), and "GEMM only": torch._scaled_mm alone on operands quantized beforehand (what the scaling
 costs is the difference; the wgrad's out in fp32 there, added into main_grad by the full call). On the CPU the
@@ -200,6 +200,7 @@ def bench_fp8(what, tokens, n, k, dtype, device, timer, *, phases=("fwd", "dgrad
     base = {"fwd": lambda: x @ w.t(), "dgrad": lambda: dz @ w, "wgrad_main_grad": lambda: main_grad.add_(dz.t() @ x)}
     base_ms = {phase: timer(base[phase]) for phase in phases}
     operands = {"fwd": (x, w.t()), "dgrad": (dz, w), "wgrad_main_grad": (dz.t(), x)}
+    contraction = {"fwd": "in", "dgrad": "out", "wgrad_main_grad": "tokens"}  # (dz's float8: fp8_ops.left_dtype)
     rows = []
     for recipe in kernels.FP8_RECIPES:
         fp8 = Fp8Scaling(recipe)
@@ -208,7 +209,8 @@ def bench_fp8(what, tokens, n, k, dtype, device, timer, *, phases=("fwd", "dgrad
                 "wgrad_main_grad": lambda: kernels.linear_wgrad(dz, x, main_grad=main_grad, fp8=fp8)}
         for phase in phases:  # and torch._scaled_mm alone, on operands quantized beforehand
             a, b = operands[phase]
-            quantized = fp8_ops.quantize(a, b, *fp8_ops.operand_amaxes(a, b, recipe), recipe)
+            quantized = fp8_ops.quantize(a, b, *fp8_ops.operand_amaxes(a, b, recipe), recipe,
+                                         a_dtype=fp8_ops.left_dtype(recipe, contraction[phase]))
             out_dtype = torch.float32 if phase == "wgrad_main_grad" else dtype
             gemm_ms = timer(lambda q=quantized, out=out_dtype: fp8_ops.gemm(q, recipe, out))
             rows.append(_fp8_row(what, n, k, tokens, recipe, phase, base_ms[phase], timer(ours[phase]), gemm_ms))

@@ -1,14 +1,17 @@
 """FP8 linears: a linear's three GEMMs (forward y = x·Wᵀ, dgrad dx = dz·W, wgrad dW = dzᵀ·x) with both operands cast
-to float8 e4m3 under a dynamic scale (each operand's amax, taken at every call), multiplied by `torch._scaled_mm`
+to float8 under a dynamic scale (each operand's amax, taken at every call), multiplied by `torch._scaled_mm`
 (cuBLASLt on Hopper; an eager kernel on CPU) with fp32 accumulation, the result in the caller's dtype.
 
 The recipes are torchao's float8 training recipes (torchao.float8, Float8LinearConfig.from_recipe_name), by name and
 by meaning:
-- "tensorwise": one scale per operand, float8_max / amax(|t|) over the whole tensor.
-- "rowwise": one scale per row of the left operand and per column of the right one (each an amax along the
-  contraction dim), rounded down to a power of two (exact to apply and to undo).
-e4m3 for every operand, in the backward GEMMs too. The master weights, the bias, the activation epilogue, the bias
-gradient and main_grad's fp32 accumulation stay as the other backends have them: only the matmuls change.
+- "tensorwise" (torchao's plain Float8LinearConfig(); Transformer Engine's HYBRID format): x and W in e4m3, the
+  output gradient dz (the dgrad's and the wgrad's left operand) in e5m2 (max 57344: range over precision, for
+  gradients); one scale per operand, float8_max / amax(|t|) over the whole tensor, float8_max its dtype's.
+- "rowwise": every operand in e4m3, dz too; one scale per row of the left operand and per column of the right one
+  (each an amax along the contraction dim), rounded down to a power of two (exact to apply and to undo).
+A GEMM never takes e5m2 on both sides (cuBLASLt has no such kernel): its right operand, W or x, is always e4m3.
+The master weights, the bias, the activation epilogue, the bias gradient and main_grad's fp32 accumulation stay as
+the other backends have them: only the matmuls change.
 
 Tensor parallelism: a tensorwise amax over a tensor that tp splits is each rank's own amax, not the serial one; a
 rowwise amax along a contraction dim that tp splits is a partial one. Given the group and which weight dim it splits
@@ -23,7 +26,9 @@ import torch.distributed as dist
 from . import torch_ops
 
 E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
 E4M3_MAX = torch.finfo(E4M3).max
+FLOAT8 = (E4M3, E5M2)
 AMAX_FLOOR = 1e-12  # torchao's EPS: an all-zero operand gets a finite scale
 MULTIPLE = 16  # torch._scaled_mm (cuBLASLt): the contraction dim and the right operand's columns multiples of 16
 OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -32,12 +37,13 @@ OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 class Recipe(NamedTuple):
     rowwise: bool  # scales per row of the left operand / column of the right one (else one per tensor)
     power_of_2_scales: bool
+    grad_dtype: torch.dtype  # the output gradient dz's float8 (x and W: e4m3)
 
 
-# name -> recipe: the fp8_recipe names every upper floor accepts
+# name -> recipe: the fp8_recipe names every upper floor accepts; torchao's (Float8LinearConfig.from_recipe_name)
 FP8_RECIPES = {
-    "tensorwise": Recipe(rowwise=False, power_of_2_scales=False),
-    "rowwise": Recipe(rowwise=True, power_of_2_scales=True),
+    "tensorwise": Recipe(rowwise=False, power_of_2_scales=False, grad_dtype=E5M2),  # (torchao's default config)
+    "rowwise": Recipe(rowwise=True, power_of_2_scales=True, grad_dtype=E4M3),
 }
 
 
@@ -63,17 +69,36 @@ def check_features(recipe: str | None, in_features: int, out_features: int, what
                          f"(per rank); torch._scaled_mm needs both to be multiples of {MULTIPLE}")
 
 
-def scale_of(amax: torch.Tensor, recipe: Recipe) -> torch.Tensor:
-    """float8_max / amax in fp32 (amax floored at 1e-12), rounded down to a power of two when the recipe says."""
-    scale = E4M3_MAX / amax.float().clamp(min=AMAX_FLOOR)
+def scale_of(amax: torch.Tensor, recipe: Recipe, dtype: torch.dtype = E4M3) -> torch.Tensor:
+    """float8_max / amax in fp32 (amax floored at 1e-12; float8_max `dtype`'s: 448 for e4m3, 57344 for e5m2),
+    rounded down to a power of two when the recipe says."""
+    scale = torch.finfo(dtype).max / amax.float().clamp(min=AMAX_FLOOR)
     return torch.exp2(torch.floor(torch.log2(scale))) if recipe.power_of_2_scales else scale
 
 
+def grad_dtype(recipe: str) -> torch.dtype:
+    """The float8 the recipe casts the output gradient dz to (e5m2 for tensorwise, e4m3 for rowwise)."""
+    return FP8_RECIPES[recipe].grad_dtype
+
+
+def left_dtype(recipe: str, contraction: str) -> torch.dtype:
+    """The float8 of a GEMM's left operand, named by its contraction dim: x in the forward ("in") is e4m3, dz in the
+    dgrad ("out") and dzᵀ in the wgrad ("tokens") are the recipe's gradient float8. (The right operand, W or x, is
+    always e4m3.)"""
+    return E4M3 if contraction == "in" else grad_dtype(recipe)
+
+
+def to_float8(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t · scale rounded to `dtype`, for a scale of t's own amax (scale_of, the same dtype): the product is in fp32
+    (t upcast exactly) and within ±float8_max (|t| <= amax, scale <= float8_max / amax, at most an fp32 rounding
+    above float8_max, which rounds to it), so torchao's saturating clamp (to_fp8_saturated) would change nothing and
+    is left out: one pass fewer."""
+    return (t * (scale if scale.dim() else scale.reshape(1))).to(dtype)  # ([1]: a 0-dim scale would not promote t)
+
+
 def to_e4m3(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """t · scale rounded to e4m3, for a scale of t's own amax (scale_of): the product is in fp32 (t upcast exactly)
-    and within ±448 (|t| <= amax, scale <= float8_max / amax, at most an fp32 rounding above 448, which rounds to
-    448), so torchao's saturating clamp (to_fp8_saturated) would change nothing and is left out: one pass fewer."""
-    return (t * (scale if scale.dim() else scale.reshape(1))).to(E4M3)  # ([1]: a 0-dim scale would not promote t)
+    """to_float8 to e4m3."""
+    return to_float8(t, scale, E4M3)
 
 
 def reducing_group(fp8: Fp8Scaling, contraction: str) -> dist.ProcessGroup | None:
@@ -109,11 +134,12 @@ def all_reduce_max(amaxes: list[torch.Tensor], group: dist.ProcessGroup) -> list
 
 def scaled_matmul(a: torch.Tensor, b: torch.Tensor, fp8: Fp8Scaling, *, contraction: str,
                   out_dtype: torch.dtype, fused_cast: bool = False) -> torch.Tensor:
-    """a [M, K] @ b [K, N] with both operands in e4m3 under the recipe's dynamic scales, in `out_dtype`.
-    `contraction` names K among the linear's dims ("in", "out" or "tokens"), for the amax reduction; `fused_cast`:
-    quantize's."""
+    """a [M, K] @ b [K, N] with both operands in float8 under the recipe's dynamic scales, in `out_dtype`.
+    `contraction` names K among the linear's dims ("in", "out" or "tokens"), for the amax reduction and a's float8
+    (left_dtype); `fused_cast`: quantize's."""
     amax_a, amax_b = _reduced_amaxes(a, b, fp8, contraction)
-    return matmul_scaled_by(a, b, amax_a, amax_b, fp8.recipe, out_dtype=out_dtype, fused_cast=fused_cast)
+    return matmul_scaled_by(a, b, amax_a, amax_b, fp8.recipe, out_dtype=out_dtype, fused_cast=fused_cast,
+                            a_dtype=left_dtype(fp8.recipe, contraction))
 
 
 def _reduced_amaxes(a, b, fp8, contraction):
@@ -126,7 +152,8 @@ def _reduced_amaxes(a, b, fp8, contraction):
 
 
 class Quantized(NamedTuple):
-    """A GEMM's operands in e4m3, laid out as cuBLASLt takes them, and the scales that undo theirs."""
+    """A GEMM's operands in float8 (a: e4m3 or e5m2, b: e4m3), laid out as cuBLASLt takes them, and the scales that
+    undo theirs."""
     a8: torch.Tensor        # [M, K'] row-major (K' = K padded to a multiple of 16)
     b8: torch.Tensor        # [K', N] column-major
     unscale_a: torch.Tensor  # [] or [M, 1], fp32
@@ -134,24 +161,25 @@ class Quantized(NamedTuple):
 
 
 def quantize(a: torch.Tensor, b: torch.Tensor, amax_a: torch.Tensor, amax_b: torch.Tensor, recipe: str, *,
-             fused_cast: bool = False) -> Quantized:
-    """a [M, K] and b [K, N] cast to e4m3 under the recipe's scales of the given amaxes (operand_amaxes', reduced
-    where a split needs it); `fused_cast`: each cast one Triton pass (kernels.fp8_cast, the same bits)."""
+             fused_cast: bool = False, a_dtype: torch.dtype = E4M3) -> Quantized:
+    """a [M, K] cast to `a_dtype` (left_dtype: e5m2 for a tensorwise dz) and b [K, N] to e4m3 under the recipe's
+    scales of the given amaxes (operand_amaxes', reduced where a split needs it); `fused_cast`: each cast one Triton
+    pass (kernels.fp8_cast, the same bits)."""
     rule = FP8_RECIPES[recipe]
-    scale_a, scale_b = scale_of(amax_a, rule), scale_of(amax_b, rule)
-    a8 = _cast(a, scale_a, column_major=False, fused_cast=fused_cast)  # (the wgrad's left operand is dzᵀ)
-    b8 = _cast(b, scale_b, column_major=True, fused_cast=fused_cast)
+    scale_a, scale_b = scale_of(amax_a, rule, a_dtype), scale_of(amax_b, rule)
+    a8 = _cast(a, scale_a, a_dtype, column_major=False, fused_cast=fused_cast)  # (the wgrad's left operand is dzᵀ)
+    b8 = _cast(b, scale_b, E4M3, column_major=True, fused_cast=fused_cast)
     return Quantized(*_padded(a8, b8), scale_a.reciprocal(), scale_b.reciprocal())
 
 
-def _cast(t, scale, *, column_major, fused_cast):
-    """t cast to e4m3 under `scale`, row-major (as cuBLASLt wants the left operand) or column-major (the right one);
-    `fused_cast`: one Triton pass (kernels.fp8_cast, the same bits)."""
+def _cast(t, scale, dtype, *, column_major, fused_cast):
+    """t cast to `dtype` under `scale`, row-major (as cuBLASLt wants the left operand) or column-major (the right
+    one); `fused_cast`: one Triton pass (kernels.fp8_cast, the same bits)."""
     if fused_cast:
         from . import fp8_cast  # (Triton, imported on first use)
 
-        return fp8_cast.cast_to_e4m3(t, scale, column_major=column_major)
-    t8 = to_e4m3(t, scale)
+        return fp8_cast.cast_to_float8(t, scale, dtype, column_major=column_major)
+    t8 = to_float8(t, scale, dtype)
     return t8.t().contiguous().t() if column_major else t8.contiguous()
 
 
@@ -171,7 +199,7 @@ def check_out_dtype(recipe: str, out_dtype: torch.dtype) -> None:
 
 
 def gemm(q: Quantized, recipe: str, out_dtype: torch.dtype) -> torch.Tensor:
-    """The e4m3 GEMM of quantized operands through torch._scaled_mm, unscaled, in `out_dtype`."""
+    """The float8 GEMM of quantized operands through torch._scaled_mm, unscaled, in `out_dtype`."""
     check_out_dtype(recipe, out_dtype)
     if FP8_RECIPES[recipe].rowwise and out_dtype != torch.bfloat16:
         # cuBLASLt's rowwise kernel writes bf16 only: fp32 out through unit scales and the outer product of the
@@ -184,13 +212,13 @@ def gemm(q: Quantized, recipe: str, out_dtype: torch.dtype) -> torch.Tensor:
 
 
 def matmul_scaled_by(a: torch.Tensor, b: torch.Tensor, amax_a: torch.Tensor, amax_b: torch.Tensor, recipe: str, *,
-                     out_dtype: torch.dtype, fused_cast: bool = False) -> torch.Tensor:
-    """a [M, K] @ b [K, N] in e4m3, each operand scaled by the recipe's scale of the given amaxes (operand_amaxes',
-    reduced where a split needs it); `fused_cast`: quantize's."""
+                     out_dtype: torch.dtype, fused_cast: bool = False, a_dtype: torch.dtype = E4M3) -> torch.Tensor:
+    """a [M, K] @ b [K, N] in float8 (a in `a_dtype`, b in e4m3), each operand scaled by the recipe's scale of the
+    given amaxes (operand_amaxes', reduced where a split needs it); `fused_cast`: quantize's."""
     check_out_dtype(recipe, out_dtype)
     if a.numel() == 0 or b.numel() == 0:  # no amax to take (an empty micro-batch, a zero-width shard)
         return (a.float() @ b.float()).to(out_dtype)
-    return gemm(quantize(a, b, amax_a, amax_b, recipe, fused_cast=fused_cast), recipe, out_dtype)
+    return gemm(quantize(a, b, amax_a, amax_b, recipe, fused_cast=fused_cast, a_dtype=a_dtype), recipe, out_dtype)
 
 
 # The primitives of kernels.ops (torch_ops' signatures) with their GEMMs in fp8.
@@ -228,15 +256,17 @@ def linear_wgrad(dz, x, *, fp8, main_grad=None, fused_cast=False):
     return None
 
 
-# A tensorwise linear casts its input x and its output's gradient dz once each (one scale per tensor, whichever GEMM
-# reads it: the same amax, reduced over the same group) and keeps the casts for the wgrad: no second amax, cast or
-# all-reduce there, and x is saved for backward at one byte an element. Rowwise scales along each GEMM's contraction
-# dim, so each of its GEMMs casts its own operands.
+# A tensorwise linear casts its input x (to e4m3) and its output's gradient dz (to e5m2) once each: one scale per
+# tensor, whichever GEMM reads it (the same amax, reduced over the same group), and one float8 (x is e4m3 in the
+# forward and the wgrad, dz the left operand, e5m2, of both backward GEMMs). It keeps the casts for the wgrad: no
+# second amax, cast or all-reduce there, and x is saved for backward at one byte an element. Rowwise scales along
+# each GEMM's contraction dim, so each of its GEMMs casts its own operands.
 
 class Fp8Operand(NamedTuple):
-    """A linear's x or dz cast once to e4m3 under its tensorwise scale, for each GEMM that reads it."""
-    data: torch.Tensor      # e4m3 [rows, cols], row-major
-    scale: torch.Tensor     # [] fp32: scale_of its amax
+    """A linear's x or dz cast once to float8 (x: e4m3; dz: the recipe's gradient float8, e5m2) under its tensorwise
+    scale, for each GEMM that reads it."""
+    data: torch.Tensor      # float8 [rows, cols], row-major
+    scale: torch.Tensor     # [] fp32: scale_of its amax, for data's dtype
     dtype: torch.dtype      # the operand's own (the GEMMs' output dtype)
 
     @property
@@ -274,14 +304,16 @@ def linear_dgrad_keeping_grad(grad_out, weight, preact=None, activation=None, *,
     if not need_input_grad:
         return None, dz, None
     amax_dz, amax_w = _reduced_amaxes(dz, weight, fp8, "out")
-    q = quantize(dz, weight, amax_dz, amax_w, fp8.recipe, fused_cast=fused_cast)
-    return gemm(q, fp8.recipe, dz.dtype), dz, Fp8Operand(q.a8, scale_of(amax_dz, FP8_RECIPES[fp8.recipe]), dz.dtype)
+    dtype = grad_dtype(fp8.recipe)
+    q = quantize(dz, weight, amax_dz, amax_w, fp8.recipe, fused_cast=fused_cast, a_dtype=dtype)
+    dz8 = Fp8Operand(q.a8, scale_of(amax_dz, FP8_RECIPES[fp8.recipe], dtype), dz.dtype)
+    return gemm(q, fp8.recipe, dz.dtype), dz, dz8
 
 
 def linear_wgrad_kept(dz, x: Fp8Operand, *, fp8, main_grad=None, fused_cast=False):
     """linear_wgrad on the input the forward kept and dz (an Fp8Operand the dgrad kept, else cast here): dzᵀ·x."""
     if not isinstance(dz, Fp8Operand):
-        (dz,) = cast_tensorwise([dz], fp8, fused_cast=fused_cast)
+        (dz,) = cast_tensorwise([dz], fp8, dtype=grad_dtype(fp8.recipe), fused_cast=fused_cast)
     out = kept_wgrad_gemm(dz, x, fp8.recipe, dz.dtype if main_grad is None else torch.float32)
     if main_grad is None:
         return out
@@ -295,17 +327,21 @@ def kept_wgrad_gemm(dz: Fp8Operand, x: Fp8Operand, recipe: str, out_dtype: torch
     return gemm(Quantized(a8, b8, dz.unscale, x.unscale), recipe, out_dtype)
 
 
-def cast_tensorwise(ts: list[torch.Tensor], fp8: Fp8Scaling, *, fused_cast: bool = False) -> list[Fp8Operand]:
-    """Each t (a wgrad's dz, a group's rows) cast under its own tensorwise scale, the amaxes all-reduced (one call)
-    where the wgrad's split needs it."""
+def cast_tensorwise(ts: list[torch.Tensor], fp8: Fp8Scaling, *, dtype: torch.dtype,
+                    fused_cast: bool = False) -> list[Fp8Operand]:
+    """Each t (a wgrad's dz, a group's rows of it: `dtype` the recipe's grad_dtype) cast to `dtype` under its own
+    tensorwise scale, the amaxes all-reduced (one call) where the wgrad's split needs it."""
     amaxes = [_amax(t, None, False) for t in ts]
     group = reducing_group(fp8, "tokens")
     if group is not None:
         amaxes = all_reduce_max(amaxes, group)
-    return [cast_kept(t, scale_of(amax, FP8_RECIPES[fp8.recipe]), fused_cast=fused_cast) for t, amax in zip(ts, amaxes)]
+    rule = FP8_RECIPES[fp8.recipe]
+    return [cast_kept(t, scale_of(amax, rule, dtype), fused_cast=fused_cast, dtype=dtype)
+            for t, amax in zip(ts, amaxes)]
 
 
-def cast_kept(t: torch.Tensor, scale: torch.Tensor, *, fused_cast: bool = False) -> Fp8Operand:
-    """t [rows, cols] cast to e4m3 under a tensorwise scale already taken (the forward's, for an x kept in its own
-    dtype), as quantize casts a left operand: the same bits."""
-    return Fp8Operand(_cast(t, scale, column_major=False, fused_cast=fused_cast), scale, t.dtype)
+def cast_kept(t: torch.Tensor, scale: torch.Tensor, *, fused_cast: bool = False,
+              dtype: torch.dtype = E4M3) -> Fp8Operand:
+    """t [rows, cols] cast to `dtype` under a tensorwise scale already taken for it (the forward's, for an x kept in
+    its own dtype), as quantize casts a left operand: the same bits."""
+    return Fp8Operand(_cast(t, scale, dtype, column_major=False, fused_cast=fused_cast), scale, t.dtype)

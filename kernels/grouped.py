@@ -322,7 +322,8 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: Counts, *, act
     """act(x_e @ weight_eᵀ) for the row groups of x [M, K] (sizes `counts`: host integers, or an int tensor [E] on
     any device whose sum is not checked) and weight [E, N, K]: [M, N] (SwiGLU: weight [E, 2F, K], gate rows first,
     output [M, F]). With `weight.main_grad` (fp32 [E, N, K]) the weight gradient is accumulated there and
-    weight.grad is left untouched. `fp8_recipe` (kernels.FP8_RECIPES): each expert's three GEMMs in float8 e4m3."""
+    weight.grad is left untouched. `fp8_recipe` (kernels.FP8_RECIPES): each expert's three GEMMs in float8 (x and
+    the weight e4m3, the output gradient as the recipe says: kernels.fp8)."""
     ops.check_activation(activation)
     _check(x, weight, counts)
     fp8_ops.check_features(fp8_recipe, weight.shape[2], weight.shape[1], "the grouped weight")

@@ -8,9 +8,10 @@ group is the etp group and its split the weight dim etp splits (fc1: "out", fc2:
 changes, every expert's, are all-reduced (MAX) in one all-reduce per GEMM, so the scales are the serial layer's.
 Under torch.compile each primitive runs as a custom op (tp_kernels::grouped_fp8_*, the scaling passed by names), as
 kernels.grouped's do: the loop needs the counts on the host, which a traced graph cannot read.
-Tensorwise experts cast x and dz once, as kernels.fp8's linears do: the forward keeps each expert's e4m3 rows of x
-(one scale per expert, Fp8Operand's scale [E]) and the dgrad dz's, and the wgrad multiplies those (same bits, no
-amax, cast or all-reduce there; x saved at one byte an element).
+Each operand in the float8 kernels.fp8 gives it (x and W e4m3; dz, the dgrad's and the wgrad's left operand, in the
+recipe's grad_dtype: e5m2 for tensorwise). Tensorwise experts cast x and dz once, as kernels.fp8's linears do: the
+forward keeps each expert's e4m3 rows of x (one scale per expert, Fp8Operand's scale [E]) and the dgrad dz's e5m2
+rows, and the wgrad multiplies those (same bits, no amax, cast or all-reduce there; x saved at one byte an element).
 """
 import torch
 import torch.distributed as dist
@@ -25,28 +26,31 @@ def grouped_scaled_matmuls(pairs: list[tuple[torch.Tensor, torch.Tensor]], fp8: 
                            out_dtype: torch.dtype, fused_cast: bool = False, keep: bool = False
                            ) -> tuple[list[torch.Tensor], Fp8Operand | None]:
     """([a_e @ b_e] for each group's (a_e [M_e, K], b_e [K, N]), each with its own scales; with `keep` (tensorwise)
-    the a_e's e4m3 casts [sum M_e, K] with their scales [E], else None). `contraction` names K among the weight's
-    dims ("in", "out") or "tokens", for the amax reduction (kernels.fp8.reducing_group); `fused_cast`:
-    kernels.fp8.quantize's."""
+    the a_e's float8 casts [sum M_e, K] with their scales [E], else None). `contraction` names K among the weight's
+    dims ("in", "out") or "tokens", for the amax reduction (kernels.fp8.reducing_group) and a_e's float8
+    (kernels.fp8.left_dtype); `fused_cast`: kernels.fp8.quantize's."""
     fp8_ops.check_out_dtype(fp8.recipe, out_dtype)
     amaxes = [amax for a, b in pairs for amax in operand_amaxes(a, b, fp8.recipe)]
     group = reducing_group(fp8, contraction)
     if group is not None:  # every expert's amaxes in one all-reduce
         amaxes = all_reduce_max(amaxes, group)
+    a_dtype = fp8_ops.left_dtype(fp8.recipe, contraction)
     if not keep:
         return [matmul_scaled_by(a, b, amaxes[2 * e], amaxes[2 * e + 1], fp8.recipe, out_dtype=out_dtype,
-                                 fused_cast=fused_cast) for e, (a, b) in enumerate(pairs)], None
+                                 fused_cast=fused_cast, a_dtype=a_dtype) for e, (a, b) in enumerate(pairs)], None
     rows = [a.shape[0] for a, _ in pairs]
-    kept = pairs[0][0].new_empty(sum(rows), pairs[0][0].shape[1], dtype=fp8_ops.E4M3)  # (filled expert by expert)
+    kept = pairs[0][0].new_empty(sum(rows), pairs[0][0].shape[1], dtype=a_dtype)  # (filled expert by expert)
     outs = []
     for (a, b), a8, e in zip(pairs, kept.split(rows), range(len(pairs))):
         if a.numel() == 0:  # (an expert without rows)
             outs.append(a.new_zeros(0, b.shape[1], dtype=out_dtype))
             continue
-        q = fp8_ops.quantize(a, b, amaxes[2 * e], amaxes[2 * e + 1], fp8.recipe, fused_cast=fused_cast)
+        q = fp8_ops.quantize(a, b, amaxes[2 * e], amaxes[2 * e + 1], fp8.recipe, fused_cast=fused_cast,
+                             a_dtype=a_dtype)
         outs.append(fp8_ops.gemm(q, fp8.recipe, out_dtype))
         a8.copy_(q.a8)
-    scales = torch.stack([fp8_ops.scale_of(amaxes[2 * e], fp8_ops.FP8_RECIPES[fp8.recipe]) for e in range(len(pairs))])
+    rule = fp8_ops.FP8_RECIPES[fp8.recipe]
+    scales = torch.stack([fp8_ops.scale_of(amaxes[2 * e], rule, a_dtype) for e in range(len(pairs))])
     return outs, Fp8Operand(kept, scales, pairs[0][0].dtype)
 
 
@@ -76,7 +80,8 @@ def _eager_wgrad(dz, x, counts, fp8, main_grad, fused_cast, out_dtype):
         if isinstance(dz, Fp8Operand):
             dz8 = _split(dz, counts, fused_cast)
         else:  # (the dgrad kept none: no input gradient)
-            dz8 = fp8_ops.cast_tensorwise(list(_rows(dz, counts)), fp8, fused_cast=fused_cast)
+            dz8 = fp8_ops.cast_tensorwise(list(_rows(dz, counts)), fp8, dtype=fp8_ops.grad_dtype(fp8.recipe),
+                                          fused_cast=fused_cast)
         dw = torch.stack([fp8_ops.kept_wgrad_gemm(dz_e, x_e, fp8.recipe, out_dtype) if x_e.shape[0] else
                           x.data.new_zeros(dz_e.shape[1], x_e.shape[1], dtype=out_dtype)
                           for dz_e, x_e in zip(dz8, _split(x, counts, fused_cast))])
@@ -91,9 +96,9 @@ def _eager_wgrad(dz, x, counts, fp8, main_grad, fused_cast, out_dtype):
 
 
 def _split(t8: Fp8Operand, counts, fused_cast):
-    """A kept cast's groups as Fp8Operands, each with its scale; kept in its own dtype (its producer keeps it: see
-    kernels.linear.KEPT_BY_PRODUCER), each group cast again under its scale (the same bits)."""
-    if t8.data.dtype == fp8_ops.E4M3:
+    """A kept cast's groups as Fp8Operands, each with its scale; kept in its own dtype (an x its producer keeps: see
+    kernels.linear.KEPT_BY_PRODUCER), each group cast again to e4m3 under its scale (the same bits)."""
+    if t8.data.dtype in fp8_ops.FLOAT8:
         return [Fp8Operand(rows, scale, t8.dtype) for rows, scale in zip(_rows(t8.data, counts), t8.scale)]
     return [fp8_ops.cast_kept(rows, scale, fused_cast=fused_cast) for rows, scale in zip(_rows(t8.data, counts),
                                                                                           t8.scale)]
@@ -111,8 +116,8 @@ def _scaling(recipe, group, split):
     return Fp8Scaling(recipe, dist.distributed_c10d._resolve_process_group(group) if group else None, split or None)
 
 
-# A kept cast crosses an op as two tensors, its data (e4m3, or the operand itself when its producer keeps it) and
-# scales [E] (empty: not kept), and its dtype.
+# A kept cast crosses an op as two tensors, its data (float8: x's e4m3, dz's the recipe's grad_dtype; or x itself
+# when its producer keeps it) and scales [E] (empty: not kept), and its dtype.
 
 def _joined(t):
     return (t.data, t.scale) if isinstance(t, Fp8Operand) else (t, t.new_empty(0, dtype=torch.float32))
@@ -122,8 +127,9 @@ def _operand(data, scales, dtype):
     return Fp8Operand(data, scales, dtype) if scales.numel() else data
 
 
-def _kept_or_empty(t8, like):
-    return _joined(t8 if t8 is not None else like.new_empty(0, dtype=fp8_ops.E4M3))
+def _kept_or_empty(t8, like, dtype):
+    """t8 joined, or (not kept) an empty `dtype` tensor, as _fake_kept's."""
+    return _joined(t8 if t8 is not None else like.new_empty(0, dtype=dtype))
 
 
 @opaque_under_compile("grouped_fp8_forward")
@@ -131,18 +137,19 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, activa
              group: str, split: str, fused_cast: bool, keep: bool
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     y, z, x8 = _eager_forward(x, weight, counts, activation, _scaling(recipe, group, split), fused_cast, keep)
-    return y, x.new_empty(0) if z is None else z, *_kept_or_empty(x8, x)  # (none: empty tensors)
+    return y, x.new_empty(0) if z is None else z, *_kept_or_empty(x8, x, fp8_ops.E4M3)  # (none: empty tensors)
 
 
 @_forward.register_fake
 def _(x, weight, counts, activation, recipe, group, split, fused_cast, keep):
     n = weight.shape[1] // 2 if activation == "swiglu" else weight.shape[1]
     return (x.new_empty(x.shape[0], n), x.new_empty(0 if activation is None else (x.shape[0], weight.shape[1])),
-            *_fake_kept(x, counts, keep))
+            *_fake_kept(x, counts, keep, fp8_ops.E4M3))
 
 
-def _fake_kept(t, counts, keep):
-    return (t.new_empty(t.shape if keep else 0, dtype=fp8_ops.E4M3),
+def _fake_kept(t, counts, keep, dtype):
+    """A kept cast's data (`dtype`: e4m3 for x, the recipe's grad_dtype for dz) and scales, or empty ones."""
+    return (t.new_empty(t.shape if keep else 0, dtype=dtype),
             t.new_empty(counts.shape[0] if keep else 0, dtype=torch.float32))
 
 
@@ -150,12 +157,12 @@ def _fake_kept(t, counts, keep):
 def _dgrad(dz: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, recipe: str, group: str, split: str,
            fused_cast: bool, keep: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dx, dz8 = _eager_dgrad(dz, weight, counts, _scaling(recipe, group, split), fused_cast, keep)
-    return dx, *_kept_or_empty(dz8, dz)
+    return dx, *_kept_or_empty(dz8, dz, fp8_ops.grad_dtype(recipe))
 
 
 @_dgrad.register_fake
 def _(dz, weight, counts, recipe, group, split, fused_cast, keep):
-    return dz.new_empty(dz.shape[0], weight.shape[2]), *_fake_kept(dz, counts, keep)
+    return dz.new_empty(dz.shape[0], weight.shape[2]), *_fake_kept(dz, counts, keep, fp8_ops.grad_dtype(recipe))
 
 
 @opaque_under_compile("grouped_fp8_wgrad")
@@ -195,7 +202,8 @@ def grouped_forward(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
 
 def grouped_dgrad(dz: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, *, fp8: Fp8Scaling,
                   fused_cast: bool = False, keep: bool = False) -> tuple[torch.Tensor, Fp8Operand | None]:
-    """(dx_e = dz_e @ weight_e per group; with `keep`, dz's per-expert e4m3 casts for the wgrad, else None)."""
+    """(dx_e = dz_e @ weight_e per group; with `keep`, dz's per-expert float8 casts (e5m2: tensorwise's grad_dtype)
+    for the wgrad, else None)."""
     dx, dz8, scales = _dgrad(dz, weight, counts, *_names(fp8), fused_cast, keep)
     return dx, Fp8Operand(dz8, scales, dz.dtype) if keep else None
 

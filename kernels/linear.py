@@ -22,8 +22,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     activation: None, "gelu" (erf), "gelu_tanh", "silu", "relu" or "swiglu" (fused weight [2F, K], gate rows first,
     output silu(x·Wgᵀ + bg) ⊙ (x·Wuᵀ + bu) of width F). The output has x's dtype. If `weight.main_grad` exists
     (an fp32 [N, K] buffer) the weight gradient is accumulated into it in place and weight.grad is left untouched.
-    fp8_recipe: None, or one of kernels.fp8.FP8_RECIPES ("tensorwise", "rowwise"): the three GEMMs in float8 e4m3
-    (weight dims multiples of 16).
+    fp8_recipe: None, or one of kernels.fp8.FP8_RECIPES ("tensorwise", "rowwise"): the three GEMMs in float8 (x and
+    the weight e4m3, the output gradient e5m2 under tensorwise and e4m3 under rowwise; weight dims multiples of 16).
     """
     ops.check_activation(activation)
     _check_operands(x, weight, bias, activation)

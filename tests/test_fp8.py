@@ -3,6 +3,7 @@ of the fp32 linear, keeps main_grad's fp32 accumulation; both recipes give the s
 sequence parallelism (docs/fp8.md's claim); a job with --fp8-recipe trains the serial fp8 curve at tp 2, near fp32's;
 sizes torch._scaled_mm cannot take are one ValueError line at construction."""
 import contextlib
+import math
 import os
 import re
 from unittest import mock
@@ -29,22 +30,28 @@ from .test_train import SMALL, _losses, _train_on_ranks
 RECIPES = tuple(FP8_RECIPES)
 
 
-def _dequantized(t, recipe, dim):
-    """t through e4m3 and back as the recipe scales it: one scale per tensor, or (rowwise) one per slice along
-    `dim` (the GEMM's contraction dim of t) rounded down to a power of two; the scale computed in fp32."""
-    t = t.detach().float()
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+GRAD_DTYPE = {"tensorwise": E5M2, "rowwise": E4M3}  # dz's float8: torchao's recipes (Float8LinearConfig())
+
+
+def _dequantized(t, recipe, dim, dtype=E4M3):
+    """t through `dtype` (e4m3, or e5m2) and back as the recipe scales it: one scale per tensor, or (rowwise) one per
+    slice along `dim` (the GEMM's contraction dim of t) rounded down to a power of two; the scale computed in fp32."""
+    t, top = t.detach().float(), torch.finfo(dtype).max
     amax = t.abs().amax() if recipe == "tensorwise" else t.abs().amax(dim, keepdim=True)
-    scale = 448.0 / amax.clamp(min=1e-12)
+    scale = top / amax.clamp(min=1e-12)
     if recipe == "rowwise":
         scale = torch.exp2(torch.floor(torch.log2(scale)))
-    return (t * scale).clamp(-448, 448).to(torch.float8_e4m3fn).double() / scale.double()
+    return (t * scale).clamp(-top, top).to(dtype).double() / scale.double()
 
 
-def _reference(x, w, b, dy, recipe):
-    """(y, dx, dW) of y = x·Wᵀ + b with every GEMM's operands quantized as the recipe says, multiplied in fp64."""
+def _reference(x, w, b, dy, recipe, grad_dtype=None):
+    """(y, dx, dW) of y = x·Wᵀ + b with every GEMM's operands quantized as the recipe says (x and W in e4m3, the
+    output gradient dy in the recipe's gradient float8, or `grad_dtype`), multiplied in fp64."""
+    grad_dtype = grad_dtype or GRAD_DTYPE[recipe]
     y = _dequantized(x, recipe, 1) @ _dequantized(w, recipe, 1).t() + b.double()
-    dx = _dequantized(dy, recipe, 1) @ _dequantized(w, recipe, 0)
-    dw = _dequantized(dy.t(), recipe, 1) @ _dequantized(x, recipe, 0)
+    dx = _dequantized(dy, recipe, 1, grad_dtype) @ _dequantized(w, recipe, 0)
+    dw = _dequantized(dy.t(), recipe, 1, grad_dtype) @ _dequantized(x, recipe, 0)
     return y, dx, dw
 
 
@@ -64,6 +71,26 @@ def test_each_gemm_is_the_recipes_quantization(recipe):
         assert ours.dtype == torch.float32
         torch.testing.assert_close(ours.double(), ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(b.grad, dy.sum(0))  # (the bias gradient is not a GEMM: unchanged)
+
+
+def _through(t, dtype):
+    """t (fp32) through `dtype` under its tensorwise scale, float8 max / amax(|t|), and back in fp64."""
+    scale = torch.finfo(dtype).max / t.detach().abs().max()
+    return (t.detach() * scale).to(dtype).double() / scale.double()
+
+
+def test_tensorwise_casts_the_output_gradient_to_e5m2_as_torchao():
+    """torchao's tensorwise recipe (a plain Float8LinearConfig()) and Transformer Engine's default HYBRID format cast
+    x and W to e4m3 and the output gradient dz to e5m2 (max 57344: range over precision, for gradients). The dgrad
+    dz·W and the wgrad dzᵀ·x equal dz written out by hand under 57344 / amax(|dz|), and differ from dz in e4m3."""
+    x, w, b, dy = _inputs(torch.float32)
+    kernels.linear(x, w, b, fp8_recipe="tensorwise").backward(dy)
+    dz = _through(dy, torch.float8_e5m2)
+    torch.testing.assert_close(x.grad.double(), dz @ _through(w, E4M3), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(w.grad.double(), dz.t() @ _through(x, E4M3), rtol=1e-5, atol=1e-5)
+    _, dx_e4m3, dw_e4m3 = _reference(x, w, b, dy, "tensorwise", grad_dtype=E4M3)
+    assert not torch.allclose(x.grad.double(), dx_e4m3, rtol=1e-3, atol=1e-3)
+    assert not torch.allclose(w.grad.double(), dw_e4m3, rtol=1e-3, atol=1e-3)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -89,7 +116,7 @@ def test_operands_reach_scaled_mm_in_the_layouts_cublaslt_takes(monkeypatch):
     calls, scaled_mm = [], torch._scaled_mm
 
     def checked(a, b, *, scale_a, scale_b, out_dtype):
-        calls.append(out_dtype)
+        calls.append((a.dtype, b.dtype))
         assert a.stride(1) == 1 and b.stride(0) == 1 and a.shape[1] % 16 == 0 and b.shape[1] % 16 == 0
         assert scale_a.dtype == scale_b.dtype == torch.float32
         assert (scale_a.shape, scale_b.shape) in (((), ()), ((a.shape[0], 1), (1, b.shape[1])))
@@ -99,7 +126,11 @@ def test_operands_reach_scaled_mm_in_the_layouts_cublaslt_takes(monkeypatch):
     for recipe in RECIPES:
         x, w, b, dy = _inputs(torch.bfloat16, tokens=32)  # (no padding, which would copy dzᵀ row-major)
         kernels.linear(x, w, b, activation="swiglu", fp8_recipe=recipe).backward(dy[:, :24])
-    assert len(calls) == 6
+        # forward x·Wᵀ, dgrad dz·W, wgrad dzᵀ·x: dz (the left operand) in the recipe's gradient float8, never
+        # e5m2 on both sides (cuBLASLt has no e5m2 x e5m2 GEMM)
+        grad = GRAD_DTYPE[recipe]
+        assert calls == [(E4M3, E4M3), (grad, E4M3), (grad, E4M3)], recipe
+        calls.clear()
 
 
 class _Traffic(TorchDispatchMode):
@@ -362,30 +393,49 @@ def test_an_fp8_job_trains_the_serial_fp8_curve_at_tp_2_pp_2_dp_2(tmp_path):
                                         "2x2x2": (8, ["--tp", "2", "--pp", "2", "--dp", "2"])})
 
 
-def test_the_fused_cast_writes_torchs_e4m3_bits():
-    """kernels.fp8_cast's one-pass cast (integer rounding on the fp32 bits, the same code on the GPU and under the
-    interpreter) against torch's cast on the CPU: every e4m3 value, the midpoints between neighbours (ties to even)
-    and their fp32 neighbours, subnormals, ±0 and 448 plus an fp32 rounding; per-row and per-column scales, both
-    layouts. On a GPU (TP_TEST_DEVICE=cuda: bench.gpu_check's kernels section) the kernel runs compiled."""
+def _check_the_fused_cast(dtype):
+    """kernels.fp8_cast's cast to `dtype` against torch's on the CPU: every finite value of dtype, the midpoints
+    between neighbours (ties to even) and their fp32 neighbours, subnormals, ±0, ±max and max plus an fp32 rounding,
+    random values over dtype's range; per-row and per-column scales, both layouts."""
     from kernels import fp8_cast
 
     device = "cuda" if os.environ.get("TRITON_INTERPRET") != "1" and torch.cuda.is_available() else "cpu"
-
-    values = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    top, tiny = torch.finfo(dtype).max, torch.finfo(dtype).smallest_normal
+    values = torch.arange(256, dtype=torch.uint8).view(dtype).float()
     values = values[values.isfinite()].unique()
     midpoints = (values[1:] + values[:-1]) / 2
     edges = [torch.nextafter(midpoints, torch.tensor(direction)) for direction in (1e9, -1e9)]
-    randoms = torch.randn(4000, generator=torch.Generator().manual_seed(0)) * torch.exp2(
-        torch.randint(-12, 9, (4000,), generator=torch.Generator().manual_seed(1)).float())
-    t = torch.cat([values, midpoints, *edges, randoms.clamp(-448, 448), torch.tensor([0.0, -0.0, 448.00003])])
+    exponents = torch.randint(int(math.log2(tiny)) - 6, math.ceil(math.log2(top)), (4000,),
+                              generator=torch.Generator().manual_seed(1))
+    randoms = torch.randn(4000, generator=torch.Generator().manual_seed(0)) * torch.exp2(exponents.float())
+    above = torch.nextafter(torch.tensor([top]), torch.tensor(math.inf))  # (an fp32 rounding over the max)
+    t = torch.cat([values, midpoints, *edges, randoms.clamp(-top, top), torch.tensor([0.0, -0.0]), above, -above])
     t = t[: t.numel() // 64 * 64].reshape(64, -1)
-    want = t.clamp(-448, 448).to(torch.float8_e4m3fn)
+    want = t.clamp(-top, top).to(dtype)
     for scale in (torch.tensor(1.0), torch.exp2(torch.arange(64.0) % 3 - 1)[:, None],
                   torch.exp2(torch.arange(t.shape[1]) % 2 - 1.0)[None, :]):  # (powers of 2: t / scale · scale is t)
         for column_major in (False, True):
-            got = fp8_cast.cast_to_e4m3((t / scale).to(device), scale.to(device), column_major=column_major)
-            assert got.dtype == torch.float8_e4m3fn and got.is_contiguous() != column_major
+            got = fp8_cast.cast_to_float8((t / scale).to(device), scale.to(device), dtype, column_major=column_major)
+            assert got.dtype == dtype and got.is_contiguous() != column_major
             assert torch.equal(got.view(torch.uint8).cpu(), want.view(torch.uint8))
+
+
+def test_the_fused_cast_writes_torchs_e4m3_bits():
+    """kernels.fp8_cast's one-pass cast (integer rounding on the fp32 bits, the same code on the GPU and under the
+    interpreter) against torch's cast on the CPU (_check_the_fused_cast). On a GPU (TP_TEST_DEVICE=cuda:
+    bench.gpu_check's kernels section) the kernel runs compiled."""
+    _check_the_fused_cast(E4M3)
+    from kernels import fp8_cast
+
+    t, scale = torch.randn(64, 32), torch.tensor(2.0)
+    assert torch.equal(fp8_cast.cast_to_e4m3(t, scale).view(torch.uint8),  # (the e4m3 name, kept)
+                       fp8_cast.cast_to_float8(t, scale, E4M3).view(torch.uint8))
+
+
+def test_the_fused_cast_writes_torchs_e5m2_bits():
+    """The same for e5m2 (tensorwise's output gradients): 2 mantissa bits, exponent bias 15, max 57344, subnormals
+    down to 2^-16."""
+    _check_the_fused_cast(E5M2)
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

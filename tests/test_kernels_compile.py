@@ -68,7 +68,7 @@ SWIGLU = "_swiglu_fwd_kernel"
 DGRAD = "_linear_dgrad_kernel"
 WGRAD = "_linear_wgrad_kernel"
 ACT_BWD = "_act_bwd_kernel"
-FP8_CAST = "fp8_cast:_cast_kernel"  # kernels.fp8_cast: the one-pass e4m3 cast (any GPU that runs fp8 GEMMs)
+FP8_CAST = "fp8_cast:_cast_kernel"  # kernels.fp8_cast: the one-pass e4m3 / e5m2 cast (any GPU with fp8 GEMMs)
 DROPOUT_ADD = "dropout_triton:_dropout_add_kernel"  # kernels.dropout_triton: counter-based dropout + residual add
 DROPOUT_GRAD = "dropout_triton:_dropout_grad_kernel"  # its backward with the bias gradient's partial sums
 ELEMENTWISE = (ACT_BWD, FP8_CAST, DROPOUT_ADD, DROPOUT_GRAD)  # no dot: no tensor-core check
@@ -113,7 +113,8 @@ SPECS = [
     _spec("act_bwd-gelu-bf16", ACT_BWD, "bf16", dict(ACTIVATION="gelu")),
     _spec("act_bwd-silu-fp16", ACT_BWD, "fp16", dict(ACTIVATION="silu")),
     _spec("act_bwd-swiglu-bf16", ACT_BWD, "bf16", dict(ACTIVATION="swiglu")),
-    _spec("fp8-cast-bf16", FP8_CAST, "bf16", {}),
+    _spec("fp8-cast-bf16", FP8_CAST, "bf16", dict(E5M2=False)),
+    _spec("fp8-cast-e5m2-bf16", FP8_CAST, "bf16", dict(E5M2=True)),  # (tensorwise's output gradients)
     _spec("dropout-add-bf16", DROPOUT_ADD, "bf16", dict(HAS_RESIDUAL=True, HAS_BIAS=True), meta=dict(BLOCK=1024)),
     _spec("dropout-grad-bf16", DROPOUT_GRAD, "bf16", {}, meta=dict(BLOCK=1024, CHUNK=64)),
     _spec("grouped-swiglu-bf16-allcfg", GROUPED, "bf16", dict(ACTIVATION="none", SWIGLU=True, SAVE_PREACT=True),

@@ -28,8 +28,9 @@ class TrainingConfig:
         metavar="{" + ",".join(PRECISIONS) + "}",  # (checked by validate, which says why fp16 is not)
         consts={"--bf16": "bf16"})
     fp8_recipe: str | None = option(
-        None, "the blocks' linears in float8 e4m3 with dynamic scales (torchao's recipes: one scale per tensor, or "
-              "per row and column); master weights, gradients and the rest in --precision (docs/fp8.md)",
+        None, "the blocks' linears in float8 with dynamic scales (torchao's recipes: tensorwise, one scale per tensor, "
+              "x and W in e4m3, output gradients in e5m2; rowwise, per row and column, all e4m3); master weights, "
+              "gradients and the rest in --precision (docs/fp8.md)",
         choices=FP8_RECIPES)
     clip_grad: float = option(1.0, "clip the global gradient norm (over tp, pp and dp) to C (0: no clipping); a "
                                    "non-finite norm skips the step", metavar="C")
