@@ -96,11 +96,6 @@ def to_float8(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch
     return (t * (scale if scale.dim() else scale.reshape(1))).to(dtype)  # ([1]: a 0-dim scale would not promote t)
 
 
-def to_e4m3(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """to_float8 to e4m3."""
-    return to_float8(t, scale, E4M3)
-
-
 def reducing_group(fp8: Fp8Scaling, contraction: str) -> dist.ProcessGroup | None:
     """The group to all-reduce a GEMM's amaxes over, or None when every rank's are already the serial ones."""
     if fp8.group is None or fp8.split is None or dist.get_world_size(fp8.group) == 1:
