@@ -218,6 +218,21 @@ def test_the_optimizer_state_of_a_ddp_model_and_state_it_cannot_reshard():
         tp.ShardedOptimizerState(model, adafactor).state_dict()
 
 
+def assert_resumes_at_tp_4(path, want):
+    """The model and AdamW state checkpointed at `path` (after 2 steps), loaded at tp 4 into a fresh model and
+    optimizer, take the third step to `want` (the weights after it, fp32 rounding)."""
+    tp.destroy_mesh(keep_groups=True)
+    tp.init_mesh(tp=4)
+    fresh = tp.parallelize(tiny("llama"))
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=0.5)  # (loaded over)
+    dcp.load({"model": tp.sharded_state_dict(fresh), "optim": tp.ShardedOptimizerState(fresh, fresh_optimizer)},
+             checkpoint_id=path)
+    adamw_steps(fresh, fresh_optimizer, 1, seed=13)
+    got = tp.full_state_dict(fresh)
+    for name, tensor in want.items():
+        torch.testing.assert_close(got[name], tensor, rtol=1e-5, atol=1e-5, msg=name)
+
+
 def pipeline_stage(model, stage):
     """`model` cut to pipeline stage `stage` of 2 as torchtitan cuts it: the other stage's modules gone, the kept
     layers under their own names (stage 0: the embedding and layer 0; stage 1: layer 1, the norm and the head)."""
@@ -249,17 +264,7 @@ def test_pipeline_stages_save_their_own_optimizer_state_into_one_checkpoint(tmp_
     unsplit_optimizer = torch.optim.AdamW(unsplit.parameters(), lr=1e-2, weight_decay=0.1)
     adamw_steps(unsplit, unsplit_optimizer, 3)
     want = tp.full_state_dict(unsplit)
-
-    tp.destroy_mesh(keep_groups=True)
-    tp.init_mesh(tp=4)
-    fresh = tp.parallelize(tiny("llama"))
-    fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=0.5)
-    dcp.load({"model": tp.sharded_state_dict(fresh), "optim": tp.ShardedOptimizerState(fresh, fresh_optimizer)},
-             checkpoint_id=tmp_path)
-    adamw_steps(fresh, fresh_optimizer, 1, seed=13)
-    got = tp.full_state_dict(fresh)
-    for name, tensor in want.items():
-        torch.testing.assert_close(got[name], tensor, rtol=1e-5, atol=1e-5, msg=name)
+    assert_resumes_at_tp_4(tmp_path, want)
 
 
 @distributed(world_size=4)
@@ -274,14 +279,4 @@ def test_fsdp2_optimizer_state_resumes_at_tp_4(tmp_path):
              checkpoint_id=tmp_path)
     adamw_steps(model, optimizer, 1, seed=13)
     want = tp.full_state_dict(model)
-
-    tp.destroy_mesh(keep_groups=True)
-    tp.init_mesh(tp=4)
-    fresh = tp.parallelize(tiny("llama"))
-    fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=0.5)
-    dcp.load({"model": tp.sharded_state_dict(fresh), "optim": tp.ShardedOptimizerState(fresh, fresh_optimizer)},
-             checkpoint_id=tmp_path)
-    adamw_steps(fresh, fresh_optimizer, 1, seed=13)
-    got = tp.full_state_dict(fresh)
-    for name, tensor in want.items():
-        torch.testing.assert_close(got[name], tensor, rtol=1e-5, atol=1e-5, msg=name)
+    assert_resumes_at_tp_4(tmp_path, want)
