@@ -241,7 +241,8 @@ def test_ids_beyond_the_vocabulary_and_a_missing_tokenizer_are_refused(tmp_path,
         data.prepare(job)
     with pytest.raises(ValueError, match=r"^--data .*big: a Megatron dataset of uint16 ids needs the vocabulary it "
                                          r"was tokenized with: give --tokenizer DIR \(a Hugging Face tokenizer "
-                                         r"directory, as save_pretrained writes\)$"):
+                                         r"directory, as save_pretrained writes\), or --tokenizer-type "
+                                         r"NullTokenizer --vocab-size N for ids below N$"):
         validate(_job("--data", str(tmp_path / "big")))
     _write(str(tmp_path / "fine"), [[1, 2, 3, 0]] * 30)
     fine = _job("--data", str(tmp_path / "fine"), "--tokenizer", tokenizer)
@@ -250,3 +251,32 @@ def test_ids_beyond_the_vocabulary_and_a_missing_tokenizer_are_refused(tmp_path,
     data.prepare(fine)
     _write(str(tmp_path / "bytes"), [list(b"some bytes\n\n")] * 30, np.uint8)  # uint8 ids: bytes, no tokenizer
     assert validate(_job("--data", str(tmp_path / "bytes"))).vocab_size == 256
+
+
+def test_megatrons_null_tokenizer_reads_pretokenized_ids_below_the_vocab_size(tmp_path, monkeypatch):
+    """Megatron's `--tokenizer-type NullTokenizer --vocab-size N`: token ids below N with no tokenizer, N the end of
+    document, the model's vocabulary N + 1 (padded for tp); ids past N refused; text (nothing to tokenize it with),
+    a tokenizer beside it and a missing --vocab-size are one line each."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    eod = 1000
+    docs = [list(np.random.default_rng(d).integers(0, 1000, 20)) + [eod] for d in range(40)]
+    _write(str(tmp_path / "ids"), docs, np.uint16)
+    null = ("--data", str(tmp_path / "ids"), "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000")
+    job = _job(*null, "--reset-attention-mask")
+    config = validate(job)
+    assert config.vocab_size >= 1001 and data.vocab_size(job) == 1001 and data.eod_id(job) == eod
+    data.prepare(job)  # every id <= 1000
+    _write(str(tmp_path / "over"), docs + [[1001, eod]], np.uint16)
+    with pytest.raises(ValueError, match=r"^--data .*over: token 840 is id 1001, outside the vocabulary of 1001 "
+                                         r"ids of --tokenizer-type NullTokenizer --vocab-size 1000$"):
+        data.prepare(_job("--data", str(tmp_path / "over"), *null[2:]))
+    (tmp_path / "text.txt").write_text("some text\n")
+    for flags, message in [
+            (("--data", str(tmp_path / "text.txt"), *null[2:]), r"^--tokenizer-type NullTokenizer reads token ids "
+             r"\(a Megatron \.bin/\.idx pair or a flat token file\), not --data .*text\.txt"),
+            (null[:4], r"^--tokenizer-type NullTokenizer needs --vocab-size N \(its ids are below N, N ends a "
+             r"document\)$"),
+            ((*null, "--tokenizer", str(tmp_path)), r"^--tokenizer-type NullTokenizer with --tokenizer .*: the one "
+             r"reads ids without a tokenizer, the other tokenizes: give one")]:
+        with pytest.raises(ValueError, match=message):
+            validate(_job(*flags))

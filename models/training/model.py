@@ -46,6 +46,8 @@ def gpt_config_from_job(job: JobConfig) -> GPTConfig:
     vocab_size = None if model.vocab_size else data.vocab_size(job)  # (preflight checks the data fit a given one)
     if vocab_size is not None:  # a tokenizer's (or a token file's) vocabulary; GPTConfig pads it for tp
         fields["vocab_size"] = vocab_size
+    elif job.data.tokenizer_type == "NullTokenizer":  # Megatron's: ids below --vocab-size N, and N ends a document
+        fields["vocab_size"] = model.vocab_size + 1
     fields["max_seq_len"] = max(fields.get("max_seq_len", job.training.seq_len), job.training.seq_len)
     return GPTConfig(**fields)
 

@@ -354,7 +354,8 @@ class Trainer:
     def finish(self, first_loss: float, last: dict) -> None:
         """The end of a run: the greedy sample (every rank), the plot of the log and the summary line (rank 0)."""
         job = self.job
-        sample = None if job.logging.no_sample else self.sample()
+        # (NullTokenizer ids have no text to prompt with: no sample)
+        sample = None if job.logging.no_sample or self.data.reading.null_vocab is not None else self.sample()
         if not self.rank0:
             return
         if sample is not None:

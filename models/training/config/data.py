@@ -5,6 +5,8 @@ import math
 
 from .fields import at_least, option
 
+TOKENIZER_TYPES = ("NullTokenizer", "HuggingFaceTokenizer")  # Megatron's --tokenizer-type values read here
+
 
 @dataclasses.dataclass
 class DataConfig:
@@ -21,7 +23,11 @@ class DataConfig:
     tokenizer: str | None = option(
         None, "a local Hugging Face tokenizer directory (AutoTokenizer): text is tokenized once, documents ended by "
               "its EOS; the model's vocabulary follows it (a Megatron dataset's ids are checked against it); "
-              "default: bytes", metavar="DIR", path=True)
+              "default: bytes", metavar="DIR", path=True, aliases=("--tokenizer-model",))
+    tokenizer_type: str | None = option(
+        None, "Megatron's: NullTokenizer reads pretokenized ids below --vocab-size N with no tokenizer (a Megatron "
+              ".bin/.idx pair or a flat token file), N the end of document, the model's vocabulary N + 1; "
+              "HuggingFaceTokenizer is --tokenizer's (the default when one is given)", choices=TOKENIZER_TYPES)
     column: str | None = option(None, "the JSON field or parquet/Arrow column to read (default: text; messages with "
                                       "--sft)", flag="data_column", metavar="NAME")
     sft: bool = option(False, "chat fine-tuning: rows of \"messages\" rendered by the tokenizer's chat template, only "

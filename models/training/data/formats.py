@@ -27,12 +27,14 @@ from .windows import CORPUS_MODULES, Tokens, corpus, corpus_text
 @dataclass(frozen=True)
 class Reading:
     """How every source of a run is read: its tokenizer directory (None: UTF-8 bytes), the column of rows, --sft,
-    the token cache's directory."""
+    the token cache's directory; `null_vocab`: N of Megatron's NullTokenizer (ids below N, N the end of document;
+    None: not one)."""
 
     tokenizer_dir: str | None
     column: str
     sft: bool
     cache_dir: str
+    null_vocab: int | None = None
 
     def tokenizer(self) -> Any:
         """The loaded tokenizer (once per directory), or None for bytes."""
@@ -169,10 +171,11 @@ class Indexed(Format):
     def check(self, reading):
         prefix = sources.prefix_of(self.path)
         index = indexed.read_index(prefix)
-        if reading.tokenizer_dir is None and index.dtype != np.uint8:
+        if reading.tokenizer_dir is None and reading.null_vocab is None and index.dtype != np.uint8:
             raise ValueError(f"--data {self.path}: a Megatron dataset of {index.dtype.name} ids needs the vocabulary "
                              "it was tokenized with: give --tokenizer DIR (a Hugging Face tokenizer directory, "
-                             "as save_pretrained writes)")
+                             "as save_pretrained writes), or --tokenizer-type NullTokenizer --vocab-size N for ids "
+                             "below N")
         if reading.sft:
             check_mask(prefix, index)
 

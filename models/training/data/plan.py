@@ -19,7 +19,7 @@ from ..launch import check_writable_dir
 from . import indexed, sources
 from .blend import Blend
 from .build import default_cache_dir
-from .formats import Format, Reading, check_mask, detect
+from .formats import FlatTokens, Format, Indexed, Reading, check_mask, detect
 from .sft import ChatWindows, check_template, pack
 from .tokenizer import has_tokenizer
 from .windows import HOLDOUT, VOCAB_SIZE, Tokens, split, split_sizes
@@ -72,6 +72,19 @@ class Opened:
     left_out: int = 0  # --sft: conversations longer than a window, of `documents`
 
 
+def _check_null_tokenizer(job: JobConfig) -> None:
+    """--tokenizer-type NullTokenizer's flags: --vocab-size N given (its ids), no tokenizer beside it."""
+    if job.data.tokenizer:
+        raise ValueError(f"--tokenizer-type NullTokenizer with --tokenizer {job.data.tokenizer}: the one reads ids "
+                         "without a tokenizer, the other tokenizes: give one")
+    if job.checkpoint.use_checkpoint_args:
+        raise ValueError("--tokenizer-type NullTokenizer with --use-checkpoint-args: give the model's flags and "
+                         "--vocab-size N instead (the checkpoint keeps the padded vocabulary, not N)")
+    if job.model.vocab_size is None:
+        raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size N (its ids are below N, N ends a "
+                         "document)")
+
+
 @dataclass(frozen=True)
 class DataPlan:
     """A job's data, resolved (DataPlan.of). `tokenizer_given` says where the tokenizer came from, for messages."""
@@ -89,13 +102,19 @@ class DataPlan:
         """The plan of a job: its --data blend (the bundled corpus without one), each source's format found, and
         its tokenizer: --tokenizer, else a --from-hf directory's own when it has one, else None (bytes)."""
         data, from_hf, training = job.data, job.model.from_hf, job.training
-        tokenizer, given = None, None
-        if data.tokenizer:
+        tokenizer, given, null_vocab = None, None, None
+        if data.tokenizer_type == "NullTokenizer":
+            _check_null_tokenizer(job)
+            null_vocab = job.model.vocab_size
+            given = f"--tokenizer-type NullTokenizer --vocab-size {null_vocab}"
+        elif data.tokenizer:
             tokenizer, given = data.tokenizer, f"--tokenizer {data.tokenizer}"
+        elif data.tokenizer_type == "HuggingFaceTokenizer":
+            raise ValueError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer DIR (--tokenizer-model)")
         elif from_hf and os.path.isdir(from_hf) and has_tokenizer(from_hf):
             tokenizer, given = from_hf, f"the tokenizer of --from-hf {from_hf}"
         column = data.column or (sources.SFT_COLUMN if data.sft else sources.DEFAULT_COLUMN)
-        reading = Reading(tokenizer, column, data.sft, data.cache_dir or default_cache_dir())
+        reading = Reading(tokenizer, column, data.sft, data.cache_dir or default_cache_dir(), null_vocab)
         return cls(tuple(Source(path, weight) for weight, path in data.blend()), reading, given,
                    training.seq_len, training.global_batch_size, training.seed, training.steps)
 
@@ -107,6 +126,8 @@ class DataPlan:
         """The vocabulary the data's ids need: the tokenizer's (and a source's own, if larger), a source's own, 256
         for bytes; None for the bundled corpus as bytes (the model keeps its own)."""
         own = [s.format.vocabulary() for s in self.sources if s.format.vocabulary() is not None]
+        if self.reading.null_vocab is not None:  # (ids below N, and N itself: the end of document)
+            return max([self.reading.null_vocab + 1, *own])
         if self.reading.tokenizer_dir:
             return max([self.reading.tokenizer_vocab(), *own])
         if all(s.path is None for s in self.sources):
@@ -118,6 +139,8 @@ class DataPlan:
         name their own vocabulary agree on (a flat token file's `eos_id`); None for bytes (blank lines)."""
         if self.reading.tokenizer_dir is not None:
             return self.reading.tokenizer().eos_token_id
+        if self.reading.null_vocab is not None:
+            return self.reading.null_vocab
         named = [s.format.eod_id() for s in self.sources if s.format.vocabulary() is not None]
         return named[0] if named and all(n == named[0] for n in named) else None
 
@@ -127,6 +150,11 @@ class DataPlan:
         """The --data/--tokenizer/--sft checks that read no more than headers, schemas and the start of a text file
         (one line naming the bad value); the token cache writable where a source is tokenized into it."""
         reading = self.reading
+        for source in self.sources if reading.null_vocab is not None else ():
+            if not isinstance(source.format, (Indexed, FlatTokens)):
+                raise ValueError("--tokenizer-type NullTokenizer reads token ids (a Megatron .bin/.idx pair or a flat "
+                                 f"token file), not --data {source.path or '(the bundled corpus)'}: text needs "
+                                 "--tokenizer DIR")
         if reading.tokenizer_dir:
             tokenizer = reading.tokenizer()
             if reading.sft:
@@ -147,7 +175,7 @@ class DataPlan:
             if source.format.vocabulary() == needed:
                 raise ValueError(f"--data {source.path} has vocab_size={needed} in its sidecar, more than the "
                                  f"model's vocab_size={model_vocab}")
-        if self.reading.tokenizer_dir:
+        if self.reading.tokenizer_dir or self.reading.null_vocab is not None:
             raise ValueError(f"{self.tokenizer_given} has {needed} tokens, more than the model's "
                              f"vocab_size={model_vocab}")
         raise ValueError(f"vocab_size={model_vocab} cannot hold the {VOCAB_SIZE} byte tokens")
@@ -179,7 +207,7 @@ class DataPlan:
         marker = os.path.join(self.reading.cache_dir, "checked", hashlib.sha256(key.encode()).hexdigest()[:16])
         if os.path.isfile(marker):
             return
-        step, tokenizer = 1 << 24, self.reading.tokenizer_dir
+        step = 1 << 24
         for start in range(0, len(tokens), step):
             chunk = np.asarray(tokens[start:start + step])
             low, high = int(chunk.min()), int(chunk.max())
@@ -187,7 +215,7 @@ class DataPlan:
                 bad = low if low < 0 else high
                 where = start + int(np.flatnonzero(chunk == bad)[0])
                 raise ValueError(f"--data {token_file}: token {where} is id {bad}, outside the vocabulary of "
-                                 f"{vocab} ids{f' of --tokenizer {tokenizer}' if tokenizer else ''}")
+                                 f"{vocab} ids{f' of {self.tokenizer_given}' if self.tokenizer_given else ''}")
         try:
             os.makedirs(os.path.dirname(marker), exist_ok=True)
             open(marker, "w").close()
