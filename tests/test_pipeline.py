@@ -506,13 +506,13 @@ def test_stages_whose_runners_would_move_other_buffers_are_refused_on_every_stag
 def test_a_stage_input_without_a_gradient_and_a_one_element_loss():
     """The gradient a stage sends back is None when its output ignored `hidden`: that, not a shape, is named. A loss
     of shape [1] is the micro-batch's loss (as autograd takes it)."""
-    from tp.pipeline.runner import _check_loss, check_sent
+    from tp.pipeline.checks import check_loss, check_sent
     from tp.pipeline.schedules import Message
 
     with pytest.raises(ValueError, match=r"^pipeline stage 2's backward gave its input `hidden` no gradient for "
                                          r"micro-batch 3: its output does not depend on it \(detached or unused\)$"):
         check_sent(Message("grad", 1, 3), None, ((8, 2, 4), torch.float32, (2, 8)))
-    assert _check_loss(torch.ones(1), 0).shape == ()
+    assert check_loss(torch.ones(1), 0).shape == ()
 
 
 @distributed(world_size=2)

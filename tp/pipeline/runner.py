@@ -27,8 +27,6 @@ returns:
   post-backward (reduce-scatter) runs once, as torch.distributed.pipelining does.
 """
 import contextlib
-import itertools
-import math
 import time
 import warnings
 from collections.abc import Sequence
@@ -42,10 +40,10 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import record_function
 
 from ..collectives import irecv, isend
-from ..default_group import collective_device
 from ..host_syncs import host_values
 from ..mesh import Mesh
 from . import schedules
+from .checks import activation_dtype_of, buffer_code, check_loss, check_sent, dtype_name, stage_device
 from .wgrad import defer_wgrad
 
 # one micro-batch: (tokens [b, s], targets [b, s]), or with a dict of [b, s] (per token) or [b] (per sample) tensors
@@ -76,60 +74,6 @@ def tune_kernels(module: nn.Module, tokens: int) -> int:
     sequence); how many linears launched (0 on the torch backend)."""
     seen: set = set()
     return sum(m.tune_kernels(tokens, seen) for m in module.modules() if hasattr(m, "tune_kernels"))
-
-
-def _activation_dtype(stage):
-    """The stage's first floating parameter's (else buffer's) dtype, else torch's default (a stage holding none)."""
-    tensors = itertools.chain(stage.parameters(), stage.buffers())
-    return next((t.dtype for t in tensors if t.is_floating_point()), torch.get_default_dtype())
-
-
-def _stage_device(stage):
-    """Where the stage's first parameter (else buffer) lives, else the collectives' device (a stage holding none)."""
-    first = next(itertools.chain(stage.parameters(), stage.buffers()), None)
-    return first.device if first is not None else collective_device()
-
-
-_DTYPE_CODES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2)
-
-
-def _buffer_code(shape, dtype):
-    """The p2p buffers' shape and dtype as numbers, for the stages to compare in their first all-reduce."""
-    dims = [*shape[:8], *[0] * (8 - len(shape[:8]))]
-    return [_DTYPE_CODES.index(dtype) if dtype in _DTYPE_CODES else 99, len(shape), math.prod(shape), *dims]
-
-
-def _dtype_name(dtype):
-    return str(dtype).removeprefix("torch.")
-
-
-def check_sent(message: schedules.Message, tensor, buffer: tuple | None) -> None:
-    """One line if `tensor` is not one tensor, or (`buffer`: (shape, dtype, batch shape) of the receiving side's
-    buffer, which the runners agreed on) not what that buffer holds: the receiver would read its bytes as that."""
-    if message.kind == "grad" and tensor is None:
-        raise ValueError(f"pipeline stage {message.stage + 1}'s backward gave its input `hidden` no gradient for "
-                         f"micro-batch {message.micro}: its output does not depend on it (detached or unused)")
-    sent = f"pipeline stage {message.stage - 1}'s output for micro-batch {message.micro}"  # (the receiver's - 1)
-    if not torch.is_tensor(tensor):
-        raise ValueError(f"{sent} is {'None' if tensor is None else 'a ' + type(tensor).__name__}; the runner moves "
-                         "one tensor")
-    if buffer is None or (tuple(tensor.shape), tensor.dtype) == buffer[:2]:
-        return
-    (shape, dtype, batch_shape), hint = buffer, ""
-    if tensor.dtype != dtype:
-        hint = " (PipelineRunner(activation_dtype=) sets it: under autocast, the autocast dtype)"
-    raise ValueError(f"{sent} is a {_dtype_name(tensor.dtype)} tensor of shape {tuple(tensor.shape)}; the runner "
-                     f"moves activation_shape{batch_shape} = {shape} in {_dtype_name(dtype)}{hint}")
-
-
-def _check_loss(out, micro):
-    """The last stage's output as a 0-d tensor, if it is the micro-batch's loss (one element: backward starts
-    from it)."""
-    if not (torch.is_tensor(out) and out.numel() == 1):
-        shape = tuple(out.shape) if torch.is_tensor(out) else type(out).__name__
-        raise ValueError(f"the last pipeline stage returned shape {shape} for micro-batch {micro}: it returns the "
-                         "micro-batch's mean loss (a 0-d tensor)")
-    return out.reshape(())
 
 
 def _param_groups(fsdp_state):
@@ -254,13 +198,13 @@ class PipelineRunner:
         self.shape = tuple(self.stage.activation_shape(micro_batch_size, seq_len))  # what p2p carries
         self.batch_shape = (micro_batch_size, seq_len)
         # what p2p carries: given (bf16 activations of fp32 parameters under autocast), else the parameters'
-        self.dtype = activation_dtype or _activation_dtype(self.stage)
+        self.dtype = activation_dtype or activation_dtype_of(self.stage)
         self._plans, self._pairs = {}, {}  # (name, m) -> Schedule; Schedule -> its link order (pair_order)
         self._tuned = False
         self._warned_nothing_deferred = False
 
     def _device(self):
-        return _stage_device(self.stage)
+        return stage_device(self.stage)
 
     def _expected(self, name, t):
         """(what, shape): [micro_batch_size, seq_len], or [micro_batch_size] for a 1-D input (per sample)."""
@@ -280,7 +224,7 @@ class PipelineRunner:
             if problem:
                 raise ValueError(problem)
             return
-        agreed = [len(batches), *_buffer_code(self.shape, self.dtype)]  # (the same on every stage, or refused)
+        agreed = [len(batches), *buffer_code(self.shape, self.dtype)]  # (the same on every stage, or refused)
         flags = torch.tensor([problem is not None, *agreed, *(-v for v in agreed)], dtype=torch.float64, device="cpu")
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.mesh.pp_group)  # (the host's numbers, over gloo)
         bad, *values = host_values(flags)
@@ -290,7 +234,7 @@ class PipelineRunner:
                              f"{most:.0f}")
         if highest != [-v for v in lowest]:
             raise ValueError(f"the pipeline stages' runners disagree on the activations they move (this one: "
-                             f"activation_shape{self.batch_shape} = {self.shape} in {_dtype_name(self.dtype)}): each "
+                             f"activation_shape{self.batch_shape} = {self.shape} in {dtype_name(self.dtype)}): each "
                              "stage's activation_shape() and activation dtype (its first floating parameter's, or "
                              "activation_dtype=) must agree")
         if bad:
@@ -362,7 +306,7 @@ class PipelineRunner:
                         out = chunk(tokens if s == 0 else None, targets if s == last_stage else None, hidden=x,
                                     **batch_inputs(batches[k]))
                     if s == last_stage:
-                        out = _check_loss(out, k) / m  # the mean over micro-batches, as the un-pipelined batch mean
+                        out = check_loss(out, k) / m  # the mean over micro-batches, as the un-pipelined batch mean
                         total = 0.0 if stats.mean_loss is None else stats.mean_loss  # (a new tensor: out stays)
                         stats.mean_loss = total + out.detach()  # (summed on the device: no host sync)
                     alive[c, k] = x, out
@@ -449,7 +393,7 @@ class PipelineRunner:
                     out = stage(batch[0] if s == 0 else None, batch[1] if s == last_stage else None, hidden=x,
                                 **batch_inputs(batch))
                     if s == last_stage:
-                        total += _check_loss(out, action.micro).double()
+                        total += check_loss(out, action.micro).double()
                     for message, dst in plan.sends(rank, action):
                         links.send(message, dst, out)
             links.finish()
