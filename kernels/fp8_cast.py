@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .fp8 import FLOAT8
 from .opaque import opaque_under_compile
 from .rms_norm import launch_device
 from .triton_ops import LAUNCHES
@@ -58,9 +59,6 @@ def _cast_kernel(t_ptr, scale_ptr, out_ptr, M, N, stride_tm, stride_tn, stride_s
     scale = tl.load(scale_ptr + rows * stride_sm + cols * stride_sn, mask=mask, other=0.0)  # (stride 0: broadcast)
     bits = _e5m2_bits(t * scale) if E5M2 else _e4m3_bits(t * scale)
     tl.store(out_ptr + rows * stride_om + cols * stride_on, bits, mask=mask)
-
-
-FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 @opaque_under_compile("fp8_cast")

@@ -43,11 +43,12 @@ def gpt_config_from_job(job: JobConfig) -> GPTConfig:
 
         return config_from_hf(transformers.AutoConfig.from_pretrained(model.from_hf), **runtime, **overrides)
     fields = MODELS[model.preset or DEFAULT_MODEL] | overrides | runtime
-    vocab_size = None if model.vocab_size else data.vocab_size(job)  # (preflight checks the data fit a given one)
+    # a given --vocab-size is the model's (preflight checks the data fit it), except NullTokenizer's N: the data's
+    # N + 1 ids then (N ends a document, as Megatron's)
+    null = job.data.tokenizer_type == "NullTokenizer"
+    vocab_size = data.vocab_size(job) if null or not model.vocab_size else None
     if vocab_size is not None:  # a tokenizer's (or a token file's) vocabulary; GPTConfig pads it for tp
         fields["vocab_size"] = vocab_size
-    elif job.data.tokenizer_type == "NullTokenizer":  # Megatron's: ids below --vocab-size N, and N ends a document
-        fields["vocab_size"] = model.vocab_size + 1
     fields["max_seq_len"] = max(fields.get("max_seq_len", job.training.seq_len), job.training.seq_len)
     return GPTConfig(**fields)
 
