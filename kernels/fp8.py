@@ -28,7 +28,6 @@ from . import torch_ops
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
 E4M3_MAX = torch.finfo(E4M3).max
-FLOAT8 = (E4M3, E5M2)
 AMAX_FLOOR = 1e-12  # torchao's EPS: an all-zero operand gets a finite scale
 MULTIPLE = 16  # torch._scaled_mm (cuBLASLt): the contraction dim and the right operand's columns multiples of 16
 OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

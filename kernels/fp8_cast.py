@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8 import FLOAT8
+from .dtypes import FLOAT8
 from .opaque import opaque_under_compile
 from .rms_norm import launch_device
 from .triton_ops import LAUNCHES

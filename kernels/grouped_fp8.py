@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from . import fp8 as fp8_ops
 from . import torch_ops
+from .dtypes import FLOAT8
 from .fp8 import Fp8Operand, Fp8Scaling, all_reduce_max, matmul_scaled_by, operand_amaxes, reducing_group
 from .opaque import opaque_under_compile
 
@@ -98,7 +99,7 @@ def _eager_wgrad(dz, x, counts, fp8, main_grad, fused_cast, out_dtype):
 def _split(t8: Fp8Operand, counts, fused_cast):
     """A kept cast's groups as Fp8Operands, each with its scale; kept in its own dtype (an x its producer keeps: see
     kernels.linear.KEPT_BY_PRODUCER), each group cast again to e4m3 under its scale (the same bits)."""
-    if t8.data.dtype in fp8_ops.FLOAT8:
+    if t8.data.dtype in FLOAT8:
         return [Fp8Operand(rows, scale, t8.dtype) for rows, scale in zip(_rows(t8.data, counts), t8.scale)]
     return [fp8_ops.cast_kept(rows, scale, fused_cast=fused_cast) for rows, scale in zip(_rows(t8.data, counts),
                                                                                           t8.scale)]
